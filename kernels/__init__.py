@@ -1,0 +1,1 @@
+"""CUDA kernel sources and their CuPy launchers; each kernel has a NumPy twin in services/engine."""

@@ -1,0 +1,105 @@
+"""Draft trees from a block drafter's per-position distributions (DDTree), and walking them after verify.
+
+A tree is a list of nodes in topological order under an implicit root (the last committed-but-unverified
+token). Node i has a token, a parent (-1 = the root) and a depth (1 = first drafted position).
+"""
+
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass
+class DraftTree:
+    tokens: np.ndarray      # (N,) int64
+    parents: np.ndarray     # (N,) int64, -1 = root, else an earlier node index
+    depths: np.ndarray      # (N,) int64, 1-based
+    logw: np.ndarray        # (N,) cumulative draft log-probability of the path to the node
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def verify_batch(self, root_token: int) -> tuple[np.ndarray, np.ndarray]:
+        """Tokens and parents of the target pass: the root at index 0, node i at index i + 1."""
+        tokens = np.concatenate([[root_token], self.tokens]).astype(np.int64)
+        parents = np.concatenate([[-1], np.where(self.parents < 0, 0, self.parents + 1)]).astype(np.int64)
+        return tokens, parents
+
+    def children(self) -> list[dict[int, int]]:
+        """For each verify-batch index, {token: child's verify-batch index}."""
+        kids: list[dict[int, int]] = [dict() for _ in range(len(self) + 1)]
+        for i, (t, p) in enumerate(zip(self.tokens, self.parents)):
+            kids[0 if p < 0 else p + 1][int(t)] = i + 1
+        return kids
+
+
+def topk_logprobs(logits: np.ndarray, k: int, temperature: float = 1.0) -> tuple[np.ndarray, np.ndarray]:
+    """Per row: the k best token ids and their log-probabilities (log-softmax at `temperature`), best first."""
+    z = logits.astype(np.float64) / max(temperature, 1e-6)
+    z -= z.max(axis=-1, keepdims=True)
+    logp = z - np.log(np.exp(z).sum(axis=-1, keepdims=True))
+    k = min(k, logits.shape[-1])
+    ids = np.argpartition(-logp, k - 1, axis=-1)[:, :k]
+    part = np.take_along_axis(logp, ids, axis=-1)
+    # stable order: higher log-prob first, lower id on ties (argmax agreement with greedy decoding)
+    order = np.lexsort((ids, -part), axis=-1)
+    return np.take_along_axis(ids, order, -1).astype(np.int64), np.take_along_axis(part, order, -1)
+
+
+def build_chain(top_ids: np.ndarray, top_logp: np.ndarray, length: int) -> DraftTree:
+    n = min(length, len(top_ids))
+    return DraftTree(tokens=top_ids[:n, 0].copy(), parents=np.arange(-1, n - 1), depths=np.arange(1, n + 1),
+                     logw=np.cumsum(top_logp[:n, 0]))
+
+
+def build_ddtree(top_ids: np.ndarray, top_logp: np.ndarray, budget: int, chain_seed: bool = True) -> DraftTree:
+    """Best-first tree by cumulative draft log-probability with `budget` non-root nodes.
+
+    top_ids/top_logp: (L, K) per drafted position, best first. With `chain_seed` the top-1 chain is
+    inserted first (it rescues deep chains that pure best-first would cut), then the heap fills the rest.
+    Heap entries are (logw, depth, rank, parent): node candidates not yet taken.
+    """
+    L, K = top_ids.shape
+    tokens: list[int] = []
+    parents: list[int] = []
+    depths: list[int] = []
+    logws: list[float] = []
+    heap: list[tuple[float, int, int, int, int]] = []
+    counter = 0
+
+    def push(logw: float, depth: int, rank: int, parent: int) -> None:
+        nonlocal counter
+        heapq.heappush(heap, (-logw, counter, depth, rank, parent))
+        counter += 1
+
+    def add(depth: int, rank: int, parent: int, logw: float) -> int:
+        tokens.append(int(top_ids[depth - 1, rank]))
+        parents.append(parent)
+        depths.append(depth)
+        logws.append(logw)
+        return len(tokens) - 1
+
+    if budget <= 0 or L == 0:
+        return DraftTree(np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros(0))
+    if chain_seed:
+        prev, logw = -1, 0.0
+        for d in range(1, min(L, budget) + 1):
+            if K > 1:
+                push(logw + top_logp[d - 1, 1], d, 1, prev)
+            logw += float(top_logp[d - 1, 0])
+            prev = add(d, 0, prev, logw)
+    else:
+        push(float(top_logp[0, 0]), 1, 0, -1)
+    while heap and len(tokens) < budget:
+        neg, _, depth, rank, parent = heapq.heappop(heap)
+        logw = -neg
+        node = add(depth, rank, parent, logw)
+        if rank + 1 < K:
+            push(logw - top_logp[depth - 1, rank] + top_logp[depth - 1, rank + 1], depth, rank + 1, parent)
+        if depth < L:
+            push(logw + top_logp[depth, 0], depth + 1, 0, node)
+    return DraftTree(np.array(tokens, np.int64), np.array(parents, np.int64), np.array(depths, np.int64),
+                     np.array(logws))

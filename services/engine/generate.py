@@ -1,0 +1,114 @@
+"""Plain autoregressive generation: prefill in chunks, then one token per target pass."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from .errors import ContextOverflowError, InvalidRequestError
+from .models.base import TargetModel
+from .sampling import SamplingParams, make_rng, sample
+from .state import SequenceState
+
+PREFILL_CHUNK = 512
+
+
+@dataclass
+class GenerationResult:
+    token_ids: list[int] = field(default_factory=list)
+    finish_reason: str = "length"          # "stop" (EOS / stop id) or "length"
+    prompt_tokens: int = 0
+    prompt_ms: float = 0.0
+    decode_ms: float = 0.0
+    spec: dict | None = None               # filled by speculative decoding
+
+    def timings(self) -> dict:
+        n = len(self.token_ids)
+        return {
+            "prompt_n": self.prompt_tokens,
+            "prompt_ms": round(self.prompt_ms, 3),
+            "prompt_per_second": round(self.prompt_tokens / (self.prompt_ms / 1e3), 3) if self.prompt_ms else 0.0,
+            "predicted_n": n,
+            "predicted_ms": round(self.decode_ms, 3),
+            "predicted_per_second": round(n / (self.decode_ms / 1e3), 3) if self.decode_ms else 0.0,
+        }
+
+
+def check_request(model: TargetModel, prompt_ids: Sequence[int], max_tokens: int, max_ctx: int) -> None:
+    if len(prompt_ids) == 0:
+        raise InvalidRequestError("the prompt is empty", param="prompt")
+    if max_tokens < 1:
+        raise InvalidRequestError("max_tokens must be at least 1", param="max_tokens")
+    bad = [t for t in prompt_ids if not 0 <= int(t) < model.cfg.n_vocab]
+    if bad:
+        raise InvalidRequestError(f"prompt token id {bad[0]} outside the vocabulary (0..{model.cfg.n_vocab - 1})",
+                                  param="prompt")
+    if len(prompt_ids) >= max_ctx:
+        raise ContextOverflowError(len(prompt_ids) + 1, max_ctx)
+
+
+def prefill(model: TargetModel, state: SequenceState, prompt_ids: Sequence[int],
+            capture: Sequence[int] = (), chunk: int = PREFILL_CHUNK):
+    """Commit the prompt in chunks; returns the last position's logits and the captured layer outputs."""
+    ids = np.asarray(prompt_ids, dtype=np.int64)
+    feats = []
+    logits = None
+    for s in range(0, len(ids), chunk):
+        part = ids[s:s + chunk]
+        last = s + chunk >= len(ids)
+        res = model.forward(state, part, capture=capture, logits="last" if last else "none")
+        state.commit(range(len(part)))
+        if res.captured is not None:
+            feats.append(res.captured)
+        if last:
+            logits = res.logits[-1]
+    return logits, (np.concatenate(feats, axis=0) if feats else None)
+
+
+def generate_stream(model: TargetModel, prompt_ids: Sequence[int], max_tokens: int,
+                    params: SamplingParams = SamplingParams(), stop_ids: Sequence[int] = (),
+                    max_ctx: int | None = None, result: GenerationResult | None = None,
+                    ) -> Iterator[list[int]]:
+    """Yield generated token ids as they are decided; `result` (if given) holds the totals at the end.
+
+    A stop id ends generation and is included as the last token (callers strip it from text).
+    """
+    params.validate()
+    max_ctx = max_ctx or model.cfg.context_length
+    check_request(model, prompt_ids, max_tokens, max_ctx)
+    res = result if result is not None else GenerationResult()
+    res.prompt_tokens = len(prompt_ids)
+    stop = set(int(s) for s in stop_ids)
+    rng = make_rng(params.seed)
+    state = model.new_state(min(max_ctx, len(prompt_ids) + max_tokens))
+
+    t0 = time.perf_counter()
+    logits, _ = prefill(model, state, prompt_ids)
+    res.prompt_ms = (time.perf_counter() - t0) * 1e3
+    t1 = time.perf_counter()
+    while True:
+        tok = sample(logits, params, rng)
+        res.token_ids.append(tok)
+        yield [tok]
+        if tok in stop:
+            res.finish_reason = "stop"
+            break
+        if len(res.token_ids) >= max_tokens or state.n_past + 1 > state.max_ctx:
+            res.finish_reason = "length"
+            break
+        out = model.forward(state, [tok], logits="last")
+        state.commit([0])
+        logits = out.logits[-1]
+    res.decode_ms = (time.perf_counter() - t1) * 1e3
+
+
+def generate(model: TargetModel, prompt_ids: Sequence[int], max_tokens: int,
+             params: SamplingParams = SamplingParams(), stop_ids: Sequence[int] = (),
+             max_ctx: int | None = None) -> GenerationResult:
+    res = GenerationResult()
+    for _ in generate_stream(model, prompt_ids, max_tokens, params, stop_ids, max_ctx, res):
+        pass
+    return res

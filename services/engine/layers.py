@@ -1,0 +1,194 @@
+"""Building blocks shared by the model files: norms, RoPE, masked attention, SwiGLU, Gated DeltaNet.
+
+All functions are plain float32 NumPy on one sequence (no batch axis); they are the reference the GPU
+kernels are checked against.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+def rms_norm(x: np.ndarray, w: np.ndarray | None, eps: float) -> np.ndarray:
+    """RMSNorm over the last axis; `w` is the plain multiplicative weight (GGUF convention)."""
+    y = x * (1.0 / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps))
+    return y * w if w is not None else y
+
+
+def l2_norm(x: np.ndarray, eps: float) -> np.ndarray:
+    # FLA / HF convention: x * rsqrt(sum(x^2) + eps)
+    return x * (1.0 / np.sqrt(np.sum(x * x, axis=-1, keepdims=True) + eps))
+
+
+def silu(x: np.ndarray) -> np.ndarray:
+    return x / (1.0 + np.exp(-x))
+
+
+def sigmoid(x: np.ndarray) -> np.ndarray:
+    return 1.0 / (1.0 + np.exp(-x))
+
+
+def softplus(x: np.ndarray) -> np.ndarray:
+    return np.logaddexp(0.0, x).astype(x.dtype)
+
+
+def rope_neox(x: np.ndarray, positions: np.ndarray, n_rot: int, theta: float) -> np.ndarray:
+    """NeoX (half-split) rotary embedding on the first `n_rot` dims of each head.
+
+    x: (T, H, D); positions: (T,). Dims past n_rot pass through (partial rotary, as in Qwen3.5).
+    """
+    half = n_rot // 2
+    inv_freq = 1.0 / (theta ** (np.arange(0, n_rot, 2, dtype=np.float32) / n_rot))
+    ang = positions.astype(np.float32)[:, None] * inv_freq[None, :]          # (T, half)
+    cos = np.cos(ang)[:, None, :]
+    sin = np.sin(ang)[:, None, :]
+    x1 = x[..., :half]
+    x2 = x[..., half:n_rot]
+    out = x.copy()
+    out[..., :half] = x1 * cos - x2 * sin
+    out[..., half:n_rot] = x2 * cos + x1 * sin
+    return out
+
+
+def ancestor_matrix(parents: np.ndarray) -> np.ndarray:
+    """A[i, j] = True when new token j is token i or one of its ancestors (parents[i] < i, -1 = none)."""
+    T = len(parents)
+    if T and np.array_equal(parents, np.arange(-1, T - 1)):
+        return np.tril(np.ones((T, T), dtype=bool))
+    a = np.zeros((T, T), dtype=bool)
+    for i, p in enumerate(parents):
+        if p >= 0:
+            a[i] = a[p]
+        a[i, i] = True
+    return a
+
+
+def masked_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, visible: np.ndarray) -> np.ndarray:
+    """Grouped-query attention of T queries over S keys.
+
+    q: (T, H, D); k, v: (S, Hkv, D); visible: (T, S) bool. Query head h reads KV head h // (H / Hkv).
+    Returns (T, H, D).
+    """
+    T, H, D = q.shape
+    Hkv = k.shape[1]
+    g = H // Hkv
+    qh = q.reshape(T, Hkv, g, D).transpose(1, 2, 0, 3)                       # (Hkv, g, T, D)
+    kh = k.transpose(1, 0, 2)                                                # (Hkv, S, D)
+    vh = v.transpose(1, 0, 2)
+    scores = np.einsum("kgtd,ksd->kgts", qh, kh) * np.float32(1.0 / np.sqrt(D))
+    scores = np.where(visible[None, None], scores, np.float32(-np.inf))
+    scores -= scores.max(axis=-1, keepdims=True)
+    p = np.exp(scores)
+    p /= p.sum(axis=-1, keepdims=True)
+    out = np.einsum("kgts,ksd->kgtd", p, vh)                                 # (Hkv, g, T, D)
+    return out.transpose(2, 0, 1, 3).reshape(T, H, D).astype(np.float32)
+
+
+def swiglu(x: np.ndarray, w_gate: np.ndarray, w_up: np.ndarray, w_down: np.ndarray, linear) -> np.ndarray:
+    return linear(silu(linear(x, w_gate)) * linear(x, w_up), w_down)
+
+
+# ---------------------------------------------------------------------------------------------
+# Gated DeltaNet
+
+
+def conv_window_ids(parents: np.ndarray, width: int) -> np.ndarray:
+    """For each new token, the rows of [committed window (width-1 rows) ; new raw rows] its causal conv reads.
+
+    The window follows the parent chain, so a tree token convolves over its own ancestors; when the chain
+    reaches the committed context the remaining taps come from the committed window (oldest row first).
+    """
+    T = len(parents)
+    base = width - 1
+    if np.array_equal(parents, np.arange(-1, T - 1)):
+        return (np.arange(T)[:, None] + np.arange(width)[None, :]).astype(np.int64)
+    ids = np.empty((T, width), dtype=np.int64)
+    for t in range(T):
+        chain = []
+        cur = t
+        while len(chain) < width and cur >= 0:
+            chain.append(base + cur)
+            cur = int(parents[cur])
+        c = base - 1
+        while len(chain) < width:
+            chain.append(c)
+            c -= 1
+        ids[t] = chain[::-1]
+    return ids
+
+
+def causal_conv(window: np.ndarray, raw: np.ndarray, w: np.ndarray, ids: np.ndarray) -> np.ndarray:
+    """Depthwise causal conv + SiLU. window: (K-1, C) committed raw rows; raw: (T, C); w: (C, K)."""
+    buf = np.concatenate([window, raw], axis=0)
+    taps = buf[ids]                                                          # (T, K, C)
+    return silu(np.einsum("tkc,ck->tc", taps, w))
+
+
+def gated_delta_rule_tree(q, k, v, g, beta, s0, parents):
+    """Token-by-token gated delta rule where token t starts from its parent's state.
+
+    q, k: (T, H, dk) normalised (q already scaled), v: (T, H, dv), g, beta: (T, H), s0: (H, dk, dv).
+    Returns outputs (T, H, dv) and the state after every token (T, H, dk, dv): the rollback checkpoints.
+    """
+    T, H, dk = k.shape
+    dv = v.shape[-1]
+    out = np.empty((T, H, dv), dtype=np.float32)
+    states = np.empty((T, H, dk, dv), dtype=np.float32)
+    alpha = np.exp(g)
+    for t in range(T):
+        p = int(parents[t])
+        s = (s0 if p < 0 else states[p]) * alpha[t][:, None, None]
+        kv = np.einsum("hkv,hk->hv", s, k[t])
+        delta = beta[t][:, None] * (v[t] - kv)
+        s = s + k[t][:, :, None] * delta[:, None, :]
+        states[t] = s
+        out[t] = np.einsum("hkv,hk->hv", s, q[t])
+    return out, states
+
+
+def gated_delta_rule_chunked(q, k, v, g, beta, s0, chunk: int = 64):
+    """Chunked (WY) form of the gated delta rule for prefill: same outputs as the token loop, final state only.
+
+    Shapes as in `gated_delta_rule_tree` (a linear chain). Returns (out (T, H, dv), final state (H, dk, dv)).
+    """
+    T, H, dk = k.shape
+    dv = v.shape[-1]
+    n_chunks = -(-T // chunk)
+    pad = n_chunks * chunk - T
+
+    def padded(a):
+        if pad == 0:
+            return a
+        return np.concatenate([a, np.zeros((pad,) + a.shape[1:], dtype=a.dtype)], axis=0)
+
+    # (H, N, C, ...) layout; padded tokens have g = 0 and beta = 0, so they leave the state untouched.
+    qc = padded(q).reshape(n_chunks, chunk, H, dk).transpose(2, 0, 1, 3)
+    kc = padded(k).reshape(n_chunks, chunk, H, dk).transpose(2, 0, 1, 3)
+    vc = padded(v).reshape(n_chunks, chunk, H, dv).transpose(2, 0, 1, 3)
+    gc = padded(g).reshape(n_chunks, chunk, H).transpose(2, 0, 1).astype(np.float64)
+    bc = padded(beta).reshape(n_chunks, chunk, H).transpose(2, 0, 1)
+
+    gam = np.cumsum(gc, axis=-1)                                             # (H, N, C)
+    diff = gam[..., :, None] - gam[..., None, :]
+    lower_incl = np.tril(np.ones((chunk, chunk), dtype=bool))
+    decay = np.where(lower_incl, np.exp(np.where(lower_incl, diff, 0.0)), 0.0).astype(np.float32)
+    eg = np.exp(gam).astype(np.float32)
+    eg_last = np.exp(gam[..., -1:] - gam).astype(np.float32)                 # exp(gamma_C - gamma_i)
+    g_last = np.exp(gam[..., -1]).astype(np.float32)                         # (H, N)
+
+    kk = np.einsum("hnid,hnjd->hnij", kc * bc[..., None], kc)
+    L = np.tril(kk * decay, k=-1)
+    eye = np.eye(chunk, dtype=np.float32)
+    Tm = np.linalg.inv(eye + L).astype(np.float32)                            # unit lower triangular
+    U = Tm @ (vc * bc[..., None])                                            # (H, N, C, dv)
+    W = Tm @ (kc * (bc * eg)[..., None])                                     # (H, N, C, dk)
+    qk = np.einsum("hnid,hnjd->hnij", qc, kc) * decay                        # incl. diagonal
+
+    out = np.empty((H, n_chunks, chunk, dv), dtype=np.float32)
+    s = s0.astype(np.float32).copy()
+    for n in range(n_chunks):
+        v_new = U[:, n] - W[:, n] @ s
+        out[:, n] = (qc[:, n] * eg[:, n, :, None]) @ s + qk[:, n] @ v_new
+        s = g_last[:, n, None, None] * s + np.einsum("hcd,hce->hde", kc[:, n] * eg_last[:, n, :, None], v_new)
+    out = out.transpose(1, 2, 0, 3).reshape(n_chunks * chunk, H, dv)[:T]
+    return out, s

@@ -1,0 +1,89 @@
+"""Load a target model (GGUF file or Hugging Face folder) with its tokenizer and chat template."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import numpy as np
+
+from .backend import NumpyBackend
+from .chat_template import DEFAULT_CHATML_TEMPLATE, ChatTemplate
+from .config import ModelConfig, config_from_gguf
+from .errors import ModelFormatError
+from .formats import ModelFile, open_model_file
+from .models import arch_from_hf_config, arch_module, model_class
+from .models.base import TargetModel
+from .models.hf_names import hf_text_config
+from .tokenizer import Tokenizer
+
+
+@dataclass
+class LoadedTarget:
+    path: str
+    cfg: ModelConfig
+    model: TargetModel
+    tokenizer: Tokenizer | None
+    chat_template: ChatTemplate | None
+    file: ModelFile
+
+    @property
+    def name(self) -> str:
+        return self.cfg.name or os.path.basename(os.path.normpath(self.path))
+
+
+def hf_checkpoint(mf: ModelFile) -> tuple[ModelConfig, dict[str, np.ndarray]]:
+    """Config and llama.cpp-convention tensors of a Hugging Face folder (also what the converter writes)."""
+    if not mf.metadata:
+        raise ModelFormatError(mf.path, "a config.json beside the safetensors weights", "none")
+    arch = arch_from_hf_config(mf.metadata, mf.path)
+    mod = arch_module(arch)
+    cfg = mod.config_from_hf(hf_text_config(mf.metadata))
+    cfg.name = os.path.basename(os.path.normpath(mf.path))
+    tensors = mod.tensors_from_hf(cfg, {n: t.dequantize() for n, t in mf.tensors.items()})
+    return cfg, tensors
+
+
+def config_of(mf: ModelFile) -> ModelConfig:
+    if mf.kind == "gguf":
+        emb = mf.tensors.get("token_embd.weight")
+        return config_from_gguf(mf.metadata, n_vocab=emb.shape[0] if emb is not None else None, path=mf.path)
+    return hf_checkpoint(mf)[0]
+
+
+def load_target(path: str, backend: NumpyBackend | None = None, with_tokenizer: bool = True) -> LoadedTarget:
+    mf = open_model_file(path)
+    if mf.kind == "gguf":
+        emb = mf.tensors.get("token_embd.weight")
+        cfg = config_from_gguf(mf.metadata, n_vocab=emb.shape[0] if emb is not None else None, path=mf.path)
+        arch_module(cfg.arch)
+        tensors = mf.tensors
+    else:
+        cfg, tensors = hf_checkpoint(mf)
+    model = model_class(cfg.arch)(cfg, tensors, backend, source=mf.path)
+    tok, tmpl = None, None
+    if with_tokenizer:
+        tok = _tokenizer_of(mf)
+        if tok is not None:
+            tmpl = ChatTemplate(tok.chat_template or DEFAULT_CHATML_TEMPLATE,
+                                bos_token=tok.id_to_token(tok.bos_id) if tok.bos_id is not None else "",
+                                eos_token=_eos_text(tok))
+    return LoadedTarget(path=path, cfg=cfg, model=model, tokenizer=tok, chat_template=tmpl, file=mf)
+
+
+def _tokenizer_of(mf: ModelFile) -> Tokenizer | None:
+    if mf.kind == "gguf":
+        if "tokenizer.ggml.tokens" not in mf.metadata:
+            return None
+        return Tokenizer.from_gguf_metadata(mf.metadata, path=mf.path)
+    folder = mf.path if os.path.isdir(mf.path) else os.path.dirname(mf.path)
+    if os.path.exists(os.path.join(folder, "tokenizer.json")):
+        return Tokenizer.from_hf_folder(folder)
+    return None
+
+
+def _eos_text(tok: Tokenizer) -> str:
+    for s in ("<|im_end|>", "<|endoftext|>"):
+        if tok.token_to_id(s) is not None:
+            return s
+    return ""

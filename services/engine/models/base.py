@@ -1,0 +1,140 @@
+"""What every target model shares: the forward driver over a token tree, capture of layer outputs, logits.
+
+An architecture file supplies its blocks (`_block`) and how to read its weights; the driver handles
+positions, the ancestor mask, pending state and which rows get logits.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..backend import NumpyBackend, default_backend
+from ..config import ModelConfig
+from ..errors import ModelFormatError
+from ..formats import RawTensor
+from ..layers import ancestor_matrix, masked_attention, rms_norm
+from ..state import PendingStep, SequenceState
+
+
+@dataclass
+class ForwardResult:
+    logits: np.ndarray | None          # (rows, n_vocab) float32 for the requested rows
+    logit_rows: np.ndarray             # which of the T tokens the logits rows belong to
+    captured: np.ndarray | None        # (T, len(capture), n_embd): outputs of the captured layers
+
+
+@dataclass
+class StepContext:
+    """Per-forward values every block needs."""
+
+    state: SequenceState
+    pending: PendingStep
+    positions: np.ndarray
+    parents: np.ndarray
+    visible: np.ndarray                # (T, n_past + T) attention visibility
+    is_chain: bool
+    checkpoints: bool
+
+
+class TargetModel:
+    arch = ""
+
+    def __init__(self, cfg: ModelConfig, tensors: Mapping[str, RawTensor | np.ndarray],
+                 backend: NumpyBackend | None = None, source: str = "<model>"):
+        self.cfg = cfg
+        self.be = backend or default_backend()
+        self.source = source
+        self._tensors = tensors
+        self.tok_embd = self.be.embedding(self._need("token_embd.weight"))
+        self.output_norm = self.be.weight(self._need("output_norm.weight"))
+        out = tensors.get("output.weight")
+        self.output = self.be.weight(out if out is not None else self._need("token_embd.weight"))
+        self.layers = [self._load_layer(i) for i in range(cfg.n_layer)]
+        self._tensors = None  # the backend holds what it needs now
+
+    # -- weights ------------------------------------------------------------------------------
+    def _need(self, name: str):
+        t = self._tensors.get(name)
+        if t is None:
+            raise ModelFormatError(self.source, f"tensor '{name}' ({self.arch})",
+                                   f"it missing ({len(self._tensors)} tensors in the file)")
+        return t
+
+    def _w(self, name: str):
+        return self.be.weight(self._need(name))
+
+    def _load_layer(self, i: int) -> dict:
+        raise NotImplementedError
+
+    # -- inference ----------------------------------------------------------------------------
+    def new_state(self, max_ctx: int | None = None) -> SequenceState:
+        return SequenceState.allocate(self.cfg, max_ctx or self.cfg.context_length)
+
+    def forward(self, state: SequenceState, tokens: Sequence[int], parents: Sequence[int] | None = None,
+                capture: Sequence[int] = (), checkpoints: bool = False,
+                logits: str = "all") -> ForwardResult:
+        """Run T new tokens after the committed context.
+
+        parents[i] is the index of token i's parent among the new tokens (-1: the committed context), so a
+        chain is [-1, 0, 1, ...] and a draft tree is any topologically ordered parent list. Token i sits at
+        position n_past + depth(i) and attends to the committed context plus its own ancestors. With
+        `checkpoints` every recurrent layer keeps its state after each token, so any root-to-node path can
+        be committed; a chain without checkpoints can only be committed whole (prefill, plain decode).
+        logits: "all", "last" or "none".
+        """
+        tokens = np.asarray(tokens, dtype=np.int64)
+        T = len(tokens)
+        if T == 0:
+            raise ValueError("forward() needs at least one token")
+        if tokens.min() < 0 or tokens.max() >= self.cfg.n_vocab:
+            raise ValueError(f"token id out of range [0, {self.cfg.n_vocab})")
+        chain = np.arange(-1, T - 1)
+        par = chain if parents is None else np.asarray(parents, dtype=np.int64)
+        if len(par) != T or np.any(par >= np.arange(T)) or np.any(par < -1):
+            raise ValueError("parents must be topologically ordered: -1 <= parents[i] < i")
+        is_chain = bool(np.array_equal(par, chain))
+        state.check_room(T)
+        depth = np.zeros(T, dtype=np.int64)
+        for i in range(T):
+            depth[i] = 0 if par[i] < 0 else depth[par[i]] + 1
+        anc = ancestor_matrix(par)
+        visible = np.concatenate([np.ones((T, state.n_past), dtype=bool), anc], axis=1)
+        pending = PendingStep(n_tokens=T, parents=par, ssm_per_token=checkpoints or not is_chain)
+        ctx = StepContext(state=state, pending=pending, positions=state.n_past + depth, parents=par,
+                          visible=visible, is_chain=is_chain, checkpoints=pending.ssm_per_token)
+
+        capture = list(capture)
+        for lid in capture:
+            if not 0 <= lid < self.cfg.n_layer:
+                raise ValueError(f"capture layer {lid} outside the model's {self.cfg.n_layer} layers")
+        captured = np.empty((T, len(capture), self.cfg.n_embd), np.float32) if capture else None
+
+        x = self.be.embed(self.tok_embd, tokens)
+        for i, layer in enumerate(self.layers):
+            x = self._block(i, layer, x, ctx)
+            for slot, lid in enumerate(capture):
+                if lid == i:
+                    captured[:, slot] = x
+        state.pending = pending
+
+        rows = {"all": np.arange(T), "last": np.array([T - 1]), "none": np.array([], dtype=np.int64)}[logits]
+        out = None
+        if len(rows):
+            h = rms_norm(x[rows], self.output_norm, self.cfg.rms_eps)
+            out = self.be.linear(h, self.output)
+        return ForwardResult(logits=out, logit_rows=rows, captured=captured)
+
+    def _block(self, i: int, layer: dict, x: np.ndarray, ctx: StepContext) -> np.ndarray:
+        raise NotImplementedError
+
+    # -- shared block pieces -------------------------------------------------------------------
+    def _kv_attention(self, i: int, q: np.ndarray, k: np.ndarray, v: np.ndarray, ctx: StepContext):
+        """Write this step's K/V rows after the committed ones and attend over context + ancestors."""
+        st = ctx.state
+        n0, T = st.n_past, q.shape[0]
+        st.kv_k[i][n0:n0 + T] = k
+        st.kv_v[i][n0:n0 + T] = v
+        return masked_attention(q, st.kv_k[i][:n0 + T], st.kv_v[i][:n0 + T], ctx.visible)

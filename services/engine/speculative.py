@@ -1,0 +1,261 @@
+"""Lossless speculative decoding: draft a block, build a chain or DDTree, verify it in one target pass,
+accept along the tree, commit the accepted branch without a second pass.
+
+Acceptance draws every committed token from the target's own (processed) distribution at its node: the
+tree only decides how many of those draws one target pass can serve. So greedy output equals plain greedy
+output, and sampled output is distributed exactly as plain sampling (with the same generator it is even
+the same sequence, up to float rounding between batched and single-token logits).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import numpy as np
+
+from .ddtree import DraftTree, build_chain, build_ddtree, topk_logprobs
+from .errors import SpecsplitError
+from .generate import GenerationResult, check_request, prefill
+from .models.base import TargetModel
+from .sampling import SamplingParams, make_rng, sample
+
+TREE_TOPK = 8
+
+
+class DrafterUnavailableError(SpecsplitError):
+    """The drafter could not answer (process gone, timeout); the request continues with plain decoding."""
+
+
+class Proposer(Protocol):
+    """Anything that drafts a block: an in-process DFlash drafter, or a client of a remote drafter service."""
+
+    block_size: int
+    target_layer_ids: list[int]
+
+    def propose(self, new_features: np.ndarray | None, last_token: int, start: int,
+                k: int) -> tuple[np.ndarray, np.ndarray]:
+        """Append the committed tokens' features, draft the block after `last_token` (at position `start`).
+
+        Returns per drafted position (block_size - 1 rows) the top-k token ids and log-probabilities.
+        """
+        ...
+
+    def close(self) -> None: ...
+
+
+class LocalProposer:
+    """A DFlash drafter in this process, with its per-request context cache."""
+
+    def __init__(self, drafter):
+        self.drafter = drafter
+        self.session = drafter.new_session()
+        self.block_size = drafter.block_size
+        self.target_layer_ids = list(drafter.target_layer_ids)
+
+    def propose(self, new_features, last_token, start, k):
+        logits = self.drafter.draft(self.session, new_features, int(last_token), int(start))
+        return topk_logprobs(logits, k)
+
+    def close(self) -> None:
+        self.session = None
+
+
+@dataclass(frozen=True)
+class SpecConfig:
+    budget: int | None = 22          # DDTree non-root nodes; None = chain of block_size - 1
+    chain_seed: bool = True
+
+    @property
+    def chain(self) -> bool:
+        return self.budget is None
+
+
+@dataclass
+class StepInfo:
+    """One draft/verify/accept round, for traces and metrics."""
+
+    index: int
+    budget: int
+    tree_size: int
+    accepted: int                    # drafted tokens accepted (the bonus token not counted)
+    draft_ms: float
+    verify_ms: float
+    accept_ms: float
+
+
+@dataclass
+class SpecStats:
+    block_size: int = 16
+    budget: int | None = None
+    steps: int = 0
+    draft_tokens: int = 0
+    accepted: int = 0
+    per_position: list[int] = field(default_factory=list)   # accepted count at depth 1, 2, ...
+    histogram: list[int] = field(default_factory=list)      # steps that committed 1, 2, ... tokens
+    draft_ms: float = 0.0
+    verify_ms: float = 0.0
+    accept_ms: float = 0.0
+    fallback: bool = False
+    fallback_reason: str = ""
+
+    def __post_init__(self):
+        self.per_position = [0] * (self.block_size - 1)
+        self.histogram = [0] * self.block_size
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        """Tokens committed per verify pass, counting the bonus token (vLLM / SGLang convention)."""
+        return (self.accepted + self.steps) / self.steps if self.steps else 0.0
+
+    def record(self, info: StepInfo) -> None:
+        self.steps += 1
+        self.draft_tokens += info.tree_size
+        self.accepted += info.accepted
+        for d in range(info.accepted):
+            self.per_position[d] += 1
+        self.histogram[min(info.accepted, len(self.histogram) - 1)] += 1
+        self.draft_ms += info.draft_ms
+        self.verify_ms += info.verify_ms
+        self.accept_ms += info.accept_ms
+
+    def as_dict(self) -> dict:
+        return {
+            "mode": "chain" if self.budget is None else "ddtree",
+            "budget": self.budget,
+            "steps": self.steps,
+            "draft_tokens": self.draft_tokens,
+            "accepted": self.accepted,
+            "mean_acceptance_length": round(self.mean_acceptance_length, 4),
+            "per_position": self.per_position,
+            "histogram": self.histogram,
+            "draft_ms": round(self.draft_ms, 3),
+            "verify_ms": round(self.verify_ms, 3),
+            "accept_ms": round(self.accept_ms, 3),
+            "fallback": self.fallback,
+            **({"fallback_reason": self.fallback_reason} if self.fallback else {}),
+        }
+
+
+def walk_tree(tree: DraftTree, logits: np.ndarray, params: SamplingParams,
+              rng: np.random.Generator) -> tuple[list[int], int]:
+    """Follow the target through the verified tree.
+
+    At each node draw the next token from the target's distribution there (argmax when greedy); descend
+    while the draw is a child. Returns the accepted verify-batch indices (root first) and the bonus token.
+    """
+    kids = tree.children()
+    path = [0]
+    while True:
+        tok = sample(logits[path[-1]], params, rng)
+        nxt = kids[path[-1]].get(tok)
+        if nxt is None:
+            return path, tok
+        path.append(nxt)
+
+
+def speculative_stream(target: TargetModel, proposer: Proposer | None, prompt_ids: Sequence[int],
+                       max_tokens: int, params: SamplingParams = SamplingParams(),
+                       spec: SpecConfig = SpecConfig(), stop_ids: Sequence[int] = (),
+                       max_ctx: int | None = None, result: GenerationResult | None = None,
+                       on_step: Callable[[StepInfo], None] | None = None) -> Iterator[list[int]]:
+    """Yield the committed tokens of each round. Falls back to plain decoding if the drafter fails."""
+    params.validate()
+    max_ctx = max_ctx or target.cfg.context_length
+    check_request(target, prompt_ids, max_tokens, max_ctx)
+    res = result if result is not None else GenerationResult()
+    res.prompt_tokens = len(prompt_ids)
+    block = proposer.block_size if proposer is not None else 16
+    stats = SpecStats(block_size=block, budget=spec.budget)
+    res.spec = stats.as_dict()
+    stop = {int(s) for s in stop_ids}
+    rng = make_rng(params.seed)
+    depth = block - 1
+    budget_cap = depth if spec.chain else spec.budget
+    state = target.new_state(min(max_ctx, len(prompt_ids) + max_tokens + budget_cap + 1))
+    layer_ids = list(proposer.target_layer_ids) if proposer is not None else []
+
+    t0 = time.perf_counter()
+    logits, feats = prefill(target, state, prompt_ids, capture=layer_ids)
+    res.prompt_ms = (time.perf_counter() - t0) * 1e3
+    t1 = time.perf_counter()
+
+    def emit(tokens: list[int]) -> tuple[list[int], bool]:
+        """Append tokens to the result up to a stop id or max_tokens; report whether generation ended."""
+        out = []
+        for t in tokens:
+            out.append(int(t))
+            res.token_ids.append(int(t))
+            if t in stop:
+                res.finish_reason = "stop"
+                return out, True
+            if len(res.token_ids) >= max_tokens:
+                res.finish_reason = "length"
+                return out, True
+        return out, False
+
+    root = sample(logits, params, rng)
+    chunk, done = emit([root])
+    yield chunk
+    step = 0
+    while not done:
+        room = state.max_ctx - state.n_past - 1            # tree nodes that still fit after the root
+        if room < 0:
+            res.finish_reason = "length"
+            break
+        top = None
+        if proposer is not None and room > 0:
+            td = time.perf_counter()
+            try:
+                k = 1 if spec.chain or spec.budget <= depth else TREE_TOPK
+                top = proposer.propose(feats, root, state.n_past, k)
+            except DrafterUnavailableError as e:
+                stats.fallback, stats.fallback_reason = True, str(e)
+                proposer = None
+            draft_ms = (time.perf_counter() - td) * 1e3
+        if top is None:                                     # plain decoding step
+            out = target.forward(state, [root], logits="last")
+            state.commit([0])
+            root = sample(out.logits[-1], params, rng)
+            chunk, done = emit([root])
+            yield chunk
+            continue
+
+        top_ids, top_logp = top
+        if spec.chain:
+            tree = build_chain(top_ids, top_logp, min(depth, room))
+        else:
+            tree = build_ddtree(top_ids, top_logp, min(spec.budget, room), spec.chain_seed)
+        tokens, parents = tree.verify_batch(root)
+        tv = time.perf_counter()
+        out = target.forward(state, tokens, parents, capture=layer_ids, checkpoints=True, logits="all")
+        ta = time.perf_counter()
+        path, bonus = walk_tree(tree, out.logits, params, rng)
+        state.commit(path)
+        feats = out.captured[path] if out.captured is not None else None
+        accept_ms = (time.perf_counter() - ta) * 1e3
+        info = StepInfo(index=step, budget=budget_cap, tree_size=len(tree), accepted=len(path) - 1,
+                        draft_ms=draft_ms, verify_ms=(ta - tv) * 1e3, accept_ms=accept_ms)
+        stats.record(info)
+        step += 1
+        if on_step is not None:
+            on_step(info)
+        chunk, done = emit([int(tokens[i]) for i in path[1:]] + [bonus])
+        root = bonus
+        yield chunk
+    res.decode_ms = (time.perf_counter() - t1) * 1e3
+    res.spec = stats.as_dict()
+    if proposer is not None:
+        proposer.close()
+
+
+def speculative_generate(target: TargetModel, proposer: Proposer | None, prompt_ids: Sequence[int],
+                         max_tokens: int, params: SamplingParams = SamplingParams(),
+                         spec: SpecConfig = SpecConfig(), stop_ids: Sequence[int] = (),
+                         max_ctx: int | None = None) -> GenerationResult:
+    res = GenerationResult()
+    for _ in speculative_stream(target, proposer, prompt_ids, max_tokens, params, spec, stop_ids, max_ctx, res):
+        pass
+    return res

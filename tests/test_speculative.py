@@ -1,0 +1,121 @@
+"""Speculative decoding is lossless: greedy output equals plain greedy, rollback equals plain decode state."""
+
+import numpy as np
+import pytest
+
+from services.engine.convert import convert_hf_to_gguf
+from services.engine.ddtree import build_ddtree, topk_logprobs
+from services.engine.generate import GenerationResult, generate, prefill
+from services.engine.loader import load_target
+from services.engine.sampling import SamplingParams
+from services.engine.speculative import SpecConfig, speculative_stream, walk_tree
+from tests.hf_models import make_hf_model
+from tests.spec_helpers import TrackingProposer, perturbed_copy
+
+
+def rel_err(a, b):
+    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
+
+
+BUDGETS = [None, 1, 2, 7, 15, 16, 22, 40, 64]
+
+
+@pytest.fixture(scope="module", params=["qwen3", "qwen35"])
+def target_path(request, tmp_path_factory):
+    folder = tmp_path_factory.mktemp(request.param)
+    make_hf_model(request.param, folder / "hf", seed=3, num_hidden_layers=4)
+    convert_hf_to_gguf(str(folder / "hf"), str(folder / "t.gguf"), "f32")
+    return str(folder / "t.gguf")
+
+
+def spec_run(target, draft, prompt, n, budget, params=SamplingParams(), stop=(), block=16):
+    res = GenerationResult()
+    prop = TrackingProposer(draft, prompt, res, block_size=block)
+    for _ in speculative_stream(target, prop, prompt, n, params, SpecConfig(budget=budget), stop, result=res):
+        pass
+    return res
+
+
+@pytest.mark.parametrize("budget", BUDGETS)
+def test_greedy_spec_equals_plain(target_path, budget):
+    target = load_target(target_path, with_tokenizer=False).model
+    draft = perturbed_copy(target_path, 0.05, seed=1)
+    rng = np.random.default_rng(budget or 0)
+    for plen in (1, 5, 17):
+        prompt = rng.integers(0, 320, plen).tolist()
+        plain = generate(target, prompt, 40).token_ids
+        res = spec_run(target, draft, prompt, 40, budget)
+        assert res.token_ids == plain
+        assert res.spec["steps"] > 0
+        # a stop id inside an accepted block, and max_tokens landing mid-block
+        stop_tok = plain[len(plain) // 2]
+        cut = plain[: plain.index(stop_tok) + 1]
+        assert spec_run(target, draft, prompt, 40, budget, stop=[stop_tok]).token_ids == cut
+        assert spec_run(target, draft, prompt, 13, budget).token_ids == plain[:13]
+
+
+def test_perfect_drafter_is_fully_accepted(target_path):
+    target = load_target(target_path, with_tokenizer=False).model
+    prompt = [1, 2, 3, 4]
+    res = spec_run(target, target, prompt, 46, None)    # the target drafting for itself
+    assert res.token_ids == generate(target, prompt, 46).token_ids
+    assert res.spec["mean_acceptance_length"] == pytest.approx(16.0, rel=0.01)
+    assert res.spec["per_position"][-1] == res.spec["steps"]
+
+
+def test_rollback_equals_plain_decode_state(target_path):
+    target = load_target(target_path, with_tokenizer=False).model
+    draft = perturbed_copy(target_path, 0.3, seed=2)
+    prompt = list(range(5, 14))
+    state = target.new_state(128)
+    logits, _ = prefill(target, state, prompt)
+    root = int(np.argmax(logits))
+    from tests.spec_helpers import ModelProposer
+
+    prop = ModelProposer(draft)
+    prop.known = prompt + [root]
+    top = prop.propose(None, root, state.n_past, 4)
+    tree = build_ddtree(*top, budget=24)
+    tokens, parents = tree.verify_batch(root)
+    out = target.forward(state, tokens, parents, checkpoints=True)
+    # commit a deep branch that is not the top-1 spine when there is one
+    leaf = int(np.argmax(tree.depths * 100 - np.arange(len(tree))))
+    path = [leaf + 1]
+    while parents[path[0]] >= 0:
+        path.insert(0, int(parents[path[0]]))
+    state.commit(path)
+
+    ref = target.new_state(128)
+    prefill(target, ref, prompt + [int(tokens[i]) for i in path])
+    assert state.n_past == ref.n_past
+    # equal to float32 rounding (the tree pass and the chunked prefill round differently)
+    for i in state.ssm:
+        assert rel_err(state.ssm[i], ref.ssm[i]) < 1e-5
+        assert rel_err(state.conv[i], ref.conv[i]) < 1e-5
+    n = ref.n_past
+    for i in state.kv_k:
+        assert rel_err(state.kv_k[i][:n], ref.kv_k[i][:n]) < 1e-5
+        assert rel_err(state.kv_v[i][:n], ref.kv_v[i][:n]) < 1e-5
+    # and the walk over a verified tree only follows existing children
+    p, bonus = walk_tree(tree, out.logits, SamplingParams(), np.random.default_rng(0))
+    assert p[0] == 0 and all(parents[b] == a for a, b in zip(p, p[1:]))
+
+
+def test_ddtree_shape():
+    rng = np.random.default_rng(0)
+    logits = rng.standard_normal((15, 50)) * 3
+    ids, logp = topk_logprobs(logits, 8)
+    for budget in (1, 5, 15, 22, 64):
+        t = build_ddtree(ids, logp, budget)
+        assert len(t) == min(budget, 15 * 8)
+        assert np.all(t.parents < np.arange(len(t)))
+        # the top-1 chain is seeded first
+        n = min(budget, 15)
+        assert t.tokens[:n].tolist() == ids[:n, 0].tolist()
+        # best-first: every non-chain node's weight is no better than its parent's
+        for i in range(len(t)):
+            if t.parents[i] >= 0:
+                assert t.logw[i] <= t.logw[t.parents[i]] + 1e-12
+        # no duplicate children under one parent
+        seen = set(zip(t.parents.tolist(), t.tokens.tolist()))
+        assert len(seen) == len(t)
