@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import argparse
+import importlib
+import importlib.util
 import json
 import sys
 import time
 
-from .engine.errors import SpecsplitError
+from .engine.errors import InvalidRequestError, SpecsplitError
 
 
 def _ids(text: str) -> list[int]:
@@ -46,9 +48,20 @@ def cmd_generate(args: argparse.Namespace) -> int:
             text = args.prompt
         prompt_ids = tok.encode(text)
     params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-                            min_p=args.min_p, seed=args.seed)
+                            min_p=args.min_p, seed=args.seed).validate()
+    if args.draft and not args.chain and not 1 <= args.budget <= 64:
+        raise InvalidRequestError("--budget must be between 1 and 64", param="budget")
     stop = sorted(tok.eos_ids) if tok is not None and not args.ignore_eos else []
-    res = generate(target.model, prompt_ids, args.max_tokens, params, stop_ids=stop, max_ctx=args.max_ctx)
+    if args.draft:
+        from .engine.models.dflash import load_drafter
+        from .engine.speculative import LocalProposer, SpecConfig, speculative_generate
+
+        proposer = LocalProposer(load_drafter(args.draft, target.model))
+        spec = SpecConfig(budget=None if args.chain else args.budget)
+        res = speculative_generate(target.model, proposer, prompt_ids, args.max_tokens, params, spec,
+                                   stop_ids=stop, max_ctx=args.max_ctx)
+    else:
+        res = generate(target.model, prompt_ids, args.max_tokens, params, stop_ids=stop, max_ctx=args.max_ctx)
     out_ids = res.token_ids
     text_ids = out_ids[:-1] if res.finish_reason == "stop" else out_ids
     text = tok.decode(text_ids) if tok is not None else None
@@ -62,8 +75,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
     else:
         print(text if text is not None else " ".join(map(str, out_ids)))
         t = res.timings()
+        extra = (f", mean acceptance length {res.spec['mean_acceptance_length']:.2f}"
+                 if res.spec is not None else "")
         print(f"[{t['prompt_n']} prompt tokens, {t['predicted_n']} generated, "
-              f"{t['predicted_per_second']:.1f} tok/s]", file=sys.stderr)
+              f"{t['predicted_per_second']:.1f} tok/s{extra}]", file=sys.stderr)
     return 0
 
 
@@ -90,6 +105,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--max-ctx", type=int, default=None, help="context size (default: the model's)")
     g.add_argument("--ignore-eos", action="store_true")
     g.add_argument("--json", action="store_true", help="print one JSON object")
+    g.add_argument("--draft", help="DFlash drafter (z-lab safetensors folder or GGUF): speculative decoding")
+    tree = g.add_mutually_exclusive_group()
+    tree.add_argument("--budget", type=int, default=22, help="DDTree budget: non-root tree nodes, 1..64 (default 22)")
+    tree.add_argument("--chain", action="store_true", help="verify the drafter's top-1 block as a chain")
     _add_sampling(g)
     g.set_defaults(func=cmd_generate)
 
@@ -98,7 +117,14 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("out")
     c.add_argument("--outtype", default="f16", choices=["f32", "f16", "bf16", "q8_0", "q4_0"])
     c.set_defaults(func=cmd_convert)
+    for module in _SERVICE_CLIS:
+        importlib.import_module(module).register(sub)
     return ap
+
+
+# Each service package adds its own sub-commands (gateway, verifier, drafter, serve).
+_SERVICE_CLIS = [m for m in ("services.drafter.cli", "services.verifier.cli", "services.gateway.cli", "services.serve")
+                 if importlib.util.find_spec(m) is not None]
 
 
 def main(argv: list[str] | None = None) -> int:

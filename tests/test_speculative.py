@@ -119,3 +119,20 @@ def test_ddtree_shape():
         # no duplicate children under one parent
         seen = set(zip(t.parents.tolist(), t.tokens.tolist()))
         assert len(seen) == len(t)
+
+
+@pytest.mark.parametrize("budget", BUDGETS)
+def test_greedy_spec_with_dflash_drafter_equals_plain(tiny_pair, budget):
+    from services.engine.models.dflash import load_drafter
+    from services.engine.speculative import LocalProposer, speculative_generate
+
+    _, gguf, drafter_dir = tiny_pair
+    target = load_target(gguf, with_tokenizer=False).model
+    drafter = load_drafter(drafter_dir, target)
+    rng = np.random.default_rng(100 + (budget or 0))
+    for plen in (1, 9, 30):
+        prompt = rng.integers(0, target.cfg.n_vocab, plen).tolist()
+        plain = generate(target, prompt, 24).token_ids
+        res = speculative_generate(target, LocalProposer(drafter), prompt, 24, spec=SpecConfig(budget=budget))
+        assert res.token_ids == plain
+        assert res.spec["steps"] >= 1 and res.spec["draft_tokens"] >= res.spec["steps"]
