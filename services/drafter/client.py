@@ -1,0 +1,376 @@
+"""Client of the Drafter service: a Proposer (services.engine.speculative) backed by one Draft stream.
+
+The verifier calls propose() synchronously from its worker threads. Every DrafterClient of one address
+shares a connection: one grpc.aio channel driven by a private event-loop thread, so making a client per
+request costs a stream, not a channel. Any failure (drafter gone, timeout, refusal) raises
+DrafterUnavailableError, which the engine answers with plain decoding.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import atexit
+import logging
+import secrets
+import threading
+import weakref
+from collections.abc import Coroutine
+from dataclasses import dataclass
+from multiprocessing import shared_memory
+from typing import Any, TypeVar
+
+import grpc
+import numpy as np
+from opentelemetry import context as otel_context
+
+from services import rpc, telemetry
+from services.engine.speculative import DrafterUnavailableError
+from services.wire import pb, pb_grpc
+
+log = logging.getLogger("specsplit.drafter.client")
+
+DEFAULT_TIMEOUT_S = 30.0
+TRANSPORTS = ("auto", "inline", "shm")
+FEATURE_DTYPES = {"f32": np.float32, "f16": np.float16}
+_T = TypeVar("_T")
+
+
+@dataclass(frozen=True)
+class DrafterInfo:
+    """What a drafter service reports about itself (Info)."""
+
+    block_size: int
+    target_layer_ids: list[int]
+    mask_token_id: int
+    hidden_size: int
+    n_vocab: int
+    max_sessions: int
+    active_sessions: int
+    backend: str
+
+    @property
+    def n_features(self) -> int:
+        return len(self.target_layer_ids) * self.hidden_size
+
+
+# ---------------------------------------------------------------------------------------------------
+# shared connections
+
+
+class DrafterConnection:
+    """A channel to one drafter address, driven by its own event-loop thread; shared by DrafterClients."""
+
+    def __init__(self, address: str):
+        self.address = rpc.parse_address(address)
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, name=f"drafter-client {address}",
+                                        daemon=True)
+        self._thread.start()
+        self._info: DrafterInfo | None = None
+        self._info_lock = threading.Lock()
+        self.closed = False
+        # False once the drafter said it cannot map our shared memory (another host or IPC namespace
+        # behind a shared unix socket): "auto" clients then send features inline.
+        self.shm_usable = True
+
+        async def make() -> tuple[grpc.aio.Channel, pb_grpc.DrafterStub]:
+            # grpc.aio objects belong to the loop they were made on: make the channel on ours.
+            ch = rpc.open_channel(self.address)
+            return ch, pb_grpc.DrafterStub(ch)
+
+        self.channel, self.stub = self.run(make())
+
+    def run(self, coro: Coroutine[Any, Any, _T], timeout: float | None = None) -> _T:
+        """Run `coro` on the connection's loop and wait for it from this (other) thread."""
+        if self.closed:
+            coro.close()
+            raise DrafterUnavailableError(f"drafter connection to {self.address} is closed")
+        fut = asyncio.run_coroutine_threadsafe(coro, self.loop)
+        try:
+            return fut.result(timeout)
+        except TimeoutError:
+            fut.cancel()
+            raise
+
+    def info(self, timeout: float = DEFAULT_TIMEOUT_S, refresh: bool = False) -> DrafterInfo:
+        """The drafter's Info, fetched once per connection (again after `forget_info`, or with refresh)."""
+        with self._info_lock:
+            if self._info is None or refresh:
+                async def fetch() -> pb.DrafterInfo:
+                    return await self.stub.Info(pb.InfoRequest(), timeout=timeout)
+
+                try:
+                    r = self.run(fetch(), timeout + 5.0)
+                except grpc.aio.AioRpcError as e:
+                    raise DrafterUnavailableError(
+                        f"drafter {self.address}: Info failed: {e.code().name}: {e.details()}") from None
+                except TimeoutError:
+                    raise DrafterUnavailableError(f"drafter {self.address}: Info timed out after {timeout} s") \
+                        from None
+                self._info = DrafterInfo(block_size=r.block_size, target_layer_ids=list(r.target_layer_ids),
+                                         mask_token_id=r.mask_token_id, hidden_size=r.hidden_size,
+                                         n_vocab=r.n_vocab, max_sessions=r.max_sessions,
+                                         active_sessions=r.active_sessions, backend=r.backend)
+            return self._info
+
+    def forget_info(self) -> None:
+        # After a failure the drafter may come back as another model: ask again next time.
+        self._info = None
+
+    def wait_ready(self, timeout: float | None = None) -> None:
+        """Block until the drafter's health says SERVING (timeout None: forever, logging progress)."""
+        try:
+            self.run(rpc.wait_ready(self.channel, rpc.SERVICE_DRAFTER, timeout=timeout,
+                                    what=f"drafter {self.address}"))
+        except (TimeoutError, RuntimeError) as e:
+            raise DrafterUnavailableError(str(e)) from None
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        try:
+            self.run(self.channel.close(), 5.0)
+        except Exception:               # the loop may already be gone at interpreter exit
+            pass
+        self.closed = True
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(5.0)
+
+
+_connections: dict[str, DrafterConnection] = {}
+_connections_lock = threading.Lock()
+
+
+def connection(address: str) -> DrafterConnection:
+    """The shared connection to `address` (made on first use)."""
+    key = rpc.parse_address(address).target
+    with _connections_lock:
+        conn = _connections.get(key)
+        if conn is None or conn.closed:
+            conn = _connections[key] = DrafterConnection(address)
+        return conn
+
+
+@atexit.register
+def close_connections() -> None:
+    """Close every shared connection (at exit; tests that want a clean slate)."""
+    with _connections_lock:
+        conns = list(_connections.values())
+        _connections.clear()
+    for c in conns:
+        c.close()
+
+
+# ---------------------------------------------------------------------------------------------------
+# the proposer
+
+
+class _Segment:
+    """The client's shared-memory segment for one stream: reused every step, replaced by a bigger one when
+    a step needs more room. Unlinked on close (and by a finalizer if the client is dropped unclosed)."""
+
+    def __init__(self) -> None:
+        self.shm: shared_memory.SharedMemory | None = None
+        self._finalizer: weakref.finalize | None = None
+
+    def write(self, a: np.ndarray) -> str:
+        if self.shm is None or self.shm.size < a.nbytes:
+            self.close()
+            size = max(a.nbytes, 2 * (self.shm.size if self.shm else 0), 1 << 16)
+            self.shm = shared_memory.SharedMemory(name=f"specsplit-{secrets.token_hex(8)}", create=True, size=size)
+            self._finalizer = weakref.finalize(self, _unlink, self.shm)
+        dst = np.ndarray(a.shape, dtype=a.dtype, buffer=self.shm.buf)
+        dst[...] = a
+        del dst                     # a live view would make shm.close() fail
+        return self.shm.name
+
+    def close(self) -> None:
+        if self._finalizer is not None:
+            self._finalizer()
+        self.shm, self._finalizer = None, None
+
+
+def _unlink(shm: shared_memory.SharedMemory) -> None:
+    try:
+        shm.close()
+        shm.unlink()
+    except (FileNotFoundError, BufferError):
+        pass
+
+
+class DrafterClient:
+    """One request's drafting over a Draft stream (the engine's Proposer protocol).
+
+    address: a drafter address (`unix:///...`, `host:port`, `inproc:NAME`). transport: how features
+    travel: "inline" (bytes in the message), "shm" (a shared-memory segment this client owns; same host
+    only) or "auto" (shm for unix and inproc addresses, inline otherwise, and inline from then on if the
+    drafter once answers that it cannot map this host's shared memory). feature_dtype: "f32" or "f16"
+    on the wire (None: f16 arrays stay f16, anything else goes as f32). timeout: seconds each propose()
+    (and Info) may take. wait_ready: block in the constructor until the drafter is ready (ready_timeout
+    seconds, None = forever) and fetch its Info, raising DrafterUnavailableError if that fails; without
+    it nothing is contacted until first use.
+
+    block_size and target_layer_ids come from the drafter's Info, fetched on first access. If it cannot be
+    fetched they read 16 and [] and the client is failed: the next propose() raises
+    DrafterUnavailableError with the reason (so the engine falls back), as does info().
+    The trace context current when the client is made travels with the stream.
+    """
+
+    def __init__(self, address: str, transport: str = "auto", timeout: float = DEFAULT_TIMEOUT_S,
+                 wait_ready: bool = False, ready_timeout: float | None = None, feature_dtype: str | None = None):
+        if transport not in TRANSPORTS:
+            raise ValueError(f"transport must be one of {', '.join(TRANSPORTS)}, got {transport!r}")
+        if feature_dtype is not None and feature_dtype not in FEATURE_DTYPES:
+            raise ValueError(f"feature_dtype must be one of {sorted(FEATURE_DTYPES)} or None, got {feature_dtype!r}")
+        addr = rpc.parse_address(address)
+        if transport == "shm" and not addr.is_local:
+            raise ValueError(f"transport 'shm' needs a drafter on this host (unix:// or inproc), not {address}")
+        self.address = address
+        self._conn = connection(address)
+        self._auto = transport == "auto"
+        if self._auto:
+            transport = "shm" if addr.is_local and self._conn.shm_usable else "inline"
+        self.transport = transport
+        self.timeout = float(timeout)
+        self.feature_dtype = feature_dtype
+        self._trace_context = otel_context.get_current()
+        self._call: grpc.aio.StreamStreamCall | None = None
+        self._segment = _Segment() if self.transport == "shm" else None
+        self._failed: str | None = None
+        self._closed = False
+        if wait_ready:
+            self._conn.wait_ready(ready_timeout)
+            self._conn.info(self.timeout)
+
+    # -- Info ----------------------------------------------------------------------------------------
+    def info(self) -> DrafterInfo:
+        """The drafter's Info (cached per connection). Raises DrafterUnavailableError."""
+        if self._failed:
+            raise DrafterUnavailableError(self._failed)
+        try:
+            return self._conn.info(self.timeout)
+        except DrafterUnavailableError as e:
+            self._fail(str(e))
+            raise
+
+    def _info_or_none(self) -> DrafterInfo | None:
+        try:
+            return self.info()
+        except DrafterUnavailableError:
+            return None
+
+    @property
+    def block_size(self) -> int:
+        i = self._info_or_none()
+        return i.block_size if i is not None else 16
+
+    @property
+    def target_layer_ids(self) -> list[int]:
+        i = self._info_or_none()
+        return list(i.target_layer_ids) if i is not None else []
+
+    # -- drafting ------------------------------------------------------------------------------------
+    def _fail(self, reason: str) -> DrafterUnavailableError:
+        if self._failed is None:
+            self._failed = reason
+            log.warning("%s", reason)
+            self._conn.forget_info()
+        return DrafterUnavailableError(self._failed)
+
+    def _features(self, new_features: np.ndarray | None) -> pb.Features | None:
+        if new_features is None:
+            return None
+        a = np.asarray(new_features)
+        if a.shape[0] == 0:
+            return None
+        name = self.feature_dtype or ("f16" if a.dtype == np.float16 else "f32")
+        a = np.ascontiguousarray(a.reshape(a.shape[0], -1), dtype=FEATURE_DTYPES[name])
+        rows, width = a.shape
+        if self._segment is not None:
+            return pb.Features(rows=rows, width=width, dtype=name, shm_name=self._segment.write(a), shm_offset=0)
+        return pb.Features(rows=rows, width=width, dtype=name, data=a.tobytes())
+
+    async def _exchange(self, req: pb.DraftRequest) -> pb.DraftResponse:
+        if self._call is None:
+            # No deadline on the stream (it lives as long as the request); each exchange has its own.
+            self._call = self._conn.stub.Draft(metadata=telemetry.inject_metadata(context=self._trace_context))
+        call = self._call
+
+        async def once() -> pb.DraftResponse | Any:
+            await call.write(req)
+            return await call.read()
+
+        try:
+            resp = await asyncio.wait_for(once(), self.timeout)
+        except asyncio.TimeoutError:
+            call.cancel()
+            raise
+        if resp is grpc.aio.EOF:
+            code = await call.code()
+            raise DrafterUnavailableError(f"drafter {self.address} ended the stream ({code.name}: "
+                                          f"{await call.details()})")
+        return resp
+
+    def propose(self, new_features: np.ndarray | None, last_token: int, start: int,
+                k: int) -> tuple[np.ndarray, np.ndarray]:
+        """Send the committed tokens' features, get the block's per-position top-k (ids int64, logp float64)."""
+        if self._closed:
+            raise DrafterUnavailableError("the drafter client is closed")
+        if self._failed:
+            raise DrafterUnavailableError(self._failed)
+        try:
+            req = pb.DraftRequest(features=self._features(new_features), last_token=int(last_token),
+                                  start=int(start), top_k=int(k))
+        except (OSError, ValueError) as e:      # shared memory full, odd shapes
+            raise self._fail(f"drafter {self.address}: cannot send features: {e}") from None
+        try:
+            resp = self._conn.run(self._exchange(req), self.timeout + 5.0)
+        except (TimeoutError, asyncio.TimeoutError):
+            raise self._fail(f"drafter {self.address} did not answer within {self.timeout:.1f} s") from None
+        except grpc.aio.AioRpcError as e:
+            if e.code() == grpc.StatusCode.FAILED_PRECONDITION and self._segment is not None and self._auto:
+                self._conn.shm_usable = False
+                log.warning("drafter %s cannot map this host's shared memory; later requests send features "
+                            "inline", self.address)
+            raise self._fail(f"drafter {self.address}: {e.code().name}: {e.details()}") from None
+        except DrafterUnavailableError as e:
+            raise self._fail(str(e)) from None
+        except (Exception, asyncio.CancelledError) as e:    # e.g. InvalidStateError from a finished call
+            raise self._fail(f"drafter {self.address}: {type(e).__name__}: {e}") from None
+        n = resp.positions * resp.top_k
+        if len(resp.token_ids) != n or len(resp.logprobs) != n or resp.positions < 1:
+            raise self._fail(f"drafter {self.address} sent a malformed answer ({resp.positions} x {resp.top_k}, "
+                             f"{len(resp.token_ids)} ids, {len(resp.logprobs)} log-probabilities)")
+        ids = np.asarray(resp.token_ids, dtype=np.int64).reshape(resp.positions, resp.top_k)
+        logp = np.asarray(resp.logprobs, dtype=np.float32).astype(np.float64).reshape(resp.positions, resp.top_k)
+        return ids, logp
+
+    def close(self) -> None:
+        """End the stream (the drafter frees the session) and unlink the shared-memory segment. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        call, self._call = self._call, None
+        if call is not None and not self._conn.closed:
+            async def finish() -> None:
+                if self._failed:
+                    call.cancel()
+                    return
+                try:
+                    await asyncio.wait_for(call.done_writing(), 2.0)
+                    await asyncio.wait_for(call.read(), 2.0)     # EOF: the server side has finished
+                except Exception:       # timing out or a broken stream: cancelling frees it just as well
+                    call.cancel()
+
+            try:
+                self._conn.run(finish(), 5.0)
+            except Exception:
+                log.debug("closing the draft stream failed", exc_info=True)
+        if self._segment is not None:
+            self._segment.close()
+
+    def __enter__(self) -> DrafterClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

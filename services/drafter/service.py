@@ -1,0 +1,299 @@
+"""The Drafter gRPC service: a DFlash drafter that proposes per-position top-k for the next block.
+
+Each `Draft` bidi stream is one request's session (its projected context K/V live as long as the stream);
+each DraftRequest appends the newly committed tokens' target features and drafts one block. Features come
+inline (bytes) or through a POSIX shared-memory segment the client owns (same host); see FeatureReader.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import mmap
+import os
+import re
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+import numpy as np
+
+from services import rpc, telemetry
+from services.engine.ddtree import topk_logprobs
+from services.wire import pb, pb_grpc
+
+log = logging.getLogger("specsplit.drafter")
+tracer = telemetry.get_tracer("specsplit.drafter")
+
+DTYPES = {"f32": np.dtype(np.float32), "f16": np.dtype(np.float16)}
+MAX_TOP_K = 256
+_SHM_NAME = re.compile(r"^[A-Za-z0-9_.-]{1,200}$")
+
+
+class BadRequest(ValueError):
+    """A request the drafter refuses (INVALID_ARGUMENT); the message names the field and what was wrong."""
+
+
+class SharedMemoryError(BadRequest):
+    """A shared-memory segment named by the client cannot be read here (another host or IPC namespace?)."""
+
+
+# ---------------------------------------------------------------------------------------------------
+# features transport
+
+
+def _shm_open_readonly(name: str) -> mmap.mmap:
+    """Map a POSIX shared-memory segment read-only.
+
+    Not multiprocessing.shared_memory: before Python 3.13 attaching registers the segment with this
+    process's resource tracker, which then unlinks the client's segment when the drafter exits; it also
+    only maps read-write.
+    """
+    import _posixshmem  # CPython's shm_open, the call multiprocessing.shared_memory itself makes
+
+    fd = _posixshmem.shm_open("/" + name, os.O_RDONLY, mode=0o600)
+    try:
+        return mmap.mmap(fd, 0, prot=mmap.PROT_READ)
+    finally:
+        os.close(fd)
+
+
+class FeatureReader:
+    """Decodes one stream's Features messages; keeps the client's shared-memory segment mapped between
+    requests (the client reuses one segment per stream and only switches to a new one to grow)."""
+
+    def __init__(self, width: int):
+        self.width = width
+        self._shm_name: str | None = None
+        self._shm: mmap.mmap | None = None
+
+    def read(self, f: pb.Features) -> np.ndarray | None:
+        """(rows, width) float32 copy of the features, or None for no rows. Raises BadRequest."""
+        if f.rows < 0:
+            raise BadRequest(f"features.rows must be >= 0, got {f.rows}")
+        if f.rows == 0:
+            return None
+        if f.width != self.width:
+            raise BadRequest(f"features.width is {f.width} but this drafter takes {self.width} values per token "
+                             "(its target layers x hidden size)")
+        dtype = DTYPES.get(f.dtype)
+        if dtype is None:
+            raise BadRequest(f"features.dtype must be one of {sorted(DTYPES)}, got {f.dtype!r}")
+        nbytes = f.rows * f.width * dtype.itemsize
+        if f.shm_name and f.data:
+            raise BadRequest("features carry both inline data and a shared-memory name; send one")
+        if f.shm_name:
+            buf = self._segment(f.shm_name)
+            if f.shm_offset < 0 or f.shm_offset + nbytes > len(buf):
+                raise BadRequest(f"features need bytes [{f.shm_offset}, {f.shm_offset + nbytes}) of shared memory "
+                                 f"{f.shm_name!r}, which holds {len(buf)} bytes")
+            view = np.frombuffer(buf, dtype=dtype, count=f.rows * f.width, offset=f.shm_offset)
+            # Copy out first (the client rewrites the segment next step), then widen: converting straight
+            # out of the shared mapping measured ~1.6x slower than from private memory.
+            out = view.copy()
+            del view                           # release the export so the mapping can close later
+        else:
+            if len(f.data) != nbytes:
+                raise BadRequest(f"features.data holds {len(f.data)} bytes; {f.rows} rows x {f.width} {f.dtype} "
+                                 f"need {nbytes}")
+            out = np.frombuffer(f.data, dtype=dtype)     # read-only view of the message's bytes
+        return out.astype(np.float32, copy=False).reshape(f.rows, f.width)
+
+    def _segment(self, name: str) -> mmap.mmap:
+        if name == self._shm_name and self._shm is not None:
+            return self._shm
+        if not _SHM_NAME.match(name):
+            raise BadRequest(f"features.shm_name {name!r} is not a shared-memory segment name")
+        self.close()
+        try:
+            self._shm = _shm_open_readonly(name)
+        except (OSError, ValueError) as e:
+            raise SharedMemoryError(f"cannot map shared memory {name!r} ({e}); the drafter must be on the "
+                                    "client's host and IPC namespace, else send features inline") from e
+        self._shm_name = name
+        return self._shm
+
+    def close(self) -> None:
+        if self._shm is not None:
+            self._shm.close()
+        self._shm, self._shm_name = None, None
+
+
+# ---------------------------------------------------------------------------------------------------
+# servicer
+
+
+@dataclass
+class DrafterStats:
+    streams: int = 0
+    drafts: int = 0
+    rejected_busy: int = 0
+    invalid: int = 0
+
+
+class DrafterServicer(pb_grpc.DrafterServicer):
+    """Serves one loaded DFlashDrafter to at most `max_sessions` concurrent Draft streams."""
+
+    def __init__(self, max_sessions: int = 16, executor: concurrent.futures.Executor | None = None,
+                 backend: str = "numpy"):
+        if max_sessions < 1:
+            raise ValueError(f"max_sessions must be >= 1, got {max_sessions}")
+        self.max_sessions = max_sessions
+        self.backend = backend
+        self.drafter: Any = None             # set by attach() once loaded
+        self.active = 0
+        self.stats = DrafterStats()
+        # One thread: drafting is array math (NumPy's BLAS is multi-threaded already; a GPU backend runs
+        # one stream). Off the event loop so health checks and cancellations stay prompt.
+        self.executor = executor or concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="drafter")
+
+    def attach(self, drafter: Any) -> None:
+        self.drafter = drafter
+        self.n_rows = int(drafter.target.tok_embd.shape[0])
+        self.n_features = len(drafter.target_layer_ids) * int(drafter.cfg.n_embd)
+
+    async def Info(self, request: pb.InfoRequest, context: grpc.aio.ServicerContext) -> pb.DrafterInfo:
+        d = self.drafter
+        if d is None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the drafter is still loading its model")
+        return pb.DrafterInfo(block_size=d.block_size, target_layer_ids=list(d.target_layer_ids),
+                              mask_token_id=d.mask_token_id, hidden_size=int(d.cfg.n_embd), n_vocab=d.n_vocab,
+                              max_sessions=self.max_sessions, active_sessions=self.active, backend=self.backend)
+
+    def _check(self, req: pb.DraftRequest, session: Any, feats: np.ndarray | None) -> None:
+        rows = 0 if feats is None else len(feats)
+        if session.n_ctx + rows != req.start:
+            raise BadRequest(f"start is {req.start} but this stream's context holds {session.n_ctx} tokens and "
+                             f"the request adds {rows} feature rows (start must be {session.n_ctx + rows})")
+        if not 0 <= req.last_token < self.n_rows:
+            raise BadRequest(f"last_token {req.last_token} is outside the vocabulary [0, {self.n_rows})")
+        if not 1 <= req.top_k <= MAX_TOP_K:
+            raise BadRequest(f"top_k must be in 1..{MAX_TOP_K}, got {req.top_k}")
+
+    def _draft(self, session: Any, feats: np.ndarray | None, req: pb.DraftRequest) -> pb.DraftResponse:
+        t0 = time.perf_counter()
+        logits = self.drafter.draft(session, feats, int(req.last_token), int(req.start))
+        ids, logp = topk_logprobs(logits, int(req.top_k))
+        return pb.DraftResponse(positions=ids.shape[0], top_k=ids.shape[1], token_ids=ids.reshape(-1).tolist(),
+                                logprobs=logp.reshape(-1).tolist(), draft_ms=(time.perf_counter() - t0) * 1e3)
+
+    async def Draft(self, request_iterator: AsyncIterator[pb.DraftRequest],
+                    context: grpc.aio.ServicerContext) -> AsyncIterator[pb.DraftResponse]:
+        if self.drafter is None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the drafter is still loading its model")
+        if self.active >= self.max_sessions:
+            self.stats.rejected_busy += 1
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                f"the drafter is serving its maximum of {self.max_sessions} sessions; retry later "
+                                "or decode without drafting")
+        self.active += 1
+        self.stats.streams += 1
+        session = self.drafter.new_session()
+        reader = FeatureReader(self.n_features)
+        loop = asyncio.get_running_loop()
+        n = 0
+        try:
+            with telemetry.server_span(tracer, "drafter.session", context) as span:
+                async for req in request_iterator:
+                    try:
+                        feats = reader.read(req.features) if req.HasField("features") else None
+                        self._check(req, session, feats)
+                    except SharedMemoryError as e:
+                        # Not the request's fault: this drafter cannot see the client's memory. A distinct
+                        # code lets the client switch to inline features for its next streams.
+                        span.set_attribute("error.type", "shared_memory")
+                        await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
+                    except BadRequest as e:
+                        self.stats.invalid += 1
+                        span.set_attribute("error.type", "invalid_argument")
+                        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+                    with tracer.start_as_current_span("drafter.draft", attributes={
+                            "spec.draft.start": req.start, "spec.draft.rows": 0 if feats is None else len(feats),
+                            "spec.draft.top_k": req.top_k}):
+                        resp = await loop.run_in_executor(self.executor, self._draft, session, feats, req)
+                    n += 1
+                    self.stats.drafts += 1
+                    yield resp
+                span.set_attribute("spec.drafts", n)
+        finally:
+            # Also runs when the client cancels (the handler task is cancelled): the session goes at once.
+            self.active -= 1
+            reader.close()
+            session = None
+
+
+# ---------------------------------------------------------------------------------------------------
+# server
+
+
+@dataclass
+class DrafterConfig:
+    model: str                  # the target (GGUF or HF folder): only its embedding and lm head are used
+    draft: str                  # the DFlash drafter (z-lab folder or GGUF)
+    max_sessions: int = 16
+    trace: str = "none"
+    shutdown_grace_s: float = 5.0
+
+
+def load(cfg: DrafterConfig) -> Any:
+    """Load the target (for its token table and lm head) and the drafter; draft once as a warm-up."""
+    from services.engine.loader import load_target
+    from services.engine.models.dflash import load_drafter
+
+    t0 = time.perf_counter()
+    target = load_target(cfg.model, with_tokenizer=False).model
+    drafter = load_drafter(cfg.draft, target)
+    t1 = time.perf_counter()
+    width = len(drafter.target_layer_ids) * int(drafter.cfg.n_embd)
+    drafter.draft(drafter.new_session(), np.zeros((1, width), np.float32), 0, 1)
+    log.info("drafter %s for %s loaded in %.0f ms (block %d, target layers %s), warm-up %.0f ms", cfg.draft,
+             cfg.model, (t1 - t0) * 1e3, drafter.block_size, drafter.target_layer_ids,
+             (time.perf_counter() - t1) * 1e3)
+    return drafter
+
+
+class DrafterServer:
+    """A running drafter: the gRPC server is up (liveness) at once, readiness once the model is loaded."""
+
+    def __init__(self, running: rpc.RunningServer, servicer: DrafterServicer, loading: asyncio.Task):
+        self.running = running
+        self.servicer = servicer
+        self.loading = loading
+
+    @property
+    def address(self) -> rpc.Address:
+        return self.running.address
+
+    async def wait_loaded(self) -> None:
+        await self.loading
+
+    async def stop(self, grace: float | None = 5.0) -> None:
+        self.loading.cancel()
+        await self.running.stop(grace)
+        self.servicer.executor.shutdown(wait=False, cancel_futures=True)
+
+    async def wait_for_termination(self) -> None:
+        await self.running.wait_for_termination()
+
+
+async def serve_drafter(cfg: DrafterConfig, listen: str, drafter: Any = None) -> DrafterServer:
+    """Start serving on `listen`; load (unless `drafter` is given) in the background, then turn ready.
+
+    Await `server.wait_loaded()` to know the load worked (it raises what the load raised).
+    """
+    servicer = DrafterServicer(max_sessions=cfg.max_sessions)
+    running = await rpc.start_server([(pb_grpc.add_DrafterServicer_to_server, servicer)], listen,
+                                     [rpc.SERVICE_DRAFTER])
+    loop = asyncio.get_running_loop()
+
+    async def load_then_ready() -> None:
+        d = drafter if drafter is not None else await loop.run_in_executor(servicer.executor, load, cfg)
+        servicer.backend = getattr(getattr(d, "be", None), "name", "numpy")
+        servicer.attach(d)
+        await running.set_ready(rpc.SERVICE_DRAFTER)
+        log.info("drafter ready on %s (max %d sessions)", running.address, cfg.max_sessions)
+
+    return DrafterServer(running, servicer, loop.create_task(load_then_ready()))

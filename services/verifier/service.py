@@ -1,0 +1,751 @@
+"""The Verifier gRPC service: owns the target model and runs the speculative loop for each request.
+
+Concurrency model. The engine is synchronous array code, so every admitted request runs its engine loop in
+a worker thread of a pool with `slots` threads; the asyncio handler only validates, queues, and relays
+chunks from an asyncio.Queue the worker feeds with `call_soon_threadsafe`. Each request allocates its own
+SequenceState (its KV slot) inside the engine, so `slots` bounds the number of caches alive at once.
+
+Admission: up to `slots` requests run, up to `max_queue` more wait for a slot; past that a request gets
+RESOURCE_EXHAUSTED at once (the gateway turns it into 429), so overload never turns into unbounded latency.
+
+Stopping: client cancellation, the RPC deadline and shutdown all set one flag per request that the worker
+checks between engine steps; the worker then closes the engine generator and the proposer, and the slot
+is released when the worker thread returns (a done-callback on its future), never before: a slot freed
+while its thread still computes would let `slots + 1` engine loops run.
+
+Drafting: an in-process DFlash drafter (`draft`) or a remote Drafter service (`drafter_address`, one
+DrafterClient per request = one Draft stream). Any drafter failure turns into DrafterUnavailableError,
+which the engine answers by finishing the request with plain decoding; the request never fails for it.
+SpecStats.fallback says so, and the request span gets a `spec.fallback` event.
+
+Stream: one GenerateChunk per engine step (the first token, then each draft/verify/accept round); the
+last one also carries finish_reason, usage, spec and timings. When generation ends for a reason the
+worker cannot see coming (the context filled up) those travel in an extra chunk with no tokens.
+
+Tracing: `verifier.generate` (child of the caller's context from the gRPC metadata) with per-step
+children `spec.draft`, `spec.verify`, `spec.accept`, made from the engine's StepInfo durations.
+
+In-process start: `server = await serve_verifier(VerifierConfig(...), "inproc:verifier")`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+import traceback
+import uuid
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+from opentelemetry import context as otel_context
+from opentelemetry import trace
+
+from services.engine.errors import ContextOverflowError, InvalidRequestError, SpecsplitError
+from services.engine.generate import GenerationResult, check_request
+from services.engine.sampling import SamplingParams
+from services.engine.speculative import (
+    DrafterUnavailableError,
+    LocalProposer,
+    Proposer,
+    SpecConfig,
+    StepInfo,
+    speculative_stream,
+)
+from services.wire import pb, pb_grpc
+
+log = logging.getLogger("specsplit.verifier")
+
+SERVICE_NAME = "specsplit.v1.Verifier"
+MAX_BUDGET = 1024            # a DDTree budget beyond this is a typo, not a tuning choice
+DEFAULT_BUDGET = 22          # what `--budget auto` means on the CPU backend for now
+WARMUP_TOKENS = 2
+DRAFTER_INFO_TIMEOUT_S = 5.0  # reaching a remote drafter's Info; past it the request decodes plainly
+DRAFTER_RETRY_S = 2.0         # after the drafter was unreachable, requests skip it this long
+
+_FINISH = {"stop": pb.FINISH_REASON_STOP, "length": pb.FINISH_REASON_LENGTH,
+           "cancelled": pb.FINISH_REASON_CANCELLED}
+
+
+@dataclass
+class VerifierConfig:
+    """Everything a verifier needs; the CLI flags and SPECSPLIT_* env vars map one to one onto it."""
+
+    model: str                                  # target: GGUF file or Hugging Face folder
+    draft: str | None = None                    # in-process DFlash drafter (folder or GGUF)
+    drafter_address: str | None = None          # remote Drafter service (unix:///..., host:port)
+    budget: int | None = DEFAULT_BUDGET         # DDTree non-root nodes; None = chain
+    slots: int = 1                              # concurrent generations (each its own KV cache)
+    max_queue: int = 16                         # requests that may wait for a slot
+    max_ctx: int | None = None                  # context per request (default: the model's)
+    speculative: bool = True                    # default for requests that do not say
+    trace: str | None = None                    # none | console | otlp | memory; None: leave the
+                                                # process's tracing as configured (all-in-one, tests)
+    shutdown_grace_s: float = 10.0              # in-flight requests get this long on SIGTERM
+    drafter_timeout_s: float = 30.0             # longest wait for one remote draft before falling back
+
+    def __post_init__(self) -> None:
+        if self.draft and self.drafter_address:
+            raise ValueError("give either an in-process drafter (draft) or a drafter address, not both")
+        if self.slots < 1:
+            raise ValueError(f"slots must be >= 1, got {self.slots}")
+        if self.max_queue < 0:
+            raise ValueError(f"max_queue must be >= 0, got {self.max_queue}")
+        if self.budget is not None and not 1 <= self.budget <= MAX_BUDGET:
+            raise ValueError(f"budget must be in 1..{MAX_BUDGET} or None (chain), got {self.budget}")
+        if self.max_ctx is not None and self.max_ctx < 2:
+            raise ValueError(f"max_ctx must be >= 2, got {self.max_ctx}")
+        if self.drafter_address:
+            from services.rpc import parse_address
+
+            parse_address(self.drafter_address)     # a typo is a start-up error, not a silent fallback
+
+
+@dataclass
+class Counters:
+    """Totals since start; Info reports the live ones, the rest are for logs and tests."""
+
+    requests: int = 0
+    completed: int = 0
+    cancelled: int = 0
+    rejected: int = 0                 # RESOURCE_EXHAUSTED
+    invalid: int = 0                  # INVALID_ARGUMENT
+    failed: int = 0                   # INTERNAL
+    fallbacks: int = 0                # requests that lost their drafter and finished with plain decoding
+
+
+# --------------------------------------------------------------------------------------------------
+# time: the engine reports perf_counter durations; spans want epoch nanoseconds
+
+class _Clock:
+    """Maps perf_counter readings onto the wall clock with one anchor, so span times are monotonic."""
+
+    def __init__(self) -> None:
+        self.anchor_ns = time.time_ns() - time.perf_counter_ns()
+
+    def now_ns(self) -> int:
+        return time.perf_counter_ns() + self.anchor_ns
+
+
+_clock = _Clock()
+
+
+# --------------------------------------------------------------------------------------------------
+# proposers
+
+class _FailedProposer:
+    """Stands in for a drafter that could not even be reached: the engine's first propose() falls back.
+
+    Going through the engine's own fallback path (instead of passing no proposer) keeps one place that
+    decides what a fallback looks like in SpecStats.
+    """
+
+    block_size = 16
+    target_layer_ids: list[int] = []
+
+    def __init__(self, reason: str):
+        self.reason = reason
+
+    def propose(self, new_features, last_token, start, k):
+        raise DrafterUnavailableError(self.reason)
+
+    def close(self) -> None:
+        pass
+
+
+class _GuardedProposer:
+    """Wraps a proposer: any failure becomes DrafterUnavailableError (so the request goes on with plain
+    decoding) and is recorded on the request span the moment it happens; close() is idempotent."""
+
+    def __init__(self, inner: Proposer, on_failure: Callable[[str], None]):
+        self.inner = inner
+        self.block_size = inner.block_size
+        self.target_layer_ids = list(inner.target_layer_ids)
+        self._on_failure = on_failure
+        self._closed = False
+
+    def propose(self, new_features, last_token, start, k):
+        try:
+            return self.inner.propose(new_features, last_token, start, k)
+        except DrafterUnavailableError as e:
+            self._on_failure(str(e) or type(e).__name__)
+            raise
+        except Exception as e:        # a drafter bug must not fail the user's request
+            log.warning("drafter failed, continuing with plain decoding:\n%s", traceback.format_exc())
+            reason = f"{type(e).__name__}: {e}"
+            self._on_failure(reason)
+            raise DrafterUnavailableError(reason) from e
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self.inner.close()
+        except Exception:              # closing a broken stream may fail again; nothing left to save
+            log.debug("closing the proposer failed", exc_info=True)
+
+
+# --------------------------------------------------------------------------------------------------
+# one request
+
+@dataclass(eq=False)          # identity semantics: jobs live in a set
+class _Job:
+    """One admitted request: what the worker thread needs and how it talks back to the event loop."""
+
+    request_id: str
+    prompt_ids: list[int]
+    max_tokens: int
+    params: SamplingParams
+    stop_ids: list[int]
+    speculative: bool
+    spec: SpecConfig
+    deadline: float | None                      # time.monotonic() value, None = no deadline
+    span: Any                                   # the verifier.generate span
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue
+    cancel: threading.Event = field(default_factory=threading.Event)
+    result: GenerationResult = field(default_factory=GenerationResult)
+    stop_reason: str = ""                       # "cancelled" | "deadline" when the loop was stopped early
+    fallback_reason: str = ""
+
+    def put(self, kind: str, payload: Any = None) -> None:
+        try:
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, (kind, payload))
+        except RuntimeError:           # the event loop is closed (process exit): nobody is listening
+            self.cancel.set()
+
+
+# --------------------------------------------------------------------------------------------------
+# the servicer
+
+class VerifierServicer(pb_grpc.VerifierServicer):
+    """Verifier.Generate / Verifier.Info over one target model.
+
+    Construct it, register it on a server, then `await load()` (weights + warm-up, in a thread so the
+    server answers health checks meanwhile); until then Generate answers UNAVAILABLE.
+    """
+
+    def __init__(self, cfg: VerifierConfig, tracer: trace.Tracer | None = None):
+        self.cfg = cfg
+        self.counters = Counters()
+        self.target = None                      # LoadedTarget once loaded
+        self.drafter = None                     # in-process DFlashDrafter
+        self.max_ctx = 0
+        self.created = int(time.time())
+        self._tracer = tracer or trace.get_tracer("specsplit.verifier")
+        self._pool = ThreadPoolExecutor(max_workers=cfg.slots, thread_name_prefix="verifier-slot")
+        self._sem: asyncio.Semaphore | None = None   # made on the serving loop (load())
+        self._active = 0
+        self._queued = 0
+        self._jobs: set[_Job] = set()
+        self._ready = False
+        self._draining = False
+        self._drafter_down_until = 0.0          # monotonic time before which the drafter is not tried
+        self._drafter_down_reason = ""
+
+    # -- lifecycle ---------------------------------------------------------------------------------
+    async def load(self) -> None:
+        """Load the weights (and in-process drafter), run one warm-up generation; then accept requests."""
+        self._sem = asyncio.Semaphore(self.cfg.slots)
+        await asyncio.to_thread(self._load_sync)
+        self._ready = True
+
+    def _load_sync(self) -> None:
+        from services.engine.loader import load_target
+
+        t0 = time.perf_counter()
+        self.target = load_target(self.cfg.model, with_tokenizer=False)
+        model_ctx = self.target.cfg.context_length
+        if self.cfg.max_ctx is not None and self.cfg.max_ctx > model_ctx:
+            log.warning("max_ctx %d is beyond the model's context length %d; using %d",
+                        self.cfg.max_ctx, model_ctx, model_ctx)
+        self.max_ctx = min(self.cfg.max_ctx or model_ctx, model_ctx)
+        if self.cfg.draft:
+            from services.engine.models.dflash import load_drafter
+
+            self.drafter = load_drafter(self.cfg.draft, self.target.model)
+        load_ms = (time.perf_counter() - t0) * 1e3
+        # Warm-up: the first forward pays one-off costs (lazy dequantisation, allocator growth); a
+        # readiness probe should only pass once a request would not pay them.
+        t1 = time.perf_counter()
+        prompt = [i % self.target.cfg.n_vocab for i in range(4)]
+        proposer = LocalProposer(self.drafter) if self.drafter is not None else None
+        for _ in speculative_stream(self.target.model, proposer, prompt, WARMUP_TOKENS,
+                                    spec=SpecConfig(budget=self.cfg.budget), max_ctx=self.max_ctx):
+            pass
+        log.info("verifier: %s (%s, vocab %d, context %d) loaded in %.0f ms, warm-up %.0f ms; drafter: %s",
+                 self.target.name, self.target.cfg.arch, self.target.cfg.n_vocab, self.max_ctx, load_ms,
+                 (time.perf_counter() - t1) * 1e3, self.drafter_description())
+
+    def drafter_description(self) -> str:
+        if self.cfg.drafter_address:
+            return self.cfg.drafter_address
+        if self.cfg.draft:
+            return f"inproc:{self.cfg.draft}"
+        return ""
+
+    @property
+    def ready(self) -> bool:
+        return self._ready and not self._draining
+
+    def close(self) -> None:
+        """Cancel everything and let the worker threads go (they stop at their next step)."""
+        self._draining = True
+        for job in list(self._jobs):
+            job.cancel.set()
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+    # -- Info --------------------------------------------------------------------------------------
+    def info(self) -> pb.VerifierInfo:
+        t = self.target
+        model = pb.ModelInfo(
+            id=t.name if t is not None else "",
+            arch=t.cfg.arch if t is not None else "",
+            n_vocab=t.cfg.n_vocab if t is not None else 0,
+            context_length=self.max_ctx,
+            speculative=bool(self.cfg.speculative and (self.cfg.draft or self.cfg.drafter_address)),
+            created=self.created,
+        )
+        backend = getattr(getattr(t.model, "be", None), "name", "numpy") if t is not None else "numpy"
+        return pb.VerifierInfo(model=model, slots=self.cfg.slots, max_queue=self.cfg.max_queue,
+                               active=self._active, queued=self._queued, backend=backend,
+                               drafter_address=self.drafter_description())
+
+    async def Info(self, request: pb.InfoRequest, context: grpc.aio.ServicerContext) -> pb.VerifierInfo:
+        return self.info()
+
+    # -- Generate ----------------------------------------------------------------------------------
+    def _validate(self, request: pb.GenerateRequest) -> tuple[SamplingParams, bool, SpecConfig]:
+        """Raise InvalidRequestError / ContextOverflowError for anything the engine would reject."""
+        s = request.sampling
+        params = SamplingParams(
+            temperature=s.temperature if s.HasField("temperature") else 0.0,
+            top_k=s.top_k if s.HasField("top_k") else 0,
+            top_p=s.top_p if s.HasField("top_p") else 1.0,
+            min_p=s.min_p if s.HasField("min_p") else 0.0,
+            seed=s.seed if s.HasField("seed") else None,
+        ).validate()
+        check_request(self.target.model, request.prompt_ids, request.max_tokens, self.max_ctx)
+        n_vocab = self.target.cfg.n_vocab
+        bad = [t for t in request.stop_ids if not 0 <= t < n_vocab]
+        if bad:
+            raise InvalidRequestError(f"stop id {bad[0]} outside the vocabulary (0..{n_vocab - 1})",
+                                      param="stop_ids")
+        has_drafter = bool(self.cfg.draft or self.cfg.drafter_address)
+        speculative = request.speculative if request.HasField("speculative") else self.cfg.speculative
+        budget = self.cfg.budget
+        if request.HasField("budget"):
+            if not 0 <= request.budget <= MAX_BUDGET:
+                raise InvalidRequestError(f"budget must be in 0..{MAX_BUDGET} (0 = chain), got {request.budget}",
+                                          param="budget")
+            budget = request.budget or None
+        return params, speculative and has_drafter, SpecConfig(budget=budget)
+
+    async def Generate(self, request: pb.GenerateRequest,
+                       context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GenerateChunk]:
+        t_arrive = time.perf_counter()
+        self.counters.requests += 1
+        if not self._ready:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the verifier is still loading its model")
+        if self._draining:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the verifier is shutting down")
+        try:
+            params, speculative, spec = self._validate(request)
+        except ContextOverflowError as e:
+            self.counters.invalid += 1
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"the prompt ({len(request.prompt_ids)} tokens) does not fit the context "
+                                f"({self.max_ctx} tokens, the room for at least one generated token included)"
+                                f": {e}")
+        except InvalidRequestError as e:
+            self.counters.invalid += 1
+            where = f" [{e.param}]" if e.param else ""
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{e}{where}")
+
+        # Admission: a full queue answers at once rather than letting the caller wait without bound.
+        if self._active + self._queued >= self.cfg.slots + self.cfg.max_queue:
+            self.counters.rejected += 1
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                f"the verifier is busy: {self._active} running and {self._queued} queued "
+                                f"(slots {self.cfg.slots}, max queue {self.cfg.max_queue}); retry later")
+
+        request_id = request.request_id or uuid.uuid4().hex
+        parent = _extract_context(context)
+        span = self._tracer.start_span("verifier.generate", context=parent, kind=trace.SpanKind.SERVER)
+        span.set_attributes({
+            "gen_ai.request.id": request_id,
+            "gen_ai.request.model": self.target.name,
+            "gen_ai.request.max_tokens": request.max_tokens,
+            "gen_ai.request.temperature": params.temperature,
+            "gen_ai.request.top_p": params.top_p,
+            "gen_ai.request.top_k": params.top_k,
+            "gen_ai.usage.input_tokens": len(request.prompt_ids),
+            "spec.enabled": speculative,
+            "spec.mode": ("chain" if spec.chain else "ddtree") if speculative else "off",
+        })
+        if params.seed is not None:
+            span.set_attribute("gen_ai.request.seed", params.seed)
+
+        job: _Job | None = None
+        status = "ok"
+        span_open = True
+        try:
+            remaining = context.time_remaining()
+            job = _Job(request_id=request_id, prompt_ids=list(request.prompt_ids), max_tokens=request.max_tokens,
+                       params=params, stop_ids=list(request.stop_ids), speculative=speculative, spec=spec,
+                       deadline=time.monotonic() + remaining if remaining is not None else None,
+                       span=span, loop=asyncio.get_running_loop(), queue=asyncio.Queue())
+            self._queued += 1
+            try:
+                await self._sem.acquire()
+            finally:
+                self._queued -= 1
+            # From here the slot belongs to the worker: released when its thread returns (see _start).
+            self._start(job)
+            queue_ms = (time.perf_counter() - t_arrive) * 1e3
+            span.set_attribute("gen_ai.latency.time_in_queue", queue_ms / 1e3)
+            while True:
+                kind, payload = await job.queue.get()
+                if kind == "chunk":
+                    yield pb.GenerateChunk(token_ids=payload)
+                elif kind == "final":
+                    span_open = False          # _final_chunk ends it with the totals
+                    yield self._final_chunk(job, payload, queue_ms)
+                    self.counters.completed += 1
+                    return
+                elif kind == "stopped":
+                    if job.stop_reason == "deadline":
+                        status = "deadline"
+                        await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED,
+                                            "the request's deadline passed during generation")
+                    status = "cancelled"
+                    yield pb.GenerateChunk(finish_reason=pb.FINISH_REASON_CANCELLED)
+                    return
+                elif kind == "error":
+                    status = "error"
+                    raise payload
+        except (asyncio.CancelledError, GeneratorExit):   # client went away / deadline / server stop
+            status = "cancelled"
+            raise
+        except SpecsplitError as e:       # the engine rejected something validation did not catch
+            status = "invalid"
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        except Exception as e:
+            if isinstance(e, grpc.aio.AbortError):     # context.abort above: already a status
+                raise
+            status = "error"
+            self.counters.failed += 1
+            log.error("verifier: request %s failed:\n%s", request_id, traceback.format_exc())
+            span.record_exception(e)
+            await context.abort(grpc.StatusCode.INTERNAL, f"generation failed: {type(e).__name__}: {e}")
+        finally:
+            if job is not None:
+                job.cancel.set()          # no-op when finished; stops the engine at its next step otherwise
+            if status == "cancelled":
+                self.counters.cancelled += 1
+            if span_open:
+                span.set_attribute("verifier.status", status)
+                if status not in ("ok", "cancelled"):
+                    span.set_status(trace.Status(trace.StatusCode.ERROR, status))
+                span.end()
+
+    def _start(self, job: _Job) -> None:
+        """Hand the held slot to a worker thread; the slot is released when that thread returns."""
+        try:
+            fut = asyncio.get_running_loop().run_in_executor(self._pool, self._run, job)
+        except RuntimeError:                # the pool is shut down (stopping): give the slot back
+            self._sem.release()
+            raise
+        self._active += 1
+        self._jobs.add(job)
+
+        def release(_: Any) -> None:
+            # Runs on the event loop once the worker thread has returned: only now is the slot free.
+            self._active -= 1
+            self._jobs.discard(job)
+            self._sem.release()
+
+        fut.add_done_callback(release)
+
+    def _final_chunk(self, job: _Job, tokens: list[int], queue_ms: float) -> pb.GenerateChunk:
+        res = job.result
+        spec = _spec_stats(res.spec, job)
+        span = job.span
+        span.set_attributes({
+            "gen_ai.usage.output_tokens": len(res.token_ids),
+            "gen_ai.response.finish_reasons": [res.finish_reason],
+            "spec.steps": spec.steps,
+            "spec.draft_tokens": spec.draft_tokens,
+            "spec.accepted_tokens": spec.accepted_tokens,
+            "spec.mean_acceptance_length": spec.mean_acceptance_length,
+            "spec.draft_ms": spec.draft_ms,
+            "spec.verify_ms": spec.verify_ms,
+            "spec.accept_ms": spec.accept_ms,
+            "spec.fallback": spec.fallback,
+            "verifier.prompt_ms": res.prompt_ms,
+            "verifier.decode_ms": res.decode_ms,
+            "verifier.status": "ok",
+        })
+        if spec.budget:
+            span.set_attribute("spec.budget", spec.budget)
+        span.end()
+        return pb.GenerateChunk(
+            token_ids=tokens,
+            finish_reason=_FINISH.get(res.finish_reason, pb.FINISH_REASON_LENGTH),
+            usage=pb.Usage(prompt_tokens=res.prompt_tokens, completion_tokens=len(res.token_ids)),
+            spec=spec,
+            timings=pb.Timings(queue_ms=queue_ms, prompt_ms=res.prompt_ms, decode_ms=res.decode_ms),
+        )
+
+    # -- the worker thread -------------------------------------------------------------------------
+    def _make_proposer(self, job: _Job) -> Proposer | None:
+        if not job.speculative:
+            return None
+
+        def failed(reason: str) -> None:
+            self._record_fallback(job, reason)
+
+        if self.drafter is not None:
+            return _GuardedProposer(LocalProposer(self.drafter), failed)
+        from services.drafter.client import DrafterClient
+
+        addr = self.cfg.drafter_address
+        # Each propose() waits at most this long: a drafter slower than the deadline is no help, and a
+        # shorter wait keeps a cancelled request from holding its slot behind a hung drafter for long.
+        timeout = self.cfg.drafter_timeout_s
+        if job.deadline is not None:
+            timeout = max(0.05, min(timeout, job.deadline - time.monotonic()))
+        now = time.monotonic()
+        if now < self._drafter_down_until:
+            # Recently unreachable: do not make every request pay a connect attempt (on a black-holed
+            # host that is a full timeout each); one request per DRAFTER_RETRY_S probes again.
+            return _GuardedProposer(_FailedProposer(self._drafter_down_reason), failed)
+        try:
+            # Made on the worker thread with the request span current: the Draft stream carries its
+            # trace context, so the drafter's spans join this request's trace.
+            client = DrafterClient(addr, timeout=min(timeout, DRAFTER_INFO_TIMEOUT_S))
+            info = client.info()        # one Info per connection (cached); raises if unreachable
+            client.timeout = timeout
+        except Exception as e:          # unreachable: the engine falls back at its first draft
+            reason = str(e) if isinstance(e, DrafterUnavailableError) else f"drafter {addr}: {type(e).__name__}: {e}"
+            self._drafter_down_until = time.monotonic() + DRAFTER_RETRY_S
+            self._drafter_down_reason = reason
+            return _GuardedProposer(_FailedProposer(reason), failed)
+        problem = self._drafter_mismatch(info)
+        if problem:
+            client.close()
+            return _GuardedProposer(_FailedProposer(f"drafter {addr} does not fit the target: {problem}"), failed)
+        return _GuardedProposer(client, failed)
+
+    def _drafter_mismatch(self, info: Any) -> str:
+        """Why a remote drafter cannot serve this target ('' when it can): its features would not exist."""
+        cfg = self.target.cfg
+        if info.n_vocab and info.n_vocab != cfg.n_vocab:
+            return f"vocabulary {info.n_vocab} != target's {cfg.n_vocab}"
+        bad = [i for i in info.target_layer_ids if not 0 <= i < cfg.n_layer]
+        if bad:
+            return f"target layer ids {bad} outside the target's {cfg.n_layer} layers"
+        if info.hidden_size and info.hidden_size != cfg.n_embd:
+            return f"hidden size {info.hidden_size} != target's {cfg.n_embd}"
+        if info.block_size < 2:
+            return f"block size {info.block_size}"
+        return ""
+
+    def _record_fallback(self, job: _Job, reason: str) -> None:
+        if job.fallback_reason:
+            return
+        job.fallback_reason = reason
+        log.warning("request %s: drafter failed after %d tokens (%s); continuing with plain decoding",
+                    job.request_id, len(job.result.token_ids), reason)
+        job.span.set_attribute("spec.fallback", True)
+        job.span.add_event("spec.fallback", {"reason": reason, "tokens_so_far": len(job.result.token_ids)})
+        job.loop.call_soon_threadsafe(self._count_fallback)
+
+    def _count_fallback(self) -> None:
+        self.counters.fallbacks += 1
+
+    def _expired(self, job: _Job) -> bool:
+        if job.cancel.is_set():
+            job.stop_reason = job.stop_reason or "cancelled"
+            return True
+        if job.deadline is not None and time.monotonic() >= job.deadline:
+            job.stop_reason = "deadline"
+            return True
+        return False
+
+    def _run(self, job: _Job) -> None:
+        """The engine loop of one request (worker thread). Checks the cancel flag between steps."""
+        # The request span is current in this thread, so a DrafterClient made here sends its trace context.
+        token = otel_context.attach(trace.set_span_in_context(job.span))
+        proposer: Proposer | None = None
+        gen = None
+        try:
+            if self._expired(job):
+                job.put("stopped")
+                return
+            proposer = self._make_proposer(job)
+            gen = speculative_stream(self.target.model, proposer, job.prompt_ids, job.max_tokens, job.params,
+                                     job.spec, job.stop_ids, self.max_ctx, job.result,
+                                     on_step=lambda info: self._step_spans(job, info))
+            stop = set(job.stop_ids)
+            n = 0
+            while True:
+                if self._expired(job):
+                    job.put("stopped")
+                    return
+                try:
+                    chunk = next(gen)
+                except StopIteration:
+                    # Ended for a reason we could not see coming (the context filled up): the last chunk
+                    # was already sent, so the totals go in an empty closing chunk.
+                    job.put("final", [])
+                    return
+                n += len(chunk)
+                if (chunk and chunk[-1] in stop) or n >= job.max_tokens:
+                    # This is the last chunk: let the engine finish its bookkeeping (decode time, spec
+                    # totals) so the chunk can carry them instead of needing one more message.
+                    for _ in gen:
+                        pass
+                    job.put("final", chunk)
+                    return
+                job.put("chunk", chunk)
+        except BaseException as e:          # noqa: BLE001 - handed to the event loop, which reports it
+            job.put("error", e)
+        finally:
+            if gen is not None:
+                gen.close()
+            if proposer is not None:
+                proposer.close()
+            otel_context.detach(token)
+
+    def _step_spans(self, job: _Job, info: StepInfo) -> None:
+        """spec.draft / spec.verify / spec.accept spans for one round, laid end to end ending now.
+
+        The engine reports durations only; the three phases run back to back (the tree build, a few
+        microseconds, is counted with the draft), so their times follow from the end of the accept.
+        """
+        end = _clock.now_ns()
+        accept_start = end - int(info.accept_ms * 1e6)
+        verify_start = accept_start - int(info.verify_ms * 1e6)
+        draft_start = verify_start - int(info.draft_ms * 1e6)
+        parent = trace.set_span_in_context(job.span)
+        attrs = {"spec.step": info.index, "spec.budget": info.budget, "spec.tree_size": info.tree_size,
+                 "spec.accepted_length": info.accepted}
+        for name, start, stop, ms in (("spec.draft", draft_start, verify_start, info.draft_ms),
+                                      ("spec.verify", verify_start, accept_start, info.verify_ms),
+                                      ("spec.accept", accept_start, end, info.accept_ms)):
+            s = self._tracer.start_span(name, context=parent, start_time=start, attributes=attrs)
+            s.set_attribute(f"{name}_ms", ms)
+            s.end(end_time=stop)
+
+
+def _spec_stats(spec: dict | None, job: _Job) -> pb.SpecStats:
+    if not spec:
+        return pb.SpecStats(mode="off")
+    mode = spec.get("mode", "off") if job.speculative else "off"
+    budget = spec.get("budget")
+    if budget is None:   # chain: report the nodes per step (block - 1), the same number spans carry
+        budget = len(spec.get("per_position", [])) if job.speculative else 0
+    return pb.SpecStats(
+        mode=mode, budget=int(budget), steps=spec.get("steps", 0), draft_tokens=spec.get("draft_tokens", 0),
+        accepted_tokens=spec.get("accepted", 0),
+        mean_acceptance_length=float(spec.get("mean_acceptance_length", 0.0)),
+        accepted_per_position=[int(x) for x in spec.get("per_position", [])],
+        acceptance_histogram=[int(x) for x in spec.get("histogram", [])],
+        draft_ms=float(spec.get("draft_ms", 0.0)), verify_ms=float(spec.get("verify_ms", 0.0)),
+        accept_ms=float(spec.get("accept_ms", 0.0)), fallback=bool(spec.get("fallback", False)),
+        fallback_reason=spec.get("fallback_reason", "") or job.fallback_reason,
+    )
+
+
+def _extract_context(context: grpc.aio.ServicerContext) -> otel_context.Context | None:
+    """The caller's trace context from the gRPC metadata (W3C traceparent), or None."""
+    from services import telemetry
+
+    return telemetry.extract_context(context)
+
+
+
+# --------------------------------------------------------------------------------------------------
+# starting a verifier in this process
+
+class VerifierServer:
+    """A running verifier: the gRPC server, its servicer, and the background load (weights + warm-up)."""
+
+    def __init__(self, running: Any, servicer: VerifierServicer, loading: asyncio.Task):
+        self.running = running                  # services.rpc.RunningServer
+        self.servicer = servicer
+        self.loading = loading                  # done once ready (its exception, if loading failed)
+        self._stopped = False
+
+    @property
+    def address(self) -> Any:
+        """The bound services.rpc.Address (a tcp port 0 resolved to the real port; `.target` to dial)."""
+        return self.running.address
+
+    async def wait_loaded(self) -> None:
+        """Wait for the weights and the warm-up; re-raises a loading failure (bad path, bad file)."""
+        await asyncio.shield(self.loading)
+
+    async def stop(self, grace: float | None = None) -> None:
+        """Graceful stop: readiness NOT_SERVING and no new requests, in-flight ones get `grace` seconds
+        (default cfg.shutdown_grace_s) to finish, then they are cancelled and their slots freed."""
+        if self._stopped:
+            return
+        self._stopped = True
+        grace = self.servicer.cfg.shutdown_grace_s if grace is None else grace
+        self.servicer._draining = True      # new Generate calls: UNAVAILABLE (retriable elsewhere)
+        if not self.loading.done():
+            self.loading.cancel()
+        await self.running.stop(grace)      # cancels what is left after `grace`; their handlers set cancel
+        self.servicer.close()
+        c = self.servicer.counters
+        log.info("verifier stopped: %d requests, %d completed, %d cancelled, %d rejected (queue full), "
+                 "%d invalid, %d failed, %d drafter fallbacks", c.requests, c.completed, c.cancelled,
+                 c.rejected, c.invalid, c.failed, c.fallbacks)
+
+    async def wait_for_termination(self) -> None:
+        await self.running.wait_for_termination()
+
+
+async def serve_verifier(cfg: VerifierConfig, address: str, wait: bool = True) -> VerifierServer:
+    """Start a Verifier on `address` (unix:///..., host:port, inproc:NAME) in the running event loop.
+
+    The server listens at once (liveness SERVING, readiness "specsplit.v1.Verifier" NOT_SERVING); the
+    model loads in a worker thread and one warm-up generation runs, then readiness turns SERVING.
+    `wait=True` returns only then (raising if loading failed); `wait=False` returns immediately (use
+    `await server.wait_loaded()` or a health wait_ready on a channel).
+    """
+    from services import rpc, telemetry
+
+    if cfg.trace is not None:
+        telemetry.configure_tracing(cfg.trace, "specsplit-verifier")
+    servicer = VerifierServicer(cfg, tracer=telemetry.get_tracer("specsplit.verifier"))
+    running = await rpc.start_server([(pb_grpc.add_VerifierServicer_to_server, servicer)], address,
+                                     [SERVICE_NAME])
+
+    async def load() -> None:
+        try:
+            await servicer.load()
+        except SpecsplitError as e:         # a message for the operator; a traceback adds nothing
+            log.error("verifier: cannot load: %s", e)
+            raise
+        except BaseException:
+            log.exception("verifier: loading %s failed", cfg.model)
+            raise
+        await running.set_ready(SERVICE_NAME)
+
+    loading = asyncio.ensure_future(load())
+    server = VerifierServer(running, servicer, loading)
+    if wait:
+        try:
+            await server.wait_loaded()
+        except BaseException:
+            await server.stop(0)
+            raise
+    return server

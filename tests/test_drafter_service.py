@@ -1,0 +1,262 @@
+"""The Drafter service in its own process: the same proposals as the in-process drafter (inline and shared
+memory), bounded sessions, bad requests refused without harm, a dead drafter turns into a fallback."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import grpc
+import numpy as np
+import pytest
+from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
+
+from services import rpc
+from services.drafter.client import DrafterClient
+from services.engine.generate import GenerationResult
+from services.engine.loader import load_target
+from services.engine.models.dflash import load_drafter
+from services.engine.speculative import DrafterUnavailableError, LocalProposer, SpecConfig, speculative_stream
+from services.wire import pb, pb_grpc
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def spawn_drafter(tiny_pair, sock: Path, max_sessions: int = 2) -> tuple[subprocess.Popen, str]:
+    """Start `python -m services drafter` and block until its health says the Drafter is SERVING."""
+    _, target, draft = tiny_pair
+    addr = f"unix://{sock}"
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.Popen([sys.executable, "-m", "services", "drafter", "--model", target, "--draft", draft,
+                             "--listen", addr, "--max-sessions", str(max_sessions), "--log-level", "WARNING"],
+                            cwd=ROOT, env=env, stderr=subprocess.PIPE, text=True)
+
+    async def ready() -> None:
+        loop = asyncio.get_running_loop()
+        exited = loop.create_future()
+
+        def watch() -> None:
+            proc.wait()
+            try:
+                loop.call_soon_threadsafe(lambda: exited.done() or exited.set_result(None))
+            except RuntimeError:        # the drafter outlived this wait (the normal case)
+                pass
+
+        # a daemon thread, not the loop's executor: asyncio.run would join it while the drafter runs on
+        threading.Thread(target=watch, daemon=True).start()
+        async with rpc.open_channel(addr) as ch:
+            waiting = asyncio.ensure_future(rpc.wait_ready(ch, rpc.SERVICE_DRAFTER, timeout=120))
+            done, _ = await asyncio.wait({waiting, exited}, return_when=asyncio.FIRST_COMPLETED)
+            if waiting not in done:
+                waiting.cancel()
+                raise RuntimeError(f"the drafter exited with {proc.returncode}:\n{proc.stderr.read()}")
+            waiting.result()
+
+    try:
+        asyncio.run(ready())
+    except BaseException:
+        proc.kill()
+        proc.wait()
+        raise
+    return proc, addr
+
+
+def stop(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+@pytest.fixture(scope="module")
+def drafter_addr(tiny_pair, tmp_path_factory):
+    proc, addr = spawn_drafter(tiny_pair, tmp_path_factory.mktemp("drafter") / "d.sock")
+    yield addr
+    stop(proc)
+    assert proc.returncode == 0, proc.stderr.read()
+
+
+@pytest.fixture(scope="module")
+def local(tiny_pair):
+    _, target, draft = tiny_pair
+    model = load_target(target, with_tokenizer=False).model
+    return model, load_drafter(draft, model)
+
+
+def feature_steps(drafter, seed=0):
+    """(features, last_token, start) per step: a prompt's worth of rows, then a few per step."""
+    rng = np.random.default_rng(seed)
+    width = len(drafter.target_layer_ids) * drafter.cfg.n_embd
+    start = 0
+    steps = []
+    for rows in (7, 1, 4, 0, 16, 3):
+        feats = rng.standard_normal((rows, width)).astype(np.float32) if rows else None
+        start += rows
+        steps.append((feats, int(rng.integers(0, drafter.n_vocab)), start))
+    return steps
+
+
+@pytest.mark.parametrize("transport,dtype", [("inline", None), ("shm", None), ("inline", "f16"), ("shm", "f16")])
+def test_proposals_equal_in_process(drafter_addr, local, transport, dtype):
+    _, drafter = local
+    ref = LocalProposer(drafter)
+    with DrafterClient(drafter_addr, transport=transport, feature_dtype=dtype) as client:
+        assert client.transport == transport
+        assert client.block_size == drafter.block_size
+        assert client.target_layer_ids == drafter.target_layer_ids
+        for feats, last, start in feature_steps(drafter):
+            sent = feats.astype(np.float16).astype(np.float32) if dtype == "f16" and feats is not None else feats
+            for k in (1, 8):
+                if k == 8:      # the same block again: the context must not grow twice
+                    feats = sent = None
+                ids, logp = client.propose(feats, last, start, k)
+                want_ids, want_logp = ref.propose(sent, last, start, k)
+                assert ids.dtype == np.int64 and ids.shape == (drafter.block_size - 1, k)
+                np.testing.assert_array_equal(ids, want_ids)
+                np.testing.assert_allclose(logp, want_logp, rtol=1e-6, atol=1e-6)
+
+
+def test_auto_transport_and_info(drafter_addr, local):
+    _, drafter = local
+    client = DrafterClient(drafter_addr, wait_ready=True, ready_timeout=30)
+    assert client.transport == "shm"                  # unix address
+    info = client.info()
+    assert (info.block_size, info.target_layer_ids, info.mask_token_id) == \
+        (drafter.block_size, drafter.target_layer_ids, drafter.mask_token_id)
+    assert (info.hidden_size, info.n_vocab, info.max_sessions) == (drafter.cfg.n_embd, drafter.n_vocab, 2)
+    client.close()
+    client.close()
+    assert DrafterClient("localhost:1", transport="auto").transport == "inline"
+    with pytest.raises(ValueError, match="same host|this host"):
+        DrafterClient("localhost:1", transport="shm")
+
+
+def test_max_sessions(drafter_addr, local):
+    _, drafter = local
+    (feats, last, start), *_ = feature_steps(drafter)
+    a, b = DrafterClient(drafter_addr), DrafterClient(drafter_addr)
+    a.propose(feats, last, start, 1)
+    b.propose(feats, last, start, 1)
+    c = DrafterClient(drafter_addr)
+    with pytest.raises(DrafterUnavailableError, match="RESOURCE_EXHAUSTED"):
+        c.propose(feats, last, start, 1)
+    with pytest.raises(DrafterUnavailableError):       # a failed client stays failed
+        c.propose(feats, last, start, 1)
+    c.close()
+    a.close()                                          # frees a session for the next request
+    d = DrafterClient(drafter_addr)
+    d.propose(feats, last, start, 1)
+    assert d.info().active_sessions == 2
+    b.close()
+    d.close()
+
+
+def _raw_draft(addr, requests):
+    """Send `requests` on one raw Draft stream; return the responses and the final status."""
+    async def go():
+        async with rpc.open_channel(addr) as ch:
+            call = pb_grpc.DrafterStub(ch).Draft()
+            out = []
+            try:
+                for r in requests:
+                    await call.write(r)
+                    out.append(await call.read())
+                await call.done_writing()
+                await call.read()
+            except grpc.aio.AioRpcError:
+                pass
+            return out, await call.code(), await call.details()
+
+    return asyncio.run(go())
+
+
+def test_bad_requests_are_invalid_argument(drafter_addr, local):
+    _, drafter = local
+    width = len(drafter.target_layer_ids) * drafter.cfg.n_embd
+    good = np.zeros((2, width), np.float32).tobytes()
+
+    def req(rows=2, w=width, dtype="f32", data=good, start=2, last=1, k=1, shm=""):
+        return pb.DraftRequest(features=pb.Features(rows=rows, width=w, dtype=dtype, data=data, shm_name=shm),
+                               last_token=last, start=start, top_k=k)
+
+    cases = {
+        "width": req(w=width + 1),
+        "start must be 2": req(start=3),
+        "outside the vocabulary": req(last=drafter.n_vocab + 5),
+        "dtype": req(dtype="bf16"),
+        "bytes": req(data=good[:-4]),
+        "top_k": req(k=0),
+        "cannot map shared memory": req(data=b"", shm="specsplit-no-such-segment"),
+    }
+    for needle, bad in cases.items():
+        out, code, details = _raw_draft(drafter_addr, [bad])
+        want = grpc.StatusCode.FAILED_PRECONDITION if "shared" in needle else grpc.StatusCode.INVALID_ARGUMENT
+        assert code == want, (needle, code, details)
+        assert needle in details
+    # the drafter keeps serving, and a stream's bad request only ends that stream
+    out, code, _ = _raw_draft(drafter_addr, [req(), req(rows=0, data=b"", start=2)])
+    assert code == grpc.StatusCode.OK and len(out) == 2 and out[0].positions == drafter.block_size - 1
+    with DrafterClient(drafter_addr, transport="inline") as client:
+        with pytest.raises(DrafterUnavailableError, match="INVALID_ARGUMENT.*width"):
+            client.propose(np.zeros((2, width + 3), np.float32), 1, 2, 1)
+    assert DrafterClient(drafter_addr).info().active_sessions == 0
+
+
+def test_reflection_lists_services(drafter_addr):
+    with rpc.open_sync_channel(drafter_addr) as ch:
+        services = set(ProtoReflectionDescriptorDatabase(ch).get_services())
+    assert {rpc.SERVICE_DRAFTER, rpc.HEALTH_SERVICE, rpc.REFLECTION_SERVICE} <= services
+
+
+@pytest.mark.parametrize("budget", [None, 22])
+def test_speculative_stream_same_tokens(drafter_addr, local, budget):
+    model, drafter = local
+    prompt = [5, 17, 99, 3, 42, 8, 250, 11]
+
+    def run(proposer):
+        res = GenerationResult()
+        for _ in speculative_stream(model, proposer, prompt, 30, spec=SpecConfig(budget=budget), result=res):
+            pass
+        return res
+
+    want = run(LocalProposer(drafter))
+    got = run(DrafterClient(drafter_addr))
+    assert got.token_ids == want.token_ids
+    assert not got.spec["fallback"] and got.spec["steps"] == want.spec["steps"] > 0
+    assert got.spec["accepted"] == want.spec["accepted"]
+
+
+def test_killed_drafter_is_unavailable(tiny_pair, local, tmp_path):
+    _, drafter = local
+    proc, addr = spawn_drafter(tiny_pair, tmp_path / "k.sock")
+    try:
+        steps = feature_steps(drafter)
+        client = DrafterClient(addr, timeout=10)
+        client.propose(*steps[0], 1)
+        proc.kill()
+        proc.wait()
+        with pytest.raises(DrafterUnavailableError, match=addr):
+            client.propose(*steps[1], 1)
+        client.close()
+        with pytest.raises(DrafterUnavailableError):      # a new client (shared channel) fails as well
+            DrafterClient(addr, timeout=10).propose(*steps[0], 1)
+    finally:
+        stop(proc)
+
+
+def test_unreachable_drafter(tmp_path):
+    addr = f"unix://{tmp_path}/nobody.sock"
+    with pytest.raises(DrafterUnavailableError, match="not ready after"):
+        DrafterClient(addr, wait_ready=True, ready_timeout=0.5)
+    lazy = DrafterClient(addr, timeout=5)             # nothing contacted yet
+    assert lazy.block_size == 16 and lazy.target_layer_ids == []    # Info failed: the client is failed
+    with pytest.raises(DrafterUnavailableError, match="UNAVAILABLE"):
+        lazy.propose(None, 1, 0, 1)
+    lazy.close()

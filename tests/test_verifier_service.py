@@ -1,0 +1,326 @@
+"""The Verifier service over gRPC: a real `specsplit verifier` process on a unix socket.
+
+What is pinned here: greedy output equals in-process plain decoding (with and without the drafter),
+a dead drafter degrades to plain decoding instead of failing, cancellation and deadlines free the slot,
+the bounded queue rejects with RESOURCE_EXHAUSTED instead of hanging, bad input is INVALID_ARGUMENT and
+the service keeps serving; and (in-process) the verifier.generate span with its per-step children.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from services.engine.generate import generate
+from services.engine.loader import load_target
+from services.wire import pb, pb_grpc
+
+ROOT = Path(__file__).resolve().parents[1]
+SERVICE = "specsplit.v1.Verifier"
+CALL_TIMEOUT = 120.0          # a safety net so a broken server fails the test instead of hanging it
+
+
+class VerifierProcess:
+    """`python -m services verifier ...` on a unix socket, waited on through its readiness health check."""
+
+    def __init__(self, sock: Path, args: list[str], env: dict[str, str] | None = None):
+        self.address = f"unix://{sock}"
+        self.log = sock.with_suffix(".log")
+        full_env = {**os.environ, "PYTHONPATH": str(ROOT), **(env or {})}
+        with open(self.log, "w") as log:
+            self.proc = subprocess.Popen([sys.executable, "-m", "services", "verifier", "--listen", self.address,
+                                          *args], cwd=ROOT, env=full_env, stdout=log, stderr=subprocess.STDOUT)
+        self.channel = grpc.insecure_channel(self.address)
+        self.stub = pb_grpc.VerifierStub(self.channel)
+        self._wait_ready()
+
+    def _wait_ready(self) -> None:
+        # Health Watch streams status changes: no polling, no sleeps; wait_for_ready rides over the time
+        # before the socket exists. A watcher thread turns an early process exit into a failure at once.
+        health = health_pb2_grpc.HealthStub(self.channel)
+        call = health.Watch(health_pb2.HealthCheckRequest(service=SERVICE), wait_for_ready=True,
+                            timeout=CALL_TIMEOUT)
+        threading.Thread(target=lambda: (self.proc.wait(), call.cancel()), daemon=True).start()
+        try:
+            for resp in call:
+                if resp.status == health_pb2.HealthCheckResponse.SERVING:
+                    call.cancel()
+                    return
+        except grpc.RpcError:
+            pass
+        self.stop()
+        raise AssertionError(f"verifier did not become ready:\n{self.log.read_text()}")
+
+    def generate(self, timeout: float = CALL_TIMEOUT, **kw) -> tuple[list[int], pb.GenerateChunk, int]:
+        """(all token ids, the last chunk, number of chunks)."""
+        chunks = list(self.stub.Generate(pb.GenerateRequest(**kw), timeout=timeout))
+        return [t for c in chunks for t in c.token_ids], chunks[-1], len(chunks)
+
+    def stop(self) -> None:
+        self.channel.close()
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+@pytest.fixture(scope="module")
+def target(tiny_pair):
+    return load_target(tiny_pair[1])
+
+
+@pytest.fixture(scope="module")
+def prompts(target) -> list[list[int]]:
+    tok = target.tokenizer
+    return [tok.encode(t) for t in ("def add(a, b):", "The quick brown", "Hello, how are you")] + [[5]]
+
+
+@pytest.fixture(scope="module")
+def verifier(tiny_pair, tmp_path_factory) -> Iterator[VerifierProcess]:
+    """One slot, one queue place, the in-process drafter."""
+    _, gguf, drafter = tiny_pair
+    p = VerifierProcess(tmp_path_factory.mktemp("verifier") / "v.sock",
+                        ["--model", gguf, "--draft", drafter, "--slots", "1", "--max-queue", "1"])
+    yield p
+    p.stop()
+
+
+@pytest.fixture(scope="module")
+def verifier_dead_drafter(tiny_pair, tmp_path_factory) -> Iterator[VerifierProcess]:
+    """--drafter pointing where nothing listens; the model path comes from SPECSPLIT_MODEL (env flags)."""
+    folder = tmp_path_factory.mktemp("verifier_dead")
+    p = VerifierProcess(folder / "v.sock", ["--drafter", f"unix://{folder}/nobody.sock", "--budget", "chain"],
+                        env={"SPECSPLIT_MODEL": tiny_pair[1]})
+    yield p
+    p.stop()
+
+
+def test_greedy_matches_in_process_plain(verifier, target, prompts):
+    for ids in prompts:
+        want = generate(target.model, ids, 24).token_ids
+        for speculative in (False, True):
+            got, last, n_chunks = verifier.generate(prompt_ids=ids, max_tokens=24, speculative=speculative)
+            assert got == want, (ids, speculative)
+            assert last.finish_reason == pb.FINISH_REASON_LENGTH
+            assert last.usage.prompt_tokens == len(ids) and last.usage.completion_tokens == 24
+            assert last.timings.decode_ms > 0 and last.timings.prompt_ms > 0
+            if speculative:
+                assert last.spec.mode == "ddtree" and last.spec.budget == 22
+                assert last.spec.steps > 0 and last.spec.draft_tokens > 0 and not last.spec.fallback
+                assert len(last.spec.acceptance_histogram) == 16
+                assert n_chunks == last.spec.steps + 1            # the first token, then one per step
+            else:
+                assert last.spec.mode == "off" and last.spec.steps == 0
+                assert n_chunks == 24
+
+
+def test_stop_ids_and_chain_budget(verifier, target, prompts):
+    ids = prompts[0]
+    want = generate(target.model, ids, 20).token_ids
+    stop = want[7]
+    got, last, _ = verifier.generate(prompt_ids=ids, max_tokens=20, stop_ids=[stop], budget=0)
+    assert got == want[:want.index(stop) + 1]
+    assert last.finish_reason == pb.FINISH_REASON_STOP
+    assert last.spec.mode == "chain" and last.spec.steps > 0
+
+
+def test_dead_drafter_falls_back_to_plain(verifier_dead_drafter, target, prompts):
+    info = verifier_dead_drafter.stub.Info(pb.InfoRequest(), timeout=CALL_TIMEOUT)
+    assert info.model.speculative and "nobody.sock" in info.drafter_address
+    for ids in prompts[:2]:
+        got, last, _ = verifier_dead_drafter.generate(prompt_ids=ids, max_tokens=12, timeout=60)
+        assert got == generate(target.model, ids, 12).token_ids
+        assert last.spec.fallback and last.spec.fallback_reason
+        assert last.finish_reason == pb.FINISH_REASON_LENGTH
+
+
+def test_cancel_frees_the_slot(verifier, prompts):
+    call = verifier.stub.Generate(pb.GenerateRequest(prompt_ids=prompts[0], max_tokens=480), timeout=CALL_TIMEOUT)
+    it = iter(call)
+    next(it), next(it)                       # it is running: two engine steps came back
+    call.cancel()
+    t0 = time.perf_counter()
+    got, last, _ = verifier.generate(prompt_ids=prompts[1], max_tokens=4)
+    elapsed = time.perf_counter() - t0
+    assert len(got) == 4 and last.finish_reason == pb.FINISH_REASON_LENGTH
+    # 480 speculative steps take seconds; the slot came back after at most one of them.
+    assert elapsed < 2.0, elapsed
+
+
+def test_deadline_stops_generation(verifier, prompts):
+    with pytest.raises(grpc.RpcError) as e:
+        verifier.generate(prompt_ids=prompts[0], max_tokens=480, timeout=0.5)
+    assert e.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    t0 = time.perf_counter()
+    got, _, _ = verifier.generate(prompt_ids=prompts[1], max_tokens=4)
+    assert len(got) == 4 and time.perf_counter() - t0 < 2.0
+
+
+def test_queue_full_is_resource_exhausted(verifier, prompts):
+    # slots=1, max_queue=1: of 4 simultaneous requests one runs, one waits, two are turned away at once.
+    codes: list[grpc.StatusCode] = []
+    lock = threading.Lock()
+    start = threading.Barrier(4)
+
+    def one() -> None:
+        start.wait()
+        try:
+            verifier.generate(prompt_ids=prompts[2], max_tokens=100, timeout=60, speculative=True)
+            code = grpc.StatusCode.OK
+        except grpc.RpcError as e:
+            code = e.code()
+        with lock:
+            codes.append(code)
+
+    threads = [threading.Thread(target=one) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=90)
+    assert not any(t.is_alive() for t in threads), "a request hung"
+    assert sorted(c.name for c in codes) == ["OK", "OK", "RESOURCE_EXHAUSTED", "RESOURCE_EXHAUSTED"]
+
+
+@pytest.mark.parametrize("fields, needle", [
+    ({"prompt_ids": [], "max_tokens": 4}, "empty"),
+    ({"prompt_ids": [1, 99999], "max_tokens": 4}, "vocabulary"),
+    ({"prompt_ids": [1, -3], "max_tokens": 4}, "vocabulary"),
+    ({"prompt_ids": [1], "max_tokens": 0}, "max_tokens"),
+    ({"prompt_ids": [1], "max_tokens": 4, "sampling": pb.SamplingParams(temperature=-1)}, "temperature"),
+    ({"prompt_ids": [1], "max_tokens": 4, "sampling": pb.SamplingParams(top_p=1.5)}, "top_p"),
+    ({"prompt_ids": [1], "max_tokens": 4, "sampling": pb.SamplingParams(top_k=-2)}, "top_k"),
+    ({"prompt_ids": [1], "max_tokens": 4, "stop_ids": [100000]}, "stop"),
+    ({"prompt_ids": [1], "max_tokens": 4, "budget": -1}, "budget"),
+    ({"prompt_ids": [7] * 600, "max_tokens": 4}, "context"),
+])
+def test_bad_requests_are_invalid_argument(verifier, fields, needle):
+    with pytest.raises(grpc.RpcError) as e:
+        verifier.generate(**fields)
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert needle in e.value.details()
+    got, _, _ = verifier.generate(prompt_ids=[1, 2], max_tokens=2)   # still serving
+    assert len(got) == 2
+
+
+def test_info(verifier, target):
+    info = verifier.stub.Info(pb.InfoRequest())
+    assert info.model.id == target.name and info.model.arch == target.cfg.arch
+    assert info.model.n_vocab == target.cfg.n_vocab and info.model.context_length == target.cfg.context_length
+    assert info.model.speculative and info.slots == 1 and info.max_queue == 1 and info.backend == "numpy"
+
+
+def test_sigterm_lets_the_running_request_finish(tiny_pair, tmp_path, prompts):
+    p = VerifierProcess(tmp_path / "v.sock", ["--model", tiny_pair[1], "--grace", "30"])
+    try:
+        call = p.stub.Generate(pb.GenerateRequest(prompt_ids=prompts[0], max_tokens=200), timeout=CALL_TIMEOUT)
+        it = iter(call)
+        first = next(it)
+        p.proc.terminate()
+        rest = list(it)
+        assert len(first.token_ids) + sum(len(c.token_ids) for c in rest) == 200
+        assert rest[-1].finish_reason == pb.FINISH_REASON_LENGTH
+        assert p.proc.wait(timeout=30) == 0
+    finally:
+        p.stop()
+
+
+def test_spans_in_process(tiny_pair, tmp_path):
+    """verifier.generate is a child of the caller's span; one spec.draft/verify/accept per spec step."""
+    from opentelemetry import trace
+
+    from services import telemetry
+    from services.verifier.service import VerifierConfig, serve_verifier
+
+    provider = telemetry.configure_tracing("memory", "test")
+    mem = provider.memory_exporter
+
+    async def main() -> pb.GenerateChunk:
+        server = await serve_verifier(VerifierConfig(model=tiny_pair[1], draft=tiny_pair[2]),
+                                      f"unix://{tmp_path}/v.sock")
+        try:
+            tracer = telemetry.get_tracer("test")
+            async with grpc.aio.insecure_channel(server.address.target,
+                                                 interceptors=telemetry.client_interceptors()) as ch:
+                stub = pb_grpc.VerifierStub(ch)
+                with tracer.start_as_current_span("client"):
+                    chunks = [c async for c in stub.Generate(pb.GenerateRequest(prompt_ids=[1, 2, 3],
+                                                                                max_tokens=10))]
+            return chunks[-1]
+        finally:
+            await server.stop(1)
+
+    last = asyncio.run(main())
+    spans = mem.get_finished_spans()
+    client = next(s for s in spans if s.name == "client")
+    gen = next(s for s in spans if s.name == "verifier.generate")
+    assert gen.parent is not None and gen.parent.span_id == client.context.span_id
+    assert gen.context.trace_id == client.context.trace_id
+    assert gen.attributes["gen_ai.usage.output_tokens"] == 10
+    assert gen.attributes["gen_ai.request.max_tokens"] == 10
+    assert gen.attributes["spec.steps"] == last.spec.steps > 0
+    for name in ("spec.draft", "spec.verify", "spec.accept"):
+        steps = [s for s in spans if s.name == name]
+        assert len(steps) == last.spec.steps
+        for s in steps:
+            assert s.parent.span_id == gen.context.span_id
+            assert s.attributes["spec.tree_size"] > 0 and "spec.accepted_length" in s.attributes
+            assert gen.start_time <= s.start_time <= s.end_time <= gen.end_time
+    assert trace.get_tracer_provider() is not None
+
+
+def test_remote_drafter_in_process(tiny_pair, target, tmp_path):
+    """--drafter with a live Drafter service: same output, spec steps, the drafter's spans in the trace;
+    then the drafter dies mid-request and the request still completes, with plain decoding."""
+    from services import telemetry
+    from services.drafter.service import DrafterConfig, serve_drafter
+    from services.verifier.service import VerifierConfig, serve_verifier
+
+    mem = telemetry.configure_tracing("memory", "test").memory_exporter
+    _, gguf, draft = tiny_pair
+    prompt = target.tokenizer.encode("def add(a, b):")
+    want = generate(target.model, prompt, 60).token_ids
+
+    async def main() -> tuple[pb.GenerateChunk, list[int], pb.GenerateChunk]:
+        drafter = await serve_drafter(DrafterConfig(model=gguf, draft=draft), f"unix://{tmp_path}/d.sock")
+        await drafter.wait_loaded()
+        server = await serve_verifier(VerifierConfig(model=gguf, drafter_address=f"unix://{tmp_path}/d.sock"),
+                                      f"unix://{tmp_path}/v.sock")
+        try:
+            async with grpc.aio.insecure_channel(server.address.target) as ch:
+                stub = pb_grpc.VerifierStub(ch)
+                chunks = [c async for c in stub.Generate(pb.GenerateRequest(prompt_ids=prompt, max_tokens=20))]
+                tokens, last = [], None
+                async for c in stub.Generate(pb.GenerateRequest(prompt_ids=prompt, max_tokens=60)):
+                    tokens += c.token_ids
+                    last = c
+                    if len(tokens) >= 3 and drafter is not None:
+                        await drafter.stop(0)         # the drafter goes away mid-request
+                        drafter = None
+            return chunks[-1], tokens, last
+        finally:
+            await server.stop(1)
+            if drafter is not None:
+                await drafter.stop(0)
+
+    first, tokens, last = asyncio.run(main())
+    assert first.spec.steps > 0 and not first.spec.fallback
+    assert tokens == want
+    assert last.spec.fallback and last.spec.fallback_reason and last.spec.steps >= 1
+    spans = mem.get_finished_spans()
+    gens = [s for s in spans if s.name == "verifier.generate"]
+    sessions = [s for s in spans if s.name == "drafter.session"]
+    assert sessions and sessions[0].parent.span_id == gens[0].context.span_id
+    assert any(e.name == "spec.fallback" for e in gens[1].events)
