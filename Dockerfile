@@ -1,0 +1,30 @@
+# specsplit: one image for all three services; the sub-command picks the role
+# (`specsplit gateway | verifier | drafter | serve`). Every flag also reads SPECSPLIT_<FLAG> from the
+# environment, so compose files and Helm charts configure it without command overrides.
+FROM python:3.11-slim
+
+# curl: the gateway's container health check (GET /health).
+RUN apt-get update \
+ && apt-get install -y --no-install-recommends curl \
+ && rm -rf /var/lib/apt/lists/*
+
+# Build from a copy that is removed afterwards: the installed package (with stubs generated at build
+# time by setup.py) is the only `services` on the path, whatever the working directory.
+COPY pyproject.toml setup.py README.md /src/
+COPY proto /src/proto
+COPY services /src/services
+COPY kernels /src/kernels
+RUN pip install --no-cache-dir /src aiohttp prometheus-client \
+ && rm -rf /src
+
+RUN useradd --create-home --uid 10001 specsplit \
+ && mkdir -p /run/specsplit /models \
+ && chown specsplit /run/specsplit
+USER specsplit
+WORKDIR /home/specsplit
+ENV PYTHONUNBUFFERED=1
+
+# 8080 OpenAI HTTP (gateway), 50051 verifier gRPC, 50052 public gateway gRPC, 50053 drafter gRPC
+EXPOSE 8080 50051 50052 50053
+ENTRYPOINT ["specsplit"]
+CMD ["--help"]

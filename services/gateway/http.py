@@ -1,0 +1,305 @@
+"""The OpenAI-compatible HTTP surface (aiohttp, on the same event loop as the gRPC clients).
+
+Routes (each also without the /v1 prefix, as llama-server serves them): /v1/models, /v1/chat/completions,
+/v1/completions, /tokenize, /detokenize, /health (/v1/health), /metrics.
+
+Streaming: the handler waits for the first event before sending headers (up to one ping interval), so
+errors the verifier reports at once (queue full, prompt too long) still become proper HTTP statuses; a
+long prefill past that gets headers, the role chunk and `: ping` comments, which clients ignore. Errors
+after the headers are one `data: {"error": ...}` event. A client that disconnects cancels the handler
+(handler_cancellation=True), which cancels the verifier call and frees its slot.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from aiohttp import web
+from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+
+from .core import Delta, GatewayCore, Generation, GenerationRequest, Outcome
+from .errors import APIError, invalid, unavailable
+from .openai_api import (
+    chat_chunk,
+    chat_response,
+    completion_chunk,
+    completion_response,
+    new_id,
+    now,
+    opt_bool,
+    opt_model,
+    opt_object,
+    parse_common,
+    parse_messages,
+    parse_prompt,
+)
+from .textstream import prompt_opens_thinking
+
+log = logging.getLogger("specsplit.gateway")
+
+CORE_KEY = web.AppKey("core", GatewayCore)
+PING_KEY = web.AppKey("ping_interval", float)
+_PROPAGATOR = TraceContextTextMapPropagator()
+# The status a streamed response really ended with (its HTTP status is 200 once headers are out).
+_STATUS_KEY: Any = web.RequestKey("status", int) if hasattr(web, "RequestKey") else "specsplit.status"
+
+# Canonical endpoint label for metrics (prefixed and unprefixed spellings count together).
+_ENDPOINTS = {
+    "/v1/chat/completions": "/v1/chat/completions", "/chat/completions": "/v1/chat/completions",
+    "/v1/completions": "/v1/completions", "/completions": "/v1/completions",
+    "/v1/models": "/v1/models", "/models": "/v1/models",
+    "/health": "/health", "/v1/health": "/health",
+    "/tokenize": "/tokenize", "/detokenize": "/detokenize",
+}
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+def error_response(err: APIError) -> web.Response:
+    return web.json_response(err.body(), status=err.status, headers=err.headers())
+
+
+async def read_json(request: web.Request) -> dict:
+    raw = await request.read()
+    try:
+        body = json.loads(raw.decode("utf-8") if raw else "")
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise invalid(f"the request body is not valid JSON: {e}") from None
+    if not isinstance(body, dict):
+        raise invalid(f"the request body must be a JSON object, got {type(body).__name__}")
+    return body
+
+
+@web.middleware
+async def _errors_and_metrics(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """Every error becomes an OpenAI error body; every API request is counted by endpoint and status."""
+    core = request.app[CORE_KEY]
+    endpoint = _ENDPOINTS.get(request.path)
+    status: int | str = 500
+    try:
+        resp = await handler(request)
+        status = request.get(_STATUS_KEY, resp.status)
+        return resp
+    except APIError as e:
+        status = e.status
+        return error_response(e)
+    except web.HTTPException as e:
+        status = e.status
+        if e.status == 404:
+            return error_response(APIError(404, f"no route for {request.method} {request.path}"))
+        if e.status == 405:
+            return error_response(APIError(405, f"method {request.method} not allowed on {request.path}",
+                                           type="invalid_request_error"))
+        if e.status >= 400:                 # e.g. 413 for a body over client_max_size
+            return error_response(APIError(e.status, e.reason or e.text or "request failed",
+                                           type="invalid_request_error" if e.status < 500 else None))
+        raise
+    except asyncio.CancelledError:
+        status = 499                     # client went away (nginx's convention; logs and metrics only)
+        raise
+    except Exception as e:
+        log.exception("unhandled error on %s", request.path)
+        return error_response(APIError(500, f"internal error: {type(e).__name__}: {e}"))
+    finally:
+        if endpoint is not None and endpoint not in ("/health",):
+            core.metrics.observe_request(endpoint, status)
+
+
+# ------------------------------------------------------------------------------------------ handlers
+
+
+async def health(request: web.Request) -> web.Response:
+    core = request.app[CORE_KEY]
+    if not core.pool.ready:
+        err = unavailable(f"Loading model: {core.pool.status_message()}")
+        return error_response(err)
+    return web.json_response({"status": "ok"})
+
+
+async def metrics(request: web.Request) -> web.Response:
+    core = request.app[CORE_KEY]
+    return web.Response(body=core.metrics.render(), headers={"Content-Type": core.metrics.content_type})
+
+
+async def models(request: web.Request) -> web.Response:
+    core = request.app[CORE_KEY]
+    info = core.pool.model_info()
+    card: dict[str, Any] = {"id": core.model_name, "object": "model",
+                            "created": int(info.created) if info is not None and info.created else core.created,
+                            "owned_by": "specsplit", "root": core.model_name, "parent": None}
+    if info is not None:
+        card["max_model_len"] = int(info.context_length)
+        card["meta"] = {"n_ctx": int(info.context_length), "n_vocab": int(info.n_vocab), "arch": info.arch,
+                        "speculative": bool(info.speculative)}
+    return web.json_response({"object": "list", "data": [card]})
+
+
+async def tokenize(request: web.Request) -> web.Response:
+    core = request.app[CORE_KEY]
+    body = await read_json(request)
+    content = body.get("content")
+    if not isinstance(content, str):
+        raise invalid("'content' must be a string", "content")
+    ids = core.encode(content, add_special=opt_bool(body, "add_special"))
+    if opt_bool(body, "with_pieces"):
+        tok = core.tokenizer
+        return web.json_response({"tokens": [{"id": i, "piece": tok.decode([i])} for i in ids]})
+    return web.json_response({"tokens": ids})
+
+
+async def detokenize(request: web.Request) -> web.Response:
+    core = request.app[CORE_KEY]
+    body = await read_json(request)
+    ids = body.get("tokens")
+    if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+        raise invalid("'tokens' must be an array of token ids", "tokens")
+    return web.json_response({"content": core.tokenizer.decode(ids)})
+
+
+def _trace_context(request: web.Request):
+    return _PROPAGATOR.extract(carrier=request.headers) if "traceparent" in request.headers else None
+
+
+async def chat_completions(request: web.Request) -> web.StreamResponse:
+    core = request.app[CORE_KEY]
+    arrived = time.perf_counter()
+    body = await read_json(request)
+    model = core.resolve_model(opt_model(body))
+    params = parse_common(body)
+    messages = parse_messages(body)
+    kwargs = dict(opt_object(body, "chat_template_kwargs") or {})
+    reserved = sorted(set(kwargs) & {"messages", "tools", "add_generation_prompt"})
+    if reserved:
+        raise invalid(f"chat_template_kwargs may not set {', '.join(reserved)}", "chat_template_kwargs")
+    tools = body.get("tools")
+    if tools is not None and not isinstance(tools, list):
+        raise invalid("'tools' must be an array", "tools")
+    prompt_text = core.render_chat(messages, tools or None, kwargs)
+    prompt_ids = core.encode(prompt_text, add_special=False)
+    core.check_prompt(prompt_ids)
+    split = core.think_ids is not None
+    req = GenerationRequest(request_id=new_id("chatcmpl"), operation="chat", endpoint="/v1/chat/completions",
+                            model=model, prompt_ids=prompt_ids, max_tokens=params.max_tokens,
+                            sampling=params.sampling, stop=params.stop, split_reasoning=split,
+                            in_reasoning=split and prompt_opens_thinking(prompt_text), timeout=params.timeout,
+                            arrived=arrived, trace_context=_trace_context(request))
+    if params.stream:
+        return await _stream(request, core, req, chat=True, include_usage=params.include_usage)
+    async with core.open(req) as gen:
+        content, reasoning, out = await gen.collect()
+    return web.json_response(chat_response(req.request_id, now(), model, content, reasoning, out))
+
+
+async def completions(request: web.Request) -> web.StreamResponse:
+    core = request.app[CORE_KEY]
+    arrived = time.perf_counter()
+    body = await read_json(request)
+    model = core.resolve_model(opt_model(body))
+    params = parse_common(body)
+    prompt = parse_prompt(body)
+    prompt_ids = core.encode(prompt, add_special=True) if isinstance(prompt, str) else prompt
+    core.check_prompt(prompt_ids)
+    req = GenerationRequest(request_id=new_id("cmpl"), operation="text_completion", endpoint="/v1/completions",
+                            model=model, prompt_ids=prompt_ids, max_tokens=params.max_tokens,
+                            sampling=params.sampling, stop=params.stop, timeout=params.timeout,
+                            arrived=arrived, trace_context=_trace_context(request))
+    if params.stream:
+        return await _stream(request, core, req, chat=False, include_usage=params.include_usage)
+    async with core.open(req) as gen:
+        content, _, out = await gen.collect()
+    return web.json_response(completion_response(req.request_id, now(), model, content, out))
+
+
+# ----------------------------------------------------------------------------------------- streaming
+
+
+def _sse(obj: Any) -> bytes:
+    return b"data: " + json.dumps(obj, separators=(",", ":"), ensure_ascii=False).encode() + b"\n\n"
+
+
+async def _stream(request: web.Request, core: GatewayCore, req: GenerationRequest, chat: bool,
+                  include_usage: bool) -> web.StreamResponse:
+    ping = request.app[PING_KEY]
+    created = now()
+    rid, model = req.request_id, req.model
+    async with core.open(req) as gen:
+        # Errors raised here (before any byte is sent) propagate to the middleware as HTTP statuses.
+        first = await gen.next(timeout=ping or None)
+        resp = web.StreamResponse(status=200, headers={
+            "Content-Type": "text/event-stream; charset=utf-8", "Cache-Control": "no-cache",
+            "X-Accel-Buffering": "no"})
+        await resp.prepare(request)
+        if chat:
+            await resp.write(_sse(chat_chunk(rid, created, model, {"role": "assistant", "content": None})))
+        try:
+            ev = first
+            while True:
+                if ev is None:
+                    await resp.write(b": ping\n\n")
+                elif isinstance(ev, Delta):
+                    await resp.write(_sse(_delta_chunk(rid, created, model, ev, chat)))
+                elif isinstance(ev, Outcome):
+                    await _write_end(resp, rid, created, model, ev, chat, include_usage)
+                    break
+                ev = await gen.next(timeout=ping or None)
+        except APIError as e:
+            request[_STATUS_KEY] = e.status
+            await resp.write(_sse(e.body()))
+        except ConnectionError:
+            # The client went away between writes (aiohttp noticed on write rather than by cancelling).
+            request[_STATUS_KEY] = 499
+            return resp
+        except Exception as e:         # headers are out: the error can only travel as an event
+            log.exception("stream %s failed", rid)
+            request[_STATUS_KEY] = 500
+            await resp.write(_sse(APIError(500, f"internal error: {type(e).__name__}: {e}").body()))
+        await resp.write_eof()
+        return resp
+
+
+def _delta_chunk(rid: str, created: int, model: str, ev: Delta, chat: bool) -> dict:
+    if not chat:
+        return completion_chunk(rid, created, model, ev.content)
+    delta = {"reasoning_content": ev.reasoning} if ev.reasoning else {"content": ev.content}
+    return chat_chunk(rid, created, model, delta)
+
+
+async def _write_end(resp: web.StreamResponse, rid: str, created: int, model: str, out: Outcome, chat: bool,
+                     include_usage: bool) -> None:
+    # llama.cpp puts `timings` in the last chunk before [DONE]: the usage chunk when asked for, else the
+    # finish chunk.
+    make = chat_chunk if chat else completion_chunk
+    finish_payload: Any = {} if chat else ""
+    timings = None if include_usage else out.timings
+    await resp.write(_sse(make(rid, created, model, finish_payload, out.finish_reason, timings=timings)))
+    if include_usage:
+        await resp.write(_sse(make(rid, created, model, None, usage=out.usage, timings=out.timings)))
+    await resp.write(b"data: [DONE]\n\n")
+
+
+# --------------------------------------------------------------------------------------------- app
+
+
+def create_app(core: GatewayCore, ping_interval: float = 15.0) -> web.Application:
+    """The aiohttp application. Run it with handler_cancellation=True (serve_gateway does) so a client
+    disconnect cancels the request."""
+    app = web.Application(middlewares=[_errors_and_metrics], client_max_size=64 * 1024 * 1024)
+    app[CORE_KEY] = core
+    app[PING_KEY] = float(ping_interval)
+    for prefix in ("/v1", ""):
+        app.router.add_post(f"{prefix}/chat/completions", chat_completions)
+        app.router.add_post(f"{prefix}/completions", completions)
+        app.router.add_get(f"{prefix}/models", models)
+        app.router.add_get(f"{prefix}/health", health)
+    app.router.add_post("/tokenize", tokenize)
+    app.router.add_post("/detokenize", detokenize)
+    app.router.add_get("/metrics", metrics)
+    return app
+
+
+__all__ = ["create_app", "CORE_KEY", "Generation"]

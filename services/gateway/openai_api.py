@@ -1,0 +1,234 @@
+"""OpenAI request parsing and response shaping (pure functions; the aiohttp handlers live in http.py).
+
+Field handling follows serving.md §1.2: `max_completion_tokens` wins over `max_tokens`; `top_k` and
+`min_p` are read at the top level as vLLM and llama.cpp do; unknown fields are accepted and ignored;
+values of the wrong type or out of range are a 400 naming the field (`param`).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+from services.engine.errors import InvalidRequestError
+from services.engine.sampling import SamplingParams
+
+from .core import Outcome
+from .errors import APIError, invalid
+
+MAX_STOP = 4
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+# ------------------------------------------------------------------------------------- field readers
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def opt_int(body: dict, name: str, minimum: int | None = None) -> int | None:
+    v = body.get(name)
+    if v is None:
+        return None
+    if isinstance(v, float) and v.is_integer():
+        v = int(v)
+    if not _is_int(v):
+        raise invalid(f"'{name}' must be an integer, got {type(v).__name__}", name)
+    if minimum is not None and v < minimum:
+        raise invalid(f"'{name}' must be >= {minimum}, got {v}", name)
+    return v
+
+
+def opt_number(body: dict, name: str) -> float | None:
+    v = body.get(name)
+    if v is None:
+        return None
+    if not _is_number(v) or not math.isfinite(v):
+        raise invalid(f"'{name}' must be a finite number, got {v!r}", name)
+    return float(v)
+
+
+def opt_bool(body: dict, name: str, default: bool = False) -> bool:
+    v = body.get(name)
+    if v is None:
+        return default
+    if not isinstance(v, bool):
+        raise invalid(f"'{name}' must be a boolean, got {type(v).__name__}", name)
+    return v
+
+
+def opt_object(body: dict, name: str) -> dict | None:
+    v = body.get(name)
+    if v is None:
+        return None
+    if not isinstance(v, dict):
+        raise invalid(f"'{name}' must be an object, got {type(v).__name__}", name)
+    return v
+
+
+def opt_model(body: dict) -> str | None:
+    v = body.get("model")
+    if v is None:
+        return None
+    if not isinstance(v, str):
+        raise invalid(f"'model' must be a string, got {type(v).__name__}", "model")
+    return v
+
+
+# ---------------------------------------------------------------------------------- common parameters
+
+
+@dataclass
+class CommonParams:
+    max_tokens: int | None
+    sampling: SamplingParams
+    stop: list[str]
+    stream: bool
+    include_usage: bool
+    timeout: float | None
+
+
+def parse_stop(value: Any) -> list[str]:
+    if value is None:
+        return []
+    if isinstance(value, str):
+        return [value] if value else []
+    if isinstance(value, list):
+        if not all(isinstance(s, str) for s in value):
+            raise invalid("'stop' must be a string or a list of strings", "stop")
+        if len(value) > MAX_STOP:
+            raise invalid(f"'stop' takes at most {MAX_STOP} sequences, got {len(value)}", "stop")
+        return [s for s in value if s]
+    raise invalid(f"'stop' must be a string or a list of strings, got {type(value).__name__}", "stop")
+
+
+def parse_common(body: dict) -> CommonParams:
+    n = opt_int(body, "n")
+    if n is not None and n != 1:
+        raise invalid(f"only n=1 is supported, got n={n}", "n")
+    mct = opt_int(body, "max_completion_tokens")
+    mt = opt_int(body, "max_tokens")
+    max_tokens = mct if mct is not None else mt
+    if max_tokens is not None and max_tokens < 1:
+        name = "max_completion_tokens" if mct is not None else "max_tokens"
+        raise invalid(f"'{name}' must be at least 1, got {max_tokens}", name)
+    temperature = opt_number(body, "temperature")
+    top_p = opt_number(body, "top_p")
+    min_p = opt_number(body, "min_p")
+    top_k = opt_int(body, "top_k")
+    if top_k is not None and top_k < 0:
+        if top_k != -1:                  # -1 is vLLM's "disabled"
+            raise invalid(f"'top_k' must be >= 0 (or -1 for disabled), got {top_k}", "top_k")
+        top_k = 0
+    seed = opt_int(body, "seed")
+    try:
+        sampling = SamplingParams(
+            temperature=0.0 if temperature is None else temperature,
+            top_k=0 if top_k is None else top_k,
+            top_p=1.0 if top_p is None else top_p,
+            min_p=0.0 if min_p is None else min_p,
+            seed=seed,
+        ).validate()
+    except InvalidRequestError as e:
+        raise invalid(str(e), e.param) from None
+    stream = opt_bool(body, "stream")
+    so = opt_object(body, "stream_options")
+    include_usage = bool(so and so.get("include_usage"))
+    if so is not None and "include_usage" in so and not isinstance(so["include_usage"], (bool, type(None))):
+        raise invalid("'stream_options.include_usage' must be a boolean", "stream_options")
+    timeout = opt_number(body, "timeout")
+    if timeout is not None and timeout <= 0:
+        raise invalid(f"'timeout' must be > 0 seconds, got {timeout}", "timeout")
+    if body.get("logprobs") not in (None, False) or body.get("echo") not in (None, False):
+        # Silently ignoring these would hand evaluation harnesses wrong numbers.
+        raise APIError(400, "logprobs and echo are not supported by this server", param="logprobs")
+    rf = body.get("response_format")
+    if rf is not None:
+        if not isinstance(rf, dict) or rf.get("type") not in ("text",):
+            raise APIError(400, "only response_format {\"type\": \"text\"} is supported", param="response_format")
+    return CommonParams(max_tokens=max_tokens, sampling=sampling, stop=parse_stop(body.get("stop")),
+                        stream=stream, include_usage=include_usage, timeout=timeout)
+
+
+def parse_messages(body: dict) -> list[dict]:
+    msgs = body.get("messages")
+    if not isinstance(msgs, list) or not msgs:
+        raise invalid("'messages' must be a non-empty array", "messages")
+    for i, m in enumerate(msgs):
+        if not isinstance(m, dict):
+            raise invalid(f"messages[{i}] must be an object", "messages")
+        if not isinstance(m.get("role"), str):
+            raise invalid(f"messages[{i}].role must be a string", "messages")
+        c = m.get("content")
+        if c is not None and not isinstance(c, (str, list)):
+            raise invalid(f"messages[{i}].content must be a string, an array of parts or null", "messages")
+    return msgs
+
+
+def parse_prompt(body: dict) -> str | list[int]:
+    """A completion prompt: a string, a one-string list, token ids, or a one-list of token ids."""
+    p = body.get("prompt")
+    if isinstance(p, list) and len(p) == 1 and isinstance(p[0], (str, list)):
+        p = p[0]
+    if isinstance(p, str):
+        return p
+    if isinstance(p, list) and p and all(_is_int(t) for t in p):
+        return list(p)
+    if isinstance(p, list) and len(p) > 1 and all(isinstance(x, (str, list)) for x in p):
+        raise invalid("batched prompts are not supported: send one prompt per request", "prompt")
+    raise invalid("'prompt' must be a string or an array of token ids", "prompt")
+
+
+# -------------------------------------------------------------------------------------------- shaping
+
+
+def chat_chunk(rid: str, created: int, model: str, delta: dict | None, finish: str | None = None,
+               usage: dict | None = None, timings: dict | None = None) -> dict:
+    choices = [] if delta is None else [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}]
+    obj = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
+           "system_fingerprint": None, "choices": choices, "usage": usage}
+    if timings is not None:
+        obj["timings"] = timings
+    return obj
+
+
+def completion_chunk(rid: str, created: int, model: str, text: str | None, finish: str | None = None,
+                     usage: dict | None = None, timings: dict | None = None) -> dict:
+    choices = [] if text is None else [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish}]
+    obj = {"id": rid, "object": "text_completion", "created": created, "model": model,
+           "system_fingerprint": None, "choices": choices, "usage": usage}
+    if timings is not None:
+        obj["timings"] = timings
+    return obj
+
+
+def chat_response(rid: str, created: int, model: str, content: str, reasoning: str, out: Outcome) -> dict:
+    message: dict[str, Any] = {"role": "assistant", "content": content}
+    if reasoning:
+        message["reasoning_content"] = reasoning.strip()
+    return {"id": rid, "object": "chat.completion", "created": created, "model": model,
+            "system_fingerprint": None,
+            "choices": [{"index": 0, "message": message, "logprobs": None, "finish_reason": out.finish_reason}],
+            "usage": out.usage, "timings": out.timings}
+
+
+def completion_response(rid: str, created: int, model: str, text: str, out: Outcome) -> dict:
+    return {"id": rid, "object": "text_completion", "created": created, "model": model,
+            "system_fingerprint": None,
+            "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": out.finish_reason}],
+            "usage": out.usage, "timings": out.timings}
+
+
+def now() -> int:
+    return int(time.time())
