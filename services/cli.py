@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import importlib.util
+import os
 import json
 import sys
 import time
@@ -32,6 +33,12 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from .engine.loader import load_target
     from .engine.sampling import SamplingParams
 
+    if args.model is None:
+        from .engine.default_model import default_model_paths
+
+        args.model, default_draft = default_model_paths()
+        if args.draft is None and not args.no_draft:
+            args.draft = default_draft
     t0 = time.perf_counter()
     target = load_target(args.model)
     load_ms = (time.perf_counter() - t0) * 1e3
@@ -95,7 +102,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = ap.add_subparsers(dest="command", required=True)
 
     g = sub.add_parser("generate", help="generate text from a prompt (no server)")
-    g.add_argument("--model", required=True, help="GGUF file or Hugging Face safetensors folder")
+    g.add_argument("--model", help="GGUF file or Hugging Face safetensors folder (default: the embedded model "
+                   "and its drafter)")
     src = g.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", help="prompt text")
     src.add_argument("--prompt-ids", type=_ids, help="comma-separated token ids")
@@ -106,6 +114,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--ignore-eos", action="store_true")
     g.add_argument("--json", action="store_true", help="print one JSON object")
     g.add_argument("--draft", help="DFlash drafter (z-lab safetensors folder or GGUF): speculative decoding")
+    g.add_argument("--no-draft", action="store_true", help="plain decoding even with the embedded default model")
     tree = g.add_mutually_exclusive_group()
     tree.add_argument("--budget", type=int, default=22, help="DDTree budget: non-root tree nodes, 1..64 (default 22)")
     tree.add_argument("--chain", action="store_true", help="verify the drafter's top-1 block as a chain")
@@ -128,6 +137,9 @@ _SERVICE_CLIS = [m for m in ("services.drafter.cli", "services.verifier.cli", "s
 
 
 def main(argv: list[str] | None = None) -> int:
+    # Decode-time matrices are small: BLAS worker threads cost more in spinning and oversubscription
+    # (gRPC and engine threads share the cores) than they gain. Set before NumPy loads its BLAS.
+    os.environ.setdefault("OPENBLAS_NUM_THREADS", os.environ.get("SPECSPLIT_BLAS_THREADS", "1"))
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)

@@ -4,6 +4,8 @@ import os
 
 import pytest
 
+# as the CLI does: small matrices, shared cores (subprocesses inherit it)
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
