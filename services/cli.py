@@ -5,8 +5,8 @@ from __future__ import annotations
 import argparse
 import importlib
 import importlib.util
-import os
 import json
+import os
 import sys
 import time
 
