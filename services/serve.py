@@ -71,9 +71,16 @@ def resolve_models(model: str | None, draft: str | None) -> tuple[str, str | Non
     return str(target), (str(drafter) if drafter else None)
 
 
+# The name clients send and /v1/models lists for the embedded pair.
+DEFAULT_MODEL_NAME = "specsplit-code-tiny"
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     setup_logging(args.log_level)
+    embedded = not args.model
     model, draft = resolve_models(args.model, args.draft)
+    if embedded and not args.model_name:
+        args.model_name = DEFAULT_MODEL_NAME
     try:
         return asyncio.run(_main(args, model, draft))
     except (ValueError, OSError) as e:
