@@ -15,26 +15,14 @@ import logging
 import signal
 from typing import Any
 
+from services.cliargs import add_env_argument, int_at_least
 from services.engine.errors import SpecsplitError
 from services.gateway.cli import add_gateway_arguments, setup_logging
-from services.verifier.cli import add_env_argument, parse_budget
+from services.verifier.cli import parse_budget
 
 VERIFIER_ADDRESS = "inproc:verifier"
 
 log = logging.getLogger("specsplit.serve")
-
-
-def _int_at_least(minimum: int):
-    def parse(text: str) -> int:
-        try:
-            n = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
-        if n < minimum:
-            raise argparse.ArgumentTypeError(f"expected a number >= {minimum}, got {n}")
-        return n
-
-    return parse
 
 
 def register(subparsers: Any) -> None:
@@ -46,10 +34,10 @@ def register(subparsers: Any) -> None:
                      help="DFlash drafter: z-lab folder or GGUF (default with --model: none, plain decoding)")
     add_env_argument(p, "--budget", type=parse_budget, default="auto",
                      help="DDTree budget: N nodes, 'chain', or 'auto'")
-    add_env_argument(p, "--slots", type=_int_at_least(1), default=1, help="concurrent generations (KV slots)")
-    add_env_argument(p, "--max-queue", type=_int_at_least(0), default=16,
+    add_env_argument(p, "--slots", type=int_at_least(1), default=1, help="concurrent generations (KV slots)")
+    add_env_argument(p, "--max-queue", type=int_at_least(0), default=16,
                      help="requests that may wait for a slot; more get HTTP 429")
-    add_env_argument(p, "--max-ctx", type=_int_at_least(1), default=None, help="context per request (default: model's)")
+    add_env_argument(p, "--max-ctx", type=int_at_least(1), default=None, help="context per request (default: model's)")
     add_env_argument(p, "--no-speculative", action="store_true", help="plain decoding even with a drafter")
     add_env_argument(p, "--grpc-listen", default=None, help="also serve the public gRPC Gateway API here")
     add_gateway_arguments(p)

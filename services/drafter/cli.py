@@ -9,59 +9,28 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
-import os
 from typing import Any
 
+from services.cliargs import add_env_argument, address, int_at_least
+
 DEFAULT_LISTEN = "unix:///run/specsplit/drafter.sock"
-ENV_PREFIX = "SPECSPLIT_"
-
-
-def _env_argument(parser: argparse.ArgumentParser, flag: str, **kw: Any) -> None:
-    # Same convention as `specsplit verifier`: the variable stands in for the flag (parsed by `type`).
-    env = ENV_PREFIX + flag.lstrip("-").upper().replace("-", "_")
-    val = os.environ.get(env)
-    if val:
-        kw["default"] = val
-        kw["required"] = False
-    kw["help"] = f"{kw.get('help', '')} [env {env}]".strip()
-    parser.add_argument(flag, **kw)
-
-
-def _positive(text: str) -> int:
-    try:
-        n = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"expected a number >= 1, got {n}")
-    return n
-
-
-def _address(text: str) -> str:
-    from services.rpc import parse_address
-
-    try:
-        parse_address(text)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
-    return text
 
 
 def register(subparsers: Any) -> None:
     p = subparsers.add_parser("drafter", help="run the Drafter gRPC service (DFlash drafter)",
                               description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    _env_argument(p, "--model", required=True,
-                  help="target model (GGUF or HF folder); only its embedding and lm head are loaded")
-    _env_argument(p, "--draft", required=True, help="DFlash drafter: z-lab folder or GGUF")
-    _env_argument(p, "--listen", type=_address, default=DEFAULT_LISTEN,
-                  help=f"address to serve on: unix:///path, host:port or inproc (default {DEFAULT_LISTEN})")
-    _env_argument(p, "--max-sessions", type=_positive, default=16,
-                  help="concurrent Draft streams (requests); more get RESOURCE_EXHAUSTED")
-    _env_argument(p, "--trace", default="none", choices=["none", "console", "otlp"],
-                  help="OpenTelemetry span exporter (otlp reads the OTEL_EXPORTER_OTLP_* variables)")
-    _env_argument(p, "--otlp-endpoint", default=None, help="OTLP collector endpoint (with --trace otlp)")
-    _env_argument(p, "--grace", type=float, default=5.0, help="seconds open streams get to finish on SIGTERM")
-    _env_argument(p, "--log-level", default="INFO", help="DEBUG, INFO, WARNING, ...")
+    add_env_argument(p, "--model", required=True,
+                     help="target model (GGUF or HF folder); only its embedding and lm head are loaded")
+    add_env_argument(p, "--draft", required=True, help="DFlash drafter: z-lab folder or GGUF")
+    add_env_argument(p, "--listen", type=address, default=DEFAULT_LISTEN,
+                     help=f"address to serve on: unix:///path, host:port or inproc (default {DEFAULT_LISTEN})")
+    add_env_argument(p, "--max-sessions", type=int_at_least(1), default=16,
+                     help="concurrent Draft streams (requests); more get RESOURCE_EXHAUSTED")
+    add_env_argument(p, "--trace", default="none", choices=["none", "console", "otlp"],
+                     help="OpenTelemetry span exporter (otlp reads the OTEL_EXPORTER_OTLP_* variables)")
+    add_env_argument(p, "--otlp-endpoint", default=None, help="OTLP collector endpoint (with --trace otlp)")
+    add_env_argument(p, "--grace", type=float, default=5.0, help="seconds open streams get to finish on SIGTERM")
+    add_env_argument(p, "--log-level", default="INFO", help="DEBUG, INFO, WARNING, ...")
     p.set_defaults(func=cmd_drafter)
 
 

@@ -17,40 +17,20 @@ import os
 import signal
 from typing import Any
 
-from services.verifier.cli import add_env_argument, env_name
+from services.cliargs import add_env_argument, env_name, port, seconds
 
 from .server import DEFAULT_PORT, GatewayConfig
-
-
-def _port(text: str) -> int:
-    try:
-        n = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a port number, got {text!r}") from None
-    if not 0 <= n <= 65535:
-        raise argparse.ArgumentTypeError(f"port must be in 0..65535, got {n}")
-    return n
-
-
-def _seconds(text: str) -> float:
-    try:
-        x = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number of seconds, got {text!r}") from None
-    if x < 0:
-        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {x}")
-    return x
 
 
 def add_gateway_arguments(p: argparse.ArgumentParser, with_model: bool = True) -> None:
     """The HTTP-side flags, shared with `specsplit serve`."""
     add_env_argument(p, "--host", default="0.0.0.0", help="HTTP listen address (default 0.0.0.0)")
-    add_env_argument(p, "--port", type=_port, default=DEFAULT_PORT, help=f"HTTP port (default {DEFAULT_PORT})")
+    add_env_argument(p, "--port", type=port, default=DEFAULT_PORT, help=f"HTTP port (default {DEFAULT_PORT})")
     add_env_argument(p, "--model-name", default=None,
                      help="model id clients send and /v1/models lists (default: the model file's name)")
-    add_env_argument(p, "--request-timeout", type=_seconds, default=None,
+    add_env_argument(p, "--request-timeout", type=seconds, default=None,
                      help="default per-request deadline in seconds, passed on to the verifier (default none)")
-    add_env_argument(p, "--ping-interval", type=_seconds, default=15.0,
+    add_env_argument(p, "--ping-interval", type=seconds, default=15.0,
                      help="seconds between SSE keep-alive comments while a stream waits (0: off)")
     add_env_argument(p, "--trace", default="none", choices=["none", "console", "otlp"],
                      help="OpenTelemetry span exporter (otlp reads the OTEL_EXPORTER_OTLP_* variables)")

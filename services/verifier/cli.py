@@ -14,36 +14,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
-import os
 import signal
 from typing import Any
 
+from services.cliargs import add_env_argument, int_at_least
+
 DEFAULT_LISTEN = "unix:///run/specsplit/verifier.sock"   # same place the drafter and compose use
-ENV_PREFIX = "SPECSPLIT_"
-
-
-def env_name(flag: str) -> str:
-    """--max-queue -> SPECSPLIT_MAX_QUEUE."""
-    return ENV_PREFIX + flag.lstrip("-").upper().replace("-", "_")
-
-
-def add_env_argument(parser: argparse.ArgumentParser | Any, flag: str, **kw: Any) -> None:
-    """parser.add_argument(flag, ...) whose default comes from SPECSPLIT_<FLAG> when that is set.
-
-    argparse runs `type` over string defaults, so the variable is parsed exactly like the flag would be;
-    a variable also satisfies `required=True`. Boolean switches (action="store_true") read 1/true/yes/on.
-    """
-    env = env_name(flag)
-    val = os.environ.get(env)
-    if val is not None and val != "":
-        if kw.get("action") in ("store_true", "store_false"):
-            on = val.strip().lower() in ("1", "true", "yes", "on")
-            kw["default"] = on if kw["action"] == "store_true" else not on
-        else:
-            kw["default"] = val
-        kw["required"] = False
-    kw["help"] = f"{kw.get('help', '')} [env {env}]".strip()
-    parser.add_argument(flag, **kw)
 
 
 def parse_budget(text: str) -> int | None:
@@ -64,26 +40,6 @@ def parse_budget(text: str) -> int | None:
     return n
 
 
-def _positive(text: str) -> int:
-    try:
-        n = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"expected a number >= 1, got {n}")
-    return n
-
-
-def _non_negative(text: str) -> int:
-    try:
-        n = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
-    if n < 0:
-        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {n}")
-    return n
-
-
 def register(subparsers: Any) -> None:
     p = subparsers.add_parser("verifier", help="run the Verifier gRPC service (target model)",
                               description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -95,10 +51,10 @@ def register(subparsers: Any) -> None:
                      help="seconds one remote draft may take before the request falls back to plain decoding")
     add_env_argument(p, "--budget", type=parse_budget, default="auto",
                      help="DDTree budget: N nodes, 'chain', or 'auto' (= 22 on CPU for now)")
-    add_env_argument(p, "--slots", type=_positive, default=1, help="concurrent generations (KV slots)")
-    add_env_argument(p, "--max-queue", type=_non_negative, default=16,
+    add_env_argument(p, "--slots", type=int_at_least(1), default=1, help="concurrent generations (KV slots)")
+    add_env_argument(p, "--max-queue", type=int_at_least(0), default=16,
                      help="requests that may wait for a slot; more get RESOURCE_EXHAUSTED")
-    add_env_argument(p, "--max-ctx", type=_positive, default=None, help="context per request (default: model's)")
+    add_env_argument(p, "--max-ctx", type=int_at_least(1), default=None, help="context per request (default: model's)")
     add_env_argument(p, "--listen", default=DEFAULT_LISTEN,
                      help=f"address to serve on: host:port, unix:///path or inproc (default {DEFAULT_LISTEN})")
     add_env_argument(p, "--trace", default="none", choices=["none", "console", "otlp"],
