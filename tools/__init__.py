@@ -1,0 +1,1 @@
+"""Developer tooling (not installed with the package)."""

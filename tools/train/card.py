@@ -1,0 +1,119 @@
+"""MODEL_CARD.md of a pipeline run (the eval section is filled by tools/train/eval.py, or left open)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from .eval import CARD_BEGIN, CARD_END, card_section
+
+
+def _fmt(x, nd: int = 4) -> str:
+    return "n/a" if x is None else (f"{x:.{nd}f}" if isinstance(x, float) else str(x))
+
+
+def write_card(path: str | Path, s: dict, cfg) -> None:
+    tc = s["target"]["config"]
+    tr = s["target"]
+    dr = s["drafter"]
+    dc = dr["config"]
+    c = s["corpus"]
+    ho = tr["heldout"]
+    n_full = sum(1 for i in range(tc["num_hidden_layers"]) if (i + 1) % tc["full_attention_interval"] == 0)
+    measured = card_section(s["eval"]) if s.get("eval") else (
+        f"{CARD_BEGIN}\n\nNot measured yet: run `python -m tools.train.eval --target target.gguf --drafter drafter "
+        f"--heldout work/corpus/heldout.txt --card MODEL_CARD.md`.\n\n{CARD_END}")
+    sizes = "\n".join(f"| `{k}` | {v} MB | `{s['sha256'][k][:16]}…` |" for k, v in s["sizes_mb"].items())
+    text = f"""# specsplit embedded default: a small code target and its DFlash drafter
+
+A tiny Qwen3.5-style hybrid model (`qwen35`: Gated DeltaNet + gated full attention) trained from scratch on
+Python source code, with a DFlash block-diffusion drafter trained for it. It exists so that specsplit runs
+out of the box, with speculative decoding that actually accepts drafts; it is far too small to be a useful
+assistant. It completes Python code; the chat template is there for the API's sake.
+
+## Files
+
+| file | size | sha256 |
+| --- | --- | --- |
+{sizes}
+
+Total {s['total_mb']} MB. Full hashes in `SHA256SUMS` (`sha256sum -c SHA256SUMS`).
+
+## Target
+
+`qwen3_5` (transformers `Qwen3_5ForCausalLM`), {tr['params'] / 1e6:.2f}M parameters, exported to GGUF
+`{cfg.target_gguf_type}` with `services.engine.convert`.
+hidden {tc['hidden_size']}, {tc['num_hidden_layers']} layers ({n_full} gated full attention, one in every
+{tc['full_attention_interval']}; the rest Gated DeltaNet), attention heads {tc['num_attention_heads']} /
+{tc['num_key_value_heads']} KV x {tc['head_dim']}, partial RoPE {tc['partial_rotary_factor']} (theta
+{tc['rope_theta']:g}), DeltaNet key heads {tc['linear_num_key_heads']} x {tc['linear_key_head_dim']}, value heads
+{tc['linear_num_value_heads']} x {tc['linear_value_head_dim']}, conv {tc['linear_conv_kernel_dim']}, MLP
+{tc['intermediate_size']}, vocabulary {s['tokenizer']['vocab']}, untied embeddings, context
+{tc['max_position_embeddings']}.
+
+Training: {tr['steps']} AdamW steps of {tr['train_config']['batch_size']} x {tr['train_config']['seq_len']}
+tokens ({tr['tokens_seen'] / 1e6:.1f}M tokens, {tr['epochs']} epochs), peak lr {tr['train_config']['lr']},
+warmup + cosine, {'bf16 autocast' if s['device'].startswith('cuda') else 'float32'}, {tr['train_seconds']} s
+({tr['tokens_per_second'] / 1e3:.1f}k tokens/s).
+
+| held-out (by file, {ho['tokens']} tokens) | value |
+| --- | --- |
+| loss (nats/token) | {_fmt(ho['loss'])} |
+| perplexity | {_fmt(ho['ppl'], 2)} |
+| bits per byte | {_fmt(ho.get('bits_per_byte'), 3)} |
+
+## Drafter
+
+DFlash (z-lab `DFlashDraftModel` layout, `model_type qwen3`), {dr['params'] / 1e6:.2f}M parameters, block size
+{dc['block_size']}, {dc['num_hidden_layers']} layers ({', '.join(sorted(set(dc['layer_types'])))}), heads
+{dc['num_attention_heads']} / {dc['num_key_value_heads']} KV x {dc['head_dim']}, MLP {dc['intermediate_size']},
+RoPE theta {dc['rope_theta']:g}, mask token id {dc['dflash_config']['mask_token_id']} (`<|MASK|>`), target
+features from layers {dc['dflash_config']['target_layer_ids']}. Embeddings and lm head are the target's.
+`drafter/` holds the safetensors ({cfg.drafter_dtype}); `drafter.gguf` is `dflash-draft`,
+{cfg.drafter_gguf_type}.
+
+Training (dflash.md §5): {dr['data']['seqs']} sequences of {dr['data']['seq_len']} tokens, each a corpus prompt
+continued by the target ({dr['data']['generated_tokens'] / 1e6:.2f}M generated tokens; temperatures cycled
+over batches: {sorted(set(dr['data']['temperatures']))}); random anchors in the generated part
+({dr['train_config']['anchors']} per sequence), loss weights exp(-(k-1)/{dr['train_config']['gamma']}); {dr['steps']}
+steps of {dr['train_config']['batch_size']} sequences, peak lr {dr['train_config']['lr']}, {dr['train_seconds']} s.
+On {dr['eval_seqs']} generated sequences kept out of training: loss {_fmt(dr['eval']['loss'])}, top-1
+{_fmt(dr['eval']['top1'], 3)}, accepted length per block with uniform anchors {_fmt(dr['eval']['acc_len'], 2)};
+greedy chain decoding replayed on {dr['eval'].get('chain_seqs')} of them (greedy ones):
+{_fmt(dr['eval'].get('chain_acceptance_length'), 2)} tokens per verify step (bonus included), the number that
+decoding sees.
+
+## Measured
+
+{measured}
+
+## Data
+
+Python sources found on the training machine (Python {c['python']}): the standard library and the
+installed site-packages, {c['files_seen']} files of 1-200 KB, {c['unique_docs']} after de-duplication by
+content hash and filtering (strict UTF-8, code-like, no special-token text).
+Held out by file ({cfg.heldout_frac:.0%} by content hash): {c['heldout']['docs']} files,
+{c['heldout']['bytes'] / 1e6:.2f} MB. Training: {c['train']['docs']} files, {c['train']['bytes'] / 1e6:.1f} MB
+(cap {c['train']['cap_mb']} MB, files in hash order), {s['tokenizer']['train_tokens'] / 1e6:.1f}M tokens.
+Corpus digests: train `{c['train_sha256'][:16]}…`, held-out `{c['heldout_sha256'][:16]}…`
+(they change with the installed packages).
+The sources are under their packages' own open-source licences (PSF, BSD, MIT, Apache-2.0, ...).
+
+Tokenizer: byte-level BPE trained on the corpus with the Qwen3.5 pre-tokenizer, {s['tokenizer']['vocab']}
+tokens including `<|endoftext|>` (between files), `<|im_start|>`, `<|im_end|>`, `<|MASK|>` (specials)
+and `<think>`, `</think>`; {s['tokenizer']['heldout_bytes_per_token']} bytes per token on held-out code.
+Generation stops at `<|endoftext|>` or `<|im_end|>`.
+
+## Reproduce
+
+Run on {s.get('gpu', s['device'])}, torch {s['torch']}, Python {s['python']}, seed {s['seed']}:
+
+    {s['command']}
+
+The budget decided the step counts; this pins them (same data order and schedule; CUDA kernels may
+still differ in the last bits):
+
+    {s['reproduce']}
+
+Stage times (s): {', '.join(f'{k} {v}' for k, v in s['timings_s'].items())}.
+"""
+    Path(path).write_text(text)
