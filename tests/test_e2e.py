@@ -16,7 +16,6 @@ are stopped in finalizers.
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 import json
 import os
 import re
@@ -413,21 +412,17 @@ def test_serve_runs_all_three_in_one_process(tiny_pair, tmp_path):
     assert p.popen.returncode == 0, p.logs()
 
 
-def _default_model_available() -> bool:
-    if importlib.util.find_spec("services.engine.default_model") is None:
-        return False
-    from services.engine.default_model import default_model_paths
-    from services.engine.errors import SpecsplitError
-
+def test_serve_without_model_serves_the_embedded_pair(tmp_path):
+    """The README's first try: `specsplit serve` with no model flags speculates with the shipped pair."""
+    p = Proc("serve-default", ["serve", "--host", "127.0.0.1", "--port", "0"], tmp_path)
     try:
-        default_model_paths()
-    except SpecsplitError:
-        return False
-    return True
-
-
-@pytest.mark.skipif(_default_model_available(), reason="an embedded default model is installed")
-def test_serve_without_model_says_what_to_do():
-    out = subprocess.run([sys.executable, "-m", "services", "serve", "--port", "0"], cwd=ROOT, timeout=60,
-                         env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True)
-    assert out.returncode == 2 and "pass --model" in out.stderr
+        url = wait_until(lambda: (m := re.search(r"gateway on (http://\S+)", p.logs())) and m.group(1),
+                         "serve listening", [p])
+        wait_until(lambda: _health(url) == 200, "serve /health 200", [p])
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=60)
+        assert [m.id for m in client.models.list().data] == ["specsplit-code-tiny"]
+        r = client.completions.create(model="specsplit-code-tiny", prompt="def add(a, b):\n", max_tokens=24)
+        assert r.usage.completion_tokens >= 1
+        assert r.model_extra["timings"]["draft_n"] > 0
+    finally:
+        p.stop()
