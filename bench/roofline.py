@@ -1,0 +1,290 @@
+"""Roofline of the GPU quant matmul kernels (kernels/quant_matmul.cu), run on the GPU machine.
+
+    python bench/roofline.py            # writes $OUT/roofline.json when OUT is set
+    python bench/roofline.py --quick    # small shapes: a smoke run of the script itself
+    python bench/roofline.py --widths 1,16,64
+
+1. Device copy bandwidth: a large device-to-device copy (bytes read + written), CUDA events,
+   median of 20 after 3 warm-ups. 2. Streaming-read bandwidth: a kernel that only reads (16-byte loads).
+3. y = x @ W^T for each storage type at Qwen3.6-27B shapes (ffn_up 5120->17408, ffn_down 17408->5120,
+   output 5120->248320 for Q6_K) and widths T = 1..64: time per call (median over CUDA-graph replays of
+   several calls, rotating among weight copies so the 50 MB L2 cannot hold them), achieved weight
+   bandwidth, its ratio to the copy and read bandwidths (the roofline ratio), and time relative to T=1.
+   x is packed once per width (pack_activations, shared by the matrices that read it), so a call is the
+   matmul kernel plus, with split-K, a memset of y. Prints a compact table last.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from kernels import loader  # noqa: E402
+
+WIDTHS = (1, 2, 4, 8, 16, 23, 32, 41, 64)
+SHAPES = {"ffn_up": (17408, 5120), "ffn_down": (5120, 17408), "output": (248320, 5120)}  # (out, in)
+QUICK_SHAPES = {"ffn_up": (256, 512), "ffn_down": (128, 1024), "output": (384, 256)}  # --quick: a smoke run
+ROTATE_BYTES = 256 * 2**20  # weight copies per config add up to at least this (L2 is 50 MB)
+REPS, WARM = 20, 3
+MIN_CALLS = 8  # calls per timed graph
+
+
+def _median_ms(cupy, run, reps: int = REPS, warm: int = WARM) -> tuple[float, float]:
+    stream = cupy.cuda.get_current_stream()
+    e0, e1 = cupy.cuda.Event(), cupy.cuda.Event()
+    times = []
+    for i in range(warm + reps):
+        e0.record(stream)
+        run()
+        e1.record(stream)
+        e1.synchronize()
+        if i >= warm:
+            times.append(cupy.cuda.get_elapsed_time(e0, e1))
+    return statistics.median(times), min(times)
+
+
+def time_calls(cupy, calls) -> tuple[float, float, str]:
+    """Median and best microseconds per call of `calls` (callables enqueuing GPU work), via a CUDA graph."""
+    stream = cupy.cuda.Stream(non_blocking=True)
+    with stream:
+        for c in calls:  # warm-up: compiles, sets kernel attributes, caches device properties
+            c()
+        stream.synchronize()
+        graph, how = None, "graph"
+        try:
+            stream.begin_capture()
+            try:
+                for c in calls:
+                    c()
+            finally:
+                graph = stream.end_capture()
+            graph.launch(stream)
+            stream.synchronize()
+        except Exception as e:  # fall back to eager launches (adds launch gaps to small kernels)
+            graph, how = None, f"eager ({type(e).__name__})"
+
+        def run():
+            if graph is not None:
+                graph.launch(stream)
+            else:
+                for c in calls:
+                    c()
+
+        med, best = _median_ms(cupy, run)
+    n = len(calls)
+    return med * 1e3 / n, best * 1e3 / n, how
+
+
+def copy_bandwidth(cupy, nbytes: int) -> float:
+    rt = cupy.cuda.runtime
+    a = cupy.empty(nbytes, dtype=cupy.uint8)
+    b = cupy.empty(nbytes, dtype=cupy.uint8)
+    a.fill(7)
+    b.fill(0)
+    stream = cupy.cuda.get_current_stream()
+
+    def run():
+        rt.memcpyAsync(b.data.ptr, a.data.ptr, nbytes, rt.memcpyDeviceToDevice, stream.ptr)
+
+    med, _ = _median_ms(cupy, run)
+    return 2 * nbytes / (med * 1e-3) / 1e9
+
+
+def read_bandwidth(cupy, nbytes: int, sms: int) -> float:
+    import numpy as np
+
+    kern = loader.get_function("quant_matmul.cu", "stream_read_kernel")
+    a = cupy.empty(nbytes, dtype=cupy.uint8)
+    a.fill(3)
+    sink = cupy.zeros(1, dtype=cupy.uint32)
+    n16 = nbytes // 16
+
+    def run():
+        kern((sms * 4,), (512,), (a, np.int64(n16), sink))
+
+    med, _ = _median_ms(cupy, run)
+    return nbytes / (med * 1e-3) / 1e9
+
+
+def random_matrix(cupy, qm, qtype: int, shape: tuple[int, int]):
+    """A QuantMatrix of valid random blocks (small finite fp16 scales), built on the GPU."""
+    n_out, k = shape
+    fp16_fields = {qm.Q8_0: (0,), qm.Q4_K: (0, 2), qm.Q6_K: (208,)}
+    if qtype == qm.F16:
+        raw = (cupy.random.standard_normal(n_out * k, dtype=cupy.float32) * 0.5).astype(cupy.float16).view(cupy.uint8)
+    else:
+        per, size = {qm.Q8_0: (32, 34), qm.Q4_K: (256, 144), qm.Q6_K: (256, 210)}[qtype]
+        n_blocks = n_out * k // per
+        raw = cupy.empty(n_blocks * size, dtype=cupy.uint8)
+        step = 1 << 26
+        for start in range(0, raw.size, step):
+            stop = min(raw.size, start + step)
+            raw[start:stop] = cupy.random.randint(0, 256, size=stop - start, dtype=cupy.int32).astype(cupy.uint8)
+        blocks = raw.reshape(n_blocks, size)
+        for off in fp16_fields[qtype]:
+            scales = (cupy.random.standard_normal(n_blocks, dtype=cupy.float32) * 0.05).astype(cupy.float16)
+            blocks[:, off : off + 2] = scales.view(cupy.uint8).reshape(n_blocks, 2)
+    W = qm.QuantMatrix(qtype, raw, shape)
+    del raw
+    return W
+
+
+def main(argv: list[str]) -> int:
+    global REPS, WARM, MIN_CALLS, ROTATE_BYTES
+    quick = "--quick" in argv
+    shapes = QUICK_SHAPES if quick else SHAPES
+    widths = WIDTHS
+    if "--widths" in argv:
+        widths = tuple(int(w) for w in argv[argv.index("--widths") + 1].split(","))
+    if quick:
+        REPS, WARM, MIN_CALLS, ROTATE_BYTES = 3, 1, 1, 1
+    reason = loader.unavailable_reason()
+    if reason is not None:
+        print(f"roofline: skipped: {reason}")
+        return 0
+    import cupy
+
+    from kernels import quant_matmul as qm
+
+    t_start = time.time()
+    dev = cupy.cuda.Device()
+    props = cupy.cuda.runtime.getDeviceProperties(dev.id)
+    name = props["name"].decode() if isinstance(props["name"], bytes) else str(props["name"])
+    sms = qm.sm_count()
+    free, total = cupy.cuda.runtime.memGetInfo()
+    info = {
+        "device": name,
+        "sm_count": sms,
+        "compute_capability": dev.compute_capability,
+        "memory_GiB": round(total / 2**30, 1),
+        "cupy": cupy.__version__,
+        "cuda_runtime": cupy.cuda.runtime.runtimeGetVersion(),
+        "driver": cupy.cuda.runtime.driverGetVersion(),
+    }
+    print("roofline:", json.dumps(info), flush=True)
+
+    buf = 4 * 2**30 if free > 12 * 2**30 else 2**30
+    if quick:
+        buf = 2**24
+    copy_bw = copy_bandwidth(cupy, buf)
+    read_bw = read_bandwidth(cupy, buf, sms)
+    cupy.get_default_memory_pool().free_all_blocks()
+    print(f"copy bandwidth {copy_bw:.1f} GB/s (read+write of {buf / 2**30:.0f} GiB); "
+          f"streaming read {read_bw:.1f} GB/s", flush=True)  # fmt: skip
+
+    configs = [
+        (qm.Q4_K, "ffn_up"),
+        (qm.Q4_K, "ffn_down"),
+        (qm.Q6_K, "ffn_up"),
+        (qm.Q6_K, "ffn_down"),
+        (qm.Q6_K, "output"),
+        (qm.Q8_0, "ffn_up"),
+        (qm.Q8_0, "ffn_down"),
+        (qm.F16, "ffn_up"),
+        (qm.F16, "ffn_down"),
+    ]
+    rows, sweep, pack_rows = [], [], []
+    for qtype, shape_name in configs:
+        shape = shapes[shape_name]
+        n_out, k = shape
+        probe_bytes = n_out * k * qm.bytes_per_weight(qtype)
+        copies = max(1, min(8, math.ceil(ROTATE_BYTES / probe_bytes)))
+        mats = [random_matrix(cupy, qm, qtype, shape) for _ in range(copies)]
+        nbytes = mats[0].nbytes
+        per_graph = copies * math.ceil(MIN_CALLS / copies)
+        t1 = None
+        for tokens in widths:
+            x = (cupy.random.standard_normal((tokens, k), dtype=cupy.float32) * 0.5).astype(cupy.float16)
+            packed = qm.pack_activations(x)
+            out = cupy.empty((tokens, n_out), dtype=cupy.float32)
+            calls = [
+                (lambda W=mats[i % copies], p=packed, o=out: W.matmul(p, out=o))  # noqa: B023
+                for i in range(per_graph)
+            ]
+            us, best, how = time_calls(cupy, calls)
+            t1 = us if t1 is None else t1
+            gbs = nbytes / (us * 1e-6) / 1e9
+            row = {
+                "qtype": qm.type_name(qtype),
+                "shape": shape_name,
+                "out": n_out,
+                "in": k,
+                "tokens": tokens,
+                "splits": mats[0].choose_splits(tokens),
+                "us": round(us, 2),
+                "best_us": round(best, 2),
+                "weight_GBps": round(gbs, 1),
+                "roof_copy": round(gbs / copy_bw, 3),
+                "roof_read": round(gbs / read_bw, 3),
+                "x_t1": round(us / t1, 3),  # relative to the first width (T=1 by default)
+                "TFLOPs": round(2 * tokens * n_out * k / (us * 1e-6) / 1e12, 2),
+                "timing": how,
+            }
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+            if tokens == widths[-1] and shape_name != "output":
+                pus, _, _ = time_calls(cupy, [lambda x=x, p=packed: qm.pack_activations(x, out=p.data)] * 8)
+                pack_rows.append({"in": k, "tokens": tokens, "pack_us": round(pus, 2)})
+        if qtype == qm.Q4_K:  # split-K sweep: what the automatic choice leaves on the table
+            for tokens in (widths[0], widths[-1]) if quick else (1, 32):
+                x = (cupy.random.standard_normal((tokens, k), dtype=cupy.float32) * 0.5).astype(cupy.float16)
+                packed = qm.pack_activations(x)
+                out = cupy.empty((tokens, n_out), dtype=cupy.float32)
+                for s in (1, 2, 4, 8, 13, 16):
+                    if s > mats[0].n_chunks():
+                        continue
+                    calls = [
+                        (lambda W=mats[i % copies], p=packed, o=out, s=s: W.matmul(p, out=o, splits=s))  # noqa: B023
+                        for i in range(per_graph)
+                    ]
+                    us, _, _ = time_calls(cupy, calls)
+                    sweep.append({"shape": shape_name, "tokens": tokens, "splits": s, "us": round(us, 2)})
+                    print(json.dumps(sweep[-1]), flush=True)
+        del mats
+        cupy.get_default_memory_pool().free_all_blocks()
+
+    result = {
+        **info,
+        "copy_GBps": round(copy_bw, 1),
+        "read_GBps": round(read_bw, 1),
+        "rows": rows,
+        "split_sweep": sweep,
+        "pack": pack_rows,
+        "seconds": round(time.time() - t_start, 1),
+    }
+    out_dir = os.environ.get("OUT")
+    if out_dir:
+        Path(out_dir).mkdir(parents=True, exist_ok=True)
+        (Path(out_dir) / "roofline.json").write_text(json.dumps(result, indent=1))
+
+    print()
+    print(f"{name}: copy {copy_bw:.0f} GB/s, streaming read {read_bw:.0f} GB/s; "
+          f"roof = weight bytes per second / copy bandwidth")  # fmt: skip
+    if sweep:
+        line = ", ".join(f"{s['shape']} T={s['tokens']} S={s['splits']}: {s['us']:.0f}" for s in sweep)
+        print(f"split-K sweep (Q4_K, us): {line}")
+    if pack_rows:
+        packs = ", ".join(f"in={p['in']}: {p['pack_us']:.1f}" for p in pack_rows)
+        print(f"pack_activations T={widths[-1]} (us): {packs}")
+    print(f"{'type':5} {'shape':8} {'out x in':>12} " + " ".join(f"{'T=' + str(t):>7}" for t in widths))
+    for qtype, shape_name in configs:
+        sel = [r for r in rows if r["qtype"] == qm.type_name(qtype) and r["shape"] == shape_name]
+        if not sel:
+            continue
+        dims = f"{sel[0]['out']}x{sel[0]['in']}"
+        head = f"{sel[0]['qtype']:5} {shape_name:8} {dims:>12} "
+        print(head + " ".join(f"{r['us']:7.1f}" for r in sel) + "  us")
+        print(" " * len(head) + " ".join(f"{r['roof_copy']:7.2f}" for r in sel) + "  roof (vs copy)")
+        print(" " * len(head) + " ".join(f"{r['x_t1']:7.2f}" for r in sel) + "  x T=1")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,666 @@
+// Fused dequantize + matrix product on packed GGUF weights:  y[T, N] = x[T, K] @ W[N, K]^T.
+//
+// W stays in its GGUF blocks (row r = K/QK consecutive blocks), x arrives as fp16 (or fp32) and is
+// first re-laid out by pack_x_kernel; accumulation is fp32 and y is fp32 [T, N] row-major.
+// Types: F16 (ggml id 1), Q8_0 (8), Q4_K (12), Q6_K (14); NumPy twins in services/engine/quants.
+//
+// Design (see kernels/quant_matmul.py for the launcher, bench/roofline.py for the numbers):
+//  * One warp owns 32 weight rows (two m16 tiles) and ALL T <= 64 tokens (NT n8 tiles): each weight
+//    byte is read from memory once per call and dequantized once into mma A fragments, which are
+//    multiplied with every token tile. CTA = 4 independent warps (no __syncthreads); gridDim.y
+//    splits K ("split-K", fp32 atomics into a zeroed y) when there are too few row tiles.
+//  * K is walked in chunks of 256 values (one K-quant super-block; 8 Q8_0 blocks; 256 halves). Each
+//    warp streams its 32 rows x 1 chunk of raw bytes into shared memory with 16-byte cp.async copies
+//    (double buffered: chunk i+1 is in flight while chunk i is computed), then every lane dequantizes
+//    its own fragment elements from shared memory to fp16 in registers.
+//  * Lane t (= lane % 4) of a quad owns values [64t, 64t+64) of every chunk (a contiguous nibble run for
+//    Q4_K; two 32-value blocks for Q8_0). The mma only needs A and B to agree on which k each register
+//    element holds, so pack_x_kernel writes x in exactly that order: for step-pair p of a chunk, lane
+//    (g, t) reads one 16-byte vector holding x[g][base_t + 8p + {0,2,1,3,4,6,5,7}].
+//    In a register pair the halves are (k+0, k+2) and (k+1, k+3), which is what the byte-position
+//    dequantization trick ((w & 0x000F000F) | 0x64006400 == half2(1024 + q0, 1024 + q2)) produces.
+//  * Tensor cores via inline-PTX mma.sync.m16n8k16 (fp16 x fp16 -> fp32). Everything PTX has a portable
+//    fallback (SS_PTX == 0: HIP, pre-sm_80, or -DSPECSPLIT_PORTABLE): software fp16 conversion and a
+//    warp-shuffle emulation of the mma with the same fragment layout.
+//
+// Includes no header: only what NVRTC (or hipRTC) provides built in.
+
+typedef unsigned int u32;
+typedef unsigned short u16;
+typedef unsigned char u8;
+typedef signed char i8;
+typedef unsigned long long u64;
+typedef long long i64;
+
+#if defined(__HIP_PLATFORM_AMD__) || defined(__HIPCC__) || defined(__HIPCC_RTC__)
+#define SS_HIP 1
+#else
+#define SS_HIP 0
+#endif
+
+#if !SS_HIP && defined(__CUDA_ARCH__) && (__CUDA_ARCH__ >= 800) && !defined(SPECSPLIT_PORTABLE)
+#define SS_PTX 1
+#else
+#define SS_PTX 0
+#endif
+
+#define SS_DEV static __device__ __forceinline__
+// The portable (software fp16) helpers stay out of line: inlined, they multiply compile time.
+#define SS_SOFT static __device__ __noinline__
+
+#if SS_HIP
+#define SS_SYNCWARP()                    \
+    do {                                 \
+        __threadfence_block();           \
+        __builtin_amdgcn_wave_barrier(); \
+    } while (0)
+#define SS_SHFL(v, src) __shfl((v), (src), 32)
+#else
+#define SS_SYNCWARP() __syncwarp()
+#define SS_SHFL(v, src) __shfl_sync(0xffffffffu, (v), (src))
+#endif
+
+namespace ss {
+
+constexpr int WARPS = 4;        // warps per CTA (independent of each other)
+constexpr int MT = 2;           // m16 tiles per warp -> 32 weight rows per warp
+constexpr int ROWS_PER_WARP = 16 * MT;
+constexpr int CHUNK = 256;      // k values per chunk
+constexpr int STAGES = 2;       // shared-memory stages per warp
+
+SS_DEV int imin(int a, int b) { return a < b ? a : b; }
+
+// ---------------------------------------------------------------------------------------------
+// fp16 helpers. Half values travel as raw bits (u32 low 16 bits, or two halves packed in a u32:
+// element 0 in bits 0-15, element 1 in bits 16-31).
+
+SS_DEV float bits_to_float(u32 u) { return __uint_as_float(u); }
+SS_DEV u32 float_to_bits(float f) { return __float_as_uint(f); }
+
+// Software IEEE binary16 -> binary32 (exact, handles subnormals, inf and NaN).
+SS_SOFT float h2f_soft(u32 h) {
+    const u32 sign = (h & 0x8000u) << 16;
+    const u32 e = (h >> 10) & 0x1Fu;
+    const u32 m = h & 0x3FFu;
+    if (e == 0) {
+        const float v = (float)m * 5.9604644775390625e-8f;  // m * 2^-24, exact
+        return sign ? -v : v;
+    }
+    if (e == 31) return bits_to_float(sign | 0x7F800000u | (m << 13));
+    return bits_to_float(sign | ((e + 112u) << 23) | (m << 13));
+}
+
+// Software binary32 -> binary16, round to nearest even (like cvt.rn.f16.f32).
+SS_SOFT u32 f2h_soft(float f) {
+    const u32 x = float_to_bits(f);
+    const u32 sign = (x >> 16) & 0x8000u;
+    const u32 ax = x & 0x7FFFFFFFu;
+    if (ax > 0x7F800000u) return sign | 0x7E00u;   // NaN
+    if (ax >= 0x477FF000u) return sign | 0x7C00u;  // rounds to >= 65520: inf
+    if (ax < 0x38800000u) {                        // below 2^-14: subnormal half or zero
+        if (ax < 0x33000000u) return sign;         // <= 2^-25 rounds to zero (2^-25 is a tie -> even)
+        const u32 e = ax >> 23;                    // 102..112
+        const u32 m = (ax & 0x7FFFFFu) | 0x800000u;
+        const u32 shift = 126u - e;                // 14..24
+        u32 q = m >> shift;
+        const u32 rem = m & ((1u << shift) - 1u);
+        const u32 halfway = 1u << (shift - 1u);
+        if (rem > halfway || (rem == halfway && (q & 1u))) ++q;
+        return sign | q;
+    }
+    u32 h = (ax >> 13) - (112u << 10);
+    const u32 rem = ax & 0x1FFFu;
+    if (rem > 0x1000u || (rem == 0x1000u && (h & 1u))) ++h;
+    return sign | h;
+}
+
+SS_DEV float h2f(u32 h) {
+#if SS_PTX
+    float f;
+    const u16 hs = (u16)h;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(hs));
+    return f;
+#else
+    return h2f_soft(h & 0xFFFFu);
+#endif
+}
+
+SS_DEV u32 f2h(float f) {
+#if SS_PTX
+    u16 h;
+    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f));
+    return (u32)h;
+#else
+    return f2h_soft(f);
+#endif
+}
+
+SS_DEV u32 pack2(u32 lo, u32 hi) { return (lo & 0xFFFFu) | (hi << 16); }
+SS_DEV u32 bcast2(u32 h) { return (h & 0xFFFFu) * 0x10001u; }
+
+// a - b, a * b, a * b + c on half2 words
+#if SS_PTX
+SS_DEV u32 hsub2(u32 a, u32 b) {
+    u32 d;
+    asm("sub.rn.f16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
+    return d;
+}
+SS_DEV u32 hmul2(u32 a, u32 b) {
+    u32 d;
+    asm("mul.rn.f16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
+    return d;
+}
+SS_DEV u32 hfma2(u32 a, u32 b, u32 c) {
+    u32 d;
+    asm("fma.rn.f16x2 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(c));
+    return d;
+}
+#else
+SS_SOFT u32 hsub2(u32 a, u32 b) {
+    return pack2(f2h_soft(h2f_soft(a & 0xFFFFu) - h2f_soft(b & 0xFFFFu)),
+                 f2h_soft(h2f_soft(a >> 16) - h2f_soft(b >> 16)));
+}
+SS_SOFT u32 hmul2(u32 a, u32 b) {
+    return pack2(f2h_soft(h2f_soft(a & 0xFFFFu) * h2f_soft(b & 0xFFFFu)),
+                 f2h_soft(h2f_soft(a >> 16) * h2f_soft(b >> 16)));
+}
+SS_SOFT u32 hfma2(u32 a, u32 b, u32 c) {
+    return pack2(f2h_soft(h2f_soft(a & 0xFFFFu) * h2f_soft(b & 0xFFFFu) + h2f_soft(c & 0xFFFFu)),
+                 f2h_soft(h2f_soft(a >> 16) * h2f_soft(b >> 16) + h2f_soft(c >> 16)));
+}
+#endif
+
+// ---------------------------------------------------------------------------------------------
+// D += A * B for one m16n8k16 tile (A row-major 16x16 fp16, B col-major 16x8 fp16, D 16x8 fp32).
+// Fragment layout (PTX ISA, mma.m16n8k16 .f16): g = lane / 4, t = lane % 4;
+//   a0: A[g][2t..2t+1]  a1: A[g+8][2t..2t+1]  a2: A[g][2t+8..2t+9]  a3: A[g+8][2t+8..2t+9]
+//   b0: B[2t..2t+1][g]  b1: B[2t+8..2t+9][g]
+//   c0, c1: D[g][2t], D[g][2t+1]   c2, c3: D[g+8][2t], D[g+8][2t+1]
+// Every lane of the warp must call it (it is warp-synchronous).
+
+#if !SS_PTX
+SS_SOFT float hdot2_soft(u32 a, u32 b) {
+    return h2f_soft(a & 0xFFFFu) * h2f_soft(b & 0xFFFFu) + h2f_soft(a >> 16) * h2f_soft(b >> 16);
+}
+
+struct F4 {
+    float v[4];
+};
+
+// Warp-shuffle emulation of the PTX mma with the same fragment layout (portable fallback).
+SS_SOFT F4 mma16816_soft(F4 c, u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
+    const int lane = (int)(threadIdx.x & 31u);
+    const int g = lane >> 2, t = lane & 3;
+    for (int j = 0; j < 4; ++j) {
+        // lane 4g+j holds A rows g / g+8 at k 2j,2j+1 (a0/a1) and 2j+8,2j+9 (a2/a3);
+        // lane 4n+j holds column n of B at the same k.
+        const u32 ag_lo = SS_SHFL(a0, 4 * g + j), ag_hi = SS_SHFL(a2, 4 * g + j);
+        const u32 ah_lo = SS_SHFL(a1, 4 * g + j), ah_hi = SS_SHFL(a3, 4 * g + j);
+        const u32 bA_lo = SS_SHFL(b0, 8 * t + j), bA_hi = SS_SHFL(b1, 8 * t + j);          // column 2t
+        const u32 bB_lo = SS_SHFL(b0, 8 * t + 4 + j), bB_hi = SS_SHFL(b1, 8 * t + 4 + j);  // column 2t+1
+        c.v[0] += hdot2_soft(ag_lo, bA_lo) + hdot2_soft(ag_hi, bA_hi);
+        c.v[1] += hdot2_soft(ag_lo, bB_lo) + hdot2_soft(ag_hi, bB_hi);
+        c.v[2] += hdot2_soft(ah_lo, bA_lo) + hdot2_soft(ah_hi, bA_hi);
+        c.v[3] += hdot2_soft(ah_lo, bB_lo) + hdot2_soft(ah_hi, bB_hi);
+    }
+    return c;
+}
+#endif
+
+SS_DEV void mma16816(float (&c)[4], u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
+#if SS_PTX
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 "
+        "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+#else
+    F4 in;
+    in.v[0] = c[0];
+    in.v[1] = c[1];
+    in.v[2] = c[2];
+    in.v[3] = c[3];
+    const F4 r = mma16816_soft(in, a0, a1, a2, a3, b0, b1);
+    c[0] = r.v[0];
+    c[1] = r.v[1];
+    c[2] = r.v[2];
+    c[3] = r.v[3];
+#endif
+}
+
+// ---------------------------------------------------------------------------------------------
+// global -> shared copies (cp.async when available)
+
+SS_DEV void cp_async16(void* smem_dst, const void* gmem_src) {
+#if SS_PTX
+    u32 s;
+    asm volatile("{ .reg .u64 a; cvta.to.shared.u64 a, %1; cvt.u32.u64 %0, a; }\n" : "=r"(s) : "l"(smem_dst));
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(s), "l"(gmem_src) : "memory");
+#else
+    *(uint4*)smem_dst = *(const uint4*)gmem_src;
+#endif
+}
+
+SS_DEV void cp_async_commit() {
+#if SS_PTX
+    asm volatile("cp.async.commit_group;\n" ::: "memory");
+#endif
+}
+
+SS_DEV void cp_async_wait_prev() {  // wait until at most one group is still in flight
+#if SS_PTX
+    asm volatile("cp.async.wait_group 1;\n" ::: "memory");
+#endif
+}
+
+// ---------------------------------------------------------------------------------------------
+// Unaligned (2-byte aligned) 32-bit reads from shared memory: aligned words plus a funnel shift.
+
+SS_DEV u32 funnel(u32 lo, u32 hi, u32 shift) { return (u32)((((u64)hi << 32) | (u64)lo) >> shift); }
+
+SS_DEV u32 rd32(const u8* p) {
+    // pointer arithmetic (not integer masking) keeps the shared-memory address space visible (LDS)
+    const u32 mis = (u32)(u64)p & 3u;
+    const u32* a = (const u32*)(p - mis);
+    return funnel(a[0], a[1], mis * 8u);
+}
+
+SS_DEV void rd2x32(const u8* p, u32& w0, u32& w1) {
+    const u32 mis = (u32)(u64)p & 3u;
+    const u32* a = (const u32*)(p - mis);
+    const u32 x0 = a[0], x1 = a[1], x2 = a[2];
+    w0 = funnel(x0, x1, mis * 8u);
+    w1 = funnel(x1, x2, mis * 8u);
+}
+
+SS_DEV u32 rd16(const u8* p) { return (u32)(*(const u16*)p); }
+
+// ---------------------------------------------------------------------------------------------
+// Per-type layout constants.
+//   CHUNK_BYTES: bytes of one 256-value chunk of a row; NP: 16-byte pieces copied per row and chunk
+//   (the copy starts at the 16-byte boundary at or below the chunk, so NP*16 >= CHUNK_BYTES + the
+//   largest misalignment); RSB: shared-memory bytes per row slot (NP*16 plus bank padding).
+
+template <int QT>
+struct QTraits;
+template <>
+struct QTraits<1> {  // F16: 256 halves
+    static constexpr int CHUNK_BYTES = 512, NP = 32, RSB = 528;
+};
+template <>
+struct QTraits<8> {  // Q8_0: 8 blocks {f16 d; i8 qs[32]} (34 bytes, 2-byte aligned)
+    static constexpr int CHUNK_BYTES = 272, NP = 18, RSB = 304;
+};
+template <>
+struct QTraits<12> {  // Q4_K: one super-block {f16 d, dmin; u8 scales[12]; u8 qs[128]} (144 bytes)
+    static constexpr int CHUNK_BYTES = 144, NP = 9, RSB = 144;
+};
+template <>
+struct QTraits<14> {  // Q6_K: one super-block {u8 ql[128]; u8 qh[64]; i8 scales[16]; f16 d} (210 bytes)
+    static constexpr int CHUNK_BYTES = 210, NP = 14, RSB = 240;
+};
+
+constexpr u32 H1024 = 0x64006400u;  // half2(1024, 1024)
+constexpr u32 H1056 = 0x64206420u;  // half2(1056, 1056) = 1024 + 32 (Q6_K offset)
+constexpr u32 H1152 = 0x64806480u;  // half2(1152, 1152) = 1024 + 128 (Q8_0 sign flip)
+
+// Per-row state for one chunk (scales, mins), computed once per chunk.
+struct RowState {
+    u32 v[4];
+};
+
+// Small unsigned bytes -> exact fp16: byte b (< 1024) at bit 0 or 16 of x becomes half(1024 + b).
+// Bytes 0 and 1 of x -> half2(byte0, byte1).
+SS_DEV u32 bytes01_to_half2(u32 x) {
+    return hsub2((x & 0xFFu) | ((x & 0xFF00u) << 8) | H1024, H1024);
+}
+
+// prep: slot = the row's shared-memory slot (16-byte aligned), o = byte offset of the chunk in it.
+template <int QT>
+SS_DEV RowState prep(const u8* slot, u32 o, int t) {
+    RowState st;
+    st.v[0] = st.v[1] = st.v[2] = st.v[3] = 0u;
+    if constexpr (QT == 12) {
+        // Q4_K (always 16-byte aligned: o == 0). Lane t uses sub-blocks 2t (low nibbles) and 2t+1.
+        // get_scale_min_k4 for 4 sub-blocks per word: j < 4 from bytes 0-7, j >= 4 from bytes 8-11 plus
+        // the top two bits of bytes 0-7 (kquants._scale_min_k4).
+        const uint4 hdr = *(const uint4*)slot;
+        const u32 sc_lo = hdr.y & 0x3F3F3F3Fu, mn_lo = hdr.z & 0x3F3F3F3Fu;  // j = 0..3
+        const u32 sc_hi = (hdr.w & 0x0F0F0F0Fu) | ((hdr.y >> 2) & 0x30303030u);  // j = 4..7
+        const u32 mn_hi = ((hdr.w >> 4) & 0x0F0F0F0Fu) | ((hdr.z >> 2) & 0x30303030u);
+        const u32 sh = 16u * (u32)(t & 1);  // bytes 2(t&1), 2(t&1)+1 of the word = sub-blocks 2t, 2t+1
+        const u32 sc2 = bytes01_to_half2((t < 2 ? sc_lo : sc_hi) >> sh);
+        const u32 mn2 = bytes01_to_half2((t < 2 ? mn_lo : mn_hi) >> sh);
+        const u32 d = hdr.x & 0xFFFFu, dmin = hdr.x >> 16;
+        const u32 s2 = hmul2(sc2, bcast2(d));                 // half2(d*sc[2t], d*sc[2t+1])
+        const u32 m2 = hmul2(mn2, bcast2(dmin ^ 0x8000u));    // half2(-dmin*m[2t], -dmin*m[2t+1])
+        st.v[0] = bcast2(s2);
+        st.v[1] = bcast2(s2 >> 16);
+        st.v[2] = bcast2(m2);
+        st.v[3] = bcast2(m2 >> 16);
+    } else if constexpr (QT == 14) {
+        // Q6_K: lane t's 64 values are sub-blocks 4t..4t+3 (16 values each), d is the last field.
+        const u8* b = slot + o;
+        const u32 d2 = bcast2(rd16(b + 208));
+        const u32 v = rd32(b + 192 + 4 * t) ^ 0x80808080u;  // int8 scales + 128 as unsigned bytes
+        const u32 s02 = hmul2(hsub2((v & 0x00FF00FFu) | H1024, H1152), d2);         // half2(d*sc0, d*sc2)
+        const u32 s13 = hmul2(hsub2(((v >> 8) & 0x00FF00FFu) | H1024, H1152), d2);  // half2(d*sc1, d*sc3)
+        st.v[0] = bcast2(s02);
+        st.v[1] = bcast2(s13);
+        st.v[2] = bcast2(s02 >> 16);
+        st.v[3] = bcast2(s13 >> 16);
+    } else if constexpr (QT == 8) {
+        // Q8_0: lane t's 64 values are blocks 2t and 2t+1 of the chunk; d is already fp16.
+        const u8* b = slot + o;
+        st.v[0] = bcast2(rd16(b + 34 * (2 * t)));
+        st.v[1] = bcast2(rd16(b + 34 * (2 * t + 1)));
+    }
+    return st;
+}
+
+// Q8_0 4 signed bytes -> two half2 words (values 0,2) and (1,3), times d.
+SS_DEV void q8_word(u32 w, u32 d2, u32& f02, u32& f13) {
+    const u32 v = w ^ 0x80808080u;  // q + 128 as unsigned bytes
+    f02 = hmul2(hsub2((v & 0x00FF00FFu) | H1024, H1152), d2);
+    f13 = hmul2(hsub2(((v >> 8) & 0x00FF00FFu) | H1024, H1152), d2);
+}
+
+// frag: the 4 A words of step pair p = q + 4*hb of a full chunk for this lane's row:
+//   f[0] = step 2p values (0,2), f[1] = (1,3), f[2] = step 2p+1 values (0,2), f[3] = (1,3)
+// where step s covers the lane's values 4s..4s+3 (lane value v = chunk value 64t + v).
+template <int QT>
+SS_DEV void frag(const u8* slot, u32 o, int t, const RowState& st, int q, int hb, u32 (&f)[4]) {
+    if constexpr (QT == 12) {
+        // values 8p..8p+7 of the lane = nibble hb of qs bytes 32t + 8q .. +7
+        const uint2 w = *(const uint2*)(slot + 16 + 32 * t + 8 * q);
+        const u32 s2 = st.v[hb], nm2 = st.v[2 + hb];
+        const u32 ws[2] = {w.x, w.y};
+#pragma unroll
+        for (int i = 0; i < 2; ++i) {
+            const u32 v = hb ? (ws[i] >> 4) : ws[i];
+            const u32 lo = (v & 0x000F000Fu) | H1024;
+            const u32 hi = ((v >> 8) & 0x000F000Fu) | H1024;
+            f[2 * i] = hfma2(hsub2(lo, H1024), s2, nm2);
+            f[2 * i + 1] = hfma2(hsub2(hi, H1024), s2, nm2);
+        }
+    } else if constexpr (QT == 14) {
+        // lane t: h = t/2 (128-value half of the block), nibble t&1 of ql[64h + 32hb + 8q ..],
+        // 2-bit highs from qh[32h + 8q ..] at bit 4*(t&1) + 2*hb; scale sub-block 4t + 2hb + q/2.
+        const u8* b = slot + o;
+        const int h = t >> 1, nib = t & 1;
+        u32 qh0, qh1, ql0, ql1;
+        rd2x32(b + 128 + 32 * h + 8 * q, qh0, qh1);
+        rd2x32(b + 64 * h + 32 * hb + 8 * q, ql0, ql1);
+        const u32 shl = 4u * (u32)nib, shh = 4u * (u32)nib + 2u * (u32)hb;
+        const u32 s2 = st.v[2 * hb + (q >> 1)];
+        const u32 qls[2] = {ql0, ql1}, qhs[2] = {qh0, qh1};
+#pragma unroll
+        for (int i = 0; i < 2; ++i) {
+            const u32 q6 = ((qls[i] >> shl) & 0x0F0F0F0Fu) | (((qhs[i] >> shh) & 0x03030303u) << 4);
+            const u32 lo = (q6 & 0x00FF00FFu) | H1024;
+            const u32 hi = ((q6 >> 8) & 0x00FF00FFu) | H1024;
+            f[2 * i] = hmul2(hsub2(lo, H1056), s2);
+            f[2 * i + 1] = hmul2(hsub2(hi, H1056), s2);
+        }
+    } else if constexpr (QT == 8) {
+        // block 2t + hb of the chunk, its bytes 8q .. 8q+7
+        const u8* b = slot + o + 34 * (2 * t + hb) + 2 + 8 * q;
+        u32 w0, w1;
+        rd2x32(b, w0, w1);
+        const u32 d2 = st.v[hb];
+        q8_word(w0, d2, f[0], f[1]);
+        q8_word(w1, d2, f[2], f[3]);
+    } else {
+        // F16: halves 64t + 8p .. +7, p = q + 4hb
+        const uint4 u = *(const uint4*)(slot + 128 * t + 16 * (q + 4 * hb));
+        f[0] = (u.x & 0xFFFFu) | (u.y << 16);
+        f[1] = (u.x >> 16) | (u.y & 0xFFFF0000u);
+        f[2] = (u.z & 0xFFFFu) | (u.w << 16);
+        f[3] = (u.z >> 16) | (u.w & 0xFFFF0000u);
+    }
+}
+
+// Tail chunk (F16 / Q8_0 only, C = 32m < 256 values): lane t owns values t*8m .. t*8m + 8m - 1,
+// pair p < m covers t*8m + 8p .. +7.
+template <int QT>
+SS_DEV void frag_tail(const u8* slot, u32 o, int t, int m, int p, u32 (&f)[4]) {
+    const int v0 = 8 * m * t + 8 * p;
+    if constexpr (QT == 8) {
+        const u8* blk = slot + o + 34 * (v0 >> 5);
+        const u32 d2 = bcast2(rd16(blk));
+        u32 w0, w1;
+        rd2x32(blk + 2 + (v0 & 31), w0, w1);
+        q8_word(w0, d2, f[0], f[1]);
+        q8_word(w1, d2, f[2], f[3]);
+    } else if constexpr (QT == 1) {
+        const uint4 u = *(const uint4*)(slot + 2 * v0);
+        f[0] = (u.x & 0xFFFFu) | (u.y << 16);
+        f[1] = (u.x >> 16) | (u.y & 0xFFFF0000u);
+        f[2] = (u.z & 0xFFFFu) | (u.w << 16);
+        f[3] = (u.z >> 16) | (u.w & 0xFFFF0000u);
+    } else {
+        f[0] = f[1] = f[2] = f[3] = 0u;  // K-quant rows are whole super-blocks: never reached
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+
+template <int QT>
+SS_DEV void copy_chunk(u8* stage, const u8* __restrict__ W, i64 row_bytes, int N, int row0, int ch, int lane) {
+    using TR = QTraits<QT>;
+    const i64 coff = (i64)ch * TR::CHUNK_BYTES;
+#pragma unroll 2
+    for (int j = 0; j < TR::NP; ++j) {
+        const int idx = lane + 32 * j;
+        const int r = idx / TR::NP;
+        const int pc = idx - r * TR::NP;
+        const int row = imin(row0 + r, N - 1);
+        const u8* src = W + (i64)row * row_bytes + coff;
+        const u8* src16 = (const u8*)((u64)src & ~(u64)15);
+        cp_async16(stage + r * TR::RSB + 16 * pc, src16 + 16 * pc);
+    }
+    cp_async_commit();
+}
+
+template <int QT, int NT>
+SS_DEV void mma_pair(float (&acc)[MT][NT][4], const u32 (&f)[MT][2][4], const uint4 (&bv)[NT]) {
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt) {
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt) {
+            mma16816(acc[mt][nt], f[mt][0][0], f[mt][1][0], f[mt][0][1], f[mt][1][1], bv[nt].x, bv[nt].y);
+            mma16816(acc[mt][nt], f[mt][0][2], f[mt][1][2], f[mt][0][3], f[mt][1][3], bv[nt].z, bv[nt].w);
+        }
+    }
+}
+
+}  // namespace ss
+
+// x re-layout: xp[(k0*TPAD)/8 + (p*TPAD + n)*4 + t] (16 bytes) holds x[n][k0 + t*(C/4) + 8p + perm]
+// with perm = {0,2,1,3,4,6,5,7}, C = the chunk's length (256, or K % 256 for the last chunk) and
+// zeros for tokens n >= T. IN_F32 = 1: x is float32, else fp16 bits. One thread per 16-byte unit.
+template <int IN_F32>
+__global__ void pack_x_kernel(const void* __restrict__ xin, long long ldx, int T, int K, int TPAD,
+                              uint4* __restrict__ xp) {
+    const long long total = (long long)(K >> 3) * TPAD;
+    const long long per_full = 32LL * TPAD;
+    for (long long u = (long long)blockIdx.x * blockDim.x + threadIdx.x; u < total;
+         u += (long long)gridDim.x * blockDim.x) {
+        const int ch = (int)(u / per_full);
+        const int rem = (int)(u - (long long)ch * per_full);
+        const int k0 = ch * ss::CHUNK;
+        const int C = ss::imin(ss::CHUNK, K - k0);
+        const int p = rem / (4 * TPAD);
+        const int r2 = rem - p * 4 * TPAD;
+        const int n = r2 >> 2, t = r2 & 3;
+        const long long k = (long long)k0 + t * (C >> 2) + 8 * p;
+        u32 h[8];
+        if (n < T) {
+            const long long base = (long long)n * ldx + k;
+#pragma unroll
+            for (int e = 0; e < 8; ++e) {
+                if (IN_F32) {
+                    h[e] = ss::f2h(((const float*)xin)[base + e]);
+                } else {
+                    h[e] = (u32)((const u16*)xin)[base + e];
+                }
+            }
+        } else {
+#pragma unroll
+            for (int e = 0; e < 8; ++e) h[e] = 0u;
+        }
+        uint4 out;
+        out.x = h[0] | (h[2] << 16);
+        out.y = h[1] | (h[3] << 16);
+        out.z = h[4] | (h[6] << 16);
+        out.w = h[5] | (h[7] << 16);
+        xp[u] = out;
+    }
+}
+
+// y[T, N] (+)= x @ W^T. Grid: (ceil(N / 128), splits); block: 128 threads; dynamic shared memory:
+// WARPS * STAGES * 32 * RSB bytes. With splits > 1, y must be zeroed first (fp32 atomics).
+// W must be 16-byte aligned and readable for 1 KiB past its last row (the launcher pads it).
+template <int QT, int NT>
+__global__ void __launch_bounds__(128) qmm_kernel(const u8* __restrict__ W, long long row_bytes, int N, int K,
+                                                  const uint4* __restrict__ xp, int T, float* __restrict__ y) {
+    using namespace ss;
+    using TR = QTraits<QT>;
+    constexpr int TPAD = 8 * NT;
+    extern __shared__ uint4 ss_smem[];
+
+    const int lane = (int)(threadIdx.x & 31u);
+    const int warp = (int)(threadIdx.x >> 5);
+    const int g = lane >> 2, t = lane & 3;
+    const int row0 = ((int)blockIdx.x * WARPS + warp) * ROWS_PER_WARP;
+    if (row0 >= N) return;  // whole warp leaves; warps never wait for each other
+
+    const int nchunks = (K + CHUNK - 1) / CHUNK;
+    const int S = (int)gridDim.y, s = (int)blockIdx.y;
+    const int ch0 = (int)(((long long)s * nchunks) / S);
+    const int ch1 = (int)(((long long)(s + 1) * nchunks) / S);
+    u8* wsm = (u8*)ss_smem + warp * (STAGES * ROWS_PER_WARP * TR::RSB);
+
+    float acc[MT][NT][4];
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+            for (int i = 0; i < 4; ++i) acc[mt][nt][i] = 0.f;
+
+    // this lane's fragment rows: local rows 16mt + g (hr = 0) and 16mt + g + 8 (hr = 1)
+    i64 rowoff[MT][2];
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int hr = 0; hr < 2; ++hr) rowoff[mt][hr] = (i64)imin(row0 + 16 * mt + 8 * hr + g, N - 1) * row_bytes;
+
+    const int nloc = ch1 - ch0;
+    if (nloc > 0) copy_chunk<QT>(wsm, W, row_bytes, N, row0, ch0, lane);
+    for (int i = 0; i < nloc; ++i) {
+        const int ch = ch0 + i;
+        if (i + 1 < nloc) {
+            copy_chunk<QT>(wsm + ((i + 1) & 1) * (ROWS_PER_WARP * TR::RSB), W, row_bytes, N, row0, ch + 1, lane);
+        } else {
+            cp_async_commit();  // keep one group per iteration so wait_group 1 means "chunk i landed"
+        }
+        cp_async_wait_prev();
+        SS_SYNCWARP();
+
+        const u8* stage = wsm + (i & 1) * (ROWS_PER_WARP * TR::RSB);
+        const int k0 = ch * CHUNK;
+        const int C = imin(CHUNK, K - k0);
+        const uint4* xb = xp + (((long long)k0 * TPAD) >> 3);
+        const i64 coff = (i64)ch * TR::CHUNK_BYTES;
+
+        const u8* slot[MT][2];
+        u32 o[MT][2];
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+            for (int hr = 0; hr < 2; ++hr) {
+                slot[mt][hr] = stage + (16 * mt + 8 * hr + g) * TR::RSB;
+                o[mt][hr] = (u32)((u64)(W + rowoff[mt][hr] + coff) & 15u);
+            }
+
+        if (C == CHUNK) {
+            RowState st[MT][2];
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+                for (int hr = 0; hr < 2; ++hr) st[mt][hr] = prep<QT>(slot[mt][hr], o[mt][hr], t);
+#pragma unroll
+            for (int q = 0; q < 4; ++q) {
+#pragma unroll
+                for (int hb = 0; hb < 2; ++hb) {
+                    const int p = q + 4 * hb;
+                    uint4 bv[NT];
+#pragma unroll
+                    for (int nt = 0; nt < NT; ++nt) bv[nt] = xb[(p * TPAD + 8 * nt + g) * 4 + t];
+                    u32 f[MT][2][4];
+#pragma unroll
+                    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+                        for (int hr = 0; hr < 2; ++hr) frag<QT>(slot[mt][hr], o[mt][hr], t, st[mt][hr], q, hb, f[mt][hr]);
+                    mma_pair<QT, NT>(acc, f, bv);
+                }
+            }
+        } else {
+            if constexpr (QT == 1 || QT == 8) {
+                const int m = C >> 5;  // 1..7 step pairs per lane
+                for (int p = 0; p < m; ++p) {
+                    uint4 bv[NT];
+#pragma unroll
+                    for (int nt = 0; nt < NT; ++nt) bv[nt] = xb[(p * TPAD + 8 * nt + g) * 4 + t];
+                    u32 f[MT][2][4];
+#pragma unroll
+                    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+                        for (int hr = 0; hr < 2; ++hr) frag_tail<QT>(slot[mt][hr], o[mt][hr], t, m, p, f[mt][hr]);
+                    mma_pair<QT, NT>(acc, f, bv);
+                }
+            }
+        }
+        SS_SYNCWARP();  // everyone is done with this stage before it is refilled
+    }
+
+    const bool atomic = gridDim.y > 1;
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt) {
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt) {
+            const int r = row0 + 16 * mt + g;
+            const int n = 8 * nt + 2 * t;
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+                const int rr = r + 8 * (i >> 1);
+                const int nn = n + (i & 1);
+                if (nn < T && rr < N) {
+                    float* dst = y + (long long)nn * N + rr;
+                    if (atomic) {
+                        atomicAdd(dst, acc[mt][nt][i]);
+                    } else {
+                        *dst = acc[mt][nt][i];
+                    }
+                }
+            }
+        }
+    }
+}
+
+// Streaming-read probe for bench/roofline.py: reads n16 16-byte words, four loads in flight per thread.
+extern "C" __global__ void stream_read_kernel(const uint4* __restrict__ p, long long n16, unsigned int* __restrict__ sink) {
+    u32 accv = 0u;
+    const long long stride = (long long)gridDim.x * blockDim.x;
+    long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    for (; i + 3 * stride < n16; i += 4 * stride) {
+        const uint4 a = p[i], b = p[i + stride], c = p[i + 2 * stride], d = p[i + 3 * stride];
+        accv ^= a.x ^ a.y ^ a.z ^ a.w ^ b.x ^ b.y ^ b.z ^ b.w ^ c.x ^ c.y ^ c.z ^ c.w ^ d.x ^ d.y ^ d.z ^ d.w;
+    }
+    for (; i < n16; i += stride) {
+        const uint4 a = p[i];
+        accv ^= a.x ^ a.y ^ a.z ^ a.w;
+    }
+    if (accv == 0x9E3779B9u) sink[0] = accv;  // practically never taken; keeps the loads alive
+}

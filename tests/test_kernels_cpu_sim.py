@@ -1,0 +1,146 @@
+"""kernels/quant_matmul.cu run on the CPU: its portable path compiled as C++ by g++ (tests/cuda_sim.cpp).
+
+No GPU is needed. The simulation runs the real kernel source (layouts, x re-layout, fragment indexing,
+K-quant scale unpacking, tail chunks, split-K, row clamping, output masking) with the 32 lanes of each warp
+in lockstep; only the inline-PTX leaf instructions are left to tests/test_kernels_quant_matmul.py on a GPU.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from services.engine import quants
+
+ROOT = Path(__file__).resolve().parents[1]
+SOURCE = ROOT / "kernels" / "quant_matmul.cu"
+HARNESS = Path(__file__).resolve().parent / "cuda_sim.cpp"
+
+F16, Q8_0, Q4_K, Q6_K = 1, 8, 12, 14
+BLOCK = {F16: (1, 2), Q8_0: (32, 34), Q4_K: (256, 144), Q6_K: (256, 210)}
+FP16_FIELDS = {Q8_0: (0,), Q4_K: (0, 2), Q6_K: (208,)}
+ROWS_PER_BLOCK = 128
+PAD = 1024
+TOL = 2e-3
+
+pytestmark = pytest.mark.skipif(
+    shutil.which("g++") is None or not sys.platform.startswith("linux"),
+    reason="the CPU simulation of the CUDA kernels needs g++ on Linux (ucontext fibers)",
+)
+
+
+@pytest.fixture(scope="session")
+def sim(tmp_path_factory):
+    digest = hashlib.sha256(SOURCE.read_bytes() + HARNESS.read_bytes()).hexdigest()[:16]
+    lib_path = tmp_path_factory.mktemp("cuda_sim") / f"cuda_sim_{digest}.so"
+    cmd = [
+        "g++", "-std=c++17", "-O1", "-shared", "-fPIC", "-w",
+        f'-DQMM_SOURCE="{SOURCE}"', "-o", str(lib_path), str(HARNESS),
+    ]  # fmt: skip
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    assert done.returncode == 0, f"g++ failed:\n{done.stderr[-4000:]}"
+    lib = ctypes.CDLL(str(lib_path))
+    lib.sim_qmm.restype = ctypes.c_int
+    lib.sim_qmm.argtypes = [
+        ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_longlong, ctypes.c_int, ctypes.c_int,
+        ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_int,
+    ]  # fmt: skip
+    lib.sim_pack.restype = None
+    lib.sim_pack.argtypes = [
+        ctypes.c_int, ctypes.c_void_p, ctypes.c_longlong, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_void_p,
+    ]  # fmt: skip
+    return lib
+
+
+def aligned_zeros(nbytes: int) -> np.ndarray:
+    raw = np.zeros(nbytes + 64, np.uint8)
+    off = (-raw.ctypes.data) % 64
+    return raw[off : off + nbytes]
+
+
+def random_weights(qtype: int, n_out: int, k: int, rng: np.random.Generator) -> np.ndarray:
+    per, size = BLOCK[qtype]
+    n_blocks = n_out * k // per
+    if qtype == F16:
+        raw = (rng.standard_normal(n_out * k) * 0.5).astype(np.float16).view(np.uint8).reshape(n_blocks, size)
+    else:
+        raw = rng.integers(0, 256, size=(n_blocks, size), dtype=np.uint8)
+        for start in FP16_FIELDS[qtype]:
+            raw[:, start : start + 2] = (
+                (rng.standard_normal(n_blocks) * 0.05).astype(np.float16).view(np.uint8).reshape(-1, 2)
+            )
+    return raw.reshape(n_out, -1)
+
+
+def run_sim(lib, qtype: int, raw: np.ndarray, n_out: int, k: int, x: np.ndarray, splits: int) -> tuple[np.ndarray, int]:
+    tokens = x.shape[0]
+    n_tiles = (tokens + 7) // 8
+    tpad = 8 * n_tiles
+    w = aligned_zeros(raw.nbytes + PAD)  # 16-byte aligned, with the readable slack the launcher adds
+    w[: raw.nbytes] = raw.reshape(-1)
+    xp = aligned_zeros(k * tpad * 2)
+    x = np.ascontiguousarray(x)
+    lib.sim_pack(int(x.dtype == np.float32), x.ctypes.data, k, tokens, k, tpad, xp.ctypes.data)
+    y = np.full((tokens, n_out), np.nan, np.float32)  # poison
+    if splits > 1:
+        y[:] = 0.0  # the launcher zeroes y before split-K atomics
+    err = lib.sim_qmm(
+        qtype, n_tiles, w.ctypes.data, raw.shape[1], n_out, k, xp.ctypes.data, tokens, y.ctypes.data, splits
+    )
+    return y, err
+
+
+CASES = [
+    # qtype, n_out, k, tokens, splits
+    (Q4_K, 64, 512, 1, 1),
+    (Q4_K, 40, 768, 8, 2),
+    (Q4_K, 150, 256, 23, 1),
+    (Q6_K, 64, 512, 3, 1),
+    (Q6_K, 37, 768, 16, 3),
+    (Q6_K, 130, 256, 41, 1),
+    (Q8_0, 64, 512, 2, 1),
+    (Q8_0, 45, 544, 9, 1),  # tail chunk of 32 values
+    (Q8_0, 33, 1248, 64, 2),  # tail chunk of 224 values, all 8 token tiles
+    (Q8_0, 20, 32, 5, 1),  # only a tail chunk
+    (F16, 64, 512, 1, 1),
+    (F16, 50, 288, 17, 2),
+    (F16, 33, 224, 32, 1),
+]
+
+
+@pytest.mark.parametrize("qtype,n_out,k,tokens,splits", CASES)
+def test_kernel_matches_twin_on_cpu(sim, qtype: int, n_out: int, k: int, tokens: int, splits: int) -> None:
+    rng = np.random.default_rng(qtype * 1000 + n_out + k + tokens)
+    raw = random_weights(qtype, n_out, k, rng)
+    x = (rng.standard_normal((tokens, k)) * 0.5).astype(np.float16)
+    y, err = run_sim(sim, qtype, raw, n_out, k, x, splits)
+    assert err == 0, "a warp diverged at a warp-synchronous point"
+    assert np.isfinite(y).all(), f"{int((~np.isfinite(y)).sum())} outputs unwritten"
+    ref = x.astype(np.float64) @ quants.dequantize(raw, qtype, (n_out, k)).astype(np.float64).T
+    rel = np.linalg.norm(y - ref) / np.linalg.norm(ref)
+    assert rel < TOL, f"relative error {rel:.3e}"
+
+
+def test_float32_activations_are_rounded_to_fp16(sim) -> None:
+    rng = np.random.default_rng(3)
+    raw = random_weights(Q4_K, 64, 256, rng)
+    x = rng.standard_normal((5, 256)).astype(np.float32)
+    y, err = run_sim(sim, Q4_K, raw, 64, 256, x, 1)
+    assert err == 0
+    ref = x.astype(np.float16).astype(np.float64) @ quants.dequantize(raw, Q4_K, (64, 256)).astype(np.float64).T
+    assert np.linalg.norm(y - ref) / np.linalg.norm(ref) < TOL
+
+
+def test_kernels_report_availability_without_a_gpu() -> None:
+    import kernels
+
+    assert isinstance(kernels.available(), bool)
+    if not kernels.available():
+        assert "CuPy" in kernels.unavailable_reason() or "GPU" in kernels.unavailable_reason()

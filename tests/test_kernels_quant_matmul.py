@@ -1,0 +1,216 @@
+"""GPU fused dequantize + matmul (kernels/quant_matmul.cu) against the NumPy twins, in float64.
+
+Needs CuPy and a CUDA GPU; skipped (with the reason) anywhere else. Every check draws fresh random
+activations, poisons the output with NaN first (so an unwritten element fails), and compares
+||y - x @ dequantize(W).T|| / ||ref|| < 2e-3 (fp16 activations and fp16-rounded weights give ~3e-4).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+try:
+    import cupy
+except Exception as e:  # not installed, or a broken CUDA install
+    pytest.skip(f"CuPy is not importable ({e}): GPU/CUDA kernel tests skipped", allow_module_level=True)
+
+
+def _gpu_missing() -> str | None:
+    try:
+        n = cupy.cuda.runtime.getDeviceCount()
+    except Exception as e:
+        return f"no usable CUDA GPU ({type(e).__name__}: {e}): GPU kernel tests skipped"
+    if n == 0:
+        return "no CUDA GPU visible: GPU kernel tests skipped"
+    return None
+
+
+_REASON = _gpu_missing()
+if _REASON is not None:
+    pytest.skip(_REASON, allow_module_level=True)
+
+from kernels import quant_matmul as qm  # noqa: E402
+
+pytestmark = pytest.mark.gpu
+
+
+def _load_twins():
+    """services.engine.quants codecs; loaded by path when the package cannot import (no gguf on the GPU box)."""
+    try:
+        from services.engine.quants import kquants, legacy
+
+        return kquants, legacy
+    except ImportError:
+        base = Path(__file__).resolve().parents[1] / "services" / "engine" / "quants"
+        mods = []
+        for name in ("kquants", "legacy"):
+            spec = importlib.util.spec_from_file_location(f"_specsplit_twin_{name}", base / f"{name}.py")
+            mod = importlib.util.module_from_spec(spec)
+            spec.loader.exec_module(mod)
+            mods.append(mod)
+        return tuple(mods)
+
+
+kquants, legacy = _load_twins()
+
+BLOCK = {qm.F16: (1, 2), qm.Q8_0: (32, 34), qm.Q4_K: (256, 144), qm.Q6_K: (256, 210)}
+FP16_FIELDS = {qm.Q8_0: (0,), qm.Q4_K: (0, 2), qm.Q6_K: (208,)}
+NAMES = {qm.F16: "F16", qm.Q8_0: "Q8_0", qm.Q4_K: "Q4_K", qm.Q6_K: "Q6_K"}
+WIDTHS = (1, 2, 3, 8, 16, 23, 32, 41, 64)
+TOL = 2e-3
+
+
+def random_weights(qtype: int, n_out: int, k: int, rng: np.random.Generator) -> np.ndarray:
+    """Valid packed storage (n_out, row_bytes): random bytes with small finite fp16 scales."""
+    per, size = BLOCK[qtype]
+    n_blocks = n_out * k // per
+    if qtype == qm.F16:
+        raw = (rng.standard_normal(n_out * k) * 0.5).astype(np.float16).view(np.uint8).reshape(n_blocks, size)
+    else:
+        raw = rng.integers(0, 256, size=(n_blocks, size), dtype=np.uint8)
+        for start in FP16_FIELDS[qtype]:
+            scales = (rng.standard_normal(n_blocks) * 0.05).astype(np.float16)
+            raw[:, start : start + 2] = scales.view(np.uint8).reshape(-1, 2)
+    return raw.reshape(n_out, -1)
+
+
+def dequantize(qtype: int, raw: np.ndarray, n_out: int, k: int) -> np.ndarray:
+    """NumPy twin -> float64 [n_out, k]."""
+    if qtype == qm.F16:
+        return raw.reshape(-1).view(np.float16).astype(np.float64).reshape(n_out, k)
+    blocks = raw.reshape(-1, BLOCK[qtype][1])
+    decode = {
+        qm.Q8_0: legacy.dequantize_q8_0,
+        qm.Q4_K: kquants.dequantize_q4_k,
+        qm.Q6_K: kquants.dequantize_q6_k,
+    }[qtype]
+    return decode(blocks).astype(np.float64).reshape(n_out, k)
+
+
+def rel_error(y: np.ndarray, ref: np.ndarray) -> float:
+    return float(np.linalg.norm(y.astype(np.float64) - ref) / np.linalg.norm(ref))
+
+
+def check(W: qm.QuantMatrix, w64: np.ndarray, tokens: int, rng: np.random.Generator, label: str, **kw) -> None:
+    n_out, k = W.shape
+    x = (rng.standard_normal((tokens, k)) * 0.5).astype(np.float16)
+    ref = x.astype(np.float64) @ w64.T
+    out = cupy.full((tokens, n_out), np.nan, dtype=cupy.float32)  # poison: unwritten elements stay NaN
+    y_gpu = W.matmul(cupy.asarray(x), out=out, **kw)
+    cupy.cuda.Device().synchronize()
+    y = cupy.asnumpy(y_gpu)
+    assert y.shape == (tokens, n_out)
+    bad = ~np.isfinite(y)
+    assert not bad.any(), f"{label} T={tokens} {kw}: {int(bad.sum())} elements unwritten or not finite"
+    err = rel_error(y, ref)
+    assert err < TOL, f"{label} T={tokens} {kw}: relative error {err:.3e} >= {TOL}"
+
+
+CASES = [
+    (qtype, shape) for qtype in (qm.Q4_K, qm.Q6_K, qm.Q8_0, qm.F16) for shape in ((256, 512), (1024, 2048), (77, 768))
+] + [
+    (qm.Q8_0, (200, 544)),  # K % 256 == 32: a one-pair tail chunk
+    (qm.Q8_0, (45, 1248)),  # K % 256 == 224: a seven-pair tail chunk
+    (qm.F16, (130, 288)),
+]
+
+
+def _case_id(value) -> str:
+    return NAMES[value] if isinstance(value, int) else "x".join(map(str, value))
+
+
+@pytest.mark.parametrize("qtype,shape", CASES, ids=_case_id)
+def test_matches_twin_at_every_width(qtype: int, shape: tuple[int, int]) -> None:
+    rng = np.random.default_rng(1000 * qtype + shape[0] + shape[1])
+    n_out, k = shape
+    raw = random_weights(qtype, n_out, k, rng)
+    W = qm.QuantMatrix(qtype, raw, shape, name=f"{NAMES[qtype]} {shape}")
+    w64 = dequantize(qtype, raw, n_out, k)
+    for tokens in WIDTHS:
+        check(W, w64, tokens, rng, W.name, splits=1)
+        auto = W.choose_splits(tokens)
+        if auto > 1:
+            check(W, w64, tokens, rng, W.name)
+    check(W, w64, 23, rng, W.name, splits=3)  # split-K with atomics even where it is not chosen
+
+
+@pytest.mark.parametrize(
+    "qtype,shape", [(qm.Q4_K, (5120, 17408)), (qm.Q6_K, (5120, 17408)), (qm.Q4_K, (17408, 5120))], ids=_case_id
+)
+def test_large_shape(qtype: int, shape: tuple[int, int]) -> None:
+    # Qwen3.6-27B ffn_down [5120 out, 17408 in] and ffn_up: split-K is chosen automatically for both.
+    rng = np.random.default_rng(7 + qtype + shape[0])
+    raw = random_weights(qtype, *shape, rng)
+    W = qm.QuantMatrix(qtype, raw, shape, name=f"{NAMES[qtype]} {shape}")
+    assert W.choose_splits() > 1
+    w64 = dequantize(qtype, raw, *shape)
+    for tokens in (1, 16, 23, 64):
+        check(W, w64, tokens, rng, W.name)
+    check(W, w64, 8, rng, W.name, splits=1)
+
+
+@pytest.mark.parametrize("qtype", [qm.Q4_K, qm.Q6_K, qm.Q8_0, qm.F16], ids=NAMES.get)
+def test_portable_fallback_path(qtype: int) -> None:
+    # The same kernels compiled with -DSPECSPLIT_PORTABLE: no inline PTX (software fp16, shuffle mma).
+    rng = np.random.default_rng(99 + qtype)
+    shape = (256, 512) if qtype in (qm.Q4_K, qm.Q6_K) else (200, 544)
+    raw = random_weights(qtype, *shape, rng)
+    W = qm.QuantMatrix(qtype, raw, shape)
+    w64 = dequantize(qtype, raw, *shape)
+    for tokens in (1, 23):
+        check(W, w64, tokens, rng, f"portable {NAMES[qtype]}", splits=1, portable=True)
+
+
+def test_q8_0_from_quantized_floats_and_float32_input() -> None:
+    rng = np.random.default_rng(5)
+    shape = (384, 1024)
+    w = rng.standard_normal(shape).astype(np.float32)
+    raw = legacy.quantize_q8_0(w.reshape(-1, 32)).reshape(shape[0], -1)
+    W = qm.QuantMatrix(qm.Q8_0, raw, shape)
+    w64 = dequantize(qm.Q8_0, raw, *shape)
+    assert np.abs(w64 - w).max() <= 0.01 * np.abs(w).max()
+    x = rng.standard_normal((13, shape[1])).astype(np.float32)
+    y = cupy.asnumpy(W.matmul(cupy.asarray(x)))
+    ref = x.astype(np.float16).astype(np.float64) @ w64.T  # the kernel rounds fp32 input to fp16
+    assert rel_error(y, ref) < TOL
+
+
+def test_shared_packed_activations_wide_batches_and_vectors() -> None:
+    rng = np.random.default_rng(11)
+    k = 512
+    raws = {q: random_weights(q, 96, k, rng) for q in (qm.Q4_K, qm.Q6_K)}
+    mats = {
+        q: qm.QuantMatrix.from_raw(SimpleNamespace(name=f"w{q}", qtype=q, data=r, shape=(96, k)))
+        for q, r in raws.items()
+    }
+    x = (rng.standard_normal((20, k)) * 0.5).astype(np.float16)
+    packed = qm.pack_activations(cupy.asarray(x))
+    for q, W in mats.items():
+        ref = x.astype(np.float64) @ dequantize(q, raws[q], 96, k).T
+        assert rel_error(cupy.asnumpy(W.matmul(packed)), ref) < TOL
+
+    W = mats[qm.Q4_K]
+    w64 = dequantize(qm.Q4_K, raws[qm.Q4_K], 96, k)
+    xw = (rng.standard_normal((150, k)) * 0.5).astype(np.float16)  # > 64 tokens: several launches
+    assert rel_error(cupy.asnumpy(W.matmul(cupy.asarray(xw))), xw.astype(np.float64) @ w64.T) < TOL
+    v = xw[3]
+    yv = W.matmul(cupy.asarray(v))
+    assert yv.shape == (96,)
+    assert rel_error(cupy.asnumpy(yv), v.astype(np.float64) @ w64.T) < TOL
+
+
+def test_bad_inputs_are_refused() -> None:
+    rng = np.random.default_rng(0)
+    raw = random_weights(qm.Q4_K, 8, 256, rng)
+    with pytest.raises(ValueError, match="bytes"):
+        qm.QuantMatrix(qm.Q4_K, raw[:, :-1], (8, 256))
+    with pytest.raises(ValueError, match="no GPU matmul"):
+        qm.QuantMatrix(2, raw, (8, 256))  # Q4_0 has no kernel yet
+    W = qm.QuantMatrix(qm.Q4_K, raw, (8, 256))
+    with pytest.raises(ValueError, match="in_features"):
+        W.matmul(cupy.zeros((2, 512), dtype=cupy.float16))
