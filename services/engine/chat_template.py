@@ -19,7 +19,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from services.engine.errors import InvalidRequestError, ModelFormatError
 
 # For models whose files carry no template: plain ChatML, reading string or OpenAI content-part lists.
-DEFAULT_CHATML_TEMPLATE = (
+CHATML_MESSAGES = (
     "{%- for message in messages %}"
     "{%- if message.content is string %}{%- set content = message.content %}"
     "{%- elif message.content is iterable and message.content is not mapping %}"
@@ -31,8 +31,9 @@ DEFAULT_CHATML_TEMPLATE = (
     "{%- else %}{%- set content = '' %}{%- endif %}"
     "{{- '<|im_start|>' + message.role + '\\n' + content + '<|im_end|>\\n' }}"
     "{%- endfor %}"
-    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
 )
+DEFAULT_CHATML_TEMPLATE = CHATML_MESSAGES + (
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}")
 
 # Names clients use for a message's reasoning; transformers copies it to the ones templates read.
 _REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")

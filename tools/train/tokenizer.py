@@ -22,6 +22,8 @@ from pathlib import Path
 
 import numpy as np
 
+from services.engine.chat_template import CHATML_MESSAGES
+
 from .common import log
 
 QWEN35_PATTERN = (
@@ -33,18 +35,7 @@ SPECIALS = [EOT, IM_START, IM_END, MASK]
 ADDED = ["<think>", "</think>"]
 
 # ChatML; the generation prompt opens the think block the Qwen3.5 way (enable_thinking false closes it).
-CHAT_TEMPLATE = (
-    "{%- for message in messages %}"
-    "{%- if message.content is string %}{%- set content = message.content %}"
-    "{%- elif message.content is iterable and message.content is not mapping %}"
-    "{%- set ns = namespace(text='') %}"
-    "{%- for part in message.content %}"
-    "{%- if part is mapping and part.type == 'text' %}{%- set ns.text = ns.text + part.text %}{%- endif %}"
-    "{%- endfor %}"
-    "{%- set content = ns.text %}"
-    "{%- else %}{%- set content = '' %}{%- endif %}"
-    "{{- '<|im_start|>' + message.role + '\\n' + content + '<|im_end|>\\n' }}"
-    "{%- endfor %}"
+CHAT_TEMPLATE = CHATML_MESSAGES + (
     "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}"
     "{%- if enable_thinking is defined and enable_thinking is false %}{{- '<think>\\n\\n</think>\\n\\n' }}"
     "{%- else %}{{- '<think>\\n' }}{%- endif %}"

@@ -41,3 +41,20 @@ def map_hf_names(hf: Mapping[str, np.ndarray], layer_names: dict[str, str], n_la
 def hf_text_config(hf_config: dict) -> dict:
     """The text part of a (possibly multimodal) HF config."""
     return hf_config.get("text_config") or hf_config
+
+
+def dense_hf_fields(hf: dict, rope_theta: float, context_length: int) -> dict:
+    """ModelConfig fields every Qwen-style HF config spells the same way (defaults per architecture)."""
+    rope = hf.get("rope_parameters") or {}
+    return dict(
+        n_embd=hf["hidden_size"],
+        n_ff=hf["intermediate_size"],
+        n_vocab=hf["vocab_size"],
+        n_head=hf["num_attention_heads"],
+        n_head_kv=hf.get("num_key_value_heads") or hf["num_attention_heads"],
+        head_dim=hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"],
+        rms_eps=hf.get("rms_norm_eps", 1e-6),
+        rope_theta=rope.get("rope_theta", hf.get("rope_theta", rope_theta)),
+        context_length=hf.get("max_position_embeddings", context_length),
+        tied_embeddings=bool(hf.get("tie_word_embeddings", False)),
+    )

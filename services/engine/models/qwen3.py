@@ -41,23 +41,10 @@ class Qwen3Model(TargetModel):
 # -- Hugging Face checkpoints ---------------------------------------------------------------------
 
 def config_from_hf(hf: dict) -> ModelConfig:
-    rope = hf.get("rope_parameters") or {}
-    head_dim = hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"]
-    return ModelConfig(
-        arch=ARCH,
-        n_layer=hf["num_hidden_layers"],
-        n_embd=hf["hidden_size"],
-        n_ff=hf["intermediate_size"],
-        n_vocab=hf["vocab_size"],
-        n_head=hf["num_attention_heads"],
-        n_head_kv=hf.get("num_key_value_heads") or hf["num_attention_heads"],
-        head_dim=head_dim,
-        rms_eps=hf.get("rms_norm_eps", 1e-6),
-        rope_theta=rope.get("rope_theta", hf.get("rope_theta", 1e6)),
-        n_rot=head_dim,
-        context_length=hf.get("max_position_embeddings", 32768),
-        tied_embeddings=bool(hf.get("tie_word_embeddings", False)),
-    )
+    from .hf_names import dense_hf_fields
+
+    f = dense_hf_fields(hf, rope_theta=1e6, context_length=32768)
+    return ModelConfig(arch=ARCH, n_layer=hf["num_hidden_layers"], n_rot=f["head_dim"], **f)
 
 
 _HF_LAYER_NAMES = {

@@ -103,8 +103,10 @@ class Qwen35Model(TargetModel):
 # -- Hugging Face checkpoints ---------------------------------------------------------------------
 
 def config_from_hf(hf: dict) -> ModelConfig:
+    from .hf_names import dense_hf_fields
+
+    f = dense_hf_fields(hf, rope_theta=1e7, context_length=262144)
     rope = hf.get("rope_parameters") or {}
-    head_dim = hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"]
     partial = rope.get("partial_rotary_factor", hf.get("partial_rotary_factor", 0.25))
     n_layer = hf["num_hidden_layers"]
     interval = hf.get("full_attention_interval", 4)
@@ -113,17 +115,7 @@ def config_from_hf(hf: dict) -> ModelConfig:
     return ModelConfig(
         arch=ARCH,
         n_layer=n_layer,
-        n_embd=hf["hidden_size"],
-        n_ff=hf["intermediate_size"],
-        n_vocab=hf["vocab_size"],
-        n_head=hf["num_attention_heads"],
-        n_head_kv=hf.get("num_key_value_heads") or hf["num_attention_heads"],
-        head_dim=head_dim,
-        rms_eps=hf.get("rms_norm_eps", 1e-6),
-        rope_theta=rope.get("rope_theta", hf.get("rope_theta", 1e7)),
-        n_rot=int(head_dim * partial),
-        context_length=hf.get("max_position_embeddings", 262144),
-        tied_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        n_rot=int(f["head_dim"] * partial),
         recurrent_layers=[t == "linear_attention" for t in types],
         full_attention_interval=interval,
         ssm_conv_kernel=hf.get("linear_conv_kernel_dim", 4),
@@ -131,6 +123,7 @@ def config_from_hf(hf: dict) -> ModelConfig:
         ssm_n_k_heads=hf["linear_num_key_heads"],
         ssm_n_v_heads=hf["linear_num_value_heads"],
         ssm_inner_size=hf["linear_value_head_dim"] * hf["linear_num_value_heads"],
+        **f,
     )
 
 
