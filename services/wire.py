@@ -154,3 +154,17 @@ def __getattr__(name: str) -> ModuleType:
         _modules["pb"] = importlib.import_module(f"{__package__}.proto_gen.{_STEM}")
         _modules["pb_grpc"] = importlib.import_module(f"{__package__}.proto_gen.{_STEM}_grpc")
     return _modules[name]
+
+
+def sampling_from_pb(s):
+    """The engine's SamplingParams from a wire `SamplingParams` (unset fields take the engine defaults)."""
+    # Imported here: setup.py loads this module at build time, where NumPy may not be installed.
+    from services.engine.sampling import SamplingParams
+
+    return SamplingParams(
+        temperature=s.temperature if s.HasField("temperature") else 0.0,
+        top_k=s.top_k if s.HasField("top_k") else 0,
+        top_p=s.top_p if s.HasField("top_p") else 1.0,
+        min_p=s.min_p if s.HasField("min_p") else 0.0,
+        seed=s.seed if s.HasField("seed") else None,
+    )

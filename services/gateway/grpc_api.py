@@ -14,8 +14,7 @@ import grpc
 
 from services import telemetry
 from services.engine.errors import InvalidRequestError
-from services.engine.sampling import SamplingParams
-from services.wire import pb, pb_grpc
+from services.wire import pb, pb_grpc, sampling_from_pb
 
 from .core import Delta, GatewayCore, GenerationRequest, Outcome
 from .errors import APIError, invalid
@@ -48,13 +47,7 @@ class GatewayServicer(pb_grpc.GatewayServicer):
                           "max_tokens")
         s = request.sampling
         try:
-            sampling = SamplingParams(
-                temperature=s.temperature if s.HasField("temperature") else 0.0,
-                top_k=s.top_k if s.HasField("top_k") else 0,
-                top_p=s.top_p if s.HasField("top_p") else 1.0,
-                min_p=s.min_p if s.HasField("min_p") else 0.0,
-                seed=s.seed if s.HasField("seed") else None,
-            ).validate()
+            sampling = sampling_from_pb(s).validate()
         except InvalidRequestError as e:
             raise invalid(str(e), e.param) from None
         if len(request.stop) > MAX_STOP:

@@ -56,7 +56,7 @@ from services.engine.speculative import (
     StepInfo,
     speculative_stream,
 )
-from services.wire import pb, pb_grpc
+from services.wire import pb, pb_grpc, sampling_from_pb
 
 log = logging.getLogger("specsplit.verifier")
 
@@ -323,13 +323,7 @@ class VerifierServicer(pb_grpc.VerifierServicer):
     def _validate(self, request: pb.GenerateRequest) -> tuple[SamplingParams, bool, SpecConfig]:
         """Raise InvalidRequestError / ContextOverflowError for anything the engine would reject."""
         s = request.sampling
-        params = SamplingParams(
-            temperature=s.temperature if s.HasField("temperature") else 0.0,
-            top_k=s.top_k if s.HasField("top_k") else 0,
-            top_p=s.top_p if s.HasField("top_p") else 1.0,
-            min_p=s.min_p if s.HasField("min_p") else 0.0,
-            seed=s.seed if s.HasField("seed") else None,
-        ).validate()
+        params = sampling_from_pb(s).validate()
         check_request(self.target.model, request.prompt_ids, request.max_tokens, self.max_ctx)
         n_vocab = self.target.cfg.n_vocab
         bad = [t for t in request.stop_ids if not 0 <= t < n_vocab]

@@ -6,6 +6,7 @@ positions, the ancestor mask, pending state and which rows get logits.
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -39,7 +40,7 @@ class StepContext:
     checkpoints: bool
 
 
-class TargetModel:
+class TargetModel(ABC):
     arch = ""
 
     def __init__(self, cfg: ModelConfig, tensors: Mapping[str, RawTensor | np.ndarray],
@@ -66,8 +67,9 @@ class TargetModel:
     def _w(self, name: str):
         return self.be.weight(self._need(name))
 
+    @abstractmethod
     def _load_layer(self, i: int) -> dict:
-        raise NotImplementedError
+        """The layer's weights, by short name, through the backend."""
 
     # -- inference ----------------------------------------------------------------------------
     def new_state(self, max_ctx: int | None = None) -> SequenceState:
@@ -127,8 +129,9 @@ class TargetModel:
             out = self.be.linear(h, self.output)
         return ForwardResult(logits=out, logit_rows=rows, captured=captured)
 
+    @abstractmethod
     def _block(self, i: int, layer: dict, x: np.ndarray, ctx: StepContext) -> np.ndarray:
-        raise NotImplementedError
+        """One decoder block over the step's T tokens: (T, n_embd) -> (T, n_embd)."""
 
     # -- shared block pieces -------------------------------------------------------------------
     def _kv_attention(self, i: int, q: np.ndarray, k: np.ndarray, v: np.ndarray, ctx: StepContext):
