@@ -5,6 +5,8 @@ loaded from the HF folder and from the GGUF that `specsplit convert` writes; gre
 tokens is identical; captured layer outputs equal HF's hidden_states[lid + 1].
 """
 
+import zlib
+
 import numpy as np
 import pytest
 
@@ -30,7 +32,7 @@ def rel_err(a, b):
 def case(request, tmp_path_factory):
     kind, over = CASES[request.param]
     folder = tmp_path_factory.mktemp(request.param)
-    hf = make_hf_model(kind, folder / "hf", seed=hash(request.param) % 1000, **over)
+    hf = make_hf_model(kind, folder / "hf", seed=zlib.crc32(request.param.encode()) % 1000, **over)
     convert_hf_to_gguf(str(folder / "hf"), str(folder / "model.gguf"), "f32")
     return request.param, hf, folder
 
@@ -87,4 +89,4 @@ def test_chunked_prefill_equals_one_pass(case):
     s1, s2 = model.new_state(64), model.new_state(64)
     l1, _ = prefill(model, s1, prompt, chunk=64)
     l2, _ = prefill(model, s2, prompt, chunk=7)
-    assert rel_err(l2, l1) < 1e-5
+    assert rel_err(l2, l1) < 1e-4     # chunked vs token-loop DeltaNet: float32 rounding
