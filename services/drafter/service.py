@@ -182,13 +182,17 @@ class DrafterServicer(pb_grpc.DrafterServicer):
 
     async def Draft(self, request_iterator: AsyncIterator[pb.DraftRequest],
                     context: grpc.aio.ServicerContext) -> AsyncIterator[pb.DraftResponse]:
+        # Streaming handlers end with a status and return: context.abort() from inside a response generator
+        # races the client's writes and sometimes reaches the client as INTERNAL instead of the real code.
         if self.drafter is None:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "the drafter is still loading its model")
+            _end(context, grpc.StatusCode.UNAVAILABLE, "the drafter is still loading its model")
+            return
         if self.active >= self.max_sessions:
             self.stats.rejected_busy += 1
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                                f"the drafter is serving its maximum of {self.max_sessions} sessions; retry later "
-                                "or decode without drafting")
+            _end(context, grpc.StatusCode.RESOURCE_EXHAUSTED,
+                 f"the drafter is serving its maximum of {self.max_sessions} sessions; retry later "
+                 "or decode without drafting")
+            return
         self.active += 1
         self.stats.streams += 1
         session = self.drafter.new_session()
@@ -205,11 +209,13 @@ class DrafterServicer(pb_grpc.DrafterServicer):
                         # Not the request's fault: this drafter cannot see the client's memory. A distinct
                         # code lets the client switch to inline features for its next streams.
                         span.set_attribute("error.type", "shared_memory")
-                        await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
+                        _end(context, grpc.StatusCode.FAILED_PRECONDITION, str(e))
+                        return
                     except BadRequest as e:
                         self.stats.invalid += 1
                         span.set_attribute("error.type", "invalid_argument")
-                        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+                        _end(context, grpc.StatusCode.INVALID_ARGUMENT, str(e))
+                        return
                     with tracer.start_as_current_span("drafter.draft", attributes={
                             "spec.draft.start": req.start, "spec.draft.rows": 0 if feats is None else len(feats),
                             "spec.draft.top_k": req.top_k}):
@@ -223,6 +229,11 @@ class DrafterServicer(pb_grpc.DrafterServicer):
             self.active -= 1
             reader.close()
             session = None
+
+
+def _end(context: grpc.aio.ServicerContext, code: grpc.StatusCode, details: str) -> None:
+    context.set_code(code)
+    context.set_details(details)
 
 
 # ---------------------------------------------------------------------------------------------------
