@@ -38,7 +38,8 @@ pytestmark = pytest.mark.skipif(
 
 @pytest.fixture(scope="session")
 def sim(tmp_path_factory):
-    digest = hashlib.sha256(SOURCE.read_bytes() + HARNESS.read_bytes()).hexdigest()[:16]
+    parts = (SOURCE, HARNESS, HARNESS.with_suffix(".h"))
+    digest = hashlib.sha256(b"".join(p.read_bytes() for p in parts)).hexdigest()[:16]
     lib_path = tmp_path_factory.mktemp("cuda_sim") / f"cuda_sim_{digest}.so"
     cmd = [
         "g++", "-std=c++17", "-O1", "-shared", "-fPIC", "-w",
