@@ -90,3 +90,22 @@ def test_chunked_prefill_equals_one_pass(case):
     l1, _ = prefill(model, s1, prompt, chunk=64)
     l2, _ = prefill(model, s2, prompt, chunk=7)
     assert rel_err(l2, l1) < 1e-4     # chunked vs token-loop DeltaNet: float32 rounding
+
+
+def test_gguf_back_to_hf_state_dict(case):
+    """tensors_to_hf inverts the GGUF conventions exactly: the converted GGUF maps back to HF's own tensors."""
+    name, hf, folder = case
+    if not name.startswith("qwen35"):
+        pytest.skip("the GGUF -> HF inverse is implemented for qwen35 (drafter training on shipped targets)")
+    from services.engine.config import config_from_gguf
+    from services.engine.formats import open_model_file
+    from services.engine.models.qwen35 import tensors_to_hf
+
+    mf = open_model_file(str(folder / "model.gguf"))
+    cfg = config_from_gguf(mf.metadata)
+    back = tensors_to_hf(cfg, {n: t.dequantize() for n, t in mf.tensors.items()})
+    ref = {k: v.detach().numpy() for k, v in hf.state_dict().items()}
+    assert sorted(back) == sorted(ref)
+    for k, v in ref.items():
+        assert back[k].shape == v.shape, k
+        np.testing.assert_allclose(back[k], v, rtol=1e-5, atol=1e-6, err_msg=k)

@@ -230,3 +230,29 @@ def test_chain_walk_matches_engine_acceptance(toy, engine_pair):
         pass
     # the replay only takes blocks that end inside the sequence: compare those steps
     assert walk and steps[:len(walk)] == walk
+
+
+def test_drafter_only_run_on_a_shipped_target(toy, tmp_path):
+    """--target-gguf: the target GGUF is reused bit for bit (not retrained), its training record is carried
+    into the card, and the new drafter loads against it."""
+    out, summary = toy
+    cfg = toy_config(str(tmp_path / "run2"), ROOTS, seed=0)
+    cfg.target_gguf = str(out / "target.gguf")
+    s2 = run(cfg)
+    assert (tmp_path / "run2" / "target.gguf").read_bytes() == (out / "target.gguf").read_bytes()
+    assert s2["target"]["source"] == str(out / "target.gguf")
+    assert s2["target"]["steps"] == summary["target"]["steps"]          # from out/summary.json
+    assert abs(s2["target"]["heldout"]["loss"] - summary["target"]["heldout"]["loss"]) < 0.05
+    card = (tmp_path / "run2" / "MODEL_CARD.md").read_text()
+    assert "--target-gguf" in card and summary["reproduce"] in card
+    lt = load_target(str(tmp_path / "run2" / "target.gguf"))
+    load_drafter(str(tmp_path / "run2" / "drafter"), lt.model)
+
+
+def test_drafter_only_run_refuses_a_foreign_tokenizer(toy, tmp_path):
+    out, _ = toy
+    cfg = toy_config(str(tmp_path / "run3"), ROOTS, seed=0)
+    cfg.vocab = 280                                    # another tokenizer than the target's
+    cfg.target_gguf = str(out / "target.gguf")
+    with pytest.raises(SystemExit, match="tokenizer differs"):
+        run(cfg)

@@ -11,6 +11,28 @@ def _fmt(x, nd: int = 4) -> str:
     return "n/a" if x is None else (f"{x:.{nd}f}" if isinstance(x, float) else str(x))
 
 
+def _target_training(s: dict) -> str:
+    tr = s["target"]
+    if "steps" not in tr:
+        return f"Training: not part of this run; the target was loaded from `{tr.get('source')}`."
+    return (f"Training: {tr['steps']} AdamW steps of {tr['train_config']['batch_size']} x "
+            f"{tr['train_config']['seq_len']}\ntokens ({tr['tokens_seen'] / 1e6:.1f}M tokens, {tr['epochs']} epochs), "
+            f"peak lr {tr['train_config']['lr']},\nwarmup + cosine, "
+            f"{'bf16 autocast' if s['device'].startswith('cuda') else 'float32'}, {tr['train_seconds']} s\n"
+            f"({tr['tokens_per_second'] / 1e3:.1f}k tokens/s).")
+
+
+def _target_repro(s: dict) -> str:
+    if not s.get("target_reproduce"):
+        return ""
+    return f"""
+This run trained the drafter only (`--target-gguf`); the target came from this earlier run, whose
+`target.gguf` the command above reads:
+
+    {s['target_reproduce']}
+"""
+
+
 def write_card(path: str | Path, s: dict, cfg) -> None:
     tc = s["target"]["config"]
     tr = s["target"]
@@ -50,10 +72,7 @@ hidden {tc['hidden_size']}, {tc['num_hidden_layers']} layers ({n_full} gated ful
 {tc['intermediate_size']}, vocabulary {s['tokenizer']['vocab']}, untied embeddings, context
 {tc['max_position_embeddings']}.
 
-Training: {tr['steps']} AdamW steps of {tr['train_config']['batch_size']} x {tr['train_config']['seq_len']}
-tokens ({tr['tokens_seen'] / 1e6:.1f}M tokens, {tr['epochs']} epochs), peak lr {tr['train_config']['lr']},
-warmup + cosine, {'bf16 autocast' if s['device'].startswith('cuda') else 'float32'}, {tr['train_seconds']} s
-({tr['tokens_per_second'] / 1e3:.1f}k tokens/s).
+{_target_training(s)}
 
 | held-out (by file, {ho['tokens']} tokens) | value |
 | --- | --- |
@@ -113,7 +132,7 @@ The budget decided the step counts; this pins them (same data order and schedule
 still differ in the last bits):
 
     {s['reproduce']}
-
+{_target_repro(s)}
 Stage times (s): {', '.join(f'{k} {v}' for k, v in s['timings_s'].items())}.
 """
     Path(path).write_text(text)

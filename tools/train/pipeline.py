@@ -22,8 +22,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import shlex
+import shutil
 import sys
 import time
 from dataclasses import asdict, dataclass, field
@@ -63,6 +65,7 @@ class PipelineConfig:
     data: DataConfig = field(default_factory=DataConfig)
     draft_train: DraftTrainConfig = field(default_factory=DraftTrainConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
+    target_gguf: str | None = None          # train only a drafter, for this shipped qwen35 target
     target_gguf_type: str = "q8_0"
     drafter_gguf_type: str = "q8_0"
     drafter_dtype: str = "bfloat16"
@@ -169,15 +172,37 @@ def _run(cfg: PipelineConfig) -> dict:
     # 3. target ---------------------------------------------------------------------------------------
     t = time.perf_counter()
     tt = cfg.target_train
-    if tt.steps is None and total_s is not None:
-        avail = left() - cfg.reserve_seconds - (cfg.eval.seconds if cfg.eval.enabled else 0)
-        tt.seconds = max(10.0, avail * cfg.target_share)
-    seed_everything(cfg.seed)
-    model = tg.build_model(cfg.target, vocab, cfg.seed, eos_ids=[special["<|im_end|>"], eot], pad_id=eot)
-    tstats = tg.train(model, train_tokens, held_tokens, tt, device, cfg.seed, bytes_per_token=bpt)
-    hf_dir = work / "target_hf"
-    tg.save_hf(model, hf_dir, work / "tokenizer")
-    convert_hf_to_gguf(str(hf_dir), str(out / "target.gguf"), cfg.target_gguf_type)
+    eos_ids = [special["<|im_end|>"], eot]
+    if cfg.target_gguf:
+        # Drafter-only run: the target is a shipped GGUF, the tokenizer rebuilt here must be its own.
+        vocab_list = [tok.id_to_token(i) for i in range(vocab)]
+        if tg.gguf_vocab(cfg.target_gguf) != vocab_list:
+            raise SystemExit(f"{cfg.target_gguf}: its tokenizer differs from the one this corpus and seed give "
+                             "(different corpus, --vocab or seed?); the drafter would learn the wrong token ids")
+        model, cfg.target = tg.load_gguf_target(cfg.target_gguf, eos_ids=eos_ids, pad_id=eot)
+        model.to(device)
+        # The target's own training record (kept beside a shipped GGUF) goes into this run's card.
+        prev = _previous_summary(Path(cfg.target_gguf).parent)
+        tstats = dict(prev.get("target") or {})
+        tstats.pop("config", None)
+        tstats.update({"source": cfg.target_gguf, "params": tg.n_params(model),
+                       "heldout": tg.evaluate(model, held_tokens, tt.seq_len, device, tt.eval_seqs)})
+        tstats["heldout"]["bits_per_byte"] = tstats["heldout"]["loss"] / math.log(2) / bpt
+        if prev.get("reproduce"):
+            summary["target_reproduce"] = prev["reproduce"]
+        if Path(cfg.target_gguf).resolve() != (out / "target.gguf").resolve():
+            shutil.copyfile(cfg.target_gguf, out / "target.gguf")
+        log(f"target: {cfg.target_gguf} (not retrained), held-out ppl {tstats['heldout']['ppl']:.3f}")
+    else:
+        if tt.steps is None and total_s is not None:
+            avail = left() - cfg.reserve_seconds - (cfg.eval.seconds if cfg.eval.enabled else 0)
+            tt.seconds = max(10.0, avail * cfg.target_share)
+        seed_everything(cfg.seed)
+        model = tg.build_model(cfg.target, vocab, cfg.seed, eos_ids=eos_ids, pad_id=eot)
+        tstats = tg.train(model, train_tokens, held_tokens, tt, device, cfg.seed, bytes_per_token=bpt)
+        hf_dir = work / "target_hf"
+        tg.save_hf(model, hf_dir, work / "tokenizer")
+        convert_hf_to_gguf(str(hf_dir), str(out / "target.gguf"), cfg.target_gguf_type)
     timings["target"] = time.perf_counter() - t
     log(f"target: wrote {out / 'target.gguf'} ({_mb(out / 'target.gguf'):.1f} MB, {cfg.target_gguf_type})")
 
@@ -247,7 +272,7 @@ def _run(cfg: PipelineConfig) -> dict:
         "sizes_mb": sizes, "total_mb": round(sum(sizes.values()), 2), "sha256": sums,
         "eval": ev, "timings_s": {k: round(v, 1) for k, v in timings.items()},
     })
-    summary["reproduce"] = _repro_command(cfg, tstats["steps"], data_stats["seqs"], dstats["steps"])
+    summary["reproduce"] = _repro_command(cfg, tstats.get("steps"), data_stats["seqs"], dstats["steps"])
     from .card import write_card
 
     write_card(out / "MODEL_CARD.md", summary, cfg)
@@ -256,10 +281,19 @@ def _run(cfg: PipelineConfig) -> dict:
     return summary
 
 
-def _repro_command(cfg: PipelineConfig, target_steps: int, gen_seqs: int, drafter_steps: int) -> str:
+def _previous_summary(folder: Path) -> dict:
+    """The pipeline summary that produced a shipped target, if it lies beside it."""
+    for name in ("summary.json", "training_summary.json"):
+        if (folder / name).is_file():
+            return json.loads((folder / name).read_text())
+    return {}
+
+
+def _repro_command(cfg: PipelineConfig, target_steps: int | None, gen_seqs: int, drafter_steps: int) -> str:
     """The run's command with the step counts it chose pinned (later flags win in argparse)."""
     base = cfg.command or f"python -m tools.train.pipeline --out {shlex.quote(cfg.out)}"
-    return f"{base} --target-steps {target_steps} --gen-seqs {gen_seqs} --drafter-steps {drafter_steps}"
+    pinned = f" --target-steps {target_steps}" if target_steps is not None else ""
+    return f"{base}{pinned} --gen-seqs {gen_seqs} --drafter-steps {drafter_steps}"
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -281,6 +315,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--eval-seconds", type=float, default=60.0)
     ap.add_argument("--no-eval", action="store_true")
     ap.add_argument("--preset", choices=("default", "toy"), default="default")
+    ap.add_argument("--target-gguf", help="train only a drafter for this qwen35 GGUF (its tokenizer must be the "
+                    "one this corpus/seed/--vocab give, e.g. the shipped default target)")
+    ap.add_argument("--drafter-lr", type=float)
     a = ap.parse_args(argv)
 
     if a.preset == "toy":
@@ -302,6 +339,9 @@ def main(argv: list[str] | None = None) -> None:
         cfg.target_train.lr = a.target_lr
     if a.drafter_layers:
         cfg.draft.num_hidden_layers = a.drafter_layers
+    if a.drafter_lr:
+        cfg.draft_train.lr = a.drafter_lr
+    cfg.target_gguf = a.target_gguf
     cfg.eval.prompts = a.eval_prompts
     cfg.eval.seconds = a.eval_seconds
     cfg.eval.enabled = not a.no_eval

@@ -221,3 +221,50 @@ def save_hf(model, folder: str | Path, tokenizer_folder: str | Path | None = Non
             src = Path(tokenizer_folder) / name
             if src.exists():
                 shutil.copy(src, folder / name)
+
+
+def load_gguf_target(path: str | Path, eos_ids=None, pad_id=None):
+    """A trainable float32 `Qwen3_5ForCausalLM` with a shipped qwen35 GGUF's weights (dequantized).
+
+    Returns (model, TargetConfig). Used to train a drafter for an existing target without retraining it;
+    the weights are the GGUF's (e.g. Q8_0-rounded), i.e. exactly what the engine will serve.
+    """
+    import torch
+
+    from services.engine.config import config_from_gguf
+    from services.engine.formats import open_model_file
+    from services.engine.models.qwen35 import tensors_to_hf
+
+    mf = open_model_file(str(path))
+    mc = config_from_gguf(mf.metadata, path=str(path))
+    if mc.arch != "qwen35":
+        raise ValueError(f"{path}: drafter training from a GGUF supports qwen35 targets, not {mc.arch}")
+    every = list(mc.recurrent_layers).index(False) + 1 if False in mc.recurrent_layers else 0
+    expected = [(i + 1) % every != 0 for i in range(mc.n_layer)]
+    if not every or list(mc.recurrent_layers) != expected:
+        raise ValueError(f"{path}: layer pattern {mc.recurrent_layers} is not 'full attention every {every}'")
+    cfg = TargetConfig(
+        hidden_size=mc.n_embd, num_hidden_layers=mc.n_layer, full_attention_interval=every,
+        num_attention_heads=mc.n_head, num_key_value_heads=mc.n_head_kv, head_dim=mc.head_dim,
+        partial_rotary_factor=mc.n_rot / mc.head_dim, rope_theta=mc.rope_theta,
+        linear_num_key_heads=mc.ssm_n_k_heads, linear_num_value_heads=mc.ssm_n_v_heads,
+        linear_key_head_dim=mc.ssm_head_k_dim, linear_value_head_dim=mc.ssm_head_v_dim,
+        linear_conv_kernel_dim=mc.ssm_conv_kernel, intermediate_size=mc.n_ff,
+        max_position_embeddings=mc.context_length, rms_norm_eps=mc.rms_eps,
+    )
+    model = build_model(cfg, mc.n_vocab, seed=0, eos_ids=eos_ids, pad_id=pad_id)
+    state = tensors_to_hf(mc, {n: t.dequantize() for n, t in mf.tensors.items()})
+    own = model.state_dict()
+    missing = sorted(set(own) - set(state))
+    extra = sorted(set(state) - set(own))
+    if missing or extra:
+        raise ValueError(f"{path}: tensors do not match the rebuilt model (missing {missing[:4]}, extra {extra[:4]})")
+    model.load_state_dict({k: torch.from_numpy(np.array(v, dtype=np.float32)) for k, v in state.items()})
+    return model.float(), cfg
+
+
+def gguf_vocab(path: str | Path) -> list[str]:
+    """The token strings of a GGUF's tokenizer, by id."""
+    from services.engine.formats import open_model_file
+
+    return [str(t) for t in open_model_file(str(path)).metadata["tokenizer.ggml.tokens"]]

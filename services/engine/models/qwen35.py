@@ -185,3 +185,54 @@ def tensors_from_hf(cfg: ModelConfig, hf: Mapping[str, np.ndarray]) -> dict[str,
                 a = np.concatenate([a[:2 * kd], _tile_v_heads(a[2 * kd:], 0, nk, nv)], axis=0)
         out[name] = a
     return out
+
+
+def _untile_v_heads(a: np.ndarray, axis: int, n_k: int, n_v: int) -> np.ndarray:
+    """Inverse of `_tile_v_heads`: llama.cpp's tiled value-head order back to HF's grouped order."""
+    a = np.moveaxis(a, axis, 0)
+    r = n_v // n_k
+    d = a.shape[0] // n_v
+    t = a.reshape(r, n_k, d, *a.shape[1:]).swapaxes(0, 1).reshape(a.shape)
+    return np.moveaxis(t, 0, axis)
+
+
+def tensors_to_hf(cfg: ModelConfig, tensors: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """llama.cpp names and conventions -> a `Qwen3_5ForCausalLM` state dict (inverse of `tensors_from_hf`).
+
+    Used to rebuild a trainable torch target from a shipped GGUF (e.g. to train a drafter for it).
+    """
+    to_hf = {v: k for k, v in _HF_LAYER_NAMES.items()}
+    nk, nv, kd = cfg.ssm_n_k_heads, cfg.ssm_n_v_heads, cfg.ssm_key_dim
+    out: dict[str, np.ndarray] = {}
+    for name, arr in tensors.items():
+        a = np.asarray(arr, dtype=np.float32)
+        if name == "token_embd.weight":
+            out["model.embed_tokens.weight"] = a
+            continue
+        if name == "output_norm.weight":
+            out["model.norm.weight"] = a - 1.0
+            continue
+        if name == "output.weight":
+            out["lm_head.weight"] = a
+            continue
+        parts = name.split(".", 2)
+        if len(parts) != 3 or parts[0] != "blk" or parts[2] not in to_hf:
+            raise ValueError(f"tensor '{name}' has no Hugging Face counterpart in a qwen35 model")
+        short = parts[2]
+        if short.endswith("norm.weight") and short != "ssm_norm.weight":
+            a = a - 1.0
+        elif short == "ssm_a":
+            a = np.log(-a)
+        if nk != nv:
+            if short in ("attn_gate.weight", "ssm_beta.weight", "ssm_alpha.weight", "ssm_a", "ssm_dt.bias"):
+                a = _untile_v_heads(a, 0, nk, nv)
+            elif short in ("attn_qkv.weight", "ssm_conv1d.weight"):
+                a = np.concatenate([a[:2 * kd], _untile_v_heads(a[2 * kd:], 0, nk, nv)], axis=0)
+            elif short == "ssm_out.weight":
+                a = _untile_v_heads(a, 1, nk, nv)
+        if short == "ssm_conv1d.weight":
+            a = a.reshape(a.shape[0], 1, a.shape[-1])
+        out[f"model.layers.{parts[1]}.{to_hf[short]}"] = a
+    if "lm_head.weight" not in out and "model.embed_tokens.weight" in out:
+        out["lm_head.weight"] = out["model.embed_tokens.weight"]
+    return out
