@@ -249,10 +249,15 @@ def test_drafter_only_run_on_a_shipped_target(toy, tmp_path):
     load_drafter(str(tmp_path / "run2" / "drafter"), lt.model)
 
 
-def test_drafter_only_run_refuses_a_foreign_tokenizer(toy, tmp_path):
+
+def test_tokenizer_rebuilt_from_gguf_encodes_like_the_trained_one(toy):
+    from tokenizers import Tokenizer
+
+    from tools.train.tokenizer import tokenizer_from_gguf
+
     out, _ = toy
-    cfg = toy_config(str(tmp_path / "run3"), ROOTS, seed=0)
-    cfg.vocab = 280                                    # another tokenizer than the target's
-    cfg.target_gguf = str(out / "target.gguf")
-    with pytest.raises(SystemExit, match="tokenizer differs"):
-        run(cfg)
+    trained = Tokenizer.from_file(str(out / "work" / "tokenizer" / "tokenizer.json"))
+    rebuilt = tokenizer_from_gguf(out / "target.gguf")
+    text = (out / "work" / "corpus" / "heldout.txt").read_text()[:20000] + "<|im_start|>user\n<think>hi<|im_end|>"
+    assert rebuilt.encode(text).ids == trained.encode(text).ids
+    assert rebuilt.decode(trained.encode(text).ids) == trained.decode(trained.encode(text).ids)

@@ -124,7 +124,7 @@ def _run(cfg: PipelineConfig) -> dict:
     from . import target as tg
     from .common import pick_device
     from .corpus import build_corpus, read_docs
-    from .tokenizer import EOT, MASK, encode_docs, save_tokenizer, train_tokenizer
+    from .tokenizer import EOT, MASK, encode_docs, save_tokenizer, tokenizer_from_gguf, train_tokenizer
 
     t_run = time.perf_counter()
     total_s = cfg.minutes * 60 if cfg.minutes else None
@@ -156,7 +156,10 @@ def _run(cfg: PipelineConfig) -> dict:
     t = time.perf_counter()
     docs = read_docs(work / "corpus" / "train.txt")
     held_docs = read_docs(work / "corpus" / "heldout.txt")
-    tok = train_tokenizer(docs, cfg.vocab, cfg.tok_sample_mb)
+    if cfg.target_gguf:          # drafter-only run: the target's own token ids
+        tok = tokenizer_from_gguf(cfg.target_gguf)
+    else:
+        tok = train_tokenizer(docs, cfg.vocab, cfg.tok_sample_mb)
     special = save_tokenizer(tok, work / "tokenizer")
     vocab = tok.get_vocab_size()
     eot, mask_id = special[EOT], special[MASK]
@@ -174,11 +177,6 @@ def _run(cfg: PipelineConfig) -> dict:
     tt = cfg.target_train
     eos_ids = [special["<|im_end|>"], eot]
     if cfg.target_gguf:
-        # Drafter-only run: the target is a shipped GGUF, the tokenizer rebuilt here must be its own.
-        vocab_list = [tok.id_to_token(i) for i in range(vocab)]
-        if tg.gguf_vocab(cfg.target_gguf) != vocab_list:
-            raise SystemExit(f"{cfg.target_gguf}: its tokenizer differs from the one this corpus and seed give "
-                             "(different corpus, --vocab or seed?); the drafter would learn the wrong token ids")
         model, cfg.target = tg.load_gguf_target(cfg.target_gguf, eos_ids=eos_ids, pad_id=eot)
         model.to(device)
         # The target's own training record (kept beside a shipped GGUF) goes into this run's card.

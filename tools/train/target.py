@@ -262,9 +262,3 @@ def load_gguf_target(path: str | Path, eos_ids=None, pad_id=None):
     model.load_state_dict({k: torch.from_numpy(np.array(v, dtype=np.float32)) for k, v in state.items()})
     return model.float(), cfg
 
-
-def gguf_vocab(path: str | Path) -> list[str]:
-    """The token strings of a GGUF's tokenizer, by id."""
-    from services.engine.formats import open_model_file
-
-    return [str(t) for t in open_model_file(str(path)).metadata["tokenizer.ggml.tokens"]]

@@ -74,6 +74,44 @@ def train_tokenizer(docs: Sequence[str], vocab_size: int = 4096, sample_mb: floa
     return tok
 
 
+def tokenizer_from_gguf(path: str | os.PathLike[str]):
+    """The `tokenizers` object of a GGUF's byte-level BPE vocabulary (the layout `train_tokenizer` makes).
+
+    For training a drafter against a shipped target: the token ids must be the target's own.
+    """
+    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
+
+    from services.engine.formats import open_model_file
+
+    meta = open_model_file(str(path)).metadata
+    if meta.get("tokenizer.ggml.model") != "gpt2" or meta.get("tokenizer.ggml.pre") not in ("qwen35", "qwen2"):
+        raise ValueError(f"{path}: tokenizer {meta.get('tokenizer.ggml.model')}/{meta.get('tokenizer.ggml.pre')} is "
+                         "not the byte-level BPE with the Qwen pre-tokenizer this trainer uses")
+    tokens = [str(t) for t in meta["tokenizer.ggml.tokens"]]
+    types = [int(t) for t in meta["tokenizer.ggml.token_type"]]
+    merges = [tuple(str(m).split(" ", 1)) for m in meta["tokenizer.ggml.merges"]]
+    normal = {t: i for i, (t, ty) in enumerate(zip(tokens, types)) if ty == 1}
+    tok = Tokenizer(models.BPE(vocab=normal, merges=merges))
+    tok.normalizer = normalizers.NFC()
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(QWEN35_PATTERN), behavior="isolated"),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+    ])
+    tok.decoder = decoders.ByteLevel()
+    for i, (t, ty) in enumerate(zip(tokens, types)):
+        if ty == 1:
+            continue
+        if i != tok.get_vocab_size(with_added_tokens=True):
+            raise ValueError(f"{path}: added token {t!r} at id {i} is not after the BPE vocabulary")
+        if ty == 3:
+            tok.add_special_tokens([AddedToken(t, special=True, normalized=False)])
+        else:
+            tok.add_tokens([AddedToken(t, special=False, normalized=False)])
+    if [tok.id_to_token(i) for i in range(len(tokens))] != tokens:
+        raise ValueError(f"{path}: the rebuilt tokenizer does not reproduce the GGUF's token ids")
+    return tok
+
+
 def save_tokenizer(tok, folder: str | os.PathLike[str]) -> dict:
     """tokenizer.json + tokenizer_config.json + generation_config.json; returns the special ids."""
     folder = Path(folder)
