@@ -234,10 +234,11 @@ def test_chain_walk_matches_engine_acceptance(toy, engine_pair):
 
 def test_drafter_only_run_on_a_shipped_target(toy, tmp_path):
     """--target-gguf: the target GGUF is reused bit for bit (not retrained), its training record is carried
-    into the card, and the new drafter loads against it."""
+    into the card, the drafter trains on features computed per batch, and it loads against the target."""
     out, summary = toy
     cfg = toy_config(str(tmp_path / "run2"), ROOTS, seed=0)
     cfg.target_gguf = str(out / "target.gguf")
+    cfg.data.features_on_the_fly = True                # and the drafter's features computed per batch
     s2 = run(cfg)
     assert (tmp_path / "run2" / "target.gguf").read_bytes() == (out / "target.gguf").read_bytes()
     assert s2["target"]["source"] == str(out / "target.gguf")
@@ -245,6 +246,8 @@ def test_drafter_only_run_on_a_shipped_target(toy, tmp_path):
     assert abs(s2["target"]["heldout"]["loss"] - summary["target"]["heldout"]["loss"]) < 0.05
     card = (tmp_path / "run2" / "MODEL_CARD.md").read_text()
     assert "--target-gguf" in card and summary["reproduce"] in card
+    assert "--target-steps" not in s2["reproduce"]
+    assert s2["drafter"]["steps"] == cfg.draft_train.steps
     lt = load_target(str(tmp_path / "run2" / "target.gguf"))
     load_drafter(str(tmp_path / "run2" / "drafter"), lt.model)
 

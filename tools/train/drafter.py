@@ -386,6 +386,26 @@ class DataConfig:
     max_seqs: int | None = None          # or a fixed number of sequences
     feature_batch: int = 64
     max_feature_gb: float | None = None  # features stay on the device; None: 45% of its memory, <= 40 GB
+    # Compute the target features per training batch instead of caching them: the cache caps the data
+    # at what fits in memory (~34k sequences in 40 GB), and a small drafter overfits that in minutes.
+    features_on_the_fly: bool = False
+
+
+class _FeatureFn:
+    """Target features of a batch of token rows, computed when the batch is used (frozen target)."""
+
+    def __init__(self, model, layer_ids: list[int]):
+        self.model, self.layer_ids = model, list(layer_ids)
+
+    def __call__(self, tokens: torch.Tensor) -> torch.Tensor:
+        return target_features(self.model, tokens, self.layer_ids)
+
+
+def batch_features(data: dict, rows: torch.Tensor) -> torch.Tensor:
+    """The features of data rows `rows`: from the cache, or computed by the target now."""
+    if data.get("features") is not None:
+        return data["features"][rows]
+    return data["feature_fn"](data["tokens"][rows])
 
 
 def make_dataset(model, train_tokens: np.ndarray, layer_ids: list[int], dc: DataConfig, device: str,
@@ -405,7 +425,7 @@ def make_dataset(model, train_tokens: np.ndarray, layer_ids: list[int], dc: Data
     if max_gb is None:
         max_gb = (min(40.0, 0.45 * torch.cuda.get_device_properties(device).total_memory / 1e9)
                   if device.startswith("cuda") else 4.0)
-    cap = int(max_gb * 1e9 // per_seq_bytes)
+    cap = int(max_gb * 1e9 // per_seq_bytes) if not dc.features_on_the_fly else 10 ** 9
     if dc.max_seqs is not None:
         cap = min(cap, dc.max_seqs)
     toks, plens, temps, tcol = [], [], [], []
@@ -433,16 +453,23 @@ def make_dataset(model, train_tokens: np.ndarray, layer_ids: list[int], dc: Data
         log(f"drafter data: batch {b} (P={P}, T={T}) {n} seqs, {last:.1f}s, "
             f"{k * (dc.seq_len - P) / last / 1e3:.1f}k generated tok/s")
     tokens = torch.cat(toks)
-    feats = []
-    for s in range(0, len(tokens), dc.feature_batch):
-        feats.append(target_features(model, tokens[s:s + dc.feature_batch], layer_ids))
-    features = torch.cat(feats)
+    if dc.features_on_the_fly:
+        features = None
+        feature_fn = _FeatureFn(model, layer_ids)
+        shape = "computed per batch"
+    else:
+        feats = []
+        for s in range(0, len(tokens), dc.feature_batch):
+            feats.append(target_features(model, tokens[s:s + dc.feature_batch], layer_ids))
+        features, feature_fn = torch.cat(feats), None
+        shape = f"{tuple(features.shape)} {features.dtype}"
     sync(device)
     gen_s = time.perf_counter() - t0
     n_gen = int(sum((dc.seq_len - p) for p in torch.cat(plens).tolist()))
     log(f"drafter data: {len(tokens)} seqs x {dc.seq_len} ({n_gen / 1e6:.2f}M generated tokens), features "
-        f"{tuple(features.shape)} {features.dtype}, {gen_s:.0f}s")
-    return {"tokens": tokens, "features": features, "prompt_len": torch.cat(plens), "temperature": torch.cat(tcol),
+        f"{shape}, {gen_s:.0f}s")
+    return {"tokens": tokens, "features": features, "feature_fn": feature_fn,
+            "prompt_len": torch.cat(plens), "temperature": torch.cat(tcol),
             "stats": {"seqs": len(tokens), "seq_len": dc.seq_len, "generated_tokens": n_gen,
                       "batches": b, "temperatures": temps, "seconds": round(gen_s, 1)}}
 
@@ -484,7 +511,7 @@ def sample_anchors(prompt_len: torch.Tensor, L: int, m: int, gen: torch.Generato
 def train_drafter(drafter: DFlashDraftModel, data: dict, embed: torch.Tensor, lm_head: torch.Tensor,
                   mask_id: int, tc: DraftTrainConfig, device: str, seed: int) -> dict:
     drafter.to(device).train()
-    tokens, feats, plen = data["tokens"], data["features"], data["prompt_len"]
+    tokens, plen = data["tokens"], data["prompt_len"]
     N, L = tokens.shape
     B = drafter.spec.block_size
     n_eval = max(1, int(round(N * tc.eval_frac))) if N > 1 else 0
@@ -514,8 +541,8 @@ def train_drafter(drafter: DFlashDraftModel, data: dict, embed: torch.Tensor, lm
             order, pos = train_idx[torch.randperm(len(train_idx), generator=gen, device=device)], 0
         rows = order[pos:pos + tc.batch_size]
         pos += tc.batch_size
-        loss, met = _step_loss(drafter, tokens[rows], feats[rows], plen[rows], embed, lm_head, mask_id, tc, gen,
-                               amp)
+        loss, met = _step_loss(drafter, tokens[rows], batch_features(data, rows), plen[rows], embed, lm_head,
+                               mask_id, tc, gen, amp)
         lr = cosine_lr(step, plan.total or 10 ** 9, tc.lr, warmup, tc.min_lr_frac)
         for g in opt.param_groups:
             g["lr"] = lr
@@ -562,7 +589,7 @@ def evaluate_drafter(drafter, data, idx, embed, lm_head, mask_id, tc, device, se
     n = 0
     for s in range(0, len(idx), tc.batch_size):
         rows = idx[s:s + tc.batch_size]
-        loss, met = _step_loss(drafter, data["tokens"][rows], data["features"][rows], data["prompt_len"][rows],
+        loss, met = _step_loss(drafter, data["tokens"][rows], batch_features(data, rows), data["prompt_len"][rows],
                                embed, lm_head, mask_id, tc, gen, device.startswith("cuda"))
         k = len(rows)
         tot["loss"] += float(loss) * k
@@ -574,7 +601,8 @@ def evaluate_drafter(drafter, data, idx, embed, lm_head, mask_id, tc, device, se
     steps = acc = 0
     greedy = [int(i) for i in idx.tolist() if float(data["temperature"][i]) <= 0][:256]
     for i in greedy:
-        walk = chain_walk(drafter, data["tokens"][i], data["features"][i], int(data["prompt_len"][i]), embed,
+        feats = batch_features(data, torch.tensor([i], device=data["tokens"].device))[0]
+        walk = chain_walk(drafter, data["tokens"][i], feats, int(data["prompt_len"][i]), embed,
                           lm_head, mask_id, device.startswith("cuda"))
         steps, acc = steps + len(walk), acc + sum(walk)
     out["chain_acceptance_length"] = round((acc + steps) / steps, 4) if steps else None

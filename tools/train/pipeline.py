@@ -226,7 +226,8 @@ def _run(cfg: PipelineConfig) -> dict:
     mf = open_model_file(str(out / "target.gguf"))
     embed = torch.from_numpy(np.asarray(mf.tensors["token_embd.weight"].dequantize(), np.float32)).to(device)
     lm_head = torch.from_numpy(np.asarray(mf.tensors["output.weight"].dequantize(), np.float32)).to(device)
-    del model
+    if not dc.features_on_the_fly:     # else the frozen target computes each batch's features
+        del model
     if device.startswith("cuda"):
         torch.cuda.empty_cache()
     if dtc.steps is None and total_s is not None:
@@ -270,7 +271,8 @@ def _run(cfg: PipelineConfig) -> dict:
         "sizes_mb": sizes, "total_mb": round(sum(sizes.values()), 2), "sha256": sums,
         "eval": ev, "timings_s": {k: round(v, 1) for k, v in timings.items()},
     })
-    summary["reproduce"] = _repro_command(cfg, tstats.get("steps"), data_stats["seqs"], dstats["steps"])
+    summary["reproduce"] = _repro_command(cfg, None if cfg.target_gguf else tstats["steps"], data_stats["seqs"],
+                                          dstats["steps"])
     from .card import write_card
 
     write_card(out / "MODEL_CARD.md", summary, cfg)
@@ -316,6 +318,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--target-gguf", help="train only a drafter for this qwen35 GGUF (its tokenizer must be the "
                     "one this corpus/seed/--vocab give, e.g. the shipped default target)")
     ap.add_argument("--drafter-lr", type=float)
+    ap.add_argument("--features-on-the-fly", action="store_true",
+                    help="compute target features per drafter batch (more generated data than fits cached)")
+    ap.add_argument("--gen-share", type=float, help="share of the drafter stage spent generating data")
     a = ap.parse_args(argv)
 
     if a.preset == "toy":
@@ -340,6 +345,9 @@ def main(argv: list[str] | None = None) -> None:
     if a.drafter_lr:
         cfg.draft_train.lr = a.drafter_lr
     cfg.target_gguf = a.target_gguf
+    cfg.data.features_on_the_fly = a.features_on_the_fly
+    if a.gen_share:
+        cfg.gen_share = a.gen_share
     cfg.eval.prompts = a.eval_prompts
     cfg.eval.seconds = a.eval_seconds
     cfg.eval.enabled = not a.no_eval
