@@ -21,10 +21,19 @@ class NumpyBackend:
     xp = np
 
     def weight(self, t: RawTensor | np.ndarray) -> np.ndarray:
-        """A matrix (out, in) or vector ready for `linear`/elementwise use."""
-        if isinstance(t, RawTensor):
-            return np.ascontiguousarray(t.dequantize(), dtype=np.float32)
-        return np.ascontiguousarray(t, dtype=np.float32)
+        """A matrix (out, in) or vector ready for `linear`/elementwise use.
+
+        Matrices are kept in Fortran order, i.e. stored as (in, out): `x @ w.T` then hands BLAS a
+        row-major (in, out) operand, which its small-M sgemm kernels run ~1.5x faster at verify widths.
+        """
+        a = t.dequantize() if isinstance(t, RawTensor) else t
+        if np.ndim(a) == 2:
+            return np.asfortranarray(a, dtype=np.float32)
+        return np.ascontiguousarray(a, dtype=np.float32)
+
+    def stack(self, mats: list[np.ndarray]) -> np.ndarray:
+        """Several matrices that read the same input as one (their output rows concatenated): one product."""
+        return np.asfortranarray(np.concatenate([np.asarray(m) for m in mats], axis=0), dtype=np.float32)
 
     def embedding(self, t: RawTensor | np.ndarray) -> Any:
         # Embedding tables stay packed; rows are dequantized on lookup (a 27B table is 1.3 B values).

@@ -88,6 +88,13 @@ def swiglu(x: np.ndarray, w_gate: np.ndarray, w_up: np.ndarray, w_down: np.ndarr
     return linear(silu(linear(x, w_gate)) * linear(x, w_up), w_down)
 
 
+def swiglu_stacked(x: np.ndarray, w_gate_up, w_down, linear) -> np.ndarray:
+    """SwiGLU with the gate and up projections stacked into one matrix (gate rows first): one product."""
+    gu = linear(x, w_gate_up)
+    n = gu.shape[-1] // 2
+    return linear(silu(gu[:, :n]) * gu[:, n:], w_down)
+
+
 # ---------------------------------------------------------------------------------------------
 # Gated DeltaNet
 
@@ -144,6 +151,59 @@ def gated_delta_rule_tree(q, k, v, g, beta, s0, parents):
         states[t] = s
         out[t] = np.einsum("hkv,hk->hv", s, q[t])
     return out, states
+
+
+class TreeStates:
+    """Per-node recurrent states of a WY tree pass, built on demand: S_t = e^{G_t} S0 + sum_j e^{G_t-G_j} k_j u_j^T.
+
+    Indexing gives node t's state (H, dk, dv), i.e. the rollback checkpoint a commit needs, without
+    materialising all T of them (a verify commits one node per layer).
+    """
+
+    def __init__(self, s0: np.ndarray, kh: np.ndarray, u: np.ndarray, decay: np.ndarray, eg: np.ndarray):
+        self.s0, self.kh, self.u, self.decay, self.eg = s0, kh, u, decay, eg
+
+    def __len__(self) -> int:
+        return self.kh.shape[1]
+
+    def __getitem__(self, t: int) -> np.ndarray:
+        w = self.decay[:, t, :]                                              # (H, T), 0 off t's path
+        on = np.flatnonzero(w.any(axis=0))
+        kw = self.kh[:, on] * w[:, on, None]                                 # (H, n, dk)
+        return (self.eg[:, t, None, None] * self.s0 + kw.transpose(0, 2, 1) @ self.u[:, on]).astype(np.float32)
+
+    def all(self) -> np.ndarray:
+        return np.stack([self[t] for t in range(len(self))])
+
+
+def gated_delta_rule_tree_wy(q, k, v, g, beta, s0, parents, anc: np.ndarray | None = None):
+    """The tree recurrence of `gated_delta_rule_tree` in one WY (chunked) pass, for a verify tree of <= ~64 tokens.
+
+    Along any root-to-node path the tree is a chain, and the chain's WY system only couples a token to its
+    ancestors; so the strictly-lower-triangular masks of the chunked form become ancestor masks, and one
+    solve gives every node's "new value" u_t. Then o_t = e^{G_t} q_t S0 + sum_{j anc-or-self} e^{G_t-G_j}
+    (q_t.k_j) u_j, G_t the log-decay summed along t's path. Outputs (T, H, dv) equal the token loop's to
+    float32 rounding; the per-node states come as a `TreeStates` (evaluated per node on demand).
+    """
+    T = k.shape[0]
+    dv = v.shape[-1]
+    if anc is None:
+        anc = ancestor_matrix(np.asarray(parents))
+    gam = np.ascontiguousarray(g.T, dtype=np.float64) @ anc.T.astype(np.float64)   # (H, T): G_t over t's path
+    with np.errstate(over="ignore"):
+        decay = np.where(anc[None], np.exp(gam[:, :, None] - gam[:, None, :]), 0.0).astype(np.float32)
+    eg = np.exp(gam).astype(np.float32)                                      # (H, T)
+    kh = k.transpose(1, 0, 2)                                                # (H, T, dk)
+    qh = q.transpose(1, 0, 2)
+    bh = beta.T[:, :, None]                                                  # (H, T, 1)
+
+    strict = decay * ~np.eye(T, dtype=bool)
+    a = (kh @ kh.transpose(0, 2, 1)) * strict * bh
+    rhs = np.concatenate([v.transpose(1, 0, 2), kh * eg[:, :, None]], axis=-1) * bh
+    sol = np.linalg.solve(np.eye(T, dtype=np.float32) + a, rhs)             # (I + A)^-1 [beta v, beta e^G k]
+    u = sol[..., :dv] - sol[..., dv:] @ s0                                   # (H, T, dv): the new values
+    out = (qh * eg[:, :, None]) @ s0 + ((qh @ kh.transpose(0, 2, 1)) * decay) @ u
+    return out.transpose(1, 0, 2).astype(np.float32), TreeStates(s0, kh, u, decay, eg)
 
 
 def gated_delta_rule_chunked(q, k, v, g, beta, s0, chunk: int = 64):

@@ -34,7 +34,7 @@ from ..backend import NumpyBackend
 from ..errors import DrafterMismatchError, ModelFormatError, UnsupportedModelError
 from ..formats import KIND_GGUF, RawTensor, open_model_file
 from ..gguf_write import OUT_TYPES, pick_type, write_gguf
-from ..layers import masked_attention, rms_norm, rope_neox, swiglu
+from ..layers import masked_attention, rms_norm, rope_neox, swiglu_stacked
 from .base import TargetModel
 
 GGUF_ARCH = "dflash-draft"
@@ -470,6 +470,10 @@ class DFlashDrafter:
         self.hidden_norm = w(t["dflash_hidden_norm.weight"])
         self.output_norm = w(t["output_norm.weight"])
         self.layers = [{n: w(t[f"blk.{i}.{n}.weight"]) for n in _LAYER_TENSORS} for i in range(cfg.n_layer)]
+        for lw in self.layers:   # projections of one input stacked: one product each
+            lw["attn_qkv"] = self.be.stack([lw.pop("attn_q"), lw["attn_k"], lw["attn_v"]])
+            lw["attn_kv"] = self.be.stack([lw.pop("attn_k"), lw.pop("attn_v")])
+            lw["ffn_gate_up"] = self.be.stack([lw.pop("ffn_gate"), lw.pop("ffn_up")])
 
     @property
     def n_vocab(self) -> int:
@@ -530,11 +534,13 @@ class DFlashDrafter:
         lin, eps = self.be.linear, c.rms_eps
         pos = np.arange(session.n_ctx, start)
         ctx = rms_norm(lin(feats, self.fc), self.hidden_norm, eps)
+        kd = c.n_head_kv * c.head_dim
         for i, w in enumerate(self.layers):
-            k = lin(ctx, w["attn_k"]).reshape(n, c.n_head_kv, c.head_dim)
+            kv = lin(ctx, w["attn_kv"])
+            k = kv[:, :kd].reshape(n, c.n_head_kv, c.head_dim)
             k = rope_neox(rms_norm(k, w["attn_k_norm"], eps), pos, c.head_dim, c.rope_theta)
             session.k[i][session.n_ctx:start] = k
-            session.v[i][session.n_ctx:start] = lin(ctx, w["attn_v"]).reshape(n, c.n_head_kv, c.head_dim)
+            session.v[i][session.n_ctx:start] = kv[:, kd:].reshape(n, c.n_head_kv, c.head_dim)
         session.n_ctx = start
 
     # -- block ---------------------------------------------------------------------------------------
@@ -560,11 +566,11 @@ class DFlashDrafter:
         x = self.be.embed(self.target.tok_embd, ids)
         for i, w in enumerate(self.layers):
             h = rms_norm(x, w["attn_norm"], eps)
-            q = rope_neox(rms_norm(lin(h, w["attn_q"]).reshape(T, H, D), w["attn_q_norm"], eps), pos, D,
+            qkv = lin(h, w["attn_qkv"])
+            q = rope_neox(rms_norm(qkv[:, :H * D].reshape(T, H, D), w["attn_q_norm"], eps), pos, D, c.rope_theta)
+            k = rope_neox(rms_norm(qkv[:, H * D:(H + Hkv) * D].reshape(T, Hkv, D), w["attn_k_norm"], eps), pos, D,
                           c.rope_theta)
-            k = rope_neox(rms_norm(lin(h, w["attn_k"]).reshape(T, Hkv, D), w["attn_k_norm"], eps), pos, D,
-                          c.rope_theta)
-            v = lin(h, w["attn_v"]).reshape(T, Hkv, D)
+            v = qkv[:, (H + Hkv) * D:].reshape(T, Hkv, D)
             causal = c.layer_causal[i]
             # A sliding layer's earliest query (slot 0) sees nothing before start-(W-1): skip older rows.
             lo = max(0, start - (c.sliding_window - 1)) if causal and c.sliding_window is not None else 0
@@ -573,7 +579,7 @@ class DFlashDrafter:
             o = masked_attention(q, keys, vals, self._visible(causal, T, start, lo))
             x = x + lin(o.reshape(T, H * D), w["attn_output"])
             h = rms_norm(x, w["post_attention_norm"], eps)
-            x = x + swiglu(h, w["ffn_gate"], w["ffn_up"], w["ffn_down"], lin)
+            x = x + swiglu_stacked(h, w["ffn_gate_up"], w["ffn_down"], lin)
         return x
 
     def _logits(self, x: np.ndarray) -> np.ndarray:

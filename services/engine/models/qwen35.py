@@ -19,13 +19,14 @@ from ..layers import (
     conv_window_ids,
     gated_delta_rule_chunked,
     gated_delta_rule_tree,
+    gated_delta_rule_tree_wy,
     l2_norm,
     rms_norm,
     rope_neox,
     sigmoid,
     silu,
     softplus,
-    swiglu,
+    swiglu_stacked,
 )
 from .base import StepContext, TargetModel
 
@@ -44,9 +45,15 @@ class Qwen35Model(TargetModel):
         p = f"blk.{i}."
         names = _DELTANET if self.cfg.recurrent_layers[i] else _ATTN
         w = {n: self._w(p + n + ".weight") for n in names + _FFN}
+        stack = self.be.stack
+        # Projections that read the same input are stacked: one product each instead of two to four.
+        w["ffn_gate_up"] = stack([w.pop("ffn_gate"), w.pop("ffn_up")])
         if self.cfg.recurrent_layers[i]:
             w["ssm_a"] = self._w(p + "ssm_a")
             w["ssm_dt"] = self._w(p + "ssm_dt.bias")
+            w["ssm_in"] = stack([w.pop(n) for n in ("attn_qkv", "attn_gate", "ssm_beta", "ssm_alpha")])
+        else:
+            w["attn_qkv"] = stack([w.pop(n) for n in ("attn_q", "attn_k", "attn_v")])
         return w
 
     def _block(self, i: int, w: dict, x: np.ndarray, ctx: StepContext) -> np.ndarray:
@@ -54,15 +61,17 @@ class Qwen35Model(TargetModel):
         mixer = self._deltanet if self.cfg.recurrent_layers[i] else self._gated_attention
         x = x + mixer(i, w, h, ctx)
         h = rms_norm(x, w["post_attention_norm"], self.cfg.rms_eps)
-        return x + swiglu(h, w["ffn_gate"], w["ffn_up"], w["ffn_down"], self.be.linear)
+        return x + swiglu_stacked(h, w["ffn_gate_up"], w["ffn_down"], self.be.linear)
 
     def _gated_attention(self, i: int, w: dict, h: np.ndarray, ctx: StepContext) -> np.ndarray:
         c, lin = self.cfg, self.be.linear
         T, H, D = h.shape[0], c.n_head, c.head_dim
-        qg = lin(h, w["attn_q"]).reshape(T, H, 2 * D)
+        Hkv = c.n_head_kv
+        qkv = lin(h, w["attn_qkv"])
+        qg = qkv[:, :2 * H * D].reshape(T, H, 2 * D)
         q, gate = qg[..., :D], qg[..., D:].reshape(T, H * D)
-        k = lin(h, w["attn_k"]).reshape(T, c.n_head_kv, D)
-        v = lin(h, w["attn_v"]).reshape(T, c.n_head_kv, D)
+        k = qkv[:, 2 * H * D:(2 * H + Hkv) * D].reshape(T, Hkv, D)
+        v = qkv[:, (2 * H + Hkv) * D:].reshape(T, Hkv, D)
         q = rope_neox(rms_norm(q, w["attn_q_norm"], c.rms_eps), ctx.positions, c.n_rot, c.rope_theta)
         k = rope_neox(rms_norm(k, w["attn_k_norm"], c.rms_eps), ctx.positions, c.n_rot, c.rope_theta)
         o = self._kv_attention(i, q, k, v, ctx).reshape(T, H * D) * sigmoid(gate)
@@ -72,10 +81,12 @@ class Qwen35Model(TargetModel):
         c, lin, st = self.cfg, self.be.linear, ctx.state
         T = h.shape[0]
         Hk, Hv, dk, dv = c.ssm_n_k_heads, c.ssm_n_v_heads, c.ssm_head_k_dim, c.ssm_head_v_dim
-        raw = lin(h, w["attn_qkv"])                               # pre-conv rows: what the conv window keeps
-        z = lin(h, w["attn_gate"]).reshape(T, Hv, dv)
-        beta = sigmoid(lin(h, w["ssm_beta"]))
-        g = w["ssm_a"] * softplus(lin(h, w["ssm_alpha"]) + w["ssm_dt"])   # log-decay, <= 0
+        proj = lin(h, w["ssm_in"])                                # [qkv | z | beta | alpha]
+        cd = c.ssm_conv_dim
+        raw = np.ascontiguousarray(proj[:, :cd])                  # pre-conv rows: what the conv window keeps
+        z = proj[:, cd:cd + Hv * dv].reshape(T, Hv, dv)
+        beta = sigmoid(proj[:, cd + Hv * dv:cd + Hv * dv + Hv])
+        g = w["ssm_a"] * softplus(proj[:, cd + Hv * dv + Hv:] + w["ssm_dt"])   # log-decay, <= 0
 
         ids = conv_window_ids(ctx.parents, c.ssm_conv_kernel)
         mixed = causal_conv(st.conv[i], raw, w["ssm_conv1d"], ids)
@@ -86,11 +97,16 @@ class Qwen35Model(TargetModel):
         tiled = np.arange(Hv) % Hk                                # value head h reads key head h mod H_k
         q, k = q[:, tiled], k[:, tiled]
 
-        if ctx.checkpoints:
+        if T == 1:      # plain decode: one recurrent step
             o, states = gated_delta_rule_tree(q, k, v, g, beta, st.ssm[i], ctx.parents)
-        elif T <= 16:   # short chains (decode): the token loop is cheaper than one padded chunk
+            states = states if ctx.checkpoints else states[-1]
+        elif T <= 64 and (ctx.checkpoints or T <= 16):
+            # a verify tree (or a short chain): one WY pass over ancestor masks, checkpoints on demand
+            o, states = gated_delta_rule_tree_wy(q, k, v, g, beta, st.ssm[i], ctx.parents,
+                                                 anc=ctx.visible[:, st.n_past:])
+            states = states if ctx.checkpoints else states[T - 1]
+        elif ctx.checkpoints:
             o, states = gated_delta_rule_tree(q, k, v, g, beta, st.ssm[i], ctx.parents)
-            states = states[-1]
         else:
             o, states = gated_delta_rule_chunked(q, k, v, g, beta, st.ssm[i])
         ctx.pending.ssm_states[i] = states
