@@ -22,6 +22,11 @@ class DraftTree:
     def __len__(self) -> int:
         return len(self.tokens)
 
+    def prefix(self, n: int) -> DraftTree:
+        """The first n nodes: itself a tree (parents precede children), and for a best-first tree exactly
+        the tree a budget of n would have built."""
+        return DraftTree(self.tokens[:n], self.parents[:n], self.depths[:n], self.logw[:n])
+
     def verify_batch(self, root_token: int) -> tuple[np.ndarray, np.ndarray]:
         """Tokens and parents of the target pass: the root at index 0, node i at index i + 1."""
         tokens = np.concatenate([[root_token], self.tokens]).astype(np.int64)

@@ -16,6 +16,7 @@ from typing import Protocol
 
 import numpy as np
 
+from .budget import BudgetTuner
 from .ddtree import DraftTree, build_chain, build_ddtree, topk_logprobs
 from .errors import SpecsplitError
 from .generate import GenerationResult, check_request, prefill
@@ -63,14 +64,23 @@ class LocalProposer:
         self.session = None
 
 
+AUTO_MAX_BUDGET = 64
+
+
 @dataclass(frozen=True)
 class SpecConfig:
     budget: int | None = 22          # DDTree non-root nodes; None = chain of block_size - 1
     chain_seed: bool = True
+    # `--budget auto`: the tuner picks each step's tree size (a best-first prefix of a `budget`-node tree)
+    tuner: BudgetTuner | None = None
 
     @property
     def chain(self) -> bool:
         return self.budget is None
+
+    @classmethod
+    def auto(cls, tuner: BudgetTuner, chain_seed: bool = True) -> SpecConfig:
+        return cls(budget=tuner.max_budget, chain_seed=chain_seed, tuner=tuner)
 
 
 @dataclass
@@ -100,6 +110,8 @@ class SpecStats:
     accept_ms: float = 0.0
     fallback: bool = False
     fallback_reason: str = ""
+    auto: bool = False                                      # budget chosen per step (`--budget auto`)
+    tuner: dict | None = None                               # the tuner's view at the end of the request
 
     def __post_init__(self):
         self.per_position = [0] * (self.block_size - 1)
@@ -122,9 +134,13 @@ class SpecStats:
         self.accept_ms += info.accept_ms
 
     def as_dict(self) -> dict:
+        budget = self.budget
+        if self.auto and self.steps:        # auto: the mean tree size actually verified
+            budget = round(self.draft_tokens / self.steps)
         return {
             "mode": "chain" if self.budget is None else "ddtree",
-            "budget": self.budget,
+            "budget": budget,
+            "budget_mode": "auto" if self.auto else "fixed",
             "steps": self.steps,
             "draft_tokens": self.draft_tokens,
             "accepted": self.accepted,
@@ -136,6 +152,7 @@ class SpecStats:
             "accept_ms": round(self.accept_ms, 3),
             "fallback": self.fallback,
             **({"fallback_reason": self.fallback_reason} if self.fallback else {}),
+            **({"tuner": self.tuner} if self.tuner is not None else {}),
         }
 
 
@@ -168,7 +185,7 @@ def speculative_stream(target: TargetModel, proposer: Proposer | None, prompt_id
     res = result if result is not None else GenerationResult()
     res.prompt_tokens = len(prompt_ids)
     block = proposer.block_size if proposer is not None else 16
-    stats = SpecStats(block_size=block, budget=spec.budget)
+    stats = SpecStats(block_size=block, budget=spec.budget, auto=spec.tuner is not None)
     res.spec = stats.as_dict()
     stop = {int(s) for s in stop_ids}
     rng = make_rng(params.seed)
@@ -228,6 +245,8 @@ def speculative_stream(target: TargetModel, proposer: Proposer | None, prompt_id
             tree = build_chain(top_ids, top_logp, min(depth, room))
         else:
             tree = build_ddtree(top_ids, top_logp, min(spec.budget, room), spec.chain_seed)
+            if spec.tuner is not None:
+                full, tree = tree, tree.prefix(spec.tuner.choose(tree))
         tokens, parents = tree.verify_batch(root)
         tv = time.perf_counter()
         out = target.forward(state, tokens, parents, capture=layer_ids, checkpoints=True, logits="all")
@@ -236,8 +255,10 @@ def speculative_stream(target: TargetModel, proposer: Proposer | None, prompt_id
         state.commit(path)
         feats = out.captured[path] if out.captured is not None else None
         accept_ms = (time.perf_counter() - ta) * 1e3
-        info = StepInfo(index=step, budget=budget_cap, tree_size=len(tree), accepted=len(path) - 1,
-                        draft_ms=draft_ms, verify_ms=(ta - tv) * 1e3, accept_ms=accept_ms)
+        info = StepInfo(index=step, budget=budget_cap if spec.tuner is None else len(tree), tree_size=len(tree),
+                        accepted=len(path) - 1, draft_ms=draft_ms, verify_ms=(ta - tv) * 1e3, accept_ms=accept_ms)
+        if spec.tuner is not None:
+            spec.tuner.observe(full, len(tree), info.accepted, verify_s=ta - tv, draft_s=draft_ms / 1e3)
         stats.record(info)
         step += 1
         if on_step is not None:
@@ -246,6 +267,8 @@ def speculative_stream(target: TargetModel, proposer: Proposer | None, prompt_id
         root = bonus
         yield chunk
     res.decode_ms = (time.perf_counter() - t1) * 1e3
+    if spec.tuner is not None:
+        stats.tuner = spec.tuner.snapshot()
     res.spec = stats.as_dict()
     if proposer is not None:
         proposer.close()

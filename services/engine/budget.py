@@ -1,0 +1,114 @@
+"""`--budget auto`: pick each step's DDTree size from the measured verify cost and the running acceptance.
+
+A best-first DDTree grows in order of draft path probability, so the tree for budget b is the first b
+nodes of the tree for any larger budget. Node i is accepted with probability about kappa * p_i (p_i: its
+draft path probability; kappa: the running ratio of accepted tokens to the drafter's own prediction), so a
+step that keeps b nodes commits 1 + sum_{i<b} min(1, kappa p_i) tokens in expectation and costs
+draft + verify(b + 1). The tuner keeps the b that maximises their ratio. verify(w) comes from timing the
+target at a few widths once (then follows the times it observes), so the choice follows the hardware: a
+CPU whose small matrix products get dearer with width picks small trees; a GPU whose verify is nearly flat
+picks large ones.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from .ddtree import DraftTree
+
+CALIBRATION_WIDTHS = (1, 2, 4, 8, 16, 24, 32, 48, 65)
+
+
+def measure_verify_costs(target, widths=CALIBRATION_WIDTHS, context: int = 64, reps: int = 2) -> dict[int, float]:
+    """Seconds per target pass at each verify width (a chain with checkpoints and logits on every row,
+    after `context` committed tokens), the best of `reps` runs; a scratch state, nothing is kept."""
+    n_vocab = target.cfg.n_vocab
+    state = target.new_state(context + max(widths) + 1)
+    ids = np.arange(context + max(widths)) % max(1, n_vocab - 1)
+    target.forward(state, ids[:context], logits="none")
+    state.commit(list(range(context)))
+    out = {}
+    for w in sorted(set(int(x) for x in widths)):
+        best = float("inf")
+        for _ in range(reps + 1):                        # the first run warms caches and allocations
+            t0 = time.perf_counter()
+            target.forward(state, ids[context:context + w], checkpoints=True, logits="all")
+            best = min(best, time.perf_counter() - t0)
+            state.pending = None
+        out[w] = best
+    return out
+
+
+@dataclass
+class BudgetTuner:
+    """Chooses how many best-first nodes of a drafted tree to verify; learns from every step it sees."""
+
+    verify_costs: dict[int, float]          # width -> seconds (measured, then tracked)
+    max_budget: int = 64
+    kappa: float = 1.0                      # accepted tokens / predicted (sum of path probabilities)
+    draft_s: float = 0.0                    # running drafter time per step
+    ema: float = 0.05
+    scale: float = 1.0                      # observed / measured verify time (running)
+    chosen: dict[int, int] = field(default_factory=dict)    # budget -> steps (for stats)
+    _pred: float = 0.0
+    _acc: float = 0.0
+
+    def __post_init__(self):
+        if not self.verify_costs:
+            raise ValueError("BudgetTuner needs at least one measured verify width")
+        self._widths = np.array(sorted(self.verify_costs), dtype=np.float64)
+
+    @classmethod
+    def measure(cls, target, max_budget: int = 64) -> BudgetTuner:
+        widths = tuple(w for w in CALIBRATION_WIDTHS if w <= max_budget + 1) + (max_budget + 1,)
+        return cls(measure_verify_costs(target, widths), max_budget=max_budget)
+
+    def cost(self, width: int | np.ndarray) -> np.ndarray:
+        """Verify seconds at `width` tokens: the measured curve times the observed drift."""
+        return self.scale * self._base_cost(width)
+
+    def _base_cost(self, width: int | np.ndarray) -> np.ndarray:
+        """Piecewise linear between measured widths, linear beyond."""
+        xs = self._widths
+        ys = np.array([self.verify_costs[int(w)] for w in xs])
+        w = np.asarray(width, dtype=np.float64)
+        if len(xs) == 1:
+            return ys[0] * np.maximum(w, 1) / xs[0]
+        inside = np.interp(w, xs, ys)
+        slope = (ys[-1] - ys[-2]) / (xs[-1] - xs[-2])
+        return np.where(w > xs[-1], ys[-1] + slope * (w - xs[-1]), inside)
+
+    def choose(self, tree: DraftTree) -> int:
+        """How many of the tree's nodes (a prefix in insertion order) to verify: at least 1."""
+        n = min(len(tree), self.max_budget)
+        if n <= 1:
+            return n
+        p = np.minimum(1.0, self.kappa * np.exp(tree.logw[:n]))
+        gain = 1.0 + np.cumsum(p)                         # expected tokens committed with b = 1..n nodes
+        b = np.arange(1, n + 1)
+        rate = gain / (self.draft_s + self.cost(b + 1))
+        return int(b[int(np.argmax(rate))])
+
+    def observe(self, tree: DraftTree, kept: int, accepted: int, verify_s: float, draft_s: float) -> None:
+        """Fold one step in: accepted drafted tokens vs predicted, and the times it took."""
+        predicted = float(np.exp(tree.logw[:kept]).sum()) if kept else 0.0
+        a = self.ema
+        self._pred = (1 - a) * self._pred + a * predicted
+        self._acc = (1 - a) * self._acc + a * accepted
+        if self._pred > 1e-6:
+            self.kappa = float(np.clip(self._acc / self._pred, 0.05, 20.0))
+        self.draft_s = draft_s if self.draft_s == 0.0 else (1 - a) * self.draft_s + a * draft_s
+        # drift (contention, clocks, longer contexts) scales the whole measured curve
+        predicted_s = float(self._base_cost(kept + 1))
+        if predicted_s > 0 and verify_s > 0:
+            self.scale = float(np.clip((1 - a) * self.scale + a * verify_s / predicted_s, 0.1, 10.0))
+        self.chosen[kept] = self.chosen.get(kept, 0) + 1
+
+    def snapshot(self) -> dict:
+        return {"kappa": round(self.kappa, 4), "draft_ms": round(self.draft_s * 1e3, 3),
+                "verify_ms": {int(w): round(s * 1e3, 3) for w, s in sorted(self.verify_costs.items())},
+                "verify_scale": round(self.scale, 4),
+                "chosen_budgets": dict(sorted(self.chosen.items()))}

@@ -1,0 +1,81 @@
+"""`--budget auto`: best-first trees truncate to smaller budgets exactly, the tuner follows the cost curve and
+the acceptance it observes, and auto-budget speculative decoding stays lossless."""
+
+import numpy as np
+import pytest
+
+from services.engine.budget import BudgetTuner, measure_verify_costs
+from services.engine.ddtree import build_ddtree
+from services.engine.generate import generate
+from services.engine.loader import load_target
+from services.engine.models.dflash import load_drafter
+from services.engine.speculative import LocalProposer, SpecConfig, speculative_generate
+
+
+def _random_top(rng, L=15, K=8, sharp=1.0):
+    logits = rng.standard_normal((L, 64)) * sharp
+    logp = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
+    ids = np.argsort(-logp, axis=1)[:, :K]
+    return ids, np.take_along_axis(logp, ids, 1)
+
+
+@pytest.mark.parametrize("chain_seed", [True, False])
+def test_best_first_prefix_is_the_smaller_budget_tree(chain_seed):
+    rng = np.random.default_rng(0)
+    for _ in range(30):
+        ids, lp = _random_top(rng, sharp=float(rng.uniform(0.5, 4)))
+        big = build_ddtree(ids, lp, 64, chain_seed)
+        for b in (1, 2, 5, 14, 15, 16, 22, 40, 63):
+            small = build_ddtree(ids, lp, b, chain_seed)
+            pre = big.prefix(b)
+            for a, c in ((small.tokens, pre.tokens), (small.parents, pre.parents), (small.depths, pre.depths)):
+                np.testing.assert_array_equal(a, c)
+
+
+def _tree(rng, sharp):
+    ids, lp = _random_top(rng, sharp=sharp)
+    return build_ddtree(ids, lp, 64, True)
+
+
+def test_cost_curve_interpolates_and_extrapolates():
+    t = BudgetTuner({1: 1.0, 9: 2.0, 17: 4.0}, max_budget=64)
+    np.testing.assert_allclose(t.cost(np.array([1, 5, 9, 13, 17, 25])), [1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
+
+
+def test_choice_follows_the_cost_curve_and_the_acceptance():
+    rng = np.random.default_rng(1)
+    tree = _tree(rng, sharp=6.0)                          # confident drafts: deep likely chain
+    flat = BudgetTuner({1: 1.0, 65: 1.05}, max_budget=64)                 # GPU-like: width nearly free
+    steep = BudgetTuner({1: 1.0, 2: 2.0, 65: 65.0}, max_budget=64)         # cost grows with every token
+    assert flat.choose(tree) >= 32
+    assert steep.choose(tree) <= 4
+    # a drafter that is never accepted drives kappa down and the budget with it
+    lazy = BudgetTuner({1: 1.0, 17: 1.6, 65: 3.0}, max_budget=64)
+    before = lazy.choose(tree)
+    for _ in range(200):
+        lazy.observe(tree, before, accepted=0, verify_s=1.3, draft_s=0.2)
+    assert lazy.kappa <= 0.06 and lazy.choose(tree) < before
+    # and one that is always fully accepted drives it up (bounded)
+    eager = BudgetTuner({1: 1.0, 17: 1.6, 65: 3.0}, max_budget=64)
+    for _ in range(200):
+        eager.observe(tree, 15, accepted=15, verify_s=1.3, draft_s=0.2)
+    assert eager.kappa >= 1.0 and eager.choose(tree) >= 15
+    snap = eager.snapshot()
+    assert snap["chosen_budgets"] == {15: 200}
+    assert abs(snap["verify_scale"] - 1.3 / eager._base_cost(16)) < 0.01      # observed 1.3 s vs 1.075 s curve
+
+
+def test_auto_budget_is_lossless_and_reports_its_choices(tiny_pair):
+    _, gguf, drafter_dir = tiny_pair
+    lt = load_target(gguf)
+    drafter = load_drafter(drafter_dir, lt.model)
+    costs = measure_verify_costs(lt.model, widths=(1, 4, 16, 65), context=8, reps=1)
+    assert sorted(costs) == [1, 4, 16, 65] and all(c > 0 for c in costs.values())
+    tuner = BudgetTuner(costs)
+    for seed, n in ((0, 5), (1, 17), (2, 30)):
+        prompt = np.random.default_rng(seed).integers(0, lt.cfg.n_vocab - 8, n).tolist()
+        plain = generate(lt.model, prompt, 24)
+        spec = speculative_generate(lt.model, LocalProposer(drafter), prompt, 24, spec=SpecConfig.auto(tuner))
+        assert spec.token_ids == plain.token_ids
+        assert spec.spec["budget_mode"] == "auto" and 1 <= spec.spec["budget"] <= 64
+        assert sum(spec.spec["tuner"]["chosen_budgets"].values()) >= spec.spec["steps"]
