@@ -4,6 +4,9 @@ Prints, per mode (chain, DDTree budgets), the wall-time ratio spec_tok/s / plain
 acceptance length over the same prompts; greedy, so the outputs are also checked to be identical.
 
     python bench/spec_cpu.py [--model target.gguf --draft drafter] [--prompts file.txt] [--max-tokens 64]
+    python bench/spec_cpu.py --pair cycle        # the known-good pair (tests/data/cycle_pair)
+
+`--budgets` takes numbers, `chain` and `auto` (the budget tuner, measured on this machine at start).
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from services.engine.budget import BudgetTuner  # noqa: E402
 from services.engine.generate import generate  # noqa: E402
 from services.engine.loader import load_target  # noqa: E402
 from services.engine.models.dflash import load_drafter  # noqa: E402
@@ -31,7 +35,14 @@ def main() -> int:
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--budgets", default="chain,8,22")
     ap.add_argument("--json", help="write results here")
+    ap.add_argument("--pair", choices=("default", "cycle"), default="default",
+                    help="without --model: the embedded default pair, or the known-good cycle pair")
     args = ap.parse_args()
+    if not args.model and args.pair == "cycle":
+        pair = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests", "data",
+                            "cycle_pair")
+        args.model, args.draft = os.path.join(pair, "target.gguf"), os.path.join(pair, "drafter")
+        args.prompts = args.prompts or os.path.join(pair, "prompts.txt")
     if not args.model:
         from services.engine.default_model import default_model_paths
 
@@ -58,21 +69,30 @@ def main() -> int:
     plain, t_plain = timed(lambda p: generate(target.model, p, args.max_tokens))
     n_plain = sum(len(r.token_ids) for r in plain)
     rows = []
+    tuner = None
     for b in args.budgets.split(","):
-        spec = SpecConfig(budget=None if b == "chain" else int(b))
+        if b == "auto":
+            tuner = tuner or BudgetTuner.measure(target.model)
+            spec = SpecConfig.auto(tuner)
+        else:
+            spec = SpecConfig(budget=None if b == "chain" else int(b))
         outs, t = timed(lambda p, spec=spec: speculative_generate(target.model, LocalProposer(drafter), p,
                                                                   args.max_tokens, spec=spec))
         same = all(o.token_ids == r.token_ids for o, r in zip(outs, plain))
         steps = sum(o.spec["steps"] for o in outs)
         acc = sum(o.spec["accepted"] for o in outs)
         n = sum(len(o.token_ids) for o in outs)
+        nodes = sum(o.spec["draft_tokens"] for o in outs)
         rows.append({"mode": b, "speedup": (n / t) / (n_plain / t_plain), "mean_acceptance_length":
-                     (acc + steps) / max(steps, 1), "identical_to_plain": same})
+                     (acc + steps) / max(steps, 1), "mean_tree_nodes": nodes / max(steps, 1),
+                     "identical_to_plain": same})
     print(f"plain: {n_plain} tokens over {len(ids)} prompts, {n_plain / t_plain:.1f} tok/s (baseline, this run)")
-    print(f"{'mode':>8} {'spec/plain speed':>17} {'mean accept len':>16} {'identical':>10}")
+    print(f"{'mode':>8} {'spec/plain speed':>17} {'mean accept len':>16} {'tree nodes':>11} {'identical':>10}")
     for r in rows:
         print(f"{r['mode']:>8} {r['speedup']:>16.2f}x {r['mean_acceptance_length']:>16.2f} "
-              f"{str(r['identical_to_plain']):>10}")
+              f"{r['mean_tree_nodes']:>11.1f} {str(r['identical_to_plain']):>10}")
+    if tuner is not None:
+        print(f"auto: {json.dumps(tuner.snapshot())}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"plain_tok_s": n_plain / t_plain, "rows": rows}, f, indent=1)

@@ -196,6 +196,35 @@ def read_docs(path: str | os.PathLike[str]) -> list[str]:
     return [d for d in text.split(DOC_SEP) if d]
 
 
+CYCLE_WORDS = (
+    "alpha bravo charlie delta echo foxtrot golf hotel india juliett kilo lima mike november oscar papa "
+    "quebec romeo sierra tango uniform victor whiskey xray yankee zulu"
+).split()
+
+
+def write_cycle_corpus(out_dir: str | os.PathLike[str], n_docs: int = 160, words_per_doc: int = 420,
+                       seed: int = 0) -> Path:
+    """Source files that repeat one fixed cycle of words (two lines per cycle), each from a random start.
+
+    A target trained on them continues the cycle deterministically, so a drafter can learn to predict whole
+    blocks: the known-good pair that shows what speculative decoding gains when drafts are accepted.
+    """
+    import random
+
+    rnd = random.Random(seed)
+    cycle = CYCLE_WORDS[:]
+    rnd.shuffle(cycle)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    for i in range(n_docs):
+        start = rnd.randrange(len(cycle))
+        words = [cycle[(start + j) % len(cycle)] for j in range(words_per_doc)]
+        breaks = {cycle[len(cycle) // 2 - 1], cycle[-1]}      # two lines per cycle (short lines look like code)
+        text = "".join(w + ("\n" if w in breaks else " ") for w in words)
+        (out / f"cycle_{i:04d}.py").write_text(text)
+    return out
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", required=True)
@@ -203,7 +232,11 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--train-mb", type=float, default=80.0)
     ap.add_argument("--heldout-frac", type=float, default=0.02)
     ap.add_argument("--heldout-mb", type=float, default=4.0)
+    ap.add_argument("--cycle", action="store_true", help="write the synthetic cycle sources into --out instead")
     a = ap.parse_args(argv)
+    if a.cycle:
+        write_cycle_corpus(a.out)
+        return
     build_corpus(a.out, a.root, a.train_mb, a.heldout_frac, a.heldout_mb)
 
 

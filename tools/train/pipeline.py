@@ -66,6 +66,7 @@ class PipelineConfig:
     draft_train: DraftTrainConfig = field(default_factory=DraftTrainConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     target_gguf: str | None = None          # train only a drafter, for this shipped qwen35 target
+    synthetic_cycle: bool = False           # write the cycle corpus into the first root first
     target_gguf_type: str = "q8_0"
     drafter_gguf_type: str = "q8_0"
     drafter_dtype: str = "bfloat16"
@@ -95,6 +96,20 @@ def toy_config(out: str, roots: list[str] | None = None, seed: int = 0) -> Pipel
         eval=EvalConfig(prompts=2, prompt_tokens=24, max_tokens=24, seconds=60.0, short_prompts=False),
         drafter_gguf_type="f32", drafter_dtype="float32",
     )
+
+
+def cycle_config(out: str, seed: int = 0) -> PipelineConfig:
+    """The known-good pair: the toy model sizes trained on the synthetic cycle corpus (corpus.write_cycle_corpus)
+    long enough that the target continues the cycle and the drafter predicts whole blocks of it."""
+    cfg = toy_config(out, [str(Path(out) / "work" / "cycle_src")], seed)
+    cfg.synthetic_cycle = True
+    cfg.train_mb = 1.0
+    cfg.target_train.steps = 300
+    cfg.target_train.seq_len = 128
+    # the drafter must see the relative distances decoding will (RoPE): sequences of 192, prompts 16-64
+    cfg.data.seq_len, cfg.data.prompt_min, cfg.data.prompt_max, cfg.data.max_seqs = 192, 16, 64, 64
+    cfg.draft_train.steps = 600
+    return cfg
 
 
 def _mb(path: Path) -> float:
@@ -148,6 +163,10 @@ def _run(cfg: PipelineConfig) -> dict:
 
     # 1. corpus -------------------------------------------------------------------------------------
     t = time.perf_counter()
+    if cfg.synthetic_cycle:
+        from .corpus import write_cycle_corpus
+
+        write_cycle_corpus(cfg.roots[0], seed=cfg.seed)
     manifest = build_corpus(work / "corpus", cfg.roots, cfg.train_mb, cfg.heldout_frac, cfg.heldout_mb,
                             max_files=cfg.max_files)
     timings["corpus"] = time.perf_counter() - t
@@ -314,7 +333,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--eval-prompts", type=int, default=16)
     ap.add_argument("--eval-seconds", type=float, default=60.0)
     ap.add_argument("--no-eval", action="store_true")
-    ap.add_argument("--preset", choices=("default", "toy"), default="default")
+    ap.add_argument("--preset", choices=("default", "toy", "cycle"), default="default",
+                    help="toy: seconds-scale smoke run; cycle: the known-good pair on a synthetic cycle corpus")
     ap.add_argument("--target-gguf", help="train only a drafter for this qwen35 GGUF (its tokenizer must be the "
                     "one this corpus/seed/--vocab give, e.g. the shipped default target)")
     ap.add_argument("--drafter-lr", type=float)
@@ -323,8 +343,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--gen-share", type=float, help="share of the drafter stage spent generating data")
     a = ap.parse_args(argv)
 
-    if a.preset == "toy":
-        cfg = toy_config(a.out, a.root, a.seed)
+    if a.preset in ("toy", "cycle"):
+        cfg = toy_config(a.out, a.root, a.seed) if a.preset == "toy" else cycle_config(a.out, a.seed)
         cfg.device = a.device if a.device != "auto" else "cpu"
     else:
         cfg = PipelineConfig(out=a.out, device=a.device, minutes=a.minutes, seed=a.seed, roots=a.root,
