@@ -101,6 +101,15 @@ def test_rollback_equals_plain_decode_state(target_path):
     assert p[0] == 0 and all(parents[b] == a for a, b in zip(p, p[1:]))
 
 
+def test_topk_breaks_ties_by_lower_id_even_at_the_cut():
+    x = np.zeros((3, 10))
+    x[0, [7, 2, 5]] = 1.0          # three tied best, k = 2: ids 2 and 5, not whichever partition picks
+    x[2, 9] = 2.0                  # one best, then nine tied: the lowest of them
+    ids, logp = topk_logprobs(x, 2)
+    assert ids.tolist() == [[2, 5], [0, 1], [9, 0]]
+    np.testing.assert_allclose(np.exp(logp[1]), [0.1, 0.1])
+
+
 def test_ddtree_shape():
     rng = np.random.default_rng(0)
     logits = rng.standard_normal((15, 50)) * 3

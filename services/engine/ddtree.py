@@ -47,11 +47,15 @@ def topk_logprobs(logits: np.ndarray, k: int, temperature: float = 1.0) -> tuple
     z -= z.max(axis=-1, keepdims=True)
     logp = z - np.log(np.exp(z).sum(axis=-1, keepdims=True))
     k = min(k, logits.shape[-1])
-    ids = np.argpartition(-logp, k - 1, axis=-1)[:, :k]
-    part = np.take_along_axis(logp, ids, axis=-1)
-    # stable order: higher log-prob first, lower id on ties (argmax agreement with greedy decoding)
-    order = np.lexsort((ids, -part), axis=-1)
-    return np.take_along_axis(ids, order, -1).astype(np.int64), np.take_along_axis(part, order, -1)
+    kth = -np.partition(-logp, k - 1, axis=-1)[:, k - 1:k]                   # the k-th best value per row
+    out_ids = np.empty((logp.shape[0], k), np.int64)
+    out_lp = np.empty((logp.shape[0], k))
+    for r in range(logp.shape[0]):
+        # every id tied with the k-th value is a candidate, so "lower id on ties" holds at the cut too
+        cand = np.flatnonzero(logp[r] >= kth[r, 0])
+        order = np.lexsort((cand, -logp[r, cand]))[:k]    # higher log-prob first, lower id on ties
+        out_ids[r], out_lp[r] = cand[order], logp[r, cand[order]]
+    return out_ids, out_lp
 
 
 def build_chain(top_ids: np.ndarray, top_logp: np.ndarray, length: int) -> DraftTree:
