@@ -10,6 +10,7 @@ import os
 import sys
 import time
 
+from .cliargs import KV_CACHE_HELP, add_device_arguments, kv_cache_type
 from .engine.errors import InvalidRequestError, SpecsplitError
 
 
@@ -39,9 +40,17 @@ def cmd_generate(args: argparse.Namespace) -> int:
         args.model, default_draft = default_model_paths()
         if args.draft is None and not args.no_draft:
             args.draft = default_draft
+    if not _start_plan(args):
+        return 0
+    if args.prompt is None and args.prompt_ids is None:
+        raise SpecsplitError("generate needs --prompt or --prompt-ids")
     t0 = time.perf_counter()
     target = load_target(args.model)
     load_ms = (time.perf_counter() - t0) * 1e3
+    try:
+        cache_k, cache_v = target.model.set_kv_cache_types(args.cache_type_k, args.cache_type_v)
+    except ValueError as e:
+        raise InvalidRequestError(f"{args.model}: {e}", param="cache_type") from None
     tok = target.tokenizer
     if args.prompt_ids is not None:
         prompt_ids = args.prompt_ids
@@ -56,15 +65,20 @@ def cmd_generate(args: argparse.Namespace) -> int:
         prompt_ids = tok.encode(text)
     params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                             min_p=args.min_p, seed=args.seed).validate()
-    if args.draft and not args.chain and not 1 <= args.budget <= 64:
-        raise InvalidRequestError("--budget must be between 1 and 64", param="budget")
     stop = sorted(tok.eos_ids) if tok is not None and not args.ignore_eos else []
     if args.draft:
         from .engine.models.dflash import load_drafter
-        from .engine.speculative import LocalProposer, SpecConfig, speculative_generate
+        from .engine.speculative import AUTO_MAX_BUDGET, LocalProposer, SpecConfig, speculative_generate
 
         proposer = LocalProposer(load_drafter(args.draft, target.model))
-        spec = SpecConfig(budget=None if args.chain else args.budget)
+        if args.chain or args.budget is None:
+            spec = SpecConfig(budget=None)
+        elif args.budget == "auto":
+            from .engine.budget import BudgetTuner
+
+            spec = SpecConfig.auto(BudgetTuner.measure(target.model, AUTO_MAX_BUDGET))
+        else:
+            spec = SpecConfig(budget=args.budget)
         res = speculative_generate(target.model, proposer, prompt_ids, args.max_tokens, params, spec,
                                    stop_ids=stop, max_ctx=args.max_ctx)
     else:
@@ -78,6 +92,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
                "timings": {"load_ms": round(load_ms, 3), **res.timings()}}
         if res.spec is not None:
             obj["spec"] = res.spec
+        from .engine.kvcache import kv_info
+
+        obj["kv_cache"] = kv_info(target.cfg, cache_k, cache_v, len(prompt_ids) + len(out_ids))
         print(json.dumps(obj))
     else:
         print(text if text is not None else " ".join(map(str, out_ids)))
@@ -86,6 +103,40 @@ def cmd_generate(args: argparse.Namespace) -> int:
                  if res.spec is not None else "")
         print(f"[{t['prompt_n']} prompt tokens, {t['predicted_n']} generated, "
               f"{t['predicted_per_second']:.1f} tok/s{extra}]", file=sys.stderr)
+    return 0
+
+
+def _budget(text: str) -> int | str | None:
+    from .engine.speculative import AUTO_MAX_BUDGET
+    from .verifier.cli import parse_budget
+
+    b = parse_budget(text)
+    if isinstance(b, int) and not 1 <= b <= AUTO_MAX_BUDGET:
+        raise argparse.ArgumentTypeError(f"--budget must be in 1..{AUTO_MAX_BUDGET}, 'chain' or 'auto', got {b}")
+    return b
+
+
+def _start_plan(args: argparse.Namespace) -> bool:
+    """Plan memory before loading (services.engine.memory_plan); False when --plan-only printed it."""
+    from .engine.memory_plan import plan_from_args, print_plan
+
+    plan = plan_from_args(args, args.model, args.draft)
+    if args.plan_only:
+        print_plan(plan, args.json)
+        return False
+    if plan.shrunk_from:
+        print(f"specsplit: max_ctx {plan.shrunk_from} does not fit; using {plan.settings.max_ctx} "
+              "(pass --max-ctx to choose)", file=sys.stderr)
+        args.max_ctx = plan.settings.max_ctx
+    return True
+
+
+def cmd_make_synthetic(args: argparse.Namespace) -> int:
+    from .engine.synthetic import make_synthetic
+
+    res = make_synthetic(args.shape, args.out, quant=args.quant, seed=args.seed, ctx=args.ctx, layers=args.layers,
+                         draft=not args.no_draft, draft_quant=args.draft_quant)
+    print(json.dumps(res.as_dict()))
     return 0
 
 
@@ -104,7 +155,7 @@ def build_parser() -> argparse.ArgumentParser:
     g = sub.add_parser("generate", help="generate text from a prompt (no server)")
     g.add_argument("--model", help="GGUF file or Hugging Face safetensors folder (default: the embedded model "
                    "and its drafter)")
-    src = g.add_mutually_exclusive_group(required=True)
+    src = g.add_mutually_exclusive_group()   # one is required unless --plan-only (checked in cmd_generate)
     src.add_argument("--prompt", help="prompt text")
     src.add_argument("--prompt-ids", type=_ids, help="comma-separated token ids")
     g.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
@@ -115,11 +166,30 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--json", action="store_true", help="print one JSON object")
     g.add_argument("--draft", help="DFlash drafter (z-lab safetensors folder or GGUF): speculative decoding")
     g.add_argument("--no-draft", action="store_true", help="plain decoding even with the embedded default model")
+    g.add_argument("--cache-type-k", type=kv_cache_type, default="auto", help=KV_CACHE_HELP.format(side="keys"))
+    g.add_argument("--cache-type-v", type=kv_cache_type, default="auto", help=KV_CACHE_HELP.format(side="values"))
     tree = g.add_mutually_exclusive_group()
-    tree.add_argument("--budget", type=int, default=22, help="DDTree budget: non-root tree nodes, 1..64 (default 22)")
+    tree.add_argument("--budget", type=_budget, default="auto",
+                      help="DDTree budget: non-root tree nodes 1..64, 'chain', or 'auto' (default: tuned per step "
+                           "from this machine's measured verify cost and the running acceptance)")
     tree.add_argument("--chain", action="store_true", help="verify the drafter's top-1 block as a chain")
     _add_sampling(g)
+    add_device_arguments(g, env=False)
     g.set_defaults(func=cmd_generate)
+
+    # names as in services.engine.synthetic (SHAPES, QUANTS, DRAFT_QUANTS), not imported: parsing stays light
+    m = sub.add_parser("make-synthetic", help="write a random-weight GGUF of a real model's shapes (+ its drafter)",
+                       description="Synthetic models for benchmarks: the real shapes, tensor types and metadata "
+                       "with random valid weights, written streaming; see services/engine/synthetic.py.")
+    m.add_argument("--shape", required=True, choices=["qwen3.6-27b", "tiny"])
+    m.add_argument("--quant", default="q4_k_m", choices=["q4_k_m"], help="tensor type mix (llama.cpp's)")
+    m.add_argument("--out", required=True, help="folder to write the GGUF files into")
+    m.add_argument("--seed", type=int, default=0)
+    m.add_argument("--ctx", type=int, default=None, help="context_length to store (default: the real model's)")
+    m.add_argument("--layers", type=int, default=None, help="override the layer count (same widths), for tests")
+    m.add_argument("--no-draft", action="store_true", help="skip the DFlash drafter")
+    m.add_argument("--draft-quant", default="q8_0", choices=["f16", "q4_k", "q8_0"], help="drafter matrix type")
+    m.set_defaults(func=cmd_make_synthetic)
 
     c = sub.add_parser("convert", help="convert a Hugging Face safetensors folder to GGUF")
     c.add_argument("src")

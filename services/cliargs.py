@@ -79,3 +79,39 @@ def address(text: str) -> str:
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
     return text
+
+
+def kv_cache_type(text: str) -> str:
+    """An argparse type: a KV cache type for --cache-type-k / --cache-type-v (auto, f16, q8_0, tq3_0, f32)."""
+    from services.engine.kvcache import CACHE_TYPE_CHOICES
+
+    t = str(text).strip().lower()
+    if t not in CACHE_TYPE_CHOICES:
+        raise argparse.ArgumentTypeError(f"expected one of {', '.join(CACHE_TYPE_CHOICES)}, got {text!r}")
+    return t
+
+
+KV_CACHE_HELP = ("KV cache type of the attention {side}: auto, f16, q8_0, tq3_0 or f32 (default auto: tq3_0 for V; "
+                 "for K q8_0 when query heads per KV head >= 6, else tq3_0; f32 where head_dim is not a "
+                 "multiple of 64)")
+
+
+def device(text: str) -> str:
+    """An argparse type: a compute device, `cpu`, `cuda` or `cuda:N`, returned normalised (cuda -> cuda:0)."""
+    from services.engine.memory_plan import parse_device
+
+    try:
+        return str(parse_device(text))
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def add_device_arguments(parser: argparse.ArgumentParser | Any, env: bool = True) -> None:
+    """--device, --draft-device and --plan-only (memory planning at start-up, services.engine.memory_plan)."""
+    add = (lambda flag, **kw: add_env_argument(parser, flag, **kw)) if env else parser.add_argument
+    add("--device", type=device, default="cpu",
+        help="where the target runs: cpu or cuda:N (default cpu; cuda needs the GPU backend)")
+    add("--draft-device", type=device, default=None,
+        help="where the in-process drafter runs (default: the target's device)")
+    add("--plan-only", action="store_true",
+        help="print the start-up memory plan (JSON with --json) and exit without loading the weights")

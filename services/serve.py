@@ -15,10 +15,10 @@ import logging
 import signal
 from typing import Any
 
-from services.cliargs import add_env_argument, int_at_least
+from services.cliargs import KV_CACHE_HELP, add_device_arguments, add_env_argument, int_at_least, kv_cache_type
 from services.engine.errors import SpecsplitError
 from services.gateway.cli import add_gateway_arguments, setup_logging
-from services.verifier.cli import parse_budget
+from services.verifier.cli import parse_budget, startup_plan
 
 VERIFIER_ADDRESS = "inproc:verifier"
 
@@ -39,8 +39,13 @@ def register(subparsers: Any) -> None:
                      help="requests that may wait for a slot; more get HTTP 429")
     add_env_argument(p, "--max-ctx", type=int_at_least(1), default=None, help="context per request (default: model's)")
     add_env_argument(p, "--no-speculative", action="store_true", help="plain decoding even with a drafter")
+    add_env_argument(p, "--cache-type-k", type=kv_cache_type, default="auto", help=KV_CACHE_HELP.format(side="keys"))
+    add_env_argument(p, "--cache-type-v", type=kv_cache_type, default="auto",
+                     help=KV_CACHE_HELP.format(side="values"))
     add_env_argument(p, "--grpc-listen", default=None, help="also serve the public gRPC Gateway API here")
     add_gateway_arguments(p)
+    add_device_arguments(p)
+    add_env_argument(p, "--json", action="store_true", help="with --plan-only: print the plan as JSON")
     p.set_defaults(func=cmd_serve)
 
 
@@ -67,6 +72,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     setup_logging(args.log_level)
     embedded = not args.model
     model, draft = resolve_models(args.model, args.draft)
+    if not startup_plan(args, model, draft):
+        return 0
     if embedded and not args.model_name:
         args.model_name = DEFAULT_MODEL_NAME
     try:
@@ -84,7 +91,7 @@ async def _main(args: argparse.Namespace, model: str, draft: str | None) -> int:
     telemetry.configure_tracing(args.trace, "specsplit")
     vcfg = VerifierConfig(model=model, draft=draft, budget=args.budget, slots=args.slots,
                           max_queue=args.max_queue, max_ctx=args.max_ctx, speculative=not args.no_speculative,
-                          trace=None)
+                          trace=None, cache_type_k=args.cache_type_k, cache_type_v=args.cache_type_v)
     verifier = await serve_verifier(vcfg, VERIFIER_ADDRESS, wait=False)
     try:
         gateway = await serve_gateway(GatewayConfig(

@@ -118,7 +118,7 @@ def test_greedy_matches_in_process_plain(verifier, target, prompts):
             assert last.usage.prompt_tokens == len(ids) and last.usage.completion_tokens == 24
             assert last.timings.decode_ms > 0 and last.timings.prompt_ms > 0
             if speculative:
-                assert last.spec.mode == "ddtree" and last.spec.budget == 22
+                assert last.spec.mode == "ddtree" and 1 <= last.spec.budget <= 64   # auto: mean tree size
                 assert last.spec.steps > 0 and last.spec.draft_tokens > 0 and not last.spec.fallback
                 assert len(last.spec.acceptance_histogram) == 16
                 assert n_chunks == last.spec.steps + 1            # the first token, then one per step

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from .errors import ContextOverflowError
+from .kvcache import KVCache
 
 
 @dataclass
@@ -29,24 +30,32 @@ class PendingStep:
 @dataclass
 class SequenceState:
     max_ctx: int
-    kv_k: dict[int, np.ndarray]         # attention layer -> (max_ctx, Hkv, D)
-    kv_v: dict[int, np.ndarray]
+    kv: dict[int, KVCache]              # attention layer -> its K/V rows (kvcache.py), max_ctx of them
     ssm: dict[int, np.ndarray]          # recurrent layer -> (H_v, dk, dv) float32
     conv: dict[int, np.ndarray]         # recurrent layer -> (K-1, conv_dim) last committed raw rows
     n_past: int = 0
     pending: PendingStep | None = None
 
     @classmethod
-    def allocate(cls, cfg, max_ctx: int) -> SequenceState:
-        kv_k, kv_v, ssm, conv = {}, {}, {}, {}
+    def allocate(cls, cfg, max_ctx: int, cache_type_k: str = "f32", cache_type_v: str = "f32") -> SequenceState:
+        """Zeroed state; KV in the given types (f32, f16, q8_0, tq3_0; f32 is the exact reference)."""
+        kv, ssm, conv = {}, {}, {}
         for i, rec in enumerate(cfg.recurrent_layers):
             if rec:
                 ssm[i] = np.zeros((cfg.ssm_n_v_heads, cfg.ssm_head_k_dim, cfg.ssm_head_v_dim), np.float32)
                 conv[i] = np.zeros((cfg.ssm_conv_kernel - 1, cfg.ssm_conv_dim), np.float32)
             else:
-                kv_k[i] = np.zeros((max_ctx, cfg.n_head_kv, cfg.head_dim), np.float32)
-                kv_v[i] = np.zeros((max_ctx, cfg.n_head_kv, cfg.head_dim), np.float32)
-        return cls(max_ctx=max_ctx, kv_k=kv_k, kv_v=kv_v, ssm=ssm, conv=conv)
+                kv[i] = KVCache.allocate(max_ctx, cfg.n_head_kv, cfg.head_dim, cache_type_k, cache_type_v)
+        return cls(max_ctx=max_ctx, kv=kv, ssm=ssm, conv=conv)
+
+    @property
+    def kv_k(self) -> dict[int, np.ndarray]:
+        """K of every attention layer as float32 (max_ctx, Hkv, D); the live arrays for f32, else decoded copies."""
+        return {i: c.k.dequantize() for i, c in self.kv.items()}
+
+    @property
+    def kv_v(self) -> dict[int, np.ndarray]:
+        return {i: c.v.dequantize() for i, c in self.kv.items()}
 
     def check_room(self, n_new: int) -> None:
         if self.n_past + n_new > self.max_ctx:
@@ -72,9 +81,8 @@ class SequenceState:
             base = self.n_past
             for d, i in enumerate(path):
                 if i != d:
-                    for cache in (self.kv_k, self.kv_v):
-                        for arr in cache.values():
-                            arr[base + d] = arr[base + i]
+                    for cache in self.kv.values():
+                        cache.move(base + d, base + i)
             for layer in self.ssm:
                 st = p.ssm_states[layer]
                 if p.ssm_per_token:
@@ -100,8 +108,7 @@ class SequenceState:
         """A deep copy of the committed state (KV only up to n_past)."""
         return SequenceState(
             max_ctx=self.max_ctx,
-            kv_k={i: a.copy() for i, a in self.kv_k.items()},
-            kv_v={i: a.copy() for i, a in self.kv_v.items()},
+            kv={i: c.copy() for i, c in self.kv.items()},
             ssm={i: a.copy() for i, a in self.ssm.items()},
             conv={i: a.copy() for i, a in self.conv.items()},
             n_past=self.n_past,

@@ -5,8 +5,9 @@ underscores: --max-queue -> SPECSPLIT_MAX_QUEUE), so compose files and Helm char
 overrides; a flag on the command line wins over the variable.
 
 --budget takes a number of DDTree nodes, `chain` (a plain chain of block_size - 1 drafted tokens), or
-`auto`. `auto` is 22 for now: the best fixed budget measured on the CPU backend; online tuning from the
-measured verify-cost curve will replace it.
+`auto` (the default): at start-up the verifier times the target at a few verify widths, and each step then
+verifies the best-first prefix of a 64-node tree that maximises expected tokens per second, with the
+acceptance calibrated on the steps served so far (services/engine/budget.py).
 """
 
 from __future__ import annotations
@@ -17,20 +18,20 @@ import logging
 import signal
 from typing import Any
 
-from services.cliargs import add_env_argument, int_at_least
+from services.cliargs import KV_CACHE_HELP, add_device_arguments, add_env_argument, int_at_least, kv_cache_type
 
 DEFAULT_LISTEN = "unix:///run/specsplit/verifier.sock"   # same place the drafter and compose use
 
 
-def parse_budget(text: str) -> int | None:
-    """`chain` -> None, `auto` -> the default budget, N -> N (1..MAX_BUDGET)."""
-    from .service import DEFAULT_BUDGET, MAX_BUDGET
+def parse_budget(text: str) -> int | str | None:
+    """`chain` -> None, `auto` -> "auto", N -> N (1..MAX_BUDGET)."""
+    from .service import MAX_BUDGET
 
     t = str(text).strip().lower()
     if t == "chain":
         return None
     if t == "auto":
-        return DEFAULT_BUDGET
+        return "auto"
     try:
         n = int(t)
     except ValueError:
@@ -50,11 +51,14 @@ def register(subparsers: Any) -> None:
     add_env_argument(p, "--drafter-timeout", type=float, default=30.0,
                      help="seconds one remote draft may take before the request falls back to plain decoding")
     add_env_argument(p, "--budget", type=parse_budget, default="auto",
-                     help="DDTree budget: N nodes, 'chain', or 'auto' (= 22 on CPU for now)")
+                     help="DDTree budget: N nodes, 'chain', or 'auto' (tuned per step; the default)")
     add_env_argument(p, "--slots", type=int_at_least(1), default=1, help="concurrent generations (KV slots)")
     add_env_argument(p, "--max-queue", type=int_at_least(0), default=16,
                      help="requests that may wait for a slot; more get RESOURCE_EXHAUSTED")
     add_env_argument(p, "--max-ctx", type=int_at_least(1), default=None, help="context per request (default: model's)")
+    add_env_argument(p, "--cache-type-k", type=kv_cache_type, default="auto", help=KV_CACHE_HELP.format(side="keys"))
+    add_env_argument(p, "--cache-type-v", type=kv_cache_type, default="auto",
+                     help=KV_CACHE_HELP.format(side="values"))
     add_env_argument(p, "--listen", default=DEFAULT_LISTEN,
                      help=f"address to serve on: host:port, unix:///path or inproc (default {DEFAULT_LISTEN})")
     add_env_argument(p, "--trace", default="none", choices=["none", "console", "otlp"],
@@ -64,6 +68,8 @@ def register(subparsers: Any) -> None:
     add_env_argument(p, "--grace", type=float, default=10.0,
                      help="seconds in-flight requests get to finish on SIGTERM")
     add_env_argument(p, "--log-level", default="INFO", help="DEBUG, INFO, WARNING, ...")
+    add_device_arguments(p)
+    add_env_argument(p, "--json", action="store_true", help="with --plan-only: print the plan as JSON")
     p.set_defaults(func=cmd_verifier)
 
 
@@ -75,7 +81,8 @@ def config_from_args(args: argparse.Namespace):
     return VerifierConfig(model=args.model, draft=args.draft or None, drafter_address=args.drafter or None,
                           budget=args.budget, slots=args.slots, max_queue=args.max_queue, max_ctx=args.max_ctx,
                           speculative=not args.no_speculative, trace=args.trace, shutdown_grace_s=args.grace,
-                          drafter_timeout_s=args.drafter_timeout)
+                          drafter_timeout_s=args.drafter_timeout, cache_type_k=args.cache_type_k,
+                          cache_type_v=args.cache_type_v)
 
 
 def cmd_verifier(args: argparse.Namespace) -> int:
@@ -87,7 +94,31 @@ def cmd_verifier(args: argparse.Namespace) -> int:
         cfg = config_from_args(args)
     except ValueError as e:
         raise SpecsplitError(str(e)) from None
+    if not startup_plan(args, cfg.model, cfg.draft, remote_drafter=bool(cfg.drafter_address)):
+        return 0
+    cfg.max_ctx = args.max_ctx
     return asyncio.run(_main(cfg, args.listen))
+
+
+def startup_plan(args: argparse.Namespace, model: str, draft: str | None, remote_drafter: bool = False) -> bool:
+    """Plan memory before loading (services.engine.memory_plan): refuse with what to change, or log the plan.
+
+    Returns False when --plan-only printed the plan. Without --max-ctx a context that does not fit is shrunk
+    (args.max_ctx is set to what fits, with a warning).
+    """
+    from services.engine.memory_plan import plan_from_args, print_plan
+
+    plan = plan_from_args(args, model, draft, remote_drafter=remote_drafter)
+    if args.plan_only:
+        print_plan(plan, args.json)
+        return False
+    log = logging.getLogger("specsplit.verifier")
+    if plan.shrunk_from:
+        log.warning("max_ctx %d does not fit in memory; using %d (pass --max-ctx to choose)",
+                    plan.shrunk_from, plan.settings.max_ctx)
+        args.max_ctx = plan.settings.max_ctx
+    log.info("%s", plan.summary())
+    return True
 
 
 async def _main(cfg: Any, listen: str) -> int:

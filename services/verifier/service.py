@@ -45,10 +45,13 @@ import grpc
 from opentelemetry import context as otel_context
 from opentelemetry import trace
 
+from services.engine.budget import BudgetTuner
 from services.engine.errors import ContextOverflowError, InvalidRequestError, SpecsplitError
 from services.engine.generate import GenerationResult, check_request
+from services.engine.kvcache import kv_info
 from services.engine.sampling import SamplingParams
 from services.engine.speculative import (
+    AUTO_MAX_BUDGET,
     DrafterUnavailableError,
     LocalProposer,
     Proposer,
@@ -62,7 +65,7 @@ log = logging.getLogger("specsplit.verifier")
 
 SERVICE_NAME = "specsplit.v1.Verifier"
 MAX_BUDGET = 1024            # a DDTree budget beyond this is a typo, not a tuning choice
-DEFAULT_BUDGET = 22          # what `--budget auto` means on the CPU backend for now
+DEFAULT_BUDGET = "auto"      # the budget tuner (services/engine/budget.py) picks each step's tree size
 WARMUP_TOKENS = 2
 DRAFTER_INFO_TIMEOUT_S = 5.0  # reaching a remote drafter's Info; past it the request decodes plainly
 DRAFTER_RETRY_S = 2.0         # after the drafter was unreachable, requests skip it this long
@@ -78,7 +81,7 @@ class VerifierConfig:
     model: str                                  # target: GGUF file or Hugging Face folder
     draft: str | None = None                    # in-process DFlash drafter (folder or GGUF)
     drafter_address: str | None = None          # remote Drafter service (unix:///..., host:port)
-    budget: int | None = DEFAULT_BUDGET         # DDTree non-root nodes; None = chain
+    budget: int | str | None = DEFAULT_BUDGET   # DDTree non-root nodes; None = chain; "auto" = tuned per step
     slots: int = 1                              # concurrent generations (each its own KV cache)
     max_queue: int = 16                         # requests that may wait for a slot
     max_ctx: int | None = None                  # context per request (default: the model's)
@@ -87,6 +90,8 @@ class VerifierConfig:
                                                 # process's tracing as configured (all-in-one, tests)
     shutdown_grace_s: float = 10.0              # in-flight requests get this long on SIGTERM
     drafter_timeout_s: float = 30.0             # longest wait for one remote draft before falling back
+    cache_type_k: str = "auto"                  # KV cache types (auto, f16, q8_0, tq3_0, f32); `auto` is
+    cache_type_v: str = "auto"                  # the rule in services/engine/kvcache.py
 
     def __post_init__(self) -> None:
         if self.draft and self.drafter_address:
@@ -95,10 +100,17 @@ class VerifierConfig:
             raise ValueError(f"slots must be >= 1, got {self.slots}")
         if self.max_queue < 0:
             raise ValueError(f"max_queue must be >= 0, got {self.max_queue}")
-        if self.budget is not None and not 1 <= self.budget <= MAX_BUDGET:
-            raise ValueError(f"budget must be in 1..{MAX_BUDGET} or None (chain), got {self.budget}")
+        if self.budget != "auto" and self.budget is not None and not 1 <= self.budget <= MAX_BUDGET:
+            raise ValueError(f"budget must be in 1..{MAX_BUDGET}, None (chain) or 'auto', got {self.budget}")
         if self.max_ctx is not None and self.max_ctx < 2:
             raise ValueError(f"max_ctx must be >= 2, got {self.max_ctx}")
+        from services.engine.kvcache import CACHE_TYPE_CHOICES
+
+        for name in ("cache_type_k", "cache_type_v"):
+            t = str(getattr(self, name)).lower()
+            if t not in CACHE_TYPE_CHOICES:
+                raise ValueError(f"{name} must be one of {', '.join(CACHE_TYPE_CHOICES)}, got {t!r}")
+            setattr(self, name, t)
         if self.drafter_address:
             from services.rpc import parse_address
 
@@ -235,7 +247,9 @@ class VerifierServicer(pb_grpc.VerifierServicer):
         self.counters = Counters()
         self.target = None                      # LoadedTarget once loaded
         self.drafter = None                     # in-process DFlashDrafter
+        self.tuner: BudgetTuner | None = None   # --budget auto (shared by all requests)
         self.max_ctx = 0
+        self.kv: dict | None = None             # KV memory accounting (kvcache.kv_info) once loaded
         self.created = int(time.time())
         self._tracer = tracer or trace.get_tracer("specsplit.verifier")
         self._pool = ThreadPoolExecutor(max_workers=cfg.slots, thread_name_prefix="verifier-slot")
@@ -265,22 +279,32 @@ class VerifierServicer(pb_grpc.VerifierServicer):
             log.warning("max_ctx %d is beyond the model's context length %d; using %d",
                         self.cfg.max_ctx, model_ctx, model_ctx)
         self.max_ctx = min(self.cfg.max_ctx or model_ctx, model_ctx)
+        # a head size the chosen type cannot hold is a start-up error, not a per-request one
+        self.target.model.set_kv_cache_types(self.cfg.cache_type_k, self.cfg.cache_type_v)
+        self.kv = kv_info(self.target.cfg, *self.target.model.kv_cache_types, self.max_ctx)
         if self.cfg.draft:
             from services.engine.models.dflash import load_drafter
 
             self.drafter = load_drafter(self.cfg.draft, self.target.model)
         load_ms = (time.perf_counter() - t0) * 1e3
+        if self.cfg.budget == "auto" and (self.cfg.draft or self.cfg.drafter_address):
+            # the verify-cost curve of this machine, measured once; acceptance is learnt while serving
+            self.tuner = BudgetTuner.measure(self.target.model, AUTO_MAX_BUDGET)
+            log.info("verifier: --budget auto, verify ms by width %s", self.tuner.snapshot()["verify_ms"])
         # Warm-up: the first forward pays one-off costs (lazy dequantisation, allocator growth); a
         # readiness probe should only pass once a request would not pay them.
         t1 = time.perf_counter()
         prompt = [i % self.target.cfg.n_vocab for i in range(4)]
         proposer = LocalProposer(self.drafter) if self.drafter is not None else None
         for _ in speculative_stream(self.target.model, proposer, prompt, WARMUP_TOKENS,
-                                    spec=SpecConfig(budget=self.cfg.budget), max_ctx=self.max_ctx):
+                                    spec=self._spec_config(self.cfg.budget), max_ctx=self.max_ctx):
             pass
         log.info("verifier: %s (%s, vocab %d, context %d) loaded in %.0f ms, warm-up %.0f ms; drafter: %s",
                  self.target.name, self.target.cfg.arch, self.target.cfg.n_vocab, self.max_ctx, load_ms,
                  (time.perf_counter() - t1) * 1e3, self.drafter_description())
+        log.info("verifier: KV cache K=%s V=%s, %d bytes per token (f16: %d), %.1f MiB per slot at context %d",
+                 self.kv["cache_type_k"], self.kv["cache_type_v"], self.kv["kv_bytes_per_token"],
+                 self.kv["kv_bytes_per_token_f16"], self.kv["kv_bytes"] / 2**20, self.max_ctx)
 
     def drafter_description(self) -> str:
         if self.cfg.drafter_address:
@@ -317,7 +341,16 @@ class VerifierServicer(pb_grpc.VerifierServicer):
                                drafter_address=self.drafter_description())
 
     async def Info(self, request: pb.InfoRequest, context: grpc.aio.ServicerContext) -> pb.VerifierInfo:
+        # VerifierInfo has no KV fields (the proto stays as it is): the KV types and bytes per token travel
+        # as trailing metadata, for the gateway and operators (grpcurl -v shows them).
+        if self.kv is not None:
+            context.set_trailing_metadata(self.kv_metadata())
         return self.info()
+
+    def kv_metadata(self) -> tuple[tuple[str, str], ...]:
+        kv = self.kv or {}
+        return tuple((f"specsplit-{k.replace('_', '-')}", str(kv[k]))
+                     for k in ("cache_type_k", "cache_type_v", "kv_bytes_per_token") if k in kv)
 
     # -- Generate ----------------------------------------------------------------------------------
     def _validate(self, request: pb.GenerateRequest) -> tuple[SamplingParams, bool, SpecConfig]:
@@ -338,7 +371,12 @@ class VerifierServicer(pb_grpc.VerifierServicer):
                 raise InvalidRequestError(f"budget must be in 0..{MAX_BUDGET} (0 = chain), got {request.budget}",
                                           param="budget")
             budget = request.budget or None
-        return params, speculative and has_drafter, SpecConfig(budget=budget)
+        return params, speculative and has_drafter, self._spec_config(budget)
+
+    def _spec_config(self, budget: int | str | None) -> SpecConfig:
+        if budget == "auto":
+            return SpecConfig.auto(self.tuner) if self.tuner is not None else SpecConfig()
+        return SpecConfig(budget=budget)
 
     async def Generate(self, request: pb.GenerateRequest,
                        context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GenerateChunk]:

@@ -16,7 +16,8 @@ from ..backend import NumpyBackend, default_backend
 from ..config import ModelConfig
 from ..errors import ModelFormatError
 from ..formats import RawTensor
-from ..layers import ancestor_matrix, masked_attention, rms_norm
+from ..kvcache import resolve_cache_types
+from ..layers import ancestor_matrix, rms_norm
 from ..state import PendingStep, SequenceState
 
 
@@ -72,8 +73,19 @@ class TargetModel(ABC):
         """The layer's weights, by short name, through the backend."""
 
     # -- inference ----------------------------------------------------------------------------
-    def new_state(self, max_ctx: int | None = None) -> SequenceState:
-        return SequenceState.allocate(self.cfg, max_ctx or self.cfg.context_length)
+    # KV types new_state() uses when not told: exact f32 unless set_kv_cache_types() chose others
+    kv_cache_types: tuple[str, str] = ("f32", "f32")
+
+    def set_kv_cache_types(self, cache_type_k: str = "auto", cache_type_v: str = "auto") -> tuple[str, str]:
+        """Resolve (`auto` included) and keep the KV types of every later state; ValueError if unusable."""
+        self.kv_cache_types = resolve_cache_types(self.cfg, cache_type_k, cache_type_v)
+        return self.kv_cache_types
+
+    def new_state(self, max_ctx: int | None = None, cache_type_k: str | None = None,
+                  cache_type_v: str | None = None) -> SequenceState:
+        k, v = resolve_cache_types(self.cfg, cache_type_k or self.kv_cache_types[0],
+                                   cache_type_v or self.kv_cache_types[1])
+        return SequenceState.allocate(self.cfg, max_ctx or self.cfg.context_length, cache_type_k=k, cache_type_v=v)
 
     def forward(self, state: SequenceState, tokens: Sequence[int], parents: Sequence[int] | None = None,
                 capture: Sequence[int] = (), checkpoints: bool = False,
@@ -138,6 +150,6 @@ class TargetModel(ABC):
         """Write this step's K/V rows after the committed ones and attend over context + ancestors."""
         st = ctx.state
         n0, T = st.n_past, q.shape[0]
-        st.kv_k[i][n0:n0 + T] = k
-        st.kv_v[i][n0:n0 + T] = v
-        return masked_attention(q, st.kv_k[i][:n0 + T], st.kv_v[i][:n0 + T], ctx.visible)
+        cache = st.kv[i]
+        cache.write(n0, k, v)
+        return cache.attend(q, n0 + T, ctx.visible)

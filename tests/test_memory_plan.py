@@ -1,0 +1,196 @@
+"""Start-up memory planning (services/engine/memory_plan.py): arithmetic, refusals, devices, --plan-only."""
+
+import json
+
+import pytest
+
+from services.cli import main
+from services.engine import memory_plan as M
+from services.engine import synthetic as S
+from services.engine.formats import open_model_file
+
+GiB = 1 << 30
+STATE_27B = 48 * 128 * 128 * 4            # one Gated DeltaNet state: H_v x d_k x d_v float32
+
+
+@pytest.fixture(scope="module")
+def q27():
+    """Qwen3.6-27B config, its Q4_K_M weight bytes and the DFlash drafter shape, from the synthetic plan."""
+    sh = S.get_shape("qwen3.6-27b")
+    w = M.WeightBytes.of({s.name: s for s in S.target_tensors(sh.target)})
+    d = sh.drafter
+    ds = M.DrafterShape(d.n_layer, d.n_embd, d.n_ff, d.n_head, d.n_head_kv, d.head_dim, d.block_size,
+                        d.n_features, M.WeightBytes.of({s.name: s for s in S.drafter_tensors(d)}))
+    return sh.target, w, ds
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return S.make_synthetic("tiny", str(tmp_path_factory.mktemp("plan")), seed=2, quiet=True)
+
+
+GPU = M.Device("cuda", 0)
+
+
+def _plan(q27, free_gib=80.0, **kw):
+    cfg, w, ds = q27
+    s = M.PlanSettings(**{"max_ctx": 262144, "device": GPU, **kw})
+    return M.build_plan(cfg, w, s, ds, free={"cuda:0": (int(free_gib * GiB), 80 * GiB)})
+
+
+def test_kv_bytes_per_token_by_hand(q27):
+    cfg = q27[0]
+    # 16 attention layers x 4 KV heads x 256 values, K and V
+    assert M.kv_bytes_per_token(cfg, "f16", "f16") == 16 * 4 * 256 * 2 * 2 == 65536
+    assert M.kv_bytes_per_token(cfg, "tq3_0", "tq3_0") == 16 * 4 * 256 * 2 * 14 / 32 == 14336
+    assert M.kv_bytes_per_token(cfg, "q8_0", "tq3_0") == 16 * 4 * 256 * (34 + 14) / 32 == 24576
+    assert M.kv_bytes_per_token(cfg, "f32", "f32") == 131072
+    assert _plan(q27, cache_type_k="f16", cache_type_v="f16").devices[0].get("KV cache") == 17_179_869_184
+    assert _plan(q27, cache_type_k="tq3_0", cache_type_v="tq3_0").devices[0].get("KV cache") == 3_758_096_384
+    with pytest.raises(M.MemoryPlanError, match="unknown KV cache type 'q4'"):
+        M.kv_bytes_per_token(cfg, "q4", "f16")
+
+
+def test_27b_items_by_hand(q27):
+    plan = _plan(q27, budget=22, cache_type_k="q8_0", cache_type_v="tq3_0")
+    d = plan.devices[0]
+    assert plan.width == 23
+    assert d.get("target weights") == 16_536_406_016                # stored Q4_K_M bytes on the GPU
+    assert d.get("recurrent state") == 48 * STATE_27B
+    assert d.get("recurrent checkpoints") == 48 * 23 * STATE_27B == 3_472_883_712
+    assert d.get("conv windows") == 48 * (3 + 23) * 10240 * 4
+    assert d.get("logits") == 2 * 23 * 248320 * 4
+    assert d.get("drafter weights") == 1_838_535_680
+    assert d.get("drafter context cache") == 262144 * 5 * 2 * 8 * 128 * 2   # f16 K and V, every layer
+    assert d.get("workspace reserve") == M.RESERVE_BYTES["cuda"]
+    assert d.total == sum(i.bytes for i in d.items) and plan.fits
+    # chain: block_size nodes; no drafter: one
+    assert _plan(q27, budget=None).devices[0].get("recurrent checkpoints") == 48 * 16 * STATE_27B
+    cfg, w, _ = q27
+    plain = M.build_plan(cfg, w, M.PlanSettings(max_ctx=4096, device=GPU, speculative=False), None,
+                         free={"cuda:0": (80 * GiB, 80 * GiB)})
+    assert plain.width == 1 and plain.devices[0].get("drafter weights") == 0
+    # two slots double every per-request item, not the weights
+    two = _plan(q27, slots=2).devices[0]
+    one = _plan(q27).devices[0]
+    assert two.get("KV cache") == 2 * one.get("KV cache") and two.get("target weights") == one.get("target weights")
+
+
+def test_numpy_weights_are_float32(q27):
+    cfg, w, _ = q27
+    n_params = w.f32 // 4
+    assert 26.8e9 < n_params < 27.0e9
+    # everything float32 but the packed Q4_K token_embd (248320 x 5120)
+    assert w.resident("numpy") == 4 * (n_params - 248320 * 5120) + 248320 * 5120 // 256 * 144
+
+
+def test_separate_draft_device(q27):
+    cfg, w, ds = q27
+    s = M.PlanSettings(max_ctx=65536, device=GPU, draft_device=M.Device("cuda", 1))
+    plan = M.build_plan(cfg, w, s, ds, free={"cuda:0": (80 * GiB, 80 * GiB), "cuda:1": (80 * GiB, 80 * GiB)})
+    t, d = plan.devices
+    assert (t.device, d.device) == ("cuda:0", "cuda:1")
+    assert t.get("drafter weights") == 0 and d.get("drafter weights") == 1_838_535_680
+    # the drafter needs its own copy of token_embd (Q4_K) and output (Q6_K)
+    assert d.get("target embedding + head copy") == 248320 * 5120 // 256 * (144 + 210)
+    assert d.get("workspace reserve") == t.get("workspace reserve") == M.RESERVE_BYTES["cuda"]
+
+
+def test_refusal_names_what_fits(q27):
+    cfg, w, ds = q27
+    s = M.PlanSettings(max_ctx=262144, budget=22, cache_type_k="f16", cache_type_v="f16", device=GPU)
+    free = {"cuda:0": (40 * GiB, 80 * GiB)}
+    with pytest.raises(M.MemoryPlanError) as e:
+        M.plan_memory(cfg, w, s, ds, free=free)
+    msg = str(e.value)
+    assert "does not fit" in msg and "cuda:0 needs 43." in msg and "40.00 GiB free" in msg
+    ctx = int(msg.split("--max-ctx ")[1].split(";")[0])
+    assert ctx % 256 == 0
+    assert M.build_plan(cfg, w, M.replace(s, max_ctx=ctx), ds, free).fits
+    assert not M.build_plan(cfg, w, M.replace(s, max_ctx=ctx + 256), ds, free).fits
+    assert "--cache-type-k q8_0 --cache-type-v q8_0" in msg
+    # a tighter device where only a smaller budget (not the context or KV alone) saves the day
+    s2 = M.replace(s, max_ctx=8192, budget=64)
+    need = M.build_plan(cfg, w, s2, ds, free).devices[0].total
+    tight = {"cuda:0": (need - 2 * GiB, 80 * GiB)}
+    with pytest.raises(M.MemoryPlanError, match=r"--budget \d+") as e2:
+        M.plan_memory(cfg, w, s2, ds, free=tight)
+    b = int(str(e2.value).split("--budget ")[1].split(";")[0].split(".")[0])
+    assert 1 <= b < 64 and M.build_plan(cfg, w, M.replace(s2, budget=b), ds, tight).fits
+    # nothing helps: the weights alone are too big
+    floor = r"even at max_ctx 1 it needs cuda:0 1\d\.\d\d GiB \(weights 17\.11 GiB"    # target + drafter
+    with pytest.raises(M.MemoryPlanError, match=floor):
+        M.plan_memory(cfg, w, s, ds, free={"cuda:0": (10 * GiB, 16 * GiB)})
+
+
+def test_shrink_without_explicit_ctx(q27):
+    cfg, w, ds = q27
+    s = M.PlanSettings(max_ctx=262144, cache_type_k="f16", cache_type_v="f16", device=GPU)
+    plan = M.plan_memory(cfg, w, s, ds, free={"cuda:0": (40 * GiB, 80 * GiB)}, shrink_ctx=True)
+    assert plan.fits and plan.shrunk_from == 262144 and plan.settings.max_ctx % 256 == 0
+    assert 100_000 < plan.settings.max_ctx < 262144
+
+
+def test_devices_and_free_memory(tmp_path, monkeypatch):
+    assert str(M.parse_device("CUDA")) == "cuda:0" and str(M.parse_device("cuda:3")) == "cuda:3"
+    assert M.parse_device("cpu") == M.Device("cpu")
+    for bad in ("gpu", "cuda:x", "cuda:-1", ""):
+        with pytest.raises(ValueError, match="expected a device"):
+            M.parse_device(bad)
+    meminfo = tmp_path / "meminfo"
+    meminfo.write_text("MemTotal:       24000000 kB\nMemFree:  100 kB\nMemAvailable:   20000000 kB\n")
+    assert M.cpu_memory(str(meminfo)) == (20_000_000 * 1024, 24_000_000 * 1024)
+    from kernels import loader
+
+    monkeypatch.setattr(loader, "unavailable_reason", lambda: "no CUDA GPU is visible (test)")
+    with pytest.raises(M.MemoryPlanError, match=r"GPU backend not available: no CUDA GPU is visible \(test\)"):
+        M.check_device(M.Device("cuda", 0))
+    M.check_device(M.Device("cpu"))
+
+
+def test_header_scan_matches_the_reader(tiny):
+    for path in (tiny.target_path, tiny.drafter_path):
+        meta, tensors = M.read_gguf_header(path)
+        mf = open_model_file(path)
+        assert meta == mf.metadata
+        assert {n: (t.shape, t.qtype, t.nbytes) for n, t in tensors.items()} == \
+            {n: (t.shape, t.qtype, t.nbytes) for n, t in mf.tensors.items()}
+
+
+def test_plan_only_json(tiny, capsys):
+    rc = main(["verifier", "--model", tiny.target_path, "--draft", tiny.drafter_path, "--cache-type-k", "f16",
+               "--cache-type-v", "tq3_0", "--max-ctx", "1024", "--slots", "2", "--plan-only", "--json"])
+    assert rc == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert plan["max_ctx"] == 1024 and plan["width"] == 65 and plan["slots"] == 2   # auto: its largest tree
+    items = {i["name"]: i["bytes"] for i in plan["devices"][0]["items"]}
+    # tiny: 1 attention layer x 1 KV head x 128 values; K f16 2 B, V tq3_0 14/32 B; 2 slots
+    assert items["KV cache"] == 2 * 1024 * 128 * (2 + 14 / 32)
+    assert items["recurrent checkpoints"] == 2 * 3 * 65 * 4 * 64 * 64 * 4
+    assert plan["devices"][0]["device"] == "cpu" and plan["fits"] is True
+    assert plan["total_bytes"] == sum(items.values())
+
+    assert main(["generate", "--model", tiny.target_path, "--plan-only", "--chain"]) == 0
+    text = capsys.readouterr().out
+    assert "memory plan (max_ctx 4096, budget chain (no drafter)" in text and "KV cache" in text
+
+
+def test_gpu_device_refused_clearly(tiny, capsys, monkeypatch):
+    from kernels import loader
+
+    monkeypatch.setattr(loader, "unavailable_reason", lambda: "CuPy is not importable (test)")
+    for cmd in (["generate", "--model", tiny.target_path, "--prompt", "x"],
+                ["verifier", "--model", tiny.target_path],
+                ["serve", "--model", tiny.target_path, "--port", "0"]):
+        assert main([*cmd, "--device", "cuda:0"]) == 2
+        assert "GPU backend not available: CuPy is not importable (test)" in capsys.readouterr().err
+    assert main(["verifier", "--model", tiny.target_path, "--draft-device", "cuda:1", "--plan-only"]) == 2
+    assert "GPU backend not available" in capsys.readouterr().err
+
+
+def test_refusal_through_the_cli(tiny, capsys, monkeypatch):
+    monkeypatch.setattr(M, "cpu_memory", lambda *a: (300 * (1 << 20), 1 << 30))
+    rc = main(["verifier", "--model", tiny.target_path, "--max-ctx", "4096", "--plan-only"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "does not fit" in err and "needs" in err and "--max-ctx" not in err
+    assert "even at max_ctx 1 it needs cpu" in err and "reserve 0.50 GiB" in err
