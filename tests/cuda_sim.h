@@ -98,3 +98,114 @@ static void run_warp(unsigned int base) {
     }
 }
 }  // namespace sim
+
+// ---------------------------------------------------------------------------------------------
+// Block mode (opt-in: #define SIM_BLOCK before including this header). All threads of one thread block
+// run as fibers, so kernels that use __syncthreads across several warps can be simulated:
+//   __syncthreads()        waits until every thread of the block that has not returned arrives;
+//   __syncwarp / shuffles  wait for the (not returned) lanes of the caller's warp only.
+// Shuffles carry any trivially copyable value of up to 8 bytes (float, int, u64); __shfl_xor_sync too.
+// `static __shared__` arrays become function statics (one copy: blocks run one after another).
+// Run a block with simb::run_block(n_threads, fn); it returns the number of simulation errors
+// (divergent warps, deadlocks). Warp mode above is unchanged for harnesses that do not define SIM_BLOCK.
+#ifdef SIM_BLOCK
+#include <type_traits>
+namespace simb {
+constexpr int MAX_THREADS = 1024;
+constexpr size_t STACK = 128 * 1024;
+enum : unsigned char { RUN = 0, WARP_BAR = 1, BLOCK_BAR = 2, DONE = 3 };
+static int n = 0, cur = 0;
+static ucontext_t sched, ctx[MAX_THREADS];
+static unsigned char state[MAX_THREADS];
+static sim_dim3 tids[MAX_THREADS];
+static unsigned long long slots[MAX_THREADS];
+static void (*fn)() = nullptr;
+
+static inline sim_dim3& tid() { return tids[cur]; }
+static void yield(unsigned char s) {
+    state[cur] = s;
+    swapcontext(&ctx[cur], &sched);
+}
+template <class T>
+static T shfl(T v, int src) {
+    static_assert(sizeof(T) <= 8 && std::is_trivially_copyable<T>::value, "shuffle of a value over 8 bytes");
+    const int me = cur;
+    unsigned long long raw = 0;
+    std::memcpy(&raw, &v, sizeof(T));
+    slots[me] = raw;
+    yield(WARP_BAR);
+    const int idx = (me & ~31) + (src & 31);
+    T r;
+    std::memcpy(&r, &slots[idx < n ? idx : me], sizeof(T));
+    yield(WARP_BAR);
+    return r;
+}
+static void entry(int i) {
+    cur = i;
+    fn();
+    state[i] = DONE;
+}
+// Runs fn on n_threads fibers (threadIdx.x = 0..n-1, set sim::bid / gdim / bdim first); returns errors.
+static int run_block(int n_threads, void (*f)()) {
+    static std::vector<char> stacks;
+    if (n_threads < 1 || n_threads > MAX_THREADS) return 1;
+    if (stacks.size() < (size_t)n_threads * STACK) stacks.resize((size_t)n_threads * STACK);
+    n = n_threads;
+    fn = f;
+    for (int i = 0; i < n; ++i) {
+        state[i] = RUN;
+        tids[i] = {(unsigned)i, 0, 0};
+        getcontext(&ctx[i]);
+        ctx[i].uc_stack.ss_sp = stacks.data() + (size_t)i * STACK;
+        ctx[i].uc_stack.ss_size = STACK;
+        ctx[i].uc_link = &sched;
+        makecontext(&ctx[i], (void (*)())entry, 1, i);
+    }
+    for (;;) {
+        for (int i = 0; i < n; ++i) {
+            if (state[i] != RUN) continue;
+            cur = i;
+            swapcontext(&sched, &ctx[i]);
+        }
+        bool progress = false, all_done = true, all_block = true;
+        for (int w = 0; w * 32 < n; ++w) {
+            int at = 0, done = 0, lanes = 0;
+            for (int i = 32 * w; i < n && i < 32 * w + 32; ++i, ++lanes) {
+                at += state[i] == WARP_BAR;
+                done += state[i] == DONE;
+            }
+            if (at && at + done == lanes) {
+                if (done) {
+                    std::fprintf(stderr, "cuda_sim: divergent warp %d (%d lanes returned, %d wait)\n", w, done, at);
+                    return 1;
+                }
+                for (int i = 32 * w; i < n && i < 32 * w + 32; ++i) state[i] = RUN;
+                progress = true;
+            }
+        }
+        for (int i = 0; i < n; ++i) {
+            all_done &= state[i] == DONE;
+            all_block &= state[i] == DONE || state[i] == BLOCK_BAR;
+        }
+        if (all_done) return 0;
+        if (progress) continue;
+        if (all_block) {
+            for (int i = 0; i < n; ++i)
+                if (state[i] == BLOCK_BAR) state[i] = RUN;
+            continue;
+        }
+        std::fprintf(stderr, "cuda_sim: deadlock (threads wait at different barriers)\n");
+        return 1;
+    }
+}
+}  // namespace simb
+
+#undef threadIdx
+#undef __syncwarp
+#undef __shfl_sync
+#define threadIdx (simb::tid())
+#define __syncwarp(...) simb::yield(simb::WARP_BAR)
+#define __syncthreads() simb::yield(simb::BLOCK_BAR)
+#define __shfl_sync(mask, v, src) simb::shfl((v), (src))
+#define __shfl_xor_sync(mask, v, m) simb::shfl((v), (int)(simb::tid().x & 31u) ^ (m))
+#endif  // SIM_BLOCK

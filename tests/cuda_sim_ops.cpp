@@ -1,0 +1,176 @@
+// CPU simulation of kernels/norm_rope.cu, attention.cu and sampling.cu (tests/test_kernels_ops_sim.py).
+//
+// Built once per source: g++ -std=c++17 -DOPS_FAMILY=<1 norm_rope | 2 attention | 3 sampling>
+// -DOPS_SOURCE='"path"'. The .cu file compiles as plain C++ (no __CUDA_ARCH__: the portable path, software
+// fp16 and the warp-shuffle mma emulation) with every thread of a block a fiber (tests/cuda_sim.h block
+// mode), so __syncthreads, shared memory, shuffles, the fragment layouts, swizzles, masks, splits and the
+// two-pass reductions all run for real; only the inline-PTX leaf instructions are left to the GPU test.
+#define SIM_BLOCK
+#include <math.h>
+
+#include <functional>
+
+#include "cuda_sim.h"
+
+alignas(16) uint4 ssa_smem[(232 * 1024) / 16];  // attention.cu's dynamic shared memory
+
+#include OPS_SOURCE
+
+static std::function<void()> g_body;
+static void trampoline() { g_body(); }
+
+// Runs g_body as every block of a (gx, gy, gz) grid of `threads` threads; returns the simulation errors.
+static int launch(unsigned gx, unsigned gy, unsigned gz, unsigned threads) {
+    int errors = 0;
+    sim::gdim = {gx, gy, gz};
+    sim::bdim = {threads, 1, 1};
+    for (unsigned z = 0; z < gz; ++z)
+        for (unsigned y = 0; y < gy; ++y)
+            for (unsigned x = 0; x < gx; ++x) {
+                sim::bid = {x, y, z};
+                std::memset(ssa_smem, 0xA5, sizeof(ssa_smem));  // stale shared memory must not matter
+                errors += simb::run_block((int)threads, trampoline);
+            }
+    return errors;
+}
+
+#define CASE3(A, B, C, CALL) \
+    if (a == A && b == B && c == C) { CALL; }
+
+#if OPS_FAMILY == 1
+extern "C" int sim_rms_norm(int ti, int to, int res, const void* x, const void* r, void* s, const float* w, void* y,
+                            int rows, int n, float eps) {
+    const int a = ti, b = to, c = res;
+    g_body = nullptr;
+    CASE3(0, 0, 0, (g_body = [=] { rms_norm_kernel<0, 0, 0>(x, r, s, w, y, n, eps); }))
+    CASE3(0, 0, 1, (g_body = [=] { rms_norm_kernel<0, 0, 1>(x, r, s, w, y, n, eps); }))
+    CASE3(0, 1, 1, (g_body = [=] { rms_norm_kernel<0, 1, 1>(x, r, s, w, y, n, eps); }))
+    CASE3(1, 1, 0, (g_body = [=] { rms_norm_kernel<1, 1, 0>(x, r, s, w, y, n, eps); }))
+    CASE3(2, 0, 1, (g_body = [=] { rms_norm_kernel<2, 0, 1>(x, r, s, w, y, n, eps); }))
+    CASE3(0, 2, 0, (g_body = [=] { rms_norm_kernel<0, 2, 0>(x, r, s, w, y, n, eps); }))
+    if (!g_body) return -1;
+    return launch(rows, 1, 1, 256);
+}
+
+extern "C" int sim_head_norm(int ti, int to, int D, int mode, const void* x0, long long x0_tok, long long x0_head,
+                             int H0, const float* w0, void* y0, const void* x1, long long x1_tok, long long x1_head,
+                             int H1, const float* w1, void* y1, int T, const void* z, const int* pos,
+                             const float* inv_freq, int n_rot, float eps) {
+    g_body = nullptr;
+#define HN(TI, TO, DD, MODE)                                                                                  \
+    if (ti == TI && to == TO && D == DD && mode == MODE)                                                      \
+        g_body = [=] {                                                                                        \
+            head_norm_kernel<TI, TO, DD, MODE>(x0, x0_tok, x0_head, H0, w0, y0, x1, x1_tok, x1_head, H1, w1, y1, \
+                                               T, z, pos, inv_freq, n_rot, eps);                              \
+        };
+    HN(0, 0, 64, 0)
+    HN(0, 0, 128, 0)
+    HN(0, 0, 256, 0)
+    HN(1, 1, 256, 0)
+    HN(0, 1, 96, 0)
+    HN(0, 0, 128, 1)
+    HN(1, 0, 64, 1)
+#undef HN
+    if (!g_body) return -1;
+    const int rows = T * (H0 + H1);
+    return launch((rows + 3) / 4, 1, 1, 128);
+}
+
+extern "C" int sim_silu_mul(int ti, int to, const void* g, long long g_ld, const void* u, long long u_ld, void* y,
+                            int T, int n, int blocks) {
+    g_body = nullptr;
+    if (ti == 0 && to == 0) g_body = [=] { silu_mul_kernel<0, 0>(g, g_ld, u, u_ld, y, T, n); };
+    if (ti == 1 && to == 1) g_body = [=] { silu_mul_kernel<1, 1>(g, g_ld, u, u_ld, y, T, n); };
+    if (!g_body) return -1;
+    return launch(blocks, 1, 1, 64);
+}
+
+extern "C" int sim_gate_mul(int ti, int tg, int to, const void* x, const void* gate, long long g_tok,
+                            long long g_head, void* y, int T, int H, int D, int blocks) {
+    const int a = ti, b = tg, c = to;
+    g_body = nullptr;
+    CASE3(0, 0, 0, (g_body = [=] { gate_mul_kernel<0, 0, 0>(x, gate, g_tok, g_head, y, T, H, D); }))
+    CASE3(1, 0, 1, (g_body = [=] { gate_mul_kernel<1, 0, 1>(x, gate, g_tok, g_head, y, T, H, D); }))
+    if (!g_body) return -1;
+    return launch(blocks, 1, 1, 64);
+}
+#endif
+
+#if OPS_FAMILY == 2
+extern "C" int sim_kv_store(int kv, int ti, const void* k, const void* v, unsigned char* kc, unsigned char* vc,
+                            const int* s_len, int T, int Hkv, int D, long long ctx) {
+    g_body = nullptr;
+    if (kv == 0 && ti == 0) g_body = [=] { kv_store_kernel<0, 0>(k, v, kc, vc, s_len, T, Hkv, D, ctx); };
+    if (kv == 0 && ti == 1) g_body = [=] { kv_store_kernel<0, 1>(k, v, kc, vc, s_len, T, Hkv, D, ctx); };
+    if (kv == 1 && ti == 0) g_body = [=] { kv_store_kernel<1, 0>(k, v, kc, vc, s_len, T, Hkv, D, ctx); };
+    if (!g_body) return -1;
+    return launch(3, 1, 1, 64);  // a small grid: the grid-stride loop covers the rest
+}
+
+extern "C" int sim_attn_partial(int kv, int D, int tq, int kw, const void* q, const unsigned char* kc,
+                                const unsigned char* vc, const int* s_len, const unsigned long long* mask, int T,
+                                int H, int Hkv, long long ctx, float scale_log2, float* ws_o, float* ws_ml, int gx,
+                                int splits) {
+    g_body = nullptr;
+#define AP(KV, DD, TQ, KW)                                                                                        \
+    if (kv == KV && D == DD && tq == TQ && kw == KW)                                                              \
+        g_body = [=] {                                                                                            \
+            attn_partial_kernel<KV, DD, TQ, KW>(q, kc, vc, s_len, mask, T, H, Hkv, ctx, scale_log2, ws_o, ws_ml); \
+        };
+    AP(0, 64, 0, 4)
+    AP(1, 64, 0, 4)
+    AP(0, 64, 1, 1)
+    AP(0, 64, 0, 2)
+    AP(0, 128, 0, 4)
+    AP(1, 128, 0, 1)
+    AP(0, 64, 0, 1)
+    AP(0, 256, 0, 4)
+    AP(1, 256, 1, 2)
+    AP(1, 256, 0, 1)
+#undef AP
+    if (!g_body) return -1;
+    return launch(gx, Hkv, splits, 128);
+}
+
+extern "C" int sim_attn_combine(int to, int tg, const float* ws_o, const float* ws_ml, int splits, int T, int H,
+                                int Hkv, int D, const void* gate, long long g_tok, long long g_head, void* out) {
+    g_body = nullptr;
+    if (to == 0 && tg == 0)
+        g_body = [=] { attn_combine_kernel<0, 0>(ws_o, ws_ml, splits, T, H, Hkv, D, gate, g_tok, g_head, out); };
+    if (to == 1 && tg == 1)
+        g_body = [=] { attn_combine_kernel<1, 1>(ws_o, ws_ml, splits, T, H, Hkv, D, gate, g_tok, g_head, out); };
+    if (!g_body) return -1;
+    return launch(H * T, 1, 1, D);
+}
+#endif
+
+#if OPS_FAMILY == 3
+extern "C" int sim_argmax(int ti, const void* x, long long ld, int rows, int n, int chunks, int chunk,
+                          unsigned long long* part, int* idx, float* val) {
+    g_body = nullptr;
+    if (ti == 0) g_body = [=] { argmax_partial_kernel<0>(x, ld, n, chunk, part); };
+    if (ti == 1) g_body = [=] { argmax_partial_kernel<1>(x, ld, n, chunk, part); };
+    if (!g_body) return -1;
+    int err = launch(chunks, rows, 1, 256);
+    g_body = [=] { argmax_final_kernel(part, chunks, rows, idx, val); };
+    return err + launch((rows + 3) / 4, 1, 1, 128);
+}
+
+extern "C" int sim_topk(int ti, int k, const void* x, long long ld, int rows, int n, int chunks, int chunk,
+                        float inv_temp, float* ms, float* pv, int* pi, float* logp, int* ids) {
+    g_body = nullptr;
+#define TK(TI, K)                                                                                        \
+    if (ti == TI && k == K) {                                                                            \
+        g_body = [=] { topk_partial_kernel<TI, K>(x, ld, n, chunk, inv_temp, ms, pv, pi); };             \
+        int err = launch(chunks, rows, 1, 256);                                                          \
+        g_body = [=] { topk_final_kernel<K>(ms, pv, pi, chunks, logp, ids); };                           \
+        return err + launch(rows, 1, 1, 256);                                                            \
+    }
+    TK(0, 1)
+    TK(0, 3)
+    TK(0, 8)
+    TK(1, 4)
+#undef TK
+    return -1;
+}
+#endif

@@ -1,0 +1,310 @@
+"""GPU norms / RoPE / gates, tree attention over f16 and Q8_0 KV caches, argmax and top-k, against the NumPy twins.
+
+Needs CuPy and a CUDA GPU; skipped (with the reason) anywhere else (tests/test_kernels_ops_sim.py runs the
+same kernel sources on the CPU). Outputs are poisoned with NaN first, so an unwritten element fails.
+Tolerances (relative Frobenius error against the f64 twin): f32 in/out 2e-6 for the norms (f32 math),
+one output rounding for f16 (1e-3) / bf16 (8e-3); attention 3e-3 (q, softmax weights and V in fp16 on the
+tensor cores, f32 accumulation); argmax and top-k ids exact, log-probabilities within 1e-4 absolute.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+try:
+    import cupy
+except Exception as e:  # not installed, or a broken CUDA install
+    pytest.skip(f"CuPy is not importable ({e}): GPU/CUDA kernel tests skipped", allow_module_level=True)
+
+
+def _gpu_missing() -> str | None:
+    try:
+        n = cupy.cuda.runtime.getDeviceCount()
+    except Exception as e:
+        return f"no usable CUDA GPU ({type(e).__name__}: {e}): GPU kernel tests skipped"
+    if n == 0:
+        return "no CUDA GPU visible: GPU kernel tests skipped"
+    return None
+
+
+_REASON = _gpu_missing()
+if _REASON is not None:
+    pytest.skip(_REASON, allow_module_level=True)
+
+from kernels import attention as at  # noqa: E402
+from kernels import norm_rope as nr  # noqa: E402
+from kernels import sampling as sp  # noqa: E402
+
+pytestmark = pytest.mark.gpu
+
+
+def _load(rel: str, name: str):
+    """A twin module by path: services.engine.quants imports gguf, which the GPU machine may lack."""
+    spec = importlib.util.spec_from_file_location(name, Path(__file__).resolve().parents[1] / rel)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+layers = _load("services/engine/layers.py", "_twin_layers")
+legacy = _load("services/engine/quants/legacy.py", "_twin_legacy")
+ddtree = _load("services/engine/ddtree.py", "_twin_ddtree")
+
+OUT_TOL = {np.float32: 2e-6, np.float16: 1e-3, "bfloat16": 8e-3}
+ATTN_TOL = 3e-3
+
+
+def rel(y, ref) -> float:
+    y = np.asarray(y, dtype=np.float64)
+    return float(np.linalg.norm(y - ref) / max(np.linalg.norm(ref), 1e-30))
+
+
+def host(a, dt=None) -> np.ndarray:
+    """Device result -> float64 NumPy (bf16 bits decoded)."""
+    h = cupy.asnumpy(a)
+    if dt == "bfloat16":
+        h = (h.astype(np.uint32) << 16).view(np.float32)
+    return h.astype(np.float64)
+
+
+def bf16(x: np.ndarray) -> np.ndarray:
+    u = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32).astype(np.uint64)
+    return ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint16)
+
+
+# -- norm_rope ------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("in_dt", [np.float32, np.float16])
+@pytest.mark.parametrize("out_dt", [np.float32, np.float16, "bfloat16"])
+def test_rms_norm_with_residual(in_dt, out_dt) -> None:
+    rng = np.random.default_rng(1)
+    T, n, eps = 23, 5120, 1e-6
+    x = (rng.standard_normal((T, n)) * 2).astype(in_dt)
+    r = rng.standard_normal((T, n)).astype(in_dt)
+    w = (1 + 0.1 * rng.standard_normal(n)).astype(np.float32)
+    y, s = nr.rms_norm(cupy.asarray(x), w, eps, residual=cupy.asarray(r), out_dtype=out_dt)
+    xs = x.astype(np.float64) + r.astype(np.float64)
+    tol = OUT_TOL[out_dt] + (2e-3 if in_dt == np.float16 else 0)  # the f16 sum s is rounded, y uses the f32 sum
+    assert rel(host(y, out_dt), layers.rms_norm(xs, w, eps)) < tol
+    assert rel(host(s), xs) < OUT_TOL[in_dt]
+    y1 = nr.rms_norm(cupy.asarray(x[:1]), None, eps)  # one row, no weight, no residual
+    assert rel(host(y1), layers.rms_norm(x[:1].astype(np.float64), None, eps)) < OUT_TOL[in_dt] + 1e-6
+
+
+@pytest.mark.parametrize("D,n_rot,dt", [(256, 64, np.float32), (256, 64, np.float16), (128, 128, np.float32),
+                                        (64, 0, np.float32), (96, 32, np.float16)])  # fmt: skip
+def test_qk_norm_rope_in_place_q_view(D: int, n_rot: int, dt) -> None:
+    rng = np.random.default_rng(D + n_rot)
+    T, H, Hkv, eps, theta = 23, 24, 4, 1e-6, 1.0e7
+    qg = rng.standard_normal((T, H, 2 * D)).astype(dt)  # q | gate interleaved per head (Qwen3.5 attn_q)
+    k = rng.standard_normal((T, Hkv, D)).astype(dt)
+    wq = (1 + 0.2 * rng.standard_normal(D)).astype(np.float32)
+    wk = (1 + 0.2 * rng.standard_normal(D)).astype(np.float32)
+    pos = (4000 + rng.integers(0, 30000, T)).astype(np.int32)
+    qg_d = cupy.asarray(qg)
+    qn, kn = nr.qk_norm_rope(qg_d[..., :D], cupy.asarray(k), wq, wk, cupy.asarray(pos), n_rot, theta, eps)
+
+    def twin(x, w):
+        y = layers.rms_norm(x.astype(np.float32), w, eps)
+        return layers.rope_neox(y, pos, n_rot, theta) if n_rot else y
+
+    tol = OUT_TOL[dt] + 2e-5
+    assert rel(host(qn), twin(qg[..., :D], wq)) < tol
+    assert rel(host(kn), twin(k, wk)) < tol
+    # positions are read from the device buffer at run time
+    pos_d = cupy.asarray(pos)
+    out_q = cupy.full((T, H, D), np.nan, dtype=dt)
+    nr.qk_norm_rope(qg_d[..., :D], None, wq, None, pos_d, n_rot, theta, eps, q_out=out_q)
+    pos2 = pos + 17
+    pos_d.set(pos2)
+    nr.qk_norm_rope(qg_d[..., :D], None, wq, None, pos_d, n_rot, theta, eps, q_out=out_q)
+    y = layers.rms_norm(qg[..., :D].astype(np.float32), wq, eps)
+    ref = layers.rope_neox(y, pos2, n_rot, theta) if n_rot else y
+    assert rel(host(out_q), ref) < tol
+
+
+def test_gates() -> None:
+    rng = np.random.default_rng(2)
+    T, n = 23, 17408
+    gu = (rng.standard_normal((T, 2 * n)) * 3).astype(np.float32)
+    gu_d = cupy.asarray(gu)
+    h = nr.silu_mul(gu_d[:, :n], gu_d[:, n:], out_dtype=np.float16)
+    assert rel(host(h), layers.silu(gu[:, :n].astype(np.float64)) * gu[:, n:]) < 1e-3
+
+    H, D = 24, 256
+    qg = rng.standard_normal((T, H, 2 * D)).astype(np.float32)
+    x = rng.standard_normal((T, H, D)).astype(np.float32)
+    o = nr.gate_mul(cupy.asarray(x), cupy.asarray(qg)[..., D:])
+    assert rel(host(o), x * layers.sigmoid(qg[..., D:].astype(np.float64))) < 2e-6
+
+    Hv, dv = 48, 128  # Qwen3.6-27B DeltaNet value heads
+    od = rng.standard_normal((T, Hv, dv)).astype(np.float32)
+    z = rng.standard_normal((T, Hv, dv)).astype(np.float32)
+    w = (1 + 0.1 * rng.standard_normal(dv)).astype(np.float32)
+    y = nr.norm_gate(cupy.asarray(od), cupy.asarray(z), w, 1e-6, out_dtype=np.float16)
+    assert rel(host(y), layers.rms_norm(od.astype(np.float64), w, 1e-6) * layers.silu(z.astype(np.float64))) < 1e-3
+
+
+def test_bad_inputs_are_refused() -> None:
+    with pytest.raises(ValueError, match="head_dim"):
+        nr.qk_norm_rope(cupy.zeros((2, 3, 40), cupy.float32), None, None, None, cupy.zeros(2, cupy.int32), 0, 1e4, 1e-6)
+    with pytest.raises(ValueError, match="positions"):
+        nr.qk_norm_rope(cupy.zeros((2, 3, 64), cupy.float32), None, None, None, cupy.zeros(3, cupy.int32), 8, 1e4, 1e-6)
+    with pytest.raises(ValueError, match="element type"):
+        nr.rms_norm(cupy.zeros((2, 8), cupy.int32), None, 1e-6)
+    with pytest.raises(ValueError, match="KV cache type"):
+        at.KVCacheLayer(4, 256, 64, kind="q4_0")
+    with pytest.raises(ValueError, match="head_dim"):
+        at.KVCacheLayer(4, 80, 64)
+    with pytest.raises(ValueError, match="k must be"):
+        sp.topk_logprobs(cupy.zeros((2, 100), cupy.float32), 9)
+
+
+# -- attention ------------------------------------------------------------------------------------------
+
+
+def random_tree(T: int, rng) -> list[int]:
+    return [-1] + [int(rng.integers(-1, i)) for i in range(1, T)]
+
+
+def make_cache(kind: str, Hkv: int, D: int, S: int, T: int, rng, max_ctx: int | None = None):
+    cache = at.KVCacheLayer(Hkv, D, max_ctx or S + T + 40, kind)
+    cache.k.fill(0xFF)  # stale NaN bytes past the written rows must not leak into the result
+    cache.v.fill(0xFF)
+    k = rng.standard_normal((S + T, Hkv, D)).astype(np.float32)
+    v = rng.standard_normal((S + T, Hkv, D)).astype(np.float32)
+    if S:
+        cache.store(k[:S], v[:S], 0)
+    cache.store(cupy.asarray(k[S:]).astype(cupy.float16), cupy.asarray(v[S:]).astype(cupy.float16), S)
+    return cache, k, v
+
+
+def twin_attention(q, cache, S: int, T: int, parents):
+    kd, vd = cache.rows(S + T)
+    visible = np.concatenate([np.ones((T, S), bool), layers.ancestor_matrix(np.asarray(parents))], axis=1)
+    return layers.masked_attention(q.astype(np.float64), kd.astype(np.float64), vd.astype(np.float64), visible)
+
+
+@pytest.mark.parametrize("kind", ["f16", "q8_0"])
+@pytest.mark.parametrize("T", [1, 2, 16, 23, 41, 64])
+def test_attention_qwen36_shape(kind: str, T: int) -> None:
+    rng = np.random.default_rng(T + len(kind))
+    H, Hkv, D, S = 24, 4, 256, 517
+    cache, k, v = make_cache(kind, Hkv, D, S, T, rng)
+    kd, vd = cache.rows(S + T)
+    if kind == "q8_0":  # the stored blocks are ggml's quantize_row_q8_0_ref of the input (k: f32, new rows f16)
+        src = np.concatenate([k[:S], k[S:].astype(np.float16).astype(np.float32)])
+        want = legacy.dequantize_q8_0(legacy.quantize_q8_0(src.reshape(-1, 32))).reshape(S + T, Hkv, D)
+        assert np.array_equal(kd, want)
+    else:
+        assert np.array_equal(kd, k.astype(np.float16).astype(np.float32))
+    parents = random_tree(T, rng)
+    q = rng.standard_normal((T, H, D)).astype(np.float16)
+    ref = twin_attention(q, cache, S, T, parents)
+    mask = cupy.asarray(at.tree_mask(parents))
+    for splits in (None, 1, 5):
+        out = cupy.full((T, H, D), np.nan, cupy.float32)
+        at.attention(cupy.asarray(q), cache, S, mask, splits=splits, out=out)
+        assert rel(host(out), ref) < ATTN_TOL, f"splits={splits}"
+
+
+@pytest.mark.parametrize("kind,D,G,Hkv", [("f16", 64, 2, 2), ("q8_0", 128, 8, 1), ("f16", 128, 3, 2)])
+def test_attention_other_head_dims_and_gate(kind: str, D: int, G: int, Hkv: int) -> None:
+    rng = np.random.default_rng(D + G)
+    T, S, H = 9, 77, G * Hkv
+    cache, _, _ = make_cache(kind, Hkv, D, S, T, rng)
+    parents = random_tree(T, rng)
+    q = rng.standard_normal((T, H, D)).astype(np.float32)
+    qg = rng.standard_normal((T, H, 2 * D)).astype(np.float16)
+    ref = twin_attention(q, cache, S, T, parents) * layers.sigmoid(qg[..., D:].astype(np.float64))
+    o = at.attention(q, cache, S, at.tree_mask(parents), gate=cupy.asarray(qg)[..., D:], out_dtype=np.float16)
+    assert o.dtype == np.float16
+    assert rel(host(o), ref) < ATTN_TOL + 1e-3
+
+
+@pytest.mark.parametrize("kind", ["f16", "q8_0"])
+def test_attention_portable_build(kind: str) -> None:
+    rng = np.random.default_rng(7)
+    T, S, H, Hkv, D = 5, 100, 12, 2, 256
+    cache, _, _ = make_cache(kind, Hkv, D, S, T, rng)
+    parents = random_tree(T, rng)
+    q = rng.standard_normal((T, H, D)).astype(np.float32)
+    o = at.attention(q, cache, S, at.tree_mask(parents), portable=True)
+    assert rel(host(o), twin_attention(q, cache, S, T, parents)) < ATTN_TOL
+
+
+def test_attention_graph_replay_with_new_length_and_tree() -> None:
+    # S and the tree live in device buffers: one captured graph serves successive steps.
+    rng = np.random.default_rng(11)
+    T, H, Hkv, D, kind = 16, 24, 4, 256, "q8_0"
+    cache, _, _ = make_cache(kind, Hkv, D, 900, 0 + T, rng, max_ctx=2048)
+    q_d = cupy.asarray(rng.standard_normal((T, H, D)).astype(np.float16))
+    s_d = cupy.asarray([300], dtype=cupy.int32)
+    m_d = cupy.asarray(at.tree_mask(list(range(-1, T - 1))))
+    splits = at.choose_splits(H, Hkv, D, T, 2048, kind)
+    ws = at.make_workspace(H, T, D, splits)
+    out = cupy.empty((T, H, D), cupy.float32)
+    idx, val = cupy.empty(T, cupy.int32), cupy.empty(T, cupy.float32)
+    flat = out.reshape(T, H * D)
+    nch = sp.chunks_for(T, H * D)
+    chunk = math.ceil(H * D / nch)
+    part = sp.make_argmax_workspace(T, math.ceil(H * D / chunk))
+
+    def step():
+        at.attention(q_d, cache, s_d, m_d, splits=splits, workspace=ws, out=out)
+        sp.argmax(flat, chunks=nch, workspace=part, out=(idx, val))
+
+    stream = cupy.cuda.Stream(non_blocking=True)
+    with stream:
+        step()  # compile and set attributes outside the capture
+        stream.synchronize()
+        stream.begin_capture()
+        step()
+        graph = stream.end_capture()
+        for S, parents in ((300, list(range(-1, T - 1))), (884, random_tree(T, rng)), (17, random_tree(T, rng))):
+            s_d.set(np.array([S], np.int32))
+            m_d.set(at.tree_mask(parents))
+            out.fill(np.nan)
+            graph.launch(stream)
+            stream.synchronize()
+            # the new rows of this step are cache rows S..S+T-1 (whatever was stored there)
+            kd, vd = cache.rows(S + T)
+            visible = np.concatenate([np.ones((T, S), bool), layers.ancestor_matrix(np.asarray(parents))], axis=1)
+            ref = layers.masked_attention(cupy.asnumpy(q_d).astype(np.float64), kd.astype(np.float64),
+                                          vd.astype(np.float64), visible)  # fmt: skip
+            assert rel(host(out), ref) < ATTN_TOL, f"S={S}"
+            assert cupy.asnumpy(idx).tolist() == np.argmax(cupy.asnumpy(flat), axis=1).tolist()
+
+
+# -- sampling -------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("rows", [1, 23, 64])
+def test_argmax_vocab(rows: int) -> None:
+    rng = np.random.default_rng(rows)
+    V = 248320
+    x = rng.standard_normal((rows, V)).astype(np.float32)
+    x[0, [200000, 5]] = 10.0  # tie: lowest id
+    x_d = cupy.asarray(x)
+    idx, val = sp.argmax(x_d)
+    assert cupy.asnumpy(idx).tolist() == np.argmax(x, axis=1).tolist()
+    assert np.array_equal(cupy.asnumpy(val), x.max(axis=1))
+    idx16, _ = sp.argmax(x_d.astype(cupy.float16))
+    assert cupy.asnumpy(idx16).tolist() == np.argmax(x.astype(np.float16), axis=1).tolist()
+
+
+@pytest.mark.parametrize("rows,k,temp", [(1, 8, 1.0), (16, 8, 0.8), (23, 4, 1.0), (3, 1, 1.5)])
+def test_topk_logprobs_vocab(rows: int, k: int, temp: float) -> None:
+    rng = np.random.default_rng(rows + k)
+    V = 248320
+    x = (rng.standard_normal((rows, V)) * 4).astype(np.float32)
+    ids, logp = sp.topk_logprobs(cupy.asarray(x), k, temp)
+    ref_ids, ref_logp = ddtree.topk_logprobs(x, k, temp)
+    assert cupy.asnumpy(ids).tolist() == ref_ids.tolist()
+    assert np.abs(cupy.asnumpy(logp) - ref_logp).max() < 1e-4
