@@ -1,0 +1,536 @@
+// Gated DeltaNet kernels for decode, speculative trees and prefill (Qwen3.5 / Qwen3.6 linear-attention layers).
+//
+// NumPy twins (services/engine): layers.conv_window_ids + layers.causal_conv (conv_silu_kernel),
+// models/qwen35._deltanet's l2-norm / scale / gate lines (qk_norm_gate_kernel), layers.gated_delta_rule_tree
+// (gdr_tree_kernel; a chain or a prompt is a tree whose parents are t - 1), state.SequenceState.commit
+// (ssm_commit_kernel + conv_commit_kernel). Launchers and layouts: kernels/deltanet.py.
+//
+// Graph replay: the token count and the parent list are read from device memory (n_tokens, parents), the
+// grids are sized for T_max, so one captured launch serves every tree shape up to T_max.
+//
+// gdr_tree_kernel layout. Each column j of a head's state S (dk x dv) evolves on its own: with
+// a = exp(g), S_j <- a S_j + k (beta (v_j - a k.S_j)), out_j = q.S_j. So a warp owns CW columns of one
+// value head: lane = (row group rg = lane / CW, column c = lane % CW) keeps R = dk * CW / 32 consecutive rows
+// of its column in registers, the dot products over dk are a per-lane FMA chain plus log2(32 / CW) xor
+// shuffles, and no __syncthreads is needed (warps of a block are independent). CW = 8 makes each store of a
+// checkpoint row a full 32-byte sector. Later tokens' q/k/v/g/beta are loaded while token t computes
+// (gdr_tree_kernel: one token ahead in registers; gdr_tree_staged_kernel, the default: a cp.async ring of D token
+// slots per warp in shared memory); a token whose parent is not t-1 reloads that parent's checkpoint, which the
+// same thread wrote.
+//
+// Includes no header: only what NVRTC (or hipRTC) provides built in. Inline PTX (fp16 conversion, cp.async) has
+// a portable fallback (SPECSPLIT_PORTABLE, HIP, pre-sm_80, the CPU simulation): software fp16, plain copies.
+
+typedef unsigned int u32;
+typedef unsigned short u16;
+typedef long long i64;
+
+#if defined(__HIP_PLATFORM_AMD__) || defined(__HIPCC__) || defined(__HIPCC_RTC__)
+#define DN_HIP 1
+#else
+#define DN_HIP 0
+#endif
+
+#if !DN_HIP && defined(__CUDA_ARCH__) && (__CUDA_ARCH__ >= 530) && !defined(SPECSPLIT_PORTABLE)
+#define DN_PTX 1
+#else
+#define DN_PTX 0
+#endif
+
+#if !DN_HIP && defined(__CUDA_ARCH__) && (__CUDA_ARCH__ >= 800) && !defined(SPECSPLIT_PORTABLE)
+#define DN_ASYNC 1
+#else
+#define DN_ASYNC 0
+#endif
+
+#if DN_HIP
+#define DN_SYNCWARP() __builtin_amdgcn_wave_barrier()
+#define DN_SHFL_XOR(v, m) __shfl_xor((v), (m), 32)
+#else
+#define DN_SYNCWARP() __syncwarp()
+#define DN_SHFL_XOR(v, m) __shfl_xor_sync(0xffffffffu, (v), (m))
+#endif
+
+#define DN_DEV static __device__ __forceinline__
+#define DN_MEM __device__ __forceinline__  // member functions
+
+namespace dn {
+
+// IEEE binary16 bits -> float (exact; subnormals, inf, NaN).
+DN_DEV float h2f(u32 h) {
+#if DN_PTX
+    float f;
+    const u16 hs = (u16)h;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(hs));
+    return f;
+#else
+    const u32 sign = (h & 0x8000u) << 16;
+    const u32 e = (h >> 10) & 0x1Fu;
+    const u32 m = h & 0x3FFu;
+    if (e == 0) {
+        const float v = (float)m * 5.9604644775390625e-8f;  // m * 2^-24
+        return sign ? -v : v;
+    }
+    if (e == 31) return __uint_as_float(sign | 0x7F800000u | (m << 13));
+    return __uint_as_float(sign | ((e + 112u) << 23) | (m << 13));
+#endif
+}
+
+DN_DEV float load1(const float* p) { return *p; }
+DN_DEV float load1(const u16* p) { return h2f(*p); }
+
+// N consecutive inputs (N a multiple of 4 for float, 8 for half; 16-byte aligned) kept as raw 16-byte words,
+// so a prefetch does not wait for its data until get() is called.
+template <typename TIn, int N>
+struct Vec;
+
+template <int N>
+struct Vec<float, N> {
+    uint4 w[N / 4];
+    DN_MEM void load(const float* p) {
+#pragma unroll
+        for (int i = 0; i < N / 4; ++i) w[i] = reinterpret_cast<const uint4*>(p)[i];
+    }
+    DN_MEM void get(float (&d)[N]) const {
+#pragma unroll
+        for (int i = 0; i < N / 4; ++i) {
+            d[4 * i + 0] = __uint_as_float(w[i].x);
+            d[4 * i + 1] = __uint_as_float(w[i].y);
+            d[4 * i + 2] = __uint_as_float(w[i].z);
+            d[4 * i + 3] = __uint_as_float(w[i].w);
+        }
+    }
+};
+
+template <int N>
+struct Vec<u16, N> {
+    uint4 w[N / 8];
+    DN_MEM void load(const u16* p) {
+#pragma unroll
+        for (int i = 0; i < N / 8; ++i) w[i] = reinterpret_cast<const uint4*>(p)[i];
+    }
+    DN_MEM void get(float (&d)[N]) const {
+#pragma unroll
+        for (int i = 0; i < N / 8; ++i) {
+            const u32 a[4] = {w[i].x, w[i].y, w[i].z, w[i].w};
+#pragma unroll
+            for (int j = 0; j < 4; ++j) {
+                d[8 * i + 2 * j] = h2f(a[j] & 0xFFFFu);
+                d[8 * i + 2 * j + 1] = h2f(a[j] >> 16);
+            }
+        }
+    }
+};
+
+DN_DEV float silu(float x) { return x / (1.0f + expf(-x)); }
+DN_DEV float sigmoid(float x) { return 1.0f / (1.0f + expf(-x)); }
+// log(1 + e^x) without overflow, as np.logaddexp(0, x)
+DN_DEV float softplus(float x) { return fmaxf(x, 0.0f) + log1pf(expf(-fabsf(x))); }
+
+// Parent of token t: the device list, or t - 1 (a chain) when there is none. Anything but -1..t-1 reads as
+// -1 (the committed state), so a corrupt list cannot make a kernel read outside its buffers.
+DN_DEV int parent_of(const int* parents, int t) {
+    const int p = parents ? parents[t] : t - 1;
+    return (p >= -1 && p < t) ? p : -1;
+}
+
+DN_DEV int token_count(const int* n_tokens, int t_max) {
+    if (!n_tokens) return t_max;
+    const int n = *n_tokens;
+    return n < 0 ? 0 : (n > t_max ? t_max : n);
+}
+
+// One token on a lane's R rows of one state column: decay, delta-rule update, output. Returns q.S_j reduced over
+// the warp's row groups (every lane of the column gets it).
+template <int R, int CW>
+DN_DEV float token_update(float (&s)[R], const float (&kk)[R], const float (&qq)[R], float v, float g, float b) {
+    const float a = expf(g);
+    float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+        s[r] *= a;
+        acc[r & 3] += s[r] * kk[r];
+    }
+    float kv = (acc[0] + acc[1]) + (acc[2] + acc[3]);
+#pragma unroll
+    for (int m = CW; m < 32; m <<= 1) kv += DN_SHFL_XOR(kv, m);
+    const float delta = b * (v - kv);
+    float o[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+        s[r] += kk[r] * delta;
+        o[r & 3] += s[r] * qq[r];
+    }
+    float ov = (o[0] + o[1]) + (o[2] + o[3]);
+#pragma unroll
+    for (int m = CW; m < 32; m <<= 1) ov += DN_SHFL_XOR(ov, m);
+    return ov;
+}
+
+// global -> shared copies of 4 or 16 bytes: cp.async (sm_80+) so that loads run several tokens ahead without
+// holding registers; elsewhere (HIP, older GPUs, SPECSPLIT_PORTABLE, the CPU simulation) a plain copy.
+template <int N>
+DN_DEV void cp_async(void* smem, const void* gmem) {
+#if DN_ASYNC
+    u32 sa;
+    asm volatile("{ .reg .u64 a; cvta.to.shared.u64 a, %1; cvt.u32.u64 %0, a; }\n" : "=r"(sa) : "l"(smem));
+    if (N == 16)
+        asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(sa), "l"(gmem) : "memory");
+    else
+        asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(sa), "l"(gmem) : "memory");
+#else
+    if (N == 16)
+        *(uint4*)smem = *(const uint4*)gmem;
+    else
+        *(u32*)smem = *(const u32*)gmem;
+#endif
+}
+
+DN_DEV void cp_async_commit() {
+#if DN_ASYNC
+    asm volatile("cp.async.commit_group;\n" ::: "memory");
+#endif
+}
+
+template <int N>
+DN_DEV void cp_async_wait() {  // until at most N of this thread's groups are in flight
+#if DN_ASYNC
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+#endif
+}
+
+}  // namespace dn
+
+// ---------------------------------------------------------------------------------------------
+// Causal depthwise conv + SiLU over new tokens whose windows follow their parent chains.
+// raw: (T_max, C) pre-conv rows (row stride ld_raw); window: (KW-1, C) f32 committed raw rows, oldest first;
+// w: (C, KW) f32; out: (T_max, C) f32 (row stride ld_out). Grid (ceil(C / blockDim.x), min(T_max, 65535)).
+template <typename TIn, int KW>
+__global__ void conv_silu_kernel(const TIn* __restrict__ raw, i64 ld_raw, const float* __restrict__ window,
+                                 const float* __restrict__ w, const int* __restrict__ parents,
+                                 const int* __restrict__ n_tokens, int t_max, int C, float* __restrict__ out,
+                                 i64 ld_out) {
+    const int c = blockIdx.x * blockDim.x + threadIdx.x;
+    if (c >= C) return;
+    const int T = dn::token_count(n_tokens, t_max);
+    float wk[KW];
+#pragma unroll
+    for (int k = 0; k < KW; ++k) wk[k] = w[(i64)c * KW + k];
+    for (int t = blockIdx.y; t < T; t += gridDim.y) {
+        // newest tap first: the token, its parent, ...; when the chain ends, the committed rows, newest first
+        float acc = 0.0f;
+        int cur = t, wrow = KW - 2;
+#pragma unroll
+        for (int k = KW - 1; k >= 0; --k) {
+            float x;
+            if (cur >= 0) {
+                x = dn::load1(raw + (i64)cur * ld_raw + c);
+                cur = dn::parent_of(parents, cur);
+            } else {
+                x = window[(i64)wrow * C + c];
+                --wrow;
+            }
+            acc += wk[k] * x;
+        }
+        out[(i64)t * ld_out + c] = dn::silu(acc);
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// In place on the conv output: q and k heads (2 * Hk vectors of DK at the start of each row, q first) get
+// x * rsqrt(sum(x^2) + eps), q also * q_scale; and per value head g = ssm_a * softplus(alpha + dt_bias),
+// beta = sigmoid(b) into g_out / beta_out (T_max, Hv). One warp per head vector; grid
+// (ceil(2 Hk / warps per block), T_max); the first block column also does the gates.
+template <typename TIn, int DK>
+__global__ void qk_norm_gate_kernel(float* __restrict__ qk, i64 ld, int Hk, float q_scale, float eps,
+                                    const TIn* __restrict__ alpha, const TIn* __restrict__ b, i64 ld_ab,
+                                    const float* __restrict__ ssm_a, const float* __restrict__ dt_bias, int Hv,
+                                    float* __restrict__ g_out, float* __restrict__ beta_out, i64 ld_gb,
+                                    const int* __restrict__ n_tokens, int t_max) {
+    static_assert(DK % 128 == 0 || DK == 64 || DK == 32, "DK must be 32, 64 or a multiple of 128");
+    constexpr int PER = DK / 32;  // values per lane
+    const int T = dn::token_count(n_tokens, t_max);
+    const int lane = threadIdx.x & 31;
+    const int vi = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+    for (int t = blockIdx.y; t < T; t += gridDim.y) {
+        if (vi < 2 * Hk) {
+            float* p = qk + (i64)t * ld + (i64)vi * DK;
+            float x[PER];
+            float ss = 0.0f;
+#pragma unroll
+            for (int i = 0; i < PER; ++i) {
+                x[i] = p[lane + 32 * i];  // lane-strided: coalesced for any DK
+                ss += x[i] * x[i];
+            }
+#pragma unroll
+            for (int m = 16; m >= 1; m >>= 1) ss += DN_SHFL_XOR(ss, m);
+            float scale = 1.0f / sqrtf(ss + eps);
+            if (vi < Hk) scale *= q_scale;
+#pragma unroll
+            for (int i = 0; i < PER; ++i) p[lane + 32 * i] = x[i] * scale;
+        }
+        if (blockIdx.x == 0) {
+            for (int h = threadIdx.x; h < Hv; h += blockDim.x) {
+                const float a = dn::load1(alpha + (i64)t * ld_ab + h);
+                const float bb = dn::load1(b + (i64)t * ld_ab + h);
+                g_out[(i64)t * ld_gb + h] = ssm_a[h] * dn::softplus(a + dt_bias[h]);
+                beta_out[(i64)t * ld_gb + h] = dn::sigmoid(bb);
+            }
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Gated delta rule over a tree of T = *n_tokens <= T_max tokens (parents == nullptr: a chain, e.g. decode or a
+// prompt). Token t starts from its parent's state (the committed s0 for a root), updates it, writes
+// out[t, h, :] and, when ckpt != nullptr, its state to ckpt[t] (T_max, Hv, DK, DV); s_final (may be s0 itself)
+// receives the last token's state. Without ckpt the parents must form a chain (no state to reload).
+// q, k: rows of Hk * DK values (row stride ld_qk), value head h reads key head h % Hk; v: rows of Hv * DV
+// (ld_v); g, beta: (T_max, Hv) f32 (ld_gb); s0: (Hv, DK, DV) f32; out: (T_max, Hv * DV) f32 (ld_out).
+// Block = NW warps = NW * CW columns of one head; grid = Hv * DV / (NW * CW).
+template <typename TIn, int DK, int CW>
+__global__ void __launch_bounds__(128) gdr_tree_kernel(
+    const TIn* __restrict__ q, const TIn* __restrict__ k, i64 ld_qk, const TIn* __restrict__ v, i64 ld_v,
+    const float* __restrict__ g, const float* __restrict__ beta, i64 ld_gb, int Hk, int Hv, int DV,
+    const float* s0, const int* __restrict__ parents, const int* __restrict__ n_tokens, int t_max, float* ckpt,
+    float* s_final, float* __restrict__ out, i64 ld_out) {
+    static_assert(32 % CW == 0 && CW >= 1, "CW must divide 32");
+    constexpr int RG = 32 / CW;  // row groups per warp
+    static_assert(DK % (RG * 8) == 0, "rows per lane must be a multiple of 8");
+    constexpr int R = DK / RG;  // rows per lane
+    const int lane = threadIdx.x & 31;
+    const int nw = blockDim.x >> 5;
+    const int cols_per_block = nw * CW;
+    const int blocks_per_head = DV / cols_per_block;
+    const int h = blockIdx.x / blocks_per_head;
+    if (h >= Hv) return;
+    const int col = (blockIdx.x % blocks_per_head) * cols_per_block + (threadIdx.x >> 5) * CW + lane % CW;
+    const int row0 = (lane / CW) * R;
+    const int hk = h % Hk;
+    const int T = dn::token_count(n_tokens, t_max);
+    const i64 head_elems = (i64)DK * DV;
+    const i64 own = (i64)h * head_elems + (i64)row0 * DV + col;  // this lane's first element in an (Hv, DK, DV)
+
+    float s[R];
+#pragma unroll
+    for (int r = 0; r < R; ++r) s[r] = s0[own + (i64)r * DV];
+
+    // token t's inputs, loaded one token ahead
+    dn::Vec<TIn, R> kc, qc, kn, qn;
+    float vc = 0.0f, gc = 0.0f, bc = 0.0f, vn = 0.0f, gn = 0.0f, bn = 0.0f;
+    if (T > 0) {
+        kc.load(k + hk * DK + row0);
+        qc.load(q + hk * DK + row0);
+        vc = dn::load1(v + (i64)h * DV + col);
+        gc = g[h];
+        bc = beta[h];
+    }
+    int held = -1;  // node whose state s holds (-1: s0)
+    int pc = T > 0 ? (ckpt ? dn::parent_of(parents, 0) : -1) : -1, pn = -1;
+    for (int t = 0; t < T; ++t) {
+        if (t + 1 < T) {
+            pn = ckpt ? dn::parent_of(parents, t + 1) : t;
+            kn.load(k + (i64)(t + 1) * ld_qk + hk * DK + row0);
+            qn.load(q + (i64)(t + 1) * ld_qk + hk * DK + row0);
+            vn = dn::load1(v + (i64)(t + 1) * ld_v + (i64)h * DV + col);
+            gn = g[(i64)(t + 1) * ld_gb + h];
+            bn = beta[(i64)(t + 1) * ld_gb + h];
+        }
+        const int p = pc;
+        if (p != held) {  // a branch: start from the parent's checkpoint (written by this thread) or s0
+            const float* src = p < 0 ? s0 + own : ckpt + (i64)p * Hv * head_elems + own;
+#pragma unroll
+            for (int r = 0; r < R; ++r) s[r] = src[(i64)r * DV];
+        }
+        float kk[R], qq[R];
+        kc.get(kk);
+        qc.get(qq);
+        const float ov = dn::token_update<R, CW>(s, kk, qq, vc, gc, bc);
+        if (ckpt) {
+            float* dst = ckpt + (i64)t * Hv * head_elems + own;
+#pragma unroll
+            for (int r = 0; r < R; ++r) dst[(i64)r * DV] = s[r];
+        }
+        if (lane < CW) out[(i64)t * ld_out + (i64)h * DV + col] = ov;
+        held = t;
+        pc = pn;
+        kc = kn;
+        qc = qn;
+        vc = vn;
+        gc = gn;
+        bc = bn;
+    }
+    if (s_final && T > 0) {
+#pragma unroll
+        for (int r = 0; r < R; ++r) s_final[own + (i64)r * DV] = s[r];
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// The same tree step with the inputs of tokens t+1 .. t+D-1 in flight while token t computes: each warp keeps a
+// ring of D token slots in shared memory (k and q rows of its key head, its lanes' v words, g, beta, parent)
+// filled by cp.async, one commit group per token. gdr_tree_kernel prefetches one token ahead in registers, which
+// leaves a load latency (L2 or DRAM) on every token's critical path; here it is paid once per D - 1 tokens.
+// Arguments, layouts and results are those of gdr_tree_kernel; dynamic shared memory: warps * D * slot_bytes.
+template <typename TIn, int DK>
+struct Slot {
+    static constexpr int KQ_BYTES = 2 * DK * (int)sizeof(TIn);  // k row then q row
+    static constexpr int CHUNKS = KQ_BYTES / 16;
+    static constexpr int V_OFF = KQ_BYTES;                      // 32 u32: lane l's v word
+    static constexpr int GBP_OFF = V_OFF + 128;                 // g, beta, parent
+    static constexpr int BYTES = GBP_OFF + 16;
+};
+
+template <typename TIn, int DK, int CW, int D>
+__global__ void __launch_bounds__(128) gdr_tree_staged_kernel(
+    const TIn* __restrict__ q, const TIn* __restrict__ k, i64 ld_qk, const TIn* __restrict__ v, i64 ld_v,
+    const float* __restrict__ g, const float* __restrict__ beta, i64 ld_gb, int Hk, int Hv, int DV,
+    const float* s0, const int* __restrict__ parents, const int* __restrict__ n_tokens, int t_max, float* ckpt,
+    float* s_final, float* __restrict__ out, i64 ld_out) {
+    static_assert(32 % CW == 0 && CW >= 1, "CW must divide 32");
+    static_assert(D >= 2, "the ring needs at least two slots");
+    constexpr int RG = 32 / CW;
+    static_assert(DK % (RG * 8) == 0, "rows per lane must be a multiple of 8");
+    constexpr int R = DK / RG;
+    typedef Slot<TIn, DK> SL;
+    static_assert(SL::KQ_BYTES % 16 == 0, "k and q rows must be whole 16-byte chunks");
+    extern __shared__ uint4 dn_smem[];
+    const int lane = threadIdx.x & 31;
+    const int warp = threadIdx.x >> 5;
+    const int nw = blockDim.x >> 5;
+    const int cols_per_block = nw * CW;
+    const int blocks_per_head = DV / cols_per_block;
+    const int h = blockIdx.x / blocks_per_head;
+    if (h >= Hv) return;
+    const int col = (blockIdx.x % blocks_per_head) * cols_per_block + warp * CW + lane % CW;
+    const int row0 = (lane / CW) * R;
+    const int hk = h % Hk;
+    const int T = dn::token_count(n_tokens, t_max);
+    const i64 head_elems = (i64)DK * DV;
+    const i64 own = (i64)h * head_elems + (i64)row0 * DV + col;
+    char* ring = (char*)dn_smem + (i64)warp * D * SL::BYTES;
+    // a half v element is fetched as the aligned 4-byte pair holding it
+    const int vcol = sizeof(TIn) == 2 ? (col & ~1) : col;
+    const bool tree = parents != nullptr && ckpt != nullptr;
+
+    auto issue = [&](int t) {  // token t's inputs into slot t % D; always one commit group, empty past T
+        if (t < T) {
+            char* slot = ring + (t % D) * SL::BYTES;
+            const char* krow = (const char*)(k + (i64)t * ld_qk + hk * DK);
+            const char* qrow = (const char*)(q + (i64)t * ld_qk + hk * DK);
+            for (int c = lane; c < SL::CHUNKS; c += 32) {
+                const char* src = c < SL::CHUNKS / 2 ? krow + 16 * c : qrow + 16 * (c - SL::CHUNKS / 2);
+                dn::cp_async<16>(slot + 16 * c, src);
+            }
+            dn::cp_async<4>(slot + SL::V_OFF + 4 * lane, v + (i64)t * ld_v + (i64)h * DV + vcol);
+            if (lane == 0) dn::cp_async<4>(slot + SL::GBP_OFF, g + (i64)t * ld_gb + h);
+            if (lane == 1) dn::cp_async<4>(slot + SL::GBP_OFF + 4, beta + (i64)t * ld_gb + h);
+            if (lane == 2 && tree) dn::cp_async<4>(slot + SL::GBP_OFF + 8, parents + t);
+        }
+        dn::cp_async_commit();
+    };
+
+    float s[R];
+#pragma unroll
+    for (int r = 0; r < R; ++r) s[r] = s0[own + (i64)r * DV];
+#pragma unroll
+    for (int j = 0; j < D - 1; ++j) issue(j);
+
+    int held = -1;
+    for (int t = 0; t < T; ++t) {
+        dn::cp_async_wait<D - 2>();  // this lane's copies for token t have landed
+        DN_SYNCWARP();               // ... and every lane's; all lanes are done with slot (t - 1) % D
+        issue(t + D - 1);            // into slot (t - 1) % D
+        const char* slot = ring + (t % D) * SL::BYTES;
+        float kk[R], qq[R];
+        {
+            dn::Vec<TIn, R> kv_, qv_;
+            kv_.load((const TIn*)slot + row0);
+            qv_.load((const TIn*)slot + DK + row0);
+            kv_.get(kk);
+            qv_.get(qq);
+        }
+        const u32 vw = *(const u32*)(slot + SL::V_OFF + 4 * lane);
+        float vt;
+        if (sizeof(TIn) == 2)
+            vt = dn::h2f((col & 1) ? (vw >> 16) : (vw & 0xFFFFu));
+        else
+            vt = __uint_as_float(vw);
+        const float gt = *(const float*)(slot + SL::GBP_OFF);
+        const float bt = *(const float*)(slot + SL::GBP_OFF + 4);
+        int p = t - 1;
+        if (tree) {
+            p = *(const int*)(slot + SL::GBP_OFF + 8);
+            p = (p >= -1 && p < t) ? p : -1;
+        }
+        if (p != held) {
+            const float* src = p < 0 ? s0 + own : ckpt + (i64)p * Hv * head_elems + own;
+#pragma unroll
+            for (int r = 0; r < R; ++r) s[r] = src[(i64)r * DV];
+        }
+        const float ov = dn::token_update<R, CW>(s, kk, qq, vt, gt, bt);
+        if (ckpt) {
+            float* dst = ckpt + (i64)t * Hv * head_elems + own;
+#pragma unroll
+            for (int r = 0; r < R; ++r) dst[(i64)r * DV] = s[r];
+        }
+        if (lane < CW) out[(i64)t * ld_out + (i64)h * DV + col] = ov;
+        held = t;
+    }
+    if (s_final && T > 0) {
+#pragma unroll
+        for (int r = 0; r < R; ++r) s_final[own + (i64)r * DV] = s[r];
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Commit, recurrent state: state[l] = ckpt[l][*accepted] for L layers (gridDim.y), n = Hv * DK * DV floats
+// (a multiple of 4, both 16-byte aligned). *accepted < 0 (nothing accepted) or >= t_max leaves it as it is.
+__global__ void ssm_commit_kernel(const float* __restrict__ ckpt, i64 ckpt_layer_stride, float* __restrict__ state,
+                                  i64 state_layer_stride, const int* __restrict__ accepted, int t_max, i64 n) {
+    const int a = *accepted;
+    if (a < 0 || a >= t_max) return;
+    const uint4* src = reinterpret_cast<const uint4*>(ckpt + blockIdx.y * ckpt_layer_stride + (i64)a * n);
+    uint4* dst = reinterpret_cast<uint4*>(state + blockIdx.y * state_layer_stride);
+    for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < n / 4; i += (i64)gridDim.x * blockDim.x)
+        dst[i] = src[i];
+}
+
+// Commit, conv window: the KW-1 newest rows of [window ; raw rows of the path root .. *accepted], per layer
+// (gridDim.y). window: (KW-1, C) f32 per layer, raw: (T_max, C) per layer (row stride ld_raw).
+template <typename TIn, int KW>
+__global__ void conv_commit_kernel(float* __restrict__ window, i64 win_layer_stride, const TIn* __restrict__ raw,
+                                   i64 ld_raw, i64 raw_layer_stride, const int* __restrict__ parents,
+                                   const int* __restrict__ accepted, int t_max, int C) {
+    const int c = blockIdx.x * blockDim.x + threadIdx.x;
+    const int a = *accepted;
+    if (c >= C || a < 0 || a >= t_max) return;
+    float* win = window + blockIdx.y * win_layer_stride;
+    const TIn* rr = raw + blockIdx.y * raw_layer_stride;
+    float old[KW - 1];
+#pragma unroll
+    for (int j = 0; j < KW - 1; ++j) old[j] = win[(i64)j * C + c];  // all reads before any write (in place)
+    int chain[KW - 1];  // the path's nodes, newest first; -1 past its root
+    int n = 0, cur = a;
+#pragma unroll
+    for (int d = 0; d < KW - 1; ++d) {
+        chain[d] = cur;
+        if (cur >= 0) {
+            ++n;
+            cur = dn::parent_of(parents, cur);
+        }
+    }
+#pragma unroll
+    for (int d = 0; d < KW - 1; ++d) {
+        const int j = KW - 2 - d;  // window row that takes the d-th newest row
+        float x = 0.0f;
+        if (chain[d] >= 0) {
+            x = dn::load1(rr + (i64)chain[d] * ld_raw + c);
+        } else {
+#pragma unroll
+            for (int m = 0; m < KW - 1; ++m)  // old[j + n], selected without a run-time register index
+                if (m == j + n) x = old[m];
+        }
+        win[(i64)j * C + c] = x;
+    }
+}

@@ -1,0 +1,149 @@
+// CPU simulation of kernels/deltanet.cu for machines without a GPU (tests/test_kernels_deltanet_sim.py).
+//
+// The .cu file is compiled as plain C++ (g++ -std=c++17 -DDN_SOURCE='"path"') on the fiber simulator of
+// tests/cuda_sim.h: no __CUDA_ARCH__, so the fp16 conversion takes its software path; everything else (index
+// arithmetic, parent walks, register layouts, the xor-shuffle reductions, prefetching, in-place commits) is the
+// code the GPU runs. The deltanet kernels use no __syncthreads, so warps may run one after another.
+#include <cmath>
+
+#include "cuda_sim.h"
+
+// deltanet.cu reduces with xor shuffles; cuda_sim.h has the indexed form (kept here so cuda_sim.h is untouched)
+namespace sim {
+static inline float shfl_xor(float v, int m) { return __uint_as_float(shfl(__float_as_uint(v), cur ^ m)); }
+}  // namespace sim
+#define __shfl_xor_sync(mask, v, m) sim::shfl_xor((v), (m))
+
+// dynamic shared memory of gdr_tree_staged_kernel (warps of a block run one after another, each on its own ring)
+alignas(16) uint4 dn_smem[(96 * 1024) / 16];
+
+#include DN_SOURCE
+
+typedef void (*Body)();
+static Body body;
+
+// One launch: every block of the grid, each block's warps in turn.
+static int launch(sim_dim3 grid, unsigned threads, Body fn) {
+    sim::errors = 0;
+    sim::gdim = grid;
+    sim::bdim = {threads, 1, 1};
+    sim::lane_fn = fn;
+    for (unsigned bz = 0; bz < grid.z; ++bz)
+        for (unsigned by = 0; by < grid.y; ++by)
+            for (unsigned bx = 0; bx < grid.x; ++bx) {
+                sim::bid = {bx, by, bz};
+                for (unsigned w = 0; w < (threads + 31) / 32; ++w) sim::run_warp(32u * w);
+            }
+    return sim::errors;
+}
+
+// One entry per kernel: the grid and block of the launch, then exactly the kernel's own parameters (so the same
+// calls serve the direct tests and kernels/deltanet.py run on a NumPy-backed stand-in for CuPy).
+static sim_dim3 g2(int gx, int gy) { return {(unsigned)gx, (unsigned)gy, 1}; }
+
+// ---- conv
+struct ConvArgs { const void* raw; i64 ld_raw; const float* window; const float* w; const int* parents;
+                  const int* n_tokens; int t_max, C; float* out; i64 ld_out; };
+static ConvArgs ca;
+template <typename TIn>
+static void conv_lane() {
+    conv_silu_kernel<TIn, 4>((const TIn*)ca.raw, ca.ld_raw, ca.window, ca.w, ca.parents, ca.n_tokens, ca.t_max,
+                             ca.C, ca.out, ca.ld_out);
+}
+extern "C" int sim_conv(int f16, int gx, int gy, int block, const void* raw, i64 ld_raw, const float* window,
+                        const float* w, const int* parents, const int* n_tokens, int t_max, int C, float* out,
+                        i64 ld_out) {
+    ca = {raw, ld_raw, window, w, parents, n_tokens, t_max, C, out, ld_out};
+    return launch(g2(gx, gy), block, f16 ? conv_lane<u16> : conv_lane<float>);
+}
+
+// ---- q/k norm + gates
+struct NormArgs { float* qk; i64 ld; int Hk; float q_scale, eps; const void* alpha; const void* b; i64 ld_ab;
+                  const float* ssm_a; const float* dt; int Hv; float* g; float* beta; i64 ld_gb; const int* n_tokens;
+                  int t_max; };
+static NormArgs na;
+template <typename TIn, int DK>
+static void norm_lane() {
+    qk_norm_gate_kernel<TIn, DK>(na.qk, na.ld, na.Hk, na.q_scale, na.eps, (const TIn*)na.alpha, (const TIn*)na.b,
+                                 na.ld_ab, na.ssm_a, na.dt, na.Hv, na.g, na.beta, na.ld_gb, na.n_tokens, na.t_max);
+}
+extern "C" int sim_norm(int f16, int dk, int gx, int gy, int block, float* qk, i64 ld, int Hk, float q_scale,
+                        float eps, const void* alpha, const void* b, i64 ld_ab, const float* ssm_a, const float* dt,
+                        int Hv, float* g, float* beta, i64 ld_gb, const int* n_tokens, int t_max) {
+    na = {qk, ld, Hk, q_scale, eps, alpha, b, ld_ab, ssm_a, dt, Hv, g, beta, ld_gb, n_tokens, t_max};
+    Body fn = nullptr;
+    if (dk == 128) fn = f16 ? norm_lane<u16, 128> : norm_lane<float, 128>;
+    if (dk == 64) fn = f16 ? norm_lane<u16, 64> : norm_lane<float, 64>;
+    if (!fn) return -1;
+    return launch(g2(gx, gy), block, fn);
+}
+
+// ---- gated delta rule, tree
+struct TreeArgs { const void* q; const void* k; i64 ld_qk; const void* v; i64 ld_v; const float* g;
+                  const float* beta; i64 ld_gb; int Hk, Hv, DV; const float* s0; const int* parents;
+                  const int* n_tokens; int t_max; float* ckpt; float* s_final; float* out; i64 ld_out; };
+static TreeArgs ta;
+template <typename TIn, int DK, int CW>
+static void tree_lane() {
+    gdr_tree_kernel<TIn, DK, CW>((const TIn*)ta.q, (const TIn*)ta.k, ta.ld_qk, (const TIn*)ta.v, ta.ld_v, ta.g,
+                                 ta.beta, ta.ld_gb, ta.Hk, ta.Hv, ta.DV, ta.s0, ta.parents, ta.n_tokens, ta.t_max,
+                                 ta.ckpt, ta.s_final, ta.out, ta.ld_out);
+}
+extern "C" int sim_tree(int f16, int dk, int cw, int gx, int block, const void* q, const void* k, i64 ld_qk,
+                        const void* v, i64 ld_v, const float* g, const float* beta, i64 ld_gb, int Hk, int Hv, int DV,
+                        const float* s0, const int* parents, const int* n_tokens, int t_max, float* ckpt,
+                        float* s_final, float* out, i64 ld_out) {
+    ta = {q, k, ld_qk, v, ld_v, g, beta, ld_gb, Hk, Hv, DV, s0, parents, n_tokens, t_max, ckpt, s_final, out, ld_out};
+    Body fn = nullptr;
+    if (dk == 128 && cw == 8) fn = f16 ? tree_lane<u16, 128, 8> : tree_lane<float, 128, 8>;
+    if (dk == 128 && cw == 4) fn = f16 ? tree_lane<u16, 128, 4> : tree_lane<float, 128, 4>;
+    if (dk == 64 && cw == 8) fn = f16 ? tree_lane<u16, 64, 8> : tree_lane<float, 64, 8>;
+    if (!fn) return -1;
+    return launch(g2(gx, 1), block, fn);
+}
+
+template <typename TIn, int DK, int CW, int D>
+static void tree_staged_lane() {
+    gdr_tree_staged_kernel<TIn, DK, CW, D>((const TIn*)ta.q, (const TIn*)ta.k, ta.ld_qk, (const TIn*)ta.v, ta.ld_v,
+                                           ta.g, ta.beta, ta.ld_gb, ta.Hk, ta.Hv, ta.DV, ta.s0, ta.parents,
+                                           ta.n_tokens, ta.t_max, ta.ckpt, ta.s_final, ta.out, ta.ld_out);
+}
+extern "C" int sim_tree_staged(int f16, int dk, int cw, int depth, int gx, int block, const void* q, const void* k,
+                               i64 ld_qk, const void* v, i64 ld_v, const float* g, const float* beta, i64 ld_gb,
+                               int Hk, int Hv, int DV, const float* s0, const int* parents, const int* n_tokens,
+                               int t_max, float* ckpt, float* s_final, float* out, i64 ld_out) {
+    ta = {q, k, ld_qk, v, ld_v, g, beta, ld_gb, Hk, Hv, DV, s0, parents, n_tokens, t_max, ckpt, s_final, out, ld_out};
+    Body fn = nullptr;
+    if (dk == 128 && cw == 8 && depth == 8) fn = f16 ? tree_staged_lane<u16, 128, 8, 8> : tree_staged_lane<float, 128, 8, 8>;
+    if (dk == 128 && cw == 4 && depth == 8) fn = f16 ? tree_staged_lane<u16, 128, 4, 8> : tree_staged_lane<float, 128, 4, 8>;
+    if (dk == 64 && cw == 8 && depth == 8) fn = f16 ? tree_staged_lane<u16, 64, 8, 8> : tree_staged_lane<float, 64, 8, 8>;
+    if (dk == 128 && cw == 8 && depth == 2) fn = f16 ? tree_staged_lane<u16, 128, 8, 2> : tree_staged_lane<float, 128, 8, 2>;
+    if (!fn) return -1;
+    std::memset(dn_smem, 0xA5, sizeof(dn_smem));  // stale shared memory is garbage, not zeros
+    return launch(g2(gx, 1), block, fn);
+}
+
+// ---- commit
+struct SsmCommitArgs { const float* ckpt; i64 ckpt_ls; float* state; i64 state_ls; const int* accepted; int t_max;
+                       i64 n; };
+static SsmCommitArgs sa;
+static void ssm_commit_lane() { ssm_commit_kernel(sa.ckpt, sa.ckpt_ls, sa.state, sa.state_ls, sa.accepted, sa.t_max, sa.n); }
+extern "C" int sim_ssm_commit(int gx, int gy, int block, const float* ckpt, i64 ckpt_ls, float* state, i64 state_ls,
+                              const int* accepted, int t_max, i64 n) {
+    sa = {ckpt, ckpt_ls, state, state_ls, accepted, t_max, n};
+    return launch(g2(gx, gy), block, ssm_commit_lane);
+}
+
+struct ConvCommitArgs { float* window; i64 win_ls; const void* raw; i64 ld_raw; i64 raw_ls; const int* parents;
+                        const int* accepted; int t_max, C; };
+static ConvCommitArgs cc;
+template <typename TIn>
+static void conv_commit_lane() {
+    conv_commit_kernel<TIn, 4>(cc.window, cc.win_ls, (const TIn*)cc.raw, cc.ld_raw, cc.raw_ls, cc.parents,
+                               cc.accepted, cc.t_max, cc.C);
+}
+extern "C" int sim_conv_commit(int f16, int gx, int gy, int block, float* window, i64 win_ls, const void* raw,
+                               i64 ld_raw, i64 raw_ls, const int* parents, const int* accepted, int t_max, int C) {
+    cc = {window, win_ls, raw, ld_raw, raw_ls, parents, accepted, t_max, C};
+    return launch(g2(gx, gy), block, f16 ? conv_commit_lane<u16> : conv_commit_lane<float>);
+}

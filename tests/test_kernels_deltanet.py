@@ -1,0 +1,145 @@
+"""GPU Gated DeltaNet kernels (kernels/deltanet.cu) against the engine's NumPy twins, on a CUDA GPU.
+
+Needs CuPy and a CUDA GPU; skipped (with the reason) anywhere else. The cases are the `check_*` functions of
+tests/test_kernels_deltanet_sim.py (which runs them on the CPU simulator); here they run on the device at larger
+shapes, every tree size T in (1, 2, 7, 16, 23, 41, 64) on random parent lists, the Qwen3.6-27B head layout
+(16 key heads, 48 value heads, dk = dv = 128), fp16 and fp32 inputs, and the portable (no inline PTX) build.
+Tolerances, as stated there: max |error| / max |reference| < 1e-5 for conv / norm / gates, < 1e-4 for the delta
+rule (fp32 state), commit bit-exact. Plus a CUDA-graph replay whose token count and parents change between replays.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+try:
+    import cupy
+except Exception as e:  # not installed, or a broken CUDA install
+    pytest.skip(f"CuPy is not importable ({e}): GPU/CUDA kernel tests skipped", allow_module_level=True)
+
+
+def _gpu_missing() -> str | None:
+    try:
+        n = cupy.cuda.runtime.getDeviceCount()
+    except Exception as e:
+        return f"no usable CUDA GPU ({type(e).__name__}: {e}): GPU kernel tests skipped"
+    if n == 0:
+        return "no CUDA GPU visible: GPU kernel tests skipped"
+    return None
+
+
+_REASON = _gpu_missing()
+if _REASON is not None:
+    pytest.skip(_REASON, allow_module_level=True)
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import test_kernels_deltanet_sim as cases  # noqa: E402
+
+from kernels import deltanet as dn  # noqa: E402
+
+pytestmark = pytest.mark.gpu
+HK, HV, DK, DV = 16, 48, 128, 128  # Qwen3.6-27B
+CONV_DIM = 2 * HK * DK + HV * DV
+
+
+@pytest.mark.parametrize("T", cases.TREE_SIZES)
+def test_conv_trees(T: int) -> None:
+    rng = np.random.default_rng(T)
+    cases.check_conv(cupy, rng, T, CONV_DIM, f16=False)
+    cases.check_conv(cupy, rng, T, 1000, f16=True)
+
+
+def test_conv_chain_prefill_and_portable() -> None:
+    rng = np.random.default_rng(1)
+    cases.check_conv(cupy, rng, 300, 640, f16=False, chain=True)
+    cases.check_conv(cupy, rng, 23, 640, f16=True, portable=True)
+
+
+@pytest.mark.parametrize("f16", [False, True])
+def test_qk_norm_and_gates(f16: bool) -> None:
+    rng = np.random.default_rng(2 + f16)
+    cases.check_norm_gate(cupy, rng, 41, HK, HV, DK, f16)
+    cases.check_norm_gate(cupy, rng, 3, 2, 6, 64, f16, portable=True)
+
+
+@pytest.mark.parametrize("T", cases.TREE_SIZES)
+def test_tree_step_random_trees(T: int) -> None:
+    rng = np.random.default_rng(100 + T)
+    cases.check_tree(cupy, rng, T, 4, 12, DK, DV)  # 12 value heads over 4 key heads: h -> h % 4
+    cases.check_tree(cupy, rng, T, 4, 12, DK, DV, warps=2, depth=1)  # gdr_tree_kernel (register prefetch)
+    cases.check_tree(cupy, rng, T, 4, 12, DK, DV, f16=True, warps=1)
+
+
+def test_tree_step_qwen36_shape_and_variants() -> None:
+    rng = np.random.default_rng(5)
+    cases.check_tree(cupy, rng, 23, HK, HV, DK, DV)
+    cases.check_tree(cupy, rng, 16, 2, 4, DK, DV, cols_per_warp=4, warps=2)
+    cases.check_tree(cupy, rng, 16, 2, 4, DK, DV, cols_per_warp=4, warps=2, depth=1)
+    cases.check_tree(cupy, rng, 7, 2, 4, 64, 64, warps=1)
+    cases.check_tree(cupy, rng, 30, 2, 4, DK, DV, warps=4, depth=16)  # 75 KB of shared memory: the opt-in path
+    cases.check_tree(cupy, rng, 41, 2, 4, DK, DV, depth=2)
+    cases.check_tree(cupy, rng, 16, 2, 4, DK, DV, f16=True, portable=True)  # no inline PTX: plain copies
+    cases.check_tree(cupy, rng, 16, 2, 4, DK, DV, f16=True, depth=1, portable=True)
+
+
+@pytest.mark.parametrize("T", [1, 300])
+@pytest.mark.parametrize("depth", [1, 8])
+def test_chain_decode_and_recurrent_prefill(T: int, depth: int) -> None:
+    cases.check_chain_in_place(cupy, np.random.default_rng(T), T, 4, 8, DK, DV, depth)
+
+
+@pytest.mark.parametrize("accepted,f16", [(0, False), (5, True), (9, False), (-1, False)])
+def test_commit_matches_sequence_state(accepted: int, f16: bool) -> None:
+    cases.check_commit(cupy, np.random.default_rng(50 + accepted), accepted, f16)
+
+
+@pytest.mark.parametrize("f16", [False, True])
+def test_layer_core_matches_the_engine_lines(f16: bool) -> None:
+    cases.check_layer_core(cupy, np.random.default_rng(9), 23, 4, 12, DK, DV, f16)
+
+
+def test_bad_inputs_get_clear_errors() -> None:
+    cases.check_bad_inputs(cupy)
+
+
+def test_graph_replay_follows_device_token_count_and_parents() -> None:
+    # One captured conv + tree step; each replay reads a new tree (T and parents) from device buffers.
+    rng = np.random.default_rng(11)
+    t_max, hk, hv, C = 41, 4, 8, 2 * 4 * DK + 8 * DV
+    q, k, v, g, beta, s0 = cases.tree_inputs(t_max, hk, hv, DK, DV, rng)
+    raw = rng.standard_normal((t_max, C)).astype(np.float32)
+    window = rng.standard_normal((cases.KW - 1, C)).astype(np.float32)
+    conv_w = (rng.standard_normal((C, cases.KW)) * 0.5).astype(np.float32)
+    dev = {n: cupy.asarray(a) for n, a in dict(q=q, k=k, v=v, g=g, beta=beta, s0=s0, raw=raw, window=window,
+                                              conv_w=conv_w).items()}  # fmt: skip
+    par_d = cupy.full(t_max, -1, dtype=cupy.int32)
+    n_d = cupy.zeros(1, dtype=cupy.int32)
+    ckpt = cupy.empty((t_max, hv, DK, DV), dtype=cupy.float32)
+    out = cupy.empty((t_max, hv * DV), dtype=cupy.float32)
+    mixed = cupy.empty((t_max, C), dtype=cupy.float32)
+    dn.warmup()
+    stream = cupy.cuda.Stream(non_blocking=True)
+    with stream:
+        stream.begin_capture()
+        dn.conv_silu(dev["raw"], dev["window"], dev["conv_w"], parents=par_d, n_tokens=n_d, out=mixed)
+        dn.gated_delta_tree(dev["q"], dev["k"], dev["v"], dev["g"], dev["beta"], dev["s0"], parents=par_d,
+                            n_tokens=n_d, checkpoints=ckpt, out=out)  # fmt: skip
+        graph = stream.end_capture()
+    for T in (23, 1, 41, 7):
+        parents = cases.random_tree(T, rng)
+        par_d[:T].set(parents)
+        n_d.set(np.array([T], np.int32))
+        out.fill(np.nan)
+        mixed.fill(np.nan)
+        graph.launch(stream)
+        stream.synchronize()
+        ref_out, _ = cases.tree_twin(q, k, v, g, beta, s0, parents, hk, DK)
+        got = cupy.asnumpy(out)
+        assert cases.rel_max(got[:T].reshape(T, hv, DV), ref_out) < cases.TOL_RULE
+        assert np.isnan(got[T:]).all()
+        ref_mixed = cases.layers.causal_conv(window, raw[:T], conv_w, cases.layers.conv_window_ids(parents, cases.KW))
+        assert cases.rel_max(cupy.asnumpy(mixed)[:T], ref_mixed) < cases.TOL

@@ -1,0 +1,441 @@
+"""kernels/deltanet.cu + kernels/deltanet.py run on the CPU against the engine's NumPy twins (no GPU needed).
+
+g++ compiles the kernel source with tests/cuda_sim_deltanet.cpp (fiber simulator of tests/cuda_sim.h: 32 lanes in
+lockstep, software fp16); the launchers in kernels/deltanet.py run unchanged on `SimCupy`, a NumPy-backed
+stand-in for the few CuPy calls they make, whose kernel launches go to the simulator. So argument order, strides,
+grids, null pointers and validation are checked here too; tests/test_kernels_deltanet.py runs the same `check_*`
+cases on a real GPU.
+
+Twins: services.engine.layers (conv_window_ids + causal_conv; l2_norm, softplus, sigmoid as in
+models/qwen35._deltanet; gated_delta_rule_tree) and state.SequenceState.commit. Outputs are poisoned with NaN.
+Tolerances (max |error| / max |reference|, reference in float64): conv, norm, gates 1e-5; delta rule 1e-4
+(fp32 state through up to 64 dependent updates, summation order differs); commit bit-exact.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from services.engine import layers
+
+ROOT = Path(__file__).resolve().parents[1]
+SOURCE = ROOT / "kernels" / "deltanet.cu"
+HARNESS = Path(__file__).resolve().parent / "cuda_sim_deltanet.cpp"
+KW = 4
+TOL = 1e-5
+TOL_RULE = 1e-4
+TREE_SIZES = (1, 2, 7, 16, 23, 41, 64)
+
+
+# ---------------------------------------------------------------------------------------------- shared cases
+# Each check_* takes `xp` (cupy, or SimCupy here) and a seeded generator; kernels.deltanet is imported lazily so
+# that the module imports without CuPy.
+
+
+def random_tree(n: int, rng: np.random.Generator) -> np.ndarray:
+    """Parents of a random tree in topological order (-1 = root), mixing chains, branches and extra roots."""
+    parents = np.empty(n, np.int32)
+    for t in range(n):
+        r = rng.random()
+        parents[t] = -1 if t == 0 or r < 0.08 else (t - 1 if r < 0.6 else int(rng.integers(0, t)))
+    return parents
+
+
+def rel_max(x, ref) -> float:
+    x = np.asarray(x, dtype=np.float64)
+    assert np.isfinite(x).all(), f"{int((~np.isfinite(x)).sum())} outputs unwritten or not finite"
+    return float(np.abs(x - ref).max() / max(np.abs(ref).max(), 1e-30))
+
+
+def poisoned(xp, shape, dtype=np.float32):
+    a = xp.empty(shape, dtype=dtype)
+    a[...] = np.nan
+    return a
+
+
+def check_conv(xp, rng, T: int, C: int, f16: bool, chain: bool = False, portable: bool = False) -> None:
+    from kernels import deltanet as dn
+
+    t_max = T + 3  # rows past n_tokens must stay untouched
+    parents = np.arange(-1, T - 1, dtype=np.int32) if chain else random_tree(T, rng)
+    raw = rng.standard_normal((t_max, C)).astype(np.float16 if f16 else np.float32)
+    window = rng.standard_normal((KW - 1, C)).astype(np.float32)
+    w = (rng.standard_normal((C, KW)) * 0.5).astype(np.float32)
+    par = np.full(t_max, -1, np.int32)
+    par[:T] = parents
+    out = poisoned(xp, (t_max, C))
+    dn.conv_silu(xp.asarray(raw), xp.asarray(window), xp.asarray(w), parents=None if chain else xp.asarray(par),
+                 n_tokens=xp.asarray(np.array([T], np.int32)), out=out, portable=portable)  # fmt: skip
+    out = xp.asnumpy(out)
+    ref = layers.causal_conv(window.astype(np.float64), raw[:T].astype(np.float64), w.astype(np.float64),
+                             layers.conv_window_ids(parents, KW))  # fmt: skip
+    assert rel_max(out[:T], ref) < TOL
+    assert np.isnan(out[T:]).all(), "rows past n_tokens were written"
+
+
+def check_norm_gate(xp, rng, T: int, Hk: int, Hv: int, dk: int, f16: bool, portable: bool = False) -> None:
+    from kernels import deltanet as dn
+
+    dv = 32
+    C = 2 * Hk * dk + Hv * dv
+    mixed_h = (rng.standard_normal((T, C)) * 2).astype(np.float32)
+    ab = np.float16 if f16 else np.float32
+    alpha = (rng.standard_normal((T, Hv)) * 3).astype(ab)
+    b = (rng.standard_normal((T, Hv)) * 3).astype(ab)
+    ssm_a = -np.exp(rng.standard_normal(Hv)).astype(np.float32)
+    dt = rng.standard_normal(Hv).astype(np.float32)
+    mixed = xp.asarray(mixed_h)
+    g, beta = poisoned(xp, (T, Hv)), poisoned(xp, (T, Hv))
+    n = T - 1  # the last row must stay as it was
+    dn.qk_norm_gate(mixed, xp.asarray(alpha), xp.asarray(b), xp.asarray(ssm_a), xp.asarray(dt), n_k_heads=Hk,
+                    head_k_dim=dk, n_tokens=n, g=g, beta=beta, portable=portable)  # fmt: skip
+    got, g, beta = xp.asnumpy(mixed), xp.asnumpy(g), xp.asnumpy(beta)
+    kd = Hk * dk
+    q_ref = layers.l2_norm(mixed_h[:n, :kd].reshape(n, Hk, dk).astype(np.float64), 1e-6) * dk**-0.5
+    k_ref = layers.l2_norm(mixed_h[:n, kd : 2 * kd].reshape(n, Hk, dk).astype(np.float64), 1e-6)
+    assert rel_max(got[:n, :kd].reshape(n, Hk, dk), q_ref) < TOL
+    assert rel_max(got[:n, kd : 2 * kd].reshape(n, Hk, dk), k_ref) < TOL
+    assert np.array_equal(got[:n, 2 * kd :], mixed_h[:n, 2 * kd :]), "v was touched"
+    assert np.array_equal(got[n:], mixed_h[n:]), "a row past n_tokens was touched"
+    a64, b64 = alpha[:n].astype(np.float64), b[:n].astype(np.float64)
+    assert rel_max(g[:n], ssm_a * layers.softplus(a64 + dt)) < TOL
+    assert rel_max(beta[:n], layers.sigmoid(b64)) < TOL
+    assert np.isnan(g[n:]).all() and np.isnan(beta[n:]).all()
+
+
+def tree_inputs(T: int, Hk: int, Hv: int, dk: int, dv: int, rng: np.random.Generator, dtype=np.float32):
+    """Host q, k (T, Hk*dk) l2-normalised (q scaled), v (T, Hv*dv), g <= 0, beta in (0, 1), s0 (Hv, dk, dv)."""
+    q = layers.l2_norm(rng.standard_normal((T, Hk, dk)), 1e-6) * dk**-0.5
+    k = layers.l2_norm(rng.standard_normal((T, Hk, dk)), 1e-6)
+    v = rng.standard_normal((T, Hv * dv))
+    g = (-np.abs(rng.standard_normal((T, Hv))) * 0.5).astype(np.float32)
+    beta = layers.sigmoid(rng.standard_normal((T, Hv))).astype(np.float32)
+    s0 = (rng.standard_normal((Hv, dk, dv)) * 0.3).astype(np.float32)
+    return q.reshape(T, -1).astype(dtype), k.reshape(T, -1).astype(dtype), v.astype(dtype), g, beta, s0
+
+
+def tree_twin(q, k, v, g, beta, s0, parents, Hk: int, dk: int):
+    T, Hv, dv = len(parents), s0.shape[0], s0.shape[2]
+    tiled = np.arange(Hv) % Hk  # value head h reads key head h mod H_k
+    qh = q[:T].astype(np.float64).reshape(T, Hk, dk)[:, tiled]
+    kh = k[:T].astype(np.float64).reshape(T, Hk, dk)[:, tiled]
+    vh = v[:T].astype(np.float64).reshape(T, Hv, dv)
+    return layers.gated_delta_rule_tree(qh, kh, vh, g[:T].astype(np.float64), beta[:T].astype(np.float64),
+                                        s0.astype(np.float64), parents)  # fmt: skip
+
+
+def check_tree(xp, rng, T: int, Hk: int, Hv: int, dk: int, dv: int, f16: bool = False, cols_per_warp: int = 8,
+               warps: int = 4, depth: int = 8, portable: bool = False) -> None:  # fmt: skip
+    from kernels import deltanet as dn
+
+    t_max = T + 2
+    parents = random_tree(T, rng)
+    q, k, v, g, beta, s0 = tree_inputs(t_max, Hk, Hv, dk, dv, rng, np.float16 if f16 else np.float32)
+    par = np.full(t_max, -1, np.int32)
+    par[:T] = parents
+    ckpt = poisoned(xp, (t_max, Hv, dk, dv))
+    out = poisoned(xp, (t_max, Hv * dv))
+    s0_d = xp.asarray(s0)
+    dn.gated_delta_tree(xp.asarray(q), xp.asarray(k), xp.asarray(v), xp.asarray(g), xp.asarray(beta), s0_d,
+                        parents=xp.asarray(par), n_tokens=xp.asarray(np.array([T], np.int32)), checkpoints=ckpt,
+                        out=out, cols_per_warp=cols_per_warp, warps=warps, depth=depth, portable=portable)  # fmt: skip
+    out, ckpt = xp.asnumpy(out), xp.asnumpy(ckpt)
+    ref_out, ref_states = tree_twin(q, k, v, g, beta, s0, parents, Hk, dk)
+    assert rel_max(out[:T].reshape(T, Hv, dv), ref_out) < TOL_RULE
+    assert rel_max(ckpt[:T], ref_states) < TOL_RULE
+    assert np.isnan(out[T:]).all() and np.isnan(ckpt[T:]).all(), "slots past n_tokens were written"
+    assert np.array_equal(xp.asnumpy(s0_d), s0), "the committed state was written"
+
+
+def check_chain_in_place(xp, rng, T: int, Hk: int, Hv: int, dk: int, dv: int, depth: int = 8,
+                         portable: bool = False) -> None:  # fmt: skip
+    """No parents, no checkpoints, final state over s0: decode (T = 1) and the recurrent prefill."""
+    from kernels import deltanet as dn
+
+    q, k, v, g, beta, s0 = tree_inputs(T, Hk, Hv, dk, dv, rng)
+    ref_out, ref_states = tree_twin(q, k, v, g, beta, s0, np.arange(-1, T - 1), Hk, dk)
+    s = xp.asarray(s0)
+    out = dn.gated_delta_tree(xp.asarray(q), xp.asarray(k), xp.asarray(v), xp.asarray(g), xp.asarray(beta), s,
+                              final_state=s, depth=depth, portable=portable)  # fmt: skip
+    assert rel_max(xp.asnumpy(out), ref_out) < TOL_RULE
+    assert rel_max(xp.asnumpy(s), ref_states[-1]) < TOL_RULE
+
+
+def check_commit(xp, rng, accepted: int, f16: bool, portable: bool = False) -> None:
+    from kernels import deltanet as dn
+    from services.engine.state import PendingStep, SequenceState  # needs gguf (kv cache codecs): imported here
+
+    T, t_max, H, dk, dv, C, L = 10, 12, 2, 8, 8, 72, 2
+    parents = np.array([-1, 0, 1, 0, 3, 4, 2, -1, 7, 8], np.int32)  # paths of 1..6 nodes and a second root
+    par = np.full(t_max, -1, np.int32)
+    par[:T] = parents
+    ckpt = rng.standard_normal((L, t_max, H, dk, dv)).astype(np.float32)
+    state = rng.standard_normal((L, H, dk, dv)).astype(np.float32)
+    window = rng.standard_normal((L, KW - 1, C)).astype(np.float32)
+    raw = rng.standard_normal((L, t_max, C)).astype(np.float16 if f16 else np.float32)
+
+    path, node = [], accepted
+    while node >= 0:
+        path.append(node)
+        node = int(parents[node])
+    path.reverse()
+    cfg = SimpleNamespace(recurrent_layers=[True] * L, ssm_n_v_heads=H, ssm_head_k_dim=dk, ssm_head_v_dim=dv,
+                          ssm_conv_kernel=KW, ssm_conv_dim=C)  # fmt: skip
+    seq = SequenceState.allocate(cfg, 64)
+    for i in range(L):
+        seq.ssm[i][:] = state[i]
+        seq.conv[i][:] = window[i]
+    seq.pending = PendingStep(
+        n_tokens=T, parents=parents, ssm_states={i: ckpt[i, :T].copy() for i in range(L)}, ssm_per_token=True,
+        raw_rows={i: raw[i, :T].astype(np.float32) for i in range(L)},
+    )
+    seq.commit(path)
+
+    state_d, window_d = xp.asarray(state), xp.asarray(window)
+    dn.commit(xp.asarray(np.array([accepted], np.int32)), xp.asarray(par), xp.asarray(ckpt), state_d, xp.asarray(raw),
+              window_d, portable=portable)  # fmt: skip
+    state_d, window_d = xp.asnumpy(state_d), xp.asnumpy(window_d)
+    for i in range(L):
+        assert np.array_equal(state_d[i], seq.ssm[i])
+        assert np.array_equal(window_d[i], seq.conv[i])
+
+
+def check_layer_core(xp, rng, T: int, Hk: int, Hv: int, dk: int, dv: int, f16: bool, portable: bool = False) -> None:
+    """conv -> norm + gates -> tree step on one layer, against the same lines of qwen35._deltanet."""
+    from kernels import deltanet as dn
+
+    kd = Hk * dk
+    C = 2 * kd + Hv * dv
+    parents = random_tree(T, rng)
+    dt = np.float16 if f16 else np.float32
+    raw = rng.standard_normal((T, C)).astype(dt)
+    alpha = rng.standard_normal((T, Hv)).astype(dt)
+    b = rng.standard_normal((T, Hv)).astype(dt)
+    window = rng.standard_normal((KW - 1, C)).astype(np.float32)
+    conv_w = (rng.standard_normal((C, KW)) * 0.5).astype(np.float32)
+    ssm_a = -np.exp(rng.standard_normal(Hv) * 0.5).astype(np.float32)
+    dt_bias = rng.standard_normal(Hv).astype(np.float32)
+    s0 = (rng.standard_normal((Hv, dk, dv)) * 0.3).astype(np.float32)
+
+    mixed = layers.causal_conv(window, raw.astype(np.float32), conv_w, layers.conv_window_ids(parents, KW))
+    q = layers.l2_norm(mixed[:, :kd].reshape(T, Hk, dk), 1e-6) * np.float32(dk**-0.5)
+    k = layers.l2_norm(mixed[:, kd : 2 * kd].reshape(T, Hk, dk), 1e-6)
+    v = mixed[:, 2 * kd :].reshape(T, Hv, dv)
+    tiled = np.arange(Hv) % Hk
+    beta = layers.sigmoid(b.astype(np.float32))
+    g = ssm_a * layers.softplus(alpha.astype(np.float32) + dt_bias)
+    ref_out, ref_states = layers.gated_delta_rule_tree(q[:, tiled], k[:, tiled], v, g, beta, s0, parents)
+
+    ckpt = poisoned(xp, (T, Hv, dk, dv))
+    out, _ = dn.deltanet_core(xp.asarray(raw), xp.asarray(alpha), xp.asarray(b), xp.asarray(window), xp.asarray(conv_w),
+                              xp.asarray(ssm_a), xp.asarray(dt_bias), xp.asarray(s0), n_k_heads=Hk, head_k_dim=dk,
+                              parents=xp.asarray(parents), checkpoints=ckpt, portable=portable)  # fmt: skip
+    assert rel_max(xp.asnumpy(out), ref_out) < TOL_RULE
+    assert rel_max(xp.asnumpy(ckpt), ref_states) < TOL_RULE
+
+
+def check_bad_inputs(xp) -> None:
+    from kernels import deltanet as dn
+
+    f = np.float32
+    with pytest.raises(ValueError, match="parents\\[2\\] = 2"):
+        dn.device_parents(np.array([-1, 0, 2]))
+    q = xp.asarray(np.zeros((3, 256), f))
+    g = xp.asarray(np.zeros((3, 4), f))
+    s0 = xp.asarray(np.zeros((4, 128, 32), f))
+    with pytest.raises(ValueError, match="checkpoints"):
+        dn.gated_delta_tree(q, q, xp.asarray(np.zeros((3, 128), f)), g, g, s0, parents=np.array([-1, 0, 0]))
+    with pytest.raises(ValueError, match="features"):
+        dn.gated_delta_tree(q, q, xp.asarray(np.zeros((3, 100), f)), g, g, s0)
+    with pytest.raises(ValueError, match="float16 or float32"):
+        dn.conv_silu(xp.asarray(np.zeros((2, 8), np.int32)), xp.asarray(np.zeros((3, 8), f)),
+                     xp.asarray(np.zeros((8, 4), f)))  # fmt: skip
+    with pytest.raises(ValueError, match="conv window"):
+        dn.conv_silu(xp.asarray(np.zeros((2, 8), f)), xp.asarray(np.zeros((2, 8), f)), xp.asarray(np.zeros((8, 4), f)))
+
+
+# ---------------------------------------------------------------------------------------------- the simulator
+
+pytestmark = pytest.mark.skipif(
+    shutil.which("g++") is None or not sys.platform.startswith("linux"),
+    reason="the CPU simulation of the CUDA kernels needs g++ on Linux (ucontext fibers)",
+)
+
+P, I64, I32, F32 = ctypes.c_void_p, ctypes.c_longlong, ctypes.c_int, ctypes.c_float
+_SIGNATURES = {  # harness entry: leading (launch) parameters, then the kernel's own
+    "sim_conv": [I32, I32, I32, I32, P, I64, P, P, P, P, I32, I32, P, I64],
+    "sim_norm": [I32, I32, I32, I32, I32, P, I64, I32, F32, F32, P, P, I64, P, P, I32, P, P, I64, P, I32],
+    "sim_tree": [I32, I32, I32, I32, I32, P, P, I64, P, I64, P, P, I64, I32, I32, I32, P, P, P, I32, P, P, P, I64],
+    "sim_tree_staged": [I32, I32, I32, I32, I32, I32, P, P, I64, P, I64, P, P, I64, I32, I32, I32, P, P, P, I32, P, P,
+                        P, I64],  # fmt: skip
+    "sim_ssm_commit": [I32, I32, I32, P, I64, P, I64, P, I32, I64],
+    "sim_conv_commit": [I32, I32, I32, I32, P, I64, P, I64, I64, P, P, I32, I32],
+}
+
+
+class SimArray(np.ndarray):
+    """A NumPy array that answers `.data.ptr` like a CuPy array (views keep their offset)."""
+
+    @property
+    def data(self):  # noqa: D401
+        return SimpleNamespace(ptr=self.ctypes.data)
+
+
+class SimKernel:
+    def __init__(self, lib, name: str):
+        m = re.fullmatch(r"(\w+)(?:<(.*)>)?", name)
+        base, targs = m.group(1), [a.strip() for a in (m.group(2) or "").split(",") if a.strip()]
+        f16 = int(bool(targs) and targs[0] == "unsigned short")
+        if base == "conv_silu_kernel" or base == "conv_commit_kernel":
+            assert targs[1] == str(KW), "the simulator instantiates the conv kernels for K = 4 only"
+            self.fn, self.lead = (lib.sim_conv if base == "conv_silu_kernel" else lib.sim_conv_commit), [f16]
+        elif base == "qk_norm_gate_kernel":
+            self.fn, self.lead = lib.sim_norm, [f16, int(targs[1])]
+        elif base == "gdr_tree_kernel":
+            self.fn, self.lead = lib.sim_tree, [f16, int(targs[1]), int(targs[2])]
+        elif base == "gdr_tree_staged_kernel":
+            self.fn, self.lead = lib.sim_tree_staged, [f16, int(targs[1]), int(targs[2]), int(targs[3])]
+        elif base == "ssm_commit_kernel":
+            self.fn, self.lead = lib.sim_ssm_commit, []
+        else:
+            raise AssertionError(f"no simulator entry for {name}")
+        self.grid_dims = 1 if base.startswith("gdr_tree") else 2
+
+    def __call__(self, grid, block, args, shared_mem: int = 0) -> None:
+        grid = tuple(grid) + (1,) * (self.grid_dims - len(grid))
+        assert len(grid) == self.grid_dims and len(block) == 1 and block[0] % 32 == 0
+        conv = []
+        for a in args:
+            if isinstance(a, np.ndarray) and a.ndim > 0:
+                assert isinstance(a, SimArray), "a host array was passed where the kernel needs device memory"
+                conv.append(a.ctypes.data)
+            elif isinstance(a, np.uint64):
+                assert int(a) == 0, "only null pointers travel as integers"
+                conv.append(None)
+            else:
+                conv.append(a.item() if isinstance(a, np.generic) else a)
+        err = self.fn(*self.lead, *grid, block[0], *conv)
+        assert err == 0, f"simulated launch failed ({err}): a warp diverged or no instantiation matched"
+
+
+class SimCupy:
+    """The CuPy surface kernels/deltanet.py uses, on host memory, with kernel launches run by the simulator."""
+
+    float32, float16, int32, uint16 = np.float32, np.float16, np.int32, np.uint16
+    ndarray = SimArray
+
+    def __init__(self, lib):
+        self.lib = lib
+
+    @staticmethod
+    def empty(shape, dtype=np.float32) -> SimArray:
+        shape = (shape,) if isinstance(shape, int) else tuple(shape)
+        n = int(np.prod(shape)) * np.dtype(dtype).itemsize
+        raw = np.empty(n + 256, np.uint8)
+        off = (-raw.ctypes.data) % 256  # device allocations are 256-byte aligned
+        a = raw[off : off + n].view(dtype).reshape(shape).view(SimArray)
+        if np.dtype(dtype).kind == "f":
+            a[...] = np.nan  # fresh device memory is garbage
+        return a
+
+    def asarray(self, x) -> SimArray:
+        if isinstance(x, SimArray):
+            return x
+        x = np.asarray(x)
+        a = self.empty(x.shape, x.dtype)
+        a[...] = x
+        return a
+
+    @staticmethod
+    def asnumpy(x) -> np.ndarray:
+        return np.array(x).view(np.ndarray)
+
+
+@pytest.fixture(scope="session")
+def sim_lib(tmp_path_factory):
+    parts = (SOURCE, HARNESS, HARNESS.parent / "cuda_sim.h")
+    digest = hashlib.sha256(b"".join(p.read_bytes() for p in parts)).hexdigest()[:16]
+    lib_path = tmp_path_factory.mktemp("cuda_sim_dn") / f"cuda_sim_deltanet_{digest}.so"
+    cmd = ["g++", "-std=c++17", "-O1", "-shared", "-fPIC", "-w", f'-DDN_SOURCE="{SOURCE}"', "-o", str(lib_path),
+           str(HARNESS)]  # fmt: skip
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    assert done.returncode == 0, f"g++ failed:\n{done.stderr[-4000:]}"
+    lib = ctypes.CDLL(str(lib_path))
+    for name, argtypes in _SIGNATURES.items():
+        fn = getattr(lib, name)
+        fn.argtypes, fn.restype = argtypes, ctypes.c_int
+    return lib
+
+
+@pytest.fixture
+def xp(sim_lib, monkeypatch):
+    from kernels import loader
+
+    fake = SimCupy(sim_lib)
+    monkeypatch.setattr(loader, "require", lambda: fake)
+    monkeypatch.setattr(loader, "get_function", lambda source, name, defines=(): SimKernel(sim_lib, name))
+    return fake
+
+
+@pytest.mark.parametrize("T,f16,chain", [(1, False, False), (7, True, False), (23, False, False), (5, False, True)])
+def test_conv_follows_parent_chains(xp, T: int, f16: bool, chain: bool) -> None:
+    check_conv(xp, np.random.default_rng(T + 10 * f16), T, 200, f16, chain)  # C not a multiple of the block
+
+
+@pytest.mark.parametrize("dk,f16", [(128, False), (64, True)])
+def test_qk_norm_and_gates(xp, dk: int, f16: bool) -> None:
+    check_norm_gate(xp, np.random.default_rng(dk), 5, 3, 6, dk, f16)
+
+
+@pytest.mark.parametrize(
+    "T,dk,dv,cw,f16,warps,depth",
+    [(1, 128, 64, 8, False, 4, 8), (2, 128, 64, 8, False, 4, 1), (7, 64, 32, 8, True, 4, 8),
+     (16, 128, 64, 8, True, 4, 1), (16, 128, 64, 8, True, 2, 8), (23, 128, 32, 4, False, 2, 1),
+     (23, 128, 32, 4, False, 1, 8), (41, 64, 32, 8, False, 2, 1), (41, 128, 32, 8, False, 1, 2),
+     (64, 128, 32, 8, False, 4, 8)],
+)  # fmt: skip
+def test_tree_step_matches_token_loop(xp, T: int, dk: int, dv: int, cw: int, f16: bool, warps: int, depth: int) -> None:
+    # depth 1: gdr_tree_kernel (register prefetch); 2, 8: gdr_tree_staged_kernel (shared-memory ring)
+    check_tree(xp, np.random.default_rng(100 + T), T, 2, 4, dk, dv, f16, cw, warps, depth)
+
+
+@pytest.mark.parametrize("depth", [1, 8])
+def test_chain_without_checkpoints_updates_state_in_place(xp, depth: int) -> None:
+    check_chain_in_place(xp, np.random.default_rng(7), 9, 2, 4, 128, 32, depth)
+
+
+def test_corrupt_device_parent_lists_stay_in_bounds(xp) -> None:
+    # Entries outside -1..t-1 are read as roots (documented): no crash, no read of anything but s0 for them.
+    from kernels import deltanet as dn
+
+    rng = np.random.default_rng(8)
+    T, Hk, Hv, dk, dv = 6, 2, 2, 128, 32
+    q, k, v, g, beta, s0 = tree_inputs(T, Hk, Hv, dk, dv, rng)
+    bad = xp.asarray(np.array([5, 0, 99, -7, 3, 4], np.int32))  # a device list is not checked on the host
+    out = dn.gated_delta_tree(xp.asarray(q), xp.asarray(k), xp.asarray(v), xp.asarray(g), xp.asarray(beta),
+                              xp.asarray(s0), parents=bad, checkpoints=poisoned(xp, (T, Hv, dk, dv)))  # fmt: skip
+    ref_out, _ = tree_twin(q, k, v, g, beta, s0, np.array([-1, 0, -1, -1, 3, 4]), Hk, dk)
+    assert rel_max(xp.asnumpy(out), ref_out) < TOL_RULE
+
+
+@pytest.mark.parametrize("accepted,f16", [(0, False), (5, True), (9, False), (-1, False)])
+def test_commit_matches_sequence_state(xp, accepted: int, f16: bool) -> None:
+    check_commit(xp, np.random.default_rng(50 + accepted), accepted, f16)
+
+
+def test_layer_core_matches_the_engine_lines(xp) -> None:
+    check_layer_core(xp, np.random.default_rng(3), 6, 2, 4, 64, 32, f16=False)
+
+
+def test_bad_inputs_get_clear_errors(xp) -> None:
+    check_bad_inputs(xp)
