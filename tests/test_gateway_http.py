@@ -340,6 +340,18 @@ def test_metrics_match_the_requests_made(tiny_pair, source):
             assert m[("specsplit:requests_running", ())] == 0
             # The inter-token histogram counts every token after the first of each request.
             assert m[("specsplit:inter_token_latency_seconds_count", ())] <= gen - 3
+            # KV accounting from the verifier's Info: 32-wide heads -> `auto` keeps f32 on both sides
+            from services.engine.config import config_from_gguf
+            from services.engine.formats import open_model_file
+            from services.engine.kvcache import kv_bytes_per_token
+
+            per_tok = {dict(lb)["cache_type_k"] + "/" + dict(lb)["cache_type_v"]: v for (n, lb), v in m.items()
+                       if n == "specsplit:kv_cache_bytes_per_token"}
+            cfg = config_from_gguf(open_model_file(tiny_pair[1]).metadata)
+            assert per_tok == {"f32/f32": kv_bytes_per_token(cfg, "f32", "f32")}
+            cap = [v for (n, _), v in m.items() if n == "specsplit:kv_cache_capacity_tokens"]
+            total = [v for (n, _), v in m.items() if n == "specsplit:kv_cache_bytes"]
+            assert len(cap) == 1 and cap[0] > 0 and total == [cap[0] * per_tok["f32/f32"]]
     run(scenario())
 
 

@@ -288,8 +288,10 @@ def test_verifier_config_takes_and_checks_cache_types():
         VerifierConfig(model="x.gguf", cache_type_v="q4_0")
     servicer = VerifierServicer(cfg)
     try:
-        servicer.kv = {"cache_type_k": "q8_0", "cache_type_v": "tq3_0", "kv_bytes_per_token": 384}
-        assert dict(servicer.kv_metadata()) == {"specsplit-cache-type-k": "q8_0", "specsplit-cache-type-v": "tq3_0",
-                                                "specsplit-kv-bytes-per-token": "384"}
+        servicer.kv = {"cache_type_k": "q8_0", "cache_type_v": "tq3_0", "kv_bytes_per_token": 384,
+                       "n_ctx": 1000, "kv_bytes": 384000}
+        kv = servicer.info().kv_cache
+        assert (kv.cache_type_k, kv.cache_type_v, kv.bytes_per_token, kv.max_ctx, kv.bytes_per_slot) == \
+            ("q8_0", "tq3_0", 384, 1000, 384000)
     finally:
         servicer.close()

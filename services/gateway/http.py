@@ -123,6 +123,7 @@ async def health(request: web.Request) -> web.Response:
 
 async def metrics(request: web.Request) -> web.Response:
     core = request.app[CORE_KEY]
+    core.metrics.observe_verifiers(core.pool.endpoints)
     return web.Response(body=core.metrics.render(), headers={"Content-Type": core.metrics.content_type})
 
 

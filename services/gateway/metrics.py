@@ -64,6 +64,15 @@ class GatewayMetrics:
         self.fallbacks = Counter(p + "spec_decode_fallbacks",
                                  "requests that finished with plain decoding because the drafter failed",
                                  registry=r)
+        # What each ready verifier allocates for attention KV (from its Info): capacity planning.
+        self.kv_bytes_per_token = Gauge(p + "kv_cache_bytes_per_token",
+                                        "KV cache bytes per token (K + V, all attention layers)",
+                                        ["verifier", "cache_type_k", "cache_type_v"], registry=r)
+        self.kv_capacity_tokens = Gauge(p + "kv_cache_capacity_tokens",
+                                        "tokens the verifier's KV slots hold (max_ctx x slots)", ["verifier"],
+                                        registry=r)
+        self.kv_bytes = Gauge(p + "kv_cache_bytes", "KV cache bytes the verifier allocates over all slots",
+                              ["verifier"], registry=r)
         self._drafts_total = 0
         self._accepted_total = 0
 
@@ -106,6 +115,18 @@ class GatewayMetrics:
         if steps:
             self.draft_step.observe(spec.draft_ms / 1e3 / steps)
             self.verify_step.observe(spec.verify_ms / 1e3 / steps)
+
+    def observe_verifiers(self, endpoints) -> None:
+        """Set the KV gauges from the verifiers' Info (pool endpoints); called before each render."""
+        for ep in endpoints:
+            info = getattr(ep, "info", None)
+            if info is None or not info.HasField("kv_cache"):
+                continue
+            kv = info.kv_cache
+            self.kv_bytes_per_token.labels(verifier=ep.address, cache_type_k=kv.cache_type_k,
+                                           cache_type_v=kv.cache_type_v).set(kv.bytes_per_token)
+            self.kv_capacity_tokens.labels(verifier=ep.address).set(kv.max_ctx * max(1, info.slots))
+            self.kv_bytes.labels(verifier=ep.address).set(kv.bytes_per_slot * max(1, info.slots))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -336,21 +336,17 @@ class VerifierServicer(pb_grpc.VerifierServicer):
             created=self.created,
         )
         backend = getattr(getattr(t.model, "be", None), "name", "numpy") if t is not None else "numpy"
+        kv = None
+        if self.kv is not None:
+            kv = pb.KVCacheInfo(cache_type_k=self.kv["cache_type_k"], cache_type_v=self.kv["cache_type_v"],
+                                bytes_per_token=self.kv["kv_bytes_per_token"], max_ctx=self.kv["n_ctx"],
+                                bytes_per_slot=self.kv["kv_bytes"])
         return pb.VerifierInfo(model=model, slots=self.cfg.slots, max_queue=self.cfg.max_queue,
                                active=self._active, queued=self._queued, backend=backend,
-                               drafter_address=self.drafter_description())
+                               drafter_address=self.drafter_description(), kv_cache=kv)
 
     async def Info(self, request: pb.InfoRequest, context: grpc.aio.ServicerContext) -> pb.VerifierInfo:
-        # VerifierInfo has no KV fields (the proto stays as it is): the KV types and bytes per token travel
-        # as trailing metadata, for the gateway and operators (grpcurl -v shows them).
-        if self.kv is not None:
-            context.set_trailing_metadata(self.kv_metadata())
         return self.info()
-
-    def kv_metadata(self) -> tuple[tuple[str, str], ...]:
-        kv = self.kv or {}
-        return tuple((f"specsplit-{k.replace('_', '-')}", str(kv[k]))
-                     for k in ("cache_type_k", "cache_type_v", "kv_bytes_per_token") if k in kv)
 
     # -- Generate ----------------------------------------------------------------------------------
     def _validate(self, request: pb.GenerateRequest) -> tuple[SamplingParams, bool, SpecConfig]:
