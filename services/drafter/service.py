@@ -185,10 +185,12 @@ class DrafterServicer(pb_grpc.DrafterServicer):
         # Streaming handlers end with a status and return: context.abort() from inside a response generator
         # races the client's writes and sometimes reaches the client as INTERNAL instead of the real code.
         if self.drafter is None:
+            await _take_first(request_iterator)
             _end(context, grpc.StatusCode.UNAVAILABLE, "the drafter is still loading its model")
             return
         if self.active >= self.max_sessions:
             self.stats.rejected_busy += 1
+            await _take_first(request_iterator)
             _end(context, grpc.StatusCode.RESOURCE_EXHAUSTED,
                  f"the drafter is serving its maximum of {self.max_sessions} sessions; retry later "
                  "or decode without drafting")
@@ -229,6 +231,15 @@ class DrafterServicer(pb_grpc.DrafterServicer):
             self.active -= 1
             reader.close()
             session = None
+
+
+async def _take_first(request_iterator: AsyncIterator[pb.DraftRequest], timeout: float = 5.0) -> None:
+    """Receive the client's first message before refusing the stream: a status sent while that write is
+    still in flight makes grpc-core fail the write and report INTERNAL to the client instead."""
+    try:
+        await asyncio.wait_for(anext(aiter(request_iterator)), timeout)
+    except (StopAsyncIteration, asyncio.TimeoutError, grpc.aio.AioRpcError, asyncio.CancelledError):
+        pass
 
 
 def _end(context: grpc.aio.ServicerContext, code: grpc.StatusCode, details: str) -> None:
