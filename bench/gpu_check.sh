@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # One call on the GPU machine, from the repository root:
 #     bash bench/gpu_check.sh
-# runs the GPU kernel tests, then (if they pass) the roofline bench; everything is logged to
-# $OUT/gpu_check.log and the bench writes $OUT/roofline.json. Set GPU_CHECK_BENCH_ALWAYS=1 to run the
-# bench even when a test fails. Without pytest on the machine: a wheel in .whl/ is installed if there is
+# builds every kernel in parallel (CuPy's disk cache then serves the tests), runs the GPU kernel tests, then
+# (if they pass) the roofline bench with $ROOFLINE_ARGS (default: both kernels, the v2 launch-shape sweep and
+# the launch-overhead probe); everything is logged to $OUT/gpu_check.log and the bench writes
+# $OUT/roofline.json. Set GPU_CHECK_BENCH_ALWAYS=1 to run the bench even when a test fails. Without pytest on the machine: a wheel in .whl/ is installed if there is
 # one, else the tests run through bench/mini_pytest.py (same tests, minimal runner).
 set -o pipefail
 export PYTHONUNBUFFERED=1
@@ -32,6 +33,7 @@ PYEOF
         "$PY" -m pip install --quiet --no-index --find-links .whl pytest 2>&1 || true
     fi
     status=0
+    "$PY" bench/roofline.py --precompile-only || true
     if "$PY" -c "import pytest" 2>/dev/null; then
         "$PY" -m pytest -q -rs tests/test_kernels_quant_matmul.py || status=$?
     else
@@ -39,7 +41,8 @@ PYEOF
         "$PY" bench/mini_pytest.py tests/test_kernels_quant_matmul.py || status=$?
     fi
     if [ "$status" -eq 0 ] || [ "${GPU_CHECK_BENCH_ALWAYS:-0}" = "1" ]; then
-        "$PY" bench/roofline.py || status=$((status ? status : $?))
+        # shellcheck disable=SC2086
+        "$PY" bench/roofline.py ${ROOFLINE_ARGS:---kernels v2,v1 --sweep --launch} || status=$((status ? status : $?))
     fi
     echo "== gpu_check exit status $status"
     exit "$status"

@@ -1,10 +1,12 @@
 // Fused dequantize + matrix product on packed GGUF weights:  y[T, N] = x[T, K] @ W[N, K]^T.
 //
-// W stays in its GGUF blocks (row r = K/QK consecutive blocks), x arrives as fp16 (or fp32) and is
-// first re-laid out by pack_x_kernel; accumulation is fp32 and y is fp32 [T, N] row-major.
-// Types: F16 (ggml id 1), Q8_0 (8), Q4_K (12), Q6_K (14); NumPy twins in services/engine/quants.
+// W stays quantized, x arrives as fp16 (or fp32) and is first re-laid out by pack_x_kernel; accumulation is
+// fp32 and y is fp32 [T, N] row-major. Types: F16 (ggml id 1), Q8_0 (8), Q4_K (12), Q6_K (14); NumPy twins
+// in services/engine/quants. Two kernels (docs/gpu_quant_matmul.md): qmv_kernel (v2, the default: tiled
+// device layout, bulk copies, persistent blocks, further below) and qmm_kernel (v1, GGUF rows), described
+// first.
 //
-// Design (see kernels/quant_matmul.py for the launcher, bench/roofline.py for the numbers):
+// v1 design (see kernels/quant_matmul.py for the launcher, bench/roofline.py for the numbers):
 //  * One warp owns 32 weight rows (two m16 tiles) and ALL T <= 64 tokens (NT n8 tiles): each weight
 //    byte is read from memory once per call and dequantized once into mma A fragments, which are
 //    multiplied with every token tile. CTA = 4 independent warps (no __syncthreads); gridDim.y
@@ -45,6 +47,11 @@ typedef long long i64;
 #endif
 
 #define SS_DEV static __device__ __forceinline__
+#if defined(__CUDACC__) || SS_HIP
+#define SS_BOUNDS(threads, min_blocks) __launch_bounds__(threads, min_blocks)
+#else
+#define SS_BOUNDS(threads, min_blocks)  // CPU simulation (tests/cuda_sim.cpp)
+#endif
 // The portable (software fp16) helpers stay out of line: inlined, they multiply compile time.
 #define SS_SOFT static __device__ __noinline__
 
@@ -225,6 +232,18 @@ SS_DEV void mma16816(float (&c)[4], u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 
     c[1] = r.v[1];
     c[2] = r.v[2];
     c[3] = r.v[3];
+#endif
+}
+
+// The same mma without `volatile`: the compiler may interleave independent ones (v2 kernel).
+SS_DEV void mma16816_nv(float (&c)[4], u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
+#if SS_PTX
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 "
+        "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+#else
+    mma16816(c, a0, a1, a2, a3, b0, b1);
 #endif
 }
 
@@ -642,6 +661,557 @@ __global__ void __launch_bounds__(128) qmm_kernel(const u8* __restrict__ W, long
                         atomicAdd(dst, acc[mt][nt][i]);
                     } else {
                         *dst = acc[mt][nt][i];
+                    }
+                }
+            }
+        }
+    }
+}
+
+// =============================================================================================
+// qmv_kernel (v2, the default): the same product, read at the memory-bandwidth limit.
+//  * Weights in the tiled device layout built by kernels/quant_matmul.py (device_layout): rows padded to a
+//    multiple of 16; for every 16-row tile and every 256-value chunk one contiguous, 16-byte-aligned block
+//    [16 rows x quants][16 rows x side data] (Q8_0: qs | d; Q6_K: ql+qh | scales+d; Q4_K, F16: whole).
+//    So one bulk copy (sm_90: cp.async.bulk completing on an mbarrier; sm_80: a coalesced 16-byte cp.async
+//    loop; portable: plain copies) brings a tile's chunk into shared memory.
+//  * One CTA = KW warps (blockDim.x = 32 KW) on the same 16 MT rows, each walking its own slice of K with a
+//    ring of `stages` buffers; the partial sums then meet in shared memory (the last warp to finish adds
+//    them in warp order: deterministic, no atomics, no memset). gridDim.y > 1 still splits K across CTAs
+//    with fp32 atomics into a zeroed y.
+//  * Dequantization puts both nibbles of a byte straight into fp16 mantissas (the high one as 1024 + 16q,
+//    brought back by one exact fma), one LOP3 per half2: a 4-bit weight costs ~1.7 instructions.
+// Lane t of a quad owns chunk values [64t, 64t+64) (pack_x_kernel's order); in word pair j it feeds 4 mma
+// steps: values 64t+8j+{0..3}, +{4..7} (unit j of packed x) and the same 32 values later (unit 4+j); for
+// Q4_K these are the low and the high nibbles of the same 8 qs bytes.
+
+#if SS_PTX && defined(__CUDA_ARCH__) && (__CUDA_ARCH__ >= 900)
+#define SS_BULK 1
+#else
+#define SS_BULK 0
+#endif
+
+namespace ss {
+
+// Per type: MAIN / SIDE = bytes of quants / side data per row in a full chunk (CBF = MAIN + SIDE);
+// SWZ: the quants of a full chunk are stored with 16-byte units permuted, unit u of tile row r at
+// u ^ ((r + 2 (u >> 3)) & 7), so the lanes' shared-memory reads spread over the banks.
+template <int QT>
+struct Lay;
+template <>
+struct Lay<1> {
+    static constexpr int MAIN = 512, SIDE = 0, SWZ = 1;
+};
+template <>
+struct Lay<8> {
+    static constexpr int MAIN = 256, SIDE = 16, SWZ = 1;
+};
+template <>
+struct Lay<12> {
+    static constexpr int MAIN = 144, SIDE = 0, SWZ = 0;
+};
+template <>
+struct Lay<14> {
+    static constexpr int MAIN = 192, SIDE = 18, SWZ = 0;
+};
+
+// bytes per row of a chunk of C values (C < 256 only for F16 / Q8_0 tails)
+template <int QT>
+SS_DEV int main_bytes(int C) {
+    if constexpr (QT == 1) return 2 * C;
+    if constexpr (QT == 8) return C;
+    return Lay<QT>::MAIN;
+}
+template <int QT>
+SS_DEV int side_bytes(int C) {
+    if constexpr (QT == 8) return C >> 4;
+    return Lay<QT>::SIDE;
+}
+
+constexpr u32 H_16TH = 0x2C002C00u;  // half2(1/16)
+constexpr u32 H_M64 = 0xD400D400u;   // half2(-64)
+
+// d = lop3(a, b, c) with truth table LUT (a = 0xF0, b = 0xCC, c = 0xAA); one instruction where the
+// compiler would otherwise split a masked OR into two.
+template <int LUT>
+SS_DEV u32 lop3(u32 a, u32 b, u32 c) {
+#if SS_PTX
+    u32 d;
+    asm("lop3.b32 %0, %1, %2, %3, %4;\n" : "=r"(d) : "r"(a), "r"(b), "r"(c), "n"(LUT));
+    return d;
+#else
+    u32 d = 0u;
+    for (int i = 0; i < 32; ++i) {
+        const int idx = (((a >> i) & 1u) << 2) | (((b >> i) & 1u) << 1) | ((c >> i) & 1u);
+        d |= (u32)((LUT >> idx) & 1) << i;
+    }
+    return d;
+#endif
+}
+constexpr int LUT_AND_OR = 0xEA;  // (a & b) | c
+constexpr int LUT_SEL_XOR = 0x6A;  // b ? a ^ c : c
+
+// half2 broadcasts of the low / high half of x (one PRMT each)
+SS_DEV u32 prmt(u32 a, u32 sel) {
+#if SS_PTX
+    u32 d;
+    asm("prmt.b32 %0, %1, 0, %2;\n" : "=r"(d) : "r"(a), "r"(sel));
+    return d;
+#else
+    return sel == 0x1010u ? (a & 0xFFFFu) * 0x10001u : (a >> 16) * 0x10001u;
+#endif
+}
+SS_DEV u32 bcast_lo(u32 x) { return prmt(x, 0x1010u); }
+SS_DEV u32 bcast_hi(u32 x) { return prmt(x, 0x3232u); }
+
+SS_DEV u32 smem_addr(const void* p) {
+#if SS_PTX
+    u32 s;
+    asm("{ .reg .u64 a; cvta.to.shared.u64 a, %1; cvt.u32.u64 %0, a; }\n" : "=r"(s) : "l"(p));
+    return s;
+#else
+    return (u32)(u64)p;
+#endif
+}
+
+#if SS_BULK
+SS_DEV void mbar_init(u64* bar, u32 count) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(smem_addr(bar)), "r"(count) : "memory");
+}
+SS_DEV void mbar_fence_init() { asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory"); }
+SS_DEV void mbar_expect_tx(u64* bar, u32 bytes) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(smem_addr(bar)), "r"(bytes)
+                 : "memory");
+}
+SS_DEV void mbar_wait(u64* bar, u32 parity) {
+    asm volatile(
+        "{\n"
+        ".reg .pred P1;\n"
+        "LAB_WAIT:\n"
+        "mbarrier.try_wait.parity.shared::cta.b64 P1, [%0], %1;\n"
+        "@P1 bra DONE;\n"
+        "bra LAB_WAIT;\n"
+        "DONE:\n"
+        "}\n" ::"r"(smem_addr(bar)),
+        "r"(parity)
+        : "memory");
+}
+SS_DEV void bulk_g2s(void* dst, const void* src, u32 bytes, u64* bar) {
+    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::"r"(
+                     smem_addr(dst)),
+                 "l"(src), "r"(bytes), "r"(smem_addr(bar))
+                 : "memory");
+}
+#endif
+
+SS_DEV void cp_async_wait_keep(int keep) {  // wait until at most `keep` (0..3) groups are in flight
+#if SS_PTX
+    switch (keep) {
+        case 0: asm volatile("cp.async.wait_group 0;\n" ::: "memory"); break;
+        case 1: asm volatile("cp.async.wait_group 1;\n" ::: "memory"); break;
+        case 2: asm volatile("cp.async.wait_group 2;\n" ::: "memory"); break;
+        default: asm volatile("cp.async.wait_group 3;\n" ::: "memory"); break;
+    }
+#else
+    (void)keep;
+#endif
+}
+
+// Start copying the MT tile blocks of chunk ch (each `bytes` long, tiles `tile_stride` apart in global
+// memory, `blk_stride` apart in the stage buffer).
+template <int MT>
+SS_DEV void issue_blocks(u8* stage, u64* bar, const u8* src, i64 tile_stride, int bytes, int blk_stride, int lane) {
+#if SS_BULK
+    if (lane == 0) {
+        mbar_expect_tx(bar, (u32)(MT * bytes));
+#pragma unroll
+        for (int m = 0; m < MT; ++m) bulk_g2s(stage + m * blk_stride, src + m * tile_stride, (u32)bytes, bar);
+    }
+#else
+    (void)bar;
+#pragma unroll
+    for (int m = 0; m < MT; ++m)
+        for (int u = lane; u < (bytes >> 4); u += 32) cp_async16(stage + m * blk_stride + 16 * u, src + m * tile_stride + 16 * u);
+    cp_async_commit();
+#endif
+}
+
+// Per-row, per-chunk scales for lane t as broadcast half2 words.
+//   Q4_K: {d*sc[2t], d*sc[2t+1], -dmin*m[2t], -dmin*m[2t+1]};  Q6_K: d*scales[4t+k], k = 0..3;
+//   Q8_0: d of blocks 2t, 2t+1.   `side` = this row's side data.
+template <int QT>
+SS_DEV RowState prep2(const u8* quants, const u8* side, int t) {
+    RowState st;
+    st.v[0] = st.v[1] = st.v[2] = st.v[3] = 0u;
+    if constexpr (QT == 12) {
+        // Q4_K header: lane t needs sub-blocks j = 2t, 2t+1: j < 4 from bytes 4+j / 8+j (6 bits); j >= 4
+        // from the nibbles of byte 8+j plus the top two bits of bytes j-4 / j (kquants._scale_min_k4).
+        // Branch-free: lanes t < 2 and t >= 2 differ only in which words and masks they use.
+        const uint4 hdr = *(const uint4*)quants;
+        const u32 sh = 16u * (u32)(t & 1);
+        const u32 y = hdr.y >> sh, z = hdr.z >> sh, w = hdr.w >> sh;
+        const bool lo = t < 2;
+        const u32 m_lo = lo ? 0x3F3Fu : 0x0F0Fu, m_hi = lo ? 0u : 0x3030u;
+        const u32 sc = lop3<LUT_AND_OR>(y >> 2, m_hi, (lo ? y : w) & m_lo);
+        const u32 mn = lop3<LUT_AND_OR>(z >> 2, m_hi, (lo ? z : (w >> 4)) & m_lo);
+        const u32 s2 = hmul2(bytes01_to_half2(sc), bcast_lo(hdr.x));               // half2(d*sc[2t], d*sc[2t+1])
+        const u32 m2 = hmul2(bytes01_to_half2(mn), bcast_hi(hdr.x ^ 0x80000000u));  // half2(-dmin*m[2t], ...)
+        st.v[0] = bcast_lo(s2);
+        st.v[1] = bcast_hi(s2);
+        st.v[2] = bcast_lo(m2);
+        st.v[3] = bcast_hi(m2);
+    } else if constexpr (QT == 14) {
+        const u32 d2 = bcast_lo(rd16(side + 16));
+        const u32 v = rd32(side + 4 * t) ^ 0x80808080u;  // int8 scales + 128 as unsigned bytes
+        const u32 s02 = hmul2(hsub2(lop3<LUT_AND_OR>(v, 0x00FF00FFu, H1024), H1152), d2);
+        const u32 s13 = hmul2(hsub2(lop3<LUT_AND_OR>(v >> 8, 0x00FF00FFu, H1024), H1152), d2);
+        st.v[0] = bcast_lo(s02);
+        st.v[1] = bcast_lo(s13);
+        st.v[2] = bcast_hi(s02);
+        st.v[3] = bcast_hi(s13);
+    } else if constexpr (QT == 8) {
+        const u32 dd = *(const u32*)(side + 4 * t);
+        st.v[0] = bcast_lo(dd);
+        st.v[1] = bcast_hi(dd);
+    }
+    return st;
+}
+
+// Q8_0: int8 bytes 0 and 2 of w -> half2(1152 + q0, 1152 + q2) (bits 0-6 kept, bit 7 flipped, 0x6400 set)
+SS_DEV u32 q8_pair(u32 w) { return lop3<LUT_SEL_XOR>(w, 0x00FF00FFu, 0x64806480u); }
+
+// Lane constants: Q6_K nibble selection; byte offsets of the swizzled 16-byte units (Q8_0, F16).
+struct LaneK {
+    u32 mq, mh, mul, add;  // Q6_K
+    int off[8];            // Q8_0: [2c + jj] unit (4t + 2c + jj); F16: [4c + j] unit (8t + 4c + j)
+};
+
+template <int QT>
+SS_DEV LaneK lane_consts(int g, int t) {
+    LaneK k;
+    const bool hi_nib = (t & 1) != 0;
+    k.mq = hi_nib ? 0x00F000F0u : 0x000F000Fu;
+    k.mh = hi_nib ? 0x03000300u : 0x00300030u;
+    k.mul = hi_nib ? H_16TH : 0x3C003C00u;     // 1/16 or 1
+    k.add = hi_nib ? 0xD600D600u : 0xE420E420u;  // -96 or -1056
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+        int u = 0;
+        if constexpr (QT == 8) u = 4 * t + (i & 3);
+        if constexpr (QT == 1) u = 8 * t + i;
+        k.off[i] = 16 * (u ^ ((g + 2 * (u >> 3)) & 7));
+    }
+    return k;
+}
+
+// The 8 A words of word pair j for one row (q: its quants in shared memory): a[0..1] values
+// 64t+8j+{0..3}, a[2..3] +{4..7}, a[4..7] the same 32 values further on; a[2e] = values (0,2), a[2e+1] = (1,3).
+template <int QT>
+SS_DEV void frag2(const u8* q, int t, const RowState& st, const LaneK& k, int j, u32 (&a)[8]) {
+    if constexpr (QT == 12) {
+        // qs bytes 32t+8j..+7: low nibbles = sub-block 2t, high nibbles = sub-block 2t+1 (same positions)
+        const uint2 w = *(const uint2*)(q + 16 + 32 * t + 8 * j);
+        const u32 ws[2] = {w.x, w.y};
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+            const u32 v = ws[e], v8 = ws[e] >> 8;
+            a[2 * e] = hfma2(hsub2(lop3<LUT_AND_OR>(v, 0x000F000Fu, H1024), H1024), st.v[0], st.v[2]);
+            a[2 * e + 1] = hfma2(hsub2(lop3<LUT_AND_OR>(v8, 0x000F000Fu, H1024), H1024), st.v[0], st.v[2]);
+            a[4 + 2 * e] = hfma2(hfma2(lop3<LUT_AND_OR>(v, 0x00F000F0u, H1024), H_16TH, H_M64), st.v[1], st.v[3]);
+            a[5 + 2 * e] = hfma2(hfma2(lop3<LUT_AND_OR>(v8, 0x00F000F0u, H1024), H_16TH, H_M64), st.v[1], st.v[3]);
+        }
+    } else if constexpr (QT == 14) {
+        // lane t: half h = t/2 of the block, nibble t&1: values 128h + 64(t&1) + 32c + l, l = 8j+4e+{0..3},
+        // from ql[64h + 32c + l] and qh[32h + l] bits 4(t&1) + 2c; c = 0 -> a[0..3], c = 1 -> a[4..7].
+        const int h = t >> 1;
+        const uint2 qa = *(const uint2*)(q + 64 * h + 8 * j);
+        const uint2 qb = *(const uint2*)(q + 64 * h + 32 + 8 * j);
+        const uint2 qh = *(const uint2*)(q + 128 + 32 * h + 8 * j);
+        const u32 as[2] = {qa.x, qa.y}, bs[2] = {qb.x, qb.y}, hs[2] = {qh.x, qh.y};
+        const u32 s0 = st.v[j >= 2 ? 1 : 0], s1 = st.v[j >= 2 ? 3 : 2];
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+            // 2-bit highs moved to bits 4-5 (nibble 0) / 8-9 (nibble 1) of each half: bytes 0, 2 by a left
+            // shift, bytes 1, 3 by a right one (a left shift then >> 8 would drop byte 3's top bits)
+            const u32 q4 = hs[e] << 4, q4h = hs[e] >> 4, q2 = hs[e] << 2, q2h = hs[e] >> 6;
+            const u32 r0 = lop3<LUT_AND_OR>(q4, k.mh, lop3<LUT_AND_OR>(as[e], k.mq, H1024));
+            const u32 r1 = lop3<LUT_AND_OR>(q4h, k.mh, lop3<LUT_AND_OR>(as[e] >> 8, k.mq, H1024));
+            const u32 r2 = lop3<LUT_AND_OR>(q2, k.mh, lop3<LUT_AND_OR>(bs[e], k.mq, H1024));
+            const u32 r3 = lop3<LUT_AND_OR>(q2h, k.mh, lop3<LUT_AND_OR>(bs[e] >> 8, k.mq, H1024));
+            a[2 * e] = hmul2(hfma2(r0, k.mul, k.add), s0);  // exact q - 32, then the sub-block scale
+            a[2 * e + 1] = hmul2(hfma2(r1, k.mul, k.add), s0);
+            a[4 + 2 * e] = hmul2(hfma2(r2, k.mul, k.add), s1);
+            a[5 + 2 * e] = hmul2(hfma2(r3, k.mul, k.add), s1);
+        }
+    } else if constexpr (QT == 8) {
+        // block 2t (c = 0) and 2t+1 (c = 1) of the chunk, bytes 8j..8j+7 of each
+        const uint2 qa = *(const uint2*)(q + k.off[j >> 1] + 8 * (j & 1));
+        const uint2 qb = *(const uint2*)(q + k.off[2 + (j >> 1)] + 8 * (j & 1));
+        const u32 as[2] = {qa.x, qa.y}, bs[2] = {qb.x, qb.y};
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+            a[2 * e] = hmul2(hsub2(q8_pair(as[e]), H1152), st.v[0]);
+            a[2 * e + 1] = hmul2(hsub2(q8_pair(as[e] >> 8), H1152), st.v[0]);
+            a[4 + 2 * e] = hmul2(hsub2(q8_pair(bs[e]), H1152), st.v[1]);
+            a[5 + 2 * e] = hmul2(hsub2(q8_pair(bs[e] >> 8), H1152), st.v[1]);
+        }
+    } else {
+        const uint4 u = *(const uint4*)(q + k.off[j]);
+        const uint4 v = *(const uint4*)(q + k.off[4 + j]);
+        a[0] = (u.x & 0xFFFFu) | (u.y << 16);
+        a[1] = (u.x >> 16) | (u.y & 0xFFFF0000u);
+        a[2] = (u.z & 0xFFFFu) | (u.w << 16);
+        a[3] = (u.z >> 16) | (u.w & 0xFFFF0000u);
+        a[4] = (v.x & 0xFFFFu) | (v.y << 16);
+        a[5] = (v.x >> 16) | (v.y & 0xFFFF0000u);
+        a[6] = (v.z & 0xFFFFu) | (v.w << 16);
+        a[7] = (v.z >> 16) | (v.w & 0xFFFF0000u);
+    }
+}
+
+// Tail chunk (F16 / Q8_0, C = 32m < 256 values, not swizzled): lane t owns values 8mt .. 8mt+8m-1, pair p
+// covers 8mt+8p .. +7 (unit p of packed x): a[0..1] values +{0..3}, a[2..3] +{4..7}.
+template <int QT>
+SS_DEV void frag2_tail(const u8* q, const u8* side, int t, int m, int p, u32 (&a)[4]) {
+    const int v0 = 8 * m * t + 8 * p;
+    if constexpr (QT == 8) {
+        const u32 d2 = bcast2(rd16(side + 2 * (v0 >> 5)));
+        const uint2 w = *(const uint2*)(q + v0);
+        a[0] = hmul2(hsub2(q8_pair(w.x), H1152), d2);
+        a[1] = hmul2(hsub2(q8_pair(w.x >> 8), H1152), d2);
+        a[2] = hmul2(hsub2(q8_pair(w.y), H1152), d2);
+        a[3] = hmul2(hsub2(q8_pair(w.y >> 8), H1152), d2);
+    } else if constexpr (QT == 1) {
+        const uint4 u = *(const uint4*)(q + 2 * v0);
+        a[0] = (u.x & 0xFFFFu) | (u.y << 16);
+        a[1] = (u.x >> 16) | (u.y & 0xFFFF0000u);
+        a[2] = (u.z & 0xFFFFu) | (u.w << 16);
+        a[3] = (u.z >> 16) | (u.w & 0xFFFF0000u);
+    } else {
+        a[0] = a[1] = a[2] = a[3] = 0u;  // K-quant rows are whole super-blocks: never reached
+    }
+}
+
+}  // namespace ss
+
+// y[T, N] (+)= x @ W^T on the tiled device layout (row_bytes = bytes of one row; rows padded to a multiple
+// of 16; 16-byte aligned). Persistent: CTA b handles row groups (16 MT rows each) b, b + gridDim.x, ...; its
+// KW warps (blockDim.x = 32 KW, 1..8) each own one slice of the block's K range for every group, and each
+// warp's ring of `stages` copy buffers runs on across group boundaries, so the memory pipeline never drains
+// between groups. Per group the warps' partial sums meet in shared memory (double-buffered, one
+// __syncthreads per group) and one warp adds them in warp order: deterministic. gridDim.y > 1 splits K
+// across CTAs as well (fp32 atomics into a zeroed y). Dynamic shared memory: qmv_smem_bytes() in
+// kernels/quant_matmul.py (stages, reduction buffers, mbarriers).
+// Narrow variant (one m16 tile, one token tile; not Q6_K, which would spill): registers capped at 64 so 32
+// warps fit on an SM; a warp's throughput is bound by its own latency chains there (the H200 sweep: copy
+// stages 2..4 made no difference), so more warps in flight is what pays.
+template <int QT, int NT, int MT>
+__global__ void SS_BOUNDS(256, (MT == 1 && NT == 1 && QT != 14) ? 4 : 1) qmv_kernel(const u8* __restrict__ W, long long row_bytes, int N, int K,
+                                                  const uint4* __restrict__ xp, int T, float* __restrict__ y,
+                                                  int stages) {
+    using namespace ss;
+    using L = Lay<QT>;
+    constexpr int CBF = L::MAIN + L::SIDE;  // bytes per row of a full chunk
+    constexpr int BLK = 16 * CBF;           // bytes of one full tile block
+    constexpr int STAGE_BYTES = MT * BLK;
+    constexpr int TPAD = 8 * NT;
+    constexpr int NACC = MT * NT * 4;  // accumulators per lane
+    extern __shared__ uint4 ss_smem[];
+
+    const int lane = (int)(threadIdx.x & 31u);
+    const int warp = (int)(threadIdx.x >> 5);
+    const int KW = (int)(blockDim.x >> 5);
+    const int g = lane >> 2, t = lane & 3;
+    const int nchunks = (K + CHUNK - 1) / CHUNK;
+    const int groups = (N + 16 * MT - 1) / (16 * MT);
+    const int my_groups = (int)blockIdx.x < groups ? (groups - 1 - (int)blockIdx.x) / (int)gridDim.x + 1 : 0;
+
+    const int S = (int)gridDim.y, s = (int)blockIdx.y;
+    const int b0 = (int)(((long long)s * nchunks) / S), b1 = (int)(((long long)(s + 1) * nchunks) / S);
+    const int c0 = b0 + (int)(((long long)warp * (b1 - b0)) / KW);
+    const int c1 = b0 + (int)(((long long)(warp + 1) * (b1 - b0)) / KW);
+    const int n = c1 - c0;           // chunks per group for this warp
+    const int total = my_groups * n;  // this warp's (group, chunk) items
+
+    u8* const smem = (u8*)ss_smem;
+    u8* const wsm = smem + warp * stages * STAGE_BYTES;
+    float* const red = (float*)(smem + KW * stages * STAGE_BYTES);  // [2][KW][NACC][32] when KW > 1
+    u64* const bars = (u64*)(smem + KW * stages * STAGE_BYTES + (KW > 1 ? 2 * KW * NACC * 128 : 0)) + warp * stages;
+    const LaneK lk = lane_consts<QT>(g, t);
+    const i64 tile_stride = 16 * row_bytes;  // bytes of one 16-row tile
+
+#if SS_BULK
+    if (total > 0) {
+        if (lane == 0) {
+            for (int i = 0; i < stages; ++i) mbar_init(bars + i, 1u);
+            mbar_fence_init();
+        }
+        __syncwarp();
+    }
+    u32 phases = 0u;  // bit i: parity of the next phase of stage i
+#endif
+    // issue pointer: the next item to copy, as (group iteration, chunk), and its stage
+    int ig = 0, ic = 0, sx = 0;
+    auto issue_next = [&](int idx) {
+        if (idx < total) {
+            const int ch = c0 + ic;
+            const int C = imin(CHUNK, K - ch * CHUNK);
+            const int grp = (int)blockIdx.x + ig * (int)gridDim.x;
+            issue_blocks<MT>(wsm + sx * STAGE_BYTES, bars + sx, W + (i64)grp * MT * tile_stride + (i64)ch * BLK,
+                             tile_stride, 16 * (main_bytes<QT>(C) + side_bytes<QT>(C)), BLK, lane);
+            if (++ic == n) {
+                ic = 0;
+                ++ig;
+            }
+        } else {
+#if !SS_BULK
+            cp_async_commit();  // one group per item slot, even empty, so wait_group counts stay uniform
+#endif
+        }
+        sx = sx + 1 == stages ? 0 : sx + 1;
+    };
+    for (int i = 0; i < stages - 1; ++i) issue_next(i);
+
+    int item = 0, si = 0;
+    for (int gi = 0; gi < my_groups; ++gi) {
+        const int row0 = ((int)blockIdx.x + gi * (int)gridDim.x) * 16 * MT;
+        float acc[MT][NT][4];
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+            for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+                for (int i = 0; i < 4; ++i) acc[mt][nt][i] = 0.f;
+
+        for (int c = 0; c < n; ++c, ++item) {
+            issue_next(item + stages - 1);
+#if SS_BULK
+            mbar_wait(bars + si, (phases >> si) & 1u);
+            phases ^= 1u << si;
+#else
+            cp_async_wait_keep(stages - 1);
+#endif
+            SS_SYNCWARP();
+
+            const u8* stage = wsm + si * STAGE_BYTES;
+            const int ch = c0 + c;
+            const int k0 = ch * CHUNK;
+            const int C = imin(CHUNK, K - k0);
+            const uint4* xb = xp + (((long long)k0 * TPAD) >> 3);
+
+            if (C == CHUNK) {
+                RowState st[MT][2];
+#pragma unroll
+                for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+                    for (int hr = 0; hr < 2; ++hr) {
+                        const int r = 8 * hr + g;
+                        st[mt][hr] =
+                            prep2<QT>(stage + mt * BLK + r * L::MAIN, stage + mt * BLK + 16 * L::MAIN + r * L::SIDE, t);
+                    }
+#pragma unroll
+                for (int j = 0; j < 4; ++j) {
+                    u32 a[MT][2][8];
+#pragma unroll
+                    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+                        for (int hr = 0; hr < 2; ++hr)
+                            frag2<QT>(stage + mt * BLK + (8 * hr + g) * L::MAIN, t, st[mt][hr], lk, j, a[mt][hr]);
+                    // B fragments of all token tiles first, then the 4 steps with consecutive mma on
+                    // different accumulators (a chain on one accumulator would stall on mma latency)
+                    uint4 ub[NT][2];
+#pragma unroll
+                    for (int nt = 0; nt < NT; ++nt) {
+                        ub[nt][0] = xb[(j * TPAD + 8 * nt + g) * 4 + t];
+                        ub[nt][1] = xb[((4 + j) * TPAD + 8 * nt + g) * 4 + t];
+                    }
+#pragma unroll
+                    for (int st4 = 0; st4 < 4; ++st4)
+#pragma unroll
+                        for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+                            for (int mt = 0; mt < MT; ++mt) {
+                                const uint4& u = ub[nt][st4 >> 1];
+                                const u32 b0 = (st4 & 1) ? u.z : u.x, b1 = (st4 & 1) ? u.w : u.y;
+                                mma16816_nv(acc[mt][nt], a[mt][0][2 * st4], a[mt][1][2 * st4], a[mt][0][2 * st4 + 1],
+                                         a[mt][1][2 * st4 + 1], b0, b1);
+                            }
+                }
+            } else {
+                if constexpr (QT == 1 || QT == 8) {
+                    const int m = C >> 5;  // 1..7 pairs per lane
+                    const int mb = main_bytes<QT>(C), sb = side_bytes<QT>(C);
+                    for (int p = 0; p < m; ++p) {
+                        u32 a[MT][2][4];
+#pragma unroll
+                        for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+                            for (int hr = 0; hr < 2; ++hr) {
+                                const int r = 8 * hr + g;
+                                frag2_tail<QT>(stage + mt * BLK + r * mb, stage + mt * BLK + 16 * mb + r * sb, t, m, p,
+                                               a[mt][hr]);
+                            }
+#pragma unroll
+                        for (int nt = 0; nt < NT; ++nt) {
+                            const uint4 u = xb[(p * TPAD + 8 * nt + g) * 4 + t];
+#pragma unroll
+                            for (int mt = 0; mt < MT; ++mt) {
+                                mma16816_nv(acc[mt][nt], a[mt][0][0], a[mt][1][0], a[mt][0][1], a[mt][1][1], u.x, u.y);
+                                mma16816_nv(acc[mt][nt], a[mt][0][2], a[mt][1][2], a[mt][0][3], a[mt][1][3], u.z, u.w);
+                            }
+                        }
+                    }
+                }
+            }
+            SS_SYNCWARP();  // everyone is done with this stage before it is refilled
+            si = si + 1 == stages ? 0 : si + 1;
+        }
+
+        // the group's result: one warp's sums, or all warps' partial sums added in warp order
+        bool writer = true;
+        if (KW > 1) {
+            float* buf = red + (gi & 1) * KW * NACC * 32;
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+                for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+                    for (int i = 0; i < 4; ++i) buf[(warp * NACC + (mt * NT + nt) * 4 + i) * 32 + lane] = acc[mt][nt][i];
+            __syncthreads();  // also orders this buffer's reads (group gi - 2) before its rewrite
+            writer = warp == gi % KW;
+            if (writer) {
+#pragma unroll
+                for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+                    for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+                        for (int i = 0; i < 4; ++i) {
+                            float v = 0.f;
+                            for (int w = 0; w < KW; ++w) v += buf[(w * NACC + (mt * NT + nt) * 4 + i) * 32 + lane];
+                            acc[mt][nt][i] = v;
+                        }
+            }
+        }
+        if (writer) {
+            const bool atomic = gridDim.y > 1;
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt) {
+#pragma unroll
+                for (int nt = 0; nt < NT; ++nt) {
+                    const int r = row0 + 16 * mt + g;
+                    const int nn0 = 8 * nt + 2 * t;
+#pragma unroll
+                    for (int i = 0; i < 4; ++i) {
+                        const int rr = r + 8 * (i >> 1);
+                        const int nn = nn0 + (i & 1);
+                        if (nn < T && rr < N) {
+                            float* dst = y + (long long)nn * N + rr;
+                            if (atomic) {
+                                atomicAdd(dst, acc[mt][nt][i]);
+                            } else {
+                                *dst = acc[mt][nt][i];
+                            }
+                        }
                     }
                 }
             }

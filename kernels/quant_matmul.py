@@ -14,9 +14,13 @@ accumulate in fp32 on the tensor cores (mma.sync m16n8k16), and the weights are 
 way (so results carry fp16 rounding of x and of each dequantized weight: relative error ~3e-4).
 
 Several matrices that read the same x (q/k/v, gate/up) can share one `pack_activations(x)` result.
-With `splits > 1` (chosen automatically when there are few output rows, e.g. ffn_down) the K dimension is
-split across thread blocks that add into y with fp32 atomics: results can then differ in the last bits
-between runs when splits > 2. Pass `splits=1` for bitwise-reproducible output.
+
+Two kernels (docs/gpu_quant_matmul.md): "v2" (qmv_kernel, the default) keeps the weights in a tiled device
+layout (`device_layout`: per 16 rows and 256 columns one contiguous block, so one bulk copy feeds a warp)
+and splits K among the warps of a thread block, which add their partial sums in shared memory in a fixed
+order: the output is bitwise reproducible. "v1" (qmm_kernel, the first version, kept for comparison) keeps
+the GGUF row layout. Both can also split K across thread blocks (`splits > 1`, fp32 atomics into a zeroed
+y; then the last bits can differ between runs); v2 does so only for matrices with very few rows.
 """
 
 from __future__ import annotations
@@ -45,16 +49,20 @@ _TYPES: dict[int, tuple[str, int, int, int]] = {
 }
 SUPPORTED_QTYPES = frozenset(_TYPES)
 
-WARPS = 4  # warps per thread block (kernel constant ss::WARPS)
+KERNELS = ("v2", "v1")
+WARPS = 4  # v1: warps per thread block (kernel constant ss::WARPS)
 ROWS_PER_WARP = 32  # ss::ROWS_PER_WARP
 ROWS_PER_BLOCK = WARPS * ROWS_PER_WARP
 STAGES = 2  # ss::STAGES
 CHUNK = 256  # ss::CHUNK
 THREADS = 32 * WARPS
 MAX_TOKENS = 64  # tokens per kernel launch; matmul() loops over wider inputs
-PAD_BYTES = 1024  # readable slack after the last weight row (the kernel's 16-byte copies overrun by < 512)
+PAD_BYTES = 1024  # readable slack after the last weight row (the v1 kernel's 16-byte copies overrun by < 512)
+WARPS_PER_SM = 16  # v2: warps in flight per SM the launch shape aims for
+STAGES_V2 = 2  # v2: shared-memory stages per warp (the H200 sweep: 3 or 4 were never faster)
 
 _smem_configured: set[tuple] = set()
+_smem_configured_max: dict[tuple, int] = {}
 _sm_count: dict[int, int] = {}
 
 
@@ -64,21 +72,133 @@ def type_name(qtype: int) -> str:
 
 
 def smem_bytes(qtype: int) -> int:
-    """Dynamic shared memory one thread block of the kernel for `qtype` uses."""
+    """Dynamic shared memory one thread block of the v1 kernel for `qtype` uses."""
     return WARPS * STAGES * ROWS_PER_WARP * _TYPES[int(qtype)][3]
+
+
+# v2 (qmv_kernel): bytes per row of a full 256-value chunk in the tiled layout (quants + side data), and
+# whether the quants' 16-byte units are swizzled (kernel constants ss::Lay<QT>)
+_CHUNK_ROW_BYTES = {F16: (512, 0), Q8_0: (256, 16), Q4_K: (144, 0), Q6_K: (192, 18)}
+_SWIZZLED = frozenset({F16, Q8_0})
+TILE_ROWS = 16  # rows per layout tile (one m16 mma tile)
+SMEM_LIMIT = 227 * 1024  # dynamic shared memory one block may opt into (sm_80 / sm_90)
+SMEM_PER_SM = 228 * 1024  # shared memory per SM (each block also reserves 1 KiB)
+
+
+@dataclass(frozen=True)
+class QmvConfig:
+    """Launch shape of the v2 kernel: m16 tiles per warp, warps per block splitting K, copy stages, K splits
+    across blocks (> 1: fp32 atomics into a zeroed y)."""
+
+    m_tiles: int = 2
+    k_warps: int = 1
+    stages: int = 3
+    splits: int = 1
+
+    def smem_bytes(self, qtype: int, n_tiles: int = MAX_TOKENS // 8) -> int:
+        """Dynamic shared memory of one block (copy stages, partial-sum buffers, mbarriers) for n_tiles."""
+        main, side = _CHUNK_ROW_BYTES[int(qtype)]
+        ring = self.k_warps * self.stages
+        reduce = 2 * self.k_warps * self.m_tiles * n_tiles * 4 * 32 * 4 if self.k_warps > 1 else 0
+        return ring * self.m_tiles * TILE_ROWS * (main + side) + reduce + 8 * ring
+
+    def check(self, qtype: int, n_tiles: int = MAX_TOKENS // 8) -> None:
+        if self.m_tiles not in (1, 2):
+            raise ValueError(f"m_tiles must be 1 or 2, not {self.m_tiles}")
+        if not 1 <= self.k_warps <= 8:
+            raise ValueError(f"k_warps must be 1..8, not {self.k_warps}")
+        if not 2 <= self.stages <= 4:
+            raise ValueError(f"stages must be 2..4, not {self.stages}")
+        if self.splits < 1:
+            raise ValueError(f"splits must be >= 1, not {self.splits}")
+        if self.smem_bytes(qtype, n_tiles) > SMEM_LIMIT:
+            smem = self.smem_bytes(qtype, n_tiles)
+            raise ValueError(f"{self} needs {smem} bytes of shared memory (limit {SMEM_LIMIT})")
+
+
+def device_layout(qtype: int, raw: Any) -> Any:
+    """The v2 kernel's tiled layout of packed GGUF rows `raw` [n_out, row_bytes] (numpy or cupy uint8).
+
+    Rows are padded with zeros to a multiple of 16. For each 16-row tile and each 256-value chunk of K one
+    contiguous block follows: the 16 rows' quants, then the 16 rows' side data (Q8_0: qs | d; Q6_K: ql+qh |
+    scales+d; Q4_K and F16: whole, no side data); a shorter last chunk (F16 / Q8_0 when K % 256 != 0) comes
+    last the same way. Every block starts 16-byte aligned and no byte is added or dropped per row. In full
+    chunks of F16 and Q8_0 the 16-byte units of tile row r's quants are permuted (unit u stored at
+    u ^ ((r + 2 (u >> 3)) & 7)) so that the lanes' shared-memory reads fall in distinct banks.
+    Returns a flat uint8 array of ceil(n_out / 16) * 16 * row_bytes bytes.
+    """
+    qtype = int(qtype)
+    xp = _array_module(raw)
+    n, rb = (int(v) for v in raw.shape)
+    _, per, bb, _ = _TYPES[qtype]
+    k = rb // bb * per
+    npad = -(-n // TILE_ROWS) * TILE_ROWS
+    if npad != n:
+        raw = xp.concatenate([raw, xp.zeros((npad - n, rb), dtype=xp.uint8)])
+    tiles = npad // TILE_ROWS
+    nfull, tail = divmod(k, CHUNK)
+    main_b, side_b = _CHUNK_ROW_BYTES[qtype]
+    t_main = t_side = None
+    if qtype == F16:
+        main = raw[:, : 512 * nfull].reshape(npad, nfull, 512)
+        side = None
+        t_main = raw[:, 512 * nfull :]
+    elif qtype == Q4_K:
+        main, side = raw.reshape(npad, nfull, 144), None
+    elif qtype == Q6_K:
+        blocks = raw.reshape(npad, nfull, 210)
+        main, side = blocks[:, :, :192], blocks[:, :, 192:]
+    else:  # Q8_0
+        blocks = raw.reshape(npad, k // 32, 34)
+        qs, d = blocks[:, :, 2:], blocks[:, :, :2]
+        main = qs[:, : 8 * nfull].reshape(npad, nfull, 256)
+        side = d[:, : 8 * nfull].reshape(npad, nfull, 16)
+        t_main = qs[:, 8 * nfull :].reshape(npad, -1)
+        t_side = d[:, 8 * nfull :].reshape(npad, -1)
+    if qtype in _SWIZZLED and nfull:
+        units = main_b // 16
+        r = np.arange(TILE_ROWS)[:, None]
+        p = np.arange(units)[None, :]
+        src = p ^ ((r + 2 * (p >> 3)) & 7)  # stored unit p of row r holds unit src (the map is an involution)
+        idx = xp.asarray(np.ascontiguousarray(src.reshape(1, TILE_ROWS, 1, units, 1)))
+        m5 = main.reshape(tiles, TILE_ROWS, nfull, units, 16)
+        main = xp.take_along_axis(m5, xp.broadcast_to(idx, m5.shape), axis=3)
+    parts = []
+    if nfull:
+        blk = [main.reshape(tiles, TILE_ROWS, nfull, main_b).transpose(0, 2, 1, 3).reshape(tiles, nfull, -1)]
+        if side is not None:
+            blk.append(side.reshape(tiles, TILE_ROWS, nfull, side_b).transpose(0, 2, 1, 3).reshape(tiles, nfull, -1))
+        parts.append(xp.concatenate(blk, axis=2).reshape(tiles, -1) if len(blk) > 1 else blk[0].reshape(tiles, -1))
+    if tail:
+        parts.append(t_main.reshape(tiles, -1))
+        if t_side is not None:
+            parts.append(t_side.reshape(tiles, -1))
+    out = xp.concatenate(parts, axis=1) if len(parts) > 1 else parts[0]
+    return xp.ascontiguousarray(out).reshape(-1)
+
+
+def _array_module(a: Any):
+    if isinstance(a, np.ndarray):
+        return np
+    return loader.require()
 
 
 def _defines(portable: bool) -> tuple[str, ...]:
     return ("SPECSPLIT_PORTABLE",) if portable else ()
 
 
-def qmm_function(qtype: int, n_tiles: int, portable: bool = False) -> Any:
-    """The compiled kernel for one storage type and one token-tile count (1..8 tiles of 8 tokens)."""
+def _check_kernel_args(qtype: int, n_tiles: int) -> int:
     qtype = int(qtype)
     if qtype not in _TYPES:
         raise ValueError(f"no GPU matmul kernel for {type_name(qtype)}")
     if not 1 <= n_tiles <= MAX_TOKENS // 8:
         raise ValueError(f"n_tiles must be 1..{MAX_TOKENS // 8}, not {n_tiles}")
+    return qtype
+
+
+def qmm_function(qtype: int, n_tiles: int, portable: bool = False) -> Any:
+    """The compiled kernel for one storage type and one token-tile count (1..8 tiles of 8 tokens)."""
+    qtype = _check_kernel_args(qtype, n_tiles)
     defines = _defines(portable)
     fn = loader.get_function(SOURCE, f"qmm_kernel<{qtype}, {n_tiles}>", defines)
     smem = smem_bytes(qtype)
@@ -89,17 +209,40 @@ def qmm_function(qtype: int, n_tiles: int, portable: bool = False) -> Any:
     return fn
 
 
+def qmv_function(qtype: int, n_tiles: int, m_tiles: int, smem: int, portable: bool = False) -> Any:
+    """The compiled v2 kernel for one storage type, token-tile count (1..8) and m16 tiles per warp (1, 2)."""
+    qtype = _check_kernel_args(qtype, n_tiles)
+    defines = _defines(portable)
+    fn = loader.get_function(SOURCE, f"qmv_kernel<{qtype}, {n_tiles}, {m_tiles}>", defines)
+    key = ("qmv", qtype, n_tiles, m_tiles, defines, _device_id())
+    if smem > 48 * 1024 and _smem_configured_max.get(key, 0) < smem:
+        fn.max_dynamic_shared_size_bytes = SMEM_LIMIT
+        _smem_configured_max[key] = SMEM_LIMIT
+    return fn
+
+
 def pack_function(in_f32: bool, portable: bool = False) -> Any:
     return loader.get_function(SOURCE, f"pack_x_kernel<{1 if in_f32 else 0}>", _defines(portable))
 
 
-def warmup(qtypes=tuple(_TYPES), n_tiles=range(1, MAX_TOKENS // 8 + 1), portable: bool = False) -> None:
+def warmup(
+    qtypes=tuple(_TYPES), n_tiles=range(1, MAX_TOKENS // 8 + 1), portable: bool = False, kernel: str = "v2"
+) -> None:
     """Compile the kernels up front (each is built on first use otherwise)."""
     for q in qtypes:
         for nt in n_tiles:
-            qmm_function(q, nt, portable)
+            if kernel == "v1":
+                qmm_function(q, nt, portable)
+            else:
+                for mt in (1, 2):
+                    qmv_function(q, nt, mt, 0, portable)
     pack_function(False, portable)
     pack_function(True, portable)
+
+
+def default_m_tiles(n_tiles: int, out_features: int = 0) -> int:
+    """m16 tiles per warp of the v2 kernel for a token-tile count and matrix height (see choose_config)."""
+    return 1 if n_tiles <= 3 and out_features <= 65536 else 2
 
 
 def _device_id() -> int:
@@ -167,8 +310,11 @@ def pack_activations(x: Any, *, portable: bool = False, out: Any = None) -> Pack
 class QuantMatrix:
     """A weight matrix [out_features, in_features] kept on the GPU in its GGUF block layout."""
 
-    def __init__(self, qtype: int, data: Any, shape: tuple[int, ...], *, name: str = "weight"):
+    def __init__(self, qtype: int, data: Any, shape: tuple[int, ...], *, name: str = "weight", kernel: str = "v2"):
         cupy = loader.require()
+        if kernel not in KERNELS:
+            raise ValueError(f"{name}: kernel must be one of {KERNELS}, not {kernel!r}")
+        self.kernel = kernel
         qtype = int(qtype)
         if qtype not in _TYPES:
             supported = ", ".join(v[0] for v in _TYPES.values())
@@ -196,20 +342,26 @@ class QuantMatrix:
             raise ValueError(
                 f"{name}: {type_name(qtype)} data for shape {shape} must be {self.nbytes} bytes, found {raw.size}"
             )
-        buf = cupy.empty(self.nbytes + PAD_BYTES, dtype=cupy.uint8)
-        buf[self.nbytes :] = 0
-        if isinstance(raw, cupy.ndarray):
-            buf[: self.nbytes] = raw
+        if kernel == "v2":
+            laid = device_layout(qtype, cupy.asarray(raw).reshape(n_out, self.row_bytes))
+            size = int(laid.size)
         else:
-            buf[: self.nbytes].set(raw)
+            laid, size = raw, self.nbytes
+        buf = cupy.empty(size + PAD_BYTES, dtype=cupy.uint8)
+        buf[size:] = 0
+        if isinstance(laid, cupy.ndarray):
+            buf[:size] = laid
+        else:
+            buf[:size].set(laid)
+        del laid
         if buf.data.ptr % 16:
             raise RuntimeError("device allocation is not 16-byte aligned")
         self._buf = buf
 
     @classmethod
-    def from_raw(cls, tensor: Any) -> QuantMatrix:
+    def from_raw(cls, tensor: Any, *, kernel: str = "v2") -> QuantMatrix:
         """From a services.engine.formats.RawTensor (qtype, shape in numpy order, raw storage)."""
-        return cls(tensor.qtype, tensor.data, tensor.shape, name=getattr(tensor, "name", "weight"))
+        return cls(tensor.qtype, tensor.data, tensor.shape, name=getattr(tensor, "name", "weight"), kernel=kernel)
 
     @property
     def out_features(self) -> int:
@@ -225,7 +377,7 @@ class QuantMatrix:
 
     @property
     def device_buffer(self) -> Any:
-        """The packed bytes on the GPU (plus PAD_BYTES of zeros)."""
+        """The weights on the GPU (v2: device_layout(); v1: the GGUF rows), plus PAD_BYTES of zeros."""
         return self._buf
 
     def n_chunks(self) -> int:
@@ -235,17 +387,79 @@ class QuantMatrix:
         return (self.out_features + ROWS_PER_BLOCK - 1) // ROWS_PER_BLOCK
 
     def choose_splits(self, tokens: int = 1) -> int:
-        """K splits so that there are about 4 thread blocks per SM, each with >= 4 chunks of K."""
+        """K splits across thread blocks: v1, about 4 blocks per SM with >= 4 chunks each; v2, see choose_config."""
+        if self.kernel == "v2":
+            return self.choose_config(tokens).splits
         want = round(4 * sm_count() / self.grid_rows())
         if want <= 1:
             return 1
         return max(1, min(want, self.n_chunks() // 4))
 
-    def matmul(self, x: Any, *, out: Any = None, splits: int | None = None, portable: bool = False) -> Any:
+    def choose_config(self, tokens: int = 1) -> QmvConfig:
+        """Launch shape of the v2 kernel for a width (from the H200 sweep in docs/gpu_quant_matmul.md).
+
+        One m16 tile per warp up to 24 tokens unless the matrix is very tall, two above (each dequantized
+        weight then feeds more mma). K is split among the warps of a block: at one token tile as many warps
+        per row group as still fit every group on the GPU at once (a warp's speed is bound by its own latency
+        there, so warps in flight pay, and a second wave would leave a tail); otherwise 4, or 8 for long rows
+        up to 16 tokens, or 1 for very tall matrices from 41 tokens. Two copy stages (more only cost shared
+        memory); K split across blocks only when rows are very few."""
+        n_tiles = (min(tokens, MAX_TOKENS) + 7) // 8
+        mt = default_m_tiles(n_tiles, self.out_features)
+        groups = -(-self.out_features // (TILE_ROWS * mt))
+        chunks = self.n_chunks()
+        kw = 8 if chunks >= 40 and n_tiles <= 2 else 4
+        if n_tiles >= 6 and self.out_features > 65536:
+            kw = 1  # the LM head from 41 tokens: enough row groups, and no reduction buffers (sweep: 625 vs 828 us)
+        if n_tiles == 1 and mt == 1:
+            fit = (self._warps_per_sm(n_tiles, mt) * sm_count()) // groups
+            if fit >= 2:
+                kw = min(8, fit)
+        kw = max(1, min(kw, chunks // 2))
+        splits = 1
+        want = WARPS_PER_SM * sm_count()
+        if groups * kw < want // 4 and chunks // kw >= 16:  # very few rows (e.g. a 48-row projection)
+            splits = max(1, min(-(-want // (4 * groups * kw)), chunks // (8 * kw)))
+        cfg = QmvConfig(mt, kw, STAGES_V2, splits)
+        while cfg.smem_bytes(self.qtype, n_tiles) > SMEM_LIMIT and cfg.k_warps > 1:
+            cfg = QmvConfig(mt, cfg.k_warps // 2, cfg.stages, splits)
+        return cfg
+
+    def _warps_per_sm(self, n_tiles: int, m_tiles: int) -> int:
+        """Warps of the v2 kernel one SM holds, by its register use (the kernel is compiled to ask)."""
+        regs = int(getattr(qmv_function(self.qtype, n_tiles, m_tiles, 0), "num_regs", 0) or 128)
+        return max(1, min(64, 65536 // (-(-regs * 32 // 256) * 256)))
+
+    def grid_v2(self, cfg: QmvConfig, kern: Any, smem: int) -> int:
+        """Blocks of the persistent v2 launch: at most as many as fit on the GPU at once, sized so that each block
+        walks the same number of row groups (a block with one group more than the others sets the time)."""
+        groups = -(-self.out_features // (TILE_ROWS * cfg.m_tiles))
+        threads = 32 * cfg.k_warps
+        regs = int(getattr(kern, "num_regs", 0) or 128)
+        regs_per_warp = -(-regs * 32 // 256) * 256
+        per_sm = min(32, 2048 // threads, 65536 // (cfg.k_warps * regs_per_warp), SMEM_PER_SM // (smem + 1024))
+        resident = max(1, per_sm) * sm_count()
+        if groups <= resident:
+            return groups
+        # several groups per block: give every block the same number (to within one), unless that idles a
+        # quarter of the resident slots
+        balanced = -(-groups // -(-groups // resident))
+        return balanced if 4 * balanced >= 3 * resident else resident
+
+    def matmul(
+        self,
+        x: Any,
+        *,
+        out: Any = None,
+        splits: int | None = None,
+        portable: bool = False,
+        config: QmvConfig | None = None,
+    ) -> Any:
         """y = x @ W^T as a cupy float32 array [T, out] ([out] for a 1-D x).
 
         x: cupy/numpy [T, in] or [in] float16/float32 (any T; launches of <= 64 tokens), or a PackedX.
-        out: optional contiguous float32 [T, out] to write into. splits: K splits (None: automatic).
+        out: optional contiguous float32 [T, out] to write into. splits: K splits across thread blocks
+        (None: automatic; v2: overrides config.splits). config: v2 launch shape (None: choose_config).
         portable: use the kernels built without inline PTX (the HIP / fallback path), for testing.
         """
         cupy = loader.require()
@@ -270,16 +484,50 @@ class QuantMatrix:
         elif out.dtype != cupy.float32 or tuple(out.shape) != (tokens, n_out) or not out.flags.c_contiguous:
             raise ValueError(f"{self.name}: out must be a contiguous float32 array of shape {(tokens, n_out)}")
 
+        if config is not None and self.kernel != "v2":
+            raise ValueError(f"{self.name}: config applies to the v2 kernel only")
+        launch = self._launch_v2 if self.kernel == "v2" else self._launch
         if isinstance(x, PackedX):
-            self._launch(x, out, splits, portable)
+            launch(x, out, splits, portable, config)
         else:
             for start in range(0, tokens, MAX_TOKENS):
                 stop = min(tokens, start + MAX_TOKENS)
                 packed = pack_activations(x[start:stop], portable=portable)
-                self._launch(packed, out[start:stop], splits, portable)
+                launch(packed, out[start:stop], splits, portable, config)
         return out.reshape(n_out) if squeeze else out
 
-    def _launch(self, packed: PackedX, out: Any, splits: int | None, portable: bool) -> None:
+    def _launch_v2(
+        self, packed: PackedX, out: Any, splits: int | None, portable: bool, config: QmvConfig | None
+    ) -> None:
+        cupy = loader.require()
+        n_out, k = self.shape
+        cfg = self.choose_config(packed.tokens) if config is None else config
+        if splits is not None:
+            cfg = QmvConfig(cfg.m_tiles, cfg.k_warps, cfg.stages, int(splits))
+        cfg.check(self.qtype, packed.n_tiles)
+        s = max(1, min(cfg.splits, self.n_chunks()))
+        smem = cfg.smem_bytes(self.qtype, packed.n_tiles)
+        kern = qmv_function(self.qtype, packed.n_tiles, cfg.m_tiles, smem, portable)
+        if s > 1:  # the splits add into y with atomics
+            stream = cupy.cuda.get_current_stream()
+            cupy.cuda.runtime.memsetAsync(out.data.ptr, 0, out.nbytes, stream.ptr)
+        kern(
+            (self.grid_v2(cfg, kern, smem), s),
+            (32 * cfg.k_warps,),
+            (
+                self._buf,
+                np.int64(self.row_bytes),
+                np.int32(n_out),
+                np.int32(k),
+                packed.data,
+                np.int32(packed.tokens),
+                out,
+                np.int32(cfg.stages),
+            ),
+            shared_mem=smem,
+        )
+
+    def _launch(self, packed: PackedX, out: Any, splits: int | None, portable: bool, config: Any = None) -> None:
         cupy = loader.require()
         n_out, k = self.shape
         s = self.choose_splits(packed.tokens) if splits is None else int(splits)
@@ -304,7 +552,10 @@ class QuantMatrix:
         )
 
     def __repr__(self) -> str:
-        return f"QuantMatrix({self.name!r}, {self.type_name}, shape={self.shape}, {self.nbytes / 2**20:.1f} MiB)"
+        return (
+            f"QuantMatrix({self.name!r}, {self.type_name}, shape={self.shape}, {self.nbytes / 2**20:.1f} MiB, "
+            f"{self.kernel})"
+        )
 
 
 def flops(tokens: int, shape: tuple[int, int]) -> int:

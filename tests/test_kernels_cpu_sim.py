@@ -3,6 +3,8 @@
 No GPU is needed. The simulation runs the real kernel source (layouts, x re-layout, fragment indexing,
 K-quant scale unpacking, tail chunks, split-K, row clamping, output masking) with the 32 lanes of each warp
 in lockstep; only the inline-PTX leaf instructions are left to tests/test_kernels_quant_matmul.py on a GPU.
+Both kernels: v1 (qmm_kernel, GGUF rows) and v2 (qmv_kernel, kernels.quant_matmul.device_layout, warps of a
+block splitting K and meeting in shared memory, several copy stages).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from kernels import quant_matmul as qm
 from services.engine import quants
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -52,6 +55,11 @@ def sim(tmp_path_factory):
     lib.sim_qmm.argtypes = [
         ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_longlong, ctypes.c_int, ctypes.c_int,
         ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_int,
+    ]  # fmt: skip
+    lib.sim_qmv.restype = ctypes.c_int
+    lib.sim_qmv.argtypes = [
+        ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_longlong,
+        ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_int,
     ]  # fmt: skip
     lib.sim_pack.restype = None
     lib.sim_pack.argtypes = [
@@ -96,6 +104,74 @@ def run_sim(lib, qtype: int, raw: np.ndarray, n_out: int, k: int, x: np.ndarray,
         qtype, n_tiles, w.ctypes.data, raw.shape[1], n_out, k, xp.ctypes.data, tokens, y.ctypes.data, splits
     )
     return y, err
+
+
+def run_sim_v2(
+    lib, qtype: int, raw: np.ndarray, n_out: int, k: int, x: np.ndarray, cfg: tuple
+) -> tuple[np.ndarray, int]:
+    mt, kw, stages, splits, grid_x = cfg
+    tokens = x.shape[0]
+    n_tiles = (tokens + 7) // 8
+    tpad = 8 * n_tiles
+    laid = qm.device_layout(qtype, raw)
+    w = aligned_zeros(laid.nbytes + PAD)
+    w[: laid.nbytes] = laid
+    xp = aligned_zeros(k * tpad * 2)
+    x = np.ascontiguousarray(x)
+    lib.sim_pack(int(x.dtype == np.float32), x.ctypes.data, k, tokens, k, tpad, xp.ctypes.data)
+    y = np.full((tokens, n_out), np.nan, np.float32)
+    if splits > 1:
+        y[:] = 0.0
+    err = lib.sim_qmv(
+        qtype, n_tiles, mt, kw, stages, w.ctypes.data, raw.shape[1], n_out, k, xp.ctypes.data, tokens, y.ctypes.data,
+        splits, grid_x,
+    )  # fmt: skip
+    return y, err
+
+
+def check_twin(y: np.ndarray, err: int, x: np.ndarray, raw: np.ndarray, qtype: int, n_out: int, k: int) -> None:
+    assert err == 0, "a warp diverged at a warp-synchronous point"
+    assert np.isfinite(y).all(), f"{int((~np.isfinite(y)).sum())} outputs unwritten"
+    ref = x.astype(np.float64) @ quants.dequantize(raw, qtype, (n_out, k)).astype(np.float64).T
+    rel = np.linalg.norm(y - ref) / np.linalg.norm(ref)
+    assert rel < TOL, f"relative error {rel:.3e}"
+
+
+V2_CASES = [
+    # qtype, n_out, k, tokens, (m_tiles, k_warps, stages, splits, persistent blocks)
+    (Q4_K, 64, 1024, 1, (2, 1, 3, 1, 2)),
+    (Q4_K, 40, 1280, 8, (1, 3, 2, 1, 2)),  # rows not a multiple of 16, 3 warps over 5 chunks, 2 groups per block
+    (Q4_K, 80, 768, 23, (2, 2, 4, 2, 1)),  # warps and blocks both split K; one block walks all 3 row groups
+    (Q6_K, 37, 768, 3, (2, 2, 3, 1, 2)),
+    (Q6_K, 64, 1024, 16, (1, 4, 2, 1, 3)),  # 4 groups over 3 blocks
+    (Q6_K, 20, 512, 41, (2, 1, 2, 1, 1)),
+    (Q8_0, 33, 1248, 9, (2, 2, 3, 1, 1)),  # tail chunk of 224 values
+    (Q8_0, 45, 544, 64, (1, 1, 4, 2, 2)),  # tail of 32 values, all 8 token tiles
+    (Q8_0, 20, 32, 5, (2, 1, 2, 1, 1)),  # only a tail chunk
+    (F16, 50, 800, 17, (2, 3, 3, 1, 1)),
+    (F16, 48, 256, 2, (1, 2, 2, 1, 2)),  # more warps than chunks: one warp has no work but still meets the others
+]
+
+
+@pytest.mark.parametrize("qtype,n_out,k,tokens,cfg", V2_CASES)
+def test_v2_kernel_matches_twin_on_cpu(sim, qtype: int, n_out: int, k: int, tokens: int, cfg: tuple) -> None:
+    rng = np.random.default_rng(qtype * 977 + n_out + k + tokens)
+    raw = random_weights(qtype, n_out, k, rng)
+    x = (rng.standard_normal((tokens, k)) * 0.5).astype(np.float16)
+    y, err = run_sim_v2(sim, qtype, raw, n_out, k, x, cfg)
+    check_twin(y, err, x, raw, qtype, n_out, k)
+
+
+def test_v2_reduction_is_deterministic_across_k_warps(sim) -> None:
+    # the warps add their partial sums in a fixed order: two stage counts give bitwise equal results
+    rng = np.random.default_rng(21)
+    raw = random_weights(Q4_K, 32, 2048, rng)
+    x = (rng.standard_normal((4, 2048)) * 0.5).astype(np.float16)
+    y1, e1 = run_sim_v2(sim, Q4_K, raw, 32, 2048, x, (2, 4, 3, 1, 1))
+    y2, e2 = run_sim_v2(sim, Q4_K, raw, 32, 2048, x, (2, 4, 2, 1, 1))
+    assert e1 == e2 == 0
+    assert np.array_equal(y1, y2)
+    check_twin(y1, e1, x, raw, Q4_K, 32, 2048)
 
 
 CASES = [

@@ -3,6 +3,7 @@
 Needs CuPy and a CUDA GPU; skipped (with the reason) anywhere else. Every check draws fresh random
 activations, poisons the output with NaN first (so an unwritten element fails), and compares
 ||y - x @ dequantize(W).T|| / ||ref|| < 2e-3 (fp16 activations and fp16-rounded weights give ~3e-4).
+Both kernels are covered: v2 (the default, tiled layout, several launch shapes) and v1 (GGUF rows).
 """
 
 from __future__ import annotations
@@ -124,12 +125,13 @@ def _case_id(value) -> str:
     return NAMES[value] if isinstance(value, int) else "x".join(map(str, value))
 
 
+@pytest.mark.parametrize("kernel", qm.KERNELS)
 @pytest.mark.parametrize("qtype,shape", CASES, ids=_case_id)
-def test_matches_twin_at_every_width(qtype: int, shape: tuple[int, int]) -> None:
+def test_matches_twin_at_every_width(qtype: int, shape: tuple[int, int], kernel: str) -> None:
     rng = np.random.default_rng(1000 * qtype + shape[0] + shape[1])
     n_out, k = shape
     raw = random_weights(qtype, n_out, k, rng)
-    W = qm.QuantMatrix(qtype, raw, shape, name=f"{NAMES[qtype]} {shape}")
+    W = qm.QuantMatrix(qtype, raw, shape, name=f"{NAMES[qtype]} {shape} {kernel}", kernel=kernel)
     w64 = dequantize(qtype, raw, n_out, k)
     for tokens in WIDTHS:
         check(W, w64, tokens, rng, W.name, splits=1)
@@ -139,31 +141,63 @@ def test_matches_twin_at_every_width(qtype: int, shape: tuple[int, int]) -> None
     check(W, w64, 23, rng, W.name, splits=3)  # split-K with atomics even where it is not chosen
 
 
+V2_SHAPES = [
+    qm.QmvConfig(1, 1, 2, 1),
+    qm.QmvConfig(2, 4, 3, 1),
+    qm.QmvConfig(1, 8, 4, 1),
+    qm.QmvConfig(2, 2, 4, 2),
+]
+
+
+@pytest.mark.parametrize("qtype", [qm.Q4_K, qm.Q6_K, qm.Q8_0, qm.F16], ids=NAMES.get)
+def test_v2_launch_shapes_agree(qtype: int) -> None:
+    # every launch shape computes the same function; with splits == 1 the warps add in a fixed order, so
+    # two runs of one shape are bitwise equal
+    rng = np.random.default_rng(31 + qtype)
+    shape = (200, 2304) if qtype != qm.Q8_0 else (200, 2336)  # Q8_0: a tail chunk of 32 values
+    raw = random_weights(qtype, *shape, rng)
+    W = qm.QuantMatrix(qtype, raw, shape, name=f"{NAMES[qtype]} v2")
+    w64 = dequantize(qtype, raw, *shape)
+    for cfg in V2_SHAPES:
+        for tokens in (1, 9, 41):
+            if cfg.smem_bytes(qtype, (tokens + 7) // 8) <= qm.SMEM_LIMIT:
+                check(W, w64, tokens, rng, f"{W.name} {cfg}", config=cfg)
+    x = cupy.asarray((rng.standard_normal((5, shape[1])) * 0.5).astype(np.float16))
+    cfg = qm.QmvConfig(2, 4, 3, 1)
+    assert bool((W.matmul(x, config=cfg) == W.matmul(x, config=cfg)).all())
+
+
 @pytest.mark.parametrize(
     "qtype,shape", [(qm.Q4_K, (5120, 17408)), (qm.Q6_K, (5120, 17408)), (qm.Q4_K, (17408, 5120))], ids=_case_id
 )
 def test_large_shape(qtype: int, shape: tuple[int, int]) -> None:
-    # Qwen3.6-27B ffn_down [5120 out, 17408 in] and ffn_up: split-K is chosen automatically for both.
+    # Qwen3.6-27B ffn_down [5120 out, 17408 in] and ffn_up: K is split among warps (v2) or blocks (v1).
     rng = np.random.default_rng(7 + qtype + shape[0])
     raw = random_weights(qtype, *shape, rng)
-    W = qm.QuantMatrix(qtype, raw, shape, name=f"{NAMES[qtype]} {shape}")
-    assert W.choose_splits() > 1
     w64 = dequantize(qtype, raw, *shape)
-    for tokens in (1, 16, 23, 64):
-        check(W, w64, tokens, rng, W.name)
-    check(W, w64, 8, rng, W.name, splits=1)
+    for kernel in qm.KERNELS:
+        W = qm.QuantMatrix(qtype, raw, shape, name=f"{NAMES[qtype]} {shape} {kernel}", kernel=kernel)
+        if kernel == "v1":
+            assert W.choose_splits() > 1
+        else:
+            assert W.choose_config().k_warps > 1
+        for tokens in (1, 16, 23, 64):
+            check(W, w64, tokens, rng, W.name)
+        check(W, w64, 8, rng, W.name, splits=1)
 
 
+@pytest.mark.parametrize("kernel", qm.KERNELS)
 @pytest.mark.parametrize("qtype", [qm.Q4_K, qm.Q6_K, qm.Q8_0, qm.F16], ids=NAMES.get)
-def test_portable_fallback_path(qtype: int) -> None:
-    # The same kernels compiled with -DSPECSPLIT_PORTABLE: no inline PTX (software fp16, shuffle mma).
+def test_portable_fallback_path(qtype: int, kernel: str) -> None:
+    # The same kernels compiled with -DSPECSPLIT_PORTABLE: no inline PTX (software fp16, shuffle mma,
+    # plain copies instead of cp.async / bulk copies).
     rng = np.random.default_rng(99 + qtype)
     shape = (256, 512) if qtype in (qm.Q4_K, qm.Q6_K) else (200, 544)
     raw = random_weights(qtype, *shape, rng)
-    W = qm.QuantMatrix(qtype, raw, shape)
+    W = qm.QuantMatrix(qtype, raw, shape, kernel=kernel)
     w64 = dequantize(qtype, raw, *shape)
     for tokens in (1, 23):
-        check(W, w64, tokens, rng, f"portable {NAMES[qtype]}", splits=1, portable=True)
+        check(W, w64, tokens, rng, f"portable {NAMES[qtype]} {kernel}", splits=1, portable=True)
 
 
 def test_q8_0_from_quantized_floats_and_float32_input() -> None:
@@ -211,6 +245,15 @@ def test_bad_inputs_are_refused() -> None:
         qm.QuantMatrix(qm.Q4_K, raw[:, :-1], (8, 256))
     with pytest.raises(ValueError, match="no GPU matmul"):
         qm.QuantMatrix(2, raw, (8, 256))  # Q4_0 has no kernel yet
+    with pytest.raises(ValueError, match="kernel"):
+        qm.QuantMatrix(qm.Q4_K, raw, (8, 256), kernel="v3")
     W = qm.QuantMatrix(qm.Q4_K, raw, (8, 256))
     with pytest.raises(ValueError, match="in_features"):
         W.matmul(cupy.zeros((2, 512), dtype=cupy.float16))
+    x = cupy.zeros((2, 256), dtype=cupy.float16)
+    with pytest.raises(ValueError, match="k_warps"):
+        W.matmul(x, config=qm.QmvConfig(2, 9, 3, 1))
+    with pytest.raises(ValueError, match="shared memory"):
+        qm.QuantMatrix(qm.F16, np.zeros((8, 512), np.uint8), (8, 256)).matmul(x, config=qm.QmvConfig(2, 8, 4, 1))
+    with pytest.raises(ValueError, match="v2 kernel only"):
+        qm.QuantMatrix(qm.Q4_K, raw, (8, 256), kernel="v1").matmul(x, config=qm.QmvConfig())
