@@ -40,17 +40,39 @@ def cmd_generate(args: argparse.Namespace) -> int:
         args.model, default_draft = default_model_paths()
         if args.draft is None and not args.no_draft:
             args.draft = default_draft
+    if str(args.device).startswith("cuda") and args.draft_device is None:
+        args.draft_device = "cpu"  # the in-process drafter stays on the CPU with a GPU target (for now)
     if not _start_plan(args):
         return 0
     if args.prompt is None and args.prompt_ids is None:
         raise SpecsplitError("generate needs --prompt or --prompt-ids")
     t0 = time.perf_counter()
-    target = load_target(args.model)
+    gpu = str(args.device).startswith("cuda")
+    if gpu:  # the target on the GPU (CupyBackend); the drafter on the CPU, fed host copies of the features
+        from .engine.memory_plan import parse_device
+        from .engine.models.qwen35_gpu import load_gpu_target
+
+        ddev = args.draft_device
+        if ddev != "cpu":
+            raise SpecsplitError(f"--draft-device {ddev}: the drafter runs on the CPU only so far (--draft-device cpu)")
+        try:
+            target = load_gpu_target(args.model, parse_device(args.device).index)
+        except ValueError as e:
+            raise SpecsplitError(str(e)) from None
+    else:
+        target = load_target(args.model)
     load_ms = (time.perf_counter() - t0) * 1e3
     try:
         cache_k, cache_v = target.model.set_kv_cache_types(args.cache_type_k, args.cache_type_v)
     except ValueError as e:
         raise InvalidRequestError(f"{args.model}: {e}", param="cache_type") from None
+    if gpu:
+        from .engine.kvcache import resolve_cache_types
+
+        asked = resolve_cache_types(target.cfg, args.cache_type_k, args.cache_type_v)
+        if asked != (cache_k, cache_v):   # the GPU KV path stores f16 / q8_0 only so far: say so, never silently
+            print(f"specsplit: KV cache {asked[0]}/{asked[1]} is not available on the GPU yet; using "
+                  f"{cache_k}/{cache_v}", file=sys.stderr)
     tok = target.tokenizer
     if args.prompt_ids is not None:
         prompt_ids = args.prompt_ids
@@ -70,7 +92,12 @@ def cmd_generate(args: argparse.Namespace) -> int:
         from .engine.models.dflash import load_drafter
         from .engine.speculative import AUTO_MAX_BUDGET, LocalProposer, SpecConfig, speculative_generate
 
-        proposer = LocalProposer(load_drafter(args.draft, target.model))
+        if gpu:  # a CPU drafter reads the target's token table and lm head from host copies
+            from .engine.backend import NumpyBackend
+
+            proposer = LocalProposer(load_drafter(args.draft, target.model.host_head(), NumpyBackend()))
+        else:
+            proposer = LocalProposer(load_drafter(args.draft, target.model))
         if args.chain or args.budget is None:
             spec = SpecConfig(budget=None)
         elif args.budget == "auto":
@@ -107,8 +134,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def _budget(text: str) -> int | str | None:
+    from .cliargs import parse_budget
     from .engine.speculative import AUTO_MAX_BUDGET
-    from .verifier.cli import parse_budget
 
     b = parse_budget(text)
     if isinstance(b, int) and not 1 <= b <= AUTO_MAX_BUDGET:

@@ -115,3 +115,22 @@ def add_device_arguments(parser: argparse.ArgumentParser | Any, env: bool = True
         help="where the in-process drafter runs (default: the target's device)")
     add("--plan-only", action="store_true",
         help="print the start-up memory plan (JSON with --json) and exit without loading the weights")
+
+
+MAX_BUDGET = 1024            # a DDTree budget beyond this is a typo, not a tuning choice
+
+
+def parse_budget(text: str) -> int | str | None:
+    """An argparse type for --budget: `chain` -> None, `auto` -> "auto", N -> N (1..MAX_BUDGET)."""
+    t = str(text).strip().lower()
+    if t == "chain":
+        return None
+    if t == "auto":
+        return "auto"
+    try:
+        n = int(t)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--budget takes a number, 'chain' or 'auto', got {text!r}") from None
+    if not 1 <= n <= MAX_BUDGET:
+        raise argparse.ArgumentTypeError(f"--budget must be in 1..{MAX_BUDGET}, got {n}")
+    return n

@@ -15,10 +15,17 @@ import logging
 import signal
 from typing import Any
 
-from services.cliargs import KV_CACHE_HELP, add_device_arguments, add_env_argument, int_at_least, kv_cache_type
+from services.cliargs import (
+    KV_CACHE_HELP,
+    add_device_arguments,
+    add_env_argument,
+    int_at_least,
+    kv_cache_type,
+    parse_budget,
+)
 from services.engine.errors import SpecsplitError
 from services.gateway.cli import add_gateway_arguments, setup_logging
-from services.verifier.cli import parse_budget, startup_plan
+from services.verifier.cli import startup_plan
 
 VERIFIER_ADDRESS = "inproc:verifier"
 

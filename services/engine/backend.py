@@ -1,7 +1,7 @@
 """The array-backend seam: how model code turns stored tensors into arrays and multiplies by them.
 
 NumPy is the reference backend (CPU, float32); the CuPy backend (GPU, quantized weights kept packed)
-implements the same methods with fused kernels.
+implements the same methods with the fused kernels in kernels/ (models/qwen35_gpu.py runs a model on it).
 """
 
 from __future__ import annotations
@@ -53,6 +53,169 @@ class NumpyBackend:
 
     def to_host(self, a: Any) -> np.ndarray:
         return np.asarray(a)
+
+
+# ggml type ids the GPU path reads directly (F32 / F16 vectors and tables, Q8_0 tables decoded on the device)
+_F32, _F16, _Q8_0 = 0, 1, 8
+
+
+class GpuMatrix:
+    """A weight matrix for the GPU: host GGUF bytes until `upload()`, then one kernels.quant_matmul.QuantMatrix.
+
+    Uploading is deferred so that `CupyBackend.stack` can concatenate packed rows first and each weight byte
+    goes to the device once. Storage types the matmul kernel lacks (F32, BF16, Q4_0, Q5_K, IQ4_*, ...) are
+    FALLBACK: dequantized on the host and uploaded as F16 (the kernel's F16 path), which `fallback` records.
+    """
+
+    def __init__(self, qtype: int, rows: np.ndarray, shape: tuple[int, int], name: str, fallback: bool = False):
+        self.qtype, self.rows, self.shape, self.name, self.fallback = int(qtype), rows, shape, name, fallback
+        self.q = None
+
+    @classmethod
+    def of(cls, t: RawTensor | np.ndarray, name: str = "weight") -> GpuMatrix:
+        from kernels import quant_matmul as qm
+
+        if isinstance(t, RawTensor) and int(t.qtype) in qm.SUPPORTED_QTYPES:
+            rows = np.ascontiguousarray(t.data).reshape(-1).view(np.uint8).reshape(t.shape[0], -1)
+            return cls(t.qtype, rows, tuple(t.shape), t.name)
+        a = t.dequantize() if isinstance(t, RawTensor) else np.asarray(t, np.float32)
+        if a.ndim != 2:
+            raise ValueError(f"{name}: a weight matrix must be 2-D, not shape {a.shape}")
+        rows = np.ascontiguousarray(a.astype(np.float16)).view(np.uint8).reshape(a.shape[0], -1)
+        return cls(qm.F16, rows, tuple(a.shape), getattr(t, "name", name), fallback=True)
+
+    def upload(self) -> GpuMatrix:
+        if self.q is None:
+            from kernels.quant_matmul import QuantMatrix
+
+            self.q = QuantMatrix(self.qtype, self.rows, self.shape, name=self.name)
+            self.rows = None
+        return self
+
+    def matmul(self, x: Any, out: Any = None) -> Any:
+        return self.upload().q.matmul(x, out=out)
+
+    @property
+    def nbytes(self) -> int:
+        return self.q.nbytes if self.q is not None else int(self.rows.nbytes)
+
+
+class GpuStack:
+    """Matrices reading one input whose storage types differ: separate products, outputs side by side."""
+
+    def __init__(self, mats: list[GpuMatrix]):
+        self.mats = mats
+        self.name = "+".join(m.name for m in mats)
+        self.shape = (sum(m.shape[0] for m in mats), mats[0].shape[1])
+        self.fallback = any(m.fallback for m in mats)
+
+    def upload(self) -> GpuStack:
+        for m in self.mats:
+            m.upload()
+        return self
+
+    def matmul(self, x: Any, out: Any = None) -> Any:
+        from kernels import loader
+        from kernels.quant_matmul import pack_activations
+
+        cupy = loader.require()
+        x = cupy.asarray(x)
+        y = out if out is not None else cupy.empty((x.shape[0], self.shape[0]), cupy.float32)
+        packed = pack_activations(x) if x.shape[0] <= 64 else x
+        col = 0
+        for m in self.mats:
+            n = m.shape[0]
+            y[:, col:col + n] = m.matmul(packed)
+            col += n
+        return y
+
+
+class GpuEmbedding:
+    """A token table kept packed on the device (F32 / F16 / Q8_0 rows decoded there); other types stay on the
+    host and only the looked-up rows are dequantized and uploaded (FALLBACK, marked by `on_host`)."""
+
+    def __init__(self, t: RawTensor | np.ndarray):
+        from kernels import loader
+
+        cupy = loader.require()
+        self.host = t
+        self.shape = tuple(t.shape)
+        q = int(t.qtype) if isinstance(t, RawTensor) else _F32
+        self.on_host = q not in (_F32, _F16, _Q8_0)
+        self.qtype = q
+        self.dev = None
+        if not self.on_host:
+            data = np.asarray(t.data if isinstance(t, RawTensor) else np.asarray(t, np.float32))
+            self.dev = cupy.asarray(np.ascontiguousarray(data).reshape(-1).view(np.uint8).reshape(self.shape[0], -1))
+
+    def lookup(self, ids: Any) -> Any:
+        from kernels import loader
+
+        cupy = loader.require()
+        rows, cols = self.shape
+        if self.on_host:
+            return cupy.asarray(NumpyBackend().embed(self.host, cupy.asnumpy(ids)))
+        sel = self.dev[cupy.asarray(ids)]
+        if self.qtype == _F32:
+            return cupy.ascontiguousarray(sel).view(cupy.float32).reshape(-1, cols)
+        if self.qtype == _F16:
+            return cupy.ascontiguousarray(sel).view(cupy.float16).astype(cupy.float32).reshape(-1, cols)
+        blocks = sel.reshape(-1, cols // 32, 34)
+        d = cupy.ascontiguousarray(blocks[:, :, :2]).view(cupy.float16).astype(cupy.float32)
+        qs = cupy.ascontiguousarray(blocks[:, :, 2:]).view(cupy.int8).astype(cupy.float32)
+        return (d * qs).reshape(-1, cols)
+
+
+class CupyBackend:
+    """GPU: matrices stay in their GGUF storage (kernels.quant_matmul), vectors are float32 device arrays.
+
+    Activations go into the matmul kernel as fp16 (f32 is rounded by its packing step), products accumulate
+    in fp32 and come back float32.
+    """
+
+    name = "cuda"
+
+    def __init__(self, device: int = 0):
+        from kernels import loader
+
+        self.xp = loader.require()
+        self.device = int(device)
+        self.xp.cuda.Device(self.device).use()
+
+    def weight(self, t: RawTensor | np.ndarray) -> Any:
+        """GpuMatrix for a 2-D tensor (upload deferred, see GpuMatrix), float32 device array otherwise."""
+        if len(t.shape) == 2:
+            return GpuMatrix.of(t)
+        return self.array(t)
+
+    def array(self, t: RawTensor | np.ndarray) -> Any:
+        """Any tensor as a float32 device array (norms, conv taps, gates: small, read as f32 by the kernels)."""
+        a = t.dequantize() if isinstance(t, RawTensor) else np.asarray(t)
+        return self.xp.asarray(np.ascontiguousarray(a, dtype=np.float32))
+
+    def stack(self, mats: list[GpuMatrix]) -> GpuMatrix | GpuStack:
+        """One matrix of concatenated packed rows when the storage types match, else a GpuStack."""
+        if any(not isinstance(m, GpuMatrix) or m.q is not None for m in mats):
+            raise ValueError("stack() takes GpuMatrix weights not uploaded yet")
+        if len({m.qtype for m in mats}) == 1 and len({m.shape[1] for m in mats}) == 1:
+            rows = np.concatenate([m.rows for m in mats], axis=0)
+            name = "+".join(m.name for m in mats)
+            return GpuMatrix(mats[0].qtype, rows, (rows.shape[0], mats[0].shape[1]), name,
+                             fallback=any(m.fallback for m in mats))
+        return GpuStack(mats)
+
+    def embedding(self, t: RawTensor | np.ndarray) -> GpuEmbedding:
+        return GpuEmbedding(t)
+
+    def embed(self, table: GpuEmbedding, ids: Any) -> Any:
+        return table.lookup(ids)
+
+    def linear(self, x: Any, w: GpuMatrix | GpuStack) -> Any:
+        """x (T, in) @ w(out, in).T -> (T, out) float32 on the device."""
+        return w.matmul(x)
+
+    def to_host(self, a: Any) -> np.ndarray:
+        return self.xp.asnumpy(a)
 
 
 def default_backend() -> NumpyBackend:

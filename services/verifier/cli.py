@@ -18,27 +18,16 @@ import logging
 import signal
 from typing import Any
 
-from services.cliargs import KV_CACHE_HELP, add_device_arguments, add_env_argument, int_at_least, kv_cache_type
+from services.cliargs import (
+    KV_CACHE_HELP,
+    add_device_arguments,
+    add_env_argument,
+    int_at_least,
+    kv_cache_type,
+    parse_budget,
+)
 
 DEFAULT_LISTEN = "unix:///run/specsplit/verifier.sock"   # same place the drafter and compose use
-
-
-def parse_budget(text: str) -> int | str | None:
-    """`chain` -> None, `auto` -> "auto", N -> N (1..MAX_BUDGET)."""
-    from .service import MAX_BUDGET
-
-    t = str(text).strip().lower()
-    if t == "chain":
-        return None
-    if t == "auto":
-        return "auto"
-    try:
-        n = int(t)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"--budget takes a number, 'chain' or 'auto', got {text!r}") from None
-    if not 1 <= n <= MAX_BUDGET:
-        raise argparse.ArgumentTypeError(f"--budget must be in 1..{MAX_BUDGET}, got {n}")
-    return n
 
 
 def register(subparsers: Any) -> None:

@@ -45,6 +45,7 @@ import grpc
 from opentelemetry import context as otel_context
 from opentelemetry import trace
 
+from services.cliargs import MAX_BUDGET
 from services.engine.budget import BudgetTuner
 from services.engine.errors import ContextOverflowError, InvalidRequestError, SpecsplitError
 from services.engine.generate import GenerationResult, check_request
@@ -64,7 +65,6 @@ from services.wire import pb, pb_grpc, sampling_from_pb
 log = logging.getLogger("specsplit.verifier")
 
 SERVICE_NAME = "specsplit.v1.Verifier"
-MAX_BUDGET = 1024            # a DDTree budget beyond this is a typo, not a tuning choice
 DEFAULT_BUDGET = "auto"      # the budget tuner (services/engine/budget.py) picks each step's tree size
 WARMUP_TOKENS = 2
 DRAFTER_INFO_TIMEOUT_S = 5.0  # reaching a remote drafter's Info; past it the request decodes plainly

@@ -1,0 +1,399 @@
+"""Qwen3.5 / Qwen3.6 (`qwen35`) on the GPU: models/qwen35.py's forward, block for block, on the kernels in kernels/.
+
+Same contract as TargetModel.forward (token trees by parent list, positions n_past + depth, captured layer
+outputs, per-node recurrent checkpoints, logits rows all / last / none) and the same commit(path) semantics
+as state.SequenceState, with every per-sequence array on the device (GpuSequenceState). Per-step values
+(positions, parents, the ancestor mask, the committed length S) are written into device buffers of the state
+before the launches, so a later CUDA-graph capture can replay the same launches. Launches are eager for now.
+
+Pieces done with plain CuPy ops instead of a kernel (each marked FALLBACK below): attention of a tree wider
+than 64 tokens (the attention kernel's mask is one uint64 per token), KV row compaction at commit, Q8_0
+embedding rows, the residual adds.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from kernels import attention as att
+from kernels import deltanet as dn
+from kernels import norm_rope as nr
+
+from ..backend import CupyBackend
+from ..config import ModelConfig
+from ..errors import ContextOverflowError
+from ..formats import RawTensor
+from ..kvcache import resolve_cache_types
+from .base import ForwardResult, TargetModel
+
+MAX_TREE = 65            # tree nodes with recurrent checkpoints (a 64-node budget plus the root)
+ATTN_TOKENS = att.MAX_TOKENS
+
+
+GPU_KV_TYPES = ("f16", "q8_0")   # what this model's KV paths (kernel, commit, wide-tree fallback) handle
+
+
+def gpu_kv_type(kind: str) -> str:
+    """The device KV type for an engine KV type: f32 is kept as f16 (the kernel's widest), tq3_0 as q8_0 for now
+    (kernels/attention.py is gaining TQ3_0; the wide-tree fallback below does not decode it yet)."""
+    if kind in GPU_KV_TYPES:
+        return kind
+    if kind == "f32":
+        return "f16"
+    if kind == "tq3_0":
+        return "q8_0"
+    raise ValueError(f"unknown KV cache type {kind!r}")
+
+
+@dataclass
+class GpuPending:
+    n_tokens: int
+    parents: np.ndarray
+    per_token: bool          # recurrent checkpoints after every token (else only the final state)
+
+
+class GpuSequenceState:
+    """Device twin of state.SequenceState: KV per attention layer, DeltaNet state + conv windows, checkpoints."""
+
+    def __init__(self, cfg: ModelConfig, max_ctx: int, kv_k: str, kv_v: str, max_tree: int = MAX_TREE):
+        cp = nr.loader.require()
+        self.cfg, self.max_ctx, self.max_tree = cfg, int(max_ctx), int(max_tree)
+        self.n_past = 0
+        self.pending: GpuPending | None = None
+        if kv_k != kv_v:
+            raise ValueError(f"the GPU KV cache holds K and V in one type, not K={kv_k}, V={kv_v}")
+        self.kv_type = kv_k
+        self.attn_layers = [i for i, r in enumerate(cfg.recurrent_layers) if not r]
+        self.rec_layers = [i for i, r in enumerate(cfg.recurrent_layers) if r]
+        self.kv = {i: att.KVCacheLayer(cfg.n_head_kv, cfg.head_dim, self.max_ctx, kv_k)
+                   for i in self.attn_layers}
+        L = len(self.rec_layers)
+        self.slot = {layer: j for j, layer in enumerate(self.rec_layers)}
+        if L:
+            hv, dk, dv, cd = cfg.ssm_n_v_heads, cfg.ssm_head_k_dim, cfg.ssm_head_v_dim, cfg.ssm_conv_dim
+            self.ssm = cp.zeros((L, hv, dk, dv), cp.float32)
+            self.ssm_final = cp.zeros((L, hv, dk, dv), cp.float32)
+            self.ckpt = cp.zeros((L, max_tree, hv, dk, dv), cp.float32)
+            self.conv = cp.zeros((L, cfg.ssm_conv_kernel - 1, cd), cp.float32)
+            self.raw = cp.zeros((L, max_tree, cd), cp.float32)
+        # per-step values in device buffers (what a captured graph will read)
+        self.positions = cp.zeros(max_tree, cp.int32)
+        self.parents = cp.full(max_tree, -1, cp.int32)
+        self.mask = cp.zeros(ATTN_TOKENS, cp.uint64)
+        self.s_len = cp.zeros(1, cp.int32)
+        self.accepted = cp.zeros(1, cp.int32)
+
+    def check_room(self, n_new: int) -> None:
+        if self.n_past + n_new > self.max_ctx:
+            raise ContextOverflowError(self.n_past + n_new, self.max_ctx)
+
+    def raw_rows(self, T: int):
+        """(L, >= T, conv_dim) buffer for this step's pre-conv rows (grown for a long prefill chunk)."""
+        if T > self.raw.shape[1]:
+            cp = nr.loader.require()
+            self.raw = cp.zeros((self.raw.shape[0], T, self.raw.shape[2]), cp.float32)
+        return self.raw
+
+    def commit(self, path) -> None:
+        """state.SequenceState.commit on the device: KV rows compacted, state from the path's checkpoint,
+        conv window gathered along the path; nothing is recomputed."""
+        p = self.pending
+        if p is None:
+            raise RuntimeError("commit() without a pending forward pass")
+        path = [int(i) for i in path]
+        prev = -1
+        for i in path:
+            if not (0 <= i < p.n_tokens) or int(p.parents[i]) != prev:
+                raise ValueError(f"commit path {path} is not a root-to-node chain of the pending tokens")
+            prev = i
+        if path:
+            cp = nr.loader.require()
+            base = self.n_past
+            moved = [(d, i) for d, i in enumerate(path) if i != d]
+            if moved:  # FALLBACK (plain CuPy gather): KV rows of the branch into place
+                dst = cp.asarray([base + d for d, _ in moved], dtype=cp.int64)
+                src = cp.asarray([base + i for _, i in moved], dtype=cp.int64)
+                for c in self.kv.values():
+                    for buf in (c.k, c.v):
+                        rows = buf.reshape(c.n_kv_heads, c.ctx, -1)
+                        rows[:, dst] = rows[:, src]
+            if self.rec_layers:
+                whole = path == list(range(p.n_tokens))
+                self.accepted[...] = path[-1]
+                if p.per_token:
+                    dn.commit_state(self.accepted, self.ckpt, self.ssm)
+                elif whole:
+                    self.ssm[...] = self.ssm_final
+                else:
+                    raise ValueError("a chain forward without checkpoints can only be committed whole")
+                chain = bool(np.array_equal(p.parents, np.arange(-1, p.n_tokens - 1)))
+                dn.commit_conv(self.accepted, None if chain else self.parents[:p.n_tokens],
+                               self.raw[:, :p.n_tokens], self.conv)
+            self.n_past += len(path)
+        self.pending = None
+
+
+class Qwen35GpuModel(TargetModel):
+    """The qwen35 target on CupyBackend; `forward` reads like models/qwen35.py with kernel calls."""
+
+    arch = "qwen35"
+    kv_cache_types: tuple[str, str] = ("f16", "f16")
+
+    def __init__(self, cfg: ModelConfig, tensors: Mapping[str, RawTensor | np.ndarray],
+                 backend: CupyBackend | None = None, source: str = "<model>"):
+        if cfg.arch != "qwen35":
+            raise ValueError(f"the GPU forward runs qwen35 models, not {cfg.arch!r}")
+        be = backend or CupyBackend()
+        out = tensors.get("output.weight")
+        # host copies of what a CPU drafter shares with its target (token table, lm head)
+        self._host_embd = tensors.get("token_embd.weight")
+        self._host_out = out if out is not None else self._host_embd
+        super().__init__(cfg, tensors, be, source)
+        self.output.upload()
+        for w in self.layers:
+            for v in w.values():
+                if hasattr(v, "upload"):
+                    v.upload()
+        # matrices whose storage type the matmul kernel lacks, uploaded as F16 (see backend.GpuMatrix)
+        mats = [self.output] + [v for w in self.layers for v in w.values()]
+        self.fallback_weights = sorted(v.name for v in mats if getattr(v, "fallback", False))
+
+    def _load_layer(self, i: int) -> dict:
+        p, c, be = f"blk.{i}.", self.cfg, self.be
+        arr = lambda n: be.array(self._need(p + n))  # noqa: E731
+        mat = lambda n: be.weight(self._need(p + n + ".weight"))  # noqa: E731
+        w = {"attn_norm": arr("attn_norm.weight"), "post_attention_norm": arr("post_attention_norm.weight"),
+             "ffn_gate_up": be.stack([mat("ffn_gate"), mat("ffn_up")]), "ffn_down": mat("ffn_down")}
+        if c.recurrent_layers[i]:
+            w["ssm_in"] = be.stack([mat(n) for n in ("attn_qkv", "attn_gate", "ssm_beta", "ssm_alpha")])
+            w["ssm_out"] = mat("ssm_out")
+            w["ssm_conv1d"] = arr("ssm_conv1d.weight")
+            w["ssm_norm"] = arr("ssm_norm.weight")
+            w["ssm_a"] = arr("ssm_a")
+            w["ssm_dt"] = arr("ssm_dt.bias")
+        else:
+            w["attn_qkv"] = be.stack([mat(n) for n in ("attn_q", "attn_k", "attn_v")])
+            w["attn_output"] = mat("attn_output")
+            w["attn_q_norm"] = arr("attn_q_norm.weight")
+            w["attn_k_norm"] = arr("attn_k_norm.weight")
+        return w
+
+    # -- state ----------------------------------------------------------------------------------------
+    def set_kv_cache_types(self, cache_type_k: str = "auto", cache_type_v: str = "auto") -> tuple[str, str]:
+        """Resolve like the CPU engine, then map to what the attention kernel stores (gpu_kv_type)."""
+        k, v = resolve_cache_types(self.cfg, cache_type_k, cache_type_v)
+        k, v = gpu_kv_type(k), gpu_kv_type(v)
+        if k != v:  # one type for both sides on the device: the wider one
+            k = v = "f16" if "f16" in (k, v) else k
+        self.kv_cache_types = (k, v)
+        return self.kv_cache_types
+
+    def new_state(self, max_ctx: int | None = None, cache_type_k: str | None = None,
+                  cache_type_v: str | None = None) -> GpuSequenceState:
+        k = gpu_kv_type(cache_type_k or self.kv_cache_types[0])
+        v = gpu_kv_type(cache_type_v or self.kv_cache_types[1])
+        return GpuSequenceState(self.cfg, max_ctx or self.cfg.context_length, k, v)
+
+    def host_head(self) -> HostHead:
+        """What a CPU drafter needs from this target: cfg, token table and lm head on the host (NumPy)."""
+        return HostHead(self.cfg, self._host_embd, self._host_out)
+
+    # -- forward --------------------------------------------------------------------------------------
+    def forward(self, state: GpuSequenceState, tokens: Sequence[int], parents: Sequence[int] | None = None,
+                capture: Sequence[int] = (), checkpoints: bool = False, logits: str = "all") -> ForwardResult:
+        """TargetModel.forward on the device; logits and captured features come back as host float32."""
+        cp = self.be.xp
+        tokens = np.asarray(tokens, dtype=np.int64)
+        T = len(tokens)
+        if T == 0:
+            raise ValueError("forward() needs at least one token")
+        if tokens.min() < 0 or tokens.max() >= self.cfg.n_vocab:
+            raise ValueError(f"token id out of range [0, {self.cfg.n_vocab})")
+        chain = np.arange(-1, T - 1)
+        par = chain if parents is None else np.asarray(parents, dtype=np.int64)
+        if len(par) != T or np.any(par >= np.arange(T)) or np.any(par < -1):
+            raise ValueError("parents must be topologically ordered: -1 <= parents[i] < i")
+        if logits not in ("all", "last", "none"):
+            raise ValueError(f"logits must be 'all', 'last' or 'none', not {logits!r}")
+        is_chain = bool(np.array_equal(par, chain))
+        per_token = checkpoints or not is_chain
+        if per_token and T > state.max_tree:
+            raise ValueError(f"a tree or checkpointed forward takes at most {state.max_tree} tokens on the GPU")
+        state.check_room(T)
+        capture = list(capture)
+        for lid in capture:
+            if not 0 <= lid < self.cfg.n_layer:
+                raise ValueError(f"capture layer {lid} outside the model's {self.cfg.n_layer} layers")
+        depth = np.zeros(T, dtype=np.int64)
+        for i in range(T):
+            depth[i] = 0 if par[i] < 0 else depth[par[i]] + 1
+
+        # per-step values into the state's device buffers
+        S = state.n_past
+        if T > state.positions.size:
+            state.positions = cp.zeros(T, cp.int32)
+        state.positions[:T] = cp.asarray((S + depth).astype(np.int32))
+        if not is_chain:
+            state.parents[:T] = cp.asarray(par.astype(np.int32))
+        if T <= ATTN_TOKENS:
+            state.mask[:T] = cp.asarray(att.tree_mask(par))
+        state.s_len.fill(S)
+        step = _Step(T=T, S=S, parents=par, is_chain=is_chain, per_token=per_token,
+                     positions=state.positions[:T])
+
+        captured = cp.empty((T, len(capture), self.cfg.n_embd), cp.float32) if capture else None
+        x = self.be.embed(self.tok_embd, cp.asarray(tokens))
+        for i, w in enumerate(self.layers):
+            x = self._block(i, w, x, state, step)
+            for slot, lid in enumerate(capture):
+                if lid == i:
+                    captured[:, slot] = x
+        state.pending = GpuPending(n_tokens=T, parents=par, per_token=per_token)
+
+        rows = {"all": np.arange(T), "last": np.array([T - 1]), "none": np.array([], dtype=np.int64)}[logits]
+        out = None
+        if len(rows):
+            xr = x if logits == "all" else x[T - 1:]
+            h = nr.rms_norm(xr, self.output_norm, self.cfg.rms_eps)
+            out = cp.asnumpy(self.output.matmul(h))
+        return ForwardResult(logits=out, logit_rows=rows,
+                             captured=cp.asnumpy(captured) if captured is not None else None)
+
+    def _block(self, i: int, w: dict, x, state: GpuSequenceState, step: _Step):
+        eps = self.cfg.rms_eps
+        h = nr.rms_norm(x, w["attn_norm"], eps)
+        mixer = self._deltanet if self.cfg.recurrent_layers[i] else self._gated_attention
+        h, x = nr.rms_norm(mixer(i, w, h, state, step), w["post_attention_norm"], eps, residual=x)
+        gu = w["ffn_gate_up"].matmul(h)
+        f = gu.shape[1] // 2
+        return x + w["ffn_down"].matmul(nr.silu_mul(gu[:, :f], gu[:, f:]))   # residual add: FALLBACK (CuPy)
+
+    def _gated_attention(self, i: int, w: dict, h, state: GpuSequenceState, step: _Step):
+        c = self.cfg
+        T, H, D, Hkv = step.T, c.n_head, c.head_dim, c.n_head_kv
+        qkv = w["attn_qkv"].matmul(h)
+        qg = qkv[:, :2 * H * D].reshape(T, H, 2 * D)
+        q, gate = qg[..., :D], qg[..., D:]
+        k = qkv[:, 2 * H * D:(2 * H + Hkv) * D].reshape(T, Hkv, D)
+        v = qkv[:, (2 * H + Hkv) * D:].reshape(T, Hkv, D)
+        q, k = nr.qk_norm_rope(q, k, w["attn_q_norm"], w["attn_k_norm"], step.positions, c.n_rot, c.rope_theta,
+                               c.rms_eps)
+        cache = state.kv[i]
+        cache.store(k, v, state.s_len)
+        if T <= ATTN_TOKENS:
+            o = att.attention(q, cache, state.s_len, state.mask[:T], gate=gate, s_hint=step.S)
+        elif step.is_chain:
+            # a long chain (prefill): blocks of 64 queries, each sees every earlier row and its own prefix
+            cp = self.be.xp
+            o = cp.empty((T, H, D), cp.float32)
+            for j in range(0, T, ATTN_TOKENS):
+                n = min(ATTN_TOKENS, T - j)
+                o[j:j + n] = att.attention(q[j:j + n], cache, step.S + j, att.tree_mask(np.arange(-1, n - 1)),
+                                           gate=gate[j:j + n])
+        else:
+            o = _tree_attention_fallback(q, cache, step, gate)
+        return w["attn_output"].matmul(o.reshape(T, H * D))
+
+    def _deltanet(self, i: int, w: dict, h, state: GpuSequenceState, step: _Step):
+        c = self.cfg
+        T = step.T
+        Hk, Hv, dk, dv = c.ssm_n_k_heads, c.ssm_n_v_heads, c.ssm_head_k_dim, c.ssm_head_v_dim
+        cd, kd = c.ssm_conv_dim, c.ssm_key_dim
+        L = state.slot[i]
+        proj = w["ssm_in"].matmul(h)                                  # [qkv | z | beta | alpha]
+        raw = state.raw_rows(T)[L, :T]
+        raw[...] = proj[:, :cd]                                       # pre-conv rows: what commit() gathers
+        z = proj[:, cd:cd + Hv * dv].reshape(T, Hv, dv)
+        b = proj[:, cd + Hv * dv:cd + Hv * dv + Hv]
+        alpha = proj[:, cd + Hv * dv + Hv:]
+        parents = None if step.is_chain else state.parents[:T]
+        mixed = dn.conv_silu(raw, state.conv[L], w["ssm_conv1d"], parents=parents)
+        g, beta = dn.qk_norm_gate(mixed, alpha, b, w["ssm_a"], w["ssm_dt"], n_k_heads=Hk, head_k_dim=dk)
+        o = dn.gated_delta_tree(mixed[:, :kd], mixed[:, kd:2 * kd], mixed[:, 2 * kd:], g, beta, state.ssm[L],
+                                parents=parents, checkpoints=state.ckpt[L] if step.per_token else None,
+                                final_state=None if step.per_token else state.ssm_final[L])
+        o = nr.norm_gate(o, z, w["ssm_norm"], c.rms_eps)
+        return w["ssm_out"].matmul(o.reshape(T, Hv * dv))
+
+
+@dataclass
+class _Step:
+    T: int
+    S: int
+    parents: np.ndarray
+    is_chain: bool
+    per_token: bool
+    positions: object
+
+
+def _tree_attention_fallback(q, cache: att.KVCacheLayer, step: _Step, gate):
+    """FALLBACK (plain CuPy) for trees of more than 64 tokens: masked GQA attention over the cache rows,
+    decoded to float32, as services.engine.layers.masked_attention computes it."""
+    cp = nr.loader.require()
+    T, H, D = (int(s) for s in q.shape)
+    n = step.S + T
+    kv = []
+    for buf in (cache.k, cache.v):
+        rows = buf.reshape(cache.n_kv_heads, cache.ctx, cache.row_bytes)[:, :n]
+        if cache.kind == "f16":
+            vals = cp.ascontiguousarray(rows).view(cp.float16).astype(cp.float32)
+        else:
+            blocks = rows.reshape(cache.n_kv_heads, n, D // 32, 34)
+            d = cp.ascontiguousarray(blocks[..., :2]).view(cp.float16).astype(cp.float32)
+            vals = (d * cp.ascontiguousarray(blocks[..., 2:]).view(cp.int8).astype(cp.float32))
+        kv.append(vals.reshape(cache.n_kv_heads, n, D))
+    k, v = kv
+    anc = np.zeros((T, T), dtype=bool)
+    for t in range(T):
+        anc[t, t] = True
+        if step.parents[t] >= 0:
+            anc[t] |= anc[step.parents[t]]
+    visible = cp.asarray(np.concatenate([np.ones((T, step.S), bool), anc], axis=1))
+    g = H // cache.n_kv_heads
+    qh = q.astype(cp.float32).reshape(T, cache.n_kv_heads, g, D).transpose(1, 2, 0, 3)
+    s = cp.einsum("kgtd,ksd->kgts", qh, k) * np.float32(1.0 / np.sqrt(D))
+    s = cp.where(visible[None, None], s, np.float32(-np.inf))
+    s -= s.max(axis=-1, keepdims=True)
+    p = cp.exp(s)
+    p /= p.sum(axis=-1, keepdims=True)
+    o = cp.einsum("kgts,ksd->kgtd", p, v).transpose(2, 0, 1, 3).reshape(T, H, D)
+    return o * (1.0 / (1.0 + cp.exp(-gate.astype(cp.float32))))
+
+
+class HostHead:
+    """The target as a CPU drafter sees it (dflash.DFlashDrafter reads cfg, tok_embd, output, be)."""
+
+    def __init__(self, cfg: ModelConfig, tok_embd: RawTensor | np.ndarray, output: RawTensor | np.ndarray):
+        from ..backend import NumpyBackend
+
+        self.cfg = cfg
+        self.be = NumpyBackend()
+        self.tok_embd = self.be.embedding(tok_embd)
+        self.output = self.be.weight(output)
+
+
+def load_gpu_target(path: str, device: int = 0, with_tokenizer: bool = True):
+    """loader.load_target for the GPU: the same LoadedTarget, its model a Qwen35GpuModel on cuda:`device`."""
+    from .. import loader as ld
+
+    mf = ld.open_model_file(path)
+    if mf.kind == "gguf":
+        emb = mf.tensors.get("token_embd.weight")
+        cfg = ld.config_from_gguf(mf.metadata, n_vocab=emb.shape[0] if emb is not None else None, path=mf.path)
+        tensors = mf.tensors
+    else:
+        cfg, tensors = ld.hf_checkpoint(mf)
+    if cfg.arch != "qwen35":
+        raise ValueError(f"{path}: the GPU backend runs qwen35 targets so far, not {cfg.arch!r} (use --device cpu)")
+    model = Qwen35GpuModel(cfg, tensors, CupyBackend(device), source=mf.path)
+    tok, tmpl = None, None
+    if with_tokenizer:
+        tok = ld._tokenizer_of(mf)  # the same helpers as loader.load_target
+        if tok is not None:
+            tmpl = ld.ChatTemplate(tok.chat_template or ld.DEFAULT_CHATML_TEMPLATE,
+                                   bos_token=tok.id_to_token(tok.bos_id) if tok.bos_id is not None else "",
+                                   eos_token=ld._eos_text(tok))
+    return ld.LoadedTarget(path=path, cfg=cfg, model=model, tokenizer=tok, chat_template=tmpl, file=mf)

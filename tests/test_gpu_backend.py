@@ -1,0 +1,164 @@
+"""The qwen35 target on the GPU (models/qwen35_gpu.py on CupyBackend) against the NumPy engine, on the embedded
+default model. GPU tests skip (with the reason) without CuPy and a CUDA GPU; the last test runs on the CPU.
+
+Tolerance (LOGIT_TOL): the GPU rounds activations to fp16 on their way into every matmul (f32 accumulation)
+and keeps K/V in fp16, the NumPy path is f32 throughout: logits differ by ~5e-3 after 8 layers (the logits
+of this model span about +-13), LOGIT_TOL allows 10x that; greedy tokens must be identical.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+import pytest
+
+from kernels import loader
+
+LOGIT_TOL = 0.05    # max |GPU - NumPy| over a logits row (measured on an H200: 0.005, logits within +-12.6)
+PATH_TOL = 0.05     # tree forward + commit vs plain decode, both on the GPU (other widths: not bitwise equal)
+PROMPT = "def fibonacci(n):\n    if n < 2:\n        return n\n"
+
+_REASON = loader.unavailable_reason()
+needs_gpu = pytest.mark.skipif(_REASON is not None, reason=f"GPU engine tests skipped: {_REASON}")
+
+
+@functools.lru_cache(maxsize=1)
+def models():
+    """(NumPy target, GPU target, prompt ids, drafter path) for the embedded default model."""
+    from services.engine.default_model import default_model_paths
+    from services.engine.loader import load_target
+    from services.engine.models.qwen35_gpu import load_gpu_target
+
+    target_path, draft_path = default_model_paths()
+    cpu = load_target(target_path)
+    gpu = load_gpu_target(target_path, 0, with_tokenizer=False)
+    ids = cpu.tokenizer.encode(PROMPT)
+    return cpu.model, gpu.model, ids, draft_path
+
+
+def _max_diff(a: np.ndarray, b: np.ndarray) -> float:
+    return float(np.max(np.abs(np.asarray(a, np.float64) - np.asarray(b, np.float64))))
+
+
+@needs_gpu
+def test_prefill_and_decode_logits_match_numpy():
+    cpu, gpu, ids, _ = models()
+    cs, gs = cpu.new_state(256), gpu.new_state(256)
+    rc, rg = cpu.forward(cs, ids, logits="all"), gpu.forward(gs, ids, logits="all")
+    cs.commit(range(len(ids)))
+    gs.commit(range(len(ids)))
+    worst = _max_diff(rc.logits, rg.logits)
+    tok = int(np.argmax(rc.logits[-1]))
+    for _ in range(16):                       # teacher-forced by the NumPy tokens: both see the same inputs
+        rc, rg = cpu.forward(cs, [tok], logits="last"), gpu.forward(gs, [tok], logits="last")
+        cs.commit([0])
+        gs.commit([0])
+        worst = max(worst, _max_diff(rc.logits, rg.logits))
+        tok = int(np.argmax(rc.logits[-1]))
+    assert worst <= LOGIT_TOL, f"max |GPU - NumPy| logit difference {worst:.4g} > {LOGIT_TOL}"
+
+
+@needs_gpu
+def test_greedy_64_tokens_identical():
+    from services.engine.generate import generate
+
+    cpu, gpu, ids, _ = models()
+    a = generate(cpu, ids, 64).token_ids
+    b = generate(gpu, ids, 64).token_ids
+    if a != b:  # say whether a near-tie broke it: the NumPy margin between its top two at the first divergence
+        j = next(i for i, (x, y) in enumerate(zip(a, b)) if x != y)
+        s = cpu.new_state(len(ids) + j + 1)
+        lg = cpu.forward(s, list(ids) + a[:j], logits="last").logits[-1]
+        top = np.sort(lg)[-2:]
+        pytest.fail(f"greedy tokens differ first at {j}: NumPy {a[j]}, GPU {b[j]}; NumPy top-2 margin "
+                    f"{top[1] - top[0]:.4g} (a near-tie if below {LOGIT_TOL})")
+
+
+@needs_gpu
+@pytest.mark.parametrize("parents, path", [
+    ([-1, 0, 0, 1, 2, 3, 3, 5, 2], [0, 2, 4]),
+    ([-1, 0, 1, 2, 0, 4, 5, 6, 7], [0, 4, 5, 6, 7, 8]),       # a deep second branch: KV rows move, conv gathers
+])
+def test_tree_forward_and_commit_equal_plain_decode(parents, path):
+    cpu, gpu, ids, _ = models()
+    rng = np.random.default_rng(len(path))
+    tokens = rng.integers(0, gpu.cfg.n_vocab, size=len(parents))
+    nxt = int(rng.integers(0, gpu.cfg.n_vocab))
+    tree, plain = gpu.new_state(128), gpu.new_state(128)
+    for st in (tree, plain):
+        gpu.forward(st, ids, logits="none")
+        st.commit(range(len(ids)))
+    out = gpu.forward(tree, tokens, parents, checkpoints=True, logits="all")
+    tree.commit(path)
+    after_tree = gpu.forward(tree, [nxt], logits="last").logits[-1]
+    along = []
+    for i in path:
+        along.append(gpu.forward(plain, [int(tokens[i])], logits="last").logits[-1])
+        plain.commit([0])
+    after_plain = gpu.forward(plain, [nxt], logits="last").logits[-1]
+    assert tree.n_past == plain.n_past == len(ids) + len(path)
+    assert _max_diff(out.logits[path], np.stack(along)) <= PATH_TOL
+    assert _max_diff(after_tree, after_plain) <= PATH_TOL
+    # and the tree's logits match the NumPy engine's tree forward
+    cs = cpu.new_state(128)
+    cpu.forward(cs, ids, logits="none")
+    cs.commit(range(len(ids)))
+    assert _max_diff(cpu.forward(cs, tokens, parents, checkpoints=True).logits, out.logits) <= LOGIT_TOL
+
+
+@needs_gpu
+def test_wide_tree_and_long_chain_match_numpy():
+    """65 tree nodes (past the attention kernel's 64-token mask: the CuPy fallback) and a 150-token chain
+    (attention in blocks of 64), both against the NumPy engine, then a commit of a deep path."""
+    cpu, gpu, ids, _ = models()
+    rng = np.random.default_rng(5)
+    long_ids = rng.integers(0, gpu.cfg.n_vocab, size=150)
+    parents = [-1] + [int(rng.integers(0, i)) for i in range(1, 65)]
+    tokens = rng.integers(0, gpu.cfg.n_vocab, size=65)
+    cs, gs = cpu.new_state(400), gpu.new_state(400)
+    a, b = cpu.forward(cs, long_ids, logits="all"), gpu.forward(gs, long_ids, logits="all")
+    assert _max_diff(a.logits, b.logits) <= LOGIT_TOL
+    cs.commit(range(150))
+    gs.commit(range(150))
+    a = cpu.forward(cs, tokens, parents, checkpoints=True, capture=[1, 5])
+    b = gpu.forward(gs, tokens, parents, checkpoints=True, capture=[1, 5])
+    assert _max_diff(a.logits, b.logits) <= LOGIT_TOL
+    assert b.captured.shape == (65, 2, gpu.cfg.n_embd)
+    assert _max_diff(a.captured, b.captured) <= LOGIT_TOL
+    node, path = 64, []
+    while node >= 0:
+        path.insert(0, node)
+        node = parents[node]
+    cs.commit(path)
+    gs.commit(path)
+    assert _max_diff(cpu.forward(cs, [7], logits="last").logits, gpu.forward(gs, [7], logits="last").logits) \
+        <= LOGIT_TOL
+
+
+@needs_gpu
+def test_speculative_greedy_equals_plain_greedy_on_gpu():
+    from services.engine.backend import NumpyBackend
+    from services.engine.generate import generate
+    from services.engine.models.dflash import load_drafter
+    from services.engine.speculative import LocalProposer, SpecConfig, speculative_generate
+
+    _, gpu, ids, draft_path = models()
+    plain = generate(gpu, ids, 40).token_ids
+    for budget in (None, 22, 64):
+        drafter = load_drafter(draft_path, gpu.host_head(), NumpyBackend())
+        res = speculative_generate(gpu, LocalProposer(drafter), ids, 40, spec=SpecConfig(budget=budget))
+        assert res.token_ids == plain, f"budget {budget}"
+        assert res.spec["steps"] > 0
+
+
+def test_device_cuda_without_gpu_backend_is_a_clear_error(capsys):
+    if _REASON is None:
+        pytest.skip("a GPU backend is available here")
+    from services.cli import main
+
+    rc = main(["generate", "--device", "cuda:0", "--prompt", "x", "--max-tokens", "2"])
+    err = capsys.readouterr().err
+    assert rc == 2
+    assert "GPU backend not available" in err and "--device cpu" in err
+    assert _REASON.split(" ")[0] in err
