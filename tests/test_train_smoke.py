@@ -250,6 +250,15 @@ def test_drafter_only_run_on_a_shipped_target(toy, tmp_path):
     assert s2["drafter"]["steps"] == cfg.draft_train.steps
     lt = load_target(str(tmp_path / "run2" / "target.gguf"))
     load_drafter(str(tmp_path / "run2" / "drafter"), lt.model)
+    # and a third run continues that drafter (--init-drafter) instead of starting from random weights
+    cfg3 = toy_config(str(tmp_path / "run3"), ROOTS, seed=1)
+    cfg3.target_gguf, cfg3.init_drafter = str(out / "target.gguf"), str(tmp_path / "run2" / "drafter")
+    cfg3.draft_train.steps = 1
+    cfg3.draft_train.lr = 1e-9                        # one step at ~zero lr: the weights stay the loaded ones
+    run(cfg3)
+    a, b = (dr.load_drafter_torch(tmp_path / r / "drafter") for r in ("run2", "run3"))
+    for (n, p), q in zip(a.state_dict().items(), b.state_dict().values()):
+        assert torch.allclose(p, q, atol=1e-2), n
 
 
 

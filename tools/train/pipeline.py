@@ -67,6 +67,7 @@ class PipelineConfig:
     eval: EvalConfig = field(default_factory=EvalConfig)
     target_gguf: str | None = None          # train only a drafter, for this shipped qwen35 target
     synthetic_cycle: bool = False           # write the cycle corpus into the first root first
+    init_drafter: str | None = None         # continue training this drafter folder (z-lab layout)
     target_gguf_type: str = "q8_0"
     drafter_gguf_type: str = "q8_0"
     drafter_dtype: str = "bfloat16"
@@ -252,7 +253,14 @@ def _run(cfg: PipelineConfig) -> dict:
     if dtc.steps is None and total_s is not None:
         dtc.seconds = max(5.0, left() - reserve)
     seed_everything(cfg.seed)
-    drafter = dr.DFlashDraftModel(spec, cfg.target.hidden_size)
+    if cfg.init_drafter:
+        # Continue an earlier drafter (new data from this run's seed); its shape decides, not --drafter-*.
+        drafter = dr.load_drafter_torch(cfg.init_drafter).train()
+        if drafter.spec.target_layer_ids != spec.target_layer_ids or drafter.hidden != cfg.target.hidden_size:
+            raise SystemExit(f"{cfg.init_drafter}: drafter reads layers {drafter.spec.target_layer_ids} at hidden "
+                             f"{drafter.hidden}; this target needs {spec.target_layer_ids} at {cfg.target.hidden_size}")
+    else:
+        drafter = dr.DFlashDraftModel(spec, cfg.target.hidden_size)
     dstats = dr.train_drafter(drafter, data, embed, lm_head, mask_id, dtc, device, cfg.seed)
     del data
     dcfg = dr.save_drafter(drafter, out / "drafter", vocab, n_tl, mask_id, cfg.drafter_dtype)
@@ -341,6 +349,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--features-on-the-fly", action="store_true",
                     help="compute target features per drafter batch (more generated data than fits cached)")
     ap.add_argument("--gen-share", type=float, help="share of the drafter stage spent generating data")
+    ap.add_argument("--init-drafter", help="continue training this drafter folder (e.g. the shipped one) on "
+                    "new data instead of starting from random weights (use another --seed for new data)")
     a = ap.parse_args(argv)
 
     if a.preset in ("toy", "cycle"):
@@ -366,6 +376,7 @@ def main(argv: list[str] | None = None) -> None:
         cfg.draft_train.lr = a.drafter_lr
     cfg.target_gguf = a.target_gguf
     cfg.data.features_on_the_fly = a.features_on_the_fly
+    cfg.init_drafter = a.init_drafter
     if a.gen_share:
         cfg.gen_share = a.gen_share
     cfg.eval.prompts = a.eval_prompts
