@@ -3,6 +3,7 @@
     python bench/gpu_ops_check.py            # tests/test_kernels_ops.py, then the timings; $OUT/gpu_ops.json
     python bench/gpu_ops_check.py --no-tests
     python bench/gpu_ops_check.py --quick    # small shapes: a smoke run of the script itself
+    python bench/gpu_ops_check.py --tq3      # TQ3_0 KV only: the GPU tests, then TQ3_0 vs f16 attention at 4K-128K
 
 Timings at Qwen3.6-27B shapes (24 query heads, 4 KV heads, head_dim 256, hidden 5120, ffn 17408, DeltaNet
 48 x 128 value heads, vocabulary 248320): per call, median over CUDA-graph replays of several calls that
@@ -36,7 +37,8 @@ ROTATE_BYTES = 256 * 2**20
 
 
 def run_tests(out_dir: Path | None) -> int:
-    cmd = [sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", "tests/test_kernels_ops.py"]
+    cmd = [sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", "--durations=5",
+           "tests/test_kernels_ops.py"]  # fmt: skip
     try:
         import pytest  # noqa: F401
     except ImportError:
@@ -58,8 +60,21 @@ def timed(cupy, make_call, copies: int, min_calls: int = 8):
     return us, best, how
 
 
-def bench_attention(cupy, copy_bw: float, quick: bool) -> list[dict]:
+def time_attention(cupy, at, caches: list, T: int, S: int, splits: int) -> tuple[float, float, str]:
+    """One chain of T queries (Qwen3.6 heads) over S committed rows, timed rotating among `caches` copies."""
     import numpy as np
+
+    q = cupy.random.standard_normal((T, H, D), dtype=cupy.float32).astype(cupy.float16)
+    mask = cupy.asarray(at.tree_mask(list(range(-1, T - 1))))
+    s_dev = cupy.asarray([S], dtype=cupy.int32)
+    ws = at.make_workspace(H, T, D, splits)
+    out = cupy.empty((T, H, D), cupy.float16)
+    calls = [partial(at.attention, q, c, s_dev, mask, splits=splits, workspace=ws, out=out, out_dtype=np.float16)
+             for c in caches]
+    return timed(cupy, lambda i: calls[i], len(caches))
+
+
+def bench_attention(cupy, copy_bw: float, quick: bool) -> list[dict]:
 
     from kernels import attention as at
 
@@ -82,18 +97,8 @@ def bench_attention(cupy, copy_bw: float, quick: bool) -> list[dict]:
             cupy.cuda.Device().synchronize()
             t1 = None
             for T in widths:
-                q = cupy.random.standard_normal((T, H, D), dtype=cupy.float32).astype(cupy.float16)
-                mask = cupy.asarray(at.tree_mask(list(range(-1, T - 1))))
-                s_dev = cupy.asarray([S], dtype=cupy.int32)
                 splits = at.choose_splits(H, HKV, D, T, S, kind)
-                ws = at.make_workspace(H, T, D, splits)
-                out = cupy.empty((T, H, D), cupy.float16)
-
-                calls = [
-                    partial(at.attention, q, c, s_dev, mask, splits=splits, workspace=ws, out=out, out_dtype=np.float16)
-                    for c in caches
-                ]
-                us, best, how = timed(cupy, lambda i, calls=calls: calls[i], copies)
+                us, best, how = time_attention(cupy, at, caches, T, S, splits)
                 t1 = us if t1 is None else t1
                 kv_bytes = 2 * HKV * (S + T) * at.row_bytes(kind, D)
                 nbytes = kv_bytes + T * H * D * 4
@@ -106,7 +111,67 @@ def bench_attention(cupy, copy_bw: float, quick: bool) -> list[dict]:
                 }  # fmt: skip
                 rows.append(row)
                 print(json.dumps(row), flush=True)
-            del caches, calls
+            del caches
+            cupy.get_default_memory_pool().free_all_blocks()
+    return rows
+
+
+def fill_cache(cupy, cache, rows: int) -> None:
+    """Random rows 0 .. rows-1, written (and quantized) by the store kernel 4096 rows at a time."""
+    for start in range(0, rows, 4096):
+        n = min(4096, rows - start)
+        kv = cupy.random.standard_normal((2, n, cache.n_kv_heads, cache.head_dim), dtype=cupy.float32)
+        cache.store(kv[0], kv[1], start)
+
+
+def bench_tq3(cupy, copy_bw: float, quick: bool) -> list[dict]:
+    """Attention over TQ3_0 (K and V, and the 6:1 default K q8_0 + V tq3_0) vs f16 KV, Qwen3.6-27B shape;
+    plus the store kernel (quantizing T new rows) per call."""
+
+    from kernels import attention as at
+
+    rows = []
+    contexts = (1024, 4096) if quick else (4096, 32768, 131072)
+    pairs = (("f16", "f16"), ("tq3_0", "tq3_0"), ("q8_0", "tq3_0"), ("q8_0", "q8_0"))
+    base: dict[tuple[int, int], float] = {}
+    for S in contexts:
+        for kk, kv in pairs:
+            probe = at.KVCacheLayer(HKV, D, S + 64, kk, kv)
+            # enough copies that L2 cannot hold them (a 4K TQ3_0 layer is 3.7 MB)
+            copies = max(1, min(64, math.ceil(ROTATE_BYTES / probe.nbytes)))
+            del probe
+            caches = []
+            for _ in range(copies):
+                c = at.KVCacheLayer(HKV, D, S + 64, kk, kv)
+                fill_cache(cupy, c, S + 64)
+                caches.append(c)
+            cupy.cuda.Device().synchronize()
+            for T in (1, 23):
+                splits = at.choose_splits(H, HKV, D, T, S, kk, kv)
+                us, best, how = time_attention(cupy, at, caches, T, S, splits)
+                if kk == "f16" and kv == "f16":
+                    base[(S, T)] = us
+                kv_bytes = HKV * (S + T) * (at.row_bytes(kk, D) + at.row_bytes(kv, D))
+                nbytes = kv_bytes + T * H * D * 4
+                gbs = nbytes / (us * 1e-6) / 1e9
+                row = {
+                    "kernel": "attention", "kv": f"{kk}/{kv}", "S": S, "T": T, "splits": splits, "us": round(us, 2),
+                    "best_us": round(best, 2), "MB": round(nbytes / 1e6, 2), "GBps": round(gbs, 1),
+                    "roof": round(gbs / copy_bw, 3), "x_f16": round(us / base[(S, T)], 3),
+                    "bytes_x_f16": round(kv_bytes / (HKV * (S + T) * 4 * D), 3), "timing": how,
+                }  # fmt: skip
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+                if S == contexts[0] and kv == "tq3_0":  # the store of T new rows (K and V of all KV heads)
+                    src = cupy.random.standard_normal((2, T, HKV, D), dtype=cupy.float32).astype(cupy.float16)
+                    s_dev = cupy.asarray([S], dtype=cupy.int32)
+                    st = [partial(c.store, src[0], src[1], s_dev) for c in caches]
+                    sus, sbest, show = timed(cupy, lambda i, st=st: st[i], copies)
+                    srow = {"kernel": "kv_store", "kv": f"{kk}/{kv}", "T": T, "us": round(sus, 2),
+                            "best_us": round(sbest, 2), "timing": show}  # fmt: skip
+                    rows.append(srow)
+                    print(json.dumps(srow), flush=True)
+            del caches
             cupy.get_default_memory_pool().free_all_blocks()
     return rows
 
@@ -191,6 +256,7 @@ def main(argv: list[str]) -> int:
     out_dir = Path(os.environ["OUT"]) if os.environ.get("OUT") else None
     if out_dir:
         out_dir.mkdir(parents=True, exist_ok=True)
+    tq3_only = "--tq3" in argv
     status = 0 if "--no-tests" in argv else run_tests(out_dir)
     reason = loader.unavailable_reason()
     if reason is not None:
@@ -212,10 +278,11 @@ def main(argv: list[str]) -> int:
     print(f"copy bandwidth {copy_bw:.1f} GB/s, streaming read {read_bw:.1f} GB/s", flush=True)
 
     t0 = time.time()
-    small = bench_small(cupy, copy_bw, quick)
-    attn = bench_attention(cupy, copy_bw, quick)
+    small = [] if tq3_only else bench_small(cupy, copy_bw, quick)
+    attn = [] if tq3_only else bench_attention(cupy, copy_bw, quick)
+    tq3 = bench_tq3(cupy, copy_bw, quick)
     result = {**info, "copy_GBps": round(copy_bw, 1), "read_GBps": round(read_bw, 1), "tests_exit": status,
-              "attention": attn, "small": small, "bench_seconds": round(time.time() - t0, 1)}  # fmt: skip
+              "attention": attn, "small": small, "tq3": tq3, "bench_seconds": round(time.time() - t0, 1)}  # fmt: skip
     if out_dir:
         (out_dir / "gpu_ops.json").write_text(json.dumps(result, indent=1))
 
@@ -230,6 +297,14 @@ def main(argv: list[str]) -> int:
     for r in attn:
         print(f"{'':9} {r['kv']:5} {r['S']:6} {r['T']:3} {r['splits']:6} {r['us']:8.1f} {r['MB']:7.1f} "
               f"{r['roof']:6.2f} {r['x_T1']:6.2f} {r['TFLOPs']:8.1f}")  # fmt: skip
+    print(f"{'TQ3_0 KV':9} {'K/V':12} {'S':>6} {'T':>3} {'splits':>6} {'us':>8} {'MB':>7} {'roof':>6} {'x_f16':>6} "
+          f"{'bytes':>6}")  # fmt: skip
+    for r in tq3:
+        if r["kernel"] == "attention":
+            print(f"{'':9} {r['kv']:12} {r['S']:6} {r['T']:3} {r['splits']:6} {r['us']:8.1f} {r['MB']:7.1f} "
+                  f"{r['roof']:6.2f} {r['x_f16']:6.2f} {r['bytes_x_f16']:6.3f}")  # fmt: skip
+        else:
+            print(f"{'kv_store':9} {r['kv']:12} {'':6} {r['T']:3} {'':6} {r['us']:8.1f}")
     print(f"gpu_ops_check: tests exit status {status}")
     return status
 

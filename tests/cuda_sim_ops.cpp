@@ -97,48 +97,71 @@ extern "C" int sim_gate_mul(int ti, int tg, int to, const void* x, const void* g
 #endif
 
 #if OPS_FAMILY == 2
-extern "C" int sim_kv_store(int kv, int ti, const void* k, const void* v, unsigned char* kc, unsigned char* vc,
-                            const int* s_len, int T, int Hkv, int D, long long ctx) {
+// KV kinds: 0 f16, 1 Q8_0, 2 TQ3_0 (kk for K, kv for V)
+extern "C" int sim_kv_store(int kk, int kv, int ti, const void* k, const void* v, unsigned char* kc,
+                            unsigned char* vc, const int* s_len, int T, int Hkv, int D, long long ctx) {
     g_body = nullptr;
-    if (kv == 0 && ti == 0) g_body = [=] { kv_store_kernel<0, 0>(k, v, kc, vc, s_len, T, Hkv, D, ctx); };
-    if (kv == 0 && ti == 1) g_body = [=] { kv_store_kernel<0, 1>(k, v, kc, vc, s_len, T, Hkv, D, ctx); };
-    if (kv == 1 && ti == 0) g_body = [=] { kv_store_kernel<1, 0>(k, v, kc, vc, s_len, T, Hkv, D, ctx); };
+#define KS(KK, KV, TI) \
+    if (kk == KK && kv == KV && ti == TI) g_body = [=] { kv_store_kernel<KK, KV, TI>(k, v, kc, vc, s_len, T, Hkv, D, ctx); };
+    KS(0, 0, 0)
+    KS(0, 0, 1)
+    KS(1, 1, 0)
+    KS(2, 2, 0)
+    KS(2, 2, 1)
+    KS(1, 2, 0)
+    KS(0, 2, 0)
+    KS(0, 2, 1)
+    KS(2, 0, 0)
+#undef KS
     if (!g_body) return -1;
     return launch(3, 1, 1, 64);  // a small grid: the grid-stride loop covers the rest
 }
 
-extern "C" int sim_attn_partial(int kv, int D, int tq, int kw, const void* q, const unsigned char* kc,
+extern "C" int sim_attn_partial(int kk, int kv, int D, int tq, int kw, const void* q, const unsigned char* kc,
                                 const unsigned char* vc, const int* s_len, const unsigned long long* mask, int T,
                                 int H, int Hkv, long long ctx, float scale_log2, float* ws_o, float* ws_ml, int gx,
                                 int splits) {
     g_body = nullptr;
-#define AP(KV, DD, TQ, KW)                                                                                        \
-    if (kv == KV && D == DD && tq == TQ && kw == KW)                                                              \
-        g_body = [=] {                                                                                            \
-            attn_partial_kernel<KV, DD, TQ, KW>(q, kc, vc, s_len, mask, T, H, Hkv, ctx, scale_log2, ws_o, ws_ml); \
+#define AP(KK, KV, DD, TQ, KW)                                                                                       \
+    if (kk == KK && kv == KV && D == DD && tq == TQ && kw == KW)                                                     \
+        g_body = [=] {                                                                                               \
+            attn_partial_kernel<KK, KV, DD, TQ, KW>(q, kc, vc, s_len, mask, T, H, Hkv, ctx, scale_log2, ws_o, ws_ml); \
         };
-    AP(0, 64, 0, 4)
-    AP(1, 64, 0, 4)
-    AP(0, 64, 1, 1)
-    AP(0, 64, 0, 2)
-    AP(0, 128, 0, 4)
-    AP(1, 128, 0, 1)
-    AP(0, 64, 0, 1)
-    AP(0, 256, 0, 4)
-    AP(1, 256, 1, 2)
-    AP(1, 256, 0, 1)
+    AP(0, 0, 64, 0, 4)
+    AP(1, 1, 64, 0, 4)
+    AP(0, 0, 64, 1, 1)
+    AP(0, 0, 64, 0, 2)
+    AP(0, 0, 128, 0, 4)
+    AP(1, 1, 128, 0, 1)
+    AP(0, 0, 64, 0, 1)
+    AP(0, 0, 256, 0, 4)
+    AP(1, 1, 256, 1, 2)
+    AP(1, 1, 256, 0, 1)
+    AP(2, 2, 64, 0, 4)
+    AP(2, 2, 128, 0, 1)
+    AP(2, 2, 256, 0, 2)
+    AP(1, 2, 256, 1, 4)
+    AP(1, 2, 256, 1, 1)
+    AP(2, 0, 64, 1, 2)
+    AP(2, 2, 128, 0, 4)
+    AP(0, 2, 128, 0, 2)
 #undef AP
     if (!g_body) return -1;
     return launch(gx, Hkv, splits, 128);
 }
 
-extern "C" int sim_attn_combine(int to, int tg, const float* ws_o, const float* ws_ml, int splits, int T, int H,
-                                int Hkv, int D, const void* gate, long long g_tok, long long g_head, void* out) {
+extern "C" int sim_attn_combine(int to, int tg, int rg, const float* ws_o, const float* ws_ml, int splits, int T,
+                                int H, int Hkv, int D, const void* gate, long long g_tok, long long g_head, void* out) {
     g_body = nullptr;
-    if (to == 0 && tg == 0)
-        g_body = [=] { attn_combine_kernel<0, 0>(ws_o, ws_ml, splits, T, H, Hkv, D, gate, g_tok, g_head, out); };
-    if (to == 1 && tg == 1)
-        g_body = [=] { attn_combine_kernel<1, 1>(ws_o, ws_ml, splits, T, H, Hkv, D, gate, g_tok, g_head, out); };
+#define AC(TO, TG, RG)                                                                                          \
+    if (to == TO && tg == TG && rg == RG)                                                                       \
+        g_body = [=] { attn_combine_kernel<TO, TG, RG>(ws_o, ws_ml, splits, T, H, Hkv, D, gate, g_tok, g_head, out); };
+    AC(0, 0, 0)
+    AC(1, 1, 0)
+    AC(0, 0, 64)
+    AC(0, 0, 128)
+    AC(1, 1, 128)
+#undef AC
     if (!g_body) return -1;
     return launch(H * T, 1, 1, D);
 }

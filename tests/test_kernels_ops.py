@@ -1,10 +1,13 @@
-"""GPU norms / RoPE / gates, tree attention over f16 and Q8_0 KV caches, argmax and top-k, against the NumPy twins.
+"""GPU norms / RoPE / gates, tree attention over f16 / Q8_0 / TQ3_0 KV caches, argmax, top-k, against NumPy twins.
 
 Needs CuPy and a CUDA GPU; skipped (with the reason) anywhere else (tests/test_kernels_ops_sim.py runs the
 same kernel sources on the CPU). Outputs are poisoned with NaN first, so an unwritten element fails.
 Tolerances (relative Frobenius error against the f64 twin): f32 in/out 2e-6 for the norms (f32 math),
 one output rounding for f16 (1e-3) / bf16 (8e-3); attention 3e-3 (q, softmax weights and V in fp16 on the
 tensor cores, f32 accumulation); argmax and top-k ids exact, log-probabilities within 1e-4 absolute.
+TQ3_0: the stored blocks against tq3.quantize_tq3_0 (equal but for values within float32 rounding of a
+centroid midpoint), attention against services/engine/kvcache.py over the same bytes (needs gguf, which
+services.engine.quants imports: those tests skip without it).
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ if _REASON is not None:
 from kernels import attention as at  # noqa: E402
 from kernels import norm_rope as nr  # noqa: E402
 from kernels import sampling as sp  # noqa: E402
+from tests.tq3_check import check_tq3_bytes  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
@@ -53,6 +57,7 @@ def _load(rel: str, name: str):
 
 layers = _load("services/engine/layers.py", "_twin_layers")
 legacy = _load("services/engine/quants/legacy.py", "_twin_legacy")
+tq3 = _load("services/engine/quants/tq3.py", "_twin_tq3")
 ddtree = _load("services/engine/ddtree.py", "_twin_ddtree")
 
 OUT_TOL = {np.float32: 2e-6, np.float16: 1e-3, "bfloat16": 8e-3}
@@ -173,8 +178,8 @@ def random_tree(T: int, rng) -> list[int]:
     return [-1] + [int(rng.integers(-1, i)) for i in range(1, T)]
 
 
-def make_cache(kind: str, Hkv: int, D: int, S: int, T: int, rng, max_ctx: int | None = None):
-    cache = at.KVCacheLayer(Hkv, D, max_ctx or S + T + 40, kind)
+def make_cache(kind: str, Hkv: int, D: int, S: int, T: int, rng, max_ctx: int | None = None, kind_v=None):
+    cache = at.KVCacheLayer(Hkv, D, max_ctx or S + T + 40, kind, kind_v)
     cache.k.fill(0xFF)  # stale NaN bytes past the written rows must not leak into the result
     cache.v.fill(0xFF)
     k = rng.standard_normal((S + T, Hkv, D)).astype(np.float32)
@@ -280,6 +285,116 @@ def test_attention_graph_replay_with_new_length_and_tree() -> None:
                                           vd.astype(np.float64), visible)  # fmt: skip
             assert rel(host(out), ref) < ATTN_TOL, f"S={S}"
             assert cupy.asnumpy(idx).tolist() == np.argmax(cupy.asnumpy(flat), axis=1).tolist()
+
+
+# -- TQ3_0 KV -------------------------------------------------------------------------------------------
+
+
+def kv_twin(cache, n: int):
+    """services/engine/kvcache.py KVCache over the device cache's first n rows (the same bytes)."""
+    kvcache = pytest.importorskip("services.engine.kvcache", reason="the KV twin imports gguf (not installed)")
+    stores = []
+    for raw, kind in zip(cache.raw_rows(n), (cache.kind, cache.kind_v)):
+        if kind == "f16":
+            data = raw.reshape(-1).view(np.float16).reshape(n, cache.n_kv_heads, cache.head_dim)
+        else:
+            data = raw.reshape(n, cache.n_kv_heads, cache.head_dim // 32, -1)
+        stores.append(kvcache.KVStore(kind, n, cache.n_kv_heads, cache.head_dim, _data=np.ascontiguousarray(data)))
+    return kvcache.KVCache(*stores)
+
+
+def twin_attention_kv(q, cache, S: int, T: int, parents) -> np.ndarray:
+    visible = np.concatenate([np.ones((T, S), bool), layers.ancestor_matrix(np.asarray(parents))], axis=1)
+    return kv_twin(cache, S + T).attend(np.asarray(q, np.float32), S + T, visible).astype(np.float64)
+
+
+@pytest.mark.parametrize("D", [64, 128, 256])
+def test_tq3_store_matches_twin_quantizer(D: int) -> None:
+    rng = np.random.default_rng(D)
+    S, T, Hkv = 700, 5, 3
+    x = (rng.standard_normal((S + T, Hkv, D)) * rng.uniform(0.1, 10, (S + T, Hkv, 1))).astype(np.float32)
+    x[3, 1] = 0.0  # a zero row: norm 0, codes of the zero vector
+    x[S:] = x[S:].astype(np.float16)
+    cache = at.KVCacheLayer(Hkv, D, S + T, "tq3_0")
+    cache.store(x[:S], x[:S] * -0.5, 0)
+    cache.store(cupy.asarray(x[S:]).astype(cupy.float16), cupy.asarray(x[S:] * -0.5).astype(cupy.float16), S)
+    kr, vr = cache.raw_rows(S + T)
+    check_tq3_bytes(kr, x, tq3)
+    check_tq3_bytes(vr, x * -0.5, tq3)
+    assert cache.bytes_per_token == 2 * Hkv * tq3.row_bytes(D)
+    kd, _ = cache.rows(S + T)
+    assert np.allclose(kd, tq3.dequantize_tq3_0(kr.reshape(S + T, Hkv, D // 32, 14)), atol=1e-5)
+
+
+@pytest.mark.parametrize("kinds", [("tq3_0", "tq3_0"), ("q8_0", "tq3_0")])
+@pytest.mark.parametrize("T", [1, 16, 23, 41])
+def test_attention_tq3_0_qwen36_shape(kinds, T: int) -> None:
+    rng = np.random.default_rng(T + 100 * len(kinds[0]))
+    H, Hkv, D, S = 24, 4, 256, 517
+    cache, _, _ = make_cache(kinds[0], Hkv, D, S, T, rng, kind_v=kinds[1])
+    parents = random_tree(T, rng)
+    q = rng.standard_normal((T, H, D)).astype(np.float16)
+    ref = twin_attention_kv(q, cache, S, T, parents)
+    # the model-domain decode gives the same attention (the rotation is orthogonal)
+    assert rel(twin_attention(q, cache, S, T, parents), ref) < 1e-4
+    mask = cupy.asarray(at.tree_mask(parents))
+    for splits in (None, 1, 5):
+        out = cupy.full((T, H, D), np.nan, cupy.float32)
+        at.attention(cupy.asarray(q), cache, S, mask, splits=splits, out=out)
+        assert rel(host(out), ref) < ATTN_TOL, f"splits={splits}"
+
+
+TQ3_MIXED = [(("tq3_0", "tq3_0"), 64, 2, 2, 23), (("tq3_0", "f16"), 128, 3, 2, 16),
+             (("f16", "tq3_0"), 64, 6, 1, 41), (("tq3_0", "q8_0"), 128, 8, 1, 1)]  # fmt: skip
+
+
+@pytest.mark.parametrize("kinds,D,G,Hkv,T", TQ3_MIXED)
+def test_attention_tq3_0_head_dims_kinds_and_gate(kinds, D: int, G: int, Hkv: int, T: int) -> None:
+    rng = np.random.default_rng(D + G + T)
+    S, H = 301, G * Hkv
+    cache, _, _ = make_cache(kinds[0], Hkv, D, S, T, rng, kind_v=kinds[1])
+    parents = random_tree(T, rng)
+    q = rng.standard_normal((T, H, D)).astype(np.float32)
+    qg = rng.standard_normal((T, H, 2 * D)).astype(np.float16)
+    ref = twin_attention_kv(q, cache, S, T, parents) * layers.sigmoid(qg[..., D:].astype(np.float64))
+    o = at.attention(q, cache, S, at.tree_mask(parents), gate=cupy.asarray(qg)[..., D:], out_dtype=np.float16)
+    assert rel(host(o), ref) < ATTN_TOL + 1e-3
+    o = at.attention(q, cache, S, at.tree_mask(parents), portable=True)
+    assert rel(host(o), twin_attention_kv(q, cache, S, T, parents)) < ATTN_TOL
+
+
+def test_attention_tq3_0_graph_replay() -> None:
+    rng = np.random.default_rng(12)
+    T, H, Hkv, D = 23, 24, 4, 256
+    cache, _, _ = make_cache("q8_0", Hkv, D, 600, T, rng, max_ctx=1024, kind_v="tq3_0")
+    q_d = cupy.asarray(rng.standard_normal((T, H, D)).astype(np.float16))
+    s_d = cupy.asarray([100], dtype=cupy.int32)
+    m_d = cupy.asarray(at.tree_mask(list(range(-1, T - 1))))
+    splits = at.choose_splits(H, Hkv, D, T, 1024, cache.kind, cache.kind_v)
+    ws = at.make_workspace(H, T, D, splits)
+    out = cupy.empty((T, H, D), cupy.float32)
+    stream = cupy.cuda.Stream(non_blocking=True)
+    with stream:
+        at.attention(q_d, cache, s_d, m_d, splits=splits, workspace=ws, out=out)
+        stream.synchronize()
+        stream.begin_capture()
+        at.attention(q_d, cache, s_d, m_d, splits=splits, workspace=ws, out=out)
+        graph = stream.end_capture()
+        for S, parents in ((100, list(range(-1, T - 1))), (577, random_tree(T, rng))):
+            s_d.set(np.array([S], np.int32))
+            m_d.set(at.tree_mask(parents))
+            out.fill(np.nan)
+            graph.launch(stream)
+            stream.synchronize()
+            assert rel(host(out), twin_attention_kv(cupy.asnumpy(q_d), cache, S, T, parents)) < ATTN_TOL, f"S={S}"
+
+
+def test_tq3_0_bad_inputs() -> None:
+    with pytest.raises(ValueError, match="KV cache type"):
+        at.KVCacheLayer(4, 256, 64, kind="q8_0", kind_v="tq3")
+    c = at.KVCacheLayer(2, 128, 40, "q8_0", "tq3_0")
+    assert (c.kind, c.kind_k, c.kind_v) == ("q8_0", "q8_0", "tq3_0")
+    assert c.k.nbytes == 2 * 64 * 136 and c.v.nbytes == 2 * 64 * 56
 
 
 # -- sampling -------------------------------------------------------------------------------------------

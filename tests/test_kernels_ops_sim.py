@@ -20,9 +20,10 @@ import numpy as np
 import pytest
 
 from kernels import attention as attn_mod
-from services.engine import layers
+from services.engine import kvcache, layers
 from services.engine.ddtree import topk_logprobs
-from services.engine.quants import legacy
+from services.engine.quants import legacy, tq3
+from tests.tq3_check import check_tq3_bytes
 
 ROOT = Path(__file__).resolve().parents[1]
 HARNESS = Path(__file__).resolve().parent / "cuda_sim_ops.cpp"
@@ -40,9 +41,9 @@ SIGNATURES = {
     "sim_head_norm": [I, I, I, I, P, LL, LL, I, P, P, P, LL, LL, I, P, P, I, P, P, P, I, F],
     "sim_silu_mul": [I, I, P, LL, P, LL, P, I, I, I],
     "sim_gate_mul": [I, I, I, P, P, LL, LL, P, I, I, I, I],
-    "sim_kv_store": [I, I, P, P, P, P, P, I, I, I, LL],
-    "sim_attn_partial": [I, I, I, I, P, P, P, P, P, I, I, I, LL, F, P, P, I, I],
-    "sim_attn_combine": [I, I, P, P, I, I, I, I, I, P, LL, LL, P],
+    "sim_kv_store": [I, I, I, P, P, P, P, P, I, I, I, LL],
+    "sim_attn_partial": [I, I, I, I, I, P, P, P, P, P, I, I, I, LL, F, P, P, I, I],
+    "sim_attn_combine": [I, I, I, P, P, I, I, I, I, I, P, LL, LL, P],
     "sim_argmax": [I, P, LL, I, I, I, I, P, P, P],
     "sim_topk": [I, I, P, LL, I, I, I, I, F, P, P, P, P, P],
 }
@@ -210,44 +211,56 @@ def test_silu_mul_and_gate_mul(libs, code: int) -> None:
 
 # -- attention.cu ---------------------------------------------------------------------------------------
 
-KV_NAMES = {0: "f16", 1: "q8_0"}
+KV_NAMES = {0: "f16", 1: "q8_0", 2: "tq3_0"}
 
 
-def run_attention(lib, kv: int, D: int, tq: int, T: int, G: int, Hkv: int, S: int, parents, splits: int,
-                  rng, gate_f16: bool = False):  # fmt: skip
+def twin_store(kind: str, raw: np.ndarray, n: int, Hkv: int, D: int) -> kvcache.KVStore:
+    """services/engine/kvcache.py's store over the device's bytes [n, Hkv, row bytes]."""
+    if kind == "f16":
+        data = raw.reshape(-1).view(np.float16).reshape(n, Hkv, D)
+    else:
+        data = raw.reshape(n, Hkv, D // 32, 34 if kind == "q8_0" else 14)
+    return kvcache.KVStore(kind, n, Hkv, D, _data=np.ascontiguousarray(data))
+
+
+def run_attention(lib, kv, D: int, tq: int, T: int, G: int, Hkv: int, S: int, parents, splits: int,
+                  rng, gate_f16: bool = False, ti_new: int | None = None):  # fmt: skip
+    """kv: one kind code for K and V, or a (K, V) pair. Stores S committed rows (f32 input) and T new rows
+    (f16 input when ti_new is 1), checks the stored bytes, runs attention; returns (y, twin)."""
+    kk, kv = (kv, kv) if isinstance(kv, int) else kv
     H = G * Hkv
     ctx = 32 * math.ceil((S + T + 5) / 32)
-    rb = attn_mod.row_bytes(KV_NAMES[kv], D)
-    kc = np.full(Hkv * ctx * rb, 0xFF, np.uint8)  # stale bytes (NaN halves) past the written rows
-    vc = np.full(Hkv * ctx * rb, 0xFF, np.uint8)
+    rbk, rbv = attn_mod.row_bytes(KV_NAMES[kk], D), attn_mod.row_bytes(KV_NAMES[kv], D)
+    kc = np.full(Hkv * ctx * rbk, 0xFF, np.uint8)  # stale bytes (NaN halves) past the written rows
+    vc = np.full(Hkv * ctx * rbv, 0xFF, np.uint8)
     k_all = rng.standard_normal((S + T, Hkv, D)).astype(np.float32)
     v_all = rng.standard_normal((S + T, Hkv, D)).astype(np.float32)
+    if ti_new is None:
+        ti_new = 1 if kk == kv == 0 else 0
+    if ti_new:
+        k_all[S:] = k_all[S:].astype(np.float16)
+        v_all[S:] = v_all[S:].astype(np.float16)
     zero = np.zeros(1, np.int32)
-    # committed rows at S=0 (f32 input), then the new rows at S (f16 input for the f16 cache)
-    assert lib.sim_kv_store(kv, 0, ptr(k_all[:S]), ptr(v_all[:S]), ptr(kc), ptr(vc), ptr(zero), S, Hkv, D, ctx) == 0
+    assert lib.sim_kv_store(kk, kv, 0, ptr(k_all[:S]), ptr(v_all[:S]), ptr(kc), ptr(vc), ptr(zero), S, Hkv, D,
+                            ctx) == 0  # fmt: skip
     s_len = np.array([S], np.int32)
-    ti_new = 1 if kv == 0 else 0
     k_new = k_all[S:].astype(np.float16) if ti_new else k_all[S:].copy()
     v_new = v_all[S:].astype(np.float16) if ti_new else v_all[S:].copy()
-    assert lib.sim_kv_store(kv, ti_new, ptr(k_new), ptr(v_new), ptr(kc), ptr(vc), ptr(s_len), T, Hkv, D, ctx) == 0
+    err = lib.sim_kv_store(kk, kv, ti_new, ptr(k_new), ptr(v_new), ptr(kc), ptr(vc), ptr(s_len), T, Hkv, D, ctx)
+    assert err == 0, f"simulation error (or no store instance for {kk}, {kv}, {ti_new})"
 
-    # stored bytes: f16 casts, or exactly ggml's Q8_0 blocks
-    def stored(buf):
-        return buf.reshape(Hkv, ctx, rb)[:, : S + T].transpose(1, 0, 2)
+    def stored(buf, rb):
+        return np.ascontiguousarray(buf.reshape(Hkv, ctx, rb)[:, : S + T].transpose(1, 0, 2))
 
-    if kv == 0:
-        for buf, src in ((kc, k_all), (vc, v_all)):
-            assert np.array_equal(stored(buf).reshape(-1).view(np.float16), src.astype(np.float16).reshape(-1))
-    else:
-        for buf, src in ((kc, k_all), (vc, v_all)):
-            want = legacy.quantize_q8_0(src.reshape(-1, 32)).reshape(S + T, Hkv, rb)
-            assert np.array_equal(stored(buf), want)
-
-    def values(buf):
-        raw = np.ascontiguousarray(stored(buf))
-        if kv == 0:
-            return raw.reshape(-1).view(np.float16).astype(np.float64).reshape(S + T, Hkv, D)
-        return legacy.dequantize_q8_0(raw.reshape(-1, 34)).astype(np.float64).reshape(S + T, Hkv, D)
+    # stored bytes: f16 casts, exactly ggml's Q8_0 blocks, or tq3.quantize_tq3_0's blocks
+    for buf, rb, kind, src in ((kc, rbk, kk, k_all), (vc, rbv, kv, v_all)):
+        raw = stored(buf, rb)
+        if kind == 0:
+            assert np.array_equal(raw.reshape(-1).view(np.float16), src.astype(np.float16).reshape(-1))
+        elif kind == 1:
+            assert np.array_equal(raw, legacy.quantize_q8_0(src.reshape(-1, 32)).reshape(S + T, Hkv, rb))
+        else:
+            check_tq3_bytes(raw, src, tq3)
 
     q = rng.standard_normal((T, H, D)).astype(np.float32) * 1.5
     qx = q.astype(np.float16) if tq == 1 else q
@@ -257,20 +270,23 @@ def run_attention(lib, kv: int, D: int, tq: int, T: int, G: int, Hkv: int, S: in
     ws_o = np.full((parts, H * T, D), np.nan, np.float32)
     ws_ml = np.full((parts, H * T, 2), np.nan, np.float32)
     scale = np.float32(1.0 / math.sqrt(D) / math.log(2.0))
-    err = lib.sim_attn_partial(kv, D, tq, kw, ptr(qx), ptr(kc), ptr(vc), ptr(s_len), ptr(mask), T, H, Hkv, ctx, scale,
-                               ptr(ws_o), ptr(ws_ml), gx, splits)  # fmt: skip
-    assert err == 0, f"simulation error (or no instance for kv={kv} D={D} tq={tq} KW={kw})"
+    err = lib.sim_attn_partial(kk, kv, D, tq, kw, ptr(qx), ptr(kc), ptr(vc), ptr(s_len), ptr(mask), T, H, Hkv, ctx,
+                               scale, ptr(ws_o), ptr(ws_ml), gx, splits)  # fmt: skip
+    assert err == 0, f"simulation error (or no instance for K={kk} V={kv} D={D} tq={tq} KW={kw})"
+    rg = attn_mod.tq3_group(D) if kv == 2 else 0
     if gate_f16:
         gate = rng.standard_normal((T, H, 2 * D)).astype(np.float16)
         out = empty((T, H, D), 1)
-        err = lib.sim_attn_combine(1, 1, ptr(ws_o), ptr(ws_ml), parts, T, H, Hkv, D, ptr(gate[..., D:]), H * 2 * D,
-                                   2 * D, ptr(out))  # fmt: skip
+        err = lib.sim_attn_combine(1, 1, rg, ptr(ws_o), ptr(ws_ml), parts, T, H, Hkv, D, ptr(gate[..., D:]),
+                                   H * 2 * D, 2 * D, ptr(out))  # fmt: skip
     else:
         out = empty((T, H, D), 0)
-        err = lib.sim_attn_combine(0, 0, ptr(ws_o), ptr(ws_ml), parts, T, H, Hkv, D, None, 0, 0, ptr(out))
+        err = lib.sim_attn_combine(0, 0, rg, ptr(ws_o), ptr(ws_ml), parts, T, H, Hkv, D, None, 0, 0, ptr(out))
     assert err == 0
     visible = np.concatenate([np.ones((T, S), bool), layers.ancestor_matrix(np.asarray(parents))], axis=1)
-    ref = layers.masked_attention(qx.astype(np.float64), values(kc), values(vc), visible).astype(np.float64)
+    twin = kvcache.KVCache(twin_store(KV_NAMES[kk], stored(kc, rbk), S + T, Hkv, D),
+                           twin_store(KV_NAMES[kv], stored(vc, rbv), S + T, Hkv, D))  # fmt: skip
+    ref = twin.attend(qx.astype(np.float32), S + T, visible).astype(np.float64)
     if gate_f16:
         ref = ref * layers.sigmoid(gate[..., D:].astype(np.float64))
     return out.astype(np.float64), ref
@@ -301,6 +317,44 @@ def test_attention(libs, kv, D, tq, T, G, Hkv, S, tree, splits) -> None:
     y, ref = run_attention(libs["attention"], kv, D, tq, T, G, Hkv, S, parents, splits, rng)
     assert np.isfinite(y).all()
     assert rel(y, ref) < 3e-3  # fp16 q (pre-scaled) and softmax weights; K/V exact in their stored form
+
+
+TQ3_CASES = [
+    # (K, V), D, tq, T, G, Hkv, S, tree, splits, ti_new
+    ((2, 2), 64, 0, 1, 6, 2, 45, False, 2, 0),  # decode, 64-value groups, KW = 4
+    ((2, 2), 128, 0, 23, 3, 1, 40, True, 2, 1),  # tree of 23, KW = 1 (5 m-tiles), f16 input rows
+    ((2, 2), 256, 0, 16, 2, 1, 20, True, 1, 0),  # 2 m-tiles: KW = 2
+    ((1, 2), 256, 1, 1, 6, 1, 70, False, 3, 0),  # the 6:1 default: K q8_0 + V tq3_0, decode
+    ((1, 2), 256, 1, 41, 1, 1, 30, True, 2, 0),  # K q8_0 + V tq3_0, a 41-token tree
+    ((2, 0), 64, 1, 23, 1, 2, 33, True, 2, 0),  # K tq3_0 + V f16
+    ((0, 2), 128, 0, 5, 6, 1, 35, True, 1, 1),  # K f16 + V tq3_0
+]
+
+
+@pytest.mark.parametrize("kinds,D,tq,T,G,Hkv,S,tree,splits,ti_new", TQ3_CASES)
+def test_attention_tq3_0(libs, kinds, D, tq, T, G, Hkv, S, tree, splits, ti_new) -> None:
+    rng = np.random.default_rng(T * 100 + S + D + 7 * kinds[0] + kinds[1])
+    parents = random_tree(T, rng) if tree else list(range(-1, T - 1))
+    y, ref = run_attention(libs["attention"], kinds, D, tq, T, G, Hkv, S, parents, splits, rng, ti_new=ti_new)
+    assert np.isfinite(y).all()
+    assert rel(y, ref) < 3e-3  # the twin reads the same TQ3_0 bytes: fp16 q / weights / dequantized K, V
+
+
+def test_attention_tq3_0_with_output_gate(libs) -> None:
+    rng = np.random.default_rng(300)  # the gate multiplies after the inverse rotation
+    y, ref = run_attention(libs["attention"], 2, 128, 0, 4, 2, 1, 21, [-1, 0, 1, 1], 1, rng, gate_f16=True)
+    assert rel(y, ref) < 3e-3
+
+
+def test_tq3_host_decode_matches_twin() -> None:
+    rng = np.random.default_rng(5)
+    for D in (64, 128, 256):
+        x = rng.standard_normal((3, 2, D)).astype(np.float32)
+        blocks = tq3.quantize_tq3_0(x)
+        raw = blocks.reshape(3, 2, -1)
+        assert np.array_equal(attn_mod.tq3_decode(raw, D, rotated=True), tq3.dequantize_tq3_0(blocks, rotated=True))
+        assert np.allclose(attn_mod.tq3_decode(raw, D), tq3.dequantize_tq3_0(blocks), atol=1e-6)
+    assert attn_mod.row_bytes("tq3_0", 256) == tq3.row_bytes(256) == 112
 
 
 def test_attention_q8_0_head_dim_256_with_output_gate(libs) -> None:
