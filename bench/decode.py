@@ -1,0 +1,379 @@
+"""Decode timing of the GPU engine on a Qwen3.6-27B-shaped Q4_K_M target: verify-width curve, plain decode vs the
+copy-bandwidth roofline, and a forced-acceptance projection of speculative tokens/s, all measured in one run.
+
+    python3 bench/decode.py --make-synthetic DIR [--layers N] [--json OUT]   # write the synthetic file first
+    python3 bench/decode.py --model PATH.gguf [--json OUT]
+
+Roofline tokens/s = device copy bandwidth (bench/roofline.py's copy_bandwidth: bytes read + written by a
+device-to-device copy) / bytes of weights read per decode step. Counted: every quantized matrix of the blocks
+and the LM head (output.weight); not counted: token_embd (one row per token is read) and the F32 vectors (norms,
+conv taps, gates; listed separately, < 0.1 %). With --layers N < 64 (real widths, fewer blocks) the per-block
+time is scaled to the 64-block model explicitly: t64 = t_head + t_blocks * 64 / N, where t_blocks is the pass
+without logits and t_head = t(logits) - t(no logits) (final norm, LM head, copy of the logits to the host).
+The forward passes are the engine's own (models/qwen35_gpu.py, eager launches, logits copied to the host), so
+the numbers include its Python and launch overhead.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import threading
+import time
+from typing import Any
+
+import numpy as np
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.join(ROOT, "bench"))
+
+WIDTHS = (1, 2, 4, 8, 16, 23, 32, 41, 64)
+ACCEPT = (2, 3, 4, 6)
+SPEC_WIDTH = 23
+COPY_BYTES = 4 << 30
+
+
+def _err() -> str:
+    import traceback
+
+    return traceback.format_exc()[-1500:]
+
+
+def precompile_matmul(workers: int, qtypes: tuple[int, ...]) -> dict[str, Any]:
+    """Build the v2 matmul kernels (all token tiles, 1 and 2 m-tiles) in worker processes, filling CuPy's disk
+    cache while the synthetic file is being written (NVRTC builds one kernel at a time per process)."""
+    import roofline
+
+    jobs: list[tuple] = [("pack", f32, False) for f32 in (False, True)]
+    jobs += [("v2", q, nt, mt, 0, False) for q in qtypes for nt in range(1, 9) for mt in (1, 2)]
+    try:
+        return {"kernels": len(jobs), "seconds": round(roofline.precompile(jobs, workers), 1)}
+    except Exception:  # the main process then compiles on first use: slower, still correct
+        return {"error": _err()}
+
+
+def weight_bytes(tensors: dict[str, Any]) -> dict[str, int]:
+    """Bytes read per decode step by kind: block matrices, LM head; F32 vectors and the token table apart."""
+    out = {"blocks": 0, "head": 0, "f32_vectors": 0, "token_embd": 0}
+    for name, t in tensors.items():
+        n = int(getattr(t, "nbytes", 0) or np.asarray(t.data).nbytes)
+        if name == "token_embd.weight":
+            out["token_embd"] += n
+        elif int(t.qtype) == 0:  # F32: norms, conv taps, ssm_a / dt
+            out["f32_vectors"] += n
+        elif name == "output.weight":
+            out["head"] += n
+        else:
+            out["blocks"] += n
+    return out
+
+
+def full_shape_bytes(shape: str, layers: int) -> dict[str, int]:
+    """weight_bytes of the unshortened synthetic shape, from its tensor plan (no file written)."""
+    from services.engine import synthetic as syn
+
+    sh = syn.get_shape(shape)
+    specs = syn.target_tensors(sh.target, "q4_k_m", sh.type_layers)
+    assert sh.target.n_layer == layers, (sh.target.n_layer, layers)
+    out = {"blocks": 0, "head": 0, "f32_vectors": 0, "token_embd": 0}
+    for s in specs:
+        key = ("token_embd" if s.name == "token_embd.weight" else "f32_vectors" if s.qtype.name == "F32"
+               else "head" if s.name == "output.weight" else "blocks")
+        out[key] += s.nbytes
+    return out
+
+
+class Timer:
+    """Wall time of one forward pass with the device idle before and drained after (logits='none' returns
+    before its launches finish)."""
+
+    def __init__(self, cupy):
+        self.cupy = cupy
+
+    def __call__(self, fn) -> tuple[float, Any]:
+        self.cupy.cuda.Device().synchronize()
+        t0 = time.perf_counter()
+        r = fn()
+        self.cupy.cuda.Device().synchronize()
+        return time.perf_counter() - t0, r
+
+
+def prefill(model, state, ids: np.ndarray) -> None:
+    model.forward(state, ids, logits="none")
+    state.commit(list(range(len(ids))))
+
+
+def width_curve(model, timer: Timer, context: int, reps: int, widths, deadline: float) -> dict[str, Any]:
+    """Median seconds of a width-w verify (chain, checkpoints, logits for every row) and of the same pass
+    without logits, after `context` committed tokens; rounds over all widths so drift hits all alike."""
+    rng = np.random.default_rng(0)
+    n_vocab = model.cfg.n_vocab
+    state = model.new_state(context + max(widths) + 8)
+    prefill(model, state, rng.integers(0, n_vocab, size=context))
+    toks = rng.integers(0, n_vocab, size=max(widths))
+    runs: dict[str, dict[int, list[float]]] = {"all": {w: [] for w in widths}, "none": {w: [] for w in widths}}
+    done = 0
+    for r in range(reps + 1):                       # round 0 warms: remaining kernel builds, allocations
+        if r > 1 and time.perf_counter() > deadline:
+            break
+        for w in widths:
+            for lg in ("all", "none"):
+                dt, _ = timer(lambda: model.forward(state, toks[:w], checkpoints=True, logits=lg))  # noqa: B023
+                state.pending = None                # nothing committed: every pass sees the same context
+                if r:
+                    runs[lg][w].append(dt)
+        done = r
+    med = {lg: {w: statistics.median(v) for w, v in d.items() if v} for lg, d in runs.items()}
+    return {"rounds": done, "verify_s": med["all"], "blocks_s": med["none"]}
+
+
+def plain_decode(model, n_tokens: int, context: int) -> dict[str, Any]:
+    """Greedy decode through services.engine.generate (prefill of `context` tokens, then one token per pass)."""
+    from services.engine.generate import generate
+
+    ids = list(np.random.default_rng(1).integers(0, model.cfg.n_vocab, size=context))
+    generate(model, ids, 4)                          # warm: the decode-shaped launches
+    res = generate(model, ids, n_tokens)
+    t = res.timings()
+    return {"tokens": len(res.token_ids), "tps": t["predicted_per_second"], "prompt_ms": round(res.prompt_ms, 1)}
+
+
+def forced_acceptance(model, timer: Timer, context: int, steps: int, deadline: float) -> dict[int, dict]:
+    """The verify side of a speculative loop with a forced acceptance length a: per step one width-23 verify
+    (chain, checkpoints, all logits to the host), greedy argmax of every row on the host, commit of the first
+    a tokens. Drafter excluded. Returns seconds per step (median) and a / step."""
+    rng = np.random.default_rng(2)
+    n_vocab = model.cfg.n_vocab
+    out: dict[int, dict] = {}
+    for a in ACCEPT:
+        if time.perf_counter() > deadline:
+            break
+        state = model.new_state(context + (steps + 1) * a + SPEC_WIDTH + 8)
+        prefill(model, state, rng.integers(0, n_vocab, size=context))
+        times = []
+        for s in range(steps + 1):
+            toks = rng.integers(0, n_vocab, size=SPEC_WIDTH)
+
+            def step() -> None:
+                res = model.forward(state, toks, checkpoints=True, logits="all")  # noqa: B023
+                np.argmax(res.logits, axis=-1)       # what the greedy acceptance test reads
+                state.commit(list(range(a)))         # noqa: B023
+
+            dt, _ = timer(step)
+            if s:
+                times.append(dt)
+        med = statistics.median(times)
+        out[a] = {"step_s": med, "tps": a / med}
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    src = ap.add_mutually_exclusive_group(required=True)
+    src.add_argument("--model", help="an existing qwen35 GGUF")
+    src.add_argument("--make-synthetic", metavar="DIR", help="write the synthetic file into DIR first")
+    ap.add_argument("--shape", default="qwen3.6-27b", help="synthetic shape (tiny: a smoke run)")
+    ap.add_argument("--layers", type=int, default=None, help="synthetic blocks (real widths); times scaled to 64")
+    ap.add_argument("--full-layers", type=int, default=None,
+                    help="block count to scale to when the model is shortened (default: the shape's)")
+    ap.add_argument("--context", type=int, default=512, help="committed tokens before each timed pass")
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--decode-tokens", type=int, default=64)
+    ap.add_argument("--spec-steps", type=int, default=8)
+    ap.add_argument("--precompile", type=int, default=12, help="processes building matmul kernels (0: none)")
+    ap.add_argument("--deadline-s", type=float, default=500.0, help="later parts are skipped past this")
+    ap.add_argument("--json", help="write the results here")
+    args = ap.parse_args(argv)
+    os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+    t_start = time.perf_counter()
+    deadline = t_start + args.deadline_s
+    from kernels import loader
+
+    reason = loader.unavailable_reason()
+    if reason:
+        print(f"decode: no GPU here: {reason}")
+        return 1
+    import cupy
+
+    props = cupy.cuda.runtime.getDeviceProperties(0)
+    dev = props["name"].decode() if isinstance(props["name"], bytes) else str(props["name"])
+    rep: dict[str, Any] = {"device": dev, "argv": sys.argv[1:]}
+
+    def save() -> None:
+        rep["elapsed_s"] = round(time.perf_counter() - t_start, 1)
+        if args.json:
+            os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+            with open(args.json, "w") as f:
+                json.dump(rep, f, indent=1, default=str)
+
+    def log(msg: str) -> None:
+        print(f"[{time.perf_counter() - t_start:6.1f} s] {msg}", flush=True)
+
+    # matmul kernels build in other processes while the file is written (and the file is read)
+    from kernels import quant_matmul as qm
+
+    pre: dict[str, Any] = {}
+    th = None
+    if args.precompile > 0:
+        th = threading.Thread(target=lambda: pre.update(precompile_matmul(args.precompile, (qm.Q4_K, qm.Q6_K))),
+                              daemon=True)
+        th.start()
+
+    path = args.model
+    if args.make_synthetic:
+        from services.engine.synthetic import make_synthetic
+
+        r = make_synthetic(args.shape, args.make_synthetic, layers=args.layers, draft=False)
+        path = r.target_path
+        rep["synthetic"] = {"path": path, "bytes": r.target_bytes, "seconds": r.seconds, "layers": args.layers}
+        log(f"wrote {path}: {r.target_bytes / 1e9:.2f} GB in {r.seconds:.0f} s")
+        save()
+
+    bw = None
+    try:  # before the weights: the copy needs 2 x 4 GiB free
+        import roofline
+
+        bw = roofline.copy_bandwidth(cupy, COPY_BYTES)
+        cupy.get_default_memory_pool().free_all_blocks()
+        rep["copy_GBps"] = round(bw, 1)
+        log(f"copy bandwidth {bw:.0f} GB/s")
+    except Exception:
+        rep["copy_error"] = _err()
+
+    # load_gpu_target's steps, so that the header parse (a 248k-token vocabulary in Python) is timed apart
+    from services.engine import loader as ld
+    from services.engine.backend import CupyBackend
+    from services.engine.models.qwen35_gpu import Qwen35GpuModel
+
+    t0 = time.perf_counter()
+    mf = ld.open_model_file(path)
+    rep["header_s"] = round(time.perf_counter() - t0, 1)
+    t0 = time.perf_counter()
+    emb = mf.tensors["token_embd.weight"]
+    model = Qwen35GpuModel(ld.config_from_gguf(mf.metadata, n_vocab=emb.shape[0], path=mf.path), mf.tensors,
+                           CupyBackend(0), source=mf.path)
+    cupy.cuda.Device().synchronize()
+    rep["load_s"] = round(time.perf_counter() - t0, 1)
+    rep["fallback_weights"] = model.fallback_weights[:8]
+    cfg = model.cfg
+    wb = weight_bytes(mf.tensors)
+    rep["weight_bytes"] = wb
+    rep["n_layer"] = cfg.n_layer
+    log(f"loaded {cfg.n_layer} blocks in {rep['load_s']} s (header {rep['header_s']} s); weights/step "
+        f"{(wb['blocks'] + wb['head']) / 1e9:.3f} GB")
+    full = args.full_layers
+    if full is None and args.make_synthetic:
+        from services.engine.synthetic import get_shape
+
+        full = get_shape(args.shape).target.n_layer
+    full = full or cfg.n_layer
+    scale = full / cfg.n_layer
+    fb = full_shape_bytes(args.shape, full) if scale != 1 and args.make_synthetic else None
+    if scale != 1 and fb is None:  # a given shortened file: blocks scaled by count
+        fb = dict(wb, blocks=int(wb["blocks"] * scale))
+    rep["full_layers"], rep["scale"] = full, scale
+    if fb:
+        rep["full_weight_bytes"] = fb
+    step_bytes = (fb or wb)["blocks"] + (fb or wb)["head"]
+    rep["roofline_tps"] = bw / (step_bytes / 1e9) if bw else None
+    if th is not None:
+        th.join()                                    # the first forward then finds every matmul kernel built
+        rep["precompile"] = pre
+        log(f"precompile {pre}")
+    save()
+
+    timer = Timer(cupy)
+    ctx = args.context
+    try:
+        t0 = time.perf_counter()
+        wc = width_curve(model, timer, ctx, args.reps, WIDTHS, deadline)
+        rep["width_rounds"] = wc["rounds"]
+        rep["verify_ms"] = {w: round(v * 1e3, 3) for w, v in wc["verify_s"].items()}
+        rep["blocks_ms"] = {w: round(v * 1e3, 3) for w, v in wc["blocks_s"].items()}
+        v1 = wc["verify_s"][1]
+        rep["verify_rel"] = {w: round(v / v1, 3) for w, v in wc["verify_s"].items()}
+        if scale != 1:
+            sc = {w: (wc["verify_s"][w] - wc["blocks_s"][w]) + wc["blocks_s"][w] * scale for w in wc["verify_s"]}
+            rep["scaled_verify_ms"] = {w: round(v * 1e3, 3) for w, v in sc.items()}
+            rep["scaled_verify_rel"] = {w: round(v / sc[1], 3) for w, v in sc.items()}
+        log(f"width curve ({wc['rounds']} rounds, {time.perf_counter() - t0:.0f} s): {rep['verify_rel']}")
+    except Exception:
+        rep["width_error"] = _err()
+    save()
+
+    try:
+        d = plain_decode(model, args.decode_tokens, 32)
+        rep["decode"] = d
+        step = 1.0 / d["tps"]
+        if scale != 1 and "blocks_ms" in rep:
+            step += (scale - 1) * rep["blocks_ms"][1] / 1e3
+            rep["scaled_decode_tps"] = 1.0 / step
+        tps = 1.0 / step
+        if rep["roofline_tps"]:
+            rep["decode_fraction_of_roofline"] = tps / rep["roofline_tps"]
+        log(f"plain decode {d['tps']:.1f} tok/s measured ({cfg.n_layer} blocks), {tps:.1f} for {full}")
+    except Exception:
+        rep["decode_error"] = _err()
+    save()
+
+    rep["drafter"] = "CPU drafter only (no GPU drafter yet): drafter time vs a width-23 verify not measured"
+
+    try:
+        fa = forced_acceptance(model, timer, ctx, args.spec_steps, deadline)
+        vw = rep.get("scaled_verify_ms", rep.get("verify_ms", {})).get(SPEC_WIDTH)
+        proj = {}
+        for a, v in fa.items():
+            step = v["step_s"] + ((scale - 1) * rep["blocks_ms"][SPEC_WIDTH] / 1e3 if scale != 1 else 0.0)
+            proj[a] = {"loop_step_ms": round(step * 1e3, 3), "loop_tps": round(a / step, 2),
+                       "arith_tps": round(a / (vw / 1e3), 2) if vw else None}
+        rep["spec_projection"] = proj
+        log(f"forced acceptance (verify side only): {proj}")
+    except Exception:
+        rep["spec_error"] = _err()
+    save()
+
+    print_table(rep, path)
+    return 0
+
+
+def print_table(rep: dict[str, Any], path: str) -> None:
+    scaled = rep.get("scale", 1) != 1
+    n, full = rep.get("n_layer"), rep.get("full_layers")
+    tag = f" (measured on {n} blocks, scaled to {full})" if scaled else ""
+    rel = rep.get("scaled_verify_rel" if scaled else "verify_rel", {})
+    ms = rep.get("scaled_verify_ms" if scaled else "verify_ms", {})
+    wb = rep.get("full_weight_bytes", rep.get("weight_bytes", {}))
+    lines = [f"\n== bench/decode.py on {rep['device']}: {os.path.basename(path)}{tag}",
+             "| quantity | value |", "|---|---|",
+             f"| device copy bandwidth (read + written) | {rep.get('copy_GBps')} GB/s |",
+             f"| weights read per step (block matrices + LM head; token_embd, F32 vectors not counted) | "
+             f"{(wb.get('blocks', 0) + wb.get('head', 0)) / 1e9:.3f} GB |",
+             f"| roofline tokens/s (copy bandwidth / weight bytes) | {_f(rep.get('roofline_tps'), 1)} |"]
+    if rel:
+        lines.append(f"| verify time at widths {' / '.join(map(str, rel))}, relative to width 1 | "
+                     f"{' / '.join(f'{v:.2f}' for v in rel.values())} (width 1: {ms.get(1)} ms) |")
+    d = rep.get("decode")
+    if d:
+        tps = rep.get("scaled_decode_tps", d["tps"])
+        lines.append(f"| plain greedy decode ({d['tokens']} tokens) | {tps:.1f} tok/s = "
+                     f"{_f(rep.get('decode_fraction_of_roofline'), 2)} of the roofline |")
+    lines.append("| drafter time / width-23 verify | CPU drafter only: not measured |")
+    for a, p in rep.get("spec_projection", {}).items():
+        lines.append(f"| projection, forced acceptance {a} tokens/step, width-23 verify, drafter excluded | "
+                     f"{p['loop_tps']} tok/s measured loop ({p['loop_step_ms']} ms/step); {p['arith_tps']} "
+                     f"arithmetic ({a} / verify(23)) |")
+    print("\n".join(lines))
+    print(f"(run {rep.get('elapsed_s')} s; header {rep.get('header_s')} s, load {rep.get('load_s')} s, "
+          f"synthetic write {rep.get('synthetic', {}).get('seconds')} s)")
+
+
+def _f(x: float | None, nd: int) -> str:
+    return "n/a" if x is None else f"{x:.{nd}f}"
+
+
+if __name__ == "__main__":
+    sys.exit(main())
