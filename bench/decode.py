@@ -10,8 +10,9 @@ and the LM head (output.weight); not counted: token_embd (one row per token is r
 conv taps, gates; listed separately, < 0.1 %). With --layers N < 64 (real widths, fewer blocks) the per-block
 time is scaled to the 64-block model explicitly: t64 = t_head + t_blocks * 64 / N, where t_blocks is the pass
 without logits and t_head = t(logits) - t(no logits) (final norm, LM head, copy of the logits to the host).
-The forward passes are the engine's own (models/qwen35_gpu.py, eager launches, logits copied to the host), so
-the numbers include its Python and launch overhead.
+The forward passes are the engine's own (models/qwen35_gpu.py, logits copied to the host), so the numbers
+include its Python and launch overhead: --graphs (default) replays captured CUDA graphs, --no-graphs launches
+eagerly, --graphs-compare measures both in one run (eager first).
 """
 
 from __future__ import annotations
@@ -187,6 +188,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--precompile", type=int, default=12, help="processes building matmul kernels (0: none)")
     ap.add_argument("--deadline-s", type=float, default=500.0, help="later parts are skipped past this")
     ap.add_argument("--json", help="write the results here")
+    g = ap.add_mutually_exclusive_group()
+    g.add_argument("--graphs", dest="graphs", action="store_true", default=True,
+                   help="CUDA-graph replay of each step shape (the engine's default)")
+    g.add_argument("--no-graphs", dest="graphs", action="store_false", help="eager launches")
+    g.add_argument("--graphs-compare", action="store_true", help="measure eager, then graphs, in one run")
+    ap.add_argument("--widths", type=int, nargs="+", default=list(WIDTHS), help="verify widths to time")
     args = ap.parse_args(argv)
     os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
     t_start = time.perf_counter()
@@ -287,86 +294,118 @@ def main(argv: list[str] | None = None) -> int:
     save()
 
     timer = Timer(cupy)
+    modes = [False, True] if args.graphs_compare else [args.graphs]
+    rep["modes"] = {}
+    for graphs in modes:
+        name = "graphs" if graphs else "eager"
+        model.use_graphs = graphs
+        model.graph_stats = dict.fromkeys(model.graph_stats, 0)
+        log(f"-- {name} --")
+        rep["modes"][name] = r = {"graphs": graphs}
+        measure(model, r, timer, args, scale, rep["roofline_tps"], deadline, log, save)
+        r["graph_stats"] = dict(model.graph_stats)
+        r["graph_blocker"] = model.graph_blocker
+        save()
+    print_table(rep, path)
+    return 0
+
+
+def measure(model, r: dict[str, Any], timer: Timer, args, scale: float, roof: float | None, deadline: float, log,
+            save) -> None:
+    """Width curve, plain decode and forced-acceptance loop in the model's current launch mode, into r."""
     ctx = args.context
+    widths = tuple(args.widths)
     try:
         t0 = time.perf_counter()
-        wc = width_curve(model, timer, ctx, args.reps, WIDTHS, deadline)
-        rep["width_rounds"] = wc["rounds"]
-        rep["verify_ms"] = {w: round(v * 1e3, 3) for w, v in wc["verify_s"].items()}
-        rep["blocks_ms"] = {w: round(v * 1e3, 3) for w, v in wc["blocks_s"].items()}
-        v1 = wc["verify_s"][1]
-        rep["verify_rel"] = {w: round(v / v1, 3) for w, v in wc["verify_s"].items()}
+        wc = width_curve(model, timer, ctx, args.reps, widths, deadline)
+        r["width_rounds"] = wc["rounds"]
+        r["verify_ms"] = {w: round(v * 1e3, 3) for w, v in wc["verify_s"].items()}
+        r["blocks_ms"] = {w: round(v * 1e3, 3) for w, v in wc["blocks_s"].items()}
+        v1 = wc["verify_s"][widths[0]]
+        r["verify_rel"] = {w: round(v / v1, 3) for w, v in wc["verify_s"].items()}
         if scale != 1:
             sc = {w: (wc["verify_s"][w] - wc["blocks_s"][w]) + wc["blocks_s"][w] * scale for w in wc["verify_s"]}
-            rep["scaled_verify_ms"] = {w: round(v * 1e3, 3) for w, v in sc.items()}
-            rep["scaled_verify_rel"] = {w: round(v / sc[1], 3) for w, v in sc.items()}
-        log(f"width curve ({wc['rounds']} rounds, {time.perf_counter() - t0:.0f} s): {rep['verify_rel']}")
+            r["scaled_verify_ms"] = {w: round(v * 1e3, 3) for w, v in sc.items()}
+            r["scaled_verify_rel"] = {w: round(v / sc[widths[0]], 3) for w, v in sc.items()}
+        log(f"width curve ({wc['rounds']} rounds, {time.perf_counter() - t0:.0f} s): {r['verify_ms']} ms")
     except Exception:
-        rep["width_error"] = _err()
+        r["width_error"] = _err()
     save()
 
     try:
         d = plain_decode(model, args.decode_tokens, 32)
-        rep["decode"] = d
+        r["decode"] = d
         step = 1.0 / d["tps"]
-        if scale != 1 and "blocks_ms" in rep:
-            step += (scale - 1) * rep["blocks_ms"][1] / 1e3
-            rep["scaled_decode_tps"] = 1.0 / step
+        if scale != 1 and 1 in r.get("blocks_ms", {}):
+            step += (scale - 1) * r["blocks_ms"][1] / 1e3
+            r["scaled_decode_tps"] = 1.0 / step
         tps = 1.0 / step
-        if rep["roofline_tps"]:
-            rep["decode_fraction_of_roofline"] = tps / rep["roofline_tps"]
-        log(f"plain decode {d['tps']:.1f} tok/s measured ({cfg.n_layer} blocks), {tps:.1f} for {full}")
+        if roof:
+            r["decode_fraction_of_roofline"] = tps / roof
+        log(f"plain decode {d['tps']:.1f} tok/s measured, {tps:.1f} for the full model")
     except Exception:
-        rep["decode_error"] = _err()
+        r["decode_error"] = _err()
     save()
 
-    rep["drafter"] = "CPU drafter only (no GPU drafter yet): drafter time vs a width-23 verify not measured"
-
+    if args.spec_steps <= 0 or SPEC_WIDTH not in widths:
+        return
     try:
         fa = forced_acceptance(model, timer, ctx, args.spec_steps, deadline)
-        vw = rep.get("scaled_verify_ms", rep.get("verify_ms", {})).get(SPEC_WIDTH)
+        vw = r.get("scaled_verify_ms", r.get("verify_ms", {})).get(SPEC_WIDTH)
         proj = {}
         for a, v in fa.items():
-            step = v["step_s"] + ((scale - 1) * rep["blocks_ms"][SPEC_WIDTH] / 1e3 if scale != 1 else 0.0)
+            step = v["step_s"] + ((scale - 1) * r["blocks_ms"][SPEC_WIDTH] / 1e3 if scale != 1 else 0.0)
             proj[a] = {"loop_step_ms": round(step * 1e3, 3), "loop_tps": round(a / step, 2),
                        "arith_tps": round(a / (vw / 1e3), 2) if vw else None}
-        rep["spec_projection"] = proj
+        r["spec_projection"] = proj
         log(f"forced acceptance (verify side only): {proj}")
     except Exception:
-        rep["spec_error"] = _err()
+        r["spec_error"] = _err()
     save()
-
-    print_table(rep, path)
-    return 0
 
 
 def print_table(rep: dict[str, Any], path: str) -> None:
     scaled = rep.get("scale", 1) != 1
     n, full = rep.get("n_layer"), rep.get("full_layers")
     tag = f" (measured on {n} blocks, scaled to {full})" if scaled else ""
-    rel = rep.get("scaled_verify_rel" if scaled else "verify_rel", {})
-    ms = rep.get("scaled_verify_ms" if scaled else "verify_ms", {})
     wb = rep.get("full_weight_bytes", rep.get("weight_bytes", {}))
+    modes = rep.get("modes", {})
+    names = list(modes)
     lines = [f"\n== bench/decode.py on {rep['device']}: {os.path.basename(path)}{tag}",
-             "| quantity | value |", "|---|---|",
+             "| quantity | " + " | ".join(names) + " |", "|---|" + "---|" * len(names),
              f"| device copy bandwidth (read + written) | {rep.get('copy_GBps')} GB/s |",
              f"| weights read per step (block matrices + LM head; token_embd, F32 vectors not counted) | "
              f"{(wb.get('blocks', 0) + wb.get('head', 0)) / 1e9:.3f} GB |",
              f"| roofline tokens/s (copy bandwidth / weight bytes) | {_f(rep.get('roofline_tps'), 1)} |"]
-    if rel:
-        lines.append(f"| verify time at widths {' / '.join(map(str, rel))}, relative to width 1 | "
-                     f"{' / '.join(f'{v:.2f}' for v in rel.values())} (width 1: {ms.get(1)} ms) |")
-    d = rep.get("decode")
-    if d:
-        tps = rep.get("scaled_decode_tps", d["tps"])
-        lines.append(f"| plain greedy decode ({d['tokens']} tokens) | {tps:.1f} tok/s = "
-                     f"{_f(rep.get('decode_fraction_of_roofline'), 2)} of the roofline |")
-    lines.append("| drafter time / width-23 verify | CPU drafter only: not measured |")
-    for a, p in rep.get("spec_projection", {}).items():
-        lines.append(f"| projection, forced acceptance {a} tokens/step, width-23 verify, drafter excluded | "
-                     f"{p['loop_tps']} tok/s measured loop ({p['loop_step_ms']} ms/step); {p['arith_tps']} "
-                     f"arithmetic ({a} / verify(23)) |")
+
+    def row(label: str, fn) -> None:
+        cells = []
+        for m in modes.values():
+            try:
+                cells.append(fn(m))
+            except (KeyError, TypeError, ZeroDivisionError):
+                cells.append("n/a")
+        lines.append(f"| {label} | " + " | ".join(cells) + " |")
+
+    widths = list(next(iter(modes.values()), {}).get("verify_ms", {}))
+    vkey = "scaled_verify_ms" if scaled else "verify_ms"
+    row(f"verify step (chain, checkpoints, all logits) at widths {' / '.join(map(str, widths))}, ms",
+        lambda m: " / ".join(f"{m[vkey][w]:.2f}" for w in widths))
+    row("same passes without logits, ms", lambda m: " / ".join(f"{m['blocks_ms'][w]:.2f}" for w in widths))
+    row("plain greedy decode, tok/s (fraction of the roofline)",
+        lambda m: f"{m.get('scaled_decode_tps', m['decode']['tps']):.1f} "
+                  f"({_f(m.get('decode_fraction_of_roofline'), 3)})")
+    accepts = list(next(iter(modes.values()), {}).get("spec_projection", {}))
+    if accepts:
+        row(f"forced acceptance {' / '.join(map(str, accepts))} per width-{SPEC_WIDTH} step (drafter excluded), "
+            f"tok/s", lambda m: " / ".join(f"{m['spec_projection'][a]['loop_tps']:.1f}" for a in accepts))
+    row("graph captures / replays / eager passes",
+        lambda m: "{captures} / {replays} / {eager}".format(**m["graph_stats"]))
     print("\n".join(lines))
+    for name, m in modes.items():
+        for k in ("width_error", "decode_error", "spec_error", "graph_blocker"):
+            if m.get(k):
+                print(f"{name} {k}: {m[k]}")
     print(f"(run {rep.get('elapsed_s')} s; header {rep.get('header_s')} s, load {rep.get('load_s')} s, "
           f"synthetic write {rep.get('synthetic', {}).get('seconds')} s)")
 

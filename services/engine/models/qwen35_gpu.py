@@ -4,7 +4,14 @@ Same contract as TargetModel.forward (token trees by parent list, positions n_pa
 outputs, per-node recurrent checkpoints, logits rows all / last / none) and the same commit(path) semantics
 as state.SequenceState, with every per-sequence array on the device (GpuSequenceState). Per-step values
 (positions, parents, the ancestor mask, the committed length S) are written into device buffers of the state
-before the launches, so a later CUDA-graph capture can replay the same launches. Launches are eager for now.
+before the launches, so that a captured CUDA graph replays the same launches for every step of its shape.
+
+CUDA graphs (default on; SPECSPLIT_CUDA_GRAPHS=0 or `model.use_graphs = False`: eager launches): the first
+step of a shape on a state (width T <= 64, chain or tree, checkpoints, logits rows, captured layers, and a
+power-of-two bucket of S that fixes the attention's K splits) runs eagerly while its allocations are measured,
+then the same launches are captured on a side stream with every allocation taken from an arena owned by the
+graph (_GraphHeap); later steps of that shape write their values (token ids, positions, parents, mask, S)
+into the state's device buffers and replay. Nothing in the captured launches reads the host or syncs.
 
 Pieces done with plain CuPy ops instead of a kernel (each marked FALLBACK below): attention of a tree wider
 than 64 tokens (the attention kernel's mask is one uint64 per token), KV row compaction at commit, Q8_0
@@ -13,8 +20,12 @@ embedding rows, the residual adds.
 
 from __future__ import annotations
 
+import os
+import warnings
+from bisect import insort
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -31,6 +42,15 @@ from .base import ForwardResult, TargetModel
 
 MAX_TREE = 65            # tree nodes with recurrent checkpoints (a 64-node budget plus the root)
 ATTN_TOKENS = att.MAX_TOKENS
+
+
+GRAPH_MIN_BUCKET = 512   # smallest S bucket of a graph (K splits chosen for S + T up to it)
+GRAPHS_PER_STATE = 64    # captured shapes kept per state (oldest dropped first: each holds an arena)
+
+
+def graphs_default() -> bool:
+    """CUDA-graph replay unless SPECSPLIT_CUDA_GRAPHS=0."""
+    return os.environ.get("SPECSPLIT_CUDA_GRAPHS", "1").strip().lower() not in ("0", "false", "no", "off")
 
 
 GPU_KV_TYPES = ("f16", "q8_0")   # what this model's KV paths (kernel, commit, wide-tree fallback) handle
@@ -85,6 +105,18 @@ class GpuSequenceState:
         self.mask = cp.zeros(ATTN_TOKENS, cp.uint64)
         self.s_len = cp.zeros(1, cp.int32)
         self.accepted = cp.zeros(1, cp.int32)
+        self.tokens = cp.zeros(max_tree, cp.int32)
+        self.x_in = None          # embedded rows of a step (see embedded())
+        # captured steps of this state by shape (see Qwen35GpuModel.forward); they hold the addresses of the
+        # buffers above, so replacing a buffer drops them
+        self.graphs: dict[tuple, _StepGraph | None] = {}
+
+    def embedded(self, n_embd: int):
+        """(max_tree, n_embd) float32 buffer for a step's embedded rows when the token table is on the host."""
+        if self.x_in is None:
+            cp = nr.loader.require()
+            self.x_in = cp.zeros((self.tokens.size, n_embd), cp.float32)
+        return self.x_in
 
     def check_room(self, n_new: int) -> None:
         if self.n_past + n_new > self.max_ctx:
@@ -94,6 +126,7 @@ class GpuSequenceState:
         """(L, >= T, conv_dim) buffer for this step's pre-conv rows (grown for a long prefill chunk)."""
         if T > self.raw.shape[1]:
             cp = nr.loader.require()
+            self.graphs.clear()
             self.raw = cp.zeros((self.raw.shape[0], T, self.raw.shape[2]), cp.float32)
         return self.raw
 
@@ -160,6 +193,14 @@ class Qwen35GpuModel(TargetModel):
         # matrices whose storage type the matmul kernel lacks, uploaded as F16 (see backend.GpuMatrix)
         mats = [self.output] + [v for w in self.layers for v in w.values()]
         self.fallback_weights = sorted(v.name for v in mats if getattr(v, "fallback", False))
+        self.use_graphs = graphs_default()
+        # why steps cannot be captured on this model (None: they can)
+        self.graph_blocker: str | None = None
+        # a token table whose type the device cannot decode (GpuEmbedding.on_host, e.g. Q4_K / Q6_K): the step's
+        # rows are dequantized on the host and written to state.x_in before the launches, like the token ids
+        self._host_table = bool(getattr(self.tok_embd, "on_host", False))
+        self.graph_stats = {"captures": 0, "replays": 0, "eager": 0, "failed": 0}
+        self._capture_stream = None
 
     def _load_layer(self, i: int) -> dict:
         p, c, be = f"blk.{i}.", self.cfg, self.be
@@ -196,6 +237,12 @@ class Qwen35GpuModel(TargetModel):
         k = gpu_kv_type(cache_type_k or self.kv_cache_types[0])
         v = gpu_kv_type(cache_type_v or self.kv_cache_types[1])
         return GpuSequenceState(self.cfg, max_ctx or self.cfg.context_length, k, v)
+
+    def host_head_embed(self, tokens: np.ndarray) -> np.ndarray:
+        """float32 rows of a token table kept on the host (GpuEmbedding.on_host)."""
+        from ..backend import NumpyBackend
+
+        return NumpyBackend().embed(self.tok_embd.host, tokens)
 
     def host_head(self) -> HostHead:
         """What a CPU drafter needs from this target: cfg, token table and lm head on the host (NumPy)."""
@@ -234,33 +281,101 @@ class Qwen35GpuModel(TargetModel):
         # per-step values into the state's device buffers
         S = state.n_past
         if T > state.positions.size:
+            state.graphs.clear()
             state.positions = cp.zeros(T, cp.int32)
         state.positions[:T] = cp.asarray((S + depth).astype(np.int32))
         if not is_chain:
             state.parents[:T] = cp.asarray(par.astype(np.int32))
         if T <= ATTN_TOKENS:
             state.mask[:T] = cp.asarray(att.tree_mask(par))
+        small = T <= state.tokens.size
+        if small:
+            state.tokens[:T] = cp.asarray(tokens.astype(np.int32))
+        x0 = None
+        if self._host_table:
+            rows = cp.asarray(self.host_head_embed(tokens))
+            if small:
+                state.embedded(self.cfg.n_embd)[:T] = rows
+            else:
+                x0 = rows
+        elif not small:
+            x0 = self.be.embed(self.tok_embd, cp.asarray(tokens))
         state.s_len.fill(S)
+        graph = self.use_graphs and self.graph_blocker is None and small and T <= min(ATTN_TOKENS, state.max_tree)
+        # K splits of the attention: from S (eager), or from S's bucket (a graph serves every S up to it)
+        s_hint = _s_bucket(S + T, state.max_ctx) - T if graph else S
         step = _Step(T=T, S=S, parents=par, is_chain=is_chain, per_token=per_token,
-                     positions=state.positions[:T])
+                     positions=state.positions[:T], s_hint=s_hint)
+        if graph:
+            key = (T, is_chain, per_token, logits, tuple(capture), s_hint)
+            lg, cap = self._graph_step(state, step, key, logits, capture)
+        else:
+            self.graph_stats["eager"] += 1
+            lg, cap = self._launches(state, step, logits, capture, x0)
+        state.pending = GpuPending(n_tokens=T, parents=par, per_token=per_token)
+        rows = {"all": np.arange(T), "last": np.array([T - 1]), "none": np.array([], dtype=np.int64)}[logits]
+        return ForwardResult(logits=cp.asnumpy(lg) if lg is not None else None, logit_rows=rows,
+                             captured=cp.asnumpy(cap) if cap is not None else None)
 
+    def _launches(self, state: GpuSequenceState, step: _Step, logits: str, capture: list[int],
+                  x0: Any = None) -> tuple[Any, Any]:
+        """Every launch of a step; without x0 (the embedded rows, given for long chunks) it reads the step's
+        values only from the state's device buffers (what a graph captures). Returns (logits, captured) as device
+        arrays (or None)."""
+        cp = self.be.xp
+        T = step.T
         captured = cp.empty((T, len(capture), self.cfg.n_embd), cp.float32) if capture else None
-        x = self.be.embed(self.tok_embd, cp.asarray(tokens))
+        if x0 is not None:
+            x = x0
+        elif self._host_table:
+            x = state.embedded(self.cfg.n_embd)[:T]
+        else:
+            x = self.be.embed(self.tok_embd, state.tokens[:T])
         for i, w in enumerate(self.layers):
             x = self._block(i, w, x, state, step)
             for slot, lid in enumerate(capture):
                 if lid == i:
                     captured[:, slot] = x
-        state.pending = GpuPending(n_tokens=T, parents=par, per_token=per_token)
-
-        rows = {"all": np.arange(T), "last": np.array([T - 1]), "none": np.array([], dtype=np.int64)}[logits]
         out = None
-        if len(rows):
+        if logits != "none":
             xr = x if logits == "all" else x[T - 1:]
-            h = nr.rms_norm(xr, self.output_norm, self.cfg.rms_eps)
-            out = cp.asnumpy(self.output.matmul(h))
-        return ForwardResult(logits=out, logit_rows=rows,
-                             captured=cp.asnumpy(captured) if captured is not None else None)
+            out = self.output.matmul(nr.rms_norm(xr, self.output_norm, self.cfg.rms_eps))
+        return out, captured
+
+    def _graph_step(self, state: GpuSequenceState, step: _Step, key: tuple, logits: str,
+                    capture: list[int]) -> tuple[Any, Any]:
+        """Replay the state's graph for this shape; without one: eager warm-up (this step's results), then
+        capture. A failed capture turns graphs off for the model (with a warning) and keeps the eager result."""
+        cp = self.be.xp
+        g = state.graphs.get(key)
+        if g is not None:
+            g.graph.launch(cp.cuda.get_current_stream())
+            g.replays += 1
+            self.graph_stats["replays"] += 1
+            return g.logits, g.captured
+        # warm-up: builds every kernel, fills every cache (nothing may load or upload while capturing) and
+        # measures the arena the capture needs (the capture makes the same allocations in the same order)
+        probe = _GraphHeap(cp, None)
+        with cp.cuda.using_allocator(probe.malloc):
+            out = self._launches(state, step, logits, capture)
+        try:
+            # the graph's own arena: its addresses stay reserved while the graph lives
+            heap = _GraphHeap(cp, cp.empty(probe.peak + probe.peak // 8 + (4 << 20), cp.uint8))
+            if self._capture_stream is None:
+                self._capture_stream = cp.cuda.Stream(non_blocking=True)
+            graph, (lg, cap) = _record(self._capture_stream, heap,
+                                       lambda: self._launches(state, step, logits, capture))
+        except Exception as e:  # noqa: BLE001 - any capture failure: eager from here on, and say why
+            self.use_graphs = False
+            self.graph_blocker = f"capture failed: {type(e).__name__}: {e}"
+            self.graph_stats["failed"] += 1
+            warnings.warn(f"CUDA graphs off for this model: {self.graph_blocker}", RuntimeWarning, stacklevel=3)
+            return out
+        while len(state.graphs) >= GRAPHS_PER_STATE:
+            state.graphs.pop(next(iter(state.graphs)))
+        state.graphs[key] = _StepGraph(graph=graph, heap=heap, logits=lg, captured=cap)
+        self.graph_stats["captures"] += 1
+        return out
 
     def _block(self, i: int, w: dict, x, state: GpuSequenceState, step: _Step):
         eps = self.cfg.rms_eps
@@ -284,7 +399,7 @@ class Qwen35GpuModel(TargetModel):
         cache = state.kv[i]
         cache.store(k, v, state.s_len)
         if T <= ATTN_TOKENS:
-            o = att.attention(q, cache, state.s_len, state.mask[:T], gate=gate, s_hint=step.S)
+            o = att.attention(q, cache, state.s_len, state.mask[:T], gate=gate, s_hint=step.s_hint)
         elif step.is_chain:
             # a long chain (prefill): blocks of 64 queries, each sees every earlier row and its own prefix
             cp = self.be.xp
@@ -327,6 +442,102 @@ class _Step:
     is_chain: bool
     per_token: bool
     positions: object
+    s_hint: int = 0
+
+
+def _s_bucket(n: int, max_ctx: int) -> int:
+    """The S + T bucket of a graph: the next power of two from GRAPH_MIN_BUCKET, at most the context."""
+    b = GRAPH_MIN_BUCKET
+    while b < n:
+        b *= 2
+    return max(n, min(b, max_ctx))
+
+
+@dataclass
+class _StepGraph:
+    graph: Any
+    heap: _GraphHeap
+    logits: Any        # device outputs inside the arena, rewritten by every replay
+    captured: Any
+    replays: int = 0
+
+
+def _record(stream: Any, heap: _GraphHeap, launches: Any) -> tuple[Any, Any]:
+    """Capture `launches()` on `stream` with every allocation from `heap`: (graph, what launches returned)."""
+    cp = heap.cp
+    with stream:
+        stream.begin_capture()
+        try:
+            with cp.cuda.using_allocator(heap.malloc):
+                out = launches()
+        except BaseException:
+            stream.end_capture()   # leave capture mode before passing the error on
+            raise
+        graph = stream.end_capture()
+    return graph, out
+
+
+class _GraphHeap:
+    """First-fit allocator over one arena for the allocations of a captured step.
+
+    A graph replays fixed addresses, so its temporaries may not come from CuPy's pool (the pool would hand
+    them to later eager code while the graph still writes there). Freed blocks are reused within the capture:
+    the launches run in stream order, so a block freed by Python after its last launch is dead on the device
+    too. With base=None the heap only measures: same placement, real memory from the default pool, `peak`
+    = the arena size the same allocation sequence needs."""
+
+    ALIGN = 512
+
+    def __init__(self, cp: Any, base: Any):
+        self.cp, self.base = cp, base
+        size = (1 << 62) if base is None else int(base.nbytes)
+        self.free: list[tuple[int, int]] = [(0, size)]   # (offset, bytes), sorted, coalesced
+        self.peak = 0
+        self.device = int(cp.cuda.Device().id)
+
+    def malloc(self, nbytes: int) -> Any:
+        n = max(self.ALIGN, -(-int(nbytes) // self.ALIGN) * self.ALIGN)
+        j = next((i for i, (_, size) in enumerate(self.free) if size >= n), None)
+        if j is None:
+            raise MemoryError(f"graph arena of {self.base.nbytes} bytes has no {n} bytes free (the capture "
+                              f"allocated differently from its warm-up)")
+        off, size = self.free[j]
+        if size == n:
+            del self.free[j]
+        else:
+            self.free[j] = (off + n, size - n)
+        self.peak = max(self.peak, off + n)
+        if self.base is None:
+            keep = self.cp.get_default_memory_pool().malloc(n)
+            ptr = keep.ptr
+        else:
+            keep, ptr = self.base, self.base.data.ptr + off
+        mem = self.cp.cuda.UnownedMemory(ptr, n, _HeapBlock(self, off, n, keep), self.device)
+        return self.cp.cuda.MemoryPointer(mem, 0)
+
+    def release(self, off: int, n: int) -> None:
+        insort(self.free, (off, n))
+        j = self.free.index((off, n))
+        if j + 1 < len(self.free) and off + n == self.free[j + 1][0]:
+            n += self.free.pop(j + 1)[1]
+            self.free[j] = (off, n)
+        if j > 0 and self.free[j - 1][0] + self.free[j - 1][1] == off:
+            p_off, p_n = self.free[j - 1]
+            self.free[j - 1] = (p_off, p_n + n)
+            del self.free[j]
+
+
+class _HeapBlock:
+    """Owner of one heap block: returns it when CuPy drops the last array over it."""
+
+    def __init__(self, heap: _GraphHeap, off: int, n: int, keep: Any):
+        self.heap, self.off, self.n, self.keep = heap, off, n, keep
+
+    def __del__(self) -> None:
+        try:
+            self.heap.release(self.off, self.n)
+        except Exception:  # noqa: BLE001 - interpreter shutdown
+            pass
 
 
 def _tree_attention_fallback(q, cache: att.KVCacheLayer, step: _Step, gate):
