@@ -25,12 +25,20 @@ def _target_training(s: dict) -> str:
 def _target_repro(s: dict) -> str:
     if not s.get("target_reproduce"):
         return ""
-    return f"""
+    text = f"""
 This run trained the drafter only (`--target-gguf`); the target came from this earlier run, whose
 `target.gguf` the command above reads:
 
     {s['target_reproduce']}
 """
+    if s.get("init_drafter_reproduce"):
+        text += f"""
+and the drafter it continued (`--init-drafter`) from this one (run it first, into the folder the command
+above names):
+
+    {s['init_drafter_reproduce']}
+"""
+    return text
 
 
 def write_card(path: str | Path, s: dict, cfg) -> None:

@@ -206,8 +206,12 @@ def _run(cfg: PipelineConfig) -> dict:
         tstats.update({"source": cfg.target_gguf, "params": tg.n_params(model),
                        "heldout": tg.evaluate(model, held_tokens, tt.seq_len, device, tt.eval_seqs)})
         tstats["heldout"]["bits_per_byte"] = tstats["heldout"]["loss"] / math.log(2) / bpt
-        if prev.get("reproduce"):
-            summary["target_reproduce"] = prev["reproduce"]
+        # the command that trained the target: a drafter-only predecessor passes its own record on
+        target_repro = prev.get("target_reproduce") or prev.get("reproduce")
+        if target_repro:
+            summary["target_reproduce"] = target_repro
+        if cfg.init_drafter and prev.get("reproduce"):
+            summary["init_drafter_reproduce"] = prev["reproduce"]
         if Path(cfg.target_gguf).resolve() != (out / "target.gguf").resolve():
             shutil.copyfile(cfg.target_gguf, out / "target.gguf")
         log(f"target: {cfg.target_gguf} (not retrained), held-out ppl {tstats['heldout']['ppl']:.3f}")
