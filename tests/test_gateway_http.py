@@ -379,6 +379,29 @@ def test_full_queue_is_429_and_disconnect_frees_the_slot(tiny_pair, source):
     run(scenario())
 
 
+def test_back_to_back_requests_never_see_their_own_slot_busy(tiny_pair):
+    """slots=1, max_queue=0: a request sent the moment the previous one's final chunk arrives must get the
+    slot (the verifier frees it before that chunk goes out, not just after)."""
+    from services import rpc
+
+    _, target, _ = tiny_pair
+
+    async def scenario():
+        v = await serve_verifier(VerifierConfig(model=target, slots=1, max_queue=0, speculative=False),
+                                 f"inproc:b2b-{uuid.uuid4().hex[:6]}")
+        try:
+            async with rpc.open_channel(str(v.address)) as ch:
+                stub = pb_grpc.VerifierStub(ch)
+                for i in range(40):
+                    call = stub.Generate(pb.GenerateRequest(prompt_ids=[1 + i % 7, 2], max_tokens=1))
+                    async for chunk in call:
+                        if chunk.HasField("usage"):
+                            break                        # the final chunk: send the next request at once
+        finally:
+            await v.stop()
+    run(scenario())
+
+
 def test_errors_after_headers_are_sse_events(tiny_pair, source):
     """With a tiny ping interval the headers (and pings) go out before the verifier answers; its 429 then
     travels as a `data: {"error": ...}` event, which openai-python raises as APIError."""

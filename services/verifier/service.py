@@ -224,6 +224,7 @@ class _Job:
     result: GenerationResult = field(default_factory=GenerationResult)
     stop_reason: str = ""                       # "cancelled" | "deadline" when the loop was stopped early
     fallback_reason: str = ""
+    worker: asyncio.Future | None = None        # the worker thread's future; its done-callback frees the slot
 
     def put(self, kind: str, payload: Any = None) -> None:
         try:
@@ -443,6 +444,9 @@ class VerifierServicer(pb_grpc.VerifierServicer):
                     yield pb.GenerateChunk(token_ids=payload)
                 elif kind == "final":
                     span_open = False          # _final_chunk ends it with the totals
+                    # The slot must be free before the client hears the end: a client that sends its next
+                    # request at once would otherwise find this one still holding it (429 with max_queue 0).
+                    await asyncio.wait({job.worker}, timeout=5.0)
                     yield self._final_chunk(job, payload, queue_ms)
                     self.counters.completed += 1
                     return
@@ -491,6 +495,7 @@ class VerifierServicer(pb_grpc.VerifierServicer):
             raise
         self._active += 1
         self._jobs.add(job)
+        job.worker = fut
 
         def release(_: Any) -> None:
             # Runs on the event loop once the worker thread has returned: only now is the slot free.
