@@ -361,7 +361,7 @@ def test_metrics_match_the_requests_made(tiny_pair, source):
 def test_full_queue_is_429_and_disconnect_frees_the_slot(tiny_pair, source):
     async def scenario():
         async with stack(tiny_pair, source, slots=1, max_queue=0) as (g, http):
-            long = {"prompt": "Hello", "max_tokens": 400, "stream": True}
+            long = {"prompt": "Hello", "max_tokens": 400, "stream": True, "ignore_eos": True}
             async with http.post("/v1/completions", json=long) as r:
                 assert r.status == 200
                 await r.content.readline()          # the stream is running: the only slot is taken
@@ -376,6 +376,20 @@ def test_full_queue_is_429_and_disconnect_frees_the_slot(tiny_pair, source):
                 m = _samples(await r.text())
             assert m[("specsplit:requests_total", (("endpoint", "/v1/completions"), ("status", "429")))] == 1
             assert m[("specsplit:requests_running", ())] == 0
+    run(scenario())
+
+
+def test_ignore_eos_generates_through_end_of_sequence(tiny_pair, source):
+    """`ignore_eos` (vLLM's extension): the tiny model ends "Hello" after 23 tokens; with it, max_tokens run."""
+    async def scenario():
+        async with stack(tiny_pair, source) as (g, http):
+            s, b, _ = await post(http, "/v1/completions", {"prompt": "Hello", "max_tokens": 40})
+            assert s == 200 and b["choices"][0]["finish_reason"] == "stop" and b["usage"]["completion_tokens"] < 40
+            s, b, _ = await post(http, "/v1/completions", {"prompt": "Hello", "max_tokens": 40, "ignore_eos": True})
+            assert s == 200 and b["choices"][0]["finish_reason"] == "length"
+            assert b["usage"]["completion_tokens"] == 40
+            s, b, _ = await post(http, "/v1/completions", {"prompt": "Hello", "ignore_eos": "yes"})
+            assert_error(s, b, 400, "invalid_request_error", "ignore_eos")
     run(scenario())
 
 
@@ -407,7 +421,7 @@ def test_errors_after_headers_are_sse_events(tiny_pair, source):
     travels as a `data: {"error": ...}` event, which openai-python raises as APIError."""
     async def scenario():
         async with stack(tiny_pair, source, slots=1, max_queue=0, ping_interval=1e-4) as (g, http):
-            async with http.post("/v1/completions", json={"prompt": "Hello", "max_tokens": 400,
+            async with http.post("/v1/completions", json={"prompt": "Hello", "max_tokens": 400, "ignore_eos": True,
                                                            "stream": True}) as busy:
                 await busy.content.readline()
                 async with http.post("/v1/chat/completions", json={**CHAT, "stream": True}) as r:
@@ -452,7 +466,7 @@ def test_routes_to_the_least_busy_ready_verifier(tiny_pair, source):
             async with aiohttp.ClientSession(base_url=g.url, timeout=TIMEOUT) as http:
                 async with http.get("/health") as r:
                     assert r.status == 200
-                body = {"prompt": "Hello", "max_tokens": 300, "stream": True}
+                body = {"prompt": "Hello", "max_tokens": 300, "stream": True, "ignore_eos": True}
                 async with http.post("/v1/completions", json=body) as a, \
                         http.post("/v1/completions", json=body) as b:
                     assert a.status == b.status == 200        # with max_queue=0 the second would be 429

@@ -97,6 +97,7 @@ class GenerationRequest:
     split_reasoning: bool = False
     in_reasoning: bool = False              # the prompt opened a think block
     timeout: float | None = None            # seconds; becomes the gRPC deadline
+    ignore_eos: bool = False                # do not stop at the model's end-of-sequence tokens
     arrived: float = field(default_factory=time.perf_counter)
     trace_context: Context | None = None    # extracted from the client's traceparent
 
@@ -348,13 +349,16 @@ class Generation:
         if s.seed is not None:
             sampling.seed = int(s.seed)
         return pb.GenerateRequest(request_id=req.request_id, prompt_ids=req.prompt_ids, max_tokens=max_tokens,
-                                  sampling=sampling, stop_ids=self.core.stop_ids)
+                                  sampling=sampling, stop_ids=self._stop_ids())
+
+    def _stop_ids(self) -> list[int]:
+        return [] if self.req.ignore_eos else self.core.stop_ids
 
     async def _run(self) -> None:
         core, req = self.core, self.req
         timeout = req.timeout if req.timeout is not None else core.default_timeout
         deadline = None if timeout is None else time.monotonic() + timeout
-        asm = TextAssembler(core.tokenizer, stop=req.stop, stop_ids=core.stop_ids,
+        asm = TextAssembler(core.tokenizer, stop=req.stop, stop_ids=self._stop_ids(),
                             think_ids=core.think_ids if req.split_reasoning else None,
                             in_reasoning=req.in_reasoning)
         token_ids: list[int] = []

@@ -188,7 +188,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
                             model=model, prompt_ids=prompt_ids, max_tokens=params.max_tokens,
                             sampling=params.sampling, stop=params.stop, split_reasoning=split,
                             in_reasoning=split and prompt_opens_thinking(prompt_text), timeout=params.timeout,
-                            arrived=arrived, trace_context=_trace_context(request))
+                            ignore_eos=params.ignore_eos, arrived=arrived, trace_context=_trace_context(request))
     if params.stream:
         return await _stream(request, core, req, chat=True, include_usage=params.include_usage)
     async with core.open(req) as gen:
@@ -208,7 +208,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
     req = GenerationRequest(request_id=new_id("cmpl"), operation="text_completion", endpoint="/v1/completions",
                             model=model, prompt_ids=prompt_ids, max_tokens=params.max_tokens,
                             sampling=params.sampling, stop=params.stop, timeout=params.timeout,
-                            arrived=arrived, trace_context=_trace_context(request))
+                            ignore_eos=params.ignore_eos, arrived=arrived, trace_context=_trace_context(request))
     if params.stream:
         return await _stream(request, core, req, chat=False, include_usage=params.include_usage)
     async with core.open(req) as gen:

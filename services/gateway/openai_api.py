@@ -97,6 +97,7 @@ class CommonParams:
     stream: bool
     include_usage: bool
     timeout: float | None
+    ignore_eos: bool = False            # vLLM extension: generate through end-of-sequence tokens (benchmarks)
 
 
 def parse_stop(value: Any) -> list[str]:
@@ -158,7 +159,8 @@ def parse_common(body: dict) -> CommonParams:
         if not isinstance(rf, dict) or rf.get("type") not in ("text",):
             raise APIError(400, "only response_format {\"type\": \"text\"} is supported", param="response_format")
     return CommonParams(max_tokens=max_tokens, sampling=sampling, stop=parse_stop(body.get("stop")),
-                        stream=stream, include_usage=include_usage, timeout=timeout)
+                        stream=stream, include_usage=include_usage, timeout=timeout,
+                        ignore_eos=opt_bool(body, "ignore_eos"))
 
 
 def parse_messages(body: dict) -> list[dict]:
