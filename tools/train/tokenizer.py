@@ -52,19 +52,27 @@ def _sample(docs: Sequence[str], max_bytes: int) -> Iterator[str]:
         yield d
 
 
-def train_tokenizer(docs: Sequence[str], vocab_size: int = 4096, sample_mb: float = 24.0,
-                    min_frequency: int = 2, max_token_length: int | None = 24):
-    """Train on the first sample_mb of docs (already in a random order); vocab_size counts the specials."""
-    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+def _byte_level_bpe(model):
+    """A `tokenizers` Tokenizer around a BPE model with this layout: NFC, Qwen3.5 split + byte level."""
+    from tokenizers import Regex, Tokenizer, decoders, normalizers, pre_tokenizers
 
-    n_extra = len(SPECIALS) + len(ADDED)
-    tok = Tokenizer(models.BPE())
+    tok = Tokenizer(model)
     tok.normalizer = normalizers.NFC()
     tok.pre_tokenizer = pre_tokenizers.Sequence([
         pre_tokenizers.Split(Regex(QWEN35_PATTERN), behavior="isolated"),
         pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
     ])
     tok.decoder = decoders.ByteLevel()
+    return tok
+
+
+def train_tokenizer(docs: Sequence[str], vocab_size: int = 4096, sample_mb: float = 24.0,
+                    min_frequency: int = 2, max_token_length: int | None = 24):
+    """Train on the first sample_mb of docs (already in a random order); vocab_size counts the specials."""
+    from tokenizers import AddedToken, models, pre_tokenizers, trainers
+
+    n_extra = len(SPECIALS) + len(ADDED)
+    tok = _byte_level_bpe(models.BPE())
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size - n_extra, min_frequency=min_frequency, show_progress=False,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), max_token_length=max_token_length)
@@ -79,7 +87,7 @@ def tokenizer_from_gguf(path: str | os.PathLike[str]):
 
     For training a drafter against a shipped target: the token ids must be the target's own.
     """
-    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
+    from tokenizers import AddedToken, models
 
     from services.engine.formats import open_model_file
 
@@ -91,13 +99,7 @@ def tokenizer_from_gguf(path: str | os.PathLike[str]):
     types = [int(t) for t in meta["tokenizer.ggml.token_type"]]
     merges = [tuple(str(m).split(" ", 1)) for m in meta["tokenizer.ggml.merges"]]
     normal = {t: i for i, (t, ty) in enumerate(zip(tokens, types)) if ty == 1}
-    tok = Tokenizer(models.BPE(vocab=normal, merges=merges))
-    tok.normalizer = normalizers.NFC()
-    tok.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(QWEN35_PATTERN), behavior="isolated"),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-    ])
-    tok.decoder = decoders.ByteLevel()
+    tok = _byte_level_bpe(models.BPE(vocab=normal, merges=merges))
     for i, (t, ty) in enumerate(zip(tokens, types)):
         if ty == 1:
             continue
