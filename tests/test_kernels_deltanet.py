@@ -16,25 +16,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-try:
-    import cupy
-except Exception as e:  # not installed, or a broken CUDA install
-    pytest.skip(f"CuPy is not importable ({e}): GPU/CUDA kernel tests skipped", allow_module_level=True)
+from kernels import loader  # noqa: E402
 
-
-def _gpu_missing() -> str | None:
-    try:
-        n = cupy.cuda.runtime.getDeviceCount()
-    except Exception as e:
-        return f"no usable CUDA GPU ({type(e).__name__}: {e}): GPU kernel tests skipped"
-    if n == 0:
-        return "no CUDA GPU visible: GPU kernel tests skipped"
-    return None
-
-
-_REASON = _gpu_missing()
+_REASON = loader.unavailable_reason()     # the one check the engine uses too (CuPy, driver, a visible GPU)
 if _REASON is not None:
-    pytest.skip(_REASON, allow_module_level=True)
+    pytest.skip(f"GPU kernel tests skipped: {_REASON}", allow_module_level=True)
+
+import cupy  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import test_kernels_deltanet_sim as cases  # noqa: E402

@@ -15,25 +15,13 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-try:
-    import cupy
-except Exception as e:  # not installed, or a broken CUDA install
-    pytest.skip(f"CuPy is not importable ({e}): GPU/CUDA kernel tests skipped", allow_module_level=True)
+from kernels import loader  # noqa: E402
 
-
-def _gpu_missing() -> str | None:
-    try:
-        n = cupy.cuda.runtime.getDeviceCount()
-    except Exception as e:
-        return f"no usable CUDA GPU ({type(e).__name__}: {e}): GPU kernel tests skipped"
-    if n == 0:
-        return "no CUDA GPU visible: GPU kernel tests skipped"
-    return None
-
-
-_REASON = _gpu_missing()
+_REASON = loader.unavailable_reason()     # the one check the engine uses too (CuPy, driver, a visible GPU)
 if _REASON is not None:
-    pytest.skip(_REASON, allow_module_level=True)
+    pytest.skip(f"GPU kernel tests skipped: {_REASON}", allow_module_level=True)
+
+import cupy  # noqa: E402
 
 from kernels import quant_matmul as qm  # noqa: E402
 
