@@ -15,6 +15,17 @@ from .errors import ContextOverflowError
 from .kvcache import KVCache
 
 
+def check_commit_path(path, parents: np.ndarray) -> list[int]:
+    """`path` as ints, checked to be a root-to-node chain of the pending tokens (each the parent of the next)."""
+    path = [int(i) for i in path]
+    prev = -1
+    for i in path:
+        if not (0 <= i < len(parents)) or int(parents[i]) != prev:
+            raise ValueError(f"commit path {path} is not a root-to-node chain of the pending tokens")
+        prev = i
+    return path
+
+
 @dataclass
 class PendingStep:
     """What the last forward wrote and has not yet been committed."""
@@ -70,12 +81,7 @@ class SequenceState:
         p = self.pending
         if p is None:
             raise RuntimeError("commit() without a pending forward pass")
-        path = [int(i) for i in path]
-        prev = -1
-        for i in path:
-            if not (0 <= i < p.n_tokens) or int(p.parents[i]) != prev:
-                raise ValueError(f"commit path {path} is not a root-to-node chain of the pending tokens")
-            prev = i
+        path = check_commit_path(path, p.parents)
         n = len(path)
         if n:
             base = self.n_past

@@ -41,6 +41,22 @@ class StepContext:
     checkpoints: bool
 
 
+def check_step(tokens: Sequence[int], parents: Sequence[int] | None,
+               n_vocab: int) -> tuple[np.ndarray, np.ndarray, bool]:
+    """A forward's token ids and parent list, checked: (tokens, parents, whether they form a plain chain)."""
+    tokens = np.asarray(tokens, dtype=np.int64)
+    T = len(tokens)
+    if T == 0:
+        raise ValueError("forward() needs at least one token")
+    if tokens.min() < 0 or tokens.max() >= n_vocab:
+        raise ValueError(f"token id out of range [0, {n_vocab})")
+    chain = np.arange(-1, T - 1)
+    par = chain if parents is None else np.asarray(parents, dtype=np.int64)
+    if len(par) != T or np.any(par >= np.arange(T)) or np.any(par < -1):
+        raise ValueError("parents must be topologically ordered: -1 <= parents[i] < i")
+    return tokens, par, bool(np.array_equal(par, chain))
+
+
 class TargetModel(ABC):
     arch = ""
 
@@ -99,17 +115,8 @@ class TargetModel(ABC):
         be committed; a chain without checkpoints can only be committed whole (prefill, plain decode).
         logits: "all", "last" or "none".
         """
-        tokens = np.asarray(tokens, dtype=np.int64)
+        tokens, par, is_chain = check_step(tokens, parents, self.cfg.n_vocab)
         T = len(tokens)
-        if T == 0:
-            raise ValueError("forward() needs at least one token")
-        if tokens.min() < 0 or tokens.max() >= self.cfg.n_vocab:
-            raise ValueError(f"token id out of range [0, {self.cfg.n_vocab})")
-        chain = np.arange(-1, T - 1)
-        par = chain if parents is None else np.asarray(parents, dtype=np.int64)
-        if len(par) != T or np.any(par >= np.arange(T)) or np.any(par < -1):
-            raise ValueError("parents must be topologically ordered: -1 <= parents[i] < i")
-        is_chain = bool(np.array_equal(par, chain))
         state.check_room(T)
         depth = np.zeros(T, dtype=np.int64)
         for i in range(T):

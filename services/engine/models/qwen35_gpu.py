@@ -38,7 +38,8 @@ from ..config import ModelConfig
 from ..errors import ContextOverflowError
 from ..formats import RawTensor
 from ..kvcache import resolve_cache_types
-from .base import ForwardResult, TargetModel
+from ..state import check_commit_path
+from .base import ForwardResult, TargetModel, check_step
 
 MAX_TREE = 65            # tree nodes with recurrent checkpoints (a 64-node budget plus the root)
 ATTN_TOKENS = att.MAX_TOKENS
@@ -136,12 +137,7 @@ class GpuSequenceState:
         p = self.pending
         if p is None:
             raise RuntimeError("commit() without a pending forward pass")
-        path = [int(i) for i in path]
-        prev = -1
-        for i in path:
-            if not (0 <= i < p.n_tokens) or int(p.parents[i]) != prev:
-                raise ValueError(f"commit path {path} is not a root-to-node chain of the pending tokens")
-            prev = i
+        path = check_commit_path(path, p.parents)
         if path:
             cp = nr.loader.require()
             base = self.n_past
@@ -253,19 +249,10 @@ class Qwen35GpuModel(TargetModel):
                 capture: Sequence[int] = (), checkpoints: bool = False, logits: str = "all") -> ForwardResult:
         """TargetModel.forward on the device; logits and captured features come back as host float32."""
         cp = self.be.xp
-        tokens = np.asarray(tokens, dtype=np.int64)
+        tokens, par, is_chain = check_step(tokens, parents, self.cfg.n_vocab)
         T = len(tokens)
-        if T == 0:
-            raise ValueError("forward() needs at least one token")
-        if tokens.min() < 0 or tokens.max() >= self.cfg.n_vocab:
-            raise ValueError(f"token id out of range [0, {self.cfg.n_vocab})")
-        chain = np.arange(-1, T - 1)
-        par = chain if parents is None else np.asarray(parents, dtype=np.int64)
-        if len(par) != T or np.any(par >= np.arange(T)) or np.any(par < -1):
-            raise ValueError("parents must be topologically ordered: -1 <= parents[i] < i")
         if logits not in ("all", "last", "none"):
             raise ValueError(f"logits must be 'all', 'last' or 'none', not {logits!r}")
-        is_chain = bool(np.array_equal(par, chain))
         per_token = checkpoints or not is_chain
         if per_token and T > state.max_tree:
             raise ValueError(f"a tree or checkpointed forward takes at most {state.max_tree} tokens on the GPU")
