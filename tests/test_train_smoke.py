@@ -273,3 +273,64 @@ def test_tokenizer_rebuilt_from_gguf_encodes_like_the_trained_one(toy):
     text = (out / "work" / "corpus" / "heldout.txt").read_text()[:20000] + "<|im_start|>user\n<think>hi<|im_end|>"
     assert rebuilt.encode(text).ids == trained.encode(text).ids
     assert rebuilt.decode(trained.encode(text).ids) == trained.decode(trained.encode(text).ids)
+
+
+def _toy_args(out, *extra: str) -> list[str]:
+    return ["--preset", "toy", "--out", str(out), *(a for r in ROOTS for a in ("--root", r)), *extra]
+
+
+def test_target_only_then_continued_target_then_its_drafter(toy, tmp_path):
+    """--target-only stops after the target; --init-target continues that GGUF (start = its held-out loss up to
+    Q8_0 rounding, steps and tokens added up); a drafter run on the result carries the whole record."""
+    from tools.train.pipeline import main
+
+    first, second = tmp_path / "first", tmp_path / "second"
+    main(_toy_args(first, "--target-only", "--target-steps", "6"))
+    assert sorted(p.name for p in first.iterdir()) == ["MODEL_CARD.md", "SHA256SUMS", "summary.json", "target.gguf",
+                                                      "work"]
+    s1 = json.loads((first / "summary.json").read_text())
+    assert "drafter" not in s1 and s1["target"]["steps"] == 6 and "init" not in s1["target"]
+    assert s1["reproduce"].endswith("--target-steps 6") and "--gen-seqs" not in s1["reproduce"]   # nothing else
+    assert "Not part of this run (`--target-only`)" in (first / "MODEL_CARD.md").read_text()
+
+    main(_toy_args(second, "--target-only", "--target-steps", "6", "--seed", "1",
+                   "--init-target", str(first / "target.gguf")))
+    s2 = json.loads((second / "summary.json").read_text())
+    t1, t2 = s1["target"], s2["target"]
+    init = t2["init"]
+    assert init["path"] == str(first / "target.gguf") and init["steps"] == 6
+    assert init["sha256"] == hashlib.sha256((first / "target.gguf").read_bytes()).hexdigest()
+    assert abs(init["heldout"]["loss"] - t1["heldout"]["loss"]) < 0.01      # Q8_0 rounding only
+    assert init["heldout"]["loss"] < np.log(300) - 0.1                        # not random weights again
+    assert t2["heldout"]["loss"] < init["heldout"]["loss"]                    # and it kept learning
+    assert t2["steps"] == 6 and t2["total_steps"] == 12
+    assert t2["total_tokens_seen"] == t1["tokens_seen"] + t2["tokens_seen"] == 2 * 6 * 8 * 64
+    assert t2["config"] == t1["config"]                                       # read back from the GGUF
+    assert s2["init_target_reproduce"] == s1["reproduce"]
+    card = (second / "MODEL_CARD.md").read_text()
+    assert f"Continued (`--init-target`) from `{first / 'target.gguf'}`" in card and "In all: 12 steps" in card
+    assert f"| {init['heldout']['loss']:.4f} | {t2['heldout']['loss']:.4f} |" in card
+
+    # the recipe's second run: a drafter for the continued target, continuing the toy drafter
+    cfg = toy_config(str(tmp_path / "third"), ROOTS, seed=2)
+    cfg.target_gguf, cfg.init_drafter = str(second / "target.gguf"), str(toy[0] / "drafter")
+    cfg.draft_train.steps, cfg.data.max_seqs, cfg.eval.enabled = 2, 8, False
+    s3 = run(cfg)
+    assert s3["target"]["init"] == init and s3["target"]["total_steps"] == 12
+    assert s3["target_reproduce"] == s2["reproduce"] and s3["init_target_reproduce"] == s1["reproduce"]
+    assert s3["init_drafter_reproduce"] == toy[1]["reproduce"]
+    card = (tmp_path / "third" / "MODEL_CARD.md").read_text()
+    assert "Continued (`--init-target`)" in card and s1["reproduce"] in card and toy[1]["reproduce"] in card
+
+
+def test_init_target_refuses_another_tokenizer(toy, tmp_path):
+    out, _ = toy
+    cfg = toy_config(str(tmp_path / "run"), ROOTS, seed=0)
+    cfg.vocab, cfg.init_target, cfg.target_only = 280, str(out / "target.gguf"), True
+    with pytest.raises(SystemExit, match=r"its tokenizer is not the one this corpus and --vocab 280 give "
+                                         r"\(its vocabulary has 300 tokens, this one 280\)"):
+        run(cfg)
+    assert not (tmp_path / "run" / "target.gguf").exists()
+    cfg.vocab, cfg.target_gguf = 300, str(out / "target.gguf")
+    with pytest.raises(SystemExit, match="pass one of them"):
+        run(cfg)

@@ -2,7 +2,10 @@
 
     python -m tools.train.pipeline --out DIR [--device cuda] [--minutes 12] [--seed 0]
 
-Writes into DIR:
+    python -m tools.train.pipeline --out DIR --init-target OLD/target.gguf --target-only [--seed 1]
+        continue an existing target's training (fresh warmup + cosine over the new steps) and stop after it
+
+Writes into DIR (with --target-only: target.gguf, MODEL_CARD.md, SHA256SUMS, summary.json, work/):
     target.gguf        the qwen35 target, Q8_0, tokenizer and chat template inside
     drafter/           the DFlash drafter, z-lab layout (config.json + model.safetensors, bf16)
     drafter.gguf       the same drafter as a `dflash-draft` GGUF
@@ -66,6 +69,8 @@ class PipelineConfig:
     draft_train: DraftTrainConfig = field(default_factory=DraftTrainConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     target_gguf: str | None = None          # train only a drafter, for this shipped qwen35 target
+    init_target: str | None = None          # continue training this qwen35 GGUF instead of random weights
+    target_only: bool = False               # stop after the target (no drafter, no engine eval)
     synthetic_cycle: bool = False           # write the cycle corpus into the first root first
     init_drafter: str | None = None         # continue training this drafter folder (z-lab layout)
     target_gguf_type: str = "q8_0"
@@ -142,6 +147,12 @@ def _run(cfg: PipelineConfig) -> dict:
     from .corpus import build_corpus, read_docs
     from .tokenizer import EOT, MASK, encode_docs, save_tokenizer, tokenizer_from_gguf, train_tokenizer
 
+    if cfg.init_target and cfg.target_gguf:
+        raise SystemExit("--init-target continues a target, --target-gguf keeps one as it is: pass one of them")
+    if cfg.target_only and (cfg.target_gguf or cfg.init_drafter):
+        raise SystemExit("--target-only trains no drafter: it goes with neither --target-gguf nor --init-drafter")
+    if cfg.target_only:
+        cfg.eval.enabled = False      # the engine eval measures the pair; the target's held-out loss stays
     t_run = time.perf_counter()
     total_s = cfg.minutes * 60 if cfg.minutes else None
 
@@ -180,6 +191,8 @@ def _run(cfg: PipelineConfig) -> dict:
         tok = tokenizer_from_gguf(cfg.target_gguf)
     else:
         tok = train_tokenizer(docs, cfg.vocab, cfg.tok_sample_mb)
+        if cfg.init_target:      # the continued weights only mean something under their own token ids
+            _check_init_tokenizer(tok, cfg, manifest)
     special = save_tokenizer(tok, work / "tokenizer")
     vocab = tok.get_vocab_size()
     eot, mask_id = special[EOT], special[MASK]
@@ -210,26 +223,58 @@ def _run(cfg: PipelineConfig) -> dict:
         target_repro = prev.get("target_reproduce") or prev.get("reproduce")
         if target_repro:
             summary["target_reproduce"] = target_repro
-        if cfg.init_drafter and prev.get("reproduce"):
-            summary["init_drafter_reproduce"] = prev["reproduce"]
+        if prev.get("init_target_reproduce"):
+            summary["init_target_reproduce"] = prev["init_target_reproduce"]
         if Path(cfg.target_gguf).resolve() != (out / "target.gguf").resolve():
             shutil.copyfile(cfg.target_gguf, out / "target.gguf")
         log(f"target: {cfg.target_gguf} (not retrained), held-out ppl {tstats['heldout']['ppl']:.3f}")
     else:
+        init = None
+        if cfg.init_target:
+            model, cfg.target = tg.load_gguf_target(cfg.init_target, eos_ids=eos_ids, pad_id=eot)
+            init = _init_record(cfg.init_target, model, held_tokens, tt, device, bpt)
+            prev = _previous_summary(Path(cfg.init_target).parent)
+            # the command that trained the start weights, for the card (a drafter-only summary carries it)
+            init_repro = prev.get("target_reproduce") or prev.get("reproduce")
+            if init_repro:
+                summary["init_target_reproduce"] = init_repro
+            log(f"target: continuing {cfg.init_target} ({init['steps'] or '?'} steps so far), start held-out "
+                f"loss {init['heldout']['loss']:.4f}")
         if tt.steps is None and total_s is not None:
             avail = left() - cfg.reserve_seconds - (cfg.eval.seconds if cfg.eval.enabled else 0)
-            tt.seconds = max(10.0, avail * cfg.target_share)
+            tt.seconds = max(10.0, avail * (1.0 if cfg.target_only else cfg.target_share))
         seed_everything(cfg.seed)
-        model = tg.build_model(cfg.target, vocab, cfg.seed, eos_ids=eos_ids, pad_id=eot)
+        if init is None:
+            model = tg.build_model(cfg.target, vocab, cfg.seed, eos_ids=eos_ids, pad_id=eot)
         tstats = tg.train(model, train_tokens, held_tokens, tt, device, cfg.seed, bytes_per_token=bpt)
+        if init is not None:
+            tstats["init"] = init
+            known = init["steps"] is not None and init["tokens_seen"] is not None
+            tstats["total_steps"] = init["steps"] + tstats["steps"] if known else None
+            tstats["total_tokens_seen"] = init["tokens_seen"] + tstats["tokens_seen"] if known else None
         hf_dir = work / "target_hf"
         tg.save_hf(model, hf_dir, work / "tokenizer")
         convert_hf_to_gguf(str(hf_dir), str(out / "target.gguf"), cfg.target_gguf_type)
     timings["target"] = time.perf_counter() - t
     log(f"target: wrote {out / 'target.gguf'} ({_mb(out / 'target.gguf'):.1f} MB, {cfg.target_gguf_type})")
+    summary.update({
+        "corpus": {k: manifest[k] for k in ("python", "files_seen", "unique_docs", "train", "heldout",
+                                            "train_sha256", "heldout_sha256")},
+        "tokenizer": {"vocab": vocab, "train_tokens": int(len(train_tokens)), "heldout_tokens": int(len(held_tokens)),
+                      "heldout_bytes_per_token": round(bpt, 3), "special_ids": special},
+        "target": {"config": asdict(cfg.target), **tstats},
+    })
+    if cfg.target_only:
+        del model
+        return _finish(cfg, summary, ["target.gguf"], timings, t_run, tstats["steps"], None, None)
 
     # 4. drafter --------------------------------------------------------------------------------------
     t = time.perf_counter()
+    # the command behind a continued drafter: its summary lies beside its folder (the target's may be elsewhere)
+    init_drafter_repro = _previous_summary(Path(cfg.init_drafter).parent).get("reproduce") if cfg.init_drafter \
+        else None
+    if init_drafter_repro:
+        summary["init_drafter_reproduce"] = init_drafter_repro
     spec = cfg.draft
     n_tl = cfg.target.num_hidden_layers
     if not spec.target_layer_ids:
@@ -286,30 +331,60 @@ def _run(cfg: PipelineConfig) -> dict:
         timings["eval"] = time.perf_counter() - t
 
     # 6. card, sums, summary --------------------------------------------------------------------------
+    summary.update({"drafter": {"params": dr.param_count(drafter), "config": dcfg, "data_config": asdict(dc),
+                                "data": data_stats, **dstats},
+                    "eval": ev})
     shipped = ["target.gguf", "drafter.gguf", "drafter/config.json", "drafter/model.safetensors"]
+    return _finish(cfg, summary, shipped, timings, t_run, None if cfg.target_gguf else tstats["steps"],
+                   data_stats["seqs"], dstats["steps"])
+
+
+def _finish(cfg: PipelineConfig, summary: dict, shipped: list[str], timings: dict[str, float], t_run: float,
+            target_steps: int | None, gen_seqs: int | None, drafter_steps: int | None) -> dict:
+    """SHA256SUMS, the card and summary.json of the files this run ships."""
+    from .card import write_card
+
+    out = Path(cfg.out)
     sums = {name: sha256_file(out / name) for name in shipped}
     (out / "SHA256SUMS").write_text("".join(f"{h}  {n}\n" for n, h in sums.items()))
     sizes = {name: round(_mb(out / name), 2) for name in shipped}
     timings["total"] = time.perf_counter() - t_run
-    summary.update({
-        "corpus": {k: manifest[k] for k in ("python", "files_seen", "unique_docs", "train", "heldout",
-                                            "train_sha256", "heldout_sha256")},
-        "tokenizer": {"vocab": vocab, "train_tokens": int(len(train_tokens)), "heldout_tokens": int(len(held_tokens)),
-                      "heldout_bytes_per_token": round(bpt, 3), "special_ids": special},
-        "target": {"config": asdict(cfg.target), **tstats},
-        "drafter": {"params": dr.param_count(drafter), "config": dcfg, "data_config": asdict(dc),
-                    "data": data_stats, **dstats},
-        "sizes_mb": sizes, "total_mb": round(sum(sizes.values()), 2), "sha256": sums,
-        "eval": ev, "timings_s": {k: round(v, 1) for k, v in timings.items()},
-    })
-    summary["reproduce"] = _repro_command(cfg, None if cfg.target_gguf else tstats["steps"], data_stats["seqs"],
-                                          dstats["steps"])
-    from .card import write_card
-
+    summary.update({"sizes_mb": sizes, "total_mb": round(sum(sizes.values()), 2), "sha256": sums,
+                    "timings_s": {k: round(v, 1) for k, v in timings.items()}})
+    summary["reproduce"] = _repro_command(cfg, target_steps, gen_seqs, drafter_steps)
     write_card(out / "MODEL_CARD.md", summary, cfg)
     write_json(out / "summary.json", summary)
     log(f"pipeline: done in {timings['total']:.0f}s; shipped {summary['total_mb']} MB")
     return summary
+
+
+def _check_init_tokenizer(tok, cfg: PipelineConfig, manifest: dict) -> None:
+    """Refuse an --init-target whose tokenizer is not the one this corpus and --vocab give."""
+    from .tokenizer import tokenizer_difference
+
+    why = tokenizer_difference(tok, cfg.init_target)
+    if why is None:
+        return
+    prev = _previous_summary(Path(cfg.init_target).parent).get("corpus") or {}
+    digests = (f"; its run's training corpus digest was {prev['train_sha256'][:16]}…, this one's is "
+               f"{manifest['train_sha256'][:16]}…" if prev.get("train_sha256") else "")
+    raise SystemExit(f"--init-target {cfg.init_target}: its tokenizer is not the one this corpus and --vocab "
+                     f"{cfg.vocab} give ({why}){digests}. Continue it on the corpus it was trained on: the same "
+                     "installed packages (or --root folders) and --vocab; a larger --train-mb keeps the tokenizer.")
+
+
+def _init_record(path: str, model, held_tokens, tt, device: str, bpt: float) -> dict:
+    """What a continued target starts from: the file, its digest, its training so far, its held-out loss."""
+    from . import target as tg
+
+    prev = _previous_summary(Path(path).parent).get("target") or {}
+    heldout = tg.evaluate(model.to(device), held_tokens, tt.seq_len, device, tt.eval_seqs)
+    heldout["bits_per_byte"] = heldout["loss"] / math.log(2) / bpt
+    return {"path": path, "sha256": sha256_file(path),
+            # a continued target's record counts all its steps in total_*; a first run's in steps/tokens_seen
+            "steps": prev.get("total_steps", prev.get("steps")),
+            "tokens_seen": prev.get("total_tokens_seen", prev.get("tokens_seen")),
+            "heldout_before": (prev.get("heldout") or {}).get("loss"), "heldout": heldout}
 
 
 def _previous_summary(folder: Path) -> dict:
@@ -320,11 +395,16 @@ def _previous_summary(folder: Path) -> dict:
     return {}
 
 
-def _repro_command(cfg: PipelineConfig, target_steps: int | None, gen_seqs: int, drafter_steps: int) -> str:
+def _repro_command(cfg: PipelineConfig, target_steps: int | None, gen_seqs: int | None,
+                   drafter_steps: int | None) -> str:
     """The run's command with the step counts it chose pinned (later flags win in argparse)."""
     base = cfg.command or f"python -m tools.train.pipeline --out {shlex.quote(cfg.out)}"
     pinned = f" --target-steps {target_steps}" if target_steps is not None else ""
-    return f"{base}{pinned} --gen-seqs {gen_seqs} --drafter-steps {drafter_steps}"
+    if gen_seqs is not None:
+        pinned += f" --gen-seqs {gen_seqs}"
+    if drafter_steps is not None:
+        pinned += f" --drafter-steps {drafter_steps}"
+    return base + pinned
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -355,6 +435,11 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--gen-share", type=float, help="share of the drafter stage spent generating data")
     ap.add_argument("--init-drafter", help="continue training this drafter folder (e.g. the shipped one) on "
                     "new data instead of starting from random weights (use another --seed for new data)")
+    ap.add_argument("--init-target", metavar="GGUF", help="continue training this qwen35 target (its config and "
+                    "Q8_0 weights; its tokenizer must be the one this corpus/--vocab give) with a fresh warmup + "
+                    "cosine over the new steps (use another --seed for a new data order)")
+    ap.add_argument("--target-only", action="store_true", help="stop after the target (export + held-out "
+                    "loss), all of --minutes for it; train its drafter later with --target-gguf OUT/target.gguf")
     a = ap.parse_args(argv)
 
     if a.preset in ("toy", "cycle"):
@@ -381,6 +466,8 @@ def main(argv: list[str] | None = None) -> None:
     cfg.target_gguf = a.target_gguf
     cfg.data.features_on_the_fly = a.features_on_the_fly
     cfg.init_drafter = a.init_drafter
+    cfg.init_target = a.init_target
+    cfg.target_only = a.target_only
     if a.gen_share:
         cfg.gen_share = a.gen_share
     cfg.eval.prompts = a.eval_prompts
@@ -388,8 +475,10 @@ def main(argv: list[str] | None = None) -> None:
     cfg.eval.enabled = not a.no_eval
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "true")
     summary = run(cfg)
-    print(json.dumps({k: v for k, v in summary.items() if k not in ("drafter",)} | {
-        "drafter": {k: summary["drafter"][k] for k in ("params", "steps", "eval", "train_seconds")}}, indent=1))
+    short = {k: v for k, v in summary.items() if k != "drafter"}
+    if "drafter" in summary:
+        short["drafter"] = {k: summary["drafter"][k] for k in ("params", "steps", "eval", "train_seconds")}
+    print(json.dumps(short, indent=1))
 
 
 if __name__ == "__main__":

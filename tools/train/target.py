@@ -226,8 +226,9 @@ def save_hf(model, folder: str | Path, tokenizer_folder: str | Path | None = Non
 def load_gguf_target(path: str | Path, eos_ids=None, pad_id=None):
     """A trainable float32 `Qwen3_5ForCausalLM` with a shipped qwen35 GGUF's weights (dequantized).
 
-    Returns (model, TargetConfig). Used to train a drafter for an existing target without retraining it;
-    the weights are the GGUF's (e.g. Q8_0-rounded), i.e. exactly what the engine will serve.
+    Returns (model, TargetConfig). Used to train a drafter for an existing target without retraining it
+    (the weights are the GGUF's, e.g. Q8_0-rounded: exactly what the engine will serve) and to continue a
+    target's training (`--init-target`: the config comes from the GGUF's metadata, not from TargetConfig()).
     """
     import torch
 
@@ -238,7 +239,7 @@ def load_gguf_target(path: str | Path, eos_ids=None, pad_id=None):
     mf = open_model_file(str(path))
     mc = config_from_gguf(mf.metadata, path=str(path))
     if mc.arch != "qwen35":
-        raise ValueError(f"{path}: drafter training from a GGUF supports qwen35 targets, not {mc.arch}")
+        raise ValueError(f"{path}: training from a GGUF supports qwen35 targets, not {mc.arch}")
     every = list(mc.recurrent_layers).index(False) + 1 if False in mc.recurrent_layers else 0
     expected = [(i + 1) % every != 0 for i in range(mc.n_layer)]
     if not every or list(mc.recurrent_layers) != expected:
@@ -250,7 +251,8 @@ def load_gguf_target(path: str | Path, eos_ids=None, pad_id=None):
         linear_num_key_heads=mc.ssm_n_k_heads, linear_num_value_heads=mc.ssm_n_v_heads,
         linear_key_head_dim=mc.ssm_head_k_dim, linear_value_head_dim=mc.ssm_head_v_dim,
         linear_conv_kernel_dim=mc.ssm_conv_kernel, intermediate_size=mc.n_ff,
-        max_position_embeddings=mc.context_length, rms_norm_eps=mc.rms_eps,
+        # GGUF stores float32: the shortest decimal of that float32 (1e-06) is the value the model was made with
+        max_position_embeddings=mc.context_length, rms_norm_eps=float(str(np.float32(mc.rms_eps))),
     )
     model = build_model(cfg, mc.n_vocab, seed=0, eos_ids=eos_ids, pad_id=pad_id)
     state = tensors_to_hf(mc, {n: t.dequantize() for n, t in mf.tensors.items()})

@@ -114,6 +114,40 @@ def tokenizer_from_gguf(path: str | os.PathLike[str]):
     return tok
 
 
+def tokenizer_difference(tok, path: str | os.PathLike[str]) -> str | None:
+    """None when the GGUF at `path` holds exactly `tok` (same ids, merges and added tokens), else what differs.
+
+    For continuing a target (`--init-target`): the corpus must be tokenized into the ids it was trained on.
+    """
+    try:
+        theirs = tokenizer_from_gguf(path)
+    except ValueError as e:
+        return str(e)
+    mine_ids = [tok.id_to_token(i) for i in range(tok.get_vocab_size())]
+    their_ids = [theirs.id_to_token(i) for i in range(theirs.get_vocab_size())]
+    if len(mine_ids) != len(their_ids):
+        return f"its vocabulary has {len(their_ids)} tokens, this one {len(mine_ids)}"
+    diff = [i for i, (a, b) in enumerate(zip(mine_ids, their_ids)) if a != b]
+    if diff:
+        i = diff[0]
+        return (f"{len(diff)} of {len(mine_ids)} token ids differ (first: id {i} is {their_ids[i]!r} there, "
+                f"{mine_ids[i]!r} here)")
+
+    def parts(t) -> tuple[list, list]:
+        j = json.loads(t.to_str())
+        merges = [m if isinstance(m, str) else " ".join(m) for m in j["model"]["merges"]]
+        added = [(a["id"], a["content"], a["special"]) for a in j["added_tokens"]]
+        return merges, added
+
+    (m1, a1), (m2, a2) = parts(tok), parts(theirs)
+    if m1 != m2:
+        i = next((k for k, (x, y) in enumerate(zip(m1, m2)) if x != y), min(len(m1), len(m2)))
+        return f"the BPE merges differ ({len(m2)} there, {len(m1)} here; first difference at merge {i})"
+    if a1 != a2:
+        return f"the added tokens differ ({a2} there, {a1} here)"
+    return None
+
+
 def save_tokenizer(tok, folder: str | os.PathLike[str]) -> dict:
     """tokenizer.json + tokenizer_config.json + generation_config.json; returns the special ids."""
     folder = Path(folder)
