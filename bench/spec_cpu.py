@@ -1,12 +1,20 @@
 """Speculative vs plain decoding on the CPU (NumPy backend), measured in one run.
 
 Prints, per mode (chain, DDTree budgets), the wall-time ratio spec_tok/s / plain_tok/s and the mean
-acceptance length over the same prompts; greedy, so the outputs are also checked to be identical.
+acceptance length over the same prompts; greedy, so the outputs are also checked to be identical. Plain and
+the modes run in turn prompt by prompt, so that a burst of load elsewhere does not land on one mode only.
 
     python bench/spec_cpu.py [--model target.gguf --draft drafter] [--prompts file.txt] [--max-tokens 64]
     python bench/spec_cpu.py --pair cycle        # the known-good pair (tests/data/cycle_pair)
 
 `--budgets` takes numbers, `chain` and `auto` (the budget tuner, measured on this machine at start).
+
+    python bench/spec_cpu.py --costs [--widths 2,4,8,16,24]
+
+prints instead what each piece of a speculative step costs next to a plain step (process CPU time, the
+minimum over interleaved rounds, so load elsewhere on the machine mostly cancels; with several BLAS threads
+their spinning counts too, so OPENBLAS_NUM_THREADS=1 gives the cleanest figures), and from them how many
+tokens each verify width must commit per step for speculative decoding to reach 2x plain.
 """
 
 from __future__ import annotations
@@ -20,10 +28,57 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from services.engine.budget import BudgetTuner  # noqa: E402
-from services.engine.generate import generate  # noqa: E402
+from services.engine.ddtree import build_ddtree, topk_logprobs  # noqa: E402
+from services.engine.generate import generate, prefill  # noqa: E402
 from services.engine.loader import load_target  # noqa: E402
 from services.engine.models.dflash import load_drafter  # noqa: E402
-from services.engine.speculative import LocalProposer, SpecConfig, speculative_generate  # noqa: E402
+from services.engine.speculative import TREE_TOPK, LocalProposer, SpecConfig, speculative_generate  # noqa: E402
+
+
+def piece_costs(model, drafter, prompt_ids: list[int], widths: list[int], rounds: int = 20) -> dict[str, float]:
+    """Seconds of process CPU time per piece (plain step, drafter pass, top-k, verify + commit at each width),
+    each the minimum over `rounds` interleaved rounds; the sequence state is restored after every piece."""
+    state = model.new_state(len(prompt_ids) + max(widths) + 8)
+    _, feats = prefill(model, state, prompt_ids, capture=drafter.target_layer_ids)
+    proposer = LocalProposer(drafter)
+    root = int(prompt_ids[-1])
+    top_ids, top_lp = proposer.propose(feats, root, state.n_past, TREE_TOPK)
+    draft_logits = drafter.draft(proposer.session, None, root, state.n_past)
+
+    def step(tokens, parents, path, **kw):
+        def run():
+            ssm, conv, n_past = dict(state.ssm), dict(state.conv), state.n_past
+            model.forward(state, tokens, parents, **kw)
+            state.commit(path)
+            state.ssm, state.conv, state.n_past = ssm, conv, n_past
+        return run
+
+    pieces = {"plain": step([root], None, [0], logits="last"),
+              "draft": lambda: drafter.draft(proposer.session, None, root, state.n_past),
+              "topk": lambda: topk_logprobs(draft_logits, TREE_TOPK)}
+    for w in widths:
+        tokens, parents = build_ddtree(top_ids, top_lp, w - 1).verify_batch(root)
+        pieces[f"verify{w}"] = step(tokens, parents, [0, 1] if w > 1 else [0], capture=drafter.target_layer_ids,
+                                    checkpoints=True, logits="all")
+    best = {k: float("inf") for k in pieces}
+    for r in range(rounds + 1):                          # round 0 warms caches and allocations
+        for k, fn in pieces.items():
+            t0 = time.process_time()
+            fn()
+            if r:
+                best[k] = min(best[k], time.process_time() - t0)
+    return best
+
+
+def print_costs(costs: dict[str, float]) -> None:
+    p = costs["plain"]
+    print(f"plain step {p * 1e3:.2f} ms CPU; each piece as a multiple of it:")
+    print("  " + "  ".join(f"{k} {v / p:.2f}" for k, v in costs.items()))
+    over = costs["draft"] + costs["topk"]
+    for k, v in costs.items():
+        if k.startswith("verify"):
+            print(f"  width {k[6:]:>3}: a step costs {(over + v) / p:.2f} plain steps; 2x plain needs "
+                  f"{2 * (over + v) / p:.2f} tokens committed per step")
 
 
 def main() -> int:
@@ -35,6 +90,8 @@ def main() -> int:
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--budgets", default="chain,8,22")
     ap.add_argument("--json", help="write results here")
+    ap.add_argument("--costs", action="store_true", help="print the CPU cost of each piece of a step and exit")
+    ap.add_argument("--widths", default="2,4,8,12,16,24", help="verify widths for --costs")
     ap.add_argument("--pair", choices=("default", "cycle"), default="default",
                     help="without --model: the embedded default pair, or the known-good cycle pair")
     args = ap.parse_args()
@@ -59,25 +116,31 @@ def main() -> int:
         prompts = heldout_prompts()
     prompts = prompts[: args.n_prompts]
     ids = [tok.encode(p) for p in prompts]
+    if args.costs:
+        print_costs(piece_costs(target.model, drafter, ids[0], [int(w) for w in args.widths.split(",")]))
+        return 0
 
-    def timed(fn):
-        t0 = time.perf_counter()
-        outs = [fn(p) for p in ids]
-        return outs, time.perf_counter() - t0
-
+    # Prompt by prompt, plain and every mode in turn: load elsewhere on the machine then falls on all modes
+    # alike instead of on whichever mode happened to run during a busy minute.
+    modes = args.budgets.split(",")
+    tuner = BudgetTuner.measure(target.model) if "auto" in modes else None
+    specs = {b: SpecConfig.auto(tuner) if b == "auto" else SpecConfig(budget=None if b == "chain" else int(b))
+             for b in modes}
     generate(target.model, ids[0], 4)      # warm-up
-    plain, t_plain = timed(lambda p: generate(target.model, p, args.max_tokens))
+    plain, t_plain = [], 0.0
+    runs = {b: ([], 0.0) for b in modes}
+    for p in ids:
+        t0 = time.perf_counter()
+        plain.append(generate(target.model, p, args.max_tokens))
+        t_plain += time.perf_counter() - t0
+        for b, spec in specs.items():
+            t0 = time.perf_counter()
+            out = speculative_generate(target.model, LocalProposer(drafter), p, args.max_tokens, spec=spec)
+            runs[b] = (runs[b][0] + [out], runs[b][1] + time.perf_counter() - t0)
     n_plain = sum(len(r.token_ids) for r in plain)
     rows = []
-    tuner = None
-    for b in args.budgets.split(","):
-        if b == "auto":
-            tuner = tuner or BudgetTuner.measure(target.model)
-            spec = SpecConfig.auto(tuner)
-        else:
-            spec = SpecConfig(budget=None if b == "chain" else int(b))
-        outs, t = timed(lambda p, spec=spec: speculative_generate(target.model, LocalProposer(drafter), p,
-                                                                  args.max_tokens, spec=spec))
+    for b in modes:
+        outs, t = runs[b]
         same = all(o.token_ids == r.token_ids for o, r in zip(outs, plain))
         steps = sum(o.spec["steps"] for o in outs)
         acc = sum(o.spec["accepted"] for o in outs)

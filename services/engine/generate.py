@@ -10,7 +10,7 @@ import numpy as np
 
 from .errors import ContextOverflowError, InvalidRequestError
 from .models.base import TargetModel
-from .sampling import SamplingParams, make_rng, sample
+from .sampling import SamplingParams, make_rng, sample_row
 from .state import SequenceState
 
 PREFILL_CHUNK = 512
@@ -90,7 +90,7 @@ def generate_stream(model: TargetModel, prompt_ids: Sequence[int], max_tokens: i
     res.prompt_ms = (time.perf_counter() - t0) * 1e3
     t1 = time.perf_counter()
     while True:
-        tok = sample(logits, params, rng)
+        tok = sample_row(logits, -1, params, rng)
         res.token_ids.append(tok)
         yield [tok]
         if tok in stop:
@@ -101,7 +101,7 @@ def generate_stream(model: TargetModel, prompt_ids: Sequence[int], max_tokens: i
             break
         out = model.forward(state, [tok], logits="last")
         state.commit([0])
-        logits = out.logits[-1]
+        logits = out.logits        # (1, vocab); on a GPU model the row stays there when greedy
     res.decode_ms = (time.perf_counter() - t1) * 1e3
 
 

@@ -148,3 +148,22 @@ def sample(logits: np.ndarray, params: SamplingParams, rng: np.random.Generator)
     if params.greedy:
         return int(np.argmax(logits))
     return sample_from(target_distribution(logits, params), rng)
+
+
+def greedy_tokens(logits) -> np.ndarray:
+    """int64 argmax of every row of (rows, vocab) logits, lowest id on ties. A GPU model's logits object
+    (models/qwen35_gpu.DeviceLogits) has them already (argmax_rows): no vocabulary-sized row crosses to the host."""
+    rows = getattr(logits, "argmax_rows", None)
+    if rows is not None:
+        return rows()
+    return np.argmax(np.asarray(logits), axis=-1).astype(np.int64)
+
+
+def sample_row(logits, row: int, params: SamplingParams, rng: np.random.Generator) -> int:
+    """`sample` of row `row` of (rows, vocab) logits (a 1-D array is the row itself). Greedy on a logits object
+    with argmax_rows reads that; otherwise only that row is read (fetched, for a GPU model's rows)."""
+    if np.ndim(logits) == 1:
+        return sample(logits, params, rng)
+    if params.greedy and hasattr(logits, "argmax_rows"):
+        return int(logits.argmax_rows()[row])
+    return sample(logits[row], params, rng)

@@ -21,7 +21,7 @@ from .ddtree import DraftTree, build_chain, build_ddtree, topk_logprobs
 from .errors import SpecsplitError
 from .generate import GenerationResult, check_request, prefill
 from .models.base import TargetModel
-from .sampling import SamplingParams, make_rng, sample
+from .sampling import SamplingParams, make_rng, sample, sample_row
 
 TREE_TOPK = 8
 
@@ -162,11 +162,12 @@ def walk_tree(tree: DraftTree, logits: np.ndarray, params: SamplingParams,
 
     At each node draw the next token from the target's distribution there (argmax when greedy); descend
     while the draw is a child. Returns the accepted verify-batch indices (root first) and the bonus token.
+    Only the rows visited are read: on a GPU model greedy reads the argmax computed there (sample_row).
     """
     kids = tree.children()
     path = [0]
     while True:
-        tok = sample(logits[path[-1]], params, rng)
+        tok = sample_row(logits, path[-1], params, rng)
         nxt = kids[path[-1]].get(tok)
         if nxt is None:
             return path, tok
@@ -235,7 +236,7 @@ def speculative_stream(target: TargetModel, proposer: Proposer | None, prompt_id
         if top is None:                                     # plain decoding step
             out = target.forward(state, [root], logits="last")
             state.commit([0])
-            root = sample(out.logits[-1], params, rng)
+            root = sample_row(out.logits, -1, params, rng)
             chunk, done = emit([root])
             yield chunk
             continue

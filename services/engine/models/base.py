@@ -9,6 +9,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -23,7 +24,10 @@ from ..state import PendingStep, SequenceState
 
 @dataclass
 class ForwardResult:
-    logits: np.ndarray | None          # (rows, n_vocab) float32 for the requested rows
+    # (rows, n_vocab) float32 for the requested rows: an ndarray on the NumPy engine; the GPU model returns an
+    # object that keeps them on the device (qwen35_gpu.DeviceLogits: x[i] and np.asarray(x) copy to the host,
+    # argmax_rows() gives each row's argmax); sampling.sample_row / greedy_tokens read either
+    logits: Any
     logit_rows: np.ndarray             # which of the T tokens the logits rows belong to
     captured: np.ndarray | None        # (T, len(capture), n_embd): outputs of the captured layers
 

@@ -34,7 +34,7 @@ from ..backend import NumpyBackend
 from ..errors import DrafterMismatchError, ModelFormatError, UnsupportedModelError
 from ..formats import KIND_GGUF, RawTensor, open_model_file
 from ..gguf_write import OUT_TYPES, pick_type, write_gguf
-from ..layers import masked_attention, rms_norm, rope_neox, swiglu_stacked
+from ..layers import linear_rows, masked_attention, rms_norm, rope_neox, swiglu_stacked
 from .base import TargetModel
 
 GGUF_ARCH = "dflash-draft"
@@ -500,6 +500,10 @@ class DFlashDrafter:
                 f"{self.source}: drafter vocab_size {c.n_vocab} != target vocabulary {rows} rows "
                 "(drafter trained for another model family?)")
 
+    def _lin(self, x: np.ndarray, w):
+        """The backend's product, small token batches padded to a width BLAS runs fast (layers.padded_rows)."""
+        return linear_rows(self.be.linear, x, w)
+
     # -- context -------------------------------------------------------------------------------------
     def new_session(self) -> DraftSession:
         c = self.cfg
@@ -531,7 +535,7 @@ class DFlashDrafter:
         if n == 0:
             return
         session._reserve(n)
-        lin, eps = self.be.linear, c.rms_eps
+        lin, eps = self._lin, c.rms_eps
         pos = np.arange(session.n_ctx, start)
         ctx = rms_norm(lin(feats, self.fc), self.hidden_norm, eps)
         kd = c.n_head_kv * c.head_dim
@@ -556,7 +560,8 @@ class DFlashDrafter:
         return np.concatenate([ctx_ok, np.tril(np.ones((T, T), dtype=bool))], axis=1)
 
     def _block_hidden(self, session: DraftSession, ids: np.ndarray, start: int) -> np.ndarray:
-        c, lin, eps = self.cfg, self.be.linear, self.cfg.rms_eps
+        c, eps = self.cfg, self.cfg.rms_eps
+        lin = self._lin
         if session.n_ctx != start:
             raise ValueError(f"the block must start right after the draft context ({session.n_ctx} tokens), "
                              f"not at position {start}")
@@ -576,7 +581,7 @@ class DFlashDrafter:
             lo = max(0, start - (c.sliding_window - 1)) if causal and c.sliding_window is not None else 0
             keys = np.concatenate([session.k[i][lo:start], k], axis=0)
             vals = np.concatenate([session.v[i][lo:start], v], axis=0)
-            o = masked_attention(q, keys, vals, self._visible(causal, T, start, lo))
+            o = masked_attention(q, keys, vals, self._visible(causal, T, start, lo) if causal else None)
             x = x + lin(o.reshape(T, H * D), w["attn_output"])
             h = rms_norm(x, w["post_attention_norm"], eps)
             x = x + swiglu_stacked(h, w["ffn_gate_up"], w["ffn_down"], lin)
@@ -584,7 +589,7 @@ class DFlashDrafter:
 
     def _logits(self, x: np.ndarray) -> np.ndarray:
         h = rms_norm(x, self.output_norm, self.cfg.rms_eps)
-        return np.asarray(self.be.to_host(self.be.linear(h, self.target.output)), dtype=np.float32)
+        return np.asarray(self.be.to_host(self._lin(h, self.target.output)), dtype=np.float32)
 
     def block_logits(self, session: DraftSession, ids: np.ndarray, start: int) -> np.ndarray:
         """Logits (len(ids), n_vocab) of every slot of any block at positions start.. (tests, tools)."""
@@ -623,11 +628,17 @@ def load_drafter(path: str, target: TargetModel, backend: NumpyBackend | None = 
 
     The format is decided by the file contents, not the name.
     """
+    cfg, tensors, source = read_drafter(path, target.cfg.n_layer)
+    return DFlashDrafter(cfg, tensors, target, backend, source=source)
+
+
+def read_drafter(path: str, n_target_layer: int) -> tuple[DrafterConfig, dict[str, Any], str]:
+    """(config, tensors by canonical name, resolved path) of a drafter file, for any backend's drafter class."""
     mf = open_model_file(path)
     tensors = canonical_tensor_names(mf.tensors)
     if mf.kind == KIND_GGUF:
         fc = tensors.get("dflash_fc.weight")
-        cfg = drafter_config_from_gguf(mf.metadata, n_target_layer=target.cfg.n_layer,
+        cfg = drafter_config_from_gguf(mf.metadata, n_target_layer=n_target_layer,
                                        n_features=fc.shape[1] if fc is not None else None, path=mf.path)
     else:
         meta = mf.metadata
@@ -640,8 +651,8 @@ def load_drafter(path: str, target: TargetModel, backend: NumpyBackend | None = 
                 mf.path, "a DFlash drafter (config.json with dflash_config, tensor 'fc.weight')", found)
         if not meta:
             raise ModelFormatError(mf.path, "a config.json beside the drafter's safetensors", "none")
-        cfg = drafter_config_from_hf(meta, n_target_layer=target.cfg.n_layer, path=mf.path)
-    return DFlashDrafter(cfg, tensors, target, backend, source=mf.path)
+        cfg = drafter_config_from_hf(meta, n_target_layer=n_target_layer, path=mf.path)
+    return cfg, tensors, mf.path
 
 
 def export_drafter_gguf(cfg: DrafterConfig, tensors_hf: Mapping[str, np.ndarray | RawTensor],

@@ -21,6 +21,7 @@ from ..layers import (
     gated_delta_rule_tree,
     gated_delta_rule_tree_wy,
     l2_norm,
+    linear_rows,
     rms_norm,
     rope_neox,
     sigmoid,
@@ -56,15 +57,19 @@ class Qwen35Model(TargetModel):
             w["attn_qkv"] = stack([w.pop(n) for n in ("attn_q", "attn_k", "attn_v")])
         return w
 
+    def _lin(self, x: np.ndarray, w) -> np.ndarray:
+        """The backend's product, small token batches padded to a width BLAS runs fast (layers.padded_rows)."""
+        return linear_rows(self.be.linear, x, w)
+
     def _block(self, i: int, w: dict, x: np.ndarray, ctx: StepContext) -> np.ndarray:
         h = rms_norm(x, w["attn_norm"], self.cfg.rms_eps)
         mixer = self._deltanet if self.cfg.recurrent_layers[i] else self._gated_attention
         x = x + mixer(i, w, h, ctx)
         h = rms_norm(x, w["post_attention_norm"], self.cfg.rms_eps)
-        return x + swiglu_stacked(h, w["ffn_gate_up"], w["ffn_down"], self.be.linear)
+        return x + swiglu_stacked(h, w["ffn_gate_up"], w["ffn_down"], self._lin)
 
     def _gated_attention(self, i: int, w: dict, h: np.ndarray, ctx: StepContext) -> np.ndarray:
-        c, lin = self.cfg, self.be.linear
+        c, lin = self.cfg, self._lin
         T, H, D = h.shape[0], c.n_head, c.head_dim
         Hkv = c.n_head_kv
         qkv = lin(h, w["attn_qkv"])
@@ -78,7 +83,7 @@ class Qwen35Model(TargetModel):
         return lin(o, w["attn_output"])
 
     def _deltanet(self, i: int, w: dict, h: np.ndarray, ctx: StepContext) -> np.ndarray:
-        c, lin, st = self.cfg, self.be.linear, ctx.state
+        c, lin, st = self.cfg, self._lin, ctx.state
         T = h.shape[0]
         Hk, Hv, dk, dv = c.ssm_n_k_heads, c.ssm_n_v_heads, c.ssm_head_k_dim, c.ssm_head_v_dim
         proj = lin(h, w["ssm_in"])                                # [qkv | z | beta | alpha]
