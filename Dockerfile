@@ -14,7 +14,11 @@ COPY pyproject.toml setup.py README.md /src/
 COPY proto /src/proto
 COPY services /src/services
 COPY kernels /src/kernels
-RUN pip install --no-cache-dir /src aiohttp prometheus-client \
+# The GPU backend: CuPy with the CUDA runtime, cuBLAS and NVRTC from PyPI (the `ctk` extra), so the image
+# needs only the host's NVIDIA driver (the kernels are compiled by NVRTC at first use and cached).
+# A CPU-only image: docker build --build-arg SPECSPLIT_GPU= .
+ARG SPECSPLIT_GPU="cupy-cuda12x[ctk]>=14"
+RUN pip install --no-cache-dir /src aiohttp prometheus-client ${SPECSPLIT_GPU} \
  && rm -rf /src
 
 RUN useradd --create-home --uid 10001 specsplit \

@@ -31,7 +31,7 @@ def _add_sampling(p: argparse.ArgumentParser) -> None:
 
 def cmd_generate(args: argparse.Namespace) -> int:
     from .engine.generate import generate
-    from .engine.loader import load_target
+    from .engine.placement import is_gpu, load_drafter_on, load_target_on
     from .engine.sampling import SamplingParams
 
     if args.model is None:
@@ -40,27 +40,14 @@ def cmd_generate(args: argparse.Namespace) -> int:
         args.model, default_draft = default_model_paths()
         if args.draft is None and not args.no_draft:
             args.draft = default_draft
-    if str(args.device).startswith("cuda") and args.draft_device is None:
-        args.draft_device = "cpu"  # the in-process drafter stays on the CPU with a GPU target (for now)
+    _check_draft_device(args)
     if not _start_plan(args):
         return 0
     if args.prompt is None and args.prompt_ids is None:
         raise SpecsplitError("generate needs --prompt or --prompt-ids")
     t0 = time.perf_counter()
-    gpu = str(args.device).startswith("cuda")
-    if gpu:  # the target on the GPU (CupyBackend); the drafter on the CPU, fed host copies of the features
-        from .engine.memory_plan import parse_device
-        from .engine.models.qwen35_gpu import load_gpu_target
-
-        ddev = args.draft_device
-        if ddev != "cpu":
-            raise SpecsplitError(f"--draft-device {ddev}: the drafter runs on the CPU only so far (--draft-device cpu)")
-        try:
-            target = load_gpu_target(args.model, parse_device(args.device).index)
-        except ValueError as e:
-            raise SpecsplitError(str(e)) from None
-    else:
-        target = load_target(args.model)
+    gpu = is_gpu(args.device)
+    target = load_target_on(args.model, args.device)
     load_ms = (time.perf_counter() - t0) * 1e3
     try:
         cache_k, cache_v = target.model.set_kv_cache_types(args.cache_type_k, args.cache_type_v)
@@ -70,9 +57,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
         from .engine.kvcache import resolve_cache_types
 
         asked = resolve_cache_types(target.cfg, args.cache_type_k, args.cache_type_v)
-        if asked != (cache_k, cache_v):   # the GPU KV path stores f16 / q8_0 only so far: say so, never silently
-            print(f"specsplit: KV cache {asked[0]}/{asked[1]} is not available on the GPU yet; using "
-                  f"{cache_k}/{cache_v}", file=sys.stderr)
+        if asked != (cache_k, cache_v):   # the GPU keeps f32 KV as f16: say so, never silently
+            print(f"specsplit: KV cache {asked[0]}/{asked[1]} is stored as {cache_k}/{cache_v} on the GPU",
+                  file=sys.stderr)
     tok = target.tokenizer
     if args.prompt_ids is not None:
         prompt_ids = args.prompt_ids
@@ -89,15 +76,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
                             min_p=args.min_p, seed=args.seed).validate()
     stop = sorted(tok.eos_ids) if tok is not None and not args.ignore_eos else []
     if args.draft:
-        from .engine.models.dflash import load_drafter
-        from .engine.speculative import AUTO_MAX_BUDGET, LocalProposer, SpecConfig, speculative_generate
+        from .engine.speculative import AUTO_MAX_BUDGET, SpecConfig, speculative_generate
 
-        if gpu:  # a CPU drafter reads the target's token table and lm head from host copies
-            from .engine.backend import NumpyBackend
-
-            proposer = LocalProposer(load_drafter(args.draft, target.model.host_head(), NumpyBackend()))
-        else:
-            proposer = LocalProposer(load_drafter(args.draft, target.model))
+        proposer = load_drafter_on(args.draft, target.model, args.draft_device).new_proposer()
         if args.chain or args.budget is None:
             spec = SpecConfig(budget=None)
         elif args.budget == "auto":
@@ -141,6 +122,13 @@ def _budget(text: str) -> int | str | None:
     if isinstance(b, int) and not 1 <= b <= AUTO_MAX_BUDGET:
         raise argparse.ArgumentTypeError(f"--budget must be in 1..{AUTO_MAX_BUDGET}, 'chain' or 'auto', got {b}")
     return b
+
+
+def _check_draft_device(args: argparse.Namespace) -> None:
+    """--draft-device: default the target's device; a GPU drafter runs beside a GPU target on the same device."""
+    from .engine.placement import check_devices
+
+    args.draft_device = check_devices(args.device, args.draft_device)
 
 
 def _start_plan(args: argparse.Namespace) -> bool:

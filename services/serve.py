@@ -98,7 +98,8 @@ async def _main(args: argparse.Namespace, model: str, draft: str | None) -> int:
     telemetry.configure_tracing(args.trace, "specsplit")
     vcfg = VerifierConfig(model=model, draft=draft, budget=args.budget, slots=args.slots,
                           max_queue=args.max_queue, max_ctx=args.max_ctx, speculative=not args.no_speculative,
-                          trace=None, cache_type_k=args.cache_type_k, cache_type_v=args.cache_type_v)
+                          trace=None, cache_type_k=args.cache_type_k, cache_type_v=args.cache_type_v,
+                          device=args.device, draft_device=args.draft_device)
     verifier = await serve_verifier(vcfg, VERIFIER_ADDRESS, wait=False)
     try:
         gateway = await serve_gateway(GatewayConfig(

@@ -184,8 +184,13 @@ def test_gpu_device_refused_clearly(tiny, capsys, monkeypatch):
                 ["serve", "--model", tiny.target_path, "--port", "0"]):
         assert main([*cmd, "--device", "cuda:0"]) == 2
         assert "GPU backend not available: CuPy is not importable (test)" in capsys.readouterr().err
-    assert main(["verifier", "--model", tiny.target_path, "--draft-device", "cuda:1", "--plan-only"]) == 2
+    assert main(["verifier", "--model", tiny.target_path, "--device", "cuda:1", "--draft-device", "cuda:1",
+                 "--plan-only"]) == 2
     assert "GPU backend not available" in capsys.readouterr().err
+    # a GPU drafter beside a CPU target is refused before anything loads, naming both flags
+    assert main(["verifier", "--model", tiny.target_path, "--draft-device", "cuda:1", "--plan-only"]) == 2
+    err = capsys.readouterr().err
+    assert "--draft-device cuda:1" in err and "--device cpu" in err
 
 
 def test_refusal_through_the_cli(tiny, capsys, monkeypatch):

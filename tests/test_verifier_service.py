@@ -36,7 +36,9 @@ class VerifierProcess:
     def __init__(self, sock: Path, args: list[str], env: dict[str, str] | None = None):
         self.address = f"unix://{sock}"
         self.log = sock.with_suffix(".log")
-        full_env = {**os.environ, "PYTHONPATH": str(ROOT), **(env or {})}
+        # the child also keeps this interpreter's extra import paths (e.g. wheels installed beside the system's)
+        path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
+        full_env = {**os.environ, "PYTHONPATH": path, **(env or {})}
         with open(self.log, "w") as log:
             self.proc = subprocess.Popen([sys.executable, "-m", "services", "verifier", "--listen", self.address,
                                           *args], cwd=ROOT, env=full_env, stdout=log, stderr=subprocess.STDOUT)

@@ -6,13 +6,15 @@ Everything is computed from the model files' headers (no weights are read) and t
 * weights as the backend holds them: the GPU backend keeps the stored (quantized) bytes; the NumPy backend
   dequantizes every matrix to float32 at load (4 bytes a parameter) except `token_embd`, which stays packed;
 * KV cache of the attention layers for `max_ctx` tokens per slot, per side at 4 / 2 / 34/32 / 14/32 bytes per
-  value for f32 / f16 / q8_0 / tq3_0;
+  value for f32 / f16 / q8_0 / tq3_0, as the backend allocates it (the GPU keeps f32 as f16 and rounds the rows
+  up to whole 32-key tiles: kv_cache_bytes);
 * Gated DeltaNet state: the committed state plus one checkpoint per verified tree node (width = budget + 1,
   a chain verifies block_size tokens, plain decoding 1), each H_v * d_k * d_v float32, and the conv window
   (K - 1 committed rows plus one raw row per node, conv_dim float32 each);
 * activations of the widest pass (the 512-token prefill chunk or the verify tree, whichever is wider),
   attention scratch (the NumPy path materialises softmax scores over the whole context; the GPU path keeps
-  split-K partials), logits rows (width x vocab float32, twice: logits and the sampler's copy);
+  split-K partials), logits rows (width x vocab float32, twice: logits and the sampler's copy; on the GPU the
+  device rows and the copy a replayed graph makes of a result still held);
 * the drafter: its weights, its context K/V cache (every layer keeps max_ctx rows, also the sliding ones;
   f32 on NumPy, f16 on the GPU), its block's activations and logits; a drafter on another device also holds
   a copy of the target's `token_embd` and `output`;
@@ -46,6 +48,7 @@ PREFILL_CHUNK = 512            # generate.PREFILL_CHUNK: prompts are committed i
 CTX_STEP = 256                 # a suggested --max-ctx is a multiple of this
 MIN_AUTO_CTX = 4096            # a context the planner shrinks to on its own must be at least this long
 CUDA_ATTN_SPLITS = 32          # split-K partials of the GPU tree attention
+CUDA_KV_TILE = 32              # kernels/attention.py KT: a GPU KV cache holds whole tiles of this many rows
 DEFAULT_BLOCK_SIZE = 16
 DEFAULT_BUDGET = "auto"        # the verifier's default; planned as its largest tree (AUTO_MAX_BUDGET)
 
@@ -318,6 +321,17 @@ def kv_bytes_per_token(cfg: ModelConfig, cache_type_k: str, cache_type_v: str) -
     return per_side * (KV_BYTES_PER_VALUE[cache_type_k] + KV_BYTES_PER_VALUE[cache_type_v])
 
 
+def kv_cache_bytes(cfg: ModelConfig, cache_type_k: str, cache_type_v: str, ctx: int, backend: str) -> int:
+    """Bytes one slot's KV cache of `ctx` tokens takes as `backend` allocates it: the NumPy engine ctx rows of
+    each type; the GPU (kernels/attention.py KVCacheLayer via models/qwen35_gpu.gpu_kv_type) f32 as f16 and
+    the rows rounded up to whole CUDA_KV_TILE tiles."""
+    k, v = cache_type_k, cache_type_v
+    if backend == "cuda":
+        k, v = ("f16" if t == "f32" else t for t in (k, v))
+        ctx = -(-int(ctx) // CUDA_KV_TILE) * CUDA_KV_TILE
+    return int(round(ctx * kv_bytes_per_token(cfg, k, v)))
+
+
 def _activation_floats(cfg: ModelConfig) -> int:
     """float32 values one token keeps live inside a block: residual, norms, FFN, the wider mixer."""
     deltanet = 2 * cfg.ssm_conv_dim + 2 * cfg.ssm_inner_size if any(cfg.recurrent_layers) else 0
@@ -352,7 +366,10 @@ def build_plan(cfg: ModelConfig, weights: WeightBytes, s: PlanSettings, drafter:
     wide = max(width, min(PREFILL_CHUNK, ctx))
     n_rec = sum(1 for r in cfg.recurrent_layers if r)
     state = cfg.ssm_n_v_heads * cfg.ssm_head_k_dim * cfg.ssm_head_v_dim * 4
-    kv_tok = kv_bytes_per_token(cfg, s.cache_type_k, s.cache_type_v)
+    kv_slot = kv_cache_bytes(cfg, s.cache_type_k, s.cache_type_v, ctx, be)
+    kv_note = f"{s.cache_type_k}/{s.cache_type_v}"
+    if be == "cuda" and "f32" in (s.cache_type_k, s.cache_type_v):
+        kv_note += ", f32 kept as f16 on the GPU"
     quantized_kv = s.cache_type_k != "f32" or s.cache_type_v != "f32"
     budget_txt = "plain decoding" if not s.speculative else (
         f"chain of {block}" if s.budget is None else f"budget {s.budget} + root")
@@ -360,8 +377,7 @@ def build_plan(cfg: ModelConfig, weights: WeightBytes, s: PlanSettings, drafter:
     t_items = [
         Item("target weights", weights.resident(be),
              "stored (quantized) bytes" if be == "cuda" else "float32 (NumPy dequantizes at load), token_embd packed"),
-        Item("KV cache", int(n * ctx * kv_tok),
-             f"{n} slot(s) x {ctx} tokens x {kv_tok:g} B ({s.cache_type_k}/{s.cache_type_v})"),
+        Item("KV cache", n * kv_slot, f"{n} slot(s) x {ctx} tokens x {kv_slot / ctx:g} B ({kv_note})"),
         Item("recurrent state", n * n_rec * state, f"{n_rec} DeltaNet layers x {state} B"),
         Item("recurrent checkpoints", n * n_rec * width * state, f"{width} per layer ({budget_txt})"),
         Item("conv windows", n * n_rec * (cfg.ssm_conv_kernel - 1 + width) * cfg.ssm_conv_dim * 4,

@@ -71,7 +71,7 @@ def config_from_args(args: argparse.Namespace):
                           budget=args.budget, slots=args.slots, max_queue=args.max_queue, max_ctx=args.max_ctx,
                           speculative=not args.no_speculative, trace=args.trace, shutdown_grace_s=args.grace,
                           drafter_timeout_s=args.drafter_timeout, cache_type_k=args.cache_type_k,
-                          cache_type_v=args.cache_type_v)
+                          cache_type_v=args.cache_type_v, device=args.device, draft_device=args.draft_device)
 
 
 def cmd_verifier(args: argparse.Namespace) -> int:

@@ -31,6 +31,7 @@ In-process start: `server = await serve_verifier(VerifierConfig(...), "inproc:ve
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import threading
 import time
@@ -54,7 +55,6 @@ from services.engine.sampling import SamplingParams
 from services.engine.speculative import (
     AUTO_MAX_BUDGET,
     DrafterUnavailableError,
-    LocalProposer,
     Proposer,
     SpecConfig,
     StepInfo,
@@ -92,6 +92,8 @@ class VerifierConfig:
     drafter_timeout_s: float = 30.0             # longest wait for one remote draft before falling back
     cache_type_k: str = "auto"                  # KV cache types (auto, f16, q8_0, tq3_0, f32); `auto` is
     cache_type_v: str = "auto"                  # the rule in services/engine/kvcache.py
+    device: str = "cpu"                         # where the target runs: cpu or cuda:N
+    draft_device: str | None = None             # the in-process drafter's device (None: the target's)
 
     def __post_init__(self) -> None:
         if self.draft and self.drafter_address:
@@ -111,6 +113,9 @@ class VerifierConfig:
             if t not in CACHE_TYPE_CHOICES:
                 raise ValueError(f"{name} must be one of {', '.join(CACHE_TYPE_CHOICES)}, got {t!r}")
             setattr(self, name, t)
+        from services.engine.placement import check_devices
+
+        self.draft_device = check_devices(self.device, self.draft_device)
         if self.drafter_address:
             from services.rpc import parse_address
 
@@ -247,7 +252,8 @@ class VerifierServicer(pb_grpc.VerifierServicer):
         self.cfg = cfg
         self.counters = Counters()
         self.target = None                      # LoadedTarget once loaded
-        self.drafter = None                     # in-process DFlashDrafter
+        self.drafter = None                     # in-process drafter (placement.LoadedDrafter)
+        self._engine_lock: Any = contextlib.nullcontext()   # a real lock when the target is on a GPU
         self.tuner: BudgetTuner | None = None   # --budget auto (shared by all requests)
         self.max_ctx = 0
         self.kv: dict | None = None             # KV memory accounting (kvcache.kv_info) once loaded
@@ -271,10 +277,10 @@ class VerifierServicer(pb_grpc.VerifierServicer):
         self._ready = True
 
     def _load_sync(self) -> None:
-        from services.engine.loader import load_target
+        from services.engine.placement import load_drafter_on, load_target_on
 
         t0 = time.perf_counter()
-        self.target = load_target(self.cfg.model, with_tokenizer=False)
+        self.target = load_target_on(self.cfg.model, self.cfg.device, with_tokenizer=False)
         model_ctx = self.target.cfg.context_length
         if self.cfg.max_ctx is not None and self.cfg.max_ctx > model_ctx:
             log.warning("max_ctx %d is beyond the model's context length %d; using %d",
@@ -283,10 +289,12 @@ class VerifierServicer(pb_grpc.VerifierServicer):
         # a head size the chosen type cannot hold is a start-up error, not a per-request one
         self.target.model.set_kv_cache_types(self.cfg.cache_type_k, self.cfg.cache_type_v)
         self.kv = kv_info(self.target.cfg, *self.target.model.kv_cache_types, self.max_ctx)
+        if getattr(self.target.model.be, "name", "numpy") == "cuda":
+            # One GPU, one stream of steps: slots take turns step by step (a step is a CUDA-graph replay
+            # that must not interleave with another thread's capture); NumPy slots run side by side.
+            self._engine_lock = threading.Lock()
         if self.cfg.draft:
-            from services.engine.models.dflash import load_drafter
-
-            self.drafter = load_drafter(self.cfg.draft, self.target.model)
+            self.drafter = load_drafter_on(self.cfg.draft, self.target.model, self.cfg.draft_device)
         load_ms = (time.perf_counter() - t0) * 1e3
         if self.cfg.budget == "auto" and (self.cfg.draft or self.cfg.drafter_address):
             # the verify-cost curve of this machine, measured once; acceptance is learnt while serving
@@ -296,7 +304,7 @@ class VerifierServicer(pb_grpc.VerifierServicer):
         # readiness probe should only pass once a request would not pay them.
         t1 = time.perf_counter()
         prompt = [i % self.target.cfg.n_vocab for i in range(4)]
-        proposer = LocalProposer(self.drafter) if self.drafter is not None else None
+        proposer = self.drafter.new_proposer() if self.drafter is not None else None
         for _ in speculative_stream(self.target.model, proposer, prompt, WARMUP_TOKENS,
                                     spec=self._spec_config(self.cfg.budget), max_ctx=self.max_ctx):
             pass
@@ -311,7 +319,8 @@ class VerifierServicer(pb_grpc.VerifierServicer):
         if self.cfg.drafter_address:
             return self.cfg.drafter_address
         if self.cfg.draft:
-            return f"inproc:{self.cfg.draft}"
+            where = f" on {self.drafter.device}" if self.drafter is not None else ""
+            return f"inproc:{self.cfg.draft}{where}"
         return ""
 
     @property
@@ -544,7 +553,7 @@ class VerifierServicer(pb_grpc.VerifierServicer):
             self._record_fallback(job, reason)
 
         if self.drafter is not None:
-            return _GuardedProposer(LocalProposer(self.drafter), failed)
+            return _GuardedProposer(self.drafter.new_proposer(), failed)
         from services.drafter.client import DrafterClient
 
         addr = self.cfg.drafter_address
@@ -632,7 +641,8 @@ class VerifierServicer(pb_grpc.VerifierServicer):
                     job.put("stopped")
                     return
                 try:
-                    chunk = next(gen)
+                    with self._engine_lock:
+                        chunk = next(gen)
                 except StopIteration:
                     # Ended for a reason we could not see coming (the context filled up): the last chunk
                     # was already sent, so the totals go in an empty closing chunk.
@@ -642,8 +652,9 @@ class VerifierServicer(pb_grpc.VerifierServicer):
                 if (chunk and chunk[-1] in stop) or n >= job.max_tokens:
                     # This is the last chunk: let the engine finish its bookkeeping (decode time, spec
                     # totals) so the chunk can carry them instead of needing one more message.
-                    for _ in gen:
-                        pass
+                    with self._engine_lock:
+                        for _ in gen:
+                            pass
                     job.put("final", chunk)
                     return
                 job.put("chunk", chunk)
@@ -651,7 +662,8 @@ class VerifierServicer(pb_grpc.VerifierServicer):
             job.put("error", e)
         finally:
             if gen is not None:
-                gen.close()
+                with self._engine_lock:
+                    gen.close()
             if proposer is not None:
                 proposer.close()
             otel_context.detach(token)

@@ -1,0 +1,79 @@
+"""Where the target and the drafter run: load them on the devices the flags name ('cpu', 'cuda:N').
+
+One place for what `specsplit generate`, the verifier service and `serve` do alike: a GPU target is a
+Qwen35GpuModel (models/qwen35_gpu.py); its in-process drafter runs beside it on the same GPU
+(models/dflash_gpu.py, sharing the target's token table and LM head) or on the CPU (fed host copies of the
+target's features and its head); a CPU target keeps everything in NumPy.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from .errors import SpecsplitError
+from .memory_plan import parse_device
+
+
+@dataclass
+class LoadedDrafter:
+    """An in-process drafter and how to make one request's proposer for it."""
+
+    drafter: Any
+    device: str
+    new_proposer: Callable[[], Any]
+
+
+def is_gpu(device: str | None) -> bool:
+    return device is not None and parse_device(device).kind == "cuda"
+
+
+def check_devices(device: str, draft_device: str | None) -> str:
+    """The drafter's device (default: the target's), or SpecsplitError for a pairing the engine cannot run."""
+    ddev = str(draft_device) if draft_device is not None else str(device)
+    tdev = parse_device(device)
+    dd = parse_device(ddev)
+    if dd.kind == "cuda" and tdev.kind != "cuda":
+        raise SpecsplitError(f"--draft-device {ddev} with --device {device}: a GPU drafter needs its target on the "
+                             "same GPU so far (--device cuda:N, or --draft-device cpu)")
+    if dd.kind == "cuda" and dd.index != tdev.index:
+        raise SpecsplitError(f"--draft-device {ddev} with --device {device}: a drafter on another GPU than its "
+                             f"target is not supported yet (it shares the target's token table and LM head); use "
+                             f"--draft-device {tdev} or cpu")
+    return str(dd)
+
+
+def load_target_on(path: str, device: str = "cpu", with_tokenizer: bool = True):
+    """loader.load_target on `device`: a LoadedTarget whose model runs there."""
+    if is_gpu(device):
+        from .models.qwen35_gpu import load_gpu_target
+
+        try:
+            return load_gpu_target(path, parse_device(device).index, with_tokenizer=with_tokenizer)
+        except ValueError as e:      # e.g. an architecture the GPU forward does not run
+            raise SpecsplitError(str(e)) from None
+    from .loader import load_target
+
+    return load_target(path, with_tokenizer=with_tokenizer)
+
+
+def load_drafter_on(path: str, target_model: Any, device: str) -> LoadedDrafter:
+    """The DFlash drafter at `path` for `target_model`, on `device` (checked with check_devices first)."""
+    from .speculative import LocalProposer
+
+    on_gpu_target = getattr(getattr(target_model, "be", None), "name", "numpy") == "cuda"
+    if is_gpu(device):
+        from .models.dflash_gpu import GpuProposer, load_gpu_drafter
+
+        dr = load_gpu_drafter(path, target_model, parse_device(device).index)
+        return LoadedDrafter(dr, str(parse_device(device)), lambda: GpuProposer(dr))
+    from .models.dflash import load_drafter
+
+    if on_gpu_target:                # a CPU drafter reads the target's token table and LM head from host copies
+        from .backend import NumpyBackend
+
+        dr = load_drafter(path, target_model.host_head(), NumpyBackend())
+    else:
+        dr = load_drafter(path, target_model)
+    return LoadedDrafter(dr, "cpu", lambda: LocalProposer(dr))

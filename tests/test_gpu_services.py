@@ -1,0 +1,86 @@
+"""The Verifier service with its target (and in-process drafter) on the GPU: a real `specsplit verifier --device
+cuda:0` process over gRPC, checked against in-process plain decoding on the CPU. Skips without a GPU, except the
+flag checks, which need none.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from kernels.loader import unavailable_reason
+from services.engine.errors import SpecsplitError
+from services.engine.generate import generate
+from services.engine.loader import load_target
+from services.verifier.service import VerifierConfig
+from services.wire import pb
+from tests.test_verifier_service import VerifierProcess
+
+_REASON = unavailable_reason()
+needs_gpu = pytest.mark.skipif(_REASON is not None, reason=f"no GPU backend: {_REASON}")
+
+
+def test_draft_device_pairings_are_checked():
+    base = dict(model="m.gguf", draft="d")
+    assert VerifierConfig(**base).draft_device == "cpu"
+    assert VerifierConfig(**base, device="cuda:0").draft_device == "cuda:0"          # default: the target's
+    assert VerifierConfig(**base, device="cuda:1", draft_device="cpu").draft_device == "cpu"
+    with pytest.raises(SpecsplitError, match="needs its target on the same GPU"):
+        VerifierConfig(**base, device="cpu", draft_device="cuda:0")
+    with pytest.raises(SpecsplitError, match="another GPU"):
+        VerifierConfig(**base, device="cuda:0", draft_device="cuda:1")
+    with pytest.raises(ValueError, match="device"):
+        VerifierConfig(**base, device="tpu")
+
+
+def _pair() -> tuple[str, str]:
+    # the embedded default pair: its shapes suit the GPU kernels (the tiny test pair's 48-wide rows do not), and
+    # tests/test_gpu_backend.py pins its GPU greedy output to the NumPy engine's
+    from services.engine.default_model import default_model_paths
+
+    target, drafter = default_model_paths()
+    return str(target), str(drafter)
+
+
+@pytest.fixture(scope="module")
+def cpu_target():
+    t = load_target(_pair()[0])
+    t.model.set_kv_cache_types("f16", "f16")    # the verifier's KV types below: the same rounding on both sides
+    return t
+
+
+@pytest.fixture(scope="module", params=["cuda:0", "cpu"], ids=["drafter-on-gpu", "drafter-on-cpu"])
+def gpu_verifier(request, tmp_path_factory):
+    if _REASON is not None:
+        pytest.skip(f"no GPU backend: {_REASON}")
+    gguf, drafter = _pair()
+    p = VerifierProcess(tmp_path_factory.mktemp("gpu_verifier") / "v.sock",
+                        ["--model", gguf, "--draft", drafter, "--device", "cuda:0", "--draft-device", request.param,
+                         "--slots", "2", "--cache-type-k", "f16", "--cache-type-v", "f16"])
+    yield p
+    p.stop()
+
+
+@needs_gpu
+def test_gpu_verifier_greedy_equals_cpu_plain(gpu_verifier, cpu_target):
+    info = gpu_verifier.stub.Info(pb.InfoRequest(), timeout=60)
+    assert info.backend == "cuda" and info.model.speculative
+    tok = cpu_target.tokenizer
+    for text in ("def add(a, b):\n", "import os\n\n\ndef main():\n", "class Stack:\n    def __init__(self):\n"):
+        ids = tok.encode(text)
+        want = generate(cpu_target.model, ids, 24).token_ids
+        for speculative in (False, True):
+            got, last, _ = gpu_verifier.generate(prompt_ids=ids, max_tokens=24, speculative=speculative)
+            assert got == want, (text, speculative)
+            if speculative:
+                assert last.spec.steps > 0 and not last.spec.fallback
+
+
+@needs_gpu
+def test_gpu_verifier_keeps_serving_after_bad_input(gpu_verifier, cpu_target):
+    import grpc
+
+    with pytest.raises(grpc.RpcError) as e:
+        gpu_verifier.generate(prompt_ids=[cpu_target.cfg.n_vocab + 5], max_tokens=4)
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    got, last, _ = gpu_verifier.generate(prompt_ids=[5, 6, 7], max_tokens=8, speculative=True)
+    assert len(got) == 8 and last.finish_reason == pb.FINISH_REASON_LENGTH
