@@ -1,11 +1,19 @@
-"""Roofline of the GPU quant matmul kernels (kernels/quant_matmul.cu), run on the GPU machine.
+"""Roofline of the GPU quant matmul kernels (kernels/quant_matmul.cu, kernels/quant_gemv.cu), run on the GPU machine.
 
     python bench/roofline.py            # writes $OUT/roofline.json when OUT is set
     python bench/roofline.py --quick    # small shapes: a smoke run of the script itself
     python bench/roofline.py --widths 1,16,64 --kernels v2,v1 --sweep --launch
     python bench/roofline.py --precompile-only   # build every kernel the tests and this script use, in parallel
+    python bench/roofline.py --precompile-only --kernels gemv,v2 --widths 1,2   # only what that run needs
 
---kernels: which kernels to time (v2 = qmv_kernel, the default; v1 = qmm_kernel, the first version).
+--kernels: which kernels to time (v2 = qmv_kernel, the default; v1 = qmm_kernel, the first version; gemv =
+gemv_kernel of quant_gemv.cu on the v2 layout, one block per 16-row tile, widths <= 16, and with it gemvp = its
+persistent variant gemv_persist_kernel (quantized types; also selectable alone); auto = QuantMatrix.matmul's own
+choice per width). With gemv / gemvp / auto and v2 listed, a table of their time ratios to v2 in the same run follows
+(and gemvp / gemv when both ran).
+--gemv-sweep: gemv warps per block (k_warps 1..8) at T = 1, 2, 4, 8, per matrix.
+--persist-sweep: gemvp launch shapes (k_warps 2, 4, 8 x blocks per SM 1, 2, all that fit x prefetch depth 1, 2) at
+T = 1, 2 on the Q4_K / Q6_K / Q8_0 ffn matrices, next to the per-tile kernel's time.
 --sweep: v2 launch shapes (m16 tiles per warp x warps per block x stages) at a few widths, per matrix.
 --launch: launch overhead: 200 back-to-back calls timed with events, eager vs one CUDA-graph replay.
 --precompile N: compile the kernels in N processes first (NVRTC builds one kernel at a time; CuPy's disk
@@ -36,6 +44,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from kernels import loader  # noqa: E402
 
 WIDTHS = (1, 2, 4, 8, 16, 23, 32, 41, 64)
+GEMV_TEST_WIDTHS = tuple(range(1, 17))  # tests/test_kernels_quant_gemv.py builds every width
+GEMV_PORTABLE_WIDTHS = (1, 3)
+GEMV_SWEEP_WIDTHS = (1, 2, 4, 8)
+PERSIST_SWEEP_WIDTHS = (1, 2)
+PERSIST_SWEEP_SHAPES = (("Q4_K", "ffn_up"), ("Q4_K", "ffn_down"), ("Q6_K", "ffn_up"), ("Q6_K", "ffn_down"),
+                        ("Q8_0", "ffn_up"), ("Q8_0", "ffn_down"))  # fmt: skip
+PERSIST_TEST_WIDTHS = (1, 2, 5)  # tests/test_kernels_quant_gemv.py's persistent cases (prefetch 1 and 2)
+GEMV_SWEEP_SHAPES = (("Q4_K", "ffn_up"), ("Q4_K", "ffn_down"), ("Q6_K", "ffn_up"), ("Q6_K", "ffn_down"),
+                     ("Q6_K", "output"), ("Q8_0", "ffn_up"), ("Q8_0", "ffn_down"))  # fmt: skip
 SWEEP_WIDTHS = (1, 23, 41)
 SWEEP_SHAPES = (("Q4_K", "ffn_up"), ("Q4_K", "ffn_down"), ("Q6_K", "ffn_down"), ("Q6_K", "output"), ("Q8_0", "ffn_up"))
 SHAPES = {"ffn_up": (17408, 5120), "ffn_down": (5120, 17408), "output": (248320, 5120)}  # (out, in)
@@ -127,7 +144,15 @@ def _compile_job(job: tuple) -> str:
     from kernels import quant_matmul as qm
 
     kind, *args = job
-    if kind == "v2":
+    if kind == "gemv":
+        from kernels import quant_gemv
+
+        quant_gemv.gemv_function(*args)
+    elif kind == "gemvp":
+        from kernels import quant_gemv
+
+        quant_gemv.persist_function(*args)
+    elif kind == "v2":
         qm.qmv_function(*args)
     elif kind == "v1":
         qm.qmm_function(*args)
@@ -136,18 +161,29 @@ def _compile_job(job: tuple) -> str:
     return str(job)
 
 
-def compile_jobs(qm, widths, sweep: bool, kernels) -> list[tuple]:
-    tiles = sorted({(t + 7) // 8 for t in widths} | {1, 3, 6, 8})
+def compile_jobs(qm, widths, sweep: bool, kernels, full: bool = True) -> list[tuple]:
+    """Kernel builds for this run; full: also what tests/test_kernels_quant_matmul.py uses (tiles 1, 3, 6, 8 and
+    the portable builds)."""
+    tiles = sorted({(t + 7) // 8 for t in widths} | ({1, 3, 6, 8} if full else set()))
     types = (qm.Q4_K, qm.Q6_K, qm.Q8_0, qm.F16)
     jobs: list[tuple] = [("pack", f32, portable) for f32 in (False, True) for portable in (False, True)]
     for q in types:
-        for portable in (False, True):
+        for portable in (False, True) if full else (False,):
             for nt in tiles if not portable else (1, 3):
                 if "v2" in kernels:
                     mts = (1, 2) if (sweep or portable is False) and not portable else (qm.default_m_tiles(nt),)
                     jobs += [("v2", q, nt, mt, 0, portable) for mt in mts]
                 if "v1" in kernels:
                     jobs.append(("v1", q, nt, portable))
+        if any(k.startswith("gemv") or k == "auto" for k in kernels):
+            from kernels import quant_gemv
+
+            gw = sorted({t for t in widths if t <= quant_gemv.MAX_TOKENS} | set(GEMV_TEST_WIDTHS))
+            jobs += [("gemv", q, t, False) for t in gw]
+            jobs += [("gemv", q, t, True) for t in GEMV_PORTABLE_WIDTHS]
+            if q in quant_gemv.PERSISTENT_TYPES:
+                pw = sorted({t for t in widths if t <= 2} | set(PERSIST_TEST_WIDTHS))
+                jobs += [("gemvp", q, t, pd, False) for t in pw for pd in (1, 2)]
     return jobs
 
 
@@ -157,27 +193,27 @@ def precompile(jobs: list[tuple], workers: int) -> float:
 
     t0 = time.time()
     # heaviest first (many token tiles), so the pool does not end on one long build
-    jobs = sorted(jobs, key=lambda j: -(j[2] if j[0] in ("v1", "v2") else 0))
+    jobs = sorted(jobs, key=lambda j: -(j[2] if j[0] in ("v1", "v2", "gemv", "gemvp") else 0))
     with cf.ProcessPoolExecutor(max_workers=workers, mp_context=mp.get_context("spawn")) as pool:
         for _ in pool.map(_compile_job, jobs):
             pass
     return time.time() - t0
 
 
-def launch_overhead(cupy, qm, W, packed, out, calls: int = 200) -> dict:
+def launch_overhead(cupy, qm, W, packed, out, calls: int = 200, **how) -> dict:
     """Per-call microseconds of `calls` back-to-back launches: eager (events around the Python loop) and as
     one CUDA-graph replay of the same launches."""
     stream = cupy.cuda.Stream(non_blocking=True)
     e0, e1 = cupy.cuda.Event(), cupy.cuda.Event()
     with stream:
         for _ in range(3):
-            W.matmul(packed, out=out)
+            W.matmul(packed, out=out, **how)
         stream.synchronize()
         eager = []
         for _ in range(5):
             e0.record(stream)
             for _ in range(calls):
-                W.matmul(packed, out=out)
+                W.matmul(packed, out=out, **how)
             e1.record(stream)
             e1.synchronize()
             eager.append(cupy.cuda.get_elapsed_time(e0, e1) * 1e3 / calls)
@@ -186,7 +222,7 @@ def launch_overhead(cupy, qm, W, packed, out, calls: int = 200) -> dict:
             stream.begin_capture()
             try:
                 for _ in range(calls):
-                    W.matmul(packed, out=out)
+                    W.matmul(packed, out=out, **how)
             finally:
                 graph = stream.end_capture()
             graph.launch(stream)
@@ -254,6 +290,104 @@ def sweep_shapes(cupy, qm, mats, per_graph: int, tokens: int, shape_name: str) -
     return found
 
 
+def matmul_kwargs(qg, kernel: str) -> dict:
+    """QuantMatrix.matmul arguments that run `kernel` (a --kernels name)."""
+    if kernel == "auto":
+        return {}
+    if kernel in ("gemv", "gemvp"):
+        return {"kernel": "gemv", "config": qg.GemvConfig(persistent=kernel == "gemvp")}
+    return {"kernel": kernel}
+
+
+def gemv_runs(qg, qtype: int, k: int, tokens: int, persistent: bool = False) -> bool:
+    """Whether the gemv kernel (or its persistent variant) takes this width (<= 16 tokens, staged x within shared
+    memory; the persistent one quantized types only)."""
+    if persistent and qtype not in qg.PERSISTENT_TYPES:
+        return False
+    smem = qg.smem_bytes(qtype, k, tokens, qg.MAX_K_WARPS, persistent)
+    return tokens <= qg.MAX_TOKENS and smem <= qg.SMEM_LIMIT
+
+
+def gemv_launch(qm, qg, W, tokens: int, persistent: bool, cfg=None) -> list:
+    """What a gemv launch of W at this width runs as: [k_warps, registers] (+ [grid, prefetch] when persistent)."""
+    cfg = cfg or qg.GemvConfig()
+    n_out, k = W.shape
+    kw = cfg.k_warps or qg.choose_k_warps(W.qtype, n_out, k, tokens, qm.sm_count())
+    if not persistent:
+        return [kw, int(getattr(qg.gemv_function(W.qtype, tokens), "num_regs", 0) or 0)]
+    pd = cfg.prefetch or qg.PREFETCH
+    kern = qg.persist_function(W.qtype, tokens, pd)
+    regs = int(getattr(kern, "num_regs", 0) or 255)
+    smem = qg.smem_bytes(W.qtype, k, tokens, kw, True)
+    return [kw, regs, qg.persist_grid(n_out, kw, smem, regs, qm.sm_count(), cfg.blocks_per_sm), pd]
+
+
+def sweep_persist(cupy, qm, qg, mats, per_graph: int, tokens: int, shape_name: str) -> list[dict]:
+    """Time the persistent gemv at k_warps 2 / 4 / 8 x blocks per SM 1 / 2 / all x prefetch 1 / 2 at one width (launch
+    shapes that come out the same grid are timed once), and the per-tile kernel at its own k_warps for reference."""
+    W0 = mats[0]
+    n_out, k = W0.shape
+    x = (cupy.random.standard_normal((tokens, k), dtype=cupy.float32) * 0.5).astype(cupy.float16)
+    packed = qm.pack_activations(x)
+    out = cupy.empty((tokens, n_out), dtype=cupy.float32)
+    copies = len(mats)
+
+    def timed(cfg) -> float:
+        calls = [
+            (lambda W=mats[i % copies], c=cfg: W.matmul(packed, out=out, kernel="gemv", config=c))  # noqa: B023
+            for i in range(per_graph)
+        ]
+        return time_calls(cupy, calls)[0]
+
+    tile_us = timed(qg.GemvConfig(persistent=False))
+    found, seen = [], set()
+    for pd in (1, 2):
+        for kw in (2, 4, 8):
+            if qg.smem_bytes(W0.qtype, k, tokens, kw, True) > qg.SMEM_LIMIT or kw > W0.n_chunks():
+                continue
+            for bps in (1, 2, 0):
+                cfg = qg.GemvConfig(k_warps=kw, persistent=True, blocks_per_sm=bps, prefetch=pd)
+                launch = gemv_launch(qm, qg, W0, tokens, True, cfg)
+                if (kw, pd, launch[2]) in seen:
+                    continue
+                seen.add((kw, pd, launch[2]))
+                us = timed(cfg)
+                found.append({"qtype": W0.type_name, "shape": shape_name, "tokens": tokens, "k_warps": kw,
+                              "blocks_per_sm": bps, "prefetch": pd, "grid": launch[2], "regs": launch[1],
+                              "us": round(us, 2), "per_tile_us": round(tile_us, 2)})  # fmt: skip
+    if found:
+        best = min(found, key=lambda r: r["us"])
+        print("persist sweep best:", json.dumps(best), flush=True)
+    return found
+
+
+def sweep_gemv(cupy, qm, qg, mats, per_graph: int, tokens: int, shape_name: str) -> list[dict]:
+    """Time the gemv kernel at every k_warps (1..8) at one width; the row marked auto is choose_k_warps'."""
+    W0 = mats[0]
+    n_out, k = W0.shape
+    x = (cupy.random.standard_normal((tokens, k), dtype=cupy.float32) * 0.5).astype(cupy.float16)
+    packed = qm.pack_activations(x)
+    out = cupy.empty((tokens, n_out), dtype=cupy.float32)
+    copies = len(mats)
+    found = []
+    regs = int(getattr(qg.gemv_function(W0.qtype, tokens), "num_regs", 0) or 0)
+    auto = qg.choose_k_warps(W0.qtype, n_out, k, tokens, qm.sm_count())
+    for kw in range(1, qg.MAX_K_WARPS + 1):
+        if qg.smem_bytes(W0.qtype, k, tokens, kw) > qg.SMEM_LIMIT or kw > W0.n_chunks():
+            continue
+        cfg = qg.GemvConfig(k_warps=kw)
+        calls = [
+            (lambda W=mats[i % copies], c=cfg: W.matmul(packed, out=out, kernel="gemv", config=c))  # noqa: B023
+            for i in range(per_graph)
+        ]
+        us, _, _ = time_calls(cupy, calls)
+        found.append({"qtype": W0.type_name, "shape": shape_name, "tokens": tokens, "k_warps": kw, "auto": kw == auto,
+                      "regs": regs, "us": round(us, 2)})  # fmt: skip
+    best = min(found, key=lambda r: r["us"])
+    print("gemv sweep best:", json.dumps(best), "auto:", json.dumps([r for r in found if r["auto"]]), flush=True)
+    return found
+
+
 def _arg(argv: list[str], name: str, default: str | None = None) -> str | None:
     return argv[argv.index(name) + 1] if name in argv else default
 
@@ -275,16 +409,24 @@ def main(argv: list[str]) -> int:
 
     from kernels import quant_matmul as qm
 
-    bad = [k for k in kernels if k not in qm.KERNELS]
+    known = (*qm.KERNELS, "gemv", "gemvp", "auto")
+    bad = [k for k in kernels if k not in known]
     if bad:
-        raise SystemExit(f"--kernels: unknown {bad} (choose from {qm.KERNELS})")
+        raise SystemExit(f"--kernels: unknown {bad} (choose from {known})")
+    if "gemv" in kernels and "gemvp" not in kernels:  # the per-tile kernel shows with its persistent variant
+        i = kernels.index("gemv")
+        kernels = (*kernels[: i + 1], "gemvp", *kernels[i + 1 :])
     t_start = time.time()
     workers = int(_arg(argv, "--precompile", "0") or 0)
+    full = "--precompile-only" in argv
     if "--precompile-only" in argv:
         workers = workers or 16
-        kernels = tuple(qm.KERNELS)
+        if "--kernels" in argv:  # just what a run with these kernels and widths needs (and the gemv tests)
+            full = False
+        else:
+            kernels = (*qm.KERNELS, "gemv", "gemvp")
     if workers:
-        jobs = compile_jobs(qm, widths, sweep_on or "--precompile-only" in argv, kernels)
+        jobs = compile_jobs(qm, widths, sweep_on or full, kernels, full)
         secs = precompile(jobs, workers)
         print(f"precompiled {len(jobs)} kernels in {secs:.0f} s with {workers} processes", flush=True)
         if "--precompile-only" in argv:
@@ -329,38 +471,60 @@ def main(argv: list[str]) -> int:
     if "--types" in argv:
         keep = set(_arg(argv, "--types").split(","))
         configs = [c for c in configs if qm.type_name(c[0]) in keep]
-    rows, sweep, pack_rows, launch_rows = [], [], [], []
+    from kernels import quant_gemv as qg
+
+    rows, sweep, pack_rows, launch_rows, gsweep, psweep = [], [], [], [], [], []
     for qtype, shape_name in configs:
         shape = shapes[shape_name]
         n_out, k = shape
         probe_bytes = n_out * k * qm.bytes_per_weight(qtype)
         copies = max(1, min(8, math.ceil(ROTATE_BYTES / probe_bytes)))
         per_graph = copies * math.ceil(MIN_CALLS / copies)
+        layouts: dict[str, list] = {}  # gemv, v2 and auto share the v2 layout: one set of copies
         for kernel in kernels:
-            mats = [random_matrix(cupy, qm, qtype, shape, kernel) for _ in range(copies)]
+            layout = "v1" if kernel == "v1" else "v2"
+            if layout not in layouts:
+                layouts.clear()
+                cupy.get_default_memory_pool().free_all_blocks()
+                layouts[layout] = [random_matrix(cupy, qm, qtype, shape, layout) for _ in range(copies)]
+            mats = layouts[layout]
             nbytes = mats[0].nbytes
+            how_kw = matmul_kwargs(qg, kernel)
             t1 = None
             for tokens in widths:
+                if kernel.startswith("gemv") and not gemv_runs(qg, qtype, k, tokens, kernel == "gemvp"):
+                    continue  # wider than the kernel takes, x does not fit in shared memory, or F16 (gemvp)
                 x = (cupy.random.standard_normal((tokens, k), dtype=cupy.float32) * 0.5).astype(cupy.float16)
                 packed = qm.pack_activations(x)
                 out = cupy.empty((tokens, n_out), dtype=cupy.float32)
                 calls = [
-                    (lambda W=mats[i % copies], p=packed, o=out: W.matmul(p, out=o))  # noqa: B023
+                    (lambda W=mats[i % copies], p=packed, o=out: W.matmul(p, out=o, **how_kw))  # noqa: B023
                     for i in range(per_graph)
                 ]
                 us, best, how = time_calls(cupy, calls)
                 t1 = us if t1 is None else t1
                 gbs = nbytes / (us * 1e-6) / 1e9
-                cfg = mats[0].choose_config(tokens) if kernel == "v2" else None
+                ran = kernel
+                if kernel == "auto":
+                    ran = "gemv" if qg.prefer_gemv(qtype, k, tokens) else "v2"
+                    if ran == "gemv" and qg.prefer_persistent(qtype, tokens):
+                        ran = "gemvp"
+                cfg = mats[0].choose_config(tokens) if ran == "v2" else None
+                if ran in ("gemv", "gemvp"):
+                    config = gemv_launch(qm, qg, mats[0], tokens, ran == "gemvp")
+                else:
+                    config = [cfg.m_tiles, cfg.k_warps, cfg.stages, cfg.splits] if cfg else None
                 row = {
                     "kernel": kernel,
+                    "ran": ran,
                     "qtype": qm.type_name(qtype),
                     "shape": shape_name,
                     "out": n_out,
                     "in": k,
                     "tokens": tokens,
-                    "splits": mats[0].choose_splits(tokens),
-                    "config": [cfg.m_tiles, cfg.k_warps, cfg.stages, cfg.splits] if cfg else None,
+                    "splits": mats[0].choose_splits(tokens) if ran in ("v1", "v2") else 1,
+                    # v2: (m_tiles, k_warps, stages, splits); gemv: (k_warps, registers); gemvp: + (grid, prefetch)
+                    "config": config,
                     "us": round(us, 2),
                     "best_us": round(best, 2),
                     "weight_GBps": round(gbs, 1),
@@ -380,14 +544,24 @@ def main(argv: list[str]) -> int:
                 packed = qm.pack_activations(x)
                 out = cupy.empty((1, n_out), dtype=cupy.float32)
                 lo = {"kernel": kernel, "matrix": f"{qm.type_name(qtype)} {shape_name}", "tokens": 1}
-                lo.update(launch_overhead(cupy, qm, mats[0], packed, out, calls=4 if quick else 200))
+                lo.update(launch_overhead(cupy, qm, mats[0], packed, out, calls=4 if quick else 200, **how_kw))
                 launch_rows.append(lo)
                 print(json.dumps(lo), flush=True)
             if sweep_on and kernel == "v2" and (qm.type_name(qtype), shape_name) in SWEEP_SHAPES:
                 for tokens in SWEEP_WIDTHS if not quick else widths[:2]:
                     sweep += sweep_shapes(cupy, qm, mats, per_graph, tokens, shape_name)
-            del mats
-            cupy.get_default_memory_pool().free_all_blocks()
+            if "--gemv-sweep" in argv and kernel == "gemv" and (qm.type_name(qtype), shape_name) in GEMV_SWEEP_SHAPES:
+                for tokens in GEMV_SWEEP_WIDTHS if not quick else widths[:2]:
+                    if gemv_runs(qg, qtype, k, tokens):
+                        gsweep += sweep_gemv(cupy, qm, qg, mats, per_graph, tokens, shape_name)
+            in_psweep = (qm.type_name(qtype), shape_name) in PERSIST_SWEEP_SHAPES
+            if "--persist-sweep" in argv and kernel == "gemvp" and in_psweep:
+                for tokens in PERSIST_SWEEP_WIDTHS if not quick else widths[:2]:
+                    if gemv_runs(qg, qtype, k, tokens, True):
+                        psweep += sweep_persist(cupy, qm, qg, mats, per_graph, tokens, shape_name)
+        del mats
+        layouts.clear()
+        cupy.get_default_memory_pool().free_all_blocks()
 
     result = {
         **info,
@@ -396,6 +570,8 @@ def main(argv: list[str]) -> int:
         "rows": rows,
         "sweep": sweep,
         "launch": launch_rows,
+        "gemv_sweep": gsweep,
+        "persist_sweep": psweep,
         "pack": pack_rows,
         "seconds": round(time.time() - t_start, 1),
     }
@@ -426,7 +602,11 @@ def main(argv: list[str]) -> int:
     if pack_rows:
         packs = ", ".join(f"in={p['in']}: {p['pack_us']:.1f}" for p in pack_rows)
         print(f"pack_activations T={widths[-1]} (us): {packs}")
-    print(f"{'kern':4} {'type':5} {'shape':8} {'out x in':>12} " + " ".join(f"{'T=' + str(t):>7}" for t in widths))
+    def cells(sel: list[dict], key: str, fmt: str) -> str:
+        by_t = {r["tokens"]: r for r in sel}
+        return " ".join(format(by_t[t][key], fmt) if t in by_t else f"{'-':>7}" for t in widths)
+
+    print(f"{'kern':12} {'type':5} {'shape':8} {'out x in':>12} " + " ".join(f"{'T=' + str(t):>7}" for t in widths))
     for kernel in kernels:
         for qtype, shape_name in configs:
             sel = [r for r in rows if r["qtype"] == qm.type_name(qtype) and r["shape"] == shape_name
@@ -434,10 +614,50 @@ def main(argv: list[str]) -> int:
             if not sel:
                 continue
             dims = f"{sel[0]['out']}x{sel[0]['in']}"
-            head_ = f"{kernel:4} {sel[0]['qtype']:5} {shape_name:8} {dims:>12} "
-            print(head_ + " ".join(f"{r['us']:7.1f}" for r in sel) + "  us")
-            print(" " * len(head_) + " ".join(f"{r['roof_copy']:7.2f}" for r in sel) + "  roof (vs copy)")
-            print(" " * len(head_) + " ".join(f"{r['x_t1']:7.2f}" for r in sel) + "  x T=1")
+            head_ = f"{kernel:12} {sel[0]['qtype']:5} {shape_name:8} {dims:>12} "
+            print(head_ + cells(sel, "us", "7.1f") + "  us")
+            print(" " * len(head_) + cells(sel, "roof_copy", "7.2f") + "  roof (vs copy)")
+            print(" " * len(head_) + cells(sel, "x_t1", "7.2f") + "  x T=1")
+    others = [k for k in kernels if k in ("gemv", "gemvp", "auto")]
+    if "v2" in kernels and others:
+        print("time ratio to v2 of the same run (< 1: faster than v2):")
+        for kernel in others:
+            for qtype, shape_name in configs:
+                mine = {r["tokens"]: r["us"] for r in rows if r["kernel"] == kernel and r["shape"] == shape_name
+                        and r["qtype"] == qm.type_name(qtype)}  # fmt: skip
+                ref = {r["tokens"]: r["us"] for r in rows if r["kernel"] == "v2" and r["shape"] == shape_name
+                       and r["qtype"] == qm.type_name(qtype)}  # fmt: skip
+                if not mine:
+                    continue
+                line = " ".join(f"{mine[t] / ref[t]:7.2f}" if t in mine and t in ref else f"{'-':>7}" for t in widths)
+                print(f"{kernel + '/v2':12} {qm.type_name(qtype):5} {shape_name:8} {'':>12} " + line)
+    if "gemv" in kernels and "gemvp" in kernels:
+        print("time ratio persistent / per-tile gemv (< 1: persistent faster):")
+        for qtype, shape_name in configs:
+            sel = {(r["kernel"], r["tokens"]): r["us"] for r in rows if r["shape"] == shape_name
+                   and r["qtype"] == qm.type_name(qtype)}  # fmt: skip
+            cells_ = [sel[("gemvp", t)] / sel[("gemv", t)] if ("gemvp", t) in sel and ("gemv", t) in sel else None
+                      for t in widths]  # fmt: skip
+            if any(c is not None for c in cells_):
+                line = " ".join(f"{c:7.2f}" if c is not None else f"{'-':>7}" for c in cells_)
+                print(f"{'gemvp/gemv':12} {qm.type_name(qtype):5} {shape_name:8} {'':>12} " + line)
+    if gsweep:
+        print("gemv k_warps sweep (us per k_warps 1..8; * = choose_k_warps):")
+        for qt, sn in GEMV_SWEEP_SHAPES:
+            for tokens in sorted({r["tokens"] for r in gsweep}):
+                sel = [r for r in gsweep if r["qtype"] == qt and r["shape"] == sn and r["tokens"] == tokens]
+                if sel:
+                    times = " ".join(f"{r['k_warps']}{'*' if r['auto'] else ''}:{r['us']:.1f}" for r in sel)
+                    print(f"  {qt} {sn} T={tokens}: {times}")
+    if psweep:
+        print("persistent gemv sweep (us per k_warps/blocks per SM (0: all that fit)/prefetch -> grid; per-tile gemv):")
+        for qt, sn in PERSIST_SWEEP_SHAPES:
+            for tokens in sorted({r["tokens"] for r in psweep}):
+                sel = [r for r in psweep if r["qtype"] == qt and r["shape"] == sn and r["tokens"] == tokens]
+                if sel:
+                    times = " ".join(f"{r['k_warps']}/{r['blocks_per_sm']}/{r['prefetch']}->{r['grid']}:{r['us']:.1f}"
+                                     for r in sorted(sel, key=lambda r: r["us"]))  # fmt: skip
+                    print(f"  {qt} {sn} T={tokens}: {times}; per-tile {sel[0]['per_tile_us']:.1f}")
     return 0
 
 

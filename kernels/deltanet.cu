@@ -205,14 +205,18 @@ DN_DEV void cp_async_wait() {  // until at most N of this thread's groups are in
 // Causal depthwise conv + SiLU over new tokens whose windows follow their parent chains.
 // raw: (T_max, C) pre-conv rows (row stride ld_raw); window: (KW-1, C) f32 committed raw rows, oldest first;
 // w: (C, KW) f32; out: (T_max, C) f32 (row stride ld_out). Grid (ceil(C / blockDim.x), min(T_max, 65535)).
-template <typename TIn, int KW>
-__global__ void conv_silu_kernel(const TIn* __restrict__ raw, i64 ld_raw, const float* __restrict__ window,
-                                 const float* __restrict__ w, const int* __restrict__ parents,
-                                 const int* __restrict__ n_tokens, int t_max, int C, float* __restrict__ out,
-                                 i64 ld_out) {
+// conv_silu_rows_kernel also copies each token's raw row to rows_out (f32, row stride ld_rows) as it reads it:
+// the pre-conv rows commit() gathers, kept without a copy launch of their own (raw may then be a strided view of
+// the input projection).
+namespace dn {
+template <typename TIn, int KW, bool ROWS>
+DN_DEV void conv_silu_body(const TIn* __restrict__ raw, i64 ld_raw, const float* __restrict__ window,
+                           const float* __restrict__ w, const int* __restrict__ parents,
+                           const int* __restrict__ n_tokens, int t_max, int C, float* __restrict__ out, i64 ld_out,
+                           float* __restrict__ rows_out, i64 ld_rows) {
     const int c = blockIdx.x * blockDim.x + threadIdx.x;
     if (c >= C) return;
-    const int T = dn::token_count(n_tokens, t_max);
+    const int T = token_count(n_tokens, t_max);
     float wk[KW];
 #pragma unroll
     for (int k = 0; k < KW; ++k) wk[k] = w[(i64)c * KW + k];
@@ -224,16 +228,37 @@ __global__ void conv_silu_kernel(const TIn* __restrict__ raw, i64 ld_raw, const 
         for (int k = KW - 1; k >= 0; --k) {
             float x;
             if (cur >= 0) {
-                x = dn::load1(raw + (i64)cur * ld_raw + c);
-                cur = dn::parent_of(parents, cur);
+                x = load1(raw + (i64)cur * ld_raw + c);
+                if constexpr (ROWS) {
+                    if (k == KW - 1) rows_out[(i64)t * ld_rows + c] = x;  // the token's own row, once per (t, c)
+                }
+                cur = parent_of(parents, cur);
             } else {
                 x = window[(i64)wrow * C + c];
                 --wrow;
             }
             acc += wk[k] * x;
         }
-        out[(i64)t * ld_out + c] = dn::silu(acc);
+        out[(i64)t * ld_out + c] = silu(acc);
     }
+}
+}  // namespace dn
+
+template <typename TIn, int KW>
+__global__ void conv_silu_kernel(const TIn* __restrict__ raw, i64 ld_raw, const float* __restrict__ window,
+                                 const float* __restrict__ w, const int* __restrict__ parents,
+                                 const int* __restrict__ n_tokens, int t_max, int C, float* __restrict__ out,
+                                 i64 ld_out) {
+    dn::conv_silu_body<TIn, KW, false>(raw, ld_raw, window, w, parents, n_tokens, t_max, C, out, ld_out, nullptr, 0);
+}
+
+template <typename TIn, int KW>
+__global__ void conv_silu_rows_kernel(const TIn* __restrict__ raw, i64 ld_raw, const float* __restrict__ window,
+                                      const float* __restrict__ w, const int* __restrict__ parents,
+                                      const int* __restrict__ n_tokens, int t_max, int C, float* __restrict__ out,
+                                      i64 ld_out, float* __restrict__ rows_out, i64 ld_rows) {
+    dn::conv_silu_body<TIn, KW, true>(raw, ld_raw, window, w, parents, n_tokens, t_max, C, out, ld_out, rows_out,
+                                      ld_rows);
 }
 
 // ---------------------------------------------------------------------------------------------

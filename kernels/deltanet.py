@@ -140,6 +140,7 @@ def conv_silu(
     parents: Any = None,
     n_tokens: Any = None,
     out: Any = None,
+    rows_out: Any = None,
     portable: bool = False,
 ) -> Any:
     """SiLU(depthwise causal conv) of T_max new raw rows whose windows follow their parent chains.
@@ -147,6 +148,8 @@ def conv_silu(
     raw: (T_max, C) float16/float32; window: (K-1, C) float32 committed raw rows (oldest first); weight: (C, K)
     float32; parents: None (a chain) or T_max parents (device int32, or NumPy to be checked and uploaded);
     n_tokens: None (= T_max), an int, or a device int32 [1] (rows past it are not written). -> (T_max, C) f32.
+    rows_out: (>= T_max, C) float32 with contiguous rows, receives the raw rows in the same launch (the pre-conv
+    rows commit_conv gathers; `raw` may then be a strided view of the projection, nothing copies it first).
     """
     cupy = loader.require()
     raw, ld_raw = _rows(cupy.asarray(raw), "raw", align=1)
@@ -161,10 +164,17 @@ def conv_silu(
     out, ld_out = _rows(out, "out", width=c, align=1)
     if out.dtype != np.float32 or int(out.shape[0]) < t_max:
         raise ValueError(f"out must be float32 with at least {t_max} rows")
-    kern = _fn(f"conv_silu_kernel<{_ctype(raw.dtype, 'raw')}, {kw}>", portable)
     grid = ((c + 127) // 128, max(1, min(t_max, MAX_GRID_Y)))
-    kern(grid, (128,), (raw, np.int64(ld_raw), window, weight, _parents_arg(parents, t_max),
-                        _n_tokens(n_tokens, t_max), np.int32(t_max), np.int32(c), out, np.int64(ld_out)))  # fmt: skip
+    args = (raw, np.int64(ld_raw), window, weight, _parents_arg(parents, t_max), _n_tokens(n_tokens, t_max),
+            np.int32(t_max), np.int32(c), out, np.int64(ld_out))  # fmt: skip
+    if rows_out is None:
+        _fn(f"conv_silu_kernel<{_ctype(raw.dtype, 'raw')}, {kw}>", portable)(grid, (128,), args)
+        return out
+    rows_out, ld_rows = _rows(rows_out, "rows_out", width=c, align=1)
+    if rows_out.dtype != np.float32 or int(rows_out.shape[0]) < t_max:
+        raise ValueError(f"rows_out must be float32 with at least {t_max} rows")
+    kern = _fn(f"conv_silu_rows_kernel<{_ctype(raw.dtype, 'raw')}, {kw}>", portable)
+    kern(grid, (128,), (*args, rows_out, np.int64(ld_rows)))
     return out
 
 

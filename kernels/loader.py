@@ -17,6 +17,7 @@ import os
 import re
 import shutil
 import threading
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -156,7 +157,8 @@ def get_module(source: str, name_expressions: tuple[str, ...], defines: tuple[st
 
 
 def get_function(source: str, name: str, defines: tuple[str, ...] = ()) -> Any:
-    """One kernel (a cupy.RawKernel) by its name expression, e.g. 'qmm_kernel<12, 3>'."""
+    """One kernel (a cupy.RawKernel) by its name expression, e.g. 'qmm_kernel<12, 3>'; while a launch hook is set
+    (set_launch_hook), the kernel wrapped so that its launches go through the hook."""
     cupy = require()
     device = int(cupy.cuda.runtime.getDevice())
     key = (source, name, tuple(defines), device)
@@ -164,7 +166,42 @@ def get_function(source: str, name: str, defines: tuple[str, ...] = ()) -> Any:
     if fn is None:
         fn = get_module(source, (name,), defines).get_function(name)
         _functions[key] = fn
-    return fn
+    hook = _launch_hook
+    return fn if hook is None else _HookedKernel(fn, name, hook)
+
+
+# Profiling (bench/step_profile.py): off unless a hook is set. The kernel modules call get_function at every launch,
+# so wrapping what it returns reaches every kernel launch of kernels/ without touching the call sites.
+_launch_hook: Callable[[str, Callable[[], Any]], Any] | None = None
+
+
+class _HookedKernel:
+    """A compiled kernel whose calls run as hook(name, launch); attributes read and write through to the kernel."""
+
+    __slots__ = ("_fn", "_name", "_hook")
+
+    def __init__(self, fn: Any, name: str, hook: Callable[[str, Callable[[], Any]], Any]):
+        object.__setattr__(self, "_fn", fn)
+        object.__setattr__(self, "_name", name)
+        object.__setattr__(self, "_hook", hook)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self._hook(self._name, lambda: self._fn(*args, **kwargs))
+
+    def __getattr__(self, attr: str) -> Any:
+        return getattr(self._fn, attr)
+
+    def __setattr__(self, attr: str, value: Any) -> None:
+        setattr(self._fn, attr, value)
+
+
+def set_launch_hook(hook: Callable[[str, Callable[[], Any]], Any] | None) -> Callable | None:
+    """Route every kernel launch of kernels/ through hook(name expression, launch), where launch() enqueues the
+    kernel and returns what it returns (a profiler records events around it); None turns it off. Returns the hook
+    that was set before. Kernels fetched before the call keep their old behaviour."""
+    global _launch_hook
+    previous, _launch_hook = _launch_hook, hook
+    return previous
 
 
 def clear_cache() -> None:

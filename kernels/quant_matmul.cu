@@ -537,6 +537,174 @@ __global__ void pack_x_kernel(const void* __restrict__ xin, long long ldx, int T
     }
 }
 
+// Fused prologues of pack_x_kernel: the same packed layout, written straight from what the matmul's input is
+// computed from, so the separate elementwise launch (and its fp32 round trip through memory) goes away.
+// Arithmetic and reduction order are those of kernels/norm_rope.cu (rms_norm_kernel, silu_mul_kernel,
+// head_norm_kernel MODE 1), so a fused pack equals the two-launch result bit for bit.
+#if defined(__CUDACC__) || defined(__CUDACC_RTC__) || defined(__CUDA_ARCH__) || SS_HIP
+#define SS_EXPF(v) expf(v)
+#define SS_SQRTF(v) sqrtf(v)
+#else  // CPU simulation: no math header is included
+#define SS_EXPF(v) __builtin_expf(v)
+#define SS_SQRTF(v) __builtin_sqrtf(v)
+#endif
+
+namespace ss {
+
+template <int IN_F32>
+SS_DEV float ld_act(const void* p, long long i) {
+    if constexpr (IN_F32 != 0) return ((const float*)p)[i];
+    return h2f((u32)((const u16*)p)[i]);
+}
+
+template <int IN_F32>
+SS_DEV void st_act(void* p, long long i, float v) {
+    if constexpr (IN_F32 != 0) {
+        ((float*)p)[i] = v;
+    } else {
+        ((u16*)p)[i] = (u16)f2h(v);
+    }
+}
+
+SS_DEV float silu_f(float v) { return v / (1.0f + SS_EXPF(-v)); }
+
+SS_DEV float warp_sum_f(float v) {
+    const int lane = (int)(threadIdx.x & 31u);
+    for (int m = 16; m >= 1; m >>= 1) v += SS_SHFL(v, lane ^ m);
+    return v;
+}
+
+// 8 fp16 values in the mma order {0,2,1,3,4,6,5,7} (pack_x_kernel's word pairs)
+SS_DEV uint4 pack8(const u32* h) {
+    uint4 o;
+    o.x = h[0] | (h[2] << 16);
+    o.y = h[1] | (h[3] << 16);
+    o.z = h[4] | (h[6] << 16);
+    o.w = h[5] | (h[7] << 16);
+    return o;
+}
+
+// Unit j (0 .. K/8-1) of one token row: its first k (8 consecutive values follow) and its index in xp.
+SS_DEV void pack_unit(int j, int n, int K, int TPAD, int& k, long long& u) {
+    const int ch = j >> 5, q = j & 31, p = q >> 2, t = q & 3;
+    const int k0 = ch * CHUNK, C = imin(CHUNK, K - k0);
+    k = k0 + t * (C >> 2) + 8 * p;
+    u = (long long)ch * 32 * TPAD + (long long)p * 4 * TPAD + 4 * n + t;
+}
+
+}  // namespace ss
+
+// xp = fp16(rms_norm(x [+ r]) * w) in pack_x_kernel's layout; with RES also s = x + r (the new residual stream,
+// x's type). GROUP = K (one norm per token row, grid = TPAD blocks, padding rows written as zeros) or a head
+// size D < K (one norm per D values, e.g. the DeltaNet output heads), then with GATE the values are also
+// multiplied by silu(z) (rms_norm(o) * w * silu(z), head_norm_kernel MODE 1). w: f32, GROUP values (may be null).
+// x rows: stride ldx, z rows: stride ldz; r, s rows: contiguous (stride K). block = 256 threads.
+template <int IN_F32, int RES, int GATE>
+__global__ void __launch_bounds__(256) pack_rms_kernel(const void* __restrict__ xin, long long ldx,
+                                                       const void* __restrict__ r, void* __restrict__ s,
+                                                       const void* __restrict__ z, long long ldz,
+                                                       const float* __restrict__ w,
+                                                       int group, float eps, int T, int K, int TPAD,
+                                                       uint4* __restrict__ xp) {
+    using namespace ss;
+    static __shared__ float red[8];
+    static __shared__ float inv_g[256];  // per-head inverse norms (group < K): at most 256 groups per row
+    const int n = (int)blockIdx.x, tid = (int)threadIdx.x;
+    const int units = K >> 3;
+    if (n >= T) {  // padding token: zeros (the whole block returns, no barrier is skipped by part of it)
+        const uint4 zero = {0u, 0u, 0u, 0u};
+        for (int j = tid; j < units; j += 256) {
+            int k;
+            long long u;
+            pack_unit(j, n, K, TPAD, k, u);
+            xp[u] = zero;
+        }
+        return;
+    }
+    const long long xb = (long long)n * ldx, rb = (long long)n * K;
+    if (group >= K) {
+        float sq = 0.0f;
+        for (int i = tid; i < K; i += 256) {  // rms_norm_kernel's order: thread tid sums i = tid, tid + 256, ...
+            float v = ld_act<IN_F32>(xin, xb + i);
+            if constexpr (RES != 0) {
+                v += ld_act<IN_F32>(r, rb + i);
+                st_act<IN_F32>(s, rb + i, v);
+            }
+            sq += v * v;
+        }
+        sq = warp_sum_f(sq);
+        if ((tid & 31) == 0) red[tid >> 5] = sq;
+        __syncthreads();
+        float tot = 0.0f;
+        for (int m = 0; m < 8; ++m) tot += red[m];
+        if (tid == 0) inv_g[0] = 1.0f / SS_SQRTF(tot / (float)K + eps);
+    } else {
+        // one warp per head at a time, lane l summing d = l, l + 32, ... (head_norm_kernel's order)
+        const int warp = tid >> 5, lane = tid & 31, heads = K / group;
+        for (int hh = warp; hh < heads; hh += 8) {
+            float sq = 0.0f;
+            for (int d = lane; d < group; d += 32) {
+                float v = ld_act<IN_F32>(xin, xb + (long long)hh * group + d);
+                if constexpr (RES != 0) {
+                    v += ld_act<IN_F32>(r, rb + (long long)hh * group + d);
+                    st_act<IN_F32>(s, rb + (long long)hh * group + d, v);
+                }
+                sq += v * v;
+            }
+            sq = warp_sum_f(sq);
+            if (lane == 0) inv_g[hh] = 1.0f / SS_SQRTF(sq / (float)group + eps);
+        }
+    }
+    __syncthreads();
+    for (int j = tid; j < units; j += 256) {
+        int k;
+        long long u;
+        pack_unit(j, n, K, TPAD, k, u);
+        u32 h[8];
+#pragma unroll
+        for (int e = 0; e < 8; ++e) {
+            const int kk = k + e;
+            float v = ld_act<IN_F32>(xin, xb + kk);
+            if constexpr (RES != 0) v += ld_act<IN_F32>(r, rb + kk);
+            if (group >= K) {
+                v *= inv_g[0];
+                if (w != nullptr) v *= w[kk];
+            } else {
+                v *= inv_g[kk / group] * (w != nullptr ? w[kk % group] : 1.0f);
+            }
+            if constexpr (GATE != 0) v *= silu_f(ld_act<IN_F32>(z, (long long)n * ldz + kk));
+            h[e] = f2h(v);
+        }
+        xp[u] = pack8(h);
+    }
+}
+
+// xp = fp16(silu(g) * u) in pack_x_kernel's layout (SwiGLU into ffn_down); g, u rows with strides ldg, ldu (the
+// halves of one [T, 2K] gate|up product). Grid-stride over the 16-byte units, one thread per unit.
+template <int IN_F32>
+__global__ void pack_silu_kernel(const void* __restrict__ g, long long ldg, const void* __restrict__ up,
+                                 long long ldu, int T, int K, int TPAD, uint4* __restrict__ xp) {
+    using namespace ss;
+    const long long total = (long long)(K >> 3) * TPAD;
+    for (long long v = (long long)blockIdx.x * blockDim.x + threadIdx.x; v < total;
+         v += (long long)gridDim.x * blockDim.x) {
+        // invert pack_unit: v = ch * 32 TPAD + p * 4 TPAD + 4 n + t
+        const int ch = (int)(v / (32LL * TPAD));
+        const int rem = (int)(v - (long long)ch * 32 * TPAD);
+        const int p = rem / (4 * TPAD), r2 = rem - p * 4 * TPAD;
+        const int n = r2 >> 2, t = r2 & 3;
+        const int k0 = ch * CHUNK, C = imin(CHUNK, K - k0);
+        const int k = k0 + t * (C >> 2) + 8 * p;
+        u32 h[8];
+#pragma unroll
+        for (int e = 0; e < 8; ++e)
+            h[e] = n < T ? f2h(silu_f(ld_act<IN_F32>(g, (long long)n * ldg + k + e)) *
+                               ld_act<IN_F32>(up, (long long)n * ldu + k + e))
+                         : 0u;
+        xp[v] = pack8(h);
+    }
+}
+
 // y[T, N] (+)= x @ W^T. Grid: (ceil(N / 128), splits); block: 128 threads; dynamic shared memory:
 // WARPS * STAGES * 32 * RSB bytes. With splits > 1, y must be zeroed first (fp32 atomics).
 // W must be 16-byte aligned and readable for 1 KiB past its last row (the launcher pads it).
@@ -1000,7 +1168,8 @@ SS_DEV void frag2_tail(const u8* q, const u8* side, int t, int m, int p, u32 (&a
 // warp's ring of `stages` copy buffers runs on across group boundaries, so the memory pipeline never drains
 // between groups. Per group the warps' partial sums meet in shared memory (double-buffered, one
 // __syncthreads per group) and one warp adds them in warp order: deterministic. gridDim.y > 1 splits K
-// across CTAs as well (fp32 atomics into a zeroed y). Dynamic shared memory: qmv_smem_bytes() in
+// across CTAs as well (fp32 atomics into a zeroed y). accumulate != 0: y += x @ W^T (the residual add after
+// an output projection; with K splits the atomics add into y as it is). Dynamic shared memory: qmv_smem_bytes() in
 // kernels/quant_matmul.py (stages, reduction buffers, mbarriers).
 // Narrow variant (one m16 tile, one token tile; not Q6_K, which would spill): registers capped at 64 so 32
 // warps fit on an SM; a warp's throughput is bound by its own latency chains there (the H200 sweep: copy
@@ -1008,7 +1177,7 @@ SS_DEV void frag2_tail(const u8* q, const u8* side, int t, int m, int p, u32 (&a
 template <int QT, int NT, int MT>
 __global__ void SS_BOUNDS(256, (MT == 1 && NT == 1 && QT != 14) ? 4 : 1) qmv_kernel(const u8* __restrict__ W, long long row_bytes, int N, int K,
                                                   const uint4* __restrict__ xp, int T, float* __restrict__ y,
-                                                  int stages) {
+                                                  int stages, int accumulate = 0) {
     using namespace ss;
     using L = Lay<QT>;
     constexpr int CBF = L::MAIN + L::SIDE;  // bytes per row of a full chunk
@@ -1208,6 +1377,8 @@ __global__ void SS_BOUNDS(256, (MT == 1 && NT == 1 && QT != 14) ? 4 : 1) qmv_ker
                             float* dst = y + (long long)nn * N + rr;
                             if (atomic) {
                                 atomicAdd(dst, acc[mt][nt][i]);
+                            } else if (accumulate) {
+                                *dst += acc[mt][nt][i];  // y += x @ W^T: one plain add, deterministic
                             } else {
                                 *dst = acc[mt][nt][i];
                             }

@@ -13,7 +13,9 @@ Activations: fp16 is the native input; float32 input is rounded to fp16 by the p
 accumulate in fp32 on the tensor cores (mma.sync m16n8k16), and the weights are dequantized to fp16 on the
 way (so results carry fp16 rounding of x and of each dequantized weight: relative error ~3e-4).
 
-Several matrices that read the same x (q/k/v, gate/up) can share one `pack_activations(x)` result.
+Several matrices that read the same x (q/k/v, gate/up) can share one `pack_activations(x)` result. The packing
+can also compute x (RMSNorm with an optional residual add, per-head norm * silu(gate), SwiGLU) in the same launch,
+and `matmul(..., out=y, accumulate=True)` adds the product into y (the residual add after an output projection).
 
 Two kernels (docs/gpu_quant_matmul.md): "v2" (qmv_kernel, the default) keeps the weights in a tiled device
 layout (`device_layout`: per 16 rows and 256 columns one contiguous block, so one bulk copy feeds a warp)
@@ -30,7 +32,7 @@ from typing import Any
 
 import numpy as np
 
-from . import loader
+from . import loader, quant_gemv
 
 SOURCE = "quant_matmul.cu"
 
@@ -260,11 +262,13 @@ def sm_count() -> int:
 
 @dataclass(frozen=True)
 class PackedX:
-    """Activations re-laid out for the kernel (see pack_x_kernel): fp16, tokens padded to a multiple of 8."""
+    """Activations re-laid out for the kernel (see pack_x_kernel): fp16, tokens padded to a multiple of 8.
+    `residual`: the new residual stream x + residual when pack_activations normalised a sum (else None)."""
 
     data: Any  # cupy uint16 array of in_features * padded_tokens halves
     tokens: int
     in_features: int
+    residual: Any = None
 
     @property
     def n_tiles(self) -> int:
@@ -275,25 +279,68 @@ class PackedX:
         return 8 * self.n_tiles
 
 
-def pack_activations(x: Any, *, portable: bool = False, out: Any = None) -> PackedX:
-    """x: cupy (or numpy) [T, K] or [K] float16/float32, T <= 64, K a multiple of 32 -> PackedX."""
+def pack_rms_function(in_f32: bool, residual: bool, gate: bool, portable: bool = False) -> Any:
+    name = f"pack_rms_kernel<{int(in_f32)}, {int(residual)}, {int(gate)}>"
+    return loader.get_function(SOURCE, name, _defines(portable))
+
+
+def pack_silu_function(in_f32: bool, portable: bool = False) -> Any:
+    return loader.get_function(SOURCE, f"pack_silu_kernel<{int(in_f32)}>", _defines(portable))
+
+
+def _rows_2d(a: Any, name: str) -> Any:
+    """A [T, K] / [K] float16 / float32 cupy array whose rows are contiguous (row stride free)."""
     cupy = loader.require()
-    x = cupy.asarray(x)
-    if x.ndim == 1:
-        x = x.reshape(1, -1)
-    if x.ndim != 2:
-        raise ValueError(f"activations must be [tokens, features], not shape {tuple(x.shape)}")
-    if x.dtype not in (np.float16, np.float32):
-        x = x.astype(np.float32)
+    a = cupy.asarray(a)
+    if a.ndim == 1:
+        a = a.reshape(1, -1)
+    if a.ndim != 2:
+        raise ValueError(f"{name} must be [tokens, features], not shape {tuple(a.shape)}")
+    if a.dtype not in (np.float16, np.float32):
+        a = a.astype(np.float32)
+    item = a.dtype.itemsize
+    if a.strides[1] != item or a.strides[0] % item or (a.shape[0] > 1 and a.strides[0] < a.shape[1] * item):
+        a = cupy.ascontiguousarray(a)
+    return a
+
+
+def pack_activations(
+    x: Any,
+    *,
+    rms_weight: Any = None,
+    eps: float = 1e-6,
+    residual: Any = None,
+    residual_out: Any = None,
+    gate: Any = None,
+    silu_up: Any = None,
+    portable: bool = False,
+    out: Any = None,
+) -> PackedX:
+    """x: cupy (or numpy) [T, K] or [K] float16/float32, T <= 64, K a multiple of 32 -> PackedX (one launch).
+
+    What is packed (NumPy twins: services.engine.layers rms_norm / silu, then a round to fp16):
+      * default: x;
+      * rms_weight [K]: rms_norm(x, rms_weight, eps); rms_weight [D] with D | K, D < K: the same per group of D
+        values (per head); with `gate` (like x): times silu(gate) (the DeltaNet output norm, nr.norm_gate);
+      * residual (like x, with rms_weight): rms_norm(x + residual) and the sum is written to `residual_out`
+        (allocated when None; may be `residual` itself) and returned as PackedX.residual (nr.rms_norm(residual=));
+      * silu_up (like x): silu(x) * silu_up (SwiGLU: x the gate half, silu_up the up half; row strides free).
+    Arithmetic matches kernels/norm_rope.cu, so the result equals packing that module's output bit for bit.
+    """
+    cupy = loader.require()
+    x = _rows_2d(x, "activations")
     tokens, k = (int(s) for s in x.shape)
     if not 1 <= tokens <= MAX_TOKENS:
         raise ValueError(f"pack_activations takes 1..{MAX_TOKENS} tokens, not {tokens}")
     if k % 32:
         raise ValueError(f"in_features must be a multiple of 32, not {k}")
+    if rms_weight is None and (residual is not None or gate is not None):
+        raise ValueError("residual and gate apply to a normalised pack (rms_weight)")
+    if rms_weight is not None and silu_up is not None:
+        raise ValueError("pack_activations fuses either a norm (rms_weight) or silu(x) * up, not both")
+    f32 = x.dtype == np.float32
     item = x.dtype.itemsize
-    if x.strides[1] != item or x.strides[0] % item or x.strides[0] < k * item:
-        x = cupy.ascontiguousarray(x)
-    ldx = x.strides[0] // item
+    ldx = x.strides[0] // item if tokens > 1 else k
     padded = 8 * ((tokens + 7) // 8)
     size = k * padded
     if out is None:
@@ -302,9 +349,45 @@ def pack_activations(x: Any, *, portable: bool = False, out: Any = None) -> Pack
         raise ValueError(f"out must be a contiguous uint16 array of {size} elements")
     units = (k // 8) * padded
     blocks = max(1, min((units + 255) // 256, 8192))
-    kern = pack_function(x.dtype == np.float32, portable)
-    kern((blocks,), (256,), (x, np.int64(ldx), np.int32(tokens), np.int32(k), np.int32(padded), out))
-    return PackedX(out, tokens, k)
+
+    def like_x(a: Any, name: str, contiguous: bool = True) -> Any:
+        a = _rows_2d(a, name)
+        if a.shape != x.shape or a.dtype != x.dtype:
+            raise ValueError(f"{name} {a.dtype}{tuple(a.shape)} must match x {x.dtype}{tuple(x.shape)}")
+        return cupy.ascontiguousarray(a) if contiguous else a
+
+    if silu_up is not None:
+        up = like_x(silu_up, "silu_up", contiguous=False)
+        ldu = up.strides[0] // item if tokens > 1 else k
+        pack_silu_function(f32, portable)((blocks,), (256,), (x, np.int64(ldx), up, np.int64(ldu), np.int32(tokens),
+                                                             np.int32(k), np.int32(padded), out))  # fmt: skip
+        return PackedX(out, tokens, k)
+    if rms_weight is None:
+        pack_function(f32, portable)((blocks,), (256,), (x, np.int64(ldx), np.int32(tokens), np.int32(k),
+                                                         np.int32(padded), out))  # fmt: skip
+        return PackedX(out, tokens, k)
+
+    w = cupy.asarray(rms_weight, dtype=cupy.float32).reshape(-1)
+    group = int(w.size)
+    if group < 1 or k % group or k // group > 256:
+        raise ValueError(f"rms_weight has {group} values: K = {k} or a divisor of it (at most 256 groups)")
+    w = cupy.ascontiguousarray(w)
+    r = s = z = x
+    ldz = ldx
+    if residual is not None:
+        r = like_x(residual, "residual")
+        if residual_out is None:
+            residual_out = cupy.empty_like(r)
+        elif residual_out.shape != r.shape or residual_out.dtype != r.dtype or not residual_out.flags.c_contiguous:
+            raise ValueError(f"residual_out must be a contiguous {r.dtype} array of shape {tuple(r.shape)}")
+        s = residual_out
+    if gate is not None:
+        z = like_x(gate, "gate", contiguous=False)
+        ldz = z.strides[0] // item if tokens > 1 else k
+    kern = pack_rms_function(f32, residual is not None, gate is not None, portable)
+    kern((padded,), (256,), (x, np.int64(ldx), r, s, z, np.int64(ldz), w, np.int32(group), np.float32(eps),
+                             np.int32(tokens), np.int32(k), np.int32(padded), out))  # fmt: skip
+    return PackedX(out, tokens, k, residual_out if residual is not None else None)
 
 
 class QuantMatrix:
@@ -454,13 +537,20 @@ class QuantMatrix:
         splits: int | None = None,
         portable: bool = False,
         config: QmvConfig | None = None,
+        accumulate: bool = False,
+        kernel: str | None = None,
     ) -> Any:
-        """y = x @ W^T as a cupy float32 array [T, out] ([out] for a 1-D x).
+        """y = x @ W^T as a cupy float32 array [T, out] ([out] for a 1-D x); accumulate=True: out += x @ W^T
+        (the residual add after an output projection, in the v2 kernel's epilogue: one plain add per value,
+        deterministic unless K is split across blocks; out is required).
 
         x: cupy/numpy [T, in] or [in] float16/float32 (any T; launches of <= 64 tokens), or a PackedX.
         out: optional contiguous float32 [T, out] to write into. splits: K splits across thread blocks
         (None: automatic; v2: overrides config.splits). config: v2 launch shape (None: choose_config).
         portable: use the kernels built without inline PTX (the HIP / fallback path), for testing.
+        kernel: None picks per launch width: "gemv" (kernels/quant_gemv.cu, CUDA cores) up to its measured
+        crossover width on a v2-layout matrix, else the matrix's own kernel; "gemv" / "v2" / "v1" force one
+        (gemv and v2 share the v2 layout; config may then be a quant_gemv.GemvConfig).
         """
         cupy = loader.require()
         n_out, k = self.shape
@@ -480,24 +570,51 @@ class QuantMatrix:
         if tokens < 1:
             raise ValueError(f"{self.name}: no tokens to multiply")
         if out is None:
+            if accumulate:
+                raise ValueError(f"{self.name}: accumulate=True adds into `out`, which is missing")
             out = cupy.empty((tokens, n_out), dtype=cupy.float32)
         elif out.dtype != cupy.float32 or tuple(out.shape) != (tokens, n_out) or not out.flags.c_contiguous:
             raise ValueError(f"{self.name}: out must be a contiguous float32 array of shape {(tokens, n_out)}")
 
         if config is not None and self.kernel != "v2":
             raise ValueError(f"{self.name}: config applies to the v2 kernel only")
-        launch = self._launch_v2 if self.kernel == "v2" else self._launch
         if isinstance(x, PackedX):
-            launch(x, out, splits, portable, config)
+            self._launcher(kernel, tokens, config, splits)(x, out, splits, portable, config, accumulate)
         else:
             for start in range(0, tokens, MAX_TOKENS):
                 stop = min(tokens, start + MAX_TOKENS)
                 packed = pack_activations(x[start:stop], portable=portable)
-                launch(packed, out[start:stop], splits, portable, config)
+                launch = self._launcher(kernel, stop - start, config, splits)
+                launch(packed, out[start:stop], splits, portable, config, accumulate)
         return out.reshape(n_out) if squeeze else out
 
+    def _launcher(self, kernel: str | None, tokens: int, config: Any, splits: int | None):
+        """The launch method for one width (see matmul's `kernel`)."""
+        if kernel is None:
+            if isinstance(config, quant_gemv.GemvConfig):
+                kernel = "gemv"
+            elif self.kernel == "v2" and config is None and splits is None:
+                kernel = "gemv" if quant_gemv.prefer_gemv(self.qtype, self.in_features, tokens) else "v2"
+            else:
+                kernel = self.kernel
+        if kernel == "gemv" and self.kernel == "v2":
+            return self._launch_gemv
+        if kernel != self.kernel:
+            raise ValueError(f"{self.name}: kernel {kernel!r} does not read this matrix's {self.kernel} layout")
+        if isinstance(config, quant_gemv.GemvConfig):
+            raise ValueError(f"{self.name}: a GemvConfig applies to the gemv kernel only")
+        return self._launch_v2 if kernel == "v2" else self._launch
+
+    def _launch_gemv(
+        self, packed: PackedX, out: Any, splits: int | None, portable: bool, config: Any, accumulate: bool = False
+    ) -> None:
+        if splits is not None or isinstance(config, QmvConfig):
+            raise ValueError(f"{self.name}: splits / QmvConfig apply to the v2 kernel, not gemv")
+        quant_gemv.gemv(self, packed, out, accumulate=accumulate, config=config, portable=portable)
+
     def _launch_v2(
-        self, packed: PackedX, out: Any, splits: int | None, portable: bool, config: QmvConfig | None
+        self, packed: PackedX, out: Any, splits: int | None, portable: bool, config: QmvConfig | None,
+        accumulate: bool = False,
     ) -> None:
         cupy = loader.require()
         n_out, k = self.shape
@@ -508,7 +625,7 @@ class QuantMatrix:
         s = max(1, min(cfg.splits, self.n_chunks()))
         smem = cfg.smem_bytes(self.qtype, packed.n_tiles)
         kern = qmv_function(self.qtype, packed.n_tiles, cfg.m_tiles, smem, portable)
-        if s > 1:  # the splits add into y with atomics
+        if s > 1 and not accumulate:  # the splits add into y with atomics (accumulate: into y as it is)
             stream = cupy.cuda.get_current_stream()
             cupy.cuda.runtime.memsetAsync(out.data.ptr, 0, out.nbytes, stream.ptr)
         kern(
@@ -523,12 +640,21 @@ class QuantMatrix:
                 np.int32(packed.tokens),
                 out,
                 np.int32(cfg.stages),
+                np.int32(bool(accumulate)),
             ),
             shared_mem=smem,
         )
 
-    def _launch(self, packed: PackedX, out: Any, splits: int | None, portable: bool, config: Any = None) -> None:
+    def _launch(
+        self, packed: PackedX, out: Any, splits: int | None, portable: bool, config: Any = None,
+        accumulate: bool = False,
+    ) -> None:
         cupy = loader.require()
+        if accumulate:  # v1 has no accumulating epilogue: a product, then one add
+            y = cupy.empty_like(out)
+            self._launch(packed, y, splits, portable, config)
+            out += y
+            return
         n_out, k = self.shape
         s = self.choose_splits(packed.tokens) if splits is None else int(splits)
         s = max(1, min(s, self.n_chunks()))

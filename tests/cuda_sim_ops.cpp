@@ -1,7 +1,9 @@
-// CPU simulation of kernels/norm_rope.cu, attention.cu and sampling.cu (tests/test_kernels_ops_sim.py).
+// CPU simulation of kernels/norm_rope.cu, attention.cu and sampling.cu (tests/test_kernels_ops_sim.py), and of
+// the fused pieces of quant_matmul.cu (pack prologues, accumulating epilogue) and deltanet.cu (conv that keeps
+// its raw rows) for tests/test_kernels_cpu_sim.py and test_kernels_ops_sim.py.
 //
-// Built once per source: g++ -std=c++17 -DOPS_FAMILY=<1 norm_rope | 2 attention | 3 sampling>
-// -DOPS_SOURCE='"path"'. The .cu file compiles as plain C++ (no __CUDA_ARCH__: the portable path, software
+// Built once per source: g++ -std=c++17 -DOPS_FAMILY=<1 norm_rope | 2 attention | 3 sampling | 4 quant_matmul
+// | 5 deltanet> -DOPS_SOURCE='"path"'. The .cu file compiles as plain C++ (no __CUDA_ARCH__: the portable path, software
 // fp16 and the warp-shuffle mma emulation) with every thread of a block a fiber (tests/cuda_sim.h block
 // mode), so __syncthreads, shared memory, shuffles, the fragment layouts, swizzles, masks, splits and the
 // two-pass reductions all run for real; only the inline-PTX leaf instructions are left to the GPU test.
@@ -13,6 +15,9 @@
 #include "cuda_sim.h"
 
 alignas(16) uint4 ssa_smem[(232 * 1024) / 16];  // attention.cu's dynamic shared memory
+#if OPS_FAMILY == 4
+#define ss_smem ssa_smem  // quant_matmul.cu's dynamic shared memory: the same buffer, reset per block
+#endif
 
 #include OPS_SOURCE
 
@@ -195,5 +200,56 @@ extern "C" int sim_topk(int ti, int k, const void* x, long long ld, int rows, in
     TK(1, 4)
 #undef TK
     return -1;
+}
+#endif
+
+#if OPS_FAMILY == 4
+// pack_rms_kernel (mode 0) or pack_silu_kernel (mode 1) into xp (K * tpad halves); silu: r = the up rows.
+extern "C" int sim_pack_fused(int mode, int in_f32, int res, int gate, const void* x, long long ldx, const void* r,
+                              void* s, const void* z, long long ldz, const float* w, int group, float eps, int T, int K,
+                              int tpad, void* xp, int blocks) {
+    g_body = nullptr;
+#define PR(F, R, G)                                                                                         \
+    if (mode == 0 && in_f32 == F && res == R && gate == G)                                                  \
+        g_body = [=] { pack_rms_kernel<F, R, G>(x, ldx, r, s, z, ldz, w, group, eps, T, K, tpad, (uint4*)xp); };
+    PR(1, 0, 0)
+    PR(1, 1, 0)
+    PR(0, 1, 0)
+    PR(1, 0, 1)
+    PR(0, 0, 1)
+#undef PR
+    if (mode == 1 && in_f32) g_body = [=] { pack_silu_kernel<1>(x, ldx, r, ldz, T, K, tpad, (uint4*)xp); };
+    if (mode == 1 && !in_f32) g_body = [=] { pack_silu_kernel<0>(x, ldx, r, ldz, T, K, tpad, (uint4*)xp); };
+    if (!g_body) return -1;
+    return mode == 0 ? launch(tpad, 1, 1, 256) : launch(blocks, 1, 1, 64);
+}
+
+// qmv_kernel (v2) on W in device_layout(); accumulate: y += x @ W^T.
+extern "C" int sim_qmv_acc(int qt, int nt, int mt, int kw, const unsigned char* W, long long row_bytes, int N, int K,
+                           const void* xp, int T, float* y, int splits, int grid_x, int accumulate) {
+    g_body = nullptr;
+#define QV(QT, NT, MT)                                                                                   \
+    if (qt == QT && nt == NT && mt == MT)                                                                \
+        g_body = [=] { qmv_kernel<QT, NT, MT>(W, row_bytes, N, K, (const uint4*)xp, T, y, 2, accumulate); };
+    QV(12, 1, 1)
+    QV(8, 2, 2)
+#undef QV
+    if (!g_body) return -1;
+    return launch(grid_x, splits, 1, 32 * kw);
+}
+#endif
+
+#if OPS_FAMILY == 5
+// conv_silu_rows_kernel<f32 | f16, 4>: the conv and the raw rows copied to rows_out in one launch.
+extern "C" int sim_conv_rows(int f16, const void* raw, long long ld_raw, const float* window, const float* w,
+                             const int* parents, int t_max, int C, float* out, long long ld_out, float* rows_out,
+                             long long ld_rows) {
+    if (f16)
+        g_body = [=] { conv_silu_rows_kernel<u16, 4>((const u16*)raw, ld_raw, window, w, parents, nullptr, t_max, C,
+                                                     out, ld_out, rows_out, ld_rows); };
+    else
+        g_body = [=] { conv_silu_rows_kernel<float, 4>((const float*)raw, ld_raw, window, w, parents, nullptr, t_max,
+                                                       C, out, ld_out, rows_out, ld_rows); };
+    return launch((C + 127) / 128, t_max, 1, 128);
 }
 #endif

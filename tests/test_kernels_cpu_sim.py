@@ -221,3 +221,121 @@ def test_kernels_report_availability_without_a_gpu() -> None:
     assert isinstance(kernels.available(), bool)
     if not kernels.available():
         assert "CuPy" in kernels.unavailable_reason() or "GPU" in kernels.unavailable_reason()
+
+
+# --- fused pack prologues and the accumulating epilogue (tests/cuda_sim_ops.cpp, family 4) ---------------------
+
+PERM = np.array([0, 2, 1, 3, 4, 6, 5, 7])  # halves of a 16-byte unit in mma order (pack_x_kernel)
+
+
+@pytest.fixture(scope="module")
+def fused_sim(tmp_path_factory):
+    from tests.test_kernels_ops_sim import build_family
+
+    C, P, I, LL, F = ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_longlong, ctypes.c_float
+    lib = build_family("quant_matmul", tmp_path_factory.mktemp("cuda_sim_fused"))
+    lib.sim_pack_fused.restype = C
+    lib.sim_pack_fused.argtypes = [I, I, I, I, P, LL, P, P, P, LL, P, I, F, I, I, I, P, I]
+    lib.sim_qmv_acc.restype = C
+    lib.sim_qmv_acc.argtypes = [I, I, I, I, P, LL, I, I, P, I, P, I, I, I]
+    return lib
+
+
+def unpack_numpy(xp: np.ndarray, k: int, tpad: int) -> np.ndarray:
+    """[tpad, k] float16 from pack_x_kernel's layout (NumPy inverse of the kernel's unit map)."""
+    h = xp.view(np.uint16).reshape(-1, 8)[:, np.argsort(PERM)]
+    out = np.zeros((tpad, k), np.uint16)
+    for ch in range(-(-k // 256)):
+        c = min(256, k - 256 * ch)
+        for p in range(c // 32):
+            for t in range(4):
+                u = ch * 32 * tpad + p * 4 * tpad + 4 * np.arange(tpad) + t
+                k0 = 256 * ch + t * (c // 4) + 8 * p
+                out[:, k0 : k0 + 8] = h[u]
+    return out.view(np.float16)
+
+
+def rms_twin(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
+    v = x.astype(np.float64)
+    return v / np.sqrt((v * v).mean(-1, keepdims=True) + eps) * w
+
+
+def silu64(v: np.ndarray) -> np.ndarray:
+    return v / (1.0 + np.exp(-v))
+
+
+@pytest.mark.parametrize(
+    "dtype,tokens,k,group,res,gate",
+    [
+        (np.float32, 1, 1280, 1280, 0, 0),  # a norm over the whole row (the layer's input norm), tail-free K
+        (np.float32, 3, 1248, 1248, 1, 0),  # + residual, K with a 224-value tail chunk
+        (np.float16, 9, 512, 512, 1, 0),  # fp16 stream, two token tiles
+        (np.float32, 5, 1024, 128, 0, 1),  # per head of 128 times silu(z) (DeltaNet output), z strided
+        (np.float16, 2, 256, 64, 0, 1),
+    ],
+)
+def test_fused_norm_pack_matches_twin_on_cpu(fused_sim, dtype, tokens, k, group, res, gate) -> None:
+    rng = np.random.default_rng(tokens * 31 + k + group)
+    tpad = 8 * ((tokens + 7) // 8)
+    x = (rng.standard_normal((tokens, k)) * 2).astype(dtype)
+    r = rng.standard_normal((tokens, k)).astype(dtype)
+    zs = rng.standard_normal((tokens, 2 * k)).astype(dtype)  # z: the second half of wider rows (row stride 2k)
+    w = (1 + 0.1 * rng.standard_normal(group)).astype(np.float32)
+    s = np.full((tokens, k), np.nan, dtype)
+    xp = aligned_zeros(k * tpad * 2)
+    xp.view(np.uint16)[:] = 0x7E00  # NaN poison: every unit, padding included, must be written
+    err = fused_sim.sim_pack_fused(0, int(dtype == np.float32), res, gate, x.ctypes.data, k, r.ctypes.data,
+                                   s.ctypes.data, zs[:, k:].ctypes.data, 2 * k, w.ctypes.data, group, 1e-6, tokens,
+                                   k, tpad, xp.ctypes.data, 0)  # fmt: skip
+    assert err == 0
+    got = unpack_numpy(xp, k, tpad)
+    assert not got[tokens:].any(), "padding tokens must be zero"
+    v = x.astype(np.float64) + (r if res else 0)
+    if res:  # the new residual stream: x + r rounded once to the stream's type
+        assert np.array_equal(s, v.astype(dtype))
+        v = s.astype(np.float64)
+    ref = rms_twin(v.reshape(tokens, k // group, group), w, 1e-6).reshape(tokens, k)
+    if gate:
+        ref = ref * silu64(zs[:, k:].astype(np.float64))
+    np.testing.assert_allclose(got[:tokens].astype(np.float64), ref, rtol=2e-3, atol=2e-3)
+
+
+@pytest.mark.parametrize("dtype,tokens,k", [(np.float32, 1, 2304), (np.float32, 12, 544), (np.float16, 4, 256)])
+def test_fused_silu_pack_matches_twin_on_cpu(fused_sim, dtype, tokens, k) -> None:
+    rng = np.random.default_rng(tokens + k)
+    tpad = 8 * ((tokens + 7) // 8)
+    gu = (rng.standard_normal((tokens, 2 * k)) * 2).astype(dtype)  # gate | up halves of one product
+    xp = aligned_zeros(k * tpad * 2)
+    xp.view(np.uint16)[:] = 0x7E00
+    err = fused_sim.sim_pack_fused(1, int(dtype == np.float32), 0, 0, gu.ctypes.data, 2 * k, gu[:, k:].ctypes.data,
+                                   None, None, 2 * k, None, 0, 0.0, tokens, k, tpad, xp.ctypes.data, 3)  # fmt: skip
+    assert err == 0
+    got = unpack_numpy(xp, k, tpad)
+    assert not got[tokens:].any()
+    g, u = gu[:, :k].astype(np.float64), gu[:, k:].astype(np.float64)
+    np.testing.assert_allclose(got[:tokens].astype(np.float64), silu64(g) * u, rtol=2e-3, atol=2e-3)
+
+
+@pytest.mark.parametrize("qtype,n_out,k,tokens,nt,mt,kw,splits", [(Q4_K, 48, 1024, 1, 1, 1, 4, 1),
+                                                                    (Q8_0, 40, 800, 11, 2, 2, 2, 2)])
+def test_v2_accumulate_adds_into_y_on_cpu(fused_sim, sim, qtype, n_out, k, tokens, nt, mt, kw, splits) -> None:
+    rng = np.random.default_rng(n_out + k)
+    raw = random_weights(qtype, n_out, k, rng)
+    laid = qm.device_layout(qtype, raw)
+    wbuf = aligned_zeros(laid.nbytes + PAD)
+    wbuf[: laid.nbytes] = laid
+    x = (rng.standard_normal((tokens, k)) * 0.5).astype(np.float16)
+    tpad = 8 * nt
+    xp = aligned_zeros(k * tpad * 2)
+    sim.sim_pack(0, x.ctypes.data, k, tokens, k, tpad, xp.ctypes.data)
+    y0 = rng.standard_normal((tokens, n_out)).astype(np.float32)  # the residual stream
+    plain = np.zeros((tokens, n_out), np.float32)
+    acc = y0.copy()
+    for y, flag in ((plain, 0), (acc, 1)):
+        assert fused_sim.sim_qmv_acc(qtype, nt, mt, kw, wbuf.ctypes.data, raw.shape[1], n_out, k, xp.ctypes.data,
+                                     tokens, y.ctypes.data, splits, 2, flag) == 0  # fmt: skip
+    check_twin(plain, 0, x, raw, qtype, n_out, k)
+    if splits == 1:  # one plain add of the finished sum: exactly y0 + (x @ W^T)
+        assert np.array_equal(acc, y0 + plain)
+    else:  # K splits add their partial sums into y0 with atomics
+        np.testing.assert_allclose(acc, y0 + plain, rtol=1e-5, atol=1e-5)

@@ -411,3 +411,27 @@ def test_topk_logprobs_vocab(rows: int, k: int, temp: float) -> None:
     ref_ids, ref_logp = ddtree.topk_logprobs(x, k, temp)
     assert cupy.asnumpy(ids).tolist() == ref_ids.tolist()
     assert np.abs(cupy.asnumpy(logp) - ref_logp).max() < 1e-4
+
+
+# -- deltanet.conv_silu keeping its raw rows (rows_out): the conv of the GPU step, one launch instead of two ----
+
+
+@pytest.mark.parametrize("dtype,parents", [(np.float32, None), (np.float16, [-1, 0, 0, 2, 1, 4])])
+def test_conv_rows_out_equals_copy_then_conv(dtype, parents) -> None:
+    from kernels import deltanet as dn
+
+    rng = np.random.default_rng(len(parents or ()))
+    T, C, K = 6, 10240, 4
+    proj = cupy.asarray(rng.standard_normal((T, C + 384)).astype(dtype))  # raw = the first C columns, strided rows
+    window = cupy.asarray(rng.standard_normal((K - 1, C)).astype(np.float32))
+    w = cupy.asarray(rng.standard_normal((C, K)).astype(np.float32))
+    par = None if parents is None else cupy.asarray(np.asarray(parents, np.int32))
+    rows = cupy.full((T, C), np.nan, cupy.float32)
+    fused = dn.conv_silu(proj[:, :C], window, w, parents=par, rows_out=rows)
+    plain = dn.conv_silu(cupy.ascontiguousarray(proj[:, :C]), window, w, parents=par)
+    assert cupy.array_equal(rows, proj[:, :C].astype(cupy.float32))
+    assert cupy.array_equal(fused, plain)
+    p = np.arange(-1, T - 1) if parents is None else np.asarray(parents)
+    ref = layers.causal_conv(cupy.asnumpy(window).astype(np.float64), cupy.asnumpy(proj[:, :C]).astype(np.float64),
+                             cupy.asnumpy(w).astype(np.float64), layers.conv_window_ids(p, K))  # fmt: skip
+    assert float(np.abs(cupy.asnumpy(fused) - ref).max()) < 1e-4

@@ -27,7 +27,8 @@ from tests.tq3_check import check_tq3_bytes
 
 ROOT = Path(__file__).resolve().parents[1]
 HARNESS = Path(__file__).resolve().parent / "cuda_sim_ops.cpp"
-FAMILIES = {"norm_rope": 1, "attention": 2, "sampling": 3}
+FAMILIES = {"norm_rope": 1, "attention": 2, "sampling": 3, "quant_matmul": 4, "deltanet": 5}
+OPS = ("norm_rope", "attention", "sampling")  # the `libs` fixture; 4 and 5 (fused pieces) are built on demand
 P = ctypes.c_void_p
 I, LL, F = ctypes.c_int, ctypes.c_longlong, ctypes.c_float
 
@@ -46,10 +47,12 @@ SIGNATURES = {
     "sim_attn_combine": [I, I, I, P, P, I, I, I, I, I, P, LL, LL, P],
     "sim_argmax": [I, P, LL, I, I, I, I, P, P, P],
     "sim_topk": [I, I, P, LL, I, I, I, I, F, P, P, P, P, P],
+    "sim_conv_rows": [I, P, LL, P, P, P, I, I, P, LL, P, LL],
 }
 
 
-def _build(name: str, tmp_dir: Path):
+def build_family(name: str, tmp_dir: Path):
+    """Compile kernels/<name>.cu with tests/cuda_sim_ops.cpp's entries for it; the loaded library."""
     source = ROOT / "kernels" / f"{name}.cu"
     parts = (source, HARNESS, HARNESS.with_name("cuda_sim.h"))
     digest = hashlib.sha256(b"".join(p.read_bytes() for p in parts)).hexdigest()[:16]
@@ -71,7 +74,7 @@ def _build(name: str, tmp_dir: Path):
 @pytest.fixture(scope="module")
 def libs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("cuda_sim_ops")
-    return {name: _build(name, tmp) for name in FAMILIES}
+    return {name: build_family(name, tmp) for name in OPS}
 
 
 def ptr(a: np.ndarray | None):
@@ -420,3 +423,31 @@ def test_topk_logprobs(libs, code: int, k: int, temp: float) -> None:
     full = np.stack([np.lexsort((np.arange(n), -decode(xs, code)[r]))[:k] for r in range(rows)])
     assert ids.tolist() == full.tolist()
     assert np.abs(logp - ref_logp).max() < 1e-4
+
+
+# -- deltanet.cu: the conv that keeps its raw rows ------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def dn_lib(tmp_path_factory):
+    return build_family("deltanet", tmp_path_factory.mktemp("cuda_sim_dn"))
+
+
+@pytest.mark.parametrize("f16,parents", [(0, None), (1, [-1, 0, 0, 2, 1])])
+def test_conv_rows_writes_the_raw_rows(dn_lib, f16: int, parents) -> None:
+    lib = dn_lib
+    rng = np.random.default_rng(5 + f16)
+    T, C, K = 5, 200, 4
+    proj = rng.standard_normal((T, C + 56)).astype(np.float16 if f16 else np.float32)  # raw: first C columns
+    window = rng.standard_normal((K - 1, C)).astype(np.float32)
+    w = rng.standard_normal((C, K)).astype(np.float32)
+    par = np.arange(-1, T - 1, dtype=np.int32) if parents is None else np.asarray(parents, np.int32)
+    out = empty((T, C), 0)
+    rows = empty((T, C), 0)
+    err = lib.sim_conv_rows(f16, ptr(proj), C + 56, ptr(window), ptr(w), None if parents is None else ptr(par), T, C,
+                            ptr(out), C, ptr(rows), C)  # fmt: skip
+    assert err == 0
+    assert np.array_equal(rows, proj[:, :C].astype(np.float32))  # exactly the rows, as float32
+    raw = proj[:, :C].astype(np.float64)
+    ref = layers.causal_conv(window.astype(np.float64), raw, w.astype(np.float64), layers.conv_window_ids(par, K))
+    assert rel(out, ref) < 1e-5

@@ -245,3 +245,90 @@ def test_bad_inputs_are_refused() -> None:
         qm.QuantMatrix(qm.F16, np.zeros((8, 512), np.uint8), (8, 256)).matmul(x, config=qm.QmvConfig(2, 8, 4, 1))
     with pytest.raises(ValueError, match="v2 kernel only"):
         qm.QuantMatrix(qm.Q4_K, raw, (8, 256), kernel="v1").matmul(x, config=qm.QmvConfig())
+
+
+# --- fused pack prologues (norm / residual / SwiGLU into the packed fp16 layout) and the accumulating epilogue ---
+
+
+def _unpacked(px: qm.PackedX) -> np.ndarray:
+    """The fp16 values a PackedX holds for its tokens, [T, K]: multiplied by an F16 identity matrix, which reads
+    every value back exactly (fp32 sums of one product and zeros)."""
+    k = px.in_features
+    eye = qm.QuantMatrix(qm.F16, np.eye(k, dtype=np.float16).view(np.uint8), (k, k))
+    return cupy.asnumpy(eye.matmul(px))
+
+
+def _half_diff(a, b) -> tuple[int, float]:
+    """(number of differing fp16 values, largest difference in units of the larger value's fp16 ulp)."""
+    a = cupy.asnumpy(a.data).view(np.float16).astype(np.float64)
+    b = cupy.asnumpy(b.data).view(np.float16).astype(np.float64)
+    ulp = np.spacing(np.maximum(np.abs(a), np.abs(b)).astype(np.float16)).astype(np.float64)
+    return int((a != b).sum()), float((np.abs(a - b) / ulp).max())
+
+
+@pytest.mark.parametrize("tokens,k,dtype", [(1, 5120, np.float32), (5, 1248, np.float32), (23, 512, np.float16),
+                                            (64, 1024, np.float32)])
+def test_fused_packs_equal_the_separate_launches(tokens: int, k: int, dtype) -> None:
+    from kernels import norm_rope as nr
+
+    rng = np.random.default_rng(tokens + k)
+    x = cupy.asarray((rng.standard_normal((tokens, k)) * 2).astype(dtype))
+    r = cupy.asarray(rng.standard_normal((tokens, k)).astype(dtype))
+    w = cupy.asarray((1 + 0.1 * rng.standard_normal(k)).astype(np.float32))
+    eps = 1e-6
+    cases = {}
+    cases["rms"] = (qm.pack_activations(x, rms_weight=w, eps=eps), qm.pack_activations(nr.rms_norm(x, w, eps)))
+    fused = qm.pack_activations(x, rms_weight=w, eps=eps, residual=r)
+    y, s = nr.rms_norm(x, w, eps, residual=r)
+    cases["rms+residual"] = (fused, qm.pack_activations(y))
+    assert cupy.array_equal(fused.residual, s), "the new residual stream differs from rms_norm(residual=)'s"
+    d = 128 if k % 128 == 0 else 32
+    wh = w[:d]
+    gu = cupy.asarray(rng.standard_normal((tokens, 2 * k)).astype(dtype))  # z (or gate | up): halves, strided rows
+    gated = nr.norm_gate(x.reshape(tokens, k // d, d), cupy.ascontiguousarray(gu[:, k:]).reshape(tokens, k // d, d),
+                         wh, eps)  # fmt: skip
+    cases["head norm gate"] = (qm.pack_activations(x, rms_weight=wh, eps=eps, gate=gu[:, k:]),
+                               qm.pack_activations(gated.reshape(tokens, k)))  # fmt: skip
+    cases["silu"] = (qm.pack_activations(gu[:, :k], silu_up=gu[:, k:]),
+                     qm.pack_activations(nr.silu_mul(gu[:, :k], gu[:, k:])))  # fmt: skip
+    for name, (a, b) in cases.items():
+        n_diff, ulps = _half_diff(a, b)
+        print(f"fused pack {name} T={tokens} K={k} {np.dtype(dtype).name}: {n_diff} of {a.data.size} halves differ")
+        assert ulps <= 1 and n_diff <= a.data.size // 1000, f"{name}: {n_diff} values differ, up to {ulps} ulp"
+    # and against the f64 NumPy twin, through the layout's inverse
+    xh = cupy.asnumpy(x).astype(np.float64) + cupy.asnumpy(r).astype(np.float64)
+    ref = layers_rms(xh, cupy.asnumpy(w).astype(np.float64), eps)
+    assert rel_error(_unpacked(cases["rms+residual"][0]), ref) < 1e-3
+
+
+def layers_rms(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
+    return x / np.sqrt((x * x).mean(-1, keepdims=True) + eps) * w
+
+
+@pytest.mark.parametrize("qtype,n_out,k,tokens,splits", [(qm.Q4_K, 5120, 1024, 1, None), (qm.Q6_K, 300, 512, 23, 1),
+                                                          (qm.Q8_0, 96, 2048, 3, 4), (qm.Q4_K, 64, 512, 64, None)])
+def test_accumulate_adds_the_product_into_out(qtype: int, n_out: int, k: int, tokens: int, splits) -> None:
+    rng = np.random.default_rng(n_out + tokens)
+    raw = random_weights(qtype, n_out, k, rng)
+    W = qm.QuantMatrix(qtype, raw, (n_out, k))
+    x = cupy.asarray((rng.standard_normal((tokens, k)) * 0.5).astype(np.float16))
+    y0 = cupy.asarray(rng.standard_normal((tokens, n_out)).astype(np.float32))
+    plain = W.matmul(x, splits=splits)
+    y = y0.copy()
+    assert W.matmul(qm.pack_activations(x), out=y, splits=splits, accumulate=True) is y
+    s = W.choose_config(tokens).splits if splits is None else splits
+    if s == 1:  # one add of the finished sum: exactly y0 + x @ W^T, and the same again on a second call
+        assert cupy.array_equal(y, y0 + plain)
+        y2 = y0.copy()
+        W.matmul(x, out=y2, splits=splits, accumulate=True)
+        assert cupy.array_equal(y, y2)
+    else:  # K split across blocks: the partial sums land in y0 with atomics
+        np.testing.assert_allclose(cupy.asnumpy(y), cupy.asnumpy(y0 + plain), rtol=1e-5, atol=1e-4)
+    ref = cupy.asnumpy(y0).astype(np.float64) + cupy.asnumpy(x).astype(np.float64) @ dequantize(qtype, raw, n_out, k).T
+    assert rel_error(cupy.asnumpy(y), ref) < TOL
+    if tokens == 23:  # v1 has no such epilogue: a product, then one add (one case: each width is a new build)
+        y1 = y0.copy()
+        qm.QuantMatrix(qtype, raw, (n_out, k), kernel="v1").matmul(x, out=y1, accumulate=True)
+        assert rel_error(cupy.asnumpy(y1), ref) < TOL
+    with pytest.raises(ValueError, match="accumulate"):
+        W.matmul(x, accumulate=True)

@@ -92,8 +92,9 @@ class GpuMatrix:
             self.rows = None
         return self
 
-    def matmul(self, x: Any, out: Any = None) -> Any:
-        return self.upload().q.matmul(x, out=out)
+    def matmul(self, x: Any, out: Any = None, accumulate: bool = False) -> Any:
+        """x @ W^T (x: activations or a kernels.quant_matmul.PackedX); accumulate: out += x @ W^T."""
+        return self.upload().q.matmul(x, out=out, accumulate=accumulate)
 
     @property
     def nbytes(self) -> int:
@@ -114,18 +115,29 @@ class GpuStack:
             m.upload()
         return self
 
-    def matmul(self, x: Any, out: Any = None) -> Any:
+    def matmul(self, x: Any, out: Any = None, accumulate: bool = False) -> Any:
+        """x @ W^T of every matrix side by side (x: activations or a PackedX, packed once for all of them);
+        accumulate: out += x @ W^T."""
         from kernels import loader
-        from kernels.quant_matmul import pack_activations
+        from kernels.quant_matmul import PackedX, pack_activations
 
         cupy = loader.require()
-        x = cupy.asarray(x)
-        y = out if out is not None else cupy.empty((x.shape[0], self.shape[0]), cupy.float32)
-        packed = pack_activations(x) if x.shape[0] <= 64 else x
+        if isinstance(x, PackedX):
+            packed, tokens = x, x.tokens
+        else:
+            x = cupy.asarray(x)
+            tokens = x.shape[0]
+            packed = pack_activations(x) if tokens <= 64 else x
+        if accumulate and out is None:
+            raise ValueError(f"{self.name}: accumulate=True adds into `out`, which is missing")
+        y = out if out is not None else cupy.empty((tokens, self.shape[0]), cupy.float32)
         col = 0
         for m in self.mats:
             n = m.shape[0]
-            y[:, col:col + n] = m.matmul(packed)
+            if accumulate:
+                y[:, col:col + n] += m.matmul(packed)
+            else:
+                y[:, col:col + n] = m.matmul(packed)
             col += n
         return y
 

@@ -1,0 +1,733 @@
+// Small-width fused dequantize + matrix-vector product on the v2 device layout:  y[T, N] (+)= x[T, K] @ W[N, K]^T
+// for T = 1..16 on CUDA cores, streaming the weights with 16-byte read-only loads.
+//
+// Same inputs as qmv_kernel in quant_matmul.cu: W in `device_layout()` (per 16-row tile and 256-value chunk one
+// contiguous block [16 rows' quants][16 rows' side data]; F16 / Q8_0 full chunks with 16-byte units swizzled),
+// x packed by pack_x_kernel (fp16, tokens padded to 8, the v2 order). Types: F16 (1), Q8_0 (8), Q4_K (12), Q6_K (14).
+//
+// Design (docs/gpu_quant_matmul.md, "gemv"):
+//  * Block = one 16-row tile x KW warps (blockDim.x = 32 KW); warp w owns chunks [w n / KW, (w+1) n / KW) of K.
+//    Grid = one block per tile. No atomics: the warps' partial sums meet in shared memory and are added in
+//    warp order, so results are bitwise reproducible.
+//  * Persistent variant (gemv_persist_kernel, quantized types): a few blocks per SM, each staging x once and
+//    walking tiles b, b + G, ...; each warp's loads run 1-2 chunks ahead of its arithmetic, across tile ends.
+//    Same sums in the same order as gemv_kernel at the same KW: bitwise equal outputs.
+//  * x is staged once per block in shared memory, in natural value order (chunk, token, 16-byte unit of 8 values).
+//    F16 weights: x as fp16, products in fp32 FMAs. Quantized weights (Q8_0, Q4_K, Q6_K): x as int16 with one
+//    fp32 scale per 16 values (s = max |x| / 32767 of the group), plus (Q4_K, Q6_K) the group's fp32 sum X; the
+//    dot products are integer dp2a (two int16 x times two 8-bit quants per instruction, exact int32 sums per
+//    group of 16), then per group acc += (a s) float(sum) - b X with a, b the weights' per-group scale and offset:
+//      Q8_0  d q            a = d,       b = 0
+//      Q4_K  d sc q - dmin m  a = d sc,  b = dmin m
+//      Q6_K  d sc (q - 32)  a = d sc,    b = 32 d sc
+//  * Lane = 4 j + r: it owns rows r, r+4, r+8, r+12 of the tile and, in every chunk, the same 32 values of each
+//    (so its x words per token are read once and used for 4 rows). Per row and chunk its weights are one 16-byte
+//    unit (Q4_K: qs; Q6_K: ql, plus a qh unit), two (Q8_0) or four (F16): one warp load instruction reads
+//    4 rows x 128 contiguous bytes. The next chunk's loads are issued before the current one is computed.
+//  * Rounding: x is fp16 (as for v2); for the quantized types each x_i is then replaced by s round(x_i / s), an
+//    error <= s / 2 = 2^-16 max|x| of its group of 16 (below the fp16 rounding of every value within 1/32 of that
+//    maximum). Weights are exact (no fp16 rounding of d sc q as in v2), sums exact in int32, the rest fp32.
+//
+// Portable: every inline PTX has a plain C++ fallback (SS_PTX == 0: HIP, pre-sm_80, -DSPECSPLIT_PORTABLE, and the
+// CPU simulation in tests/cuda_sim_gemv.cpp). Includes no header: only what NVRTC / hipRTC provide built in.
+
+typedef unsigned int u32;
+typedef unsigned short u16;
+typedef unsigned char u8;
+typedef unsigned long long u64;
+typedef long long i64;
+
+#if defined(__HIP_PLATFORM_AMD__) || defined(__HIPCC__) || defined(__HIPCC_RTC__)
+#define SS_HIP 1
+#else
+#define SS_HIP 0
+#endif
+
+#if !SS_HIP && defined(__CUDA_ARCH__) && (__CUDA_ARCH__ >= 800) && !defined(SPECSPLIT_PORTABLE)
+#define SS_PTX 1
+#else
+#define SS_PTX 0
+#endif
+
+#define GV_DEV static __device__ __forceinline__
+#if defined(__CUDACC__) || SS_HIP
+#define GV_BOUNDS(threads) __launch_bounds__(threads)
+#define GV_LDG(p) __ldg(p)
+#else
+#define GV_BOUNDS(threads)  // CPU simulation
+#define GV_LDG(p) (*(p))
+#endif
+
+#if SS_HIP
+#define GV_SHFL_XOR(v, m) __shfl_xor((v), (m), 32)
+#else
+#define GV_SHFL_XOR(v, m) __shfl_xor_sync(0xffffffffu, (v), (m))
+#endif
+
+namespace gv {
+
+constexpr int CHUNK = 256;
+constexpr int MAX_KW = 8;  // warps per block (launch bound 256 threads)
+
+// ---------------------------------------------------------------------------------------------
+// Bit helpers
+
+GV_DEV float as_float(u32 u) { return __uint_as_float(u); }
+GV_DEV u32 as_u32(float f) { return __float_as_uint(f); }
+
+// Software IEEE binary16 -> binary32 (exact; subnormals, inf, NaN). Out of line: it is the portable path only.
+static __device__ __noinline__ float h2f_soft(u32 h) {
+    const u32 sign = (h & 0x8000u) << 16;
+    const u32 e = (h >> 10) & 0x1Fu;
+    const u32 m = h & 0x3FFu;
+    if (e == 0) {
+        const float v = (float)m * 5.9604644775390625e-8f;  // m * 2^-24, exact
+        return sign ? -v : v;
+    }
+    if (e == 31) return as_float(sign | 0x7F800000u | (m << 13));
+    return as_float(sign | ((e + 112u) << 23) | (m << 13));
+}
+
+GV_DEV float h2f(u32 h) {  // the low 16 bits of h
+#if SS_PTX
+    float f;
+    const u16 hs = (u16)h;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(hs));
+    return f;
+#else
+    return h2f_soft(h & 0xFFFFu);
+#endif
+}
+
+// c + a.s16[0] * b.s8[0] + a.s16[1] * b.s8[1]  (lo: bytes 0, 1 of b; hi: bytes 2, 3)
+GV_DEV int dp2a_lo(u32 a, u32 b, int c) {
+#if SS_PTX
+    int d;
+    asm("dp2a.lo.s32.s32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(c));
+    return d;
+#else
+    return c + (int)(short)(a & 0xFFFFu) * (int)(signed char)(b & 0xFFu) +
+           (int)(short)(a >> 16) * (int)(signed char)((b >> 8) & 0xFFu);
+#endif
+}
+GV_DEV int dp2a_hi(u32 a, u32 b, int c) {
+#if SS_PTX
+    int d;
+    asm("dp2a.hi.s32.s32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(c));
+    return d;
+#else
+    return c + (int)(short)(a & 0xFFFFu) * (int)(signed char)((b >> 16) & 0xFFu) +
+           (int)(short)(a >> 16) * (int)(signed char)(b >> 24);
+#endif
+}
+
+GV_DEV uint4 ldg16(const u8* p) { return GV_LDG((const uint4*)p); }
+GV_DEV u32 ldg_u16(const u8* p) { return (u32)GV_LDG((const u16*)p); }
+GV_DEV u32 ldg_u8(const u8* p) { return (u32)GV_LDG(p); }
+
+GV_DEV float shfl_xor(float v, int m) { return GV_SHFL_XOR(v, m); }
+
+// round to the nearest int (ties to even) for |v| < 2^22: the add of 1.5 * 2^23 leaves it in the low mantissa bits
+GV_DEV int rint_small(float v) { return (int)(as_u32(v + 12582912.0f) - 0x4B400000u); }
+
+// ---------------------------------------------------------------------------------------------
+// Per type: bytes per row of a full chunk (quants MAIN + side data SIDE); whether x is staged as int16 with group
+// scales (INT) and with group sums (SUMS: the K-quants' offsets); the raw words one lane loads per chunk.
+
+template <int QT>
+struct Lay;
+template <>
+struct Lay<1> {
+    static constexpr int MAIN = 512, SIDE = 0;
+    static constexpr bool INT = false, SUMS = false;
+};
+template <>
+struct Lay<8> {
+    static constexpr int MAIN = 256, SIDE = 16;
+    static constexpr bool INT = true, SUMS = false;
+};
+template <>
+struct Lay<12> {
+    static constexpr int MAIN = 144, SIDE = 0;
+    static constexpr bool INT = true, SUMS = true;
+};
+template <>
+struct Lay<14> {
+    static constexpr int MAIN = 192, SIDE = 18;
+    static constexpr bool INT = true, SUMS = true;
+};
+
+template <int QT>
+struct Raw;
+template <>
+struct Raw<12> {  // Q4_K: qs unit j and the 16-byte header (d, dmin, scales) of each row
+    uint4 q[4], h[4];
+};
+template <>
+struct Raw<14> {  // Q6_K: ql unit j, qh unit, two int8 scales, d
+    uint4 l[4], h[4];
+    u32 s[4], d[4];
+};
+template <>
+struct Raw<8> {  // Q8_0: logical units j and 8 + j, the d of their blocks
+    uint4 a[4], b[4];
+    u32 d[4];
+};
+template <>
+struct Raw<1> {  // F16: logical units j, j + 8, j + 16, j + 24
+    uint4 u[4][4];
+};
+
+// x units (16 bytes = 8 values, natural order within a chunk) lane j uses: its k-th 8 values are x unit
+// xunit(j, k / 8). For the quantized types units come in pairs (u, u + 1) = one 16-value group: its values
+// 0..15 ("low run") and 16..31 ("high run") are the two groups whose scale / offset it applies.
+template <int QT>
+GV_DEV int xunit(int j, int k) {
+    if constexpr (QT == 12) {  // qs bytes 16j..16j+15: low nibbles values 64(j/2) + 16(j&1) + b, high ones + 32
+        const int base = 8 * (j >> 1) + 2 * (j & 1);
+        return base + (k & 1) + 4 * (k >> 1);
+    } else if constexpr (QT == 14) {  // j = 4hh + 2c + s: values 128hh + 32c + 16s + b, and + 64
+        const int base = 16 * (j >> 2) + 4 * ((j >> 1) & 1) + 2 * (j & 1);
+        return base + (k & 1) + 8 * (k >> 1);
+    } else if constexpr (QT == 8) {  // logical units j (values 16j..) and 8 + j (values 128 + 16j..)
+        return 2 * j + (k & 1) + 16 * (k >> 1);
+    } else {  // F16: logical unit j + 8k
+        return j + 8 * k;
+    }
+}
+
+template <int QT>
+GV_DEV void load_raw(Raw<QT>& w, const u8* blk, int r4, int j) {
+    using L = Lay<QT>;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        const int r = r4 + 4 * i;
+        const u8* row = blk + r * L::MAIN;
+        if constexpr (QT == 12) {
+            w.q[i] = ldg16(row + 16 + 16 * j);
+            w.h[i] = ldg16(row);
+        } else if constexpr (QT == 14) {
+            const int hh = j >> 2, c = (j >> 1) & 1, s = j & 1;
+            w.l[i] = ldg16(row + 16 * j);
+            w.h[i] = ldg16(row + 128 + 32 * hh + 16 * s);
+            const u8* side = blk + 16 * L::MAIN + r * L::SIDE;
+            w.s[i] = ldg_u8(side + 8 * hh + 2 * c + s) | (ldg_u8(side + 8 * hh + 4 + 2 * c + s) << 8);
+            w.d[i] = ldg_u16(side + 16);
+        } else if constexpr (QT == 8) {
+            w.a[i] = ldg16(row + 16 * (j ^ (r & 7)));
+            w.b[i] = ldg16(row + 16 * ((8 + j) ^ ((r + 2) & 7)));
+            const u8* side = blk + 16 * L::MAIN + r * L::SIDE;
+            w.d[i] = ldg_u16(side + 2 * (j >> 1)) | (ldg_u16(side + 8 + 2 * (j >> 1)) << 16);
+        } else {
+#pragma unroll
+            for (int m = 0; m < 4; ++m) w.u[i][m] = ldg16(row + 16 * ((j + 8 * m) ^ ((r + 2 * m) & 7)));
+        }
+    }
+}
+
+// Per row of a chunk, quantized types: scale a and offset b of the low / high run (value = a q - b).
+struct Coef {
+    float a0, b0, a1, b1;
+};
+
+template <int QT>
+GV_DEV Coef coef(const Raw<QT>& w, int i, int j) {
+    Coef c;
+    if constexpr (QT == 12) {
+        // sub-blocks s = 2g, 2g + 1 (g = j / 2): scale / min bytes (kquants._scale_min_k4), branch-free
+        const uint4 hd = w.h[i];
+        const int g = j >> 1;
+        const u32 sh = 16u * (u32)(g & 1);
+        const u32 y = hd.y >> sh, z = hd.z >> sh, ww = hd.w >> sh;
+        const bool lo = g < 2;
+        const u32 sc = lo ? (y & 0x3F3Fu) : ((ww & 0x0F0Fu) | ((y >> 2) & 0x3030u));
+        const u32 mn = lo ? (z & 0x3F3Fu) : (((ww >> 4) & 0x0F0Fu) | ((z >> 2) & 0x3030u));
+        const float d = h2f(hd.x), dmin = h2f(hd.x >> 16);
+        c.a0 = d * (float)(sc & 0xFFu);
+        c.a1 = d * (float)(sc >> 8);
+        c.b0 = dmin * (float)(mn & 0xFFu);
+        c.b1 = dmin * (float)(mn >> 8);
+    } else if constexpr (QT == 14) {
+        const float d = h2f(w.d[i]);
+        c.a0 = d * (float)(int)(signed char)(w.s[i] & 0xFFu);
+        c.a1 = d * (float)(int)(signed char)(w.s[i] >> 8);
+        c.b0 = 32.0f * c.a0;
+        c.b1 = 32.0f * c.a1;
+    } else {
+        c.a0 = h2f(w.d[i]);
+        c.a1 = h2f(w.d[i] >> 16);
+        c.b0 = c.b1 = 0.f;
+    }
+    return c;
+}
+
+// The 32 quants of row i as bytes, 4 per word in the order of the lane's x values: q[0..3] the low run,
+// q[4..7] the high run (Q4_K nibbles 0..15, Q6_K 0..63, Q8_0 signed).
+template <int QT>
+GV_DEV void qbytes(const Raw<QT>& w, int i, int j, u32 (&q)[8]) {
+    if constexpr (QT == 12) {
+        const u32 ws[4] = {w.q[i].x, w.q[i].y, w.q[i].z, w.q[i].w};
+#pragma unroll
+        for (int m = 0; m < 4; ++m) {
+            q[m] = ws[m] & 0x0F0F0F0Fu;
+            q[4 + m] = (ws[m] >> 4) & 0x0F0F0F0Fu;
+        }
+    } else if constexpr (QT == 14) {
+        const int c2 = 2 * ((j >> 1) & 1);  // qh bit pair 2c (low nibbles) / 4 + 2c (high nibbles)
+        const u32 ls[4] = {w.l[i].x, w.l[i].y, w.l[i].z, w.l[i].w};
+        const u32 hs[4] = {w.h[i].x, w.h[i].y, w.h[i].z, w.h[i].w};
+#pragma unroll
+        for (int m = 0; m < 4; ++m) {
+            q[m] = (ls[m] & 0x0F0F0F0Fu) | ((hs[m] << (4 - c2)) & 0x30303030u);
+            q[4 + m] = ((ls[m] >> 4) & 0x0F0F0F0Fu) | ((hs[m] >> c2) & 0x30303030u);
+        }
+    } else {
+        q[0] = w.a[i].x, q[1] = w.a[i].y, q[2] = w.a[i].z, q[3] = w.a[i].w;
+        q[4] = w.b[i].x, q[5] = w.b[i].y, q[6] = w.b[i].z, q[7] = w.b[i].w;
+    }
+}
+
+// sum over 16 values: int16 x pairs xq[0..7] (values 2p, 2p + 1) times the 16 quant bytes of q[0..3]
+GV_DEV int dot16(const u32* xq, const u32* q) {
+    int s = 0;
+#pragma unroll
+    for (int m = 0; m < 4; ++m) {
+        s = dp2a_lo(xq[2 * m], q[m], s);
+        s = dp2a_hi(xq[2 * m + 1], q[m], s);
+    }
+    return s;
+}
+
+// F16: the 32 weights of row i as floats, in the order of the lane's x values
+GV_DEV void f16_weights(const Raw<1>& w, int i, float (&f)[32]) {
+#pragma unroll
+    for (int m = 0; m < 4; ++m) {
+        const u32 ws[4] = {w.u[i][m].x, w.u[i][m].y, w.u[i][m].z, w.u[i][m].w};
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            f[8 * m + 2 * e] = h2f(ws[e]);
+            f[8 * m + 2 * e + 1] = h2f(ws[e] >> 16);
+        }
+    }
+}
+
+// One packed x unit (pack order: words (0,2), (1,3), (4,6), (5,7)) -> 8 floats in natural order.
+GV_DEV void unit_f(uint4 u, float* f) {
+    f[0] = h2f(u.x);
+    f[2] = h2f(u.x >> 16);
+    f[1] = h2f(u.y);
+    f[3] = h2f(u.y >> 16);
+    f[4] = h2f(u.z);
+    f[6] = h2f(u.z >> 16);
+    f[5] = h2f(u.w);
+    f[7] = h2f(u.w >> 16);
+}
+
+// A 16-value group of x (two packed units) as staged for the quantized types: int16 pairs in natural order
+// (q = round(x / s), s = max |x| / 32767, 0 for an all-zero group), its scale s and its sum X (fp32, fixed order).
+GV_DEV void quant_group(uint4 u0, uint4 u1, uint4& o0, uint4& o1, float& scale, float& sum) {
+    float f[16];
+    unit_f(u0, f);
+    unit_f(u1, f + 8);
+    float amax = 0.f, x = 0.f;
+#pragma unroll
+    for (int e = 0; e < 16; ++e) {
+        amax = fmaxf(amax, fabsf(f[e]));
+        x += f[e];
+    }
+    const float inv = amax > 0.f ? 32767.0f / amax : 0.f;
+    u32 w[8];
+#pragma unroll
+    for (int p = 0; p < 8; ++p)
+        w[p] = ((u32)rint_small(f[2 * p] * inv) & 0xFFFFu) | ((u32)rint_small(f[2 * p + 1] * inv) << 16);
+    o0.x = w[0], o0.y = w[1], o0.z = w[2], o0.w = w[3];
+    o1.x = w[4], o1.y = w[5], o1.z = w[6], o1.w = w[7];
+    scale = amax * (1.0f / 32767.0f);
+    sum = x;
+}
+
+
+// ---------------------------------------------------------------------------------------------
+// Pieces of both kernels
+
+// Stage x for one block: one thread per 16-value group (2 units), in batches of SB groups per thread with all
+// their loads issued first (one L2 latency per batch, not per group). Caller syncs.
+template <int QT, int NT>
+GV_DEV void stage_x(const uint4* __restrict__ xp, int tpad, int K, int nch, uint4* sx, float* sxq, float* sxs) {
+    using L = Lay<QT>;
+    constexpr int SB = 4;
+    const int nthreads = (int)blockDim.x;
+    const int ngroups = nch * NT * 16;
+    for (int g0 = (int)threadIdx.x; g0 < ngroups; g0 += SB * nthreads) {
+        uint4 v[SB][2];
+#pragma unroll
+        for (int b = 0; b < SB; ++b) {
+            const int gi = g0 + b * nthreads;
+            const int ch = gi / (NT * 16);
+            const int rem = gi - ch * (NT * 16);
+            const int n = rem >> 4, g = rem & 15;
+            const int C = K - ch * CHUNK < CHUNK ? K - ch * CHUNK : CHUNK;
+            const int m = C >> 5;  // 32-value pairs per packed lane t (8 in a full chunk)
+            const uint4* src = xp + (i64)ch * 32 * tpad;
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                const int u = 2 * g + h;  // natural unit: values 8u..8u+7 of the chunk
+                v[b][h].x = v[b][h].y = v[b][h].z = v[b][h].w = 0u;
+                if (gi < ngroups && u < 4 * m) {
+                    const int t = u / m, p = u - t * m;  // packed unit (p, n, t) holds values t (C / 4) + 8p ..
+                    v[b][h] = GV_LDG(src + (p * tpad + n) * 4 + t);
+                }
+            }
+        }
+#pragma unroll
+        for (int b = 0; b < SB; ++b) {
+            const int gi = g0 + b * nthreads;
+            if (gi < ngroups) {
+                const int cn = gi >> 4, g = gi & 15;  // (chunk, token) index and group
+                if constexpr (L::INT) {
+                    float scale, sum;
+                    quant_group(v[b][0], v[b][1], sx[cn * 32 + 2 * g], sx[cn * 32 + 2 * g + 1], scale, sum);
+                    sxq[cn * 16 + g] = scale;
+                    if constexpr (L::SUMS) sxs[cn * 16 + g] = sum;
+                } else {
+                    sx[cn * 32 + 2 * g] = v[b][0];
+                    sx[cn * 32 + 2 * g + 1] = v[b][1];
+                }
+            }
+        }
+    }
+}
+
+// One full chunk c of a quantized type (the raw words in w): acc[i][n] += row i of the lane . token n.
+template <int QT, int NT>
+GV_DEV void chunk_int(const Raw<QT>& w, int c, int j, const int (&xu)[4], const uint4* sx, const float* sxq,
+                      const float* sxs, float (&acc)[4][NT]) {
+    using L = Lay<QT>;
+    constexpr int TB = NT < 4 ? NT : 4;  // tokens whose x words are live at once
+    Coef cf[4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) cf[i] = coef<QT>(w, i, j);
+#pragma unroll
+    for (int n0 = 0; n0 < NT; n0 += TB) {
+        u32 xq[TB][16];
+        float xs[TB][2], xsum[TB][2];
+#pragma unroll
+        for (int nn = 0; nn < TB; ++nn) {
+            if (n0 + nn < NT) {
+                const int cn = c * NT + n0 + nn;
+#pragma unroll
+                for (int k = 0; k < 4; ++k) {
+                    const uint4 u = sx[cn * 32 + xu[k]];
+                    xq[nn][4 * k] = u.x, xq[nn][4 * k + 1] = u.y, xq[nn][4 * k + 2] = u.z, xq[nn][4 * k + 3] = u.w;
+                }
+                xs[nn][0] = sxq[cn * 16 + (xu[0] >> 1)];
+                xs[nn][1] = sxq[cn * 16 + (xu[2] >> 1)];
+                if constexpr (L::SUMS) {
+                    xsum[nn][0] = sxs[cn * 16 + (xu[0] >> 1)];
+                    xsum[nn][1] = sxs[cn * 16 + (xu[2] >> 1)];
+                }
+            }
+        }
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            u32 q[8];
+            qbytes<QT>(w, i, j, q);
+#pragma unroll
+            for (int nn = 0; nn < TB; ++nn) {
+                if (n0 + nn < NT) {
+                    const int s0 = dot16(xq[nn], q), s1 = dot16(xq[nn] + 8, q + 4);
+                    float a = acc[i][n0 + nn];
+                    a = fmaf(cf[i].a0 * xs[nn][0], (float)s0, a);
+                    a = fmaf(cf[i].a1 * xs[nn][1], (float)s1, a);
+                    if constexpr (L::SUMS) {
+                        a = fmaf(-cf[i].b0, xsum[nn][0], a);
+                        a = fmaf(-cf[i].b1, xsum[nn][1], a);
+                    }
+                    acc[i][n0 + nn] = a;
+                }
+            }
+        }
+    }
+}
+
+// Tail chunk (F16 / Q8_0 with K % 256 = 32m) of the tile at wt: rows of C = 32m values, not swizzled; lane j
+// takes 8-value units j, j + 8, ... of its 4 rows. Q8_0: quants [16][C] then d [16][m]; F16: halves [16][C].
+template <int QT, int NT>
+GV_DEV void tail_chunk(const u8* wt, int c, int K, int r4, int j, const uint4* sx, const float* sxq,
+                       float (&acc)[4][NT]) {
+    constexpr int BLK = 16 * (Lay<QT>::MAIN + Lay<QT>::SIDE);
+    const int C = K - c * CHUNK;
+    const int m = C >> 5;
+    const u8* tb = wt + (i64)c * BLK;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        const int r = r4 + 4 * i;
+        for (int u = j; u < 4 * m; u += 8) {
+            if constexpr (QT == 8) {
+                const uint2 q = GV_LDG((const uint2*)(tb + r * C + 8 * u));
+                const float d = h2f(ldg_u16(tb + 16 * C + r * 2 * m + 2 * (u >> 2)));
+#pragma unroll
+                for (int n = 0; n < NT; ++n) {
+                    const uint4 xv = sx[(c * NT + n) * 32 + u];
+                    int s = dp2a_lo(xv.x, q.x, 0);
+                    s = dp2a_hi(xv.y, q.x, s);
+                    s = dp2a_lo(xv.z, q.y, s);
+                    s = dp2a_hi(xv.w, q.y, s);
+                    acc[i][n] = fmaf(d * sxq[(c * NT + n) * 16 + (u >> 1)], (float)s, acc[i][n]);
+                }
+            } else {
+                float wf[8];
+                const uint4 h = ldg16(tb + r * 2 * C + 16 * u);
+                const u32 hs[4] = {h.x, h.y, h.z, h.w};
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    wf[2 * e] = h2f(hs[e]);
+                    wf[2 * e + 1] = h2f(hs[e] >> 16);
+                }
+#pragma unroll
+                for (int n = 0; n < NT; ++n) {
+                    float xf[8];
+                    unit_f(sx[(c * NT + n) * 32 + u], xf);
+                    float s = 0.f;
+#pragma unroll
+                    for (int e = 0; e < 8; ++e) s = fmaf(xf[e], wf[e], s);
+                    acc[i][n] += s;
+                }
+            }
+        }
+    }
+}
+
+// End of a tile: lanes j = 0..7 of a row add their sums (butterfly: every lane ends with the same, order-fixed
+// total), then KW == 1: lanes j == 0 store; else the warps' sums meet in red ([KW][16][NT]) and are added in warp
+// order (deterministic). Block-uniform; with KW > 1 it holds one __syncthreads (red must not be rewritten before
+// the adds have read it: the per-tile kernel returns after it, the persistent one alternates two buffers).
+template <int NT>
+GV_DEV void finish_tile(float (&acc)[4][NT], float* red, int row0, int N, float* __restrict__ y, int accumulate) {
+    const int lane = (int)(threadIdx.x & 31u), warp = (int)(threadIdx.x >> 5);
+    const int KW = (int)(blockDim.x >> 5), nthreads = (int)blockDim.x;
+    const int j = lane >> 2, r4 = lane & 3;
+#pragma unroll
+    for (int i = 0; i < 4; ++i)
+#pragma unroll
+        for (int n = 0; n < NT; ++n) {
+            float v = acc[i][n];
+            v += shfl_xor(v, 4);
+            v += shfl_xor(v, 8);
+            v += shfl_xor(v, 16);
+            acc[i][n] = v;
+        }
+    if (KW == 1) {
+        if (j == 0) {
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+                const int row = row0 + r4 + 4 * i;
+                if (row < N) {
+#pragma unroll
+                    for (int n = 0; n < NT; ++n) {
+                        float* dst = y + (i64)n * N + row;
+                        *dst = accumulate ? *dst + acc[i][n] : acc[i][n];
+                    }
+                }
+            }
+        }
+        return;
+    }
+    if (j == 0) {
+#pragma unroll
+        for (int i = 0; i < 4; ++i)
+#pragma unroll
+            for (int n = 0; n < NT; ++n) red[(warp * 16 + r4 + 4 * i) * NT + n] = acc[i][n];
+    }
+    __syncthreads();
+    for (int o = (int)threadIdx.x; o < 16 * NT; o += nthreads) {
+        const int r = o & 15, n = o >> 4;
+        float v = 0.f;
+        for (int w = 0; w < KW; ++w) v += red[(w * 16 + r) * NT + n];  // warp order: deterministic
+        const int row = row0 + r;
+        if (row < N) {
+            float* dst = y + (i64)n * N + row;
+            *dst = accumulate ? *dst + v : v;
+        }
+    }
+}
+
+}  // namespace gv
+
+// y[T, N] (+)= x @ W^T for NT = T tokens (1..16). W: device_layout() (row_bytes = bytes of one GGUF row), 16-byte
+// aligned; xp: pack_x_kernel output with tpad = 8 ceil(T / 8) token slots; y: fp32 [T, N]; accumulate != 0: y +=.
+// Grid: ceil(N / 16) blocks of 32 KW threads (KW <= 8). Dynamic shared memory (smem_bytes in kernels/quant_gemv.py):
+// nch * NT * 512 bytes of staged x, nch * NT * 64 of group scales (Q8_0, Q4_K, Q6_K) and as much of group sums
+// (Q4_K, Q6_K), and KW * 16 * NT * 4 of partial sums when KW > 1; nch = ceil(K / 256).
+template <int QT, int NT>
+__global__ void GV_BOUNDS(256) gemv_kernel(const u8* __restrict__ W, long long row_bytes, int N, int K,
+                                           const uint4* __restrict__ xp, int tpad, float* __restrict__ y,
+                                           int accumulate) {
+    using namespace gv;
+    using L = Lay<QT>;
+    constexpr int BLK = 16 * (L::MAIN + L::SIDE);  // bytes of one full tile block
+    constexpr bool PREFETCH = QT != 1;              // F16: 16 loads per lane and chunk are in flight anyway
+    constexpr int TB = NT < 2 ? NT : 2;             // F16: tokens whose x values are live at once
+    extern __shared__ uint4 gv_smem[];
+
+    const int lane = (int)(threadIdx.x & 31u);
+    const int warp = (int)(threadIdx.x >> 5);
+    const int KW = (int)(blockDim.x >> 5);
+    const int j = lane >> 2, r4 = lane & 3;
+    const int nch = (K + CHUNK - 1) / CHUNK;
+    const int nfull = K / CHUNK;
+    const int tile = (int)blockIdx.x;
+    const u8* const wt = W + (i64)tile * 16 * row_bytes;  // this tile's blocks: chunk c at wt + c * BLK
+
+    uint4* const sx = gv_smem;                                             // [nch][NT][32] units
+    float* const sxq = (float*)(gv_smem + (size_t)nch * NT * 32);          // [nch][NT][16] group scales
+    float* const sxs = sxq + (L::INT ? (size_t)nch * NT * 16 : 0);         // [nch][NT][16] group sums
+    float* const red = sxs + (L::SUMS ? (size_t)nch * NT * 16 : 0);        // [KW][16][NT]
+
+    const int c0 = (int)(((long long)warp * nch) / KW), c1 = (int)(((long long)(warp + 1) * nch) / KW);
+    const int c1f = c1 < nfull ? c1 : nfull;  // full chunks of this warp: [c0, c1f)
+
+    // the first chunk's weights are requested before x is staged, so the two latencies overlap
+    Raw<QT> cur;
+    if (c0 < c1f) load_raw<QT>(cur, wt + (i64)c0 * BLK, r4, j);
+    stage_x<QT, NT>(xp, tpad, K, nch, sx, sxq, sxs);
+    __syncthreads();
+
+    float acc[4][NT];
+#pragma unroll
+    for (int i = 0; i < 4; ++i)
+#pragma unroll
+        for (int n = 0; n < NT; ++n) acc[i][n] = 0.f;
+
+    int xu[4];
+#pragma unroll
+    for (int k = 0; k < 4; ++k) xu[k] = xunit<QT>(j, k);
+
+    for (int c = c0; c < c1f; ++c) {
+        if constexpr (PREFETCH) {
+            Raw<QT> nxt;
+            if (c + 1 < c1f) load_raw<QT>(nxt, wt + (i64)(c + 1) * BLK, r4, j);
+            chunk_int<QT, NT>(cur, c, j, xu, sx, sxq, sxs, acc);
+            cur = nxt;
+        } else {
+            if (c != c0) load_raw<QT>(cur, wt + (i64)c * BLK, r4, j);  // chunk c0 was requested before staging
+#pragma unroll
+            for (int n0 = 0; n0 < NT; n0 += TB) {
+                float xf[TB][32];
+#pragma unroll
+                for (int nn = 0; nn < TB; ++nn) {
+                    if (n0 + nn < NT) {
+                        const uint4* xr = sx + (c * NT + n0 + nn) * 32;
+#pragma unroll
+                        for (int k = 0; k < 4; ++k) unit_f(xr[xu[k]], &xf[nn][8 * k]);
+                    }
+                }
+#pragma unroll
+                for (int i = 0; i < 4; ++i) {
+                    float wf[32];
+                    if constexpr (QT == 1) f16_weights(cur, i, wf);
+#pragma unroll
+                    for (int nn = 0; nn < TB; ++nn) {
+                        if (n0 + nn < NT) {
+                            float s0 = 0.f, s1 = 0.f;
+#pragma unroll
+                            for (int e = 0; e < 16; ++e) {
+                                s0 = fmaf(xf[nn][e], wf[e], s0);
+                                s1 = fmaf(xf[nn][16 + e], wf[16 + e], s1);
+                            }
+                            acc[i][n0 + nn] += s0 + s1;
+                        }
+                    }
+                }
+            }
+        }
+    }
+    if constexpr (QT == 1 || QT == 8) {
+        if (c1 > nfull) tail_chunk<QT, NT>(wt, nfull, K, r4, j, sx, sxq, acc);
+    }
+    finish_tile<NT>(acc, red, 16 * tile, N, y, accumulate);
+}
+
+// Persistent variant for the quantized types (Q8_0, Q4_K, Q6_K): the same sums, added in the same order, so its
+// output is bitwise equal to gemv_kernel's at the same KW. Grid: G <= ceil(N / 16) blocks of 32 KW threads; block b
+// stages x once and walks tiles b, b + G, b + 2G, ... Each warp's (tile, chunk) items form one stream whose loads
+// run PD items (1 or 2) ahead of its arithmetic, across tile ends: the next tile's first chunks are in flight while
+// the block adds the last tile's partial sums. The PD + 1 register buffers take turns by a switch on the item's
+// phase (fixed names: no register copy waits on a load still in flight). Shared memory as gemv_kernel plus a
+// second buffer of partial sums when KW > 1 (2 KW * 16 * NT * 4 bytes), so one __syncthreads per tile suffices.
+template <int QT, int NT, int PD>
+__global__ void GV_BOUNDS(256) gemv_persist_kernel(const u8* __restrict__ W, long long row_bytes, int N, int K,
+                                                   const uint4* __restrict__ xp, int tpad, float* __restrict__ y,
+                                                   int accumulate) {
+    using namespace gv;
+    using L = Lay<QT>;
+    static_assert(L::INT, "F16 keeps the per-tile kernel");
+    static_assert(PD == 1 || PD == 2, "prefetch depth 1 or 2");
+    constexpr int BLK = 16 * (L::MAIN + L::SIDE);
+    extern __shared__ uint4 gv_smem[];
+
+    const int lane = (int)(threadIdx.x & 31u);
+    const int warp = (int)(threadIdx.x >> 5);
+    const int KW = (int)(blockDim.x >> 5);
+    const int j = lane >> 2, r4 = lane & 3;
+    const int nch = (K + CHUNK - 1) / CHUNK;
+    const int nfull = K / CHUNK;
+    const int ntiles = (N + 15) / 16;
+    const int G = (int)gridDim.x, b = (int)blockIdx.x;
+    const int my_tiles = b < ntiles ? (ntiles - 1 - b) / G + 1 : 0;
+    const i64 tile_bytes = 16 * (i64)row_bytes;
+
+    uint4* const sx = gv_smem;
+    float* const sxq = (float*)(gv_smem + (size_t)nch * NT * 32);
+    float* const sxs = sxq + (size_t)nch * NT * 16;
+    float* const red = sxs + (L::SUMS ? (size_t)nch * NT * 16 : 0);  // [2][KW][16][NT]
+
+    const int c0 = (int)(((long long)warp * nch) / KW), c1 = (int)(((long long)(warp + 1) * nch) / KW);
+    const int c1f = c1 < nfull ? c1 : nfull;
+    const int items = c1f > c0 ? my_tiles * (c1f - c0) : 0;
+
+    // the next item to request: local tile lt, chunk lc (requests go out in item order)
+    int lt = 0, lc = c0;
+    auto request = [&](Raw<QT>& r) {
+        load_raw<QT>(r, W + (i64)(b + lt * G) * tile_bytes + (i64)lc * BLK, r4, j);
+        if (++lc == c1f) lc = c0, ++lt;
+    };
+    Raw<QT> b0, b1, b2;
+    if (items > 0) request(b0);  // the first items before x is staged: the latencies overlap
+    if (items > 1) request(b1);
+    if (PD == 2 && items > 2) request(b2);
+    stage_x<QT, NT>(xp, tpad, K, nch, sx, sxq, sxs);
+    __syncthreads();
+
+    int xu[4];
+#pragma unroll
+    for (int k = 0; k < 4; ++k) xu[k] = xunit<QT>(j, k);
+
+    int k = 0, phase = 0;  // item index and its buffer (k mod PD + 1)
+    for (int ti = 0; ti < my_tiles; ++ti) {
+        const int tile = b + ti * G;
+        float acc[4][NT];
+#pragma unroll
+        for (int i = 0; i < 4; ++i)
+#pragma unroll
+            for (int n = 0; n < NT; ++n) acc[i][n] = 0.f;
+        for (int c = c0; c < c1f; ++c, ++k) {
+            const bool more = k + PD + 1 < items;  // the buffer, once used, takes item k + PD + 1
+            if (phase == 0) {
+                chunk_int<QT, NT>(b0, c, j, xu, sx, sxq, sxs, acc);
+                if (more) request(b0);
+            } else if (PD == 1 || phase == 1) {
+                chunk_int<QT, NT>(b1, c, j, xu, sx, sxq, sxs, acc);
+                if (more) request(b1);
+            } else {
+                chunk_int<QT, NT>(b2, c, j, xu, sx, sxq, sxs, acc);
+                if (more) request(b2);
+            }
+            phase = phase == PD ? 0 : phase + 1;
+        }
+        if constexpr (QT == 8) {
+            if (c1 > nfull) tail_chunk<QT, NT>(W + (i64)tile * tile_bytes, nfull, K, r4, j, sx, sxq, acc);
+        }
+        finish_tile<NT>(acc, red + (ti & 1) * KW * 16 * NT, 16 * tile, N, y, accumulate);
+    }
+}

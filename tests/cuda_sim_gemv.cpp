@@ -1,0 +1,104 @@
+// CPU simulation of kernels/quant_gemv.cu for machines without a GPU (tests/test_kernels_quant_gemv.py).
+//
+// g++ -std=c++17 -DGEMV_SOURCE='"path"' -DQMM_SOURCE='"path"': both .cu files compile as plain C++ (no
+// __CUDA_ARCH__, so inline PTX takes its portable path: software fp16 conversion, byte permutes in C++). Every
+// thread of a block is a fiber (tests/cuda_sim.h block mode), so the kernel's __syncthreads and xor shuffles run
+// for real. x is packed by quant_matmul.cu's own pack_x_kernel, so the test checks the layout the GPU sees.
+#define SIM_BLOCK
+#include <cmath>
+
+#include "cuda_sim.h"
+
+alignas(16) uint4 ss_smem[16];  // quant_matmul.cu's kernels are not run here (pack_x_kernel uses no shared memory)
+alignas(16) uint4 gv_smem[(232 * 1024) / 16];
+
+#include QMM_SOURCE
+#include GEMV_SOURCE
+
+struct Args {
+    const u8* W;
+    long long row_bytes;
+    int N, K;
+    const uint4* xp;
+    int tpad;
+    float* y;
+    int accumulate;
+};
+static Args ga;
+static void (*g_body)() = nullptr;
+
+// PD = 0: gemv_kernel (one block per tile); 1, 2: gemv_persist_kernel with that prefetch depth
+template <int QT, int NT, int PD>
+static void body() {
+    if constexpr (PD == 0 || QT == 1)
+        gemv_kernel<QT, NT>(ga.W, ga.row_bytes, ga.N, ga.K, ga.xp, ga.tpad, ga.y, ga.accumulate);
+    else
+        gemv_persist_kernel<QT, NT, PD>(ga.W, ga.row_bytes, ga.N, ga.K, ga.xp, ga.tpad, ga.y, ga.accumulate);
+}
+
+template <int QT, int PD>
+static void (*pick_nt(int nt))() {
+    switch (nt) {
+        case 1: return body<QT, 1, PD>;
+        case 2: return body<QT, 2, PD>;
+        case 3: return body<QT, 3, PD>;
+        case 4: return body<QT, 4, PD>;
+        case 5: return body<QT, 5, PD>;
+        case 8: return body<QT, 8, PD>;
+        case 11: return body<QT, 11, PD>;
+        case 16: return body<QT, 16, PD>;
+#ifdef SIM_ALL_WIDTHS  // every width 1..16 (a slower build, for running the GPU tests on a CuPy stand-in)
+        case 6: return body<QT, 6, PD>;
+        case 7: return body<QT, 7, PD>;
+        case 9: return body<QT, 9, PD>;
+        case 10: return body<QT, 10, PD>;
+        case 12: return body<QT, 12, PD>;
+        case 13: return body<QT, 13, PD>;
+        case 14: return body<QT, 14, PD>;
+        case 15: return body<QT, 15, PD>;
+#endif
+    }
+    return nullptr;
+}
+
+template <int QT>
+static void (*pick(int nt, int pd))() {
+    if (pd == 1) return pick_nt<QT, 1>(nt);
+    if (pd == 2) return pick_nt<QT, 2>(nt);
+    return pd == 0 ? pick_nt<QT, 0>(nt) : nullptr;
+}
+
+// One launch of `grid` blocks (0: ceil(N / 16), one per tile) of 32 kw threads, one after another; pd = 0: the
+// per-tile kernel, 1 / 2: the persistent one with that prefetch depth (F16 has none: pd must be 0). Returns the
+// simulation errors, or -1 for an instantiation this harness does not hold.
+extern "C" int sim_gemv(int qt, int nt, const unsigned char* W, long long row_bytes, int N, int K, const void* xp,
+                        int tpad, float* y, int accumulate, int kw, int pd, int grid) {
+    switch (qt) {
+        case 1: g_body = pd == 0 ? pick<1>(nt, 0) : nullptr; break;
+        case 8: g_body = pick<8>(nt, pd); break;
+        case 12: g_body = pick<12>(nt, pd); break;
+        case 14: g_body = pick<14>(nt, pd); break;
+        default: g_body = nullptr;
+    }
+    if (!g_body || kw < 1 || kw > gv::MAX_KW) return -1;
+    ga = {W, row_bytes, N, K, (const uint4*)xp, tpad, y, accumulate};
+    const unsigned blocks = grid > 0 ? (unsigned)grid : (unsigned)((N + 15) / 16);
+    int errors = 0;
+    sim::gdim = {blocks, 1, 1};
+    sim::bdim = {32u * (unsigned)kw, 1, 1};
+    for (unsigned b = 0; b < blocks; ++b) {
+        sim::bid = {b, 0, 0};
+        std::memset(gv_smem, 0xA5, sizeof(gv_smem));  // stale shared memory must not matter
+        errors += simb::run_block(32 * kw, g_body);
+    }
+    return errors;
+}
+
+extern "C" void sim_pack(const void* x, int T, int K, int tpad, void* xp) {
+    sim::gdim = {1, 1, 1};
+    sim::bdim = {1, 1, 1};
+    sim::bid = {0, 0, 0};
+    simb::cur = 0;
+    simb::tids[0] = {0, 0, 0};
+    pack_x_kernel<0>(x, (long long)K, T, K, tpad, (uint4*)xp);
+}

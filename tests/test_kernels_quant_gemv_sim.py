@@ -1,0 +1,229 @@
+"""kernels/quant_gemv.cu run on the CPU: its portable path compiled as C++ by g++ (tests/cuda_sim_gemv.cpp).
+
+No GPU is needed. The simulation runs the real kernel source (x staging as int16 with group scales and sums, the
+lane -> row / value mapping, swizzled F16 / Q8_0 units, K-quant scale unpacking, dp2a sums, tail chunks, warps
+splitting K and adding in shared memory, the accumulate epilogue, row masking) with every thread of a block a
+fiber (tests/cuda_sim.h block mode), against the NumPy twins; x is packed by quant_matmul.cu's pack_x_kernel. The
+persistent variant too (blocks walking several tiles, prefetch depth 1 / 2 across tile ends, two partial-sum
+buffers), bitwise against the per-tile kernel. Also the launcher's pure-Python parts (shared-memory size, k_warps
+choice, persistent grid, dispatch rule).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from kernels import quant_gemv as qg
+from kernels import quant_matmul as qm
+from services.engine import quants
+
+ROOT = Path(__file__).resolve().parents[1]
+SOURCE = ROOT / "kernels" / "quant_gemv.cu"
+QMM_SOURCE = ROOT / "kernels" / "quant_matmul.cu"
+HARNESS = Path(__file__).resolve().parent / "cuda_sim_gemv.cpp"
+
+F16, Q8_0, Q4_K, Q6_K = 1, 8, 12, 14
+BLOCK = {F16: (1, 2), Q8_0: (32, 34), Q4_K: (256, 144), Q6_K: (256, 210)}
+FP16_FIELDS = {Q8_0: (0,), Q4_K: (0, 2), Q6_K: (208,)}
+PAD = 1024
+TOL = 2e-4
+
+needs_gxx = pytest.mark.skipif(
+    shutil.which("g++") is None or not sys.platform.startswith("linux"),
+    reason="the CPU simulation of the CUDA kernels needs g++ on Linux (ucontext fibers)",
+)
+
+
+@pytest.fixture(scope="session")
+def sim(tmp_path_factory) -> ctypes.CDLL:
+    parts = (SOURCE, QMM_SOURCE, HARNESS, HARNESS.with_name("cuda_sim.h"))
+    digest = hashlib.sha256(b"".join(p.read_bytes() for p in parts)).hexdigest()[:16]
+    lib_path = tmp_path_factory.mktemp("cuda_sim_gemv") / f"cuda_sim_gemv_{digest}.so"
+    cmd = [
+        "g++", "-std=c++17", "-O1", "-shared", "-fPIC", "-w", f'-DGEMV_SOURCE="{SOURCE}"',
+        f'-DQMM_SOURCE="{QMM_SOURCE}"', "-o", str(lib_path), str(HARNESS),
+    ]  # fmt: skip
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    assert done.returncode == 0, f"g++ failed:\n{done.stderr[-4000:]}"
+    lib = ctypes.CDLL(str(lib_path))
+    lib.sim_gemv.restype = ctypes.c_int
+    lib.sim_gemv.argtypes = [
+        ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_longlong, ctypes.c_int, ctypes.c_int, ctypes.c_void_p,
+        ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int,
+    ]  # fmt: skip
+    lib.sim_pack.restype = None
+    lib.sim_pack.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_void_p]
+    return lib
+
+
+def aligned_zeros(nbytes: int) -> np.ndarray:
+    raw = np.zeros(nbytes + 64, np.uint8)
+    off = (-raw.ctypes.data) % 64
+    return raw[off : off + nbytes]
+
+
+def random_weights(qtype: int, n_out: int, k: int, rng: np.random.Generator) -> np.ndarray:
+    per, size = BLOCK[qtype]
+    n_blocks = n_out * k // per
+    if qtype == F16:
+        raw = (rng.standard_normal(n_out * k) * 0.5).astype(np.float16).view(np.uint8).reshape(n_blocks, size)
+    else:
+        raw = rng.integers(0, 256, size=(n_blocks, size), dtype=np.uint8)
+        for start in FP16_FIELDS[qtype]:
+            raw[:, start : start + 2] = (
+                (rng.standard_normal(n_blocks) * 0.05).astype(np.float16).view(np.uint8).reshape(-1, 2)
+            )
+    return raw.reshape(n_out, -1)
+
+
+def run_sim(
+    lib, qtype: int, raw: np.ndarray, n_out: int, k: int, x: np.ndarray, kw: int, y0=None, pd: int = 0, grid: int = 0
+) -> np.ndarray:
+    """One simulated launch; y0 given: accumulate into a copy of it, else into a NaN-poisoned output. pd = 0: the
+    per-tile kernel; 1 / 2: the persistent one with that prefetch depth and `grid` blocks (0: one per tile)."""
+    tokens = x.shape[0]
+    tpad = 8 * ((tokens + 7) // 8)
+    laid = qm.device_layout(qtype, raw)
+    w = aligned_zeros(laid.nbytes + PAD)  # 16-byte aligned, with the slack the launcher adds
+    w[: laid.nbytes] = laid
+    xp = aligned_zeros(k * tpad * 2)
+    x = np.ascontiguousarray(x, dtype=np.float16)
+    lib.sim_pack(x.ctypes.data, tokens, k, tpad, xp.ctypes.data)
+    y = np.full((tokens, n_out), np.nan, np.float32) if y0 is None else y0.astype(np.float32).copy()
+    err = lib.sim_gemv(
+        qtype, tokens, w.ctypes.data, raw.shape[1], n_out, k, xp.ctypes.data, tpad, y.ctypes.data, int(y0 is not None),
+        kw, pd, grid,
+    )  # fmt: skip
+    assert err == 0, "the simulation reported a divergent warp or a deadlock"
+    return y
+
+
+def check_twin(y: np.ndarray, x: np.ndarray, raw: np.ndarray, qtype: int, n_out: int, k: int, y0=None) -> None:
+    assert np.isfinite(y).all(), f"{int((~np.isfinite(y)).sum())} outputs unwritten"
+    ref = x.astype(np.float64) @ quants.dequantize(raw, qtype, (n_out, k)).astype(np.float64).T
+    if y0 is not None:
+        ref = ref + y0
+    rel = np.linalg.norm(y - ref) / np.linalg.norm(ref)
+    assert rel < TOL, f"relative error {rel:.3e}"
+
+
+CASES = [
+    # qtype, n_out, k, tokens, k_warps
+    (Q4_K, 16, 256, 1, 1),
+    (Q4_K, 40, 1280, 3, 3),  # rows not a multiple of 16, 3 warps over 5 chunks
+    (Q4_K, 33, 512, 16, 2),
+    (Q6_K, 37, 768, 2, 2),
+    (Q6_K, 64, 1024, 8, 4),
+    (Q6_K, 20, 512, 11, 8),  # more warps than chunks: idle warps still stage x and meet the others
+    (Q8_0, 33, 1248, 5, 2),  # a tail chunk of 224 values
+    (Q8_0, 45, 544, 1, 3),  # a tail of 32 values, owned by the last warp alone
+    (Q8_0, 20, 32, 4, 1),  # only a tail chunk
+    (F16, 50, 800, 4, 3),
+    (F16, 48, 256, 16, 2),
+    (F16, 17, 288, 1, 1),
+]
+
+
+@needs_gxx
+@pytest.mark.parametrize("qtype,n_out,k,tokens,kw", CASES)
+def test_gemv_matches_twin_on_cpu(sim, qtype: int, n_out: int, k: int, tokens: int, kw: int) -> None:
+    rng = np.random.default_rng(qtype * 977 + n_out + k + tokens)
+    raw = random_weights(qtype, n_out, k, rng)
+    x = (rng.standard_normal((tokens, k)) * 0.5).astype(np.float16)
+    y = run_sim(sim, qtype, raw, n_out, k, x, kw)
+    check_twin(y, x, raw, qtype, n_out, k)
+
+
+@needs_gxx
+@pytest.mark.parametrize("qtype", [Q4_K, Q6_K, Q8_0, F16])
+def test_accumulate_and_determinism_on_cpu(sim, qtype: int) -> None:
+    rng = np.random.default_rng(40 + qtype)
+    n_out, k = 24, 768 if qtype != Q8_0 else 800
+    raw = random_weights(qtype, n_out, k, rng)
+    x = (rng.standard_normal((5, k)) * 0.5).astype(np.float16)
+    y0 = rng.standard_normal((5, n_out)).astype(np.float32)
+    lib = sim
+    y = run_sim(lib, qtype, raw, n_out, k, x, 3, y0)
+    check_twin(y, x, raw, qtype, n_out, k, y0)
+    plain = run_sim(lib, qtype, raw, n_out, k, x, 3)
+    assert np.array_equal(y, y0 + plain)  # the same sums, then one fp32 add
+    assert np.array_equal(plain, run_sim(lib, qtype, raw, n_out, k, x, 3))  # bitwise reproducible
+
+
+PERSIST_CASES = [
+    # qtype, n_out, k, tokens, k_warps, prefetch depth, grid: blocks walk ceil / floor(tiles / grid) tiles
+    (Q4_K, 77, 768, 1, 1, 2, 2),  # 5 tiles over 2 blocks (3 and 2), odd rows, no shared-memory reduction
+    (Q4_K, 64, 1280, 2, 3, 2, 3),  # 4 tiles over 3 blocks, 3 warps over 5 chunks: both partial-sum buffers
+    (Q4_K, 40, 512, 3, 4, 1, 1),  # depth 1; one block, 3 tiles; more warps than chunks
+    (Q6_K, 50, 1024, 1, 4, 2, 2),
+    (Q6_K, 48, 512, 5, 2, 1, 2),
+    (Q8_0, 45, 1248, 2, 2, 2, 2),  # a tail chunk of 224 values per tile
+    (Q8_0, 33, 544, 1, 3, 1, 1),  # a tail of 32 values, owned by the last warp alone
+]
+
+
+@needs_gxx
+@pytest.mark.parametrize("qtype,n_out,k,tokens,kw,pd,grid", PERSIST_CASES)
+def test_persistent_matches_twin_and_per_tile_kernel(
+    sim, qtype: int, n_out: int, k: int, tokens: int, kw: int, pd: int, grid: int
+) -> None:
+    rng = np.random.default_rng(qtype * 131 + n_out + k + tokens + pd)
+    raw = random_weights(qtype, n_out, k, rng)
+    x = (rng.standard_normal((tokens, k)) * 0.5).astype(np.float16)
+    y = run_sim(sim, qtype, raw, n_out, k, x, kw, pd=pd, grid=grid)
+    check_twin(y, x, raw, qtype, n_out, k)
+    # the same sums in the same order as one block per tile: bitwise equal
+    assert np.array_equal(y, run_sim(sim, qtype, raw, n_out, k, x, kw))
+    y0 = rng.standard_normal((tokens, n_out)).astype(np.float32)
+    acc = run_sim(sim, qtype, raw, n_out, k, x, kw, y0, pd=pd, grid=grid)
+    assert np.array_equal(acc, y0 + y)
+
+
+def test_persistent_grid_and_choice() -> None:
+    sms = 132
+    # Q4_K ffn_up at T=1, 4 warps of 184 registers: 2 blocks per SM fit (264 slots); 1088 tiles need 5 per block
+    # somewhere, so 218 blocks of 5 (the last 3) rather than 264 of 4 or 5
+    smem = qg.smem_bytes(Q4_K, 5120, 1, 4, persistent=True)
+    assert smem == qg.smem_bytes(Q4_K, 5120, 1, 4) + 4 * 16 * 4
+    assert qg.persist_grid(17408, 4, smem, 184, sms) == 218
+    assert qg.persist_grid(17408, 4, smem, 184, sms, blocks_per_sm=1) == 121  # 9 tiles each
+    # 128 registers: 4 per SM; 363 blocks of 3 would idle more than a quarter of 528 slots: 528 of 2 or 3
+    assert qg.persist_grid(17408, 4, smem, 128, sms) == 528
+    assert qg.persist_grid(5120, 4, smem, 184, sms) == 264  # 320 tiles: 160 blocks of 2 idle 104 slots
+    assert qg.persist_grid(64, 4, smem, 184, sms) == 4  # fewer tiles than slots: one per block
+    assert qg.persist_grid(16000, 4, smem, 184, sms) == 250  # 1000 tiles: 250 blocks of 4
+    assert not qg.prefer_persistent(F16, 1)
+    for qtype in (Q8_0, Q4_K, Q6_K):
+        assert qg.prefer_persistent(qtype, 1) == (qg.PERSISTENT_UP_TO.get(qtype, 0) >= 1)
+        assert not qg.prefer_persistent(qtype, qg.MAX_TOKENS + 1)
+
+
+def test_shared_memory_size_and_fit() -> None:
+    # staged x (fp16 / int16) + group scales and sums (fp32 per 16 values) + partial sums of the warps
+    assert qg.smem_bytes(Q4_K, 5120, 1, 1) == 20 * 512 + 2 * 20 * 64
+    assert qg.smem_bytes(Q8_0, 5120, 1, 1) == 20 * 512 + 20 * 64
+    assert qg.smem_bytes(F16, 800, 2, 4) == 4 * 2 * 512 + 4 * 16 * 2 * 4
+    assert qg.fits(Q4_K, 17408, 2) and not qg.fits(Q4_K, 17408, 3)
+    assert qg.fits(Q4_K, 5120, 8) and not qg.fits(Q4_K, 5120, 17)
+    assert qg.prefer_gemv(Q4_K, 5120, 1)
+    assert not qg.prefer_gemv(Q4_K, 5120, qg.CROSSOVER[Q4_K] + 1)
+
+
+def test_k_warps_choice() -> None:
+    # 4 warps per block at one token (the LM head too); 8 for wider inputs on matrices of few row tiles
+    sms = 132
+    assert qg.choose_k_warps(Q6_K, 248320, 5120, 1, sms) == 4
+    assert qg.choose_k_warps(Q4_K, 17408, 5120, 1, sms) == 4
+    assert qg.choose_k_warps(Q4_K, 17408, 5120, 2, sms) == 4
+    assert qg.choose_k_warps(Q4_K, 5120, 17408, 1, sms) == 4
+    assert qg.choose_k_warps(Q4_K, 5120, 17408, 2, sms) == 8
+    assert qg.choose_k_warps(Q4_K, 16, 256, 1, sms) == 1  # one chunk: one warp
+    assert qg.choose_k_warps(Q4_K, 16, 5632, 16, sms) == 4  # with 8, 16 tokens of x and partial sums overflow
