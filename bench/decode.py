@@ -1,8 +1,10 @@
 """Decode timing of the GPU engine on a Qwen3.6-27B-shaped Q4_K_M target: verify-width curve, plain decode vs the
-copy-bandwidth roofline, and a forced-acceptance projection of speculative tokens/s, all measured in one run.
+copy-bandwidth roofline, and a forced-acceptance projection of speculative tokens/s, all measured in one run;
+with --drafter, the DFlash drafter on the same GPU too (models/dflash_gpu.py): one drafter pass (block 16, one
+CUDA graph replay) against the width-23 verify step, and the whole speculative loop with forced acceptance.
 
-    python3 bench/decode.py --make-synthetic DIR [--layers N] [--json OUT]   # write the synthetic file first
-    python3 bench/decode.py --model PATH.gguf [--json OUT]
+    python3 bench/decode.py --make-synthetic DIR [--layers N] [--drafter] [--json OUT]   # write the files first
+    python3 bench/decode.py --model PATH.gguf [--draft DRAFTER.gguf] [--json OUT]
 
 Roofline tokens/s = device copy bandwidth (bench/roofline.py's copy_bandwidth: bytes read + written by a
 device-to-device copy) / bytes of weights read per decode step. Counted: every quantized matrix of the blocks
@@ -13,6 +15,19 @@ without logits and t_head = t(logits) - t(no logits) (final norm, LM head, copy 
 The forward passes are the engine's own (models/qwen35_gpu.py, logits copied to the host), so the numbers
 include its Python and launch overhead: --graphs (default) replays captured CUDA graphs, --no-graphs launches
 eagerly, --graphs-compare measures both in one run (eager first).
+
+Drafter timing (measured in the graphs mode): `pass_replay_ms` is the captured pass alone (append of 3 context rows,
+the 16-token block, LM head over 15 rows, top-8 log-softmax; graph launch to device idle), `pass_api_ms` the
+whole draft_topk call (per-step values and features uploaded, top-8 ids / log-probs downloaded), `pass_eager_ms`
+the same pass launched eagerly; `ratio_to_verify23` = pass_replay / width-23 verify (the issue's target: <= 0.15;
+`_scaled` against the verify scaled to the full block count). The drafter keeps its full 5 layers when the target
+is shortened. `long_context` repeats the pass past the sliding window (2048), where the 4 sliding layers gather
+their window into a scratch cache first (dflash_gpu._window_attention). The speculative loop (`spec_loop`): per
+step draft_topk (k=8) -> DDTree of 22 nodes -> tree verify (23 tokens, checkpoints, captured features, all logits)
+-> greedy argmax of the rows -> commit of a forced path of a tokens (root + the top-1 chain's first a-1 nodes)
+-> next draft from those features. Its
+`outside_kernels_ms` = step - the loop's own drafter graph replayed alone - its verify graph replayed alone: the
+loop's work outside kernels (Python, uploads and downloads, tree build, argmax, commit).
 """
 
 from __future__ import annotations
@@ -36,6 +51,10 @@ WIDTHS = (1, 2, 4, 8, 16, 23, 32, 41, 64)
 ACCEPT = (2, 3, 4, 6)
 SPEC_WIDTH = 23
 COPY_BYTES = 4 << 30
+
+
+class _Skip(Exception):
+    """A part left out by a flag."""
 
 
 def _err() -> str:
@@ -172,6 +191,118 @@ def forced_acceptance(model, timer: Timer, context: int, steps: int, deadline: f
     return out
 
 
+def drafter_timing(model, dpath: str, timer: Timer, context: int, reps: int, long_context: int,
+                   deadline: float) -> tuple[Any, dict[str, Any]]:
+    """Load the GPU drafter beside the target; time one pass at `context` (and past the sliding window)."""
+    import cupy
+
+    from services.engine.models.dflash_gpu import load_gpu_drafter
+
+    t0 = time.perf_counter()
+    dr = load_gpu_drafter(dpath, model)
+    cupy.cuda.Device().synchronize()
+    out: dict[str, Any] = {"load_s": round(time.perf_counter() - t0, 1), "weight_bytes": dr.weight_bytes,
+                           "layers": dr.cfg.n_layer, "block": dr.block_size, "sliding": dr.cfg.layer_causal,
+                           "window": dr.cfg.sliding_window, "target_layer_ids": dr.target_layer_ids}
+    for name, ctx in (("context", context), ("long_context", long_context)):
+        if ctx <= 0 or (name != "context" and time.perf_counter() > deadline):
+            continue
+        out[name] = _time_pass(dr, timer, ctx, reps)
+    return dr, out
+
+
+def _time_pass(dr, timer: Timer, ctx: int, reps: int, n_new: int = 3) -> dict[str, Any]:
+    """Median pass times at `ctx` committed rows; the same shape each time (the session is cut back to ctx)."""
+    import cupy
+
+    feats = cupy.random.standard_normal((ctx + n_new, dr.cfg.n_features), dtype=cupy.float32)
+    s = dr.new_session()
+    dt, _ = timer(lambda: dr.append_context(s, feats[:ctx], ctx))
+    res: dict[str, Any] = {"ctx": ctx, "n_new": n_new, "prompt_append_ms": round(dt * 1e3, 2),
+                           "windowed": dr._windowed(ctx + n_new, dr.block_size)}
+    start = ctx + n_new
+
+    def once() -> None:
+        s.truncate(ctx)
+        dr.draft_topk(s, feats[ctx:start], 7, start, 8)
+
+    modes = {}
+    for graphs in (False, True):
+        dr.use_graphs = graphs
+        once()                                          # warm: kernel builds; with graphs, the capture
+        modes[graphs] = statistics.median(timer(once)[0] for _ in range(reps))
+    res["pass_eager_ms"], res["pass_api_ms"] = round(modes[False] * 1e3, 3), round(modes[True] * 1e3, 3)
+    g = next((g for k, g in s.graphs.items() if k[0] == n_new), None)
+    if g is not None:
+        stream = cupy.cuda.get_current_stream()
+        res["pass_replay_ms"] = round(statistics.median(timer(lambda: g.graph.launch(stream))[0]
+                                                        for _ in range(max(reps, 10))) * 1e3, 3)
+    res["graph_stats"] = dict(dr.graph_stats)
+    res["graph_blocker"] = dr.graph_blocker
+    return res
+
+
+def spec_loop(model, dr, timer: Timer, context: int, steps: int, deadline: float) -> dict[int, dict]:
+    """The speculative loop with the GPU drafter and a forced acceptance length a (see the module docstring)."""
+    from services.engine.ddtree import build_ddtree
+    from services.engine.models.dflash_gpu import GpuProposer
+
+    rng = np.random.default_rng(3)
+    n_vocab = model.cfg.n_vocab
+    layer_ids = list(dr.target_layer_ids)
+    out: dict[int, dict] = {}
+    for a in ACCEPT:
+        if time.perf_counter() > deadline:
+            break
+        state = model.new_state(context + (steps + 2) * SPEC_WIDTH + 8)
+        res = model.forward(state, rng.integers(0, n_vocab, size=context), capture=layer_ids, logits="last")
+        state.commit(list(range(context)))
+        feats, root = res.captured, int(np.argmax(np.asarray(res.logits)[-1]))
+        prop = GpuProposer(dr)
+        parts: dict[str, list[float]] = {"step": [], "draft": [], "tree": [], "verify": [], "accept": []}
+        for s in range(steps + 1):
+            timer.cupy.cuda.Device().synchronize()
+            t0 = time.perf_counter()
+            top_ids, top_lp = prop.propose(feats, root, state.n_past, 8)
+            t1 = time.perf_counter()
+            tree = build_ddtree(top_ids, top_lp, SPEC_WIDTH - 1)
+            tokens, parents = tree.verify_batch(root)
+            t2 = time.perf_counter()
+            res = model.forward(state, tokens, parents, capture=layer_ids, checkpoints=True, logits="all")
+            t3 = time.perf_counter()
+            lg = res.logits
+            amax = lg.argmax_rows() if hasattr(lg, "argmax_rows") else np.argmax(np.asarray(lg), axis=-1)
+            path = list(range(a))                       # root + the top-1 chain's first a-1 nodes
+            state.commit(path)
+            feats, root = res.captured[path], int(amax[path[-1]])
+            timer.cupy.cuda.Device().synchronize()
+            t4 = time.perf_counter()
+            if s:
+                for k, v in (("step", t4 - t0), ("draft", t1 - t0), ("tree", t2 - t1), ("verify", t3 - t2),
+                             ("accept", t4 - t3)):
+                    parts[k].append(v)
+        med = {k: statistics.median(v) for k, v in parts.items()}
+        out[a] = {f"{k}_ms": round(v * 1e3, 3) for k, v in med.items()}
+        out[a]["tps"] = round(a / med["step"], 2)
+        # the loop's own captured passes replayed alone (device time of its kernels, no host work): what is left
+        # of a step is the loop's overhead outside kernels (Python, uploads, downloads, tree, commit)
+        dg = [g for k, g in prop.session.graphs.items() if k[0] == a]
+        vg = [g for k, g in getattr(state, "graphs", {}).items() if isinstance(k, tuple) and k and k[0] == SPEC_WIDTH]
+        if dg and vg:
+            out[a]["draft_replay_ms"] = round(_replay_s(dg[-1].graph, timer) * 1e3, 3)
+            out[a]["verify_replay_ms"] = round(_replay_s(vg[-1].graph, timer) * 1e3, 3)
+            out[a]["outside_kernels_ms"] = round(out[a]["step_ms"] - out[a]["draft_replay_ms"]
+                                                 - out[a]["verify_replay_ms"], 3)
+        prop.close()
+    return out
+
+
+def _replay_s(graph, timer: Timer, reps: int = 10) -> float:
+    """Median seconds of one replay of a captured graph, device idle before and drained after."""
+    stream = timer.cupy.cuda.get_current_stream()
+    return statistics.median(timer(lambda: graph.launch(stream))[0] for _ in range(reps))
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     src = ap.add_mutually_exclusive_group(required=True)
@@ -194,6 +325,11 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--no-graphs", dest="graphs", action="store_false", help="eager launches")
     g.add_argument("--graphs-compare", action="store_true", help="measure eager, then graphs, in one run")
     ap.add_argument("--widths", type=int, nargs="+", default=list(WIDTHS), help="verify widths to time")
+    ap.add_argument("--drafter", action="store_true", help="with --make-synthetic: write and time its DFlash drafter")
+    ap.add_argument("--draft", help="with --model: a DFlash drafter GGUF to time")
+    ap.add_argument("--long-context", type=int, default=2600,
+                    help="drafter pass also timed at this context (past the 2048 window; 0: skip)")
+    ap.add_argument("--no-decode", action="store_true", help="skip the plain-decode part")
     args = ap.parse_args(argv)
     os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
     t_start = time.perf_counter()
@@ -226,17 +362,19 @@ def main(argv: list[str] | None = None) -> int:
     pre: dict[str, Any] = {}
     th = None
     if args.precompile > 0:
-        th = threading.Thread(target=lambda: pre.update(precompile_matmul(args.precompile, (qm.Q4_K, qm.Q6_K))),
-                              daemon=True)
+        qtypes = (qm.Q4_K, qm.Q6_K) + ((qm.Q8_0,) if args.drafter or args.draft else ())   # Q8_0: the drafter
+        th = threading.Thread(target=lambda: pre.update(precompile_matmul(args.precompile, qtypes)), daemon=True)
         th.start()
 
     path = args.model
     if args.make_synthetic:
         from services.engine.synthetic import make_synthetic
 
-        r = make_synthetic(args.shape, args.make_synthetic, layers=args.layers, draft=False)
+        r = make_synthetic(args.shape, args.make_synthetic, layers=args.layers, draft=args.drafter)
         path = r.target_path
-        rep["synthetic"] = {"path": path, "bytes": r.target_bytes, "seconds": r.seconds, "layers": args.layers}
+        args.draft = r.drafter_path if args.drafter else None
+        rep["synthetic"] = {"path": path, "bytes": r.target_bytes, "seconds": r.seconds, "layers": args.layers,
+                            "drafter_bytes": r.drafter_bytes if args.drafter else None}
         log(f"wrote {path}: {r.target_bytes / 1e9:.2f} GB in {r.seconds:.0f} s")
         save()
 
@@ -303,11 +441,65 @@ def main(argv: list[str] | None = None) -> int:
         log(f"-- {name} --")
         rep["modes"][name] = r = {"graphs": graphs}
         measure(model, r, timer, args, scale, rep["roofline_tps"], deadline, log, save)
+        if args.draft and graphs:
+            measure_drafter(model, r, timer, args, scale, deadline, log, save)
         r["graph_stats"] = dict(model.graph_stats)
         r["graph_blocker"] = model.graph_blocker
         save()
     print_table(rep, path)
     return 0
+
+
+def measure_drafter(model, r: dict[str, Any], timer: Timer, args, scale: float, deadline: float, log, save) -> None:
+    """Drafter pass vs the width-23 verify, then the speculative loop with the drafter, into r["drafter"]."""
+    r["drafter"] = d = {}
+    dr = None
+    v23 = r.get("verify_ms", {}).get(SPEC_WIDTH)
+    s23 = r.get("scaled_verify_ms", {}).get(SPEC_WIDTH, v23)
+
+    def ratios(p: dict[str, Any]) -> None:
+        if v23 and p.get("pass_replay_ms"):
+            p["ratio_to_verify23"] = round(p["pass_replay_ms"] / v23, 4)
+            p["ratio_to_verify23_scaled"] = round(p["pass_replay_ms"] / s23, 4)
+            p["api_ratio_to_verify23_scaled"] = round(p["pass_api_ms"] / s23, 4)
+
+    try:
+        dr, t = drafter_timing(model, args.draft, timer, args.context, args.reps, 0, deadline)
+        d.update(t)
+        ratios(d["context"])
+        log(f"drafter pass: {d.get('context')}")
+    except Exception:
+        d["error"] = _err()
+    save()
+    if dr is None:
+        return
+    if args.spec_steps > 0:
+        spec_with_drafter(model, dr, d, r, timer, args, scale, deadline, log)
+    save()
+    try:
+        # last: a capture failure of the windowed path would turn the drafter's graphs off
+        if args.long_context > 0 and time.perf_counter() < deadline:
+            d["long_context"] = _time_pass(dr, timer, args.long_context, args.reps)
+            ratios(d["long_context"])
+            log(f"drafter pass past the window: {d['long_context']}")
+    except Exception:
+        d["long_error"] = _err()
+    save()
+
+
+def spec_with_drafter(model, dr, d: dict[str, Any], r: dict[str, Any], timer: Timer, args, scale: float,
+                      deadline: float, log) -> None:
+    """The speculative loop with the GPU drafter (spec_loop), scaled like the verify when the model is short."""
+    try:
+        loop = spec_loop(model, dr, timer, args.context, args.spec_steps, deadline)
+        for a, v in loop.items():
+            if scale != 1 and "blocks_ms" in r:
+                step = v["step_ms"] + (scale - 1) * r["blocks_ms"][SPEC_WIDTH]
+                v["scaled_step_ms"], v["scaled_tps"] = round(step, 3), round(a / (step / 1e3), 2)
+        d["spec_loop"] = loop
+        log(f"speculative loop with the GPU drafter: {loop}")
+    except Exception:
+        d["spec_loop_error"] = _err()
 
 
 def measure(model, r: dict[str, Any], timer: Timer, args, scale: float, roof: float | None, deadline: float, log,
@@ -333,6 +525,8 @@ def measure(model, r: dict[str, Any], timer: Timer, args, scale: float, roof: fl
     save()
 
     try:
+        if args.no_decode:
+            raise _Skip
         d = plain_decode(model, args.decode_tokens, 32)
         r["decode"] = d
         step = 1.0 / d["tps"]
@@ -343,6 +537,8 @@ def measure(model, r: dict[str, Any], timer: Timer, args, scale: float, roof: fl
         if roof:
             r["decode_fraction_of_roofline"] = tps / roof
         log(f"plain decode {d['tps']:.1f} tok/s measured, {tps:.1f} for the full model")
+    except _Skip:
+        pass
     except Exception:
         r["decode_error"] = _err()
     save()
@@ -401,11 +597,26 @@ def print_table(rep: dict[str, Any], path: str) -> None:
             f"tok/s", lambda m: " / ".join(f"{m['spec_projection'][a]['loop_tps']:.1f}" for a in accepts))
     row("graph captures / replays / eager passes",
         lambda m: "{captures} / {replays} / {eager}".format(**m["graph_stats"]))
+    for name in ("context", "long_context"):
+        row(f"drafter pass at {name.replace('_', ' ')}: replay / API / eager ms; replay / width-{SPEC_WIDTH} verify "
+            f"(scaled)", lambda m, n=name: "{pass_replay_ms:.3f} / {pass_api_ms:.3f} / {pass_eager_ms:.3f}; "
+            "{ratio_to_verify23_scaled:.3f}".format(**m["drafter"][n]))
+    loops = list(next(iter(modes.values()), {}).get("drafter", {}).get("spec_loop", {}))
+    if loops:
+        row(f"speculative loop with the GPU drafter, forced acceptance {' / '.join(map(str, loops))}: tok/s "
+            f"({'scaled' if scaled else 'measured'})", lambda m: " / ".join(
+                f"{v.get('scaled_tps', v['tps']):.1f}" for v in m["drafter"]["spec_loop"].values()))
+        row("  per step: draft / tree / verify / accept ms; outside kernels ms", lambda m: " | ".join(
+            f"{v['draft_ms']:.2f} / {v['tree_ms']:.2f} / {v['verify_ms']:.2f} / {v['accept_ms']:.2f}; "
+            f"{v.get('outside_kernels_ms')}" for v in m["drafter"]["spec_loop"].values()))
     print("\n".join(lines))
     for name, m in modes.items():
         for k in ("width_error", "decode_error", "spec_error", "graph_blocker"):
             if m.get(k):
                 print(f"{name} {k}: {m[k]}")
+        for k in ("error", "spec_loop_error", "long_error"):
+            if m.get("drafter", {}).get(k):
+                print(f"{name} drafter {k}: {m['drafter'][k]}")
     print(f"(run {rep.get('elapsed_s')} s; header {rep.get('header_s')} s, load {rep.get('load_s')} s, "
           f"synthetic write {rep.get('synthetic', {}).get('seconds')} s)")
 

@@ -5,7 +5,10 @@
 Runs tests/test_gpu_backend.py (pytest in a subprocess), then measures on the default model (8 layers, hidden
 384, Q8_0): logits difference GPU vs NumPy (prefill + 16 decode steps), plain greedy decode tok/s on the GPU and
 on the NumPy CPU path, target verify time at widths 1/16/23/41/65 relative to width 1 (GPU and CPU), speculative
-greedy on the GPU (CPU drafter) vs plain, and `specsplit generate --device cuda:0` plain and speculative. A
+greedy on the GPU (CPU drafter) vs plain, and `specsplit generate --device cuda:0` plain and speculative; also
+what keeping the logits on the device saves at a 248320-token vocabulary (full rows to pageable host memory vs
+the on-device argmax and its T ids through pinned memory), and TQ3_0 KV (tq3_0/tq3_0, q8_0/tq3_0) against the
+NumPy engine with the same types. A
 17 M-parameter model is launch-bound on a GPU (~18 MB of weights stream in a few microseconds; a step is
 hundreds of eager kernel launches), so these ratios say nothing about bandwidth: that is bench/decode.py's job
 on a synthetic full-size model. Prints a compact table last; details go to DIR/gpu_engine_check.json.
@@ -52,6 +55,43 @@ def decode_tps(model, ids, n: int) -> tuple[float, list[int]]:
     return res.timings()["predicted_per_second"], res.token_ids
 
 
+def logits_transfer(widths=(1, 23, 41, 64), vocab: int = 248320, reps: int = 20) -> dict:
+    """ms per step of getting T rows of logits to the host: every row (cp.asnumpy, pageable, what forward did
+    before DeviceLogits) vs the per-row argmax on the device plus its T ids through pinned memory (what greedy
+    acceptance reads now). Median of `reps`, each ending in a sync."""
+    import cupy as cp
+
+    from kernels import sampling as smp
+
+    out = {}
+    for t in widths:
+        x = cp.random.standard_normal((t, vocab), dtype=cp.float32)
+        ids = np.ndarray((t,), np.int32, buffer=cp.cuda.alloc_pinned_memory(4 * t))
+
+        def full() -> None:
+            cp.asnumpy(x)  # noqa: B023
+
+        def device() -> None:
+            idx, _ = smp.argmax(x)  # noqa: B023
+            cp.asnumpy(idx, out=ids, blocking=False)  # noqa: B023
+            cp.cuda.get_current_stream().synchronize()
+
+        row = {}
+        for name, fn in (("full_rows_ms", full), ("device_argmax_ms", device)):
+            fn()
+            ts = []
+            for _ in range(reps):
+                cp.cuda.get_current_stream().synchronize()
+                t0 = time.perf_counter()
+                fn()
+                ts.append(time.perf_counter() - t0)
+            row[name] = round(float(np.median(ts)) * 1e3, 3)
+        assert np.array_equal(ids, cp.asnumpy(x).argmax(axis=-1)), "device argmax != np.argmax"
+        row["saved_x"] = round(row["full_rows_ms"] / row["device_argmax_ms"], 1)
+        out[t] = row
+    return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=os.environ.get("OUT") or "/tmp/gpu_engine_check")
@@ -93,6 +133,11 @@ def main() -> int:
     rep["fallback_weights"] = gpu.fallback_weights
     cpu = cpu_t.model
     ids = cpu_t.tokenizer.encode(PROMPT)
+    try:
+        rep["logits_transfer"] = logits_transfer()
+    except Exception:
+        rep["logits_transfer_error"] = _err()
+    save()
 
     # logits vs NumPy (f32 KV on the CPU, f16 KV on the GPU), teacher-forced by the NumPy argmax
     try:
@@ -102,30 +147,47 @@ def main() -> int:
         rep["first_forward_s"] = round(time.perf_counter() - t0, 2)
         cs.commit(range(len(ids)))
         gs.commit(range(len(ids)))
-        diffs = [float(np.abs(a.logits - b.logits).max())]
+        diffs = [float(np.abs(a.logits - np.asarray(b.logits)).max())]
         tok = int(np.argmax(a.logits[-1]))
         for _ in range(16):
             a, b = cpu.forward(cs, [tok], logits="last"), gpu.forward(gs, [tok], logits="last")
             cs.commit([0])
             gs.commit([0])
-            diffs.append(float(np.abs(a.logits - b.logits).max()))
+            diffs.append(float(np.abs(a.logits - np.asarray(b.logits)).max()))
             tok = int(np.argmax(a.logits[-1]))
         rep["logit_max_abs_diff"] = max(diffs)
         rep["logit_range"] = float(np.abs(a.logits).max())
     except Exception:  # keep measuring: the table says what failed
         rep["logit_error"] = _err()
+    for kk, kv in (("tq3_0", "tq3_0"), ("q8_0", "tq3_0")):  # the same quantized KV types on both engines
+        try:
+            cs, gs = cpu.new_state(256, kk, kv), gpu.new_state(256, kk, kv)
+            a, b = cpu.forward(cs, ids, logits="all"), gpu.forward(gs, ids, logits="all")
+            cs.commit(range(len(ids)))
+            gs.commit(range(len(ids)))
+            diffs = [float(np.abs(a.logits - np.asarray(b.logits)).max())]
+            tok = int(np.argmax(a.logits[-1]))
+            for _ in range(16):
+                a, b = cpu.forward(cs, [tok], logits="last"), gpu.forward(gs, [tok], logits="last")
+                cs.commit([0])
+                gs.commit([0])
+                diffs.append(float(np.abs(a.logits - np.asarray(b.logits)).max()))
+                tok = int(np.argmax(a.logits[-1]))
+            rep[f"kv_{kk}_{kv}_logit_max_abs_diff"] = max(diffs)
+        except Exception:
+            rep[f"kv_{kk}_{kv}_error"] = _err()
     try:  # a 150-token chain (attention in blocks of 64) and a random 65-node tree (the CuPy attention fallback)
         rng = np.random.default_rng(5)
         cs, gs = cpu.new_state(400), gpu.new_state(400)
         chain = rng.integers(0, cpu.cfg.n_vocab, size=150)
         a, b = cpu.forward(cs, chain), gpu.forward(gs, chain)
-        rep["chain150_max_abs_diff"] = float(np.abs(a.logits - b.logits).max())
+        rep["chain150_max_abs_diff"] = float(np.abs(a.logits - np.asarray(b.logits)).max())
         cs.commit(range(150))
         gs.commit(range(150))
         parents = [-1] + [int(rng.integers(0, i)) for i in range(1, 65)]
         toks = rng.integers(0, cpu.cfg.n_vocab, size=65)
         a, b = cpu.forward(cs, toks, parents, checkpoints=True), gpu.forward(gs, toks, parents, checkpoints=True)
-        rep["tree65_max_abs_diff"] = float(np.abs(a.logits - b.logits).max())
+        rep["tree65_max_abs_diff"] = float(np.abs(a.logits - np.asarray(b.logits)).max())
     except Exception:
         rep["wide_error"] = _err()
     save()
@@ -134,6 +196,11 @@ def main() -> int:
         rep["gpu_decode_tps"], g_tok = decode_tps(gpu, ids, 64)
         rep["cpu_decode_tps"], c_tok = decode_tps(cpu, ids, 64)
         rep["greedy64_identical"] = g_tok == c_tok
+        gpu.set_kv_cache_types("tq3_0", "tq3_0")
+        try:
+            rep["gpu_decode_tps_tq3"], _ = decode_tps(gpu, ids, 64)
+        finally:
+            gpu.set_kv_cache_types("f16", "f16")
     except Exception:
         rep["decode_error"] = _err()
     save()
@@ -197,6 +264,12 @@ def main() -> int:
                                                  f"{rep.get('tree65_max_abs_diff')}"),
             ("greedy 64 identical", rep.get("greedy64_identical", rep.get("decode_error"))),
             ("plain decode tok/s GPU | NumPy CPU", f"{rep.get('gpu_decode_tps')} | {rep.get('cpu_decode_tps')}"),
+            ("plain decode tok/s GPU, tq3_0 KV", rep.get("gpu_decode_tps_tq3")),
+            ("max|GPU-NumPy| KV tq3/tq3 | q8/tq3", f"{rep.get('kv_tq3_0_tq3_0_logit_max_abs_diff')} | "
+                                                  f"{rep.get('kv_q8_0_tq3_0_logit_max_abs_diff')}"),
+            ("logits to host ms, V=248320: full | argmax, T=1/23/41/64",
+             " ".join(f"{r['full_rows_ms']}|{r['device_argmax_ms']}" for r in rep.get("logits_transfer", {}).values())
+             or rep.get("logits_transfer_error")),
             ("verify ms GPU w=1/16/23/41/65", rep.get("gpu_verify_ms", rep.get("gpu_verify_error"))),
             ("verify rel GPU (to w=1)", rep.get("gpu_verify_rel")),
             ("verify rel CPU (to w=1)", rep.get("cpu_verify_rel", rep.get("cpu_verify_error"))),

@@ -1,4 +1,4 @@
-"""Speculative vs plain decoding on the CPU (NumPy backend), measured in one run.
+"""Speculative vs plain decoding on the CPU (NumPy backend) or a GPU (`--device cuda:N`), measured in one run.
 
 Prints, per mode (chain, DDTree budgets), the wall-time ratio spec_tok/s / plain_tok/s and the mean
 acceptance length over the same prompts; greedy, so the outputs are also checked to be identical. Plain and
@@ -6,6 +6,7 @@ the modes run in turn prompt by prompt, so that a burst of load elsewhere does n
 
     python bench/spec_cpu.py [--model target.gguf --draft drafter] [--prompts file.txt] [--max-tokens 64]
     python bench/spec_cpu.py --pair cycle        # the known-good pair (tests/data/cycle_pair)
+    python bench/spec_cpu.py --device cuda:0 [--draft-device cpu]   # target (and drafter) on a GPU
 
 `--budgets` takes numbers, `chain` and `auto` (the budget tuner, measured on this machine at start).
 
@@ -30,8 +31,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from services.engine.budget import BudgetTuner  # noqa: E402
 from services.engine.ddtree import build_ddtree, topk_logprobs  # noqa: E402
 from services.engine.generate import generate, prefill  # noqa: E402
-from services.engine.loader import load_target  # noqa: E402
-from services.engine.models.dflash import load_drafter  # noqa: E402
+from services.engine.placement import check_devices, load_drafter_on, load_target_on  # noqa: E402
 from services.engine.speculative import TREE_TOPK, LocalProposer, SpecConfig, speculative_generate  # noqa: E402
 
 
@@ -94,7 +94,12 @@ def main() -> int:
     ap.add_argument("--widths", default="2,4,8,12,16,24", help="verify widths for --costs")
     ap.add_argument("--pair", choices=("default", "cycle"), default="default",
                     help="without --model: the embedded default pair, or the known-good cycle pair")
+    ap.add_argument("--device", default="cpu", help="where the target runs: cpu or cuda:N (wall time either way)")
+    ap.add_argument("--draft-device", default=None, help="the drafter's device (default: the target's)")
     args = ap.parse_args()
+    draft_device = check_devices(args.device, args.draft_device)
+    if args.costs and args.device != "cpu":
+        ap.error("--costs measures process CPU time: it needs --device cpu")
     if not args.model and args.pair == "cycle":
         pair = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests", "data",
                             "cycle_pair")
@@ -104,8 +109,9 @@ def main() -> int:
         from services.engine.default_model import default_model_paths
 
         args.model, args.draft = default_model_paths()
-    target = load_target(args.model)
-    drafter = load_drafter(args.draft, target.model)
+    target = load_target_on(args.model, args.device)
+    placed = load_drafter_on(args.draft, target.model, draft_device)
+    drafter = placed.drafter
     tok = target.tokenizer
     if args.prompts:
         with open(args.prompts, encoding="utf-8") as f:
@@ -126,7 +132,9 @@ def main() -> int:
     tuner = BudgetTuner.measure(target.model) if "auto" in modes else None
     specs = {b: SpecConfig.auto(tuner) if b == "auto" else SpecConfig(budget=None if b == "chain" else int(b))
              for b in modes}
-    generate(target.model, ids[0], 4)      # warm-up
+    generate(target.model, ids[0], 4)      # warm-up (on a GPU: kernel builds and the first graph captures)
+    for spec in specs.values():
+        speculative_generate(target.model, placed.new_proposer(), ids[0], 8, spec=spec)
     plain, t_plain = [], 0.0
     runs = {b: ([], 0.0) for b in modes}
     for p in ids:
@@ -135,7 +143,7 @@ def main() -> int:
         t_plain += time.perf_counter() - t0
         for b, spec in specs.items():
             t0 = time.perf_counter()
-            out = speculative_generate(target.model, LocalProposer(drafter), p, args.max_tokens, spec=spec)
+            out = speculative_generate(target.model, placed.new_proposer(), p, args.max_tokens, spec=spec)
             runs[b] = (runs[b][0] + [out], runs[b][1] + time.perf_counter() - t0)
     n_plain = sum(len(r.token_ids) for r in plain)
     rows = []
@@ -149,7 +157,8 @@ def main() -> int:
         rows.append({"mode": b, "speedup": (n / t) / (n_plain / t_plain), "mean_acceptance_length":
                      (acc + steps) / max(steps, 1), "mean_tree_nodes": nodes / max(steps, 1),
                      "identical_to_plain": same})
-    print(f"plain: {n_plain} tokens over {len(ids)} prompts, {n_plain / t_plain:.1f} tok/s (baseline, this run)")
+    print(f"plain ({args.device}, drafter on {draft_device}): {n_plain} tokens over {len(ids)} prompts, "
+          f"{n_plain / t_plain:.1f} tok/s (baseline, this run)")
     print(f"{'mode':>8} {'spec/plain speed':>17} {'mean accept len':>16} {'tree nodes':>11} {'identical':>10}")
     for r in rows:
         print(f"{r['mode']:>8} {r['speedup']:>16.2f}x {r['mean_acceptance_length']:>16.2f} "
@@ -158,7 +167,8 @@ def main() -> int:
         print(f"auto: {json.dumps(tuner.snapshot())}")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"plain_tok_s": n_plain / t_plain, "rows": rows}, f, indent=1)
+            json.dump({"device": args.device, "draft_device": draft_device, "plain_tok_s": n_plain / t_plain,
+                       "rows": rows}, f, indent=1)
     return 0 if all(r["identical_to_plain"] for r in rows) else 1
 
 

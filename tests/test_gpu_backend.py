@@ -4,6 +4,15 @@ default model. GPU tests skip (with the reason) without CuPy and a CUDA GPU; the
 Tolerance (LOGIT_TOL): the GPU rounds activations to fp16 on their way into every matmul (f32 accumulation)
 and keeps K/V in fp16, the NumPy path is f32 throughout: logits differ by ~5e-3 after 8 layers (the logits
 of this model span about +-13), LOGIT_TOL allows 10x that; greedy tokens must be identical.
+
+TQ3_0 KV (TQ3_TOL, TQ3_PATH_TOL): 3-bit codes amplify those roundings. A K or V value within rounding of a
+centroid midpoint gets the neighbouring code on one side (a step of ~0.1 in that value), so two runs that
+differ by fp16 rounding differ by a few codes per token. Measured on an H100 (2026-11-21): GPU vs NumPy
+engine, both tq3_0/tq3_0 (q8_0/tq3_0), max |logit difference| 0.137 (0.240) over prefill + 16 decode steps,
+0.147 (0.130) on a 65-node tree, 0.042 (0.064) after its commit; tree + commit vs plain decode on the GPU 0.344
+(0.016). The CPU stand-in of the kernels (NumPy twins, fp16-rounded matmul inputs) gives the same sizes. For
+scale: TQ3_0 itself moves the NumPy logits by up to 1.44 (1.11) from f32 KV, and a commit that leaves the KV
+rows unmoved gives 6.6.
 """
 
 from __future__ import annotations
@@ -22,6 +31,8 @@ PATH_TOL = 0.05     # tree forward + commit vs plain decode, both on the GPU (ot
 # Measured on an H200 (2026-11-21): 0.0044 over the script's 17 outputs (a first guess of 2e-3 failed there);
 # 0.01 is the measured value with ~2x headroom, 5x below LOGIT_TOL (GPU vs NumPy).
 GRAPH_TOL = 0.01
+TQ3_TOL = 0.8       # GPU vs NumPy, same TQ3_0 KV types (see above: 3.3x the 0.240 measured, below TQ3 vs f32)
+TQ3_PATH_TOL = 1.0  # tree + commit vs plain decode with TQ3_0 KV (2.9x the 0.344 measured; a broken commit: 6.6)
 PROMPT = "def fibonacci(n):\n    if n < 2:\n        return n\n"
 
 _REASON = loader.unavailable_reason()
@@ -200,6 +211,8 @@ def test_graph_replay_equals_eager_launches():
     # shapes: prefill, decode, tree 9, chain 5 + capture: 4 captures; replays: 9 decode, 1 tree, 1 chain
     assert after["captures"] - before["captures"] == 4
     assert after["replays"] - before["replays"] == 11
+    # every result is kept: each decode replay after the first finds its graph's last result held and copies it
+    assert after["detached"] - before["detached"] == 8
     worst = max(_max_diff(a, b) for a, b in zip(eager, graphed))
     print(f"graph vs eager: max |difference| {worst:.3g} over {len(eager)} outputs")
     assert worst <= GRAPH_TOL, f"max |graph - eager| {worst:.3g} > {GRAPH_TOL}"
@@ -277,3 +290,225 @@ def test_device_cuda_without_gpu_backend_is_a_clear_error(capsys):
     assert rc == 2
     assert "GPU backend not available" in err and "--device cpu" in err
     assert _REASON.split(" ")[0] in err
+
+
+# -- logits left on the device (DeviceLogits) -----------------------------------------------------------------
+
+
+@needs_gpu
+def test_device_logits_rows_and_argmax():
+    """forward keeps the rows on the device: argmax_rows is np.argmax of the fetched rows, indexing copies what it
+    names, and a result still held when its graph replays keeps its own rows."""
+    from services.engine.models.qwen35_gpu import DeviceLogits
+
+    cpu, gpu, ids, _ = models()
+    gpu.use_graphs = True
+    rng = np.random.default_rng(21)
+    parents = [-1, 0, 0, 1, 2, 3, 3, 5, 2]
+    st = gpu.new_state(128)
+    gpu.forward(st, ids, logits="none")
+    st.commit(range(len(ids)))
+    held = []
+    for _ in range(3):   # eager warm-up + capture, then two replays of the same shape
+        r = gpu.forward(st, rng.integers(0, gpu.cfg.n_vocab, size=9), parents, checkpoints=True)
+        st.commit([0, 2])
+        held.append((r.logits, np.asarray(r.logits)))
+    for lg, host in held:
+        assert isinstance(lg, DeviceLogits) and lg.shape == host.shape == (9, gpu.cfg.n_vocab) and len(lg) == 9
+        assert np.array_equal(np.asarray(lg), host), "a held result changed when its graph replayed"
+        best = lg.argmax_rows()
+        assert best.dtype == np.int64 and np.array_equal(best, np.argmax(host, axis=-1))
+        assert np.array_equal(np.argmax(lg, axis=-1), best)
+        assert np.array_equal(lg[-1], host[-1]) and lg[3].dtype == np.float32
+        assert np.array_equal(lg[[0, 4, 2]], host[[0, 4, 2]]) and np.array_equal(lg[1:3], host[1:3])
+    last = gpu.forward(st, [5], logits="last").logits
+    assert last.shape == (1, gpu.cfg.n_vocab) and last.argmax_rows()[0] == int(np.argmax(last[0]))
+
+
+@needs_gpu
+def test_sampled_speculative_runs_on_gpu():
+    """A sampled request walks the tree on rows fetched one at a time; same seed, same tokens, twice."""
+    from services.engine.backend import NumpyBackend
+    from services.engine.models.dflash import load_drafter
+    from services.engine.sampling import SamplingParams
+    from services.engine.speculative import LocalProposer, SpecConfig, speculative_generate
+
+    _, gpu, ids, draft_path = models()
+    params = SamplingParams(temperature=0.8, top_p=0.95, seed=7)
+    runs = []
+    for _ in range(2):
+        drafter = load_drafter(draft_path, gpu.host_head(), NumpyBackend())
+        res = speculative_generate(gpu, LocalProposer(drafter), ids, 32, params, spec=SpecConfig(budget=22))
+        assert res.spec["steps"] > 0 and len(res.token_ids) == 32
+        assert all(0 <= t < gpu.cfg.n_vocab for t in res.token_ids)
+        runs.append(res.token_ids)
+    assert runs[0] == runs[1]
+
+
+def test_greedy_reads_device_argmax_and_sampling_fetches_visited_rows(monkeypatch):
+    """sample_row / walk_tree on a DeviceLogits over a NumPy stand-in for the device: greedy follows argmax_rows
+    and copies no row; a sampled walk copies exactly the rows it visits, and draws what the host rows would."""
+    import types
+
+    from kernels import loader as kl
+    from services.engine.ddtree import build_chain
+    from services.engine.models.qwen35_gpu import DeviceLogits
+    from services.engine.sampling import SamplingParams, greedy_tokens, sample_row
+    from services.engine.speculative import walk_tree
+
+    copies = []
+    dev = types.SimpleNamespace(asarray=np.asarray, asnumpy=lambda a: copies.append(np.shape(a)) or np.array(a))
+    monkeypatch.setattr(kl, "require", lambda: dev)
+    rng = np.random.default_rng(1)
+    rows = rng.standard_normal((6, 50)).astype(np.float32)
+    chain = np.argmax(rows, axis=-1)[:5]                      # a chain the greedy target accepts whole
+    tree = build_chain(chain[:, None], np.zeros((5, 1)), 5)
+    lg = DeviceLogits(rows, np.argmax(rows, axis=-1).astype(np.int32))
+    greedy = SamplingParams()
+    want = ([0, 1, 2, 3, 4, 5], int(np.argmax(rows[5])))
+    assert walk_tree(tree, lg, greedy, rng) == walk_tree(tree, rows, greedy, rng) == want
+    assert sample_row(lg, -1, greedy, rng) == int(np.argmax(rows[-1])) and copies == []
+    assert np.array_equal(greedy_tokens(lg), np.argmax(rows, axis=-1)) and copies == []
+    # a marked argmax shows which source greedy read
+    assert sample_row(DeviceLogits(rows, np.full(6, 7, np.int32)), 2, greedy, rng) == 7
+    hot = SamplingParams(temperature=1.0, seed=3)
+    a = walk_tree(tree, lg, hot, np.random.default_rng(9))
+    assert a == walk_tree(tree, rows, hot, np.random.default_rng(9))
+    assert copies == [(50,)] * len(a[0])
+
+
+# -- TQ3_0 KV on the GPU ------------------------------------------------------------------------------------------
+
+
+def test_decode_rows_match_the_numpy_twins():
+    """The wide-tree fallback's row decoder (written for CuPy, run here on NumPy) against the engine's twins."""
+    from services.engine.models.qwen35_gpu import _decode_rows
+    from services.engine.quants import legacy, tq3
+
+    rng = np.random.default_rng(3)
+    for d in (64, 128, 256):
+        x = rng.standard_normal((2, 5, d)).astype(np.float32)            # (Hkv, n, head_dim)
+        packed = tq3.quantize_tq3_0(x).reshape(2, 5, -1)
+        want = tq3.dequantize_tq3_0(tq3.quantize_tq3_0(x))
+        assert np.allclose(_decode_rows(np, packed, "tq3_0", d), want, rtol=0, atol=1e-6)
+        q8 = legacy.quantize_q8_0(x.reshape(-1, 32)).reshape(2, 5, -1)
+        want = legacy.dequantize_q8_0(q8.reshape(-1, 34)).reshape(x.shape)
+        assert np.array_equal(_decode_rows(np, q8, "q8_0", d), want)
+        f16 = x.astype(np.float16).view(np.uint8).reshape(2, 5, -1)
+        assert np.array_equal(_decode_rows(np, f16, "f16", d), x.astype(np.float16).astype(np.float32))
+
+
+def test_kv_types_and_memory_plan_match_the_gpu_allocation():
+    """K and V kinds are independent on the GPU (auto as on the CPU, f32 kept as f16), and the memory plan counts
+    the bytes a GpuSequenceState allocates: KVCacheLayer's rows per kind, whole 32-row tiles (allocated for real
+    when there is a GPU)."""
+    from kernels import attention as att
+    from services.engine.default_model import default_model_paths
+    from services.engine.formats import open_model_file
+    from services.engine.kvcache import resolve_cache_types
+    from services.engine.loader import config_of
+    from services.engine.memory_plan import kv_cache_bytes
+    from services.engine.models.qwen35_gpu import gpu_kv_type
+
+    cfg = config_of(open_model_file(default_model_paths()[0]))
+    n_attn = sum(1 for r in cfg.recurrent_layers if not r)
+    assert [gpu_kv_type(t) for t in ("f32", "f16", "q8_0", "tq3_0")] == ["f16", "f16", "q8_0", "tq3_0"]
+    auto = resolve_cache_types(cfg)
+    for k, v in (("tq3_0", "tq3_0"), ("q8_0", "tq3_0"), ("tq3_0", "f16"), ("f32", "q8_0"), auto):
+        for ctx in (100, 256):
+            gk, gv = gpu_kv_type(k), gpu_kv_type(v)
+            rows = -(-ctx // att.KT) * att.KT
+            want = n_attn * cfg.n_head_kv * rows * (att.row_bytes(gk, cfg.head_dim) + att.row_bytes(gv, cfg.head_dim))
+            assert kv_cache_bytes(cfg, k, v, ctx, "cuda") == want, (k, v, ctx)
+            if _REASON is None:
+                st = models()[1].new_state(ctx, k, v)
+                assert st.kv_types == (gk, gv)
+                assert sum(c.nbytes for c in st.kv.values()) == want
+    if _REASON is None:
+        gpu = models()[1]
+        try:
+            assert gpu.set_kv_cache_types() == tuple(gpu_kv_type(t) for t in auto)
+            assert gpu.set_kv_cache_types("q8_0", "tq3_0") == ("q8_0", "tq3_0")
+        finally:
+            gpu.set_kv_cache_types("f16", "f16")
+
+
+TQ3_KINDS = [("tq3_0", "tq3_0"), ("q8_0", "tq3_0")]
+
+
+@needs_gpu
+@pytest.mark.parametrize("kind_k, kind_v", TQ3_KINDS)
+def test_tq3_kv_logits_match_numpy(kind_k, kind_v):
+    """GPU vs NumPy engine with the same quantized KV types: prefill, 16 teacher-forced decode steps, then a
+    65-node tree (the CuPy fallback decodes the TQ3_0 rows) and the decode after a deep commit."""
+    import cupy
+
+    from services.engine.models.qwen35_gpu import _decode_rows
+
+    cpu, gpu, ids, _ = models()
+    cs, gs = cpu.new_state(256, kind_k, kind_v), gpu.new_state(256, kind_k, kind_v)
+    rc, rg = cpu.forward(cs, ids, logits="all"), gpu.forward(gs, ids, logits="all")
+    cs.commit(range(len(ids)))
+    gs.commit(range(len(ids)))
+    worst = _max_diff(rc.logits, rg.logits)
+    tok = int(np.argmax(rc.logits[-1]))
+    for _ in range(16):
+        rc, rg = cpu.forward(cs, [tok], logits="last"), gpu.forward(gs, [tok], logits="last")
+        cs.commit([0])
+        gs.commit([0])
+        worst = max(worst, _max_diff(rc.logits, rg.logits))
+        tok = int(np.argmax(rc.logits[-1]))
+    # the fallback's CuPy decoder reads what the store kernel wrote as the host decoder does
+    c = next(iter(gs.kv.values()))
+    n = gs.n_past
+    for buf, rb, kind, host in ((c.k, c.row_bytes, c.kind, c.rows(n)[0]), (c.v, c.row_bytes_v, c.kind_v, c.rows(n)[1])):
+        dev = _decode_rows(cupy, buf.reshape(c.n_kv_heads, c.ctx, rb)[:, :n], kind, c.head_dim)
+        assert np.allclose(cupy.asnumpy(dev).transpose(1, 0, 2), host, rtol=0, atol=1e-5)
+    rng = np.random.default_rng(5)
+    parents = [-1] + [int(rng.integers(0, i)) for i in range(1, 65)]
+    tokens = rng.integers(0, gpu.cfg.n_vocab, size=65)
+    a = cpu.forward(cs, tokens, parents, checkpoints=True)
+    b = gpu.forward(gs, tokens, parents, checkpoints=True)
+    wide = _max_diff(a.logits, b.logits)
+    node, path = 64, []
+    while node >= 0:
+        path.insert(0, node)
+        node = parents[node]
+    cs.commit(path)
+    gs.commit(path)
+    after = _max_diff(cpu.forward(cs, [7], logits="last").logits, gpu.forward(gs, [7], logits="last").logits)
+    print(f"{kind_k}/{kind_v}: max |GPU - NumPy| decode {worst:.4g}, 65-node tree {wide:.4g}, after commit {after:.4g}")
+    assert max(worst, wide, after) <= TQ3_TOL, f"{worst:.4g} / {wide:.4g} / {after:.4g} > {TQ3_TOL}"
+
+
+@needs_gpu
+@pytest.mark.parametrize("kind_k, kind_v", TQ3_KINDS)
+def test_tq3_tree_commit_equals_plain_decode_with_graphs(kind_k, kind_v):
+    """Two trees of one shape (the second a graph replay) committed along branches that move KV rows, against
+    plain decoding of the same tokens (replayed too), both with TQ3_0 KV on the GPU."""
+    cpu, gpu, ids, _ = models()
+    gpu.use_graphs = True
+    replays = gpu.graph_stats["replays"]
+    rng = np.random.default_rng(17)
+    parents = [-1, 0, 1, 2, 0, 4, 5, 6, 7]
+    tree, plain = gpu.new_state(128, kind_k, kind_v), gpu.new_state(128, kind_k, kind_v)
+    for st in (tree, plain):
+        gpu.forward(st, ids, logits="none")
+        st.commit(range(len(ids)))
+    worst = 0.0
+    for path in ([0, 4, 5, 6, 7, 8], [0, 1, 2]):
+        tokens = rng.integers(0, gpu.cfg.n_vocab, size=len(parents))
+        out = gpu.forward(tree, tokens, parents, checkpoints=True, logits="all")
+        tree.commit(path)
+        along = []
+        for i in path:
+            along.append(gpu.forward(plain, [int(tokens[i])], logits="last").logits[-1])
+            plain.commit([0])
+        worst = max(worst, _max_diff(out.logits[path], np.stack(along)))
+    nxt = int(rng.integers(0, gpu.cfg.n_vocab))
+    worst = max(worst, _max_diff(gpu.forward(tree, [nxt], logits="last").logits,
+                                 gpu.forward(plain, [nxt], logits="last").logits))
+    assert tree.n_past == plain.n_past == len(ids) + 9
+    assert gpu.graph_stats["replays"] - replays >= 8 and gpu.graph_blocker is None, gpu.graph_blocker
+    print(f"{kind_k}/{kind_v}: tree + commit vs plain decode, max |difference| {worst:.4g}")
+    assert worst <= TQ3_PATH_TOL, f"{worst:.4g} > {TQ3_PATH_TOL}"

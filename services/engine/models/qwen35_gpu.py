@@ -6,6 +6,11 @@ as state.SequenceState, with every per-sequence array on the device (GpuSequence
 (positions, parents, the ancestor mask, the committed length S) are written into device buffers of the state
 before the launches, so that a captured CUDA graph replays the same launches for every step of its shape.
 
+Logits stay on the device (DeviceLogits): the step also computes each row's argmax there (kernels/sampling.py),
+and forward copies only those T ids to the host; a full row crosses only when a caller indexes it (sampling).
+At a 248k vocabulary that saves a 40-64 MB copy to pageable memory per verify (11-17 ms of a 40-60 ms step).
+KV types: f16, q8_0 or tq3_0, K and V chosen independently (f32 is kept as f16, the kernel's widest).
+
 CUDA graphs (default on; SPECSPLIT_CUDA_GRAPHS=0 or `model.use_graphs = False`: eager launches): the first
 step of a shape on a state (width T <= 64, chain or tree, checkpoints, logits rows, captured layers, and a
 power-of-two bucket of S that fixes the attention's K splits) runs eagerly while its allocations are measured,
@@ -14,14 +19,16 @@ graph (_GraphHeap); later steps of that shape write their values (token ids, pos
 into the state's device buffers and replay. Nothing in the captured launches reads the host or syncs.
 
 Pieces done with plain CuPy ops instead of a kernel (each marked FALLBACK below): attention of a tree wider
-than 64 tokens (the attention kernel's mask is one uint64 per token), KV row compaction at commit, Q8_0
-embedding rows, the residual adds.
+than 64 tokens (the attention kernel's mask is one uint64 per token; it decodes Q8_0 / TQ3_0 rows with CuPy),
+KV row compaction at commit, Q8_0 embedding rows, the residual adds of steps wider than 64 tokens (narrower
+steps fold norms, SwiGLU and residual adds into the matmuls' activation packing and epilogue).
 """
 
 from __future__ import annotations
 
 import os
 import warnings
+import weakref
 from bisect import insort
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -32,12 +39,15 @@ import numpy as np
 from kernels import attention as att
 from kernels import deltanet as dn
 from kernels import norm_rope as nr
+from kernels import quant_matmul as qm
+from kernels import sampling as smp
 
 from ..backend import CupyBackend
 from ..config import ModelConfig
 from ..errors import ContextOverflowError
 from ..formats import RawTensor
 from ..kvcache import resolve_cache_types
+from ..quants import tq3
 from ..state import check_commit_path
 from .base import ForwardResult, TargetModel, check_step
 
@@ -54,18 +64,15 @@ def graphs_default() -> bool:
     return os.environ.get("SPECSPLIT_CUDA_GRAPHS", "1").strip().lower() not in ("0", "false", "no", "off")
 
 
-GPU_KV_TYPES = ("f16", "q8_0")   # what this model's KV paths (kernel, commit, wide-tree fallback) handle
+GPU_KV_TYPES = ("f16", "q8_0", "tq3_0")   # what this model's KV paths (kernel, commit, wide-tree fallback) handle
 
 
 def gpu_kv_type(kind: str) -> str:
-    """The device KV type for an engine KV type: f32 is kept as f16 (the kernel's widest), tq3_0 as q8_0 for now
-    (kernels/attention.py is gaining TQ3_0; the wide-tree fallback below does not decode it yet)."""
+    """The device KV type for an engine KV type: f32 is kept as f16 (the attention kernel's widest)."""
     if kind in GPU_KV_TYPES:
         return kind
     if kind == "f32":
         return "f16"
-    if kind == "tq3_0":
-        return "q8_0"
     raise ValueError(f"unknown KV cache type {kind!r}")
 
 
@@ -84,12 +91,10 @@ class GpuSequenceState:
         self.cfg, self.max_ctx, self.max_tree = cfg, int(max_ctx), int(max_tree)
         self.n_past = 0
         self.pending: GpuPending | None = None
-        if kv_k != kv_v:
-            raise ValueError(f"the GPU KV cache holds K and V in one type, not K={kv_k}, V={kv_v}")
-        self.kv_type = kv_k
+        self.kv_types = (kv_k, kv_v)
         self.attn_layers = [i for i, r in enumerate(cfg.recurrent_layers) if not r]
         self.rec_layers = [i for i, r in enumerate(cfg.recurrent_layers) if r]
-        self.kv = {i: att.KVCacheLayer(cfg.n_head_kv, cfg.head_dim, self.max_ctx, kv_k)
+        self.kv = {i: att.KVCacheLayer(cfg.n_head_kv, cfg.head_dim, self.max_ctx, kv_k, kv_v)
                    for i in self.attn_layers}
         L = len(self.rec_layers)
         self.slot = {layer: j for j, layer in enumerate(self.rec_layers)}
@@ -146,8 +151,10 @@ class GpuSequenceState:
                 dst = cp.asarray([base + d for d, _ in moved], dtype=cp.int64)
                 src = cp.asarray([base + i for _, i in moved], dtype=cp.int64)
                 for c in self.kv.values():
-                    for buf in (c.k, c.v):
-                        rows = buf.reshape(c.n_kv_heads, c.ctx, -1)
+                    # each side is [Hkv][ctx][its row bytes] and a token's row is quantized on its own (a Q8_0
+                    # block or TQ3_0 rotation group never spans two tokens), so moving bytes moves the token
+                    for buf, rb in ((c.k, c.row_bytes), (c.v, c.row_bytes_v)):
+                        rows = buf.reshape(c.n_kv_heads, c.ctx, rb)
                         rows[:, dst] = rows[:, src]
             if self.rec_layers:
                 whole = path == list(range(p.n_tokens))
@@ -163,6 +170,55 @@ class GpuSequenceState:
                                self.raw[:, :p.n_tokens], self.conv)
             self.n_past += len(path)
         self.pending = None
+
+
+class DeviceLogits:
+    """The logits rows of a GPU forward, left on the device, with each row's argmax (computed on the device in
+    the same step) already on the host. Reads like the (rows, n_vocab) float32 array of the NumPy engine where
+    a caller needs one: `x[i]` (a row; any NumPy index) and np.asarray(x) copy from the device, each call a
+    fresh host array; argmax_rows() and np.argmax(x, axis=-1) copy nothing."""
+
+    ndim = 2
+    dtype = np.dtype(np.float32)
+
+    def __init__(self, rows: Any, argmax: np.ndarray):
+        self._rows = rows          # device (rows, n_vocab) float32
+        self._argmax = argmax      # host int32 (rows,), pinned; written by the copy forward() waited for
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return int(self._rows.shape[0]), int(self._rows.shape[1])
+
+    def __len__(self) -> int:
+        return int(self._rows.shape[0])
+
+    def __repr__(self) -> str:
+        return f"DeviceLogits(shape={self.shape})"
+
+    def argmax_rows(self) -> np.ndarray:
+        """int64 (rows,): each row's argmax, lowest id on ties (np.argmax's choice)."""
+        return self._argmax.astype(np.int64)
+
+    def argmax(self, axis: int | None = None, out: np.ndarray | None = None, keepdims: bool = False) -> Any:
+        """ndarray.argmax; along the rows (what np.argmax(x, axis=-1) asks) without copying the rows."""
+        if axis in (-1, 1) and out is None and not keepdims:
+            return self.argmax_rows()
+        return np.asarray(self).argmax(axis=axis, out=out, keepdims=keepdims)
+
+    def __getitem__(self, key: Any) -> np.ndarray:
+        cp = nr.loader.require()
+        if isinstance(key, (list, np.ndarray)):   # fancy index: gather on the device, copy only those rows
+            key = np.asarray(key)
+            key = cp.asarray(key if key.dtype.kind in "biu" else key.astype(np.int64))
+        return cp.asnumpy(self._rows[key])
+
+    def __array__(self, dtype: Any = None, copy: bool | None = None) -> np.ndarray:
+        host = nr.loader.require().asnumpy(self._rows)
+        return host if dtype is None else host.astype(dtype, copy=False)
+
+    def _detach(self) -> None:
+        """Own a copy of the rows (the graph they belong to is about to replay over them); in stream order."""
+        self._rows = self._rows.copy()
 
 
 class Qwen35GpuModel(TargetModel):
@@ -190,12 +246,17 @@ class Qwen35GpuModel(TargetModel):
         mats = [self.output] + [v for w in self.layers for v in w.values()]
         self.fallback_weights = sorted(v.name for v in mats if getattr(v, "fallback", False))
         self.use_graphs = graphs_default()
+        # norms, SwiGLU and residual adds folded into the matmuls' activation packing / epilogue (steps of <= 64
+        # tokens); SPECSPLIT_FUSED_LAUNCHES=0 or `model.fused_launches = False`: the separate launches
+        self.fused_launches = os.environ.get("SPECSPLIT_FUSED_LAUNCHES", "1").strip().lower() not in (
+            "0", "false", "no", "off")
         # why steps cannot be captured on this model (None: they can)
         self.graph_blocker: str | None = None
         # a token table whose type the device cannot decode (GpuEmbedding.on_host, e.g. Q4_K / Q6_K): the step's
         # rows are dequantized on the host and written to state.x_in before the launches, like the token ids
         self._host_table = bool(getattr(self.tok_embd, "on_host", False))
-        self.graph_stats = {"captures": 0, "replays": 0, "eager": 0, "failed": 0}
+        # detached: replays that first copied the rows of a still-held result of the same graph (DeviceLogits)
+        self.graph_stats = {"captures": 0, "replays": 0, "eager": 0, "failed": 0, "detached": 0}
         self._capture_stream = None
 
     def _load_layer(self, i: int) -> dict:
@@ -220,19 +281,17 @@ class Qwen35GpuModel(TargetModel):
 
     # -- state ----------------------------------------------------------------------------------------
     def set_kv_cache_types(self, cache_type_k: str = "auto", cache_type_v: str = "auto") -> tuple[str, str]:
-        """Resolve like the CPU engine, then map to what the attention kernel stores (gpu_kv_type)."""
+        """Resolve like the CPU engine (`auto` included), then map to what the attention kernel stores
+        (gpu_kv_type: only f32 changes, to f16); K and V independent."""
         k, v = resolve_cache_types(self.cfg, cache_type_k, cache_type_v)
-        k, v = gpu_kv_type(k), gpu_kv_type(v)
-        if k != v:  # one type for both sides on the device: the wider one
-            k = v = "f16" if "f16" in (k, v) else k
-        self.kv_cache_types = (k, v)
+        self.kv_cache_types = (gpu_kv_type(k), gpu_kv_type(v))
         return self.kv_cache_types
 
     def new_state(self, max_ctx: int | None = None, cache_type_k: str | None = None,
                   cache_type_v: str | None = None) -> GpuSequenceState:
-        k = gpu_kv_type(cache_type_k or self.kv_cache_types[0])
-        v = gpu_kv_type(cache_type_v or self.kv_cache_types[1])
-        return GpuSequenceState(self.cfg, max_ctx or self.cfg.context_length, k, v)
+        k, v = resolve_cache_types(self.cfg, cache_type_k or self.kv_cache_types[0],
+                                   cache_type_v or self.kv_cache_types[1])
+        return GpuSequenceState(self.cfg, max_ctx or self.cfg.context_length, gpu_kv_type(k), gpu_kv_type(v))
 
     def host_head_embed(self, tokens: np.ndarray) -> np.ndarray:
         """float32 rows of a token table kept on the host (GpuEmbedding.on_host)."""
@@ -247,7 +306,9 @@ class Qwen35GpuModel(TargetModel):
     # -- forward --------------------------------------------------------------------------------------
     def forward(self, state: GpuSequenceState, tokens: Sequence[int], parents: Sequence[int] | None = None,
                 capture: Sequence[int] = (), checkpoints: bool = False, logits: str = "all") -> ForwardResult:
-        """TargetModel.forward on the device; logits and captured features come back as host float32."""
+        """TargetModel.forward on the device. The logits stay there (DeviceLogits: each row's argmax is already
+        on the host, a row is copied when indexed); captured features come back as host float32. Returns when
+        the step has run (callers read the result next, and their timings stay honest)."""
         cp = self.be.xp
         tokens, par, is_chain = check_step(tokens, parents, self.cfg.n_vocab)
         T = len(tokens)
@@ -295,20 +356,28 @@ class Qwen35GpuModel(TargetModel):
                      positions=state.positions[:T], s_hint=s_hint)
         if graph:
             key = (T, is_chain, per_token, logits, tuple(capture), s_hint)
-            lg, cap = self._graph_step(state, step, key, logits, capture)
+            lg, amax, cap, g = self._graph_step(state, step, key, logits, capture)
         else:
             self.graph_stats["eager"] += 1
-            lg, cap = self._launches(state, step, logits, capture, x0)
+            (lg, amax, cap), g = self._launches(state, step, logits, capture, x0), None
         state.pending = GpuPending(n_tokens=T, parents=par, per_token=per_token)
         rows = {"all": np.arange(T), "last": np.array([T - 1]), "none": np.array([], dtype=np.int64)}[logits]
-        return ForwardResult(logits=cp.asnumpy(lg) if lg is not None else None, logit_rows=rows,
-                             captured=cp.asnumpy(cap) if cap is not None else None)
+        out = None
+        if lg is not None:
+            ids = np.ndarray((len(rows),), np.int32, buffer=cp.cuda.alloc_pinned_memory(4 * len(rows)))
+            cp.asnumpy(amax, out=ids, blocking=False)    # T ids into pinned memory, in stream order
+            out = DeviceLogits(lg, ids)
+            if g is not None:  # the graph's next replay rewrites these rows: out copies them first
+                g.handed = weakref.ref(out)
+        captured = cp.asnumpy(cap) if cap is not None else None
+        cp.cuda.get_current_stream().synchronize()
+        return ForwardResult(logits=out, logit_rows=rows, captured=captured)
 
     def _launches(self, state: GpuSequenceState, step: _Step, logits: str, capture: list[int],
-                  x0: Any = None) -> tuple[Any, Any]:
+                  x0: Any = None) -> tuple[Any, Any, Any]:
         """Every launch of a step; without x0 (the embedded rows, given for long chunks) it reads the step's
         values only from the state's device buffers (what a graph captures). Returns (logits, captured) as device
-        arrays (or None)."""
+        arrays (or None): the logits rows, each row's argmax (int32) and the captured layers."""
         cp = self.be.xp
         T = step.T
         captured = cp.empty((T, len(capture), self.cfg.n_embd), cp.float32) if capture else None
@@ -323,23 +392,29 @@ class Qwen35GpuModel(TargetModel):
             for slot, lid in enumerate(capture):
                 if lid == i:
                     captured[:, slot] = x
-        out = None
+        out = amax = None
         if logits != "none":
             xr = x if logits == "all" else x[T - 1:]
             out = self.output.matmul(nr.rms_norm(xr, self.output_norm, self.cfg.rms_eps))
-        return out, captured
+            amax, _ = smp.argmax(out)     # greedy acceptance reads only these (lowest id on ties, as np.argmax)
+        return out, amax, captured
 
     def _graph_step(self, state: GpuSequenceState, step: _Step, key: tuple, logits: str,
-                    capture: list[int]) -> tuple[Any, Any]:
+                    capture: list[int]) -> tuple[Any, Any, Any, _StepGraph | None]:
         """Replay the state's graph for this shape; without one: eager warm-up (this step's results), then
-        capture. A failed capture turns graphs off for the model (with a warning) and keeps the eager result."""
+        capture. A failed capture turns graphs off for the model (with a warning) and keeps the eager result.
+        Returns (logits, argmax, captured, the graph whose buffers they are or None)."""
         cp = self.be.xp
         g = state.graphs.get(key)
         if g is not None:
+            last = g.handed() if g.handed is not None else None
+            if last is not None:   # a result of this graph is still held: give it its own rows first
+                last._detach()
+                self.graph_stats["detached"] += 1
             g.graph.launch(cp.cuda.get_current_stream())
             g.replays += 1
             self.graph_stats["replays"] += 1
-            return g.logits, g.captured
+            return g.logits, g.argmax, g.captured, g
         # warm-up: builds every kernel, fills every cache (nothing may load or upload while capturing) and
         # measures the arena the capture needs (the capture makes the same allocations in the same order)
         probe = _GraphHeap(cp, None)
@@ -350,28 +425,39 @@ class Qwen35GpuModel(TargetModel):
             heap = _GraphHeap(cp, cp.empty(probe.peak + probe.peak // 8 + (4 << 20), cp.uint8))
             if self._capture_stream is None:
                 self._capture_stream = cp.cuda.Stream(non_blocking=True)
-            graph, (lg, cap) = _record(self._capture_stream, heap,
-                                       lambda: self._launches(state, step, logits, capture))
+            graph, (lg, amax, cap) = _record(self._capture_stream, heap,
+                                             lambda: self._launches(state, step, logits, capture))
         except Exception as e:  # noqa: BLE001 - any capture failure: eager from here on, and say why
             self.use_graphs = False
             self.graph_blocker = f"capture failed: {type(e).__name__}: {e}"
             self.graph_stats["failed"] += 1
             warnings.warn(f"CUDA graphs off for this model: {self.graph_blocker}", RuntimeWarning, stacklevel=3)
-            return out
+            return (*out, None)
         while len(state.graphs) >= GRAPHS_PER_STATE:
             state.graphs.pop(next(iter(state.graphs)))
-        state.graphs[key] = _StepGraph(graph=graph, heap=heap, logits=lg, captured=cap)
+        state.graphs[key] = _StepGraph(graph=graph, heap=heap, logits=lg, argmax=amax, captured=cap)
         self.graph_stats["captures"] += 1
-        return out
+        return (*out, None)
 
     def _block(self, i: int, w: dict, x, state: GpuSequenceState, step: _Step):
         eps = self.cfg.rms_eps
-        h = nr.rms_norm(x, w["attn_norm"], eps)
         mixer = self._deltanet if self.cfg.recurrent_layers[i] else self._gated_attention
-        h, x = nr.rms_norm(mixer(i, w, h, state, step), w["post_attention_norm"], eps, residual=x)
-        gu = w["ffn_gate_up"].matmul(h)
+        if not (self.fused_launches and step.T <= qm.MAX_TOKENS):
+            h = nr.rms_norm(x, w["attn_norm"], eps)
+            h, x = nr.rms_norm(mixer(i, w, h, state, step), w["post_attention_norm"], eps, residual=x)
+            gu = w["ffn_gate_up"].matmul(h)
+            f = gu.shape[1] // 2
+            return x + w["ffn_down"].matmul(nr.silu_mul(gu[:, :f], gu[:, f:]))   # residual add: FALLBACK (CuPy)
+        # fused: each norm and the SwiGLU run in the packing of the matmul that reads them; the mixer's residual
+        # add rides in the post-attention norm's pack (which writes the new stream), ffn_down's in its epilogue
+        h = qm.pack_activations(x, rms_weight=w["attn_norm"], eps=eps)
+        px = qm.pack_activations(mixer(i, w, h, state, step), rms_weight=w["post_attention_norm"], eps=eps,
+                                 residual=x)
+        x = px.residual
+        gu = w["ffn_gate_up"].matmul(px)
         f = gu.shape[1] // 2
-        return x + w["ffn_down"].matmul(nr.silu_mul(gu[:, :f], gu[:, f:]))   # residual add: FALLBACK (CuPy)
+        w["ffn_down"].matmul(qm.pack_activations(gu[:, :f], silu_up=gu[:, f:]), out=x, accumulate=True)
+        return x
 
     def _gated_attention(self, i: int, w: dict, h, state: GpuSequenceState, step: _Step):
         c = self.cfg
@@ -400,23 +486,31 @@ class Qwen35GpuModel(TargetModel):
         return w["attn_output"].matmul(o.reshape(T, H * D))
 
     def _deltanet(self, i: int, w: dict, h, state: GpuSequenceState, step: _Step):
+
         c = self.cfg
         T = step.T
         Hk, Hv, dk, dv = c.ssm_n_k_heads, c.ssm_n_v_heads, c.ssm_head_k_dim, c.ssm_head_v_dim
         cd, kd = c.ssm_conv_dim, c.ssm_key_dim
         L = state.slot[i]
+        fused = self.fused_launches and T <= qm.MAX_TOKENS
         proj = w["ssm_in"].matmul(h)                                  # [qkv | z | beta | alpha]
-        raw = state.raw_rows(T)[L, :T]
-        raw[...] = proj[:, :cd]                                       # pre-conv rows: what commit() gathers
+        raw = state.raw_rows(T)[L, :T]                                # pre-conv rows: what commit() gathers
         z = proj[:, cd:cd + Hv * dv].reshape(T, Hv, dv)
         b = proj[:, cd + Hv * dv:cd + Hv * dv + Hv]
         alpha = proj[:, cd + Hv * dv + Hv:]
         parents = None if step.is_chain else state.parents[:T]
-        mixed = dn.conv_silu(raw, state.conv[L], w["ssm_conv1d"], parents=parents)
+        if fused:  # the conv reads the projection in place and keeps the raw rows itself
+            mixed = dn.conv_silu(proj[:, :cd], state.conv[L], w["ssm_conv1d"], parents=parents, rows_out=raw)
+        else:
+            raw[...] = proj[:, :cd]
+            mixed = dn.conv_silu(raw, state.conv[L], w["ssm_conv1d"], parents=parents)
         g, beta = dn.qk_norm_gate(mixed, alpha, b, w["ssm_a"], w["ssm_dt"], n_k_heads=Hk, head_k_dim=dk)
         o = dn.gated_delta_tree(mixed[:, :kd], mixed[:, kd:2 * kd], mixed[:, 2 * kd:], g, beta, state.ssm[L],
                                 parents=parents, checkpoints=state.ckpt[L] if step.per_token else None,
                                 final_state=None if step.per_token else state.ssm_final[L])
+        if fused:  # the output norm * silu(z) in ssm_out's pack
+            return w["ssm_out"].matmul(qm.pack_activations(o.reshape(T, Hv * dv), rms_weight=w["ssm_norm"],
+                                                           eps=c.rms_eps, gate=proj[:, cd:cd + Hv * dv]))
         o = nr.norm_gate(o, z, w["ssm_norm"], c.rms_eps)
         return w["ssm_out"].matmul(o.reshape(T, Hv * dv))
 
@@ -445,8 +539,10 @@ class _StepGraph:
     graph: Any
     heap: _GraphHeap
     logits: Any        # device outputs inside the arena, rewritten by every replay
+    argmax: Any
     captured: Any
     replays: int = 0
+    handed: Any = None  # weakref to the DeviceLogits last returned over `logits`
 
 
 def _record(stream: Any, heap: _GraphHeap, launches: Any) -> tuple[Any, Any]:
@@ -534,15 +630,8 @@ def _tree_attention_fallback(q, cache: att.KVCacheLayer, step: _Step, gate):
     T, H, D = (int(s) for s in q.shape)
     n = step.S + T
     kv = []
-    for buf in (cache.k, cache.v):
-        rows = buf.reshape(cache.n_kv_heads, cache.ctx, cache.row_bytes)[:, :n]
-        if cache.kind == "f16":
-            vals = cp.ascontiguousarray(rows).view(cp.float16).astype(cp.float32)
-        else:
-            blocks = rows.reshape(cache.n_kv_heads, n, D // 32, 34)
-            d = cp.ascontiguousarray(blocks[..., :2]).view(cp.float16).astype(cp.float32)
-            vals = (d * cp.ascontiguousarray(blocks[..., 2:]).view(cp.int8).astype(cp.float32))
-        kv.append(vals.reshape(cache.n_kv_heads, n, D))
+    for buf, rb, kind in ((cache.k, cache.row_bytes, cache.kind), (cache.v, cache.row_bytes_v, cache.kind_v)):
+        kv.append(_decode_rows(cp, buf.reshape(cache.n_kv_heads, cache.ctx, rb)[:, :n], kind, D))
     k, v = kv
     anc = np.zeros((T, T), dtype=bool)
     for t in range(T):
@@ -559,6 +648,31 @@ def _tree_attention_fallback(q, cache: att.KVCacheLayer, step: _Step, gate):
     p /= p.sum(axis=-1, keepdims=True)
     o = cp.einsum("kgts,ksd->kgtd", p, v).transpose(2, 0, 1, 3).reshape(T, H, D)
     return o * (1.0 / (1.0 + cp.exp(-gate.astype(cp.float32))))
+
+
+def _decode_rows(cp: Any, rows: Any, kind: str, head_dim: int) -> Any:
+    """FALLBACK (plain CuPy): (Hkv, n, row bytes) uint8 cache rows -> (Hkv, n, head_dim) float32 in the model's
+    domain; TQ3_0 with services/engine/quants/tq3.py's math (centroid * group norm, then the inverse rotation)."""
+    hkv, n = int(rows.shape[0]), int(rows.shape[1])
+    rows = cp.ascontiguousarray(rows)
+    if kind == "f16":
+        return rows.view(cp.float16).astype(cp.float32).reshape(hkv, n, head_dim)
+    if kind == "q8_0":
+        blocks = rows.reshape(hkv, n, head_dim // 32, 34)
+        d = cp.ascontiguousarray(blocks[..., :2]).view(cp.float16).astype(cp.float32)
+        return (d * cp.ascontiguousarray(blocks[..., 2:]).view(cp.int8).astype(cp.float32)).reshape(hkv, n, head_dim)
+    if kind != "tq3_0":
+        raise ValueError(f"unknown KV cache type {kind!r}")
+    blocks = rows.reshape(hkv, n, head_dim // tq3.QK, tq3.BLOCK_BYTES)
+    norm = cp.ascontiguousarray(blocks[..., :2]).view(cp.float16).astype(cp.float32)        # (.., nb, 1)
+    # value j of a block: 2 low index bits at qs[j // 4] >> 2 (j % 4), the high bit at signs[j // 8] >> (j % 8)
+    low = (blocks[..., 2:10, None] >> cp.asarray([0, 2, 4, 6], dtype=cp.uint8)) & 3
+    high = (blocks[..., 10:14, None] >> cp.arange(8, dtype=cp.uint8)) & 1
+    idx = low.reshape(hkv, n, -1, tq3.QK) | (high.reshape(hkv, n, -1, tq3.QK) << 2)
+    vals = cp.asarray(tq3.CENTROIDS)[idx.astype(cp.int32)] * norm                           # rotated domain
+    g = tq3.group_size(head_dim)
+    r = cp.asarray(tq3.inverse_rotate(np.eye(g, dtype=np.float32)))                          # y -> y @ R
+    return (vals.reshape(hkv, n, head_dim // g, g) @ r).reshape(hkv, n, head_dim)
 
 
 class HostHead:

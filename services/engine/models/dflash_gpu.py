@@ -1,0 +1,501 @@
+"""The DFlash drafter on the GPU: models/dflash.py's DFlashDrafter, block for block, on CupyBackend and kernels/,
+with its context K/V in device memory and each draft pass (append + block + LM head + top-k) one CUDA graph replay.
+
+Same public interface as DFlashDrafter (new_session, append_context, draft, block_logits, block_size,
+target_layer_ids, n_vocab, cfg), plus draft_topk: what DDTree reads (top-k ids and log-probabilities per drafted
+position) is all that comes back to the host. The token table and LM head are the target's own device arrays when
+the target is a Qwen35GpuModel on the same device (no second copy).
+
+Per-step values (the context length before and after the append, the positions, the block's first token) live in
+one device int32 buffer of the session and the new feature rows in a device buffer, so a captured pass replays
+for every step of its shape: (rows appended, whether a sliding layer's window cuts the context, the attention's
+S bucket). Attention: kernels.attention over the session's f16 KVCacheLayer (context rows, then the block's rows
+at `start`), mask all-ones (full layers, bidirectional) or causal (sliding layers) - exact while every query's
+window covers the whole context (start + block <= window). Past that, a sliding layer gathers its window's rows
+into a scratch cache (a plain CuPy take, indices from the device start) and runs the same kernel with the rows at
+the window's edge as extra "new tokens" under a per-step mask (_window_attention), still inside the graph.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from kernels import attention as att
+from kernels import norm_rope as nr
+from kernels import quant_matmul as qm
+from kernels import sampling as smp
+
+from ..backend import CupyBackend
+from ..errors import DrafterMismatchError, ModelFormatError
+from ..formats import RawTensor
+from . import qwen35_gpu as QG
+from .dflash import _LAYER_TENSORS, DFlashDrafter, DrafterConfig, _expected_shapes, read_drafter
+
+TOPK = smp.MAX_K              # top-k computed on the device per drafted position (DDTree asks for <= 8)
+MAX_APPEND = 64               # feature rows a captured pass appends; longer appends (a prompt) run eagerly first
+INITIAL_ROWS = 512            # first context capacity of a session; doubled (graphs dropped) when outgrown
+GRAPHS_PER_SESSION = 64
+
+
+@dataclass
+class _DraftGraph:
+    graph: Any
+    heap: Any          # QG._GraphHeap: the arena whose addresses the graph replays
+    outputs: Any       # (logits, top-k ids, top-k log-probs) inside the arena, rewritten by every replay
+    replays: int = 0
+
+
+class GpuDraftSession:
+    """One request's draft state on the device: per layer an f16 KVCacheLayer of committed context rows (k after
+    k_norm + RoPE; the block's own rows are written after them by each pass and overwritten by the next append),
+    the per-step values of a pass, and the captured passes of this session."""
+
+    def __init__(self, cfg: DrafterConfig, capacity: int = INITIAL_ROWS, max_rows: int | None = None):
+        self.cfg = cfg
+        self.max_rows = max_rows      # growth stops doubling here (the target's context + a block)
+        if max_rows is not None:
+            capacity = min(capacity, max_rows)
+        self.n_ctx = 0
+        self.cp = nr.loader.require()
+        self.kv = [att.KVCacheLayer(cfg.n_head_kv, cfg.head_dim, capacity, "f16") for _ in range(cfg.n_layer)]
+        B = cfg.block_size
+        # [s_ctx, start, ctx positions (MAX_APPEND), block positions (B), block tokens (B)]: one upload per pass
+        self.vals = self.cp.zeros(2 + MAX_APPEND + 2 * B, self.cp.int32)
+        self.feats = self.cp.zeros((MAX_APPEND, cfg.n_features), self.cp.float32)
+        self.x_in = None              # block rows embedded on the host (a token table the device cannot decode)
+        # windowed sliding layers (DFlashGpuDrafter._window_attention): scratch cache, then per block width the
+        # attention's S (n_all) and the per-step mask
+        self.win: att.KVCacheLayer | None = None
+        self.win_len: dict[int, Any] = {}
+        self.win_mask: dict[int, Any] = {}
+        self.graphs: dict[tuple, _DraftGraph] = {}
+
+    # views into vals (kernel arguments point into the one buffer)
+    @property
+    def s_ctx(self) -> Any:
+        return self.vals[0:1]
+
+    @property
+    def s_start(self) -> Any:
+        return self.vals[1:2]
+
+    def ctx_pos(self, n: int) -> Any:
+        return self.vals[2:2 + n]
+
+    @property
+    def blk_pos(self) -> Any:
+        return self.vals[2 + MAX_APPEND:2 + MAX_APPEND + self.cfg.block_size]
+
+    @property
+    def tokens(self) -> Any:
+        return self.vals[2 + MAX_APPEND + self.cfg.block_size:]
+
+    @property
+    def capacity(self) -> int:
+        return self.kv[0].max_ctx
+
+    def reserve(self, rows: int) -> None:
+        """Room for `rows` rows (context plus a block); growing copies the valid rows and drops the graphs."""
+        if rows <= self.capacity:
+            return
+        cap = max(rows, 2 * self.capacity if self.max_rows is None else min(2 * self.capacity, self.max_rows))
+        c = self.cfg
+        for i, old in enumerate(self.kv):
+            new = att.KVCacheLayer(c.n_head_kv, c.head_dim, cap, "f16")
+            for a, b in ((old.k, new.k), (old.v, new.v)):
+                kept = a.reshape(c.n_head_kv, old.ctx, -1)[:, :self.n_ctx]
+                b.reshape(c.n_head_kv, new.ctx, -1)[:, :self.n_ctx] = kept
+            self.kv[i] = new
+        self.graphs.clear()
+
+    def truncate(self, n_ctx: int) -> None:
+        """Forget context rows from n_ctx on (error recovery; the normal loop never rolls back)."""
+        if not 0 <= n_ctx <= self.n_ctx:
+            raise ValueError(f"cannot truncate a {self.n_ctx}-row draft context to {n_ctx}")
+        self.n_ctx = n_ctx
+
+    def context_kv(self, layer: int) -> tuple[np.ndarray, np.ndarray]:
+        """(K, V) float32 host copies of a layer's context rows [n_ctx, Hkv, D] (tests, checks)."""
+        c, kv = self.cfg, self.kv[layer]
+        return tuple(np.ascontiguousarray(self.cp.asnumpy(
+            buf.view(self.cp.float16).reshape(c.n_head_kv, kv.ctx, c.head_dim)[:, :self.n_ctx]
+        ).transpose(1, 0, 2), dtype=np.float32) for buf in (kv.k, kv.v))
+
+
+class DFlashGpuDrafter:
+    """DFlashDrafter on the device; bound to its target (token table and LM head shared, checked like the CPU's)."""
+
+    def __init__(self, cfg: DrafterConfig, tensors: Mapping[str, RawTensor | np.ndarray], target: Any,
+                 backend: CupyBackend | None = None, source: str = "<drafter>"):
+        tbe = getattr(target, "be", None)
+        if backend is None:
+            backend = tbe if isinstance(tbe, CupyBackend) else CupyBackend()
+        if isinstance(tbe, CupyBackend) and tbe.device != backend.device:
+            raise NotImplementedError(
+                f"a GPU drafter on cuda:{backend.device} with its target on cuda:{tbe.device} is not supported yet "
+                "(the drafter shares the target's token table and LM head: put both on one device)")
+        self.cfg, self.target, self.be, self.source = cfg, target, backend, source
+        self.xp = backend.xp
+        self.target_layer_ids: list[int] = list(cfg.target_layer_ids)
+        self.block_size: int = cfg.block_size
+        self.mask_token_id: int = cfg.mask_token_id
+        DFlashDrafter._check_target(self)   # reads cfg, target, source only
+        # the target's device table and LM head when it has them, else device copies of its host ones
+        if isinstance(tbe, CupyBackend):
+            self.tok_embd, self.output = target.tok_embd, target.output
+        else:
+            self.tok_embd = backend.embedding(target.tok_embd)
+            self.output = backend.weight(target.output)
+        self.output.upload()
+
+        # the same checks as DFlashDrafter's constructor
+        t = dict(tensors)
+        fc = t.get("dflash_fc.weight")
+        if fc is not None and len(fc.shape) == 2 and fc.shape[1] != cfg.n_features:
+            raise DrafterMismatchError(
+                f"{source}: fc takes {fc.shape[1]} input features but {len(cfg.target_layer_ids)} target "
+                f"layers {cfg.target_layer_ids} x hidden {cfg.n_embd} = {cfg.n_features}")
+        if cfg.n_head % cfg.n_head_kv:
+            raise ModelFormatError(source, "attention heads divisible by KV heads",
+                                   f"{cfg.n_head} heads, {cfg.n_head_kv} KV heads")
+        for name, shape in _expected_shapes(cfg).items():
+            got = tuple(int(d) for d in t[name].shape) if name in t else None
+            if got != shape:
+                raise ModelFormatError(source, f"tensor '{name}' of shape {list(shape)}",
+                                       "it missing" if got is None else f"shape {list(got)}")
+        B = cfg.block_size
+        if B > att.MAX_TOKENS or (any(cfg.layer_causal) and cfg.sliding_window and 2 * B - 1 > att.MAX_TOKENS):
+            raise ValueError(f"{source}: a block of {B} tokens does not fit the attention kernel's "
+                             f"{att.MAX_TOKENS}-token mask (a windowed sliding layer needs 2 * block - 1)")
+        be = backend
+        self.fc = be.weight(t["dflash_fc.weight"]).upload()
+        self.hidden_norm = be.array(t["dflash_hidden_norm.weight"])
+        self.output_norm = be.array(t["output_norm.weight"])
+        self.layers = []
+        for i in range(cfg.n_layer):
+            raw = {n: t[f"blk.{i}.{n}.weight"] for n in _LAYER_TENSORS}
+            mat = lambda n, raw=raw: be.weight(raw[n])  # noqa: E731
+            w = {n: be.array(raw[n]) for n in ("attn_norm", "post_attention_norm", "attn_q_norm", "attn_k_norm")}
+            # q apart from k|v: the context rows need only k|v, and one k|v copy serves both (dflash.py stacks
+            # q|k|v as well, which on the device would hold k and v twice)
+            w["attn_q"] = mat("attn_q").upload()
+            w["attn_kv"] = be.stack([mat("attn_k"), mat("attn_v")]).upload()
+            w["attn_output"] = mat("attn_output").upload()
+            w["ffn_gate_up"] = be.stack([mat("ffn_gate"), mat("ffn_up")]).upload()
+            w["ffn_down"] = mat("ffn_down").upload()
+            self.layers.append(w)
+        cp = self.xp
+        self._mask_full = cp.full(B, (1 << B) - 1, dtype=cp.uint64)     # every block key visible to every query
+        self._mask_causal = cp.asarray(att.tree_mask(np.arange(-1, B - 1)))
+        self._host_table = bool(getattr(self.tok_embd, "on_host", False))
+        self.use_graphs = QG.graphs_default()
+        self.graph_blocker: str | None = None
+        self.graph_stats = {"captures": 0, "replays": 0, "eager": 0, "failed": 0}
+        self._stream = None
+
+    @property
+    def n_vocab(self) -> int:
+        return int(self.output.shape[0])
+
+    @property
+    def weight_bytes(self) -> int:
+        """Device bytes of the drafter's own matrices (the shared table and LM head not counted)."""
+        mats = [self.fc] + [w[n] for w in self.layers for n in ("attn_q", "attn_kv", "attn_output",
+                                                                  "ffn_gate_up", "ffn_down")]
+        return sum(m.nbytes for m in mats)
+
+    # -- context -------------------------------------------------------------------------------------
+    def new_session(self) -> GpuDraftSession:
+        ctx = getattr(getattr(self.target, "cfg", None), "context_length", None)
+        s = GpuDraftSession(self.cfg, max_rows=ctx + self.block_size if ctx else None)
+        s.tokens.fill(self.mask_token_id)
+        return s
+
+    def _features(self, features: Any) -> Any:
+        """(n, n_features) float32 device rows from host or device features ((n, K, E) accepted too)."""
+        cp, c = self.xp, self.cfg
+        if features is None:
+            return cp.zeros((0, c.n_features), cp.float32)
+        f = features if isinstance(features, cp.ndarray) else np.asarray(features, dtype=np.float32)
+        if f.ndim == 3:
+            f = f.reshape(f.shape[0], -1)
+        if f.ndim != 2 or f.shape[1] != c.n_features:
+            raise ValueError(f"features must be (n, {c.n_features}) = (n, {len(c.target_layer_ids)} layers "
+                             f"x {c.n_embd}), got shape {tuple(np.shape(features))}")
+        return f
+
+    def _append_rows(self, s: GpuDraftSession, feats: Any, s_ctx: Any, positions: Any) -> None:
+        """Context K/V of the feature rows into the caches at rows s_ctx[0].. (dflash.append_context's math)."""
+        c, eps = self.cfg, self.cfg.rms_eps
+        n, kd = int(feats.shape[0]), c.n_head_kv * c.head_dim
+        ctx = nr.rms_norm(self.fc.matmul(feats), self.hidden_norm, eps)
+        for i, w in enumerate(self.layers):
+            kv = w["attn_kv"].matmul(ctx)
+            k, _ = nr.qk_norm_rope(kv[:, :kd].reshape(n, c.n_head_kv, c.head_dim), None, w["attn_k_norm"], None,
+                                   positions, c.head_dim, c.rope_theta, eps)
+            s.kv[i].store(k, kv[:, kd:].reshape(n, c.n_head_kv, c.head_dim), s_ctx)
+
+    def append_context(self, session: GpuDraftSession, features: Any, start: int) -> None:
+        """Append the target features of committed tokens at session.n_ctx.. so that n_ctx becomes start
+        (eager launches; draft() appends inside its captured pass instead)."""
+        cp = self.xp
+        feats = self._features(features)
+        n = int(feats.shape[0])
+        if session.n_ctx + n != start:
+            raise ValueError(f"draft context holds {session.n_ctx} tokens, {n} new feature rows would make "
+                             f"{session.n_ctx + n}, but the block starts at position {start}")
+        if n == 0:
+            return
+        session.reserve(start + self.block_size)
+        for j in range(0, n, 256):   # chunks bound the scratch of a long prompt
+            m = min(256, n - j)
+            rows = cp.asarray(feats[j:j + m], dtype=cp.float32)
+            pos = cp.arange(session.n_ctx + j, session.n_ctx + j + m, dtype=cp.int32)
+            self._append_rows(session, rows, session.n_ctx + j, pos)
+        session.n_ctx = start
+
+    # -- block ---------------------------------------------------------------------------------------
+    def _windowed(self, start: int, T: int) -> bool:
+        """Whether a sliding layer's window hides context rows from some block query (start + T > W)."""
+        W = self.cfg.sliding_window
+        return W is not None and any(self.cfg.layer_causal) and start + T > W
+
+    def _block_pass(self, s: GpuDraftSession, T: int, n_new: int, s_hint: int, masks: tuple[Any, Any, Any],
+                    x0: Any = None) -> Any:
+        """Every launch of a pass, reading per-step values only from the session's device buffers: append the
+        n_new feature rows in s.feats, then the block of T tokens at s_start. masks: (full layers, sliding
+        layers, sliding layers when the window cuts the context or None). Returns the final hidden rows."""
+        c, eps = self.cfg, self.cfg.rms_eps
+        H, Hkv, D = c.n_head, c.n_head_kv, c.head_dim
+        if n_new:
+            self._append_rows(s, s.feats[:n_new], s.s_ctx, s.ctx_pos(n_new))
+        if x0 is not None:
+            x = x0
+        elif self._host_table:
+            x = s.x_in[:T]
+        else:
+            x = self.be.embed(self.tok_embd, s.tokens[:T])
+        pos = s.blk_pos[:T]
+        for i, w in enumerate(self.layers):
+            h = qm.pack_activations(nr.rms_norm(x, w["attn_norm"], eps))     # packed once for both products
+            q = w["attn_q"].matmul(h).reshape(T, H, D)
+            kv = w["attn_kv"].matmul(h)
+            k = kv[:, :Hkv * D].reshape(T, Hkv, D)
+            v = kv[:, Hkv * D:].reshape(T, Hkv, D)
+            q, k = nr.qk_norm_rope(q, k, w["attn_q_norm"], w["attn_k_norm"], pos, D, c.rope_theta, eps)
+            cache = s.kv[i]
+            cache.store(k, v, s.s_start)          # the block's rows after the context (overwritten next append)
+            causal = c.layer_causal[i]
+            if causal and masks[2] is not None:
+                o = self._window_attention(q, cache, s, T, masks[2])
+            else:
+                o = att.attention(q, cache, s.s_start, masks[1] if causal else masks[0], s_hint=s_hint)
+            h, x = nr.rms_norm(w["attn_output"].matmul(o.reshape(T, H * D)), w["post_attention_norm"], eps,
+                               residual=x)
+            gu = w["ffn_gate_up"].matmul(h)
+            x = x + w["ffn_down"].matmul(nr.silu_mul(gu[:, :c.n_ff], gu[:, c.n_ff:]))   # residual add: CuPy
+        return x
+
+    def _window_shape(self, T: int) -> tuple[int, int]:
+        """(n_all, n_edge) of a windowed pass: context rows every block query sees (the last W - T before start)
+        and the rows before them that only the first queries see (query t sees edge row j iff j >= t)."""
+        W = self.cfg.sliding_window
+        return max(W - T, 0), min(T - 1, W - 1)
+
+    def _window_mask(self, s: GpuDraftSession, start: int, T: int) -> Any:
+        """Device uint64 mask of a windowed pass over the scratch rows [all | block | edge] (see _window_attention),
+        written for this step; the scratch cache is made here too (never inside a capture)."""
+        cp, c = self.xp, self.cfg
+        W = c.sliding_window
+        n_all, n_edge = self._window_shape(T)
+        Tq = T + n_edge
+        if s.win is None or s.win.max_ctx < n_all + Tq:
+            s.win = att.KVCacheLayer(c.n_head_kv, c.head_dim, n_all + Tq, "f16")
+            s.graphs.clear()
+        if s.win_len.get(T) is None:
+            s.win_len[T] = cp.full(1, n_all, cp.int32)
+            s.win_mask[T] = cp.zeros(Tq, cp.uint64)
+        t = np.arange(T)[:, None]
+        j = np.arange(n_edge)[None, :]
+        edge = ((j >= t) & (start - (W - 1) + j >= 0)).astype(np.uint64) << (T + j).astype(np.uint64)
+        m = np.empty(Tq, np.uint64)
+        m[:T] = ((np.uint64(1) << (np.arange(T) + 1).astype(np.uint64)) - np.uint64(1)) | edge.sum(axis=1,
+                                                                                                   dtype=np.uint64)
+        m[T:] = np.uint64(1) << np.arange(T, Tq).astype(np.uint64)     # padding queries: themselves only
+        s.win_mask[T][...] = cp.asarray(m)
+        return s.win_mask[T]
+
+    def _window_attention(self, q: Any, cache: att.KVCacheLayer, s: GpuDraftSession, T: int, mask: Any) -> Any:
+        """A sliding layer's attention when its window cuts the context (SpecForge's per-query window: context
+        position p visible to query t iff p >= start + t - (W-1)), on the attention kernel: the window's rows are
+        gathered into a scratch cache as [n_all rows every query sees | the block | n_edge edge rows] and the block
+        is padded with n_edge queries, so the edge rows and the block are "new tokens" under a per-step mask.
+        Indices come from s_start on the device (graph-safe); the gather is a plain CuPy take."""
+        cp, c = self.xp, self.cfg
+        H, Hkv, D, W = c.n_head, c.n_head_kv, c.head_dim, c.sliding_window
+        n_all, n_edge = self._window_shape(T)
+        rows = cp.concatenate([s.s_start - n_all + cp.arange(n_all, dtype=cp.int32),
+                               s.s_start + cp.arange(T, dtype=cp.int32),
+                               cp.maximum(s.s_start - (W - 1) + cp.arange(n_edge, dtype=cp.int32), 0)])
+        win = s.win
+        for src, dst in ((cache.k, win.k), (cache.v, win.v)):
+            dst.reshape(Hkv, win.ctx, -1)[:, :rows.size] = src.reshape(Hkv, cache.ctx, -1)[:, rows]
+        qp = cp.zeros((T + n_edge, H, D), q.dtype)
+        qp[:T] = q
+        return att.attention(qp, win, s.win_len[T], mask, s_hint=n_all)[:T]
+
+    def _head(self, x: Any) -> tuple[Any, Any, Any]:
+        """(logits, top-k ids, top-k log-probs at temperature 1) of hidden rows, all on the device."""
+        logits = self.output.matmul(nr.rms_norm(x, self.output_norm, self.cfg.rms_eps))
+        ids, logp = smp.topk_logprobs(logits, min(TOPK, self.n_vocab))
+        return logits, ids, logp
+
+    def _check_ids(self, ids: Any) -> np.ndarray:
+        return DFlashDrafter._check_ids(self, ids)
+
+    def _set_step(self, s: GpuDraftSession, start: int, n_new: int, tokens: np.ndarray | None) -> None:
+        """Write a pass's per-step values into the session's device buffer (one upload)."""
+        B = self.block_size
+        vals = np.empty(2 + MAX_APPEND + 2 * B, np.int32)
+        vals[0], vals[1] = start - n_new, start
+        vals[2:2 + MAX_APPEND] = np.arange(start - n_new, start - n_new + MAX_APPEND)
+        vals[2 + MAX_APPEND:2 + MAX_APPEND + B] = start + np.arange(B)
+        vals[2 + MAX_APPEND + B:] = self.mask_token_id
+        if tokens is not None:
+            vals[2 + MAX_APPEND + B:2 + MAX_APPEND + B + len(tokens)] = tokens
+        s.vals[...] = self.xp.asarray(vals)
+
+    def block_logits(self, session: GpuDraftSession, ids: Any, start: int) -> np.ndarray:
+        """Logits (len(ids), n_vocab) of every slot of any block of <= block_size tokens at start.. (eager)."""
+        ids = self._check_ids(ids)
+        T = len(ids)
+        if session.n_ctx != start:
+            raise ValueError(f"the block must start right after the draft context ({session.n_ctx} tokens), "
+                             f"not at position {start}")
+        if T > self.block_size:
+            raise ValueError(f"a block has at most {self.block_size} tokens, not {T}")
+        cp = self.xp
+        session.reserve(start + self.block_size)
+        self._set_step(session, start, 0, ids)
+        x0 = cp.asarray(self.host_embed(ids)) if self._host_table else None
+        win = self._window_mask(session, start, T) if self._windowed(start, T) else None
+        masks = (cp.full(T, (1 << T) - 1, dtype=cp.uint64), cp.asarray(att.tree_mask(np.arange(-1, T - 1))), win)
+        x = self._block_pass(session, T, 0, start, masks, x0)
+        logits = self.output.matmul(nr.rms_norm(x, self.output_norm, self.cfg.rms_eps))
+        return np.asarray(cp.asnumpy(logits), dtype=np.float32)
+
+    def host_embed(self, ids: np.ndarray) -> np.ndarray:
+        from ..backend import NumpyBackend
+
+        return NumpyBackend().embed(self.tok_embd.host, np.asarray(ids))
+
+    def _pass(self, s: GpuDraftSession, features: Any, last_token: int, start: int) -> tuple[Any, Any, Any]:
+        """Append + block + head as one graph replay (or eager launches): device (logits, ids, logp)."""
+        cp = self.xp
+        feats = self._features(features)
+        n = int(feats.shape[0])
+        if s.n_ctx + n != start:
+            raise ValueError(f"draft context holds {s.n_ctx} tokens, {n} new feature rows would make "
+                             f"{s.n_ctx + n}, but the block starts at position {start}")
+        if not 0 <= int(last_token) < int(self.tok_embd.shape[0]):
+            raise ValueError(f"block token ids must be in [0, {int(self.tok_embd.shape[0])})")
+        if n > MAX_APPEND:               # a prompt's features: eager, then a pass with nothing to append
+            self.append_context(s, feats, start)
+            n = 0
+        B = self.block_size
+        s.reserve(start + B)
+        self._set_step(s, start, n, np.array([last_token]))
+        if n:
+            s.feats[:n] = cp.asarray(feats, dtype=cp.float32)
+        if self._host_table:
+            if s.x_in is None:
+                s.x_in = cp.asarray(self.host_embed(np.full(B, self.mask_token_id)))
+            s.x_in[0] = cp.asarray(self.host_embed(np.array([last_token]))[0])
+        windowed = self._windowed(start, B)
+        masks = (self._mask_full, self._mask_causal, self._window_mask(s, start, B) if windowed else None)
+        if self.use_graphs and self.graph_blocker is None:
+            s_hint = QG._s_bucket(start + B, s.capacity) - B
+            out = self._graph_pass(s, (n, windowed, s_hint), lambda: self._head(
+                self._block_pass(s, B, n, s_hint, masks)[1:]))
+        else:
+            self.graph_stats["eager"] += 1
+            out = self._head(self._block_pass(s, B, n, start, masks)[1:])
+        s.n_ctx = start
+        return out
+
+    def _graph_pass(self, s: GpuDraftSession, key: tuple, launches: Any) -> tuple[Any, Any, Any]:
+        """Replay the session's graph for this shape; without one: eager warm-up (this pass's results), then
+        capture (Qwen35GpuModel._graph_step's scheme: measured arena, _GraphHeap, _record)."""
+        cp = self.xp
+        g = s.graphs.get(key)
+        if g is not None:
+            g.graph.launch(cp.cuda.get_current_stream())
+            g.replays += 1
+            self.graph_stats["replays"] += 1
+            return g.outputs
+        probe = QG._GraphHeap(cp, None)
+        with cp.cuda.using_allocator(probe.malloc):
+            out = launches()
+        try:
+            heap = QG._GraphHeap(cp, cp.empty(probe.peak + probe.peak // 8 + (4 << 20), cp.uint8))
+            if self._stream is None:
+                self._stream = cp.cuda.Stream(non_blocking=True)
+            graph, res = QG._record(self._stream, heap, launches)
+        except Exception as e:  # noqa: BLE001 - any capture failure: eager from here on, and say why
+            self.use_graphs = False
+            self.graph_blocker = f"capture failed: {type(e).__name__}: {e}"
+            self.graph_stats["failed"] += 1
+            warnings.warn(f"CUDA graphs off for the drafter: {self.graph_blocker}", RuntimeWarning, stacklevel=3)
+            return out
+        while len(s.graphs) >= GRAPHS_PER_SESSION:
+            s.graphs.pop(next(iter(s.graphs)))
+        s.graphs[key] = _DraftGraph(graph=graph, heap=heap, outputs=res)
+        self.graph_stats["captures"] += 1
+        return out
+
+    def draft(self, session: GpuDraftSession, new_features: Any, last_token: int, start: int) -> np.ndarray:
+        """DFlashDrafter.draft: float32 host logits (block_size - 1, n_vocab) of positions start+1 ..
+        (the whole rows come back: tests and tools; the speculative loop uses draft_topk)."""
+        logits, _, _ = self._pass(session, new_features, last_token, start)
+        return np.asarray(self.xp.asnumpy(logits), dtype=np.float32)
+
+    def draft_topk(self, session: GpuDraftSession, new_features: Any, last_token: int, start: int,
+                   k: int) -> tuple[np.ndarray, np.ndarray]:
+        """draft() followed by ddtree.topk_logprobs(logits, k), with only the (block_size - 1, k) ids (int64) and
+        log-probabilities (float64) coming back to the host."""
+        if not 1 <= k <= TOPK:
+            raise ValueError(f"k must be in 1..{TOPK}, not {k}")
+        _, ids, logp = self._pass(session, new_features, last_token, start)
+        cp = self.xp
+        return cp.asnumpy(ids[:, :k]).astype(np.int64), cp.asnumpy(logp[:, :k]).astype(np.float64)
+
+
+class GpuProposer:
+    """speculative.LocalProposer for a DFlashGpuDrafter: the top-k come from the device (draft_topk)."""
+
+    def __init__(self, drafter: DFlashGpuDrafter):
+        self.drafter = drafter
+        self.session = drafter.new_session()
+        self.block_size = drafter.block_size
+        self.target_layer_ids = list(drafter.target_layer_ids)
+
+    def propose(self, new_features: Any, last_token: int, start: int, k: int) -> tuple[np.ndarray, np.ndarray]:
+        return self.drafter.draft_topk(self.session, new_features, int(last_token), int(start), int(k))
+
+    def close(self) -> None:
+        self.session = None
+
+
+def load_gpu_drafter(path: str, target: Any, device: int | None = None) -> DFlashGpuDrafter:
+    """models.dflash.load_drafter for the GPU: the drafter on cuda:`device` (default: the target's device)."""
+    cfg, tensors, source = read_drafter(path, target.cfg.n_layer)
+    tbe = getattr(target, "be", None)
+    if device is None:
+        device = tbe.device if isinstance(tbe, CupyBackend) else 0
+    be = tbe if isinstance(tbe, CupyBackend) and tbe.device == int(device) else CupyBackend(int(device))
+    return DFlashGpuDrafter(cfg, tensors, target, be, source=source)
