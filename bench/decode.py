@@ -47,6 +47,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "bench"))
 
+from gpu_bench import add_model_source, device_name, load_gpu_model  # noqa: E402
+
 WIDTHS = (1, 2, 4, 8, 16, 23, 32, 41, 64)
 ACCEPT = (2, 3, 4, 6)
 SPEC_WIDTH = 23
@@ -305,11 +307,7 @@ def _replay_s(graph, timer: Timer, reps: int = 10) -> float:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    src = ap.add_mutually_exclusive_group(required=True)
-    src.add_argument("--model", help="an existing qwen35 GGUF")
-    src.add_argument("--make-synthetic", metavar="DIR", help="write the synthetic file into DIR first")
-    ap.add_argument("--shape", default="qwen3.6-27b", help="synthetic shape (tiny: a smoke run)")
-    ap.add_argument("--layers", type=int, default=None, help="synthetic blocks (real widths); times scaled to 64")
+    add_model_source(ap)          # --layers N < the shape's blocks: times scaled to the full count
     ap.add_argument("--full-layers", type=int, default=None,
                     help="block count to scale to when the model is shortened (default: the shape's)")
     ap.add_argument("--context", type=int, default=512, help="committed tokens before each timed pass")
@@ -342,9 +340,7 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     import cupy
 
-    props = cupy.cuda.runtime.getDeviceProperties(0)
-    dev = props["name"].decode() if isinstance(props["name"], bytes) else str(props["name"])
-    rep: dict[str, Any] = {"device": dev, "argv": sys.argv[1:]}
+    rep: dict[str, Any] = {"device": device_name(cupy), "argv": sys.argv[1:]}
 
     def save() -> None:
         rep["elapsed_s"] = round(time.perf_counter() - t_start, 1)
@@ -389,20 +385,8 @@ def main(argv: list[str] | None = None) -> int:
     except Exception:
         rep["copy_error"] = _err()
 
-    # load_gpu_target's steps, so that the header parse (a 248k-token vocabulary in Python) is timed apart
-    from services.engine import loader as ld
-    from services.engine.backend import CupyBackend
-    from services.engine.models.qwen35_gpu import Qwen35GpuModel
-
-    t0 = time.perf_counter()
-    mf = ld.open_model_file(path)
-    rep["header_s"] = round(time.perf_counter() - t0, 1)
-    t0 = time.perf_counter()
-    emb = mf.tensors["token_embd.weight"]
-    model = Qwen35GpuModel(ld.config_from_gguf(mf.metadata, n_vocab=emb.shape[0], path=mf.path), mf.tensors,
-                           CupyBackend(0), source=mf.path)
-    cupy.cuda.Device().synchronize()
-    rep["load_s"] = round(time.perf_counter() - t0, 1)
+    model, mf, load = load_gpu_model(path)
+    rep.update(load)
     rep["fallback_weights"] = model.fallback_weights[:8]
     cfg = model.cfg
     wb = weight_bytes(mf.tensors)

@@ -27,6 +27,9 @@ import numpy as np
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.join(ROOT, "bench"))
+
+from gpu_bench import add_model_source, device_name, load_gpu_model  # noqa: E402
 
 FILL_CHUNK = 4096       # rows per store launch while filling the cache
 VERIFY_WIDTH = 23
@@ -99,11 +102,7 @@ def time_config(model, context: int, kv_k: str, kv_v: str, steps: int, reps: int
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    src = ap.add_mutually_exclusive_group(required=True)
-    src.add_argument("--model", help="an existing qwen35 GGUF")
-    src.add_argument("--make-synthetic", metavar="DIR", help="write the synthetic Qwen3.6-27B Q4_K_M file first")
-    ap.add_argument("--shape", default="qwen3.6-27b")
-    ap.add_argument("--layers", type=int, default=None, help="synthetic blocks (a shortened model: a smoke run)")
+    add_model_source(ap, "the synthetic Qwen3.6-27B Q4_K_M file")
     ap.add_argument("--context", type=int, nargs="+", default=[4096, 32768])
     ap.add_argument("--kv", nargs="+", default=["f16/f16", "q8_0/tq3_0", "tq3_0/tq3_0"], help="K/V type pairs")
     ap.add_argument("--steps", type=int, default=48, help="timed decode steps per configuration")
@@ -118,26 +117,17 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     import cupy
 
-    from services.engine import loader as ld
-    from services.engine.backend import CupyBackend
-    from services.engine.models.qwen35_gpu import Qwen35GpuModel
-
     pairs = [tuple(p.split("/")) for p in args.kv]
     if any(len(p) != 2 for p in pairs):
         ap.error("--kv takes K/V pairs such as f16/f16 or q8_0/tq3_0")
     t_start = time.perf_counter()
-    props = cupy.cuda.runtime.getDeviceProperties(0)
-    rep: dict[str, Any] = {"device": props["name"].decode() if isinstance(props["name"], bytes) else props["name"],
-                           "argv": sys.argv[1:] if argv is None else argv, "runs": []}
+    rep: dict[str, Any] = {"device": device_name(cupy), "argv": sys.argv[1:] if argv is None else argv, "runs": []}
     path = args.model
     if args.make_synthetic:
         from services.engine.synthetic import make_synthetic
 
         path = make_synthetic(args.shape, args.make_synthetic, layers=args.layers).target_path
-    mf = ld.open_model_file(path)
-    emb = mf.tensors["token_embd.weight"]
-    model = Qwen35GpuModel(ld.config_from_gguf(mf.metadata, n_vocab=emb.shape[0], path=mf.path), mf.tensors,
-                           CupyBackend(0), source=mf.path)
+    model, _, rep["load"] = load_gpu_model(path)
     rep["n_layer"] = model.cfg.n_layer
     print(f"[{time.perf_counter() - t_start:6.1f} s] loaded {path}", flush=True)
     for ctx in args.context:

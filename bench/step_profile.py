@@ -38,6 +38,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "bench"))
 
+from gpu_bench import add_model_source, device_name, load_gpu_model  # noqa: E402
+
 GROUP = 24          # launches enqueued behind one spin kernel
 SPIN_MIN_US = 300   # shortest spin
 TREE_WIDTH = 23
@@ -321,11 +323,7 @@ def report(res: dict[str, Any]) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    src = ap.add_mutually_exclusive_group(required=True)
-    src.add_argument("--model", help="a qwen35 GGUF")
-    src.add_argument("--make-synthetic", metavar="DIR", help="write the synthetic target into DIR first")
-    ap.add_argument("--shape", default="qwen3.6-27b", help="synthetic shape (tiny: a smoke run)")
-    ap.add_argument("--layers", type=int, default=None, help="synthetic blocks (real widths)")
+    add_model_source(ap, "the synthetic target")
     ap.add_argument("--context", type=int, default=512, help="committed tokens before the profiled steps")
     ap.add_argument("--compare-persistent", action="store_true",
                     help="also the width-1 step with gemv's persistent variant for every quantized type")
@@ -341,8 +339,7 @@ def main(argv: list[str] | None = None) -> int:
 
     t_start = time.perf_counter()
     rep: dict[str, Any] = {"argv": sys.argv[1:] if argv is None else argv}
-    props = cp.cuda.runtime.getDeviceProperties(0)
-    rep["device"] = props["name"].decode() if isinstance(props["name"], bytes) else str(props["name"])
+    rep["device"] = device_name(cp)
 
     def save() -> None:
         rep["elapsed_s"] = round(time.perf_counter() - t_start, 1)
@@ -368,17 +365,8 @@ def main(argv: list[str] | None = None) -> int:
         rep["copy_error"] = f"{type(e).__name__}: {e}"
     copy = rep.get("copy_GBps")
 
-    from services.engine import loader as ld
-    from services.engine.backend import CupyBackend
-    from services.engine.models.qwen35_gpu import Qwen35GpuModel
-
-    t0 = time.perf_counter()
-    mf = ld.open_model_file(path)
-    emb = mf.tensors["token_embd.weight"]
-    model = Qwen35GpuModel(ld.config_from_gguf(mf.metadata, n_vocab=emb.shape[0], path=mf.path), mf.tensors,
-                           CupyBackend(0), source=mf.path)
-    cp.cuda.Device().synchronize()
-    rep["load_s"] = round(time.perf_counter() - t0, 1)
+    model, _, load = load_gpu_model(path)
+    rep["load_s"] = load["header_s"] + load["load_s"]
     rep["n_layer"] = model.cfg.n_layer
     rep["fused_launches"] = model.fused_launches
     print(f"loaded {path} ({model.cfg.n_layer} blocks) in {rep['load_s']} s; copy bandwidth {copy} GB/s", flush=True)

@@ -8,9 +8,6 @@ maximum) and sums are exact int32 / fp32, so the error left is ~1e-5 (v2's 2e-3 
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import numpy as np
 import pytest
 
@@ -24,61 +21,14 @@ import cupy  # noqa: E402
 
 from kernels import quant_gemv as qg  # noqa: E402
 from kernels import quant_matmul as qm  # noqa: E402
+from tests.quant_twins import NAMES, dequantize, random_weights, rel_error  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
 
-def _load_twins():
-    """services.engine.quants codecs; loaded by path when the package cannot import (no gguf on the GPU box)."""
-    try:
-        from services.engine.quants import kquants, legacy
 
-        return kquants, legacy
-    except ImportError:
-        base = Path(__file__).resolve().parents[1] / "services" / "engine" / "quants"
-        mods = []
-        for name in ("kquants", "legacy"):
-            spec = importlib.util.spec_from_file_location(f"_specsplit_gemv_twin_{name}", base / f"{name}.py")
-            mod = importlib.util.module_from_spec(spec)
-            spec.loader.exec_module(mod)
-            mods.append(mod)
-        return tuple(mods)
-
-
-kquants, legacy = _load_twins()
-
-BLOCK = {qm.F16: (1, 2), qm.Q8_0: (32, 34), qm.Q4_K: (256, 144), qm.Q6_K: (256, 210)}
-FP16_FIELDS = {qm.Q8_0: (0,), qm.Q4_K: (0, 2), qm.Q6_K: (208,)}
-NAMES = {qm.F16: "F16", qm.Q8_0: "Q8_0", qm.Q4_K: "Q4_K", qm.Q6_K: "Q6_K"}
 TYPES = (qm.Q4_K, qm.Q6_K, qm.Q8_0, qm.F16)
 TOL = 2e-4
-
-
-def random_weights(qtype: int, n_out: int, k: int, rng: np.random.Generator) -> np.ndarray:
-    """Valid packed storage (n_out, row_bytes): random bytes with small finite fp16 scales."""
-    per, size = BLOCK[qtype]
-    n_blocks = n_out * k // per
-    if qtype == qm.F16:
-        raw = (rng.standard_normal(n_out * k) * 0.5).astype(np.float16).view(np.uint8).reshape(n_blocks, size)
-    else:
-        raw = rng.integers(0, 256, size=(n_blocks, size), dtype=np.uint8)
-        for start in FP16_FIELDS[qtype]:
-            scales = (rng.standard_normal(n_blocks) * 0.05).astype(np.float16)
-            raw[:, start : start + 2] = scales.view(np.uint8).reshape(-1, 2)
-    return raw.reshape(n_out, -1)
-
-
-def dequantize(qtype: int, raw: np.ndarray, n_out: int, k: int) -> np.ndarray:
-    """NumPy twin -> float64 [n_out, k]."""
-    if qtype == qm.F16:
-        return raw.reshape(-1).view(np.float16).astype(np.float64).reshape(n_out, k)
-    blocks = raw.reshape(-1, BLOCK[qtype][1])
-    decode = {qm.Q8_0: legacy.dequantize_q8_0, qm.Q4_K: kquants.dequantize_q4_k, qm.Q6_K: kquants.dequantize_q6_k}
-    return decode[qtype](blocks).astype(np.float64).reshape(n_out, k)
-
-
-def rel_error(y: np.ndarray, ref: np.ndarray) -> float:
-    return float(np.linalg.norm(y.astype(np.float64) - ref) / np.linalg.norm(ref))
 
 
 def run(W: qm.QuantMatrix, x: np.ndarray, y0: np.ndarray | None = None, **kw) -> np.ndarray:

@@ -24,6 +24,7 @@ import pytest
 from kernels import quant_gemv as qg
 from kernels import quant_matmul as qm
 from services.engine import quants
+from tests.quant_twins import random_weights
 
 ROOT = Path(__file__).resolve().parents[1]
 SOURCE = ROOT / "kernels" / "quant_gemv.cu"
@@ -31,8 +32,6 @@ QMM_SOURCE = ROOT / "kernels" / "quant_matmul.cu"
 HARNESS = Path(__file__).resolve().parent / "cuda_sim_gemv.cpp"
 
 F16, Q8_0, Q4_K, Q6_K = 1, 8, 12, 14
-BLOCK = {F16: (1, 2), Q8_0: (32, 34), Q4_K: (256, 144), Q6_K: (256, 210)}
-FP16_FIELDS = {Q8_0: (0,), Q4_K: (0, 2), Q6_K: (208,)}
 PAD = 1024
 TOL = 2e-4
 
@@ -68,20 +67,6 @@ def aligned_zeros(nbytes: int) -> np.ndarray:
     raw = np.zeros(nbytes + 64, np.uint8)
     off = (-raw.ctypes.data) % 64
     return raw[off : off + nbytes]
-
-
-def random_weights(qtype: int, n_out: int, k: int, rng: np.random.Generator) -> np.ndarray:
-    per, size = BLOCK[qtype]
-    n_blocks = n_out * k // per
-    if qtype == F16:
-        raw = (rng.standard_normal(n_out * k) * 0.5).astype(np.float16).view(np.uint8).reshape(n_blocks, size)
-    else:
-        raw = rng.integers(0, 256, size=(n_blocks, size), dtype=np.uint8)
-        for start in FP16_FIELDS[qtype]:
-            raw[:, start : start + 2] = (
-                (rng.standard_normal(n_blocks) * 0.05).astype(np.float16).view(np.uint8).reshape(-1, 2)
-            )
-    return raw.reshape(n_out, -1)
 
 
 def run_sim(
