@@ -81,3 +81,40 @@ def test_auto_budget_is_lossless_and_reports_its_choices(tiny_pair):
         assert spec.token_ids == plain.token_ids
         assert spec.spec["budget_mode"] == "auto" and 1 <= spec.spec["budget"] <= 64
         assert sum(spec.spec["tuner"]["chosen_budgets"].values()) >= spec.spec["steps"]
+
+
+def test_the_tuner_says_when_drafting_does_not_pay():
+    rng = np.random.default_rng(3)
+    tree = _tree(rng, sharp=0.5)                       # flat drafts: little expected acceptance
+    t = BudgetTuner({1: 1.0, 65: 1.1}, max_budget=64, draft_s=5.0, plain_s=1.0)
+    t.choose(tree)                                     # (1 + E) / (5 + ~1) tokens/s < 1 / 1: plain is faster
+    assert not t.drafting_pays
+    t.draft_s, t.kappa = 0.01, 20.0                    # a cheap drafter that is accepted: it pays
+    t.choose(tree)
+    assert t.drafting_pays
+    unknown = BudgetTuner({1: 1.0, 65: 1.1}, draft_s=5.0)   # plain step time unknown: always drafts
+    unknown.choose(tree)
+    assert unknown.drafting_pays
+    t.observe_plain(0.5)
+    assert t.plain_steps == 1 and abs(t.plain_s - 0.975) < 1e-9 and t.snapshot()["plain_steps"] == 1
+
+
+def test_plain_pauses_stay_lossless_and_keep_the_drafter_context(tiny_pair):
+    """With plain steps between drafts the output is still the plain output, and the drafter (whose context must
+    receive every committed token's features, also those of plain steps) keeps drafting: append_context checks
+    that its context reaches the block's position."""
+    _, gguf, drafter_dir = tiny_pair
+    lt = load_target(gguf)
+    drafter = load_drafter(drafter_dir, lt.model)
+    tuner = BudgetTuner({1: 1.0, 65: 1.0}, draft_s=100.0, plain_s=1.0)   # every draft looks too dear
+    prompt = np.random.default_rng(5).integers(0, lt.cfg.n_vocab - 8, 9).tolist()
+    plain = generate(lt.model, prompt, 40)
+    spec = speculative_generate(lt.model, LocalProposer(drafter), prompt, 40, spec=SpecConfig.auto(tuner))
+    assert spec.token_ids == plain.token_ids
+    s = spec.spec
+    # drafted once, paused 8 plain steps, drafted again, paused 16, ... (every draft still too dear)
+    assert s["steps"] >= 2 and s["plain_steps"] >= 8 + 16 and s["tuner"]["plain_steps"] == s["plain_steps"]
+    assert s["steps"] + s["plain_steps"] < len(plain.token_ids)        # and drafts still committed > 1 token
+    # a second request starts by drafting again (its own pause), on the same tuner
+    again = speculative_generate(lt.model, LocalProposer(drafter), prompt, 12, spec=SpecConfig.auto(tuner))
+    assert again.token_ids == plain.token_ids[:12] and again.spec["steps"] >= 1

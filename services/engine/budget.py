@@ -47,6 +47,27 @@ def measure_verify_costs(target, widths=CALIBRATION_WIDTHS, context: int = 64, r
     return out
 
 
+def measure_plain_step(target, context: int = 64, reps: int = 4) -> float:
+    """Seconds of one plain decode step (width-1 forward, logits of the last row, commit), the best of `reps`."""
+    n_vocab = target.cfg.n_vocab
+    state = target.new_state(context + reps + 2)
+    ids = np.arange(context) % max(1, n_vocab - 1)
+    target.forward(state, ids, logits="none")
+    state.commit(list(range(context)))
+    best, tok = float("inf"), 1
+    for r in range(reps + 1):                            # round 0 warms (on a GPU: the graph's capture)
+        t0 = time.perf_counter()
+        res = target.forward(state, [tok], logits="last")
+        state.commit([0])
+        tok = int(greedy_tokens(res.logits)[-1])
+        if r:
+            best = min(best, time.perf_counter() - t0)
+    return best
+
+
+PLAIN_PAUSE = (8, 64)   # plain steps before the drafter is tried again: at first, at most (doubling meanwhile)
+
+
 @dataclass
 class BudgetTuner:
     """Chooses how many best-first nodes of a drafted tree to verify; learns from every step it sees."""
@@ -58,6 +79,11 @@ class BudgetTuner:
     ema: float = 0.05
     scale: float = 1.0                      # observed / measured verify time (running)
     chosen: dict[int, int] = field(default_factory=dict)    # budget -> steps (for stats)
+    # seconds of a plain decode step (measured, then tracked); 0 = unknown: always speculate
+    plain_s: float = 0.0
+    plain_steps: int = 0                    # steps decoded without the drafter because it did not pay (stats)
+    # whether the last chosen tree was expected to beat a plain step (False: the caller pauses the drafter)
+    drafting_pays: bool = True
     _pred: float = 0.0
     _acc: float = 0.0
 
@@ -69,7 +95,13 @@ class BudgetTuner:
     @classmethod
     def measure(cls, target, max_budget: int = 64) -> BudgetTuner:
         widths = tuple(w for w in CALIBRATION_WIDTHS if w <= max_budget + 1) + (max_budget + 1,)
-        return cls(measure_verify_costs(target, widths), max_budget=max_budget)
+        return cls(measure_verify_costs(target, widths), max_budget=max_budget, plain_s=measure_plain_step(target))
+
+    def observe_plain(self, seconds: float) -> None:
+        """Fold in the time of a plain step taken instead of a speculative one."""
+        self.plain_steps += 1
+        if seconds > 0:
+            self.plain_s = seconds if self.plain_s == 0.0 else (1 - self.ema) * self.plain_s + self.ema * seconds
 
     def cost(self, width: int | np.ndarray) -> np.ndarray:
         """Verify seconds at `width` tokens: the measured curve times the observed drift."""
@@ -96,7 +128,11 @@ class BudgetTuner:
         gain = 1.0 + np.cumsum(p)                         # expected tokens committed with b = 1..n nodes
         b = np.arange(1, n + 1)
         rate = gain / (self.draft_s + self.cost(b + 1))
-        return int(b[int(np.argmax(rate))])
+        best = int(np.argmax(rate))
+        # A drafter not accepted for enough to pay for itself and the wider verify: the caller takes plain steps
+        # for a while (this tree is verified anyway: its draft is paid for), then drafts again to re-measure.
+        self.drafting_pays = not (self.plain_s > 0 and rate[best] * self.plain_s < 1.0)
+        return int(b[best])
 
     def observe(self, tree: DraftTree, kept: int, accepted: int, verify_s: float, draft_s: float) -> None:
         """Fold one step in: accepted drafted tokens vs predicted, and the times it took."""
@@ -116,5 +152,6 @@ class BudgetTuner:
     def snapshot(self) -> dict:
         return {"kappa": round(self.kappa, 4), "draft_ms": round(self.draft_s * 1e3, 3),
                 "verify_ms": {int(w): round(s * 1e3, 3) for w, s in sorted(self.verify_costs.items())},
-                "verify_scale": round(self.scale, 4),
+                "verify_scale": round(self.scale, 4), "plain_ms": round(self.plain_s * 1e3, 3),
+                "plain_steps": self.plain_steps,
                 "chosen_budgets": dict(sorted(self.chosen.items()))}

@@ -16,7 +16,7 @@ from typing import Protocol
 
 import numpy as np
 
-from .budget import BudgetTuner
+from .budget import PLAIN_PAUSE, BudgetTuner
 from .ddtree import DraftTree, build_chain, build_ddtree, topk_logprobs
 from .errors import SpecsplitError
 from .generate import GenerationResult, check_request, prefill
@@ -111,6 +111,7 @@ class SpecStats:
     fallback: bool = False
     fallback_reason: str = ""
     auto: bool = False                                      # budget chosen per step (`--budget auto`)
+    plain_steps: int = 0                                    # steps without a draft: auto found it not paying
     tuner: dict | None = None                               # the tuner's view at the end of the request
 
     def __post_init__(self):
@@ -151,6 +152,7 @@ class SpecStats:
             "verify_ms": round(self.verify_ms, 3),
             "accept_ms": round(self.accept_ms, 3),
             "fallback": self.fallback,
+            "plain_steps": self.plain_steps,
             **({"fallback_reason": self.fallback_reason} if self.fallback else {}),
             **({"tuner": self.tuner} if self.tuner is not None else {}),
         }
@@ -218,13 +220,32 @@ def speculative_stream(target: TargetModel, proposer: Proposer | None, prompt_id
     chunk, done = emit([root])
     yield chunk
     step = 0
+    # `--budget auto` pauses a drafter that does not pay for plain steps, per request: PLAIN_PAUSE[0] steps,
+    # doubling (up to PLAIN_PAUSE[1]) while the re-measuring draft after each pause still does not pay
+    plain_left, pause = 0, PLAIN_PAUSE[0]
     while not done:
         room = state.max_ctx - state.n_past - 1            # tree nodes that still fit after the root
         if room < 0:
             res.finish_reason = "length"
             break
         top = None
-        if proposer is not None and room > 0:
+        drafting = proposer is not None and room > 0
+        if drafting and plain_left > 0:
+            plain_left -= 1
+            # the tuner measured that the drafter does not pay now: a plain step that still captures the
+            # features the drafter will need for these tokens when it drafts again
+            tp = time.perf_counter()
+            out = target.forward(state, [root], capture=layer_ids, logits="last")
+            state.commit([0])
+            if out.captured is not None:
+                feats = out.captured if feats is None else np.concatenate([feats, out.captured], axis=0)
+            root = sample_row(out.logits, -1, params, rng)
+            spec.tuner.observe_plain(time.perf_counter() - tp)
+            stats.plain_steps += 1
+            chunk, done = emit([root])
+            yield chunk
+            continue
+        if drafting:
             td = time.perf_counter()
             try:
                 k = 1 if spec.chain or spec.budget <= depth else TREE_TOPK
@@ -248,6 +269,10 @@ def speculative_stream(target: TargetModel, proposer: Proposer | None, prompt_id
             tree = build_ddtree(top_ids, top_logp, min(spec.budget, room), spec.chain_seed)
             if spec.tuner is not None:
                 full, tree = tree, tree.prefix(spec.tuner.choose(tree))
+                if spec.tuner.drafting_pays:
+                    pause = PLAIN_PAUSE[0]
+                else:
+                    plain_left, pause = pause, min(2 * pause, PLAIN_PAUSE[1])
         tokens, parents = tree.verify_batch(root)
         tv = time.perf_counter()
         out = target.forward(state, tokens, parents, capture=layer_ids, checkpoints=True, logits="all")

@@ -705,6 +705,7 @@ def _spec_stats(spec: dict | None, job: _Job) -> pb.SpecStats:
         draft_ms=float(spec.get("draft_ms", 0.0)), verify_ms=float(spec.get("verify_ms", 0.0)),
         accept_ms=float(spec.get("accept_ms", 0.0)), fallback=bool(spec.get("fallback", False)),
         fallback_reason=spec.get("fallback_reason", "") or job.fallback_reason,
+        plain_steps=int(spec.get("plain_steps", 0)) if job.speculative else 0,
     )
 
 
