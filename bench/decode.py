@@ -33,7 +33,6 @@ loop's work outside kernels (Python, uploads and downloads, tree build, argmax, 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -47,7 +46,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "bench"))
 
-from gpu_bench import add_model_source, device_name, load_gpu_model  # noqa: E402
+from gpu_bench import add_model_source, device_name, json_saver, load_gpu_model  # noqa: E402
 
 WIDTHS = (1, 2, 4, 8, 16, 23, 32, 41, 64)
 ACCEPT = (2, 3, 4, 6)
@@ -342,12 +341,7 @@ def main(argv: list[str] | None = None) -> int:
 
     rep: dict[str, Any] = {"device": device_name(cupy), "argv": sys.argv[1:]}
 
-    def save() -> None:
-        rep["elapsed_s"] = round(time.perf_counter() - t_start, 1)
-        if args.json:
-            os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-            with open(args.json, "w") as f:
-                json.dump(rep, f, indent=1, default=str)
+    save = json_saver(rep, args.json, t_start)
 
     def log(msg: str) -> None:
         print(f"[{time.perf_counter() - t_start:6.1f} s] {msg}", flush=True)

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import time
+from collections.abc import Callable
 from typing import Any
 
 
@@ -14,6 +17,20 @@ def add_model_source(ap: argparse.ArgumentParser, what: str = "the synthetic fil
     src.add_argument("--make-synthetic", metavar="DIR", help=f"write {what} into DIR first")
     ap.add_argument("--shape", default="qwen3.6-27b", help="synthetic shape (tiny: a smoke run)")
     ap.add_argument("--layers", type=int, default=None, help="synthetic blocks (real widths, fewer layers)")
+
+
+def json_saver(rep: dict[str, Any], path: str | None, t_start: float) -> Callable[[], None]:
+    """A save() that stamps the elapsed seconds into `rep` and rewrites it at `path` (nothing without a path),
+    so a run cut short by its deadline still leaves what it measured."""
+
+    def save() -> None:
+        rep["elapsed_s"] = round(time.perf_counter() - t_start, 1)
+        if path:
+            os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+            with open(path, "w") as f:
+                json.dump(rep, f, indent=1, default=str)
+
+    return save
 
 
 def device_name(cupy: Any) -> str:

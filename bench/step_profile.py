@@ -24,7 +24,6 @@ replayed (`replay_us`: median of event-timed replays), to compare with the sum o
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -38,7 +37,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "bench"))
 
-from gpu_bench import add_model_source, device_name, load_gpu_model  # noqa: E402
+from gpu_bench import add_model_source, device_name, json_saver, load_gpu_model  # noqa: E402
 
 GROUP = 24          # launches enqueued behind one spin kernel
 SPIN_MIN_US = 300   # shortest spin
@@ -341,12 +340,7 @@ def main(argv: list[str] | None = None) -> int:
     rep: dict[str, Any] = {"argv": sys.argv[1:] if argv is None else argv}
     rep["device"] = device_name(cp)
 
-    def save() -> None:
-        rep["elapsed_s"] = round(time.perf_counter() - t_start, 1)
-        if args.json:
-            os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-            with open(args.json, "w") as f:
-                json.dump(rep, f, indent=1, default=str)
+    save = json_saver(rep, args.json, t_start)
 
     path = args.model
     if args.make_synthetic:
