@@ -503,7 +503,8 @@ GV_DEV void tail_chunk(const u8* wt, int c, int K, int r4, int j, const uint4* s
 // order (deterministic). Block-uniform; with KW > 1 it holds one __syncthreads (red must not be rewritten before
 // the adds have read it: the per-tile kernel returns after it, the persistent one alternates two buffers).
 template <int NT>
-GV_DEV void finish_tile(float (&acc)[4][NT], float* red, int row0, int N, float* __restrict__ y, int accumulate) {
+GV_DEV void finish_tile(float (&acc)[4][NT], float* red, int row0, int N, float* __restrict__ y, i64 ldy,
+                        int accumulate) {
     const int lane = (int)(threadIdx.x & 31u), warp = (int)(threadIdx.x >> 5);
     const int KW = (int)(blockDim.x >> 5), nthreads = (int)blockDim.x;
     const int j = lane >> 2, r4 = lane & 3;
@@ -525,7 +526,7 @@ GV_DEV void finish_tile(float (&acc)[4][NT], float* red, int row0, int N, float*
                 if (row < N) {
 #pragma unroll
                     for (int n = 0; n < NT; ++n) {
-                        float* dst = y + (i64)n * N + row;
+                        float* dst = y + (i64)n * ldy + row;
                         *dst = accumulate ? *dst + acc[i][n] : acc[i][n];
                     }
                 }
@@ -546,7 +547,7 @@ GV_DEV void finish_tile(float (&acc)[4][NT], float* red, int row0, int N, float*
         for (int w = 0; w < KW; ++w) v += red[(w * 16 + r) * NT + n];  // warp order: deterministic
         const int row = row0 + r;
         if (row < N) {
-            float* dst = y + (i64)n * N + row;
+            float* dst = y + (i64)n * ldy + row;
             *dst = accumulate ? *dst + v : v;
         }
     }
@@ -555,14 +556,15 @@ GV_DEV void finish_tile(float (&acc)[4][NT], float* red, int row0, int N, float*
 }  // namespace gv
 
 // y[T, N] (+)= x @ W^T for NT = T tokens (1..16). W: device_layout() (row_bytes = bytes of one GGUF row), 16-byte
-// aligned; xp: pack_x_kernel output with tpad = 8 ceil(T / 8) token slots; y: fp32 [T, N]; accumulate != 0: y +=.
+// aligned; xp: pack_x_kernel output with tpad = 8 ceil(T / 8) token slots; y: fp32 [T, N] with row stride ldy >= N
+// floats (a column slice of a wider output: the stacked projections write in place); accumulate != 0: y +=.
 // Grid: ceil(N / 16) blocks of 32 KW threads (KW <= 8). Dynamic shared memory (smem_bytes in kernels/quant_gemv.py):
 // nch * NT * 512 bytes of staged x, nch * NT * 64 of group scales (Q8_0, Q4_K, Q6_K) and as much of group sums
 // (Q4_K, Q6_K), and KW * 16 * NT * 4 of partial sums when KW > 1; nch = ceil(K / 256).
 template <int QT, int NT>
 __global__ void GV_BOUNDS(256) gemv_kernel(const u8* __restrict__ W, long long row_bytes, int N, int K,
                                            const uint4* __restrict__ xp, int tpad, float* __restrict__ y,
-                                           int accumulate) {
+                                           int accumulate, long long ldy) {
     using namespace gv;
     using L = Lay<QT>;
     constexpr int BLK = 16 * (L::MAIN + L::SIDE);  // bytes of one full tile block
@@ -645,7 +647,7 @@ __global__ void GV_BOUNDS(256) gemv_kernel(const u8* __restrict__ W, long long r
     if constexpr (QT == 1 || QT == 8) {
         if (c1 > nfull) tail_chunk<QT, NT>(wt, nfull, K, r4, j, sx, sxq, acc);
     }
-    finish_tile<NT>(acc, red, 16 * tile, N, y, accumulate);
+    finish_tile<NT>(acc, red, 16 * tile, N, y, ldy, accumulate);
 }
 
 // Persistent variant for the quantized types (Q8_0, Q4_K, Q6_K): the same sums, added in the same order, so its
@@ -658,7 +660,7 @@ __global__ void GV_BOUNDS(256) gemv_kernel(const u8* __restrict__ W, long long r
 template <int QT, int NT, int PD>
 __global__ void GV_BOUNDS(256) gemv_persist_kernel(const u8* __restrict__ W, long long row_bytes, int N, int K,
                                                    const uint4* __restrict__ xp, int tpad, float* __restrict__ y,
-                                                   int accumulate) {
+                                                   int accumulate, long long ldy) {
     using namespace gv;
     using L = Lay<QT>;
     static_assert(L::INT, "F16 keeps the per-tile kernel");
@@ -728,6 +730,6 @@ __global__ void GV_BOUNDS(256) gemv_persist_kernel(const u8* __restrict__ W, lon
         if constexpr (QT == 8) {
             if (c1 > nfull) tail_chunk<QT, NT>(W + (i64)tile * tile_bytes, nfull, K, r4, j, sx, sxq, acc);
         }
-        finish_tile<NT>(acc, red + (ti & 1) * KW * 16 * NT, 16 * tile, N, y, accumulate);
+        finish_tile<NT>(acc, red + (ti & 1) * KW * 16 * NT, 16 * tile, N, y, ldy, accumulate);
     }
 }

@@ -175,7 +175,8 @@ def gemv(
 ) -> Any:
     """out (+)= x @ W^T for a QuantMatrix W in the v2 layout and a PackedX of 1..16 tokens; returns out.
 
-    out: contiguous float32 [T, W.out_features]. accumulate=True adds into out (e.g. the residual stream)."""
+    out: float32 [T, W.out_features], rows contiguous and possibly strided (a column slice of a wider output:
+    qm.check_out). accumulate=True adds into out (e.g. the residual stream)."""
     n_out, k = W.shape
     if W.kernel == "v1":
         raise ValueError(f"{W.name}: the gemv kernel reads the v2 device layout; this matrix holds GGUF rows (v1)")
@@ -184,8 +185,7 @@ def gemv(
     tokens = packed.tokens
     if not 1 <= tokens <= MAX_TOKENS:
         raise ValueError(f"{W.name}: gemv takes 1..{MAX_TOKENS} tokens, not {tokens}")
-    if out.dtype != np.float32 or tuple(out.shape) != (tokens, n_out) or not out.flags.c_contiguous:
-        raise ValueError(f"{W.name}: out must be a contiguous float32 array of shape {(tokens, n_out)}")
+    qm.check_out(out, tokens, n_out, W.name)
     cfg = config if config is not None else GemvConfig()
     persistent = cfg.persistent if cfg.persistent is not None else prefer_persistent(W.qtype, tokens)
     if persistent and int(W.qtype) not in PERSISTENT_TYPES:
@@ -215,6 +215,7 @@ def gemv(
             np.int32(packed.padded_tokens),
             out,
             np.int32(bool(accumulate)),
+            np.int64(qm.out_stride(out)),
         ),
         shared_mem=smem,
     )

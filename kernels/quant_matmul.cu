@@ -594,42 +594,164 @@ SS_DEV void pack_unit(int j, int n, int K, int TPAD, int& k, long long& u) {
 
 }  // namespace ss
 
+namespace ss {
+
+// 16 bytes of activations as floats: 4 f32 or 8 f16 values
+template <int IN_F32>
+SS_DEV void unpack16(const uint4& q, float* v) {
+    if constexpr (IN_F32 != 0) {
+        v[0] = __uint_as_float(q.x), v[1] = __uint_as_float(q.y), v[2] = __uint_as_float(q.z), v[3] = __uint_as_float(q.w);
+    } else {
+        const u32 w[4] = {q.x, q.y, q.z, q.w};
+#pragma unroll
+        for (int i = 0; i < 4; ++i) v[2 * i] = h2f(w[i] & 0xFFFFu), v[2 * i + 1] = h2f(w[i] >> 16);
+    }
+}
+
+template <int IN_F32>
+SS_DEV uint4 repack16(const float* v) {
+    uint4 q;
+    if constexpr (IN_F32 != 0) {
+        q.x = __float_as_uint(v[0]), q.y = __float_as_uint(v[1]), q.z = __float_as_uint(v[2]), q.w = __float_as_uint(v[3]);
+    } else {
+        q.x = f2h(v[0]) | (f2h(v[1]) << 16), q.y = f2h(v[2]) | (f2h(v[3]) << 16);
+        q.z = f2h(v[4]) | (f2h(v[5]) << 16), q.w = f2h(v[6]) | (f2h(v[7]) << 16);
+    }
+    return q;
+}
+
+SS_DEV void st_f4(float* p, const float* v) {  // one 16-byte shared-memory store (p 16-byte aligned)
+    *(uint4*)p = uint4{__float_as_uint(v[0]), __float_as_uint(v[1]), __float_as_uint(v[2]), __float_as_uint(v[3])};
+}
+
+SS_DEV bool aligned16(const void* p, long long ld_bytes) {
+    return ((((unsigned long long)p) | (unsigned long long)ld_bytes) & 15ull) == 0ull;
+}
+
+// Padding token rows TPAD > n >= T of a packed buffer: zeros, by the blocks first .. gridDim.x - 1 (grid-stride).
+SS_DEV void zero_padding_rows(int T, int K, int TPAD, uint4* __restrict__ xp, int first) {
+    const int units = K >> 3;
+    const long long total = (long long)(TPAD - T) * units, step = (long long)(gridDim.x - first) * blockDim.x;
+    const uint4 zero = {0u, 0u, 0u, 0u};
+    for (long long q = (long long)(blockIdx.x - first) * blockDim.x + threadIdx.x; q < total; q += step) {
+        const int row = (int)(q / units);
+        int k;
+        long long u;
+        pack_unit((int)(q - (long long)row * units), T + row, K, TPAD, k, u);
+        xp[u] = zero;
+    }
+}
+
+constexpr int PACK_VEC = 6;  // pack_rms_kernel: 16-byte loads per thread and input in flight at once (K = 6144 f32: all)
+
+}  // namespace ss
+
 // xp = fp16(rms_norm(x [+ r]) * w) in pack_x_kernel's layout; with RES also s = x + r (the new residual stream,
-// x's type). GROUP = K (one norm per token row, grid = TPAD blocks, padding rows written as zeros) or a head
-// size D < K (one norm per D values, e.g. the DeltaNet output heads), then with GATE the values are also
-// multiplied by silu(z) (rms_norm(o) * w * silu(z), head_norm_kernel MODE 1). w: f32, GROUP values (may be null).
-// x rows: stride ldx, z rows: stride ldz; r, s rows: contiguous (stride K). block = 256 threads.
+// x's type). GROUP = K (one norm per token row) or a head size D < K (one norm per D values, e.g. the DeltaNet
+// output heads), then with GATE the values are also multiplied by silu(z) (rms_norm(o) * w * silu(z),
+// head_norm_kernel MODE 1). w: f32, GROUP values (may be null). x rows: stride ldx, z rows: stride ldz; r, s
+// rows: contiguous (stride K). x, r, s, z and w must start 16-byte aligned, and so must x's and z's rows (the
+// launcher copies a misaligned input). Block = 256 threads.
+// Grid: T * slices blocks, then any number >= 1 (when T < TPAD) that write the padding rows' zeros between them.
+// Block n < T * slices packs token row n / slices, chunks [c_lo, c_hi) of the 256-value chunks (slice n % slices
+// of them, balanced), and writes s there. A row alone is latency-bound: one block for all of it spends most of its
+// time issuing the pack's per-value arithmetic on one SM; slices spread that over several SMs. Each block stages
+// what its slice needs into shared memory with 16-byte loads, PACK_VEC per thread and input all in flight (one
+// memory round trip, nothing read twice): x [+ r] of the whole row for a row norm (each slice adds up the same
+// sum of squares, in rms_norm_kernel's order: thread tid sums i = tid, tid + 256, ...), of the heads the slice
+// touches for a per-head norm (head_norm_kernel's order: lane l sums d = l, l + 32, ...), z and w of the slice.
+// So the packed values stay bit-identical to the two-launch path whatever the slice count.
+// Dynamic shared memory (pack_rms_smem_bytes in kernels/quant_matmul.py): 4 (K (1 + GATE) + GROUP [w]) bytes,
+// each array indexed by its position in the row (a slice fills its part).
 template <int IN_F32, int RES, int GATE>
 __global__ void __launch_bounds__(256) pack_rms_kernel(const void* __restrict__ xin, long long ldx,
                                                        const void* __restrict__ r, void* __restrict__ s,
                                                        const void* __restrict__ z, long long ldz,
                                                        const float* __restrict__ w,
                                                        int group, float eps, int T, int K, int TPAD,
-                                                       uint4* __restrict__ xp) {
+                                                       uint4* __restrict__ xp, int slices) {
     using namespace ss;
+    extern __shared__ uint4 ss_smem[];
     static __shared__ float red[8];
     static __shared__ float inv_g[256];  // per-head inverse norms (group < K): at most 256 groups per row
-    const int n = (int)blockIdx.x, tid = (int)threadIdx.x;
-    const int units = K >> 3;
-    if (n >= T) {  // padding token: zeros (the whole block returns, no barrier is skipped by part of it)
-        const uint4 zero = {0u, 0u, 0u, 0u};
-        for (int j = tid; j < units; j += 256) {
-            int k;
-            long long u;
-            pack_unit(j, n, K, TPAD, k, u);
-            xp[u] = zero;
-        }
+    constexpr int VE = IN_F32 ? 4 : 8;    // values per 16-byte vector
+    constexpr int IS = IN_F32 ? 4 : 2;    // bytes per value
+    const int tid = (int)threadIdx.x;
+    if ((int)blockIdx.x >= T * slices) {  // a padding block (the whole block returns: no barrier is skipped)
+        zero_padding_rows(T, K, TPAD, xp, T * slices);
         return;
     }
-    const long long xb = (long long)n * ldx, rb = (long long)n * K;
-    if (group >= K) {
+    const int n = (int)blockIdx.x / slices, sl = (int)blockIdx.x - n * slices;
+    const int nch = (K + CHUNK - 1) / CHUNK;
+    const int c_lo = (int)((long long)sl * nch / slices), c_hi = (int)((long long)(sl + 1) * nch / slices);
+    const int k_lo = c_lo * CHUNK, k_hi = imin(c_hi * CHUNK, K);  // this block's values (multiples of 8)
+    const bool whole = group >= K;
+    // x [+ r] values to stage: the whole row, or the heads [h_lo, h_hi) overlapping [k_lo, k_hi)
+    const int h_lo = whole ? 0 : k_lo / group, h_hi = whole ? 1 : (k_hi + group - 1) / group;
+    const int a_lo = whole ? 0 : (h_lo * group) / VE * VE, a_hi = whole ? K : (imin(h_hi * group, K) + VE - 1) / VE * VE;
+
+    float* const sv = (float*)ss_smem;         // [K] x + r
+    float* const sz = sv + K;                  // [K] z (GATE)
+    float* const sw = sz + (GATE ? K : 0);     // [group] w
+    // vector ranges (first vector, count): x / r / s, z, w (4 floats per vector; a row norm's w: the slice only)
+    const int xa = a_lo / VE, xn = (a_hi - a_lo) / VE;
+    const int za = k_lo / VE, zn = GATE ? (k_hi - k_lo) / VE : 0;
+    const int wg = w != nullptr ? group : 0;
+    const bool wvec = (wg & 3) == 0;
+    const int wa = whole ? k_lo / 4 : 0, wn = !wvec ? 0 : whole ? (k_hi - k_lo) / 4 : wg / 4;
+    const int sa = k_lo / VE, sb = k_hi / VE;  // s vectors this block writes
+    const uint4* const x4 = (const uint4*)((const char*)xin + (long long)n * ldx * IS);
+    const uint4* const r4 = (const uint4*)((const char*)r + (long long)n * K * IS);
+    uint4* const s4 = (uint4*)((char*)s + (long long)n * K * IS);
+    const uint4* const z4 = (const uint4*)((const char*)z + (long long)n * ldz * IS);
+    const int most = xn > zn ? (xn > wn ? xn : wn) : (zn > wn ? zn : wn);
+    for (int q0 = 0; q0 < most; q0 += 256 * PACK_VEC) {
+        uint4 ax[PACK_VEC], ar[PACK_VEC], az[PACK_VEC], aw[PACK_VEC];
+#pragma unroll
+        for (int b = 0; b < PACK_VEC; ++b) {
+            const int q = q0 + tid + 256 * b;
+            if (q < xn) {
+                ax[b] = x4[xa + q];
+                if constexpr (RES != 0) ar[b] = r4[xa + q];
+            }
+            if constexpr (GATE != 0) {
+                if (q < zn) az[b] = z4[za + q];
+            }
+            if (q < wn) aw[b] = ((const uint4*)w)[wa + q];
+        }
+#pragma unroll
+        for (int b = 0; b < PACK_VEC; ++b) {
+            const int q = q0 + tid + 256 * b;
+            float v[VE];
+            if (q < xn) {
+                unpack16<IN_F32>(ax[b], v);
+                if constexpr (RES != 0) {
+                    float rv[VE];
+                    unpack16<IN_F32>(ar[b], rv);
+#pragma unroll
+                    for (int e = 0; e < VE; ++e) v[e] += rv[e];
+                    if (xa + q >= sa && xa + q < sb) s4[xa + q] = repack16<IN_F32>(v);
+                }
+#pragma unroll
+                for (int e = 0; e < VE; e += 4) st_f4(sv + (xa + q) * VE + e, v + e);
+            }
+            if constexpr (GATE != 0) {
+                if (q < zn) {
+                    unpack16<IN_F32>(az[b], v);
+#pragma unroll
+                    for (int e = 0; e < VE; e += 4) st_f4(sz + (za + q) * VE + e, v + e);
+                }
+            }
+            if (q < wn) ((uint4*)sw)[wa + q] = aw[b];
+        }
+    }
+    if (!wvec)
+        for (int i = tid; i < wg; i += 256) sw[i] = w[i];  // a group of 4 k + 2 values: no 16-byte loads
+    __syncthreads();
+    if (whole) {
         float sq = 0.0f;
         for (int i = tid; i < K; i += 256) {  // rms_norm_kernel's order: thread tid sums i = tid, tid + 256, ...
-            float v = ld_act<IN_F32>(xin, xb + i);
-            if constexpr (RES != 0) {
-                v += ld_act<IN_F32>(r, rb + i);
-                st_act<IN_F32>(s, rb + i, v);
-            }
+            const float v = sv[i];
             sq += v * v;
         }
         sq = warp_sum_f(sq);
@@ -640,15 +762,11 @@ __global__ void __launch_bounds__(256) pack_rms_kernel(const void* __restrict__ 
         if (tid == 0) inv_g[0] = 1.0f / SS_SQRTF(tot / (float)K + eps);
     } else {
         // one warp per head at a time, lane l summing d = l, l + 32, ... (head_norm_kernel's order)
-        const int warp = tid >> 5, lane = tid & 31, heads = K / group;
-        for (int hh = warp; hh < heads; hh += 8) {
+        const int warp = tid >> 5, lane = tid & 31;
+        for (int hh = h_lo + warp; hh < h_hi; hh += 8) {
             float sq = 0.0f;
             for (int d = lane; d < group; d += 32) {
-                float v = ld_act<IN_F32>(xin, xb + (long long)hh * group + d);
-                if constexpr (RES != 0) {
-                    v += ld_act<IN_F32>(r, rb + (long long)hh * group + d);
-                    st_act<IN_F32>(s, rb + (long long)hh * group + d, v);
-                }
+                const float v = sv[hh * group + d];
                 sq += v * v;
             }
             sq = warp_sum_f(sq);
@@ -656,35 +774,49 @@ __global__ void __launch_bounds__(256) pack_rms_kernel(const void* __restrict__ 
         }
     }
     __syncthreads();
-    for (int j = tid; j < units; j += 256) {
+    const int j_hi = imin(32 * c_hi, K >> 3);
+    for (int j = 32 * c_lo + tid; j < j_hi; j += 256) {
         int k;
         long long u;
         pack_unit(j, n, K, TPAD, k, u);
         u32 h[8];
+        if (whole || (group & 7) == 0) {  // the unit's 8 values share one norm (and one head's weights)
+            const int head = whole ? 0 : k / group, wk = whole ? k : k - head * group;
+            const float inv = inv_g[head];
 #pragma unroll
-        for (int e = 0; e < 8; ++e) {
-            const int kk = k + e;
-            float v = ld_act<IN_F32>(xin, xb + kk);
-            if constexpr (RES != 0) v += ld_act<IN_F32>(r, rb + kk);
-            if (group >= K) {
-                v *= inv_g[0];
-                if (w != nullptr) v *= w[kk];
-            } else {
-                v *= inv_g[kk / group] * (w != nullptr ? w[kk % group] : 1.0f);
+            for (int e = 0; e < 8; ++e) {
+                float v = sv[k + e];
+                if (whole) {
+                    v *= inv;
+                    if (w != nullptr) v *= sw[wk + e];
+                } else {
+                    v *= inv * (w != nullptr ? sw[wk + e] : 1.0f);
+                }
+                if constexpr (GATE != 0) v *= silu_f(sz[k + e]);
+                h[e] = f2h(v);
             }
-            if constexpr (GATE != 0) v *= silu_f(ld_act<IN_F32>(z, (long long)n * ldz + kk));
-            h[e] = f2h(v);
+        } else {
+#pragma unroll
+            for (int e = 0; e < 8; ++e) {
+                const int kk = k + e;
+                float v = sv[kk] * (inv_g[kk / group] * (w != nullptr ? sw[kk % group] : 1.0f));
+                if constexpr (GATE != 0) v *= silu_f(sz[kk]);
+                h[e] = f2h(v);
+            }
         }
         xp[u] = pack8(h);
     }
 }
 
 // xp = fp16(silu(g) * u) in pack_x_kernel's layout (SwiGLU into ffn_down); g, u rows with strides ldg, ldu (the
-// halves of one [T, 2K] gate|up product). Grid-stride over the 16-byte units, one thread per unit.
+// halves of one [T, 2K] gate|up product). Grid-stride over the 16-byte units, one thread per unit; each reads its
+// 8 values of g and u as 16-byte vectors when both are 16-byte aligned (rows and strides), else one by one.
 template <int IN_F32>
 __global__ void pack_silu_kernel(const void* __restrict__ g, long long ldg, const void* __restrict__ up,
                                  long long ldu, int T, int K, int TPAD, uint4* __restrict__ xp) {
     using namespace ss;
+    constexpr int IS = IN_F32 ? 4 : 2;
+    const bool vec = aligned16(g, ldg * IS) && aligned16(up, ldu * IS);
     const long long total = (long long)(K >> 3) * TPAD;
     for (long long v = (long long)blockIdx.x * blockDim.x + threadIdx.x; v < total;
          v += (long long)gridDim.x * blockDim.x) {
@@ -696,11 +828,27 @@ __global__ void pack_silu_kernel(const void* __restrict__ g, long long ldg, cons
         const int k0 = ch * CHUNK, C = imin(CHUNK, K - k0);
         const int k = k0 + t * (C >> 2) + 8 * p;
         u32 h[8];
+        if (n >= T) {
 #pragma unroll
-        for (int e = 0; e < 8; ++e)
-            h[e] = n < T ? f2h(silu_f(ld_act<IN_F32>(g, (long long)n * ldg + k + e)) *
-                               ld_act<IN_F32>(up, (long long)n * ldu + k + e))
-                         : 0u;
+            for (int e = 0; e < 8; ++e) h[e] = 0u;
+        } else if (vec) {
+            const uint4* g4 = (const uint4*)((const char*)g + ((long long)n * ldg + k) * IS);
+            const uint4* u4 = (const uint4*)((const char*)up + ((long long)n * ldu + k) * IS);
+            float gv[8], uv[8];
+            const uint4 g0 = g4[0], u0 = u4[0];
+            if constexpr (IN_F32 != 0) {
+                const uint4 g1 = g4[1], u1 = u4[1];
+                unpack16<1>(g0, gv), unpack16<1>(g1, gv + 4), unpack16<1>(u0, uv), unpack16<1>(u1, uv + 4);
+            } else {
+                unpack16<0>(g0, gv), unpack16<0>(u0, uv);
+            }
+#pragma unroll
+            for (int e = 0; e < 8; ++e) h[e] = f2h(silu_f(gv[e]) * uv[e]);
+        } else {
+#pragma unroll
+            for (int e = 0; e < 8; ++e)
+                h[e] = f2h(silu_f(ld_act<IN_F32>(g, (long long)n * ldg + k + e)) * ld_act<IN_F32>(up, (long long)n * ldu + k + e));
+        }
         xp[v] = pack8(h);
     }
 }
@@ -1169,7 +1317,8 @@ SS_DEV void frag2_tail(const u8* q, const u8* side, int t, int m, int p, u32 (&a
 // between groups. Per group the warps' partial sums meet in shared memory (double-buffered, one
 // __syncthreads per group) and one warp adds them in warp order: deterministic. gridDim.y > 1 splits K
 // across CTAs as well (fp32 atomics into a zeroed y). accumulate != 0: y += x @ W^T (the residual add after
-// an output projection; with K splits the atomics add into y as it is). Dynamic shared memory: qmv_smem_bytes() in
+// an output projection; with K splits the atomics add into y as it is). ldy: y's row stride in floats (>= N; 0: N),
+// so a product can land in its column slice of a stacked output. Dynamic shared memory: qmv_smem_bytes() in
 // kernels/quant_matmul.py (stages, reduction buffers, mbarriers).
 // Narrow variant (one m16 tile, one token tile; not Q6_K, which would spill): registers capped at 64 so 32
 // warps fit on an SM; a warp's throughput is bound by its own latency chains there (the H200 sweep: copy
@@ -1177,7 +1326,7 @@ SS_DEV void frag2_tail(const u8* q, const u8* side, int t, int m, int p, u32 (&a
 template <int QT, int NT, int MT>
 __global__ void SS_BOUNDS(256, (MT == 1 && NT == 1 && QT != 14) ? 4 : 1) qmv_kernel(const u8* __restrict__ W, long long row_bytes, int N, int K,
                                                   const uint4* __restrict__ xp, int T, float* __restrict__ y,
-                                                  int stages, int accumulate = 0) {
+                                                  int stages, int accumulate = 0, long long ldy = 0) {
     using namespace ss;
     using L = Lay<QT>;
     constexpr int CBF = L::MAIN + L::SIDE;  // bytes per row of a full chunk
@@ -1208,6 +1357,7 @@ __global__ void SS_BOUNDS(256, (MT == 1 && NT == 1 && QT != 14) ? 4 : 1) qmv_ker
     u64* const bars = (u64*)(smem + KW * stages * STAGE_BYTES + (KW > 1 ? 2 * KW * NACC * 128 : 0)) + warp * stages;
     const LaneK lk = lane_consts<QT>(g, t);
     const i64 tile_stride = 16 * row_bytes;  // bytes of one 16-row tile
+    const i64 ld = ldy > 0 ? ldy : N;         // y's row stride in floats (a column slice of a wider output)
 
 #if SS_BULK
     if (total > 0) {
@@ -1374,7 +1524,7 @@ __global__ void SS_BOUNDS(256, (MT == 1 && NT == 1 && QT != 14) ? 4 : 1) qmv_ker
                         const int rr = r + 8 * (i >> 1);
                         const int nn = nn0 + (i & 1);
                         if (nn < T && rr < N) {
-                            float* dst = y + (long long)nn * N + rr;
+                            float* dst = y + (long long)nn * ld + rr;
                             if (atomic) {
                                 atomicAdd(dst, acc[mt][nt][i]);
                             } else if (accumulate) {

@@ -279,9 +279,20 @@ class PackedX:
         return 8 * self.n_tiles
 
 
-def pack_rms_function(in_f32: bool, residual: bool, gate: bool, portable: bool = False) -> Any:
-    name = f"pack_rms_kernel<{int(in_f32)}, {int(residual)}, {int(gate)}>"
-    return loader.get_function(SOURCE, name, _defines(portable))
+PACK_RMS_STATIC_SMEM = 2048  # pack_rms_kernel's static shared memory (1056 bytes: red[8], inv_g[256]), rounded up
+
+
+def pack_rms_function(in_f32: bool, residual: bool, gate: bool, portable: bool = False, smem: int = 0) -> Any:
+    """The fused norm pack for one input type and residual / gate choice; smem: dynamic shared memory the launch
+    will use (opted into once above the 48 KiB default)."""
+    defines = _defines(portable)
+    fn = loader.get_function(SOURCE, f"pack_rms_kernel<{int(in_f32)}, {int(residual)}, {int(gate)}>", defines)
+    key = ("pack_rms", int(in_f32), int(residual), int(gate), defines, _device_id())
+    if smem > 48 * 1024 and _smem_configured_max.get(key, 0) < smem:
+        want = SMEM_LIMIT - PACK_RMS_STATIC_SMEM  # static + dynamic must fit the block's limit
+        fn.max_dynamic_shared_size_bytes = want
+        _smem_configured_max[key] = want
+    return fn
 
 
 def pack_silu_function(in_f32: bool, portable: bool = False) -> Any:
@@ -371,23 +382,70 @@ def pack_activations(
     group = int(w.size)
     if group < 1 or k % group or k // group > 256:
         raise ValueError(f"rms_weight has {group} values: K = {k} or a divisor of it (at most 256 groups)")
-    w = cupy.ascontiguousarray(w)
+    w = _aligned16(cupy.ascontiguousarray(w), 0)
+    x = _aligned16(x, ldx)
+    ldx = x.strides[0] // item if tokens > 1 else k
     r = s = z = x
     ldz = ldx
     if residual is not None:
-        r = like_x(residual, "residual")
+        r = _aligned16(like_x(residual, "residual"), k)
         if residual_out is None:
             residual_out = cupy.empty_like(r)
         elif residual_out.shape != r.shape or residual_out.dtype != r.dtype or not residual_out.flags.c_contiguous:
             raise ValueError(f"residual_out must be a contiguous {r.dtype} array of shape {tuple(r.shape)}")
+        elif residual_out.data.ptr % 16:
+            raise ValueError("residual_out must start 16-byte aligned")
         s = residual_out
     if gate is not None:
         z = like_x(gate, "gate", contiguous=False)
         ldz = z.strides[0] // item if tokens > 1 else k
-    kern = pack_rms_function(f32, residual is not None, gate is not None, portable)
-    kern((padded,), (256,), (x, np.int64(ldx), r, s, z, np.int64(ldz), w, np.int32(group), np.float32(eps),
-                             np.int32(tokens), np.int32(k), np.int32(padded), out))  # fmt: skip
+        z = _aligned16(z, ldz)
+        ldz = z.strides[0] // item if tokens > 1 else k
+    gated = gate is not None
+    smem = pack_rms_smem_bytes(k, group, gated)
+    if smem > SMEM_LIMIT - PACK_RMS_STATIC_SMEM:
+        limit = SMEM_LIMIT - PACK_RMS_STATIC_SMEM
+        raise ValueError(f"a fused norm over {k} values needs {smem} bytes of shared memory (limit {limit})")
+    kern = pack_rms_function(f32, residual is not None, gated, portable, smem)
+    slices = pack_rms_slices(k, group)
+    kern((pack_rms_grid(tokens, k, padded, slices),), (256,),
+         (x, np.int64(ldx), r, s, z, np.int64(ldz), w, np.int32(group), np.float32(eps), np.int32(tokens),
+          np.int32(k), np.int32(padded), out, np.int32(slices)), shared_mem=smem)  # fmt: skip
     return PackedX(out, tokens, k, residual_out if residual is not None else None)
+
+
+def pack_rms_smem_bytes(k: int, group: int, gate: bool) -> int:
+    """Dynamic shared memory of pack_rms_kernel: the row (x [+ r]) as fp32, z with a gate, and the norm weight."""
+    return 4 * (k * (2 if gate else 1) + group)
+
+
+def pack_rms_slices(k: int, group: int) -> int:
+    """Blocks per token row of pack_rms_kernel (each packs a run of whole 256-value chunks): at most one 16-byte unit
+    per thread (K = 5120: 3), and for a per-head norm at most one head per warp (the 27B DeltaNet output, 48 heads
+    of 128: 6), so no block walks the row's arithmetic alone; at most one per chunk."""
+    nch = -(-k // 256)
+    want = -(-(k // 8) // 256)
+    if group < k:
+        want = max(want, -(-(k // group) // 8))
+    return max(1, min(nch, want))
+
+
+def pack_rms_grid(tokens: int, k: int, padded: int, slices: int = 1) -> int:
+    """pack_rms_kernel's blocks: `slices` per token row, plus enough to write the padding rows' zeros at about 8
+    16-byte stores per thread (one block for T = 1 at K = 5120; they run beside the row blocks, off the critical
+    path)."""
+    rows = tokens * slices
+    if padded == tokens:
+        return rows
+    return rows + max(1, min(padded - tokens, -(-(padded - tokens) * (k // 8) // (256 * 8))))
+
+
+def _aligned16(a: Any, ld: int) -> Any:
+    """`a` itself when its first row and its row stride (ld elements) are 16-byte aligned, else a contiguous copy
+    (pack_rms_kernel stages rows with 16-byte loads)."""
+    if a.data.ptr % 16 == 0 and (a.shape[0] <= 1 or (ld * a.dtype.itemsize) % 16 == 0):
+        return a
+    return a.copy()
 
 
 class QuantMatrix:
@@ -545,8 +603,10 @@ class QuantMatrix:
         deterministic unless K is split across blocks; out is required).
 
         x: cupy/numpy [T, in] or [in] float16/float32 (any T; launches of <= 64 tokens), or a PackedX.
-        out: optional contiguous float32 [T, out] to write into. splits: K splits across thread blocks
-        (None: automatic; v2: overrides config.splits). config: v2 launch shape (None: choose_config).
+        out: optional float32 [T, out] to write into; its rows may be strided (a column slice of a wider output,
+        e.g. one member of a stacked projection: out.strides[1] == 4, out.strides[0] >= 4 out).
+        splits: K splits across thread blocks (None: automatic; v2: overrides config.splits).
+        config: v2 launch shape (None: choose_config).
         portable: use the kernels built without inline PTX (the HIP / fallback path), for testing.
         kernel: None picks per launch width: "gemv" (kernels/quant_gemv.cu, CUDA cores) up to its measured
         crossover width on a v2-layout matrix, else the matrix's own kernel; "gemv" / "v2" / "v1" force one
@@ -573,8 +633,8 @@ class QuantMatrix:
             if accumulate:
                 raise ValueError(f"{self.name}: accumulate=True adds into `out`, which is missing")
             out = cupy.empty((tokens, n_out), dtype=cupy.float32)
-        elif out.dtype != cupy.float32 or tuple(out.shape) != (tokens, n_out) or not out.flags.c_contiguous:
-            raise ValueError(f"{self.name}: out must be a contiguous float32 array of shape {(tokens, n_out)}")
+        else:
+            check_out(out, tokens, n_out, self.name)
 
         if config is not None and self.kernel != "v2":
             raise ValueError(f"{self.name}: config applies to the v2 kernel only")
@@ -626,8 +686,11 @@ class QuantMatrix:
         smem = cfg.smem_bytes(self.qtype, packed.n_tiles)
         kern = qmv_function(self.qtype, packed.n_tiles, cfg.m_tiles, smem, portable)
         if s > 1 and not accumulate:  # the splits add into y with atomics (accumulate: into y as it is)
-            stream = cupy.cuda.get_current_stream()
-            cupy.cuda.runtime.memsetAsync(out.data.ptr, 0, out.nbytes, stream.ptr)
+            if out.flags.c_contiguous:
+                stream = cupy.cuda.get_current_stream()
+                cupy.cuda.runtime.memsetAsync(out.data.ptr, 0, out.nbytes, stream.ptr)
+            else:  # a column slice: only its own columns
+                out.fill(0)
         kern(
             (self.grid_v2(cfg, kern, smem), s),
             (32 * cfg.k_warps,),
@@ -641,6 +704,7 @@ class QuantMatrix:
                 out,
                 np.int32(cfg.stages),
                 np.int32(bool(accumulate)),
+                np.int64(out_stride(out)),
             ),
             shared_mem=smem,
         )
@@ -650,10 +714,14 @@ class QuantMatrix:
         accumulate: bool = False,
     ) -> None:
         cupy = loader.require()
-        if accumulate:  # v1 has no accumulating epilogue: a product, then one add
-            y = cupy.empty_like(out)
+        if accumulate or not out.flags.c_contiguous:
+            # v1 has no accumulating epilogue and writes contiguous rows only: a product, then one add / copy
+            y = cupy.empty(out.shape, cupy.float32)
             self._launch(packed, y, splits, portable, config)
-            out += y
+            if accumulate:
+                out += y
+            else:
+                out[...] = y
             return
         n_out, k = self.shape
         s = self.choose_splits(packed.tokens) if splits is None else int(splits)
@@ -682,6 +750,24 @@ class QuantMatrix:
             f"QuantMatrix({self.name!r}, {self.type_name}, shape={self.shape}, {self.nbytes / 2**20:.1f} MiB, "
             f"{self.kernel})"
         )
+
+
+def check_out(out: Any, tokens: int, n_out: int, name: str = "weight") -> None:
+    """Raise unless `out` is a float32 [tokens, n_out] array with contiguous rows spaced >= n_out floats apart
+    (what the kernels' row stride takes: a contiguous array or a column slice of a wider one)."""
+    ok = out.dtype == np.float32 and tuple(out.shape) == (tokens, n_out) and out.strides[1] == 4
+    if ok and tokens > 1:
+        ok = out.strides[0] % 4 == 0 and out.strides[0] >= 4 * n_out
+    if not ok:
+        raise ValueError(
+            f"{name}: out must be float32 of shape {(tokens, n_out)} with contiguous rows (row stride >= {n_out}), "
+            f"not {out.dtype}{tuple(out.shape)} strides {tuple(out.strides)}"
+        )
+
+
+def out_stride(out: Any) -> int:
+    """Row stride of a [T, N] float32 output in floats (N for one row, whatever its nominal stride)."""
+    return int(out.strides[0]) // 4 if out.shape[0] > 1 else int(out.shape[1])
 
 
 def flops(tokens: int, shape: tuple[int, int]) -> int:

@@ -23,6 +23,7 @@ struct Args {
     int tpad;
     float* y;
     int accumulate;
+    long long ldy;
 };
 static Args ga;
 static void (*g_body)() = nullptr;
@@ -31,9 +32,10 @@ static void (*g_body)() = nullptr;
 template <int QT, int NT, int PD>
 static void body() {
     if constexpr (PD == 0 || QT == 1)
-        gemv_kernel<QT, NT>(ga.W, ga.row_bytes, ga.N, ga.K, ga.xp, ga.tpad, ga.y, ga.accumulate);
+        gemv_kernel<QT, NT>(ga.W, ga.row_bytes, ga.N, ga.K, ga.xp, ga.tpad, ga.y, ga.accumulate, ga.ldy);
     else
-        gemv_persist_kernel<QT, NT, PD>(ga.W, ga.row_bytes, ga.N, ga.K, ga.xp, ga.tpad, ga.y, ga.accumulate);
+        gemv_persist_kernel<QT, NT, PD>(ga.W, ga.row_bytes, ga.N, ga.K, ga.xp, ga.tpad, ga.y, ga.accumulate,
+                                        ga.ldy);
 }
 
 template <int QT, int PD>
@@ -70,9 +72,9 @@ static void (*pick(int nt, int pd))() {
 
 // One launch of `grid` blocks (0: ceil(N / 16), one per tile) of 32 kw threads, one after another; pd = 0: the
 // per-tile kernel, 1 / 2: the persistent one with that prefetch depth (F16 has none: pd must be 0). Returns the
-// simulation errors, or -1 for an instantiation this harness does not hold.
+// simulation errors, or -1 for an instantiation this harness does not hold. ldy: y's row stride in floats.
 extern "C" int sim_gemv(int qt, int nt, const unsigned char* W, long long row_bytes, int N, int K, const void* xp,
-                        int tpad, float* y, int accumulate, int kw, int pd, int grid) {
+                        int tpad, float* y, int accumulate, int kw, int pd, int grid, long long ldy) {
     switch (qt) {
         case 1: g_body = pd == 0 ? pick<1>(nt, 0) : nullptr; break;
         case 8: g_body = pick<8>(nt, pd); break;
@@ -81,7 +83,7 @@ extern "C" int sim_gemv(int qt, int nt, const unsigned char* W, long long row_by
         default: g_body = nullptr;
     }
     if (!g_body || kw < 1 || kw > gv::MAX_KW) return -1;
-    ga = {W, row_bytes, N, K, (const uint4*)xp, tpad, y, accumulate};
+    ga = {W, row_bytes, N, K, (const uint4*)xp, tpad, y, accumulate, ldy};
     const unsigned blocks = grid > 0 ? (unsigned)grid : (unsigned)((N + 15) / 16);
     int errors = 0;
     sim::gdim = {blocks, 1, 1};

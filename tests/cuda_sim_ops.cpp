@@ -51,6 +51,7 @@ extern "C" int sim_rms_norm(int ti, int to, int res, const void* x, const void* 
     CASE3(0, 0, 1, (g_body = [=] { rms_norm_kernel<0, 0, 1>(x, r, s, w, y, n, eps); }))
     CASE3(0, 1, 1, (g_body = [=] { rms_norm_kernel<0, 1, 1>(x, r, s, w, y, n, eps); }))
     CASE3(1, 1, 0, (g_body = [=] { rms_norm_kernel<1, 1, 0>(x, r, s, w, y, n, eps); }))
+    CASE3(1, 1, 1, (g_body = [=] { rms_norm_kernel<1, 1, 1>(x, r, s, w, y, n, eps); }))
     CASE3(2, 0, 1, (g_body = [=] { rms_norm_kernel<2, 0, 1>(x, r, s, w, y, n, eps); }))
     CASE3(0, 2, 0, (g_body = [=] { rms_norm_kernel<0, 2, 0>(x, r, s, w, y, n, eps); }))
     if (!g_body) return -1;
@@ -205,32 +206,36 @@ extern "C" int sim_topk(int ti, int k, const void* x, long long ld, int rows, in
 
 #if OPS_FAMILY == 4
 // pack_rms_kernel (mode 0) or pack_silu_kernel (mode 1) into xp (K * tpad halves); silu: r = the up rows.
+// mode 0: blocks = T * slices row blocks + the padding blocks (0: one padding block when T < tpad).
 extern "C" int sim_pack_fused(int mode, int in_f32, int res, int gate, const void* x, long long ldx, const void* r,
                               void* s, const void* z, long long ldz, const float* w, int group, float eps, int T, int K,
-                              int tpad, void* xp, int blocks) {
+                              int tpad, void* xp, int blocks, int slices) {
     g_body = nullptr;
 #define PR(F, R, G)                                                                                         \
     if (mode == 0 && in_f32 == F && res == R && gate == G)                                                  \
-        g_body = [=] { pack_rms_kernel<F, R, G>(x, ldx, r, s, z, ldz, w, group, eps, T, K, tpad, (uint4*)xp); };
+        g_body = [=] { pack_rms_kernel<F, R, G>(x, ldx, r, s, z, ldz, w, group, eps, T, K, tpad, (uint4*)xp, slices); };
     PR(1, 0, 0)
     PR(1, 1, 0)
     PR(0, 1, 0)
     PR(1, 0, 1)
     PR(0, 0, 1)
+    PR(0, 1, 1)
+    PR(1, 1, 1)
 #undef PR
     if (mode == 1 && in_f32) g_body = [=] { pack_silu_kernel<1>(x, ldx, r, ldz, T, K, tpad, (uint4*)xp); };
     if (mode == 1 && !in_f32) g_body = [=] { pack_silu_kernel<0>(x, ldx, r, ldz, T, K, tpad, (uint4*)xp); };
     if (!g_body) return -1;
-    return mode == 0 ? launch(tpad, 1, 1, 256) : launch(blocks, 1, 1, 64);
+    if (mode == 0 && blocks == 0) blocks = T * slices + (T < tpad ? 1 : 0);
+    return mode == 0 ? launch(blocks, 1, 1, 256) : launch(blocks, 1, 1, 64);
 }
 
-// qmv_kernel (v2) on W in device_layout(); accumulate: y += x @ W^T.
+// qmv_kernel (v2) on W in device_layout(); accumulate: y += x @ W^T; ldy: y's row stride in floats (0: N).
 extern "C" int sim_qmv_acc(int qt, int nt, int mt, int kw, const unsigned char* W, long long row_bytes, int N, int K,
-                           const void* xp, int T, float* y, int splits, int grid_x, int accumulate) {
+                           const void* xp, int T, float* y, int splits, int grid_x, int accumulate, long long ldy) {
     g_body = nullptr;
 #define QV(QT, NT, MT)                                                                                   \
     if (qt == QT && nt == NT && mt == MT)                                                                \
-        g_body = [=] { qmv_kernel<QT, NT, MT>(W, row_bytes, N, K, (const uint4*)xp, T, y, 2, accumulate); };
+        g_body = [=] { qmv_kernel<QT, NT, MT>(W, row_bytes, N, K, (const uint4*)xp, T, y, 2, accumulate, ldy); };
     QV(12, 1, 1)
     QV(8, 2, 2)
 #undef QV

@@ -512,3 +512,43 @@ def test_tq3_tree_commit_equals_plain_decode_with_graphs(kind_k, kind_v):
     assert gpu.graph_stats["replays"] - replays >= 8 and gpu.graph_blocker is None, gpu.graph_blocker
     print(f"{kind_k}/{kind_v}: tree + commit vs plain decode, max |difference| {worst:.4g}")
     assert worst <= TQ3_PATH_TOL, f"{worst:.4g} > {TQ3_PATH_TOL}"
+
+
+@needs_gpu
+@pytest.mark.parametrize("tokens", [1, 3, 23])
+def test_mixed_type_stack_equals_separate_products(tokens):
+    """A GpuStack of mixed storage types (the DeltaNet input stack's shape: Q6_K | Q4_K x3, then a Q8_0) runs one
+    product per run of consecutive same-type members, each written into its columns of the stacked output: the
+    same values as separate products side by side (to fp32 summation order: a run's launch shape may differ from
+    its members'), accumulate adds into out, and a column slice of a wider output works as out."""
+    import cupy
+
+    from kernels import quant_matmul as qm
+    from services.engine.backend import CupyBackend, GpuMatrix, GpuStack
+    from tests.quant_twins import dequantize, random_weights, rel_error
+
+    rng = np.random.default_rng(tokens)
+    k = 512
+    spec = [(qm.Q6_K, 96, "qkv"), (qm.Q4_K, 64, "gate"), (qm.Q4_K, 48, "beta"), (qm.Q4_K, 48, "alpha"),
+            (qm.Q8_0, 40, "extra")]
+    raws = [(q, random_weights(q, n, k, rng), n, name) for q, n, name in spec]
+    be = CupyBackend()
+    stack = be.stack([GpuMatrix(q, raw, (n, k), name) for q, raw, n, name in raws])
+    assert isinstance(stack, GpuStack) and len(stack.mats) == 3, "consecutive Q4_K members share one matrix"
+    assert [m.shape[0] for m in stack.mats] == [96, 160, 40] and stack.shape == (296, k)
+    separate = [GpuMatrix(q, raw, (n, k), name).upload() for q, raw, n, name in raws]
+    x = cupy.asarray((rng.standard_normal((tokens, k)) * 0.5).astype(np.float16))
+    y = cupy.asnumpy(stack.upload().matmul(x))
+    want = np.concatenate([cupy.asnumpy(m.matmul(x)) for m in separate], axis=1)
+    assert rel_error(y, want) < 1e-5
+    w64 = np.concatenate([dequantize(q, raw, n, k) for q, raw, n, _ in raws])
+    assert rel_error(y, cupy.asnumpy(x).astype(np.float64) @ w64.T) < 2e-3
+    y0 = cupy.asarray(rng.standard_normal((tokens, stack.shape[0])).astype(np.float32))
+    acc = y0.copy()
+    assert stack.matmul(qm.pack_activations(x), out=acc, accumulate=True) is acc
+    assert rel_error(cupy.asnumpy(acc), cupy.asnumpy(y0) + y) < 1e-5
+    wide = cupy.full((tokens, stack.shape[0] + 24), 7.25, cupy.float32)
+    stack.matmul(x, out=wide[:, 8:8 + stack.shape[0]])
+    host = cupy.asnumpy(wide)
+    assert rel_error(host[:, 8:8 + stack.shape[0]], y) < 1e-5
+    assert (host[:, :8] == 7.25).all() and (host[:, 8 + stack.shape[0]:] == 7.25).all()

@@ -235,9 +235,9 @@ def fused_sim(tmp_path_factory):
     C, P, I, LL, F = ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_longlong, ctypes.c_float
     lib = build_family("quant_matmul", tmp_path_factory.mktemp("cuda_sim_fused"))
     lib.sim_pack_fused.restype = C
-    lib.sim_pack_fused.argtypes = [I, I, I, I, P, LL, P, P, P, LL, P, I, F, I, I, I, P, I]
+    lib.sim_pack_fused.argtypes = [I, I, I, I, P, LL, P, P, P, LL, P, I, F, I, I, I, P, I, I]
     lib.sim_qmv_acc.restype = C
-    lib.sim_qmv_acc.argtypes = [I, I, I, I, P, LL, I, I, P, I, P, I, I, I]
+    lib.sim_qmv_acc.argtypes = [I, I, I, I, P, LL, I, I, P, I, P, I, I, I, LL]
     return lib
 
 
@@ -264,29 +264,44 @@ def silu64(v: np.ndarray) -> np.ndarray:
     return v / (1.0 + np.exp(-v))
 
 
+def aligned_array(shape: tuple, dtype) -> np.ndarray:
+    """An empty array whose data starts 64-byte aligned (pack_rms_kernel stages rows with 16-byte loads)."""
+    nbytes = int(np.prod(shape)) * np.dtype(dtype).itemsize
+    return aligned_zeros(nbytes).view(dtype).reshape(shape)
+
+
 @pytest.mark.parametrize(
-    "dtype,tokens,k,group,res,gate",
+    "dtype,tokens,k,group,res,gate,pad_blocks,slices",
     [
-        (np.float32, 1, 1280, 1280, 0, 0),  # a norm over the whole row (the layer's input norm), tail-free K
-        (np.float32, 3, 1248, 1248, 1, 0),  # + residual, K with a 224-value tail chunk
-        (np.float16, 9, 512, 512, 1, 0),  # fp16 stream, two token tiles
-        (np.float32, 5, 1024, 128, 0, 1),  # per head of 128 times silu(z) (DeltaNet output), z strided
-        (np.float16, 2, 256, 64, 0, 1),
+        (np.float32, 1, 1280, 1280, 0, 0, 1, 3),  # a norm over the whole row (the layer's input norm), 3 slices
+        (np.float32, 3, 1248, 1248, 1, 0, 2, 2),  # + residual, K with a 224-value tail chunk; 2 padding blocks
+        (np.float16, 9, 512, 512, 1, 0, 7, 1),  # fp16 stream, two token tiles; a padding block per padding row
+        (np.float32, 5, 1024, 128, 0, 1, 1, 4),  # per head of 128 times silu(z) (DeltaNet output), z strided
+        (np.float16, 2, 256, 64, 0, 1, 3, 1),
+        (np.float32, 1, 8448, 8448, 1, 0, 1, 1),  # 2112 16-byte vectors per row: two staging rounds (1536 + 576)
+        (np.float16, 8, 96, 6, 1, 1, 0, 1),  # heads of 6 values (w staged value by value), no padding rows
+        (np.float32, 2, 1536, 384, 1, 1, 1, 4),  # heads straddling the slices' chunk ranges
+        (np.float32, 1, 768, 12, 0, 0, 1, 3),  # heads of 12 (a unit spans two heads) across slices
     ],
 )
-def test_fused_norm_pack_matches_twin_on_cpu(fused_sim, dtype, tokens, k, group, res, gate) -> None:
+def test_fused_norm_pack_matches_twin_on_cpu(fused_sim, dtype, tokens, k, group, res, gate, pad_blocks,
+                                             slices) -> None:  # fmt: skip
     rng = np.random.default_rng(tokens * 31 + k + group)
     tpad = 8 * ((tokens + 7) // 8)
-    x = (rng.standard_normal((tokens, k)) * 2).astype(dtype)
-    r = rng.standard_normal((tokens, k)).astype(dtype)
-    zs = rng.standard_normal((tokens, 2 * k)).astype(dtype)  # z: the second half of wider rows (row stride 2k)
+    x = aligned_array((tokens, k), dtype)
+    x[...] = rng.standard_normal((tokens, k)) * 2
+    r = aligned_array((tokens, k), dtype)
+    r[...] = rng.standard_normal((tokens, k))
+    zs = aligned_array((tokens, 2 * k), dtype)  # z: the second half of wider rows (row stride 2k)
+    zs[...] = rng.standard_normal((tokens, 2 * k))
     w = (1 + 0.1 * rng.standard_normal(group)).astype(np.float32)
-    s = np.full((tokens, k), np.nan, dtype)
+    s = aligned_array((tokens, k), dtype)
+    s[...] = np.nan
     xp = aligned_zeros(k * tpad * 2)
     xp.view(np.uint16)[:] = 0x7E00  # NaN poison: every unit, padding included, must be written
     err = fused_sim.sim_pack_fused(0, int(dtype == np.float32), res, gate, x.ctypes.data, k, r.ctypes.data,
                                    s.ctypes.data, zs[:, k:].ctypes.data, 2 * k, w.ctypes.data, group, 1e-6, tokens,
-                                   k, tpad, xp.ctypes.data, 0)  # fmt: skip
+                                   k, tpad, xp.ctypes.data, tokens * slices + pad_blocks, slices)  # fmt: skip
     assert err == 0
     got = unpack_numpy(xp, k, tpad)
     assert not got[tokens:].any(), "padding tokens must be zero"
@@ -300,15 +315,52 @@ def test_fused_norm_pack_matches_twin_on_cpu(fused_sim, dtype, tokens, k, group,
     np.testing.assert_allclose(got[:tokens].astype(np.float64), ref, rtol=2e-3, atol=2e-3)
 
 
-@pytest.mark.parametrize("dtype,tokens,k", [(np.float32, 1, 2304), (np.float32, 12, 544), (np.float16, 4, 256)])
-def test_fused_silu_pack_matches_twin_on_cpu(fused_sim, dtype, tokens, k) -> None:
+@pytest.mark.parametrize("dtype,tokens,k,res", [(np.float32, 1, 5120, 0), (np.float32, 3, 1248, 1),
+                                                (np.float16, 2, 2304, 1), (np.float32, 9, 8448, 1)])
+def test_fused_norm_pack_equals_rms_norm_kernel_then_pack_on_cpu(fused_sim, sim, tmp_path_factory, dtype, tokens, k,
+                                                                 res) -> None:
+    """The fused pack is bit-identical to the two-launch path: norm_rope.cu's rms_norm_kernel (output in x's
+    type), then pack_x_kernel; and its residual stream to rms_norm_kernel's."""
+    from tests.test_kernels_ops_sim import build_family
+
+    nr_lib = build_family("norm_rope", tmp_path_factory.mktemp("cuda_sim_nr"))
+    rng = np.random.default_rng(k + tokens)
+    tpad = 8 * ((tokens + 7) // 8)
+    code = int(dtype == np.float16)
+    x, r, s_f, s_u = (aligned_array((tokens, k), dtype) for _ in range(4))
+    x[...] = rng.standard_normal((tokens, k)) * 3
+    r[...] = rng.standard_normal((tokens, k))
+    w = (1 + 0.1 * rng.standard_normal(k)).astype(np.float32)
+    y = aligned_array((tokens, k), dtype)
+    assert nr_lib.sim_rms_norm(code, code, res, x.ctypes.data, r.ctypes.data, s_u.ctypes.data, w.ctypes.data,
+                               y.ctypes.data, tokens, k, 1e-6) == 0  # fmt: skip
+    unfused = aligned_zeros(k * tpad * 2)
+    sim.sim_pack(int(dtype == np.float32), y.ctypes.data, k, tokens, k, tpad, unfused.ctypes.data)
+    for slices in {1, 2, qm.pack_rms_slices(k, k)}:  # the same sums whatever the slices
+        fused = aligned_zeros(k * tpad * 2)
+        fused.view(np.uint16)[:] = 0x7E00
+        s_f[...] = np.nan
+        assert fused_sim.sim_pack_fused(0, int(dtype == np.float32), res, 0, x.ctypes.data, k, r.ctypes.data,
+                                        s_f.ctypes.data, None, k, w.ctypes.data, k, 1e-6, tokens, k, tpad,
+                                        fused.ctypes.data, 0, slices) == 0  # fmt: skip
+        assert np.array_equal(fused, unfused), f"{slices} slices"
+        if res:
+            assert np.array_equal(s_f.view(np.uint8), s_u.view(np.uint8))
+
+
+@pytest.mark.parametrize("dtype,tokens,k,shift", [(np.float32, 1, 2304, 0), (np.float32, 12, 544, 0),
+                                                  (np.float16, 4, 256, 0), (np.float32, 3, 288, 1)])
+def test_fused_silu_pack_matches_twin_on_cpu(fused_sim, dtype, tokens, k, shift) -> None:
+    """shift: rows start one value past 16-byte alignment (the kernel's value-by-value path)."""
     rng = np.random.default_rng(tokens + k)
     tpad = 8 * ((tokens + 7) // 8)
-    gu = (rng.standard_normal((tokens, 2 * k)) * 2).astype(dtype)  # gate | up halves of one product
+    buf = aligned_array((tokens * 2 * k + 8,), dtype)
+    gu = buf[shift : shift + tokens * 2 * k].reshape(tokens, 2 * k)  # gate | up halves of one product
+    gu[...] = rng.standard_normal((tokens, 2 * k)) * 2
     xp = aligned_zeros(k * tpad * 2)
     xp.view(np.uint16)[:] = 0x7E00
     err = fused_sim.sim_pack_fused(1, int(dtype == np.float32), 0, 0, gu.ctypes.data, 2 * k, gu[:, k:].ctypes.data,
-                                   None, None, 2 * k, None, 0, 0.0, tokens, k, tpad, xp.ctypes.data, 3)  # fmt: skip
+                                   None, None, 2 * k, None, 0, 0.0, tokens, k, tpad, xp.ctypes.data, 3, 1)  # fmt: skip
     assert err == 0
     got = unpack_numpy(xp, k, tpad)
     assert not got[tokens:].any()
@@ -333,9 +385,21 @@ def test_v2_accumulate_adds_into_y_on_cpu(fused_sim, sim, qtype, n_out, k, token
     acc = y0.copy()
     for y, flag in ((plain, 0), (acc, 1)):
         assert fused_sim.sim_qmv_acc(qtype, nt, mt, kw, wbuf.ctypes.data, raw.shape[1], n_out, k, xp.ctypes.data,
-                                     tokens, y.ctypes.data, splits, 2, flag) == 0  # fmt: skip
+                                     tokens, y.ctypes.data, splits, 2, flag, 0) == 0  # fmt: skip
     check_twin(plain, 0, x, raw, qtype, n_out, k)
     if splits == 1:  # one plain add of the finished sum: exactly y0 + (x @ W^T)
         assert np.array_equal(acc, y0 + plain)
     else:  # K splits add their partial sums into y0 with atomics
         np.testing.assert_allclose(acc, y0 + plain, rtol=1e-5, atol=1e-5)
+    # the same products into a column slice of wider rows (row stride ldy): equal, the other columns untouched
+    ld, off = n_out + 21, 13
+    for ref, flag in ((plain, 0), (acc, 1)):
+        wide = np.full((tokens, ld), 7.25, np.float32)
+        wide[:, off : off + n_out] = y0 if flag else 0.0  # splits add into a zeroed / the given slice
+        assert fused_sim.sim_qmv_acc(qtype, nt, mt, kw, wbuf.ctypes.data, raw.shape[1], n_out, k, xp.ctypes.data,
+                                     tokens, wide[:, off:].ctypes.data, splits, 2, flag, ld) == 0  # fmt: skip
+        if splits == 1:
+            assert np.array_equal(wide[:, off : off + n_out], ref)
+        else:
+            np.testing.assert_allclose(wide[:, off : off + n_out], ref, rtol=1e-5, atol=1e-5)
+        assert (wide[:, :off] == 7.25).all() and (wide[:, off + n_out :] == 7.25).all()

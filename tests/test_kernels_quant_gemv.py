@@ -211,3 +211,28 @@ def test_errors() -> None:
         W.matmul(x, kernel="gemv", accumulate=True)
     with pytest.raises(ValueError, match="v2 kernel"):
         W.matmul(x, kernel="gemv", splits=2)
+
+
+@pytest.mark.parametrize("qtype", [qm.Q4_K, qm.Q6_K])
+def test_strided_out_per_tile_and_persistent(qtype: int) -> None:
+    """Into a column slice of wider rows (row stride > N), plain and accumulating, per-tile and persistent: bitwise
+    what a contiguous out gets, the columns beside it untouched."""
+    rng = np.random.default_rng(70 + qtype)
+    n_out, k = SHAPES[qtype]
+    raw = random_weights(qtype, n_out, k, rng)
+    W = qm.QuantMatrix(qtype, raw, (n_out, k))
+    for tokens in (1, 3):
+        px = qm.pack_activations(cupy.asarray((rng.standard_normal((tokens, k)) * 0.5).astype(np.float16)))
+        y0 = cupy.asarray(rng.standard_normal((tokens, n_out)).astype(np.float32))
+        for persistent in (False, True):
+            cfg = qg.GemvConfig(persistent=persistent)
+            for accumulate in (False, True):
+                flat = y0.copy() if accumulate else cupy.full((tokens, n_out), np.nan, cupy.float32)
+                W.matmul(px, out=flat, accumulate=accumulate, kernel="gemv", config=cfg)
+                wide = cupy.full((tokens, n_out + 40), 7.25, cupy.float32)
+                view = wide[:, 11:11 + n_out]
+                view[...] = y0 if accumulate else cupy.nan
+                W.matmul(px, out=view, accumulate=accumulate, kernel="gemv", config=cfg)
+                assert cupy.array_equal(view, flat), f"T={tokens} persistent={persistent} accumulate={accumulate}"
+                host = cupy.asnumpy(wide)
+                assert (host[:, :11] == 7.25).all() and (host[:, 11 + n_out:] == 7.25).all()

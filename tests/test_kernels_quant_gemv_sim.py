@@ -56,7 +56,7 @@ def sim(tmp_path_factory) -> ctypes.CDLL:
     lib.sim_gemv.restype = ctypes.c_int
     lib.sim_gemv.argtypes = [
         ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_longlong, ctypes.c_int, ctypes.c_int, ctypes.c_void_p,
-        ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int,
+        ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_longlong,
     ]  # fmt: skip
     lib.sim_pack.restype = None
     lib.sim_pack.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_void_p]
@@ -69,11 +69,17 @@ def aligned_zeros(nbytes: int) -> np.ndarray:
     return raw[off : off + nbytes]
 
 
+SENTINEL = np.float32(7.25)  # columns of a wider output beside the product's slice must keep it
+
+
 def run_sim(
-    lib, qtype: int, raw: np.ndarray, n_out: int, k: int, x: np.ndarray, kw: int, y0=None, pd: int = 0, grid: int = 0
+    lib, qtype: int, raw: np.ndarray, n_out: int, k: int, x: np.ndarray, kw: int, y0=None, pd: int = 0, grid: int = 0,
+    ld: int = 0,
 ) -> np.ndarray:
     """One simulated launch; y0 given: accumulate into a copy of it, else into a NaN-poisoned output. pd = 0: the
-    per-tile kernel; 1 / 2: the persistent one with that prefetch depth and `grid` blocks (0: one per tile)."""
+    per-tile kernel; 1 / 2: the persistent one with that prefetch depth and `grid` blocks (0: one per tile).
+    ld > n_out: the output is the last n_out columns of [T, ld] rows (a stacked projection's slice); the others
+    must be left alone."""
     tokens = x.shape[0]
     tpad = 8 * ((tokens + 7) // 8)
     laid = qm.device_layout(qtype, raw)
@@ -82,13 +88,17 @@ def run_sim(
     xp = aligned_zeros(k * tpad * 2)
     x = np.ascontiguousarray(x, dtype=np.float16)
     lib.sim_pack(x.ctypes.data, tokens, k, tpad, xp.ctypes.data)
-    y = np.full((tokens, n_out), np.nan, np.float32) if y0 is None else y0.astype(np.float32).copy()
+    ld = ld or n_out
+    full = np.full((tokens, ld), SENTINEL, np.float32)
+    y = full[:, ld - n_out :]
+    y[...] = np.nan if y0 is None else y0
     err = lib.sim_gemv(
         qtype, tokens, w.ctypes.data, raw.shape[1], n_out, k, xp.ctypes.data, tpad, y.ctypes.data, int(y0 is not None),
-        kw, pd, grid,
+        kw, pd, grid, ld,
     )  # fmt: skip
     assert err == 0, "the simulation reported a divergent warp or a deadlock"
-    return y
+    assert (full[:, : ld - n_out] == SENTINEL).all(), "a column outside the output slice was written"
+    return y.copy()
 
 
 def check_twin(y: np.ndarray, x: np.ndarray, raw: np.ndarray, qtype: int, n_out: int, k: int, y0=None) -> None:
@@ -141,6 +151,24 @@ def test_accumulate_and_determinism_on_cpu(sim, qtype: int) -> None:
     plain = run_sim(lib, qtype, raw, n_out, k, x, 3)
     assert np.array_equal(y, y0 + plain)  # the same sums, then one fp32 add
     assert np.array_equal(plain, run_sim(lib, qtype, raw, n_out, k, x, 3))  # bitwise reproducible
+
+
+@needs_gxx
+@pytest.mark.parametrize("qtype,tokens,kw,pd,grid", [(Q4_K, 3, 2, 0, 0), (Q6_K, 1, 4, 0, 0), (F16, 2, 1, 0, 0),
+                                                    (Q4_K, 2, 3, 1, 2), (Q8_0, 1, 2, 2, 1)])
+def test_strided_output_on_cpu(sim, qtype: int, tokens: int, kw: int, pd: int, grid: int) -> None:
+    """A product into a column slice of wider rows (ldy > N), plain and accumulating, per-tile and persistent:
+    bitwise what a contiguous output gets, the other columns untouched."""
+    rng = np.random.default_rng(qtype + 7 * tokens + pd)
+    n_out, k = 37, 800 if qtype == Q8_0 else 768
+    raw = random_weights(qtype, n_out, k, rng)
+    x = (rng.standard_normal((tokens, k)) * 0.5).astype(np.float16)
+    y0 = rng.standard_normal((tokens, n_out)).astype(np.float32)
+    for acc in (None, y0):
+        flat = run_sim(sim, qtype, raw, n_out, k, x, kw, acc, pd=pd, grid=grid)
+        wide = run_sim(sim, qtype, raw, n_out, k, x, kw, acc, pd=pd, grid=grid, ld=n_out + 29)
+        assert np.array_equal(flat, wide)
+    check_twin(flat, x, raw, qtype, n_out, k, y0)
 
 
 PERSIST_CASES = [

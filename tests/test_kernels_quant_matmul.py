@@ -23,6 +23,7 @@ import cupy  # noqa: E402
 
 from kernels import quant_matmul as qm  # noqa: E402
 from tests.quant_twins import NAMES, dequantize, legacy, random_weights, rel_error  # noqa: E402
+from tests.test_kernels_cpu_sim import unpack_numpy  # noqa: E402  (the packed layout's NumPy inverse)
 
 pytestmark = pytest.mark.gpu
 
@@ -279,3 +280,85 @@ def test_accumulate_adds_the_product_into_out(qtype: int, n_out: int, k: int, to
         assert rel_error(cupy.asnumpy(y1), ref) < TOL
     with pytest.raises(ValueError, match="accumulate"):
         W.matmul(x, accumulate=True)
+
+
+# --- products into a column slice of a wider output (row stride ldy: the stacked projections) --------------------
+
+SENTINEL = 7.25  # the columns beside the slice must keep it
+
+
+@pytest.mark.parametrize("kernel,qtype,n_out,k,tokens,splits", [
+    ("v2", qm.Q4_K, 77, 768, 3, None), ("v2", qm.Q6_K, 300, 512, 23, 1), ("v2", qm.Q8_0, 48, 2048, 1, 4),
+    ("gemv", qm.Q4_K, 77, 768, 1, None), ("gemv", qm.F16, 33, 800, 2, None), ("v1", qm.Q6_K, 50, 1024, 5, None),
+])  # fmt: skip
+def test_strided_out_and_accumulate(kernel: str, qtype: int, n_out: int, k: int, tokens: int, splits) -> None:
+    """matmul(out=wide[:, off:off + n]) writes (or with accumulate adds) exactly what a contiguous out gets, and
+    nothing beside it; v2 with K splits zeroes only its own columns first."""
+    rng = np.random.default_rng(n_out + tokens + k)
+    raw = random_weights(qtype, n_out, k, rng)
+    W = qm.QuantMatrix(qtype, raw, (n_out, k), kernel="v1" if kernel == "v1" else "v2")
+    xh = (rng.standard_normal((tokens, k)) * 0.5).astype(np.float16)
+    px = qm.pack_activations(cupy.asarray(xh))
+    kw = {} if kernel == "v1" else {"kernel": kernel}
+    if splits is not None:
+        kw["splits"] = splits
+    y0 = cupy.asarray(rng.standard_normal((tokens, n_out)).astype(np.float32))
+    flat = W.matmul(px, **kw)
+    flat_acc = y0.copy()
+    W.matmul(px, out=flat_acc, accumulate=True, **kw)
+    off, ld = 19, n_out + 45
+    for accumulate, ref in ((False, flat), (True, flat_acc)):
+        wide = cupy.full((tokens, ld), SENTINEL, cupy.float32)
+        view = wide[:, off:off + n_out]
+        view[...] = y0 if accumulate else cupy.nan
+        assert W.matmul(px, out=view, accumulate=accumulate, **kw) is view
+        got, want = cupy.asnumpy(view), cupy.asnumpy(ref)
+        if splits is not None and splits > 1:  # atomics: the partial sums land in another order
+            np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+        else:
+            assert np.array_equal(got, want), f"{kernel} accumulate={accumulate}: slice differs from contiguous out"
+        rest = cupy.asnumpy(wide)
+        assert (rest[:, :off] == SENTINEL).all() and (rest[:, off + n_out:] == SENTINEL).all()
+    assert rel_error(cupy.asnumpy(flat), xh.astype(np.float64) @ dequantize(qtype, raw, n_out, k).T) < TOL
+    bad = cupy.zeros((1, 2 * n_out), cupy.float32)[:, ::2]  # columns 8 bytes apart
+    with pytest.raises(ValueError, match="contiguous rows"):
+        W.matmul(px, out=bad) if tokens == 1 else W.matmul(px, out=cupy.zeros((n_out, tokens), cupy.float32).T)
+
+
+@pytest.mark.parametrize("tokens,k,group,res,gate,dtype", [
+    (1, 5120, 5120, 0, 0, np.float32), (1, 5120, 5120, 1, 0, np.float32), (1, 6144, 128, 0, 1, np.float32),
+    (3, 1248, 1248, 1, 0, np.float16), (23, 5120, 5120, 1, 0, np.float32), (64, 1024, 64, 0, 1, np.float32),
+    (1, 17408, 17408, 0, 1, np.float32),
+])  # fmt: skip
+def test_pack_rms_matches_numpy(tokens: int, k: int, group: int, res: int, gate: int, dtype) -> None:
+    """pack_rms_kernel against the float64 twin (norm [+ residual] [* silu(z)] per row or per head), padding token
+    rows zero in a poisoned buffer, the residual stream x + r; a misaligned x (copied by the launcher) too."""
+    rng = np.random.default_rng(tokens * 7 + k + group)
+    xh = (rng.standard_normal((tokens, k)) * 2).astype(dtype)
+    rh = rng.standard_normal((tokens, k)).astype(dtype)
+    zh = rng.standard_normal((tokens, 2 * k)).astype(dtype)
+    wh = (1 + 0.1 * rng.standard_normal(group)).astype(np.float32)
+    tpad = 8 * ((tokens + 7) // 8)
+    for misaligned in (False, True):
+        if misaligned:  # x one value past 16-byte alignment
+            buf = cupy.zeros(tokens * k + 1, dtype)
+            x = buf[1:].reshape(tokens, k)
+            x[...] = cupy.asarray(xh)
+        else:
+            x = cupy.asarray(xh)
+        out = cupy.full(k * tpad, 0x7E00, cupy.uint16)  # NaN poison
+        px = qm.pack_activations(x, rms_weight=cupy.asarray(wh), eps=1e-6, residual=cupy.asarray(rh) if res else None,
+                                 gate=cupy.asarray(zh)[:, k:] if gate else None, out=out)  # fmt: skip
+        units = cupy.asnumpy(px.data).reshape(-1, 8)
+        pad = (np.arange(units.shape[0]) % (4 * tpad)) // 4 >= tokens  # unit u holds token (u mod 4 tpad) // 4
+        assert not units[pad].any(), "padding token rows must be zero"
+        v = xh.astype(np.float64) + (rh.astype(np.float64) if res else 0)
+        if res:
+            assert np.array_equal(cupy.asnumpy(px.residual), (xh + rh) if dtype == np.float32 else v.astype(dtype))
+        g = v.reshape(tokens, k // group, group)
+        ref = (g / np.sqrt((g * g).mean(-1, keepdims=True) + 1e-6) * wh).reshape(tokens, k)
+        if gate:
+            zz = zh[:, k:].astype(np.float64)
+            ref = ref * zz / (1 + np.exp(-zz))
+        got = unpack_numpy(cupy.asnumpy(px.data), k, tpad)[:tokens].astype(np.float64)
+        assert rel_error(got, ref) < 1e-3

@@ -101,11 +101,34 @@ class GpuMatrix:
         return self.q.nbytes if self.q is not None else int(self.rows.nbytes)
 
 
+def _concat(mats: list[GpuMatrix]) -> GpuMatrix:
+    """One matrix of the members' packed rows, concatenated (they share storage type and in-width); not uploaded."""
+    if len(mats) == 1:
+        return mats[0]
+    rows = np.concatenate([m.rows for m in mats], axis=0)
+    return GpuMatrix(mats[0].qtype, rows, (rows.shape[0], mats[0].shape[1]), "+".join(m.name for m in mats),
+                     fallback=any(m.fallback for m in mats))
+
+
 class GpuStack:
-    """Matrices reading one input whose storage types differ: separate products, outputs side by side."""
+    """Matrices reading one input whose storage types differ: outputs side by side, one product per run of
+    consecutive members that share a storage type and in-width.
+
+    Each run is concatenated into one matrix (as CupyBackend.stack does for a uniform stack), so e.g. the DeltaNet
+    input stack [attn_qkv Q6_K | attn_gate Q4_K | ssm_beta Q4_K | ssm_alpha Q4_K] costs 2 launches, not 4 (beta and
+    alpha are 48-row matrices: a launch of their own costs about what their bytes do). Each run's product is
+    written straight into its column slice of the stacked output (the kernels take a row stride), so no copy
+    follows; only the v1 kernel (contiguous output only) goes through a temporary. `mats`: the runs.
+    """
 
     def __init__(self, mats: list[GpuMatrix]):
-        self.mats = mats
+        runs: list[list[GpuMatrix]] = []
+        for m in mats:
+            if runs and (runs[-1][0].qtype, runs[-1][0].shape[1]) == (m.qtype, m.shape[1]):
+                runs[-1].append(m)
+            else:
+                runs.append([m])
+        self.mats = [_concat(r) for r in runs]
         self.name = "+".join(m.name for m in mats)
         self.shape = (sum(m.shape[0] for m in mats), mats[0].shape[1])
         self.fallback = any(m.fallback for m in mats)
@@ -117,7 +140,7 @@ class GpuStack:
 
     def matmul(self, x: Any, out: Any = None, accumulate: bool = False) -> Any:
         """x @ W^T of every matrix side by side (x: activations or a PackedX, packed once for all of them);
-        accumulate: out += x @ W^T."""
+        accumulate: out += x @ W^T. out: float32 [T, out_features] with contiguous rows (row stride free)."""
         from kernels import loader
         from kernels.quant_matmul import PackedX, pack_activations
 
@@ -134,10 +157,7 @@ class GpuStack:
         col = 0
         for m in self.mats:
             n = m.shape[0]
-            if accumulate:
-                y[:, col:col + n] += m.matmul(packed)
-            else:
-                y[:, col:col + n] = m.matmul(packed)
+            m.matmul(packed, out=y[:, col:col + n], accumulate=accumulate)  # into its columns: no copy after
             col += n
         return y
 
@@ -210,10 +230,8 @@ class CupyBackend:
         if any(not isinstance(m, GpuMatrix) or m.q is not None for m in mats):
             raise ValueError("stack() takes GpuMatrix weights not uploaded yet")
         if len({m.qtype for m in mats}) == 1 and len({m.shape[1] for m in mats}) == 1:
-            rows = np.concatenate([m.rows for m in mats], axis=0)
-            name = "+".join(m.name for m in mats)
-            return GpuMatrix(mats[0].qtype, rows, (rows.shape[0], mats[0].shape[1]), name,
-                             fallback=any(m.fallback for m in mats))
+            return _concat(mats) if len(mats) > 1 else GpuMatrix(mats[0].qtype, mats[0].rows, mats[0].shape,
+                                                                 mats[0].name, mats[0].fallback)
         return GpuStack(mats)
 
     def embedding(self, t: RawTensor | np.ndarray) -> GpuEmbedding:
