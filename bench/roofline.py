@@ -14,6 +14,12 @@ choice per width). With gemv / gemvp / auto and v2 listed, a table of their time
 --gemv-sweep: gemv warps per block (k_warps 1..8) at T = 1, 2, 4, 8, per matrix.
 --persist-sweep: gemvp launch shapes (k_warps 2, 4, 8 x blocks per SM 1, 2, all that fit x prefetch depth 1, 2) at
 T = 1, 2 on the Q4_K / Q6_K / Q8_0 ffn matrices, next to the per-tile kernel's time.
+--split-sweep: the split-K gemv (gemv_splitk_kernel) at splits 2, 3, 4, 6, 8 x k_warps 1, 2, 4 at T = 1, 2 on the 27B
+matrices of few row tiles (ssm_out / attn_output 5120x6144, ffn_down 5120x17408, attn_v 1024x5120), next to the
+per-tile kernel (splits=1) and the automatic choice (quant_gemv.choose_split). `--types none` skips the main table.
+--step-ab MODEL.gguf: load the model (bench/gpu_bench.load_gpu_model), commit --context tokens (512), then capture and
+replay the width-1 decode step with the split-K dispatch off and under several choose_split knob settings (median
+of 30 replays each; "off" first and last, to see drift).
 --sweep: v2 launch shapes (m16 tiles per warp x warps per block x stages) at a few widths, per matrix.
 --launch: launch overhead: 200 back-to-back calls timed with events, eager vs one CUDA-graph replay.
 --precompile N: compile the kernels in N processes first (NVRTC builds one kernel at a time; CuPy's disk
@@ -53,10 +59,17 @@ PERSIST_SWEEP_SHAPES = (("Q4_K", "ffn_up"), ("Q4_K", "ffn_down"), ("Q6_K", "ffn_
 PERSIST_TEST_WIDTHS = (1, 2, 5)  # tests/test_kernels_quant_gemv.py's persistent cases (prefetch 1 and 2)
 GEMV_SWEEP_SHAPES = (("Q4_K", "ffn_up"), ("Q4_K", "ffn_down"), ("Q6_K", "ffn_up"), ("Q6_K", "ffn_down"),
                      ("Q6_K", "output"), ("Q8_0", "ffn_up"), ("Q8_0", "ffn_down"))  # fmt: skip
+SPLIT_SWEEP_SHAPES = (("Q4_K", "ssm_out"), ("Q6_K", "ssm_out"), ("Q4_K", "ffn_down"), ("Q6_K", "ffn_down"),
+                      ("Q8_0", "ffn_down"), ("Q6_K", "attn_v"), ("Q4_K", "attn_v"), ("F16", "attn_v"))  # fmt: skip
+SPLIT_SWEEP_WIDTHS = (1, 2)
+SPLIT_TEST_WIDTHS = (1, 2, 5)  # tests/test_kernels_quant_gemv.py's split-K cases
+SPLIT_PORTABLE_WIDTHS = (1, 2)
 SWEEP_WIDTHS = (1, 23, 41)
 SWEEP_SHAPES = (("Q4_K", "ffn_up"), ("Q4_K", "ffn_down"), ("Q6_K", "ffn_down"), ("Q6_K", "output"), ("Q8_0", "ffn_up"))
-SHAPES = {"ffn_up": (17408, 5120), "ffn_down": (5120, 17408), "output": (248320, 5120)}  # (out, in)
-QUICK_SHAPES = {"ffn_up": (256, 512), "ffn_down": (128, 1024), "output": (384, 256)}  # --quick: a smoke run
+SHAPES = {"ffn_up": (17408, 5120), "ffn_down": (5120, 17408), "output": (248320, 5120), "ssm_out": (5120, 6144),
+          "attn_v": (1024, 5120)}  # (out, in)
+QUICK_SHAPES = {"ffn_up": (256, 512), "ffn_down": (128, 1024), "output": (384, 256), "ssm_out": (96, 1536),
+                "attn_v": (64, 1280)}  # --quick: a smoke run
 ROTATE_BYTES = 256 * 2**20  # weight copies per config add up to at least this (L2 is 50 MB)
 REPS, WARM = 20, 3
 MIN_CALLS = 8  # calls per timed graph
@@ -152,6 +165,10 @@ def _compile_job(job: tuple) -> str:
         from kernels import quant_gemv
 
         quant_gemv.persist_function(*args)
+    elif kind == "gemvs":
+        from kernels import quant_gemv
+
+        quant_gemv.split_function(*args)
     elif kind == "v2":
         qm.qmv_function(*args)
     elif kind == "v1":
@@ -184,6 +201,9 @@ def compile_jobs(qm, widths, sweep: bool, kernels, full: bool = True) -> list[tu
             if q in quant_gemv.PERSISTENT_TYPES:
                 pw = sorted({t for t in widths if t <= 2} | set(PERSIST_TEST_WIDTHS))
                 jobs += [("gemvp", q, t, pd, False) for t in pw for pd in (1, 2)]
+            sw = sorted({t for t in widths if t <= 2} | set(SPLIT_TEST_WIDTHS))
+            jobs += [("gemvs", q, t, False) for t in sw]
+            jobs += [("gemvs", q, t, True) for t in SPLIT_PORTABLE_WIDTHS]
     return jobs
 
 
@@ -193,7 +213,7 @@ def precompile(jobs: list[tuple], workers: int) -> float:
 
     t0 = time.time()
     # heaviest first (many token tiles), so the pool does not end on one long build
-    jobs = sorted(jobs, key=lambda j: -(j[2] if j[0] in ("v1", "v2", "gemv", "gemvp") else 0))
+    jobs = sorted(jobs, key=lambda j: -(j[2] if j[0] in ("v1", "v2", "gemv", "gemvp", "gemvs") else 0))
     with cf.ProcessPoolExecutor(max_workers=workers, mp_context=mp.get_context("spawn")) as pool:
         for _ in pool.map(_compile_job, jobs):
             pass
@@ -309,11 +329,17 @@ def gemv_runs(qg, qtype: int, k: int, tokens: int, persistent: bool = False) -> 
 
 
 def gemv_launch(qm, qg, W, tokens: int, persistent: bool, cfg=None) -> list:
-    """What a gemv launch of W at this width runs as: [k_warps, registers] (+ [grid, prefetch] when persistent)."""
+    """What a gemv launch of W at this width runs as: [k_warps, registers] (+ [grid, prefetch] when persistent,
+    + [splits] when the split-K kernel runs)."""
     cfg = cfg or qg.GemvConfig()
     n_out, k = W.shape
     kw = cfg.k_warps or qg.choose_k_warps(W.qtype, n_out, k, tokens, qm.sm_count())
     if not persistent:
+        splits, skw = cfg.splits, cfg.k_warps
+        if splits == 0 and cfg.k_warps == 0:
+            splits, skw = qg.auto_split(W.qtype, n_out, k, tokens)
+        if splits > 1:
+            return [skw or 4, int(getattr(qg.split_function(W.qtype, tokens), "num_regs", 0) or 0), splits]
         return [kw, int(getattr(qg.gemv_function(W.qtype, tokens), "num_regs", 0) or 0)]
     pd = cfg.prefetch or qg.PREFETCH
     kern = qg.persist_function(W.qtype, tokens, pd)
@@ -386,6 +412,120 @@ def sweep_gemv(cupy, qm, qg, mats, per_graph: int, tokens: int, shape_name: str)
     best = min(found, key=lambda r: r["us"])
     print("gemv sweep best:", json.dumps(best), "auto:", json.dumps([r for r in found if r["auto"]]), flush=True)
     return found
+
+
+def sweep_split(cupy, qm, qg, qtype: int, shape_name: str, shape: tuple[int, int], copy_bw: float,
+                quick: bool) -> list[dict]:
+    """Time the split-K gemv over (splits, k_warps) at T = 1, 2 on one matrix, next to the per-tile kernel (splits=1,
+    its own k_warps) and the automatic choice; rows carry us and the roof ratio (weight bytes / copy bandwidth)."""
+    n_out, k = shape
+    probe_bytes = n_out * k * qm.bytes_per_weight(qtype)
+    copies = max(1, min(8, math.ceil(ROTATE_BYTES / probe_bytes)))
+    per_graph = copies * math.ceil(MIN_CALLS / copies)
+    mats = [random_matrix(cupy, qm, qtype, shape) for _ in range(copies)]
+    nch = mats[0].n_chunks()
+    found = []
+    for tokens in SPLIT_SWEEP_WIDTHS if not quick else (1,):
+        x = (cupy.random.standard_normal((tokens, k), dtype=cupy.float32) * 0.5).astype(cupy.float16)
+        packed = qm.pack_activations(x)
+        out = cupy.empty((tokens, n_out), dtype=cupy.float32)
+
+        def timed(cfg) -> float:
+            calls = [
+                (lambda W=mats[i % copies], c=cfg: W.matmul(packed, out=out, kernel="gemv", config=c))  # noqa: B023
+                for i in range(per_graph)
+            ]
+            return time_calls(cupy, calls)[0]
+
+        auto = qg.auto_split(qtype, n_out, k, tokens)
+        cfgs = [("tile", qg.GemvConfig(splits=1)), ("auto", qg.GemvConfig())]
+        for splits in (2, 3, 4, 6, 8):
+            for kw in (1, 2, 4):
+                if splits * kw <= 2 * nch:
+                    cfgs.append((f"{splits}x{kw}", qg.GemvConfig(k_warps=kw, splits=splits)))
+        for label, cfg in cfgs:
+            us = timed(cfg)
+            gbs = mats[0].nbytes / (us * 1e-6) / 1e9
+            found.append({"qtype": qm.type_name(qtype), "shape": shape_name, "out": n_out, "in": k, "tokens": tokens,
+                          "config": label, "auto": list(auto), "us": round(us, 2),
+                          "roof_copy": round(gbs / copy_bw, 3)})  # fmt: skip
+        sel = [r for r in found if r["tokens"] == tokens]
+        best = min(sel, key=lambda r: r["us"])
+        print(f"split sweep {qm.type_name(qtype)} {shape_name} T={tokens}: tile {sel[0]['us']:.1f}, auto {auto} "
+              f"{sel[1]['us']:.1f}, best {best['config']} {best['us']:.1f}", flush=True)  # fmt: skip
+    mats.clear()
+    cupy.get_default_memory_pool().free_all_blocks()
+    return found
+
+
+# quant_gemv knob settings of --step-ab: "off" (per-tile kernel everywhere, first and last: drift), the rule at T=1
+# for the quantized types, and the settings of the first H100 run (docs/gpu_quant_matmul.md, "gemv: split-K").
+_ON = {"SPLIT_UP_TO": {8: 1, 12: 1, 14: 1}}
+STEP_AB_PRESETS = (
+    ("off", {"SPLIT_UP_TO": {}}),
+    ("rule", _ON),
+    ("every few-tile matrix", {**_ON, "SPLIT_MIN_TILE_CHUNKS": 0, "SPLIT_MIN_CHUNKS": 2}),
+    ("few-tile, kw 4", {**_ON, "SPLIT_MIN_TILE_CHUNKS": 0, "SPLIT_MIN_CHUNKS": 2, "SPLIT_WARPS": (4,)}),
+    ("attn_v only", {**_ON, "SPLIT_MIN_TILE_CHUNKS": 10**6}),
+    ("off", {"SPLIT_UP_TO": {}}),
+)
+
+
+def step_ab(cupy, qg, path: str, context: int) -> list[dict]:
+    """Width-1 decode step of a model, captured and replayed under each STEP_AB_PRESETS setting of quant_gemv's
+    split-K knobs (median us of 30 event-timed replays)."""
+    import numpy as np
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from gpu_bench import load_gpu_model
+
+    t0 = time.time()
+    model, _, _ = load_gpu_model(path)
+    print(f"step-ab: loaded {path} in {time.time() - t0:.0f} s", flush=True)
+    rng = np.random.default_rng(0)
+    state = model.new_state(context + 64)
+    ids = rng.integers(0, model.cfg.n_vocab, size=context)
+    model.forward(state, ids, logits="none")
+    state.commit(list(range(len(ids))))
+    tok = [int(rng.integers(0, model.cfg.n_vocab))]
+    names = ("SPLIT_UP_TO", "SPLIT_WARPS", "SPLIT_WAVES", "SPLIT_FILL", "SPLIT_MIN_CHUNKS", "SPLIT_MIN_TILE_CHUNKS")
+    saved = {n: getattr(qg, n) for n in names}
+    rows = []
+    try:
+        for label, knobs in STEP_AB_PRESETS:
+            for n in names:
+                setattr(qg, n, knobs.get(n, saved[n]))
+            model.use_graphs = True
+            state.graphs.clear()
+            for _ in range(2):  # warm-up + capture
+                model.forward(state, tok, parents=None, checkpoints=False, logits="all")
+                state.pending = None
+            g = next(iter(state.graphs.values()), None)
+            if g is None:
+                rows.append({"preset": label, "error": str(model.graph_blocker)})
+                print(f"step-ab {label}: no graph ({model.graph_blocker})", flush=True)
+                continue
+            stream = cupy.cuda.get_current_stream()
+            e0, e1 = cupy.cuda.Event(), cupy.cuda.Event()
+            times = []
+            for _ in range(32):
+                stream.synchronize()
+                e0.record(stream)
+                g.graph.launch(stream)
+                e1.record(stream)
+                e1.synchronize()
+                times.append(cupy.cuda.get_elapsed_time(e0, e1) * 1e3)
+            us = statistics.median(times[2:])
+            chosen = {key: v for key, v in ((f"{k[0]}:{k[1]}x{k[2]}", v) for k, v in qg._auto_split.items()
+                      if k[3] == 1 and k[6:] == (qg.SPLIT_FILL, qg.SPLIT_WARPS, qg.SPLIT_MIN_CHUNKS, qg.SPLIT_WAVES,
+                                                 qg.SPLIT_UP_TO.get(k[0], 0), qg.SPLIT_MIN_TILE_CHUNKS))}  # fmt: skip
+            rows.append({"preset": label, "knobs": {k: str(v) for k, v in knobs.items()}, "replay_us": round(us, 1),
+                         "min_us": round(min(times[2:]), 1), "chosen": {k: list(v) for k, v in chosen.items()}})
+            print(f"step-ab {label}: replay {us:.1f} us (min {min(times[2:]):.1f}); splits {chosen}", flush=True)
+    finally:
+        for n in names:
+            setattr(qg, n, saved[n])
+    return rows
 
 
 def _arg(argv: list[str], name: str, default: str | None = None) -> str | None:
@@ -563,6 +703,15 @@ def main(argv: list[str]) -> int:
         layouts.clear()
         cupy.get_default_memory_pool().free_all_blocks()
 
+    by_name = {qm.type_name(q): q for q in (qm.Q4_K, qm.Q6_K, qm.Q8_0, qm.F16)}
+    ssweep: list[dict] = []
+    if "--split-sweep" in argv:
+        for qt, sn in SPLIT_SWEEP_SHAPES:
+            try:
+                ssweep += sweep_split(cupy, qm, qg, by_name[qt], sn, shapes[sn], copy_bw, quick)
+            except Exception as e:  # noqa: BLE001 - one matrix failing leaves the others' numbers
+                print(f"split sweep {qt} {sn}: {type(e).__name__}: {e}", flush=True)
+
     result = {
         **info,
         "copy_GBps": round(copy_bw, 1),
@@ -572,13 +721,26 @@ def main(argv: list[str]) -> int:
         "launch": launch_rows,
         "gemv_sweep": gsweep,
         "persist_sweep": psweep,
+        "split_sweep": ssweep,
         "pack": pack_rows,
         "seconds": round(time.time() - t_start, 1),
     }
     out_dir = os.environ.get("OUT")
-    if out_dir:
-        Path(out_dir).mkdir(parents=True, exist_ok=True)
-        (Path(out_dir) / "roofline.json").write_text(json.dumps(result, indent=1))
+
+    def save() -> None:
+        if out_dir:
+            Path(out_dir).mkdir(parents=True, exist_ok=True)
+            (Path(out_dir) / "roofline.json").write_text(json.dumps(result, indent=1))
+
+    save()
+    if "--step-ab" in argv:
+        try:
+            result["step_ab"] = step_ab(cupy, qg, _arg(argv, "--step-ab"), int(_arg(argv, "--context", "512")))
+        except Exception as e:  # noqa: BLE001 - the kernel numbers above stay
+            result["step_ab_error"] = f"{type(e).__name__}: {e}"
+            print(f"step-ab failed: {result['step_ab_error']}", flush=True)
+        result["seconds"] = round(time.time() - t_start, 1)
+        save()
 
     print()
     print(f"{name}: copy {copy_bw:.0f} GB/s, streaming read {read_bw:.0f} GB/s; "
@@ -658,6 +820,20 @@ def main(argv: list[str]) -> int:
                     times = " ".join(f"{r['k_warps']}/{r['blocks_per_sm']}/{r['prefetch']}->{r['grid']}:{r['us']:.1f}"
                                      for r in sorted(sel, key=lambda r: r["us"]))  # fmt: skip
                     print(f"  {qt} {sn} T={tokens}: {times}; per-tile {sel[0]['per_tile_us']:.1f}")
+    if ssweep:
+        print("split-K gemv sweep (us; tile = one block per tile, auto = choose_split's (splits, k_warps); "
+              "SxK = splits x k_warps; roof vs copy):")  # fmt: skip
+        for qt, sn in SPLIT_SWEEP_SHAPES:
+            for tokens in SPLIT_SWEEP_WIDTHS:
+                sel = [r for r in ssweep if r["qtype"] == qt and r["shape"] == sn and r["tokens"] == tokens]
+                if sel:
+                    top = sorted(sel[2:], key=lambda r: r["us"])[:4]
+                    print(f"  {qt} {sn} {sel[0]['out']}x{sel[0]['in']} T={tokens}: tile {sel[0]['us']:.1f} "
+                          f"({sel[0]['roof_copy']:.2f}), auto {tuple(sel[1]['auto'])} {sel[1]['us']:.1f} "
+                          f"({sel[1]['roof_copy']:.2f}); best " + ", ".join(
+                              f"{r['config']} {r['us']:.1f} ({r['roof_copy']:.2f})" for r in top))  # fmt: skip
+    for r in result.get("step_ab", []):
+        print(f"step-ab {r['preset']}: replay {r.get('replay_us')} us (min {r.get('min_us')})")
     return 0
 
 

@@ -12,6 +12,9 @@
 //  * Persistent variant (gemv_persist_kernel, quantized types): a few blocks per SM, each staging x once and
 //    walking tiles b, b + G, ...; each warp's loads run 1-2 chunks ahead of its arithmetic, across tile ends.
 //    Same sums in the same order as gemv_kernel at the same KW: bitwise equal outputs.
+//  * Split-K variant (gemv_splitk_kernel, all types): S blocks per tile, each staging only its K range of x; the
+//    warps' sums go to a global scratch and the tile's last block to arrive (per-tile counter, self-resetting) adds
+//    them in warp order: bitwise gemv_kernel's output with S KW warps, graph-replayable with no memset.
 //  * x is staged once per block in shared memory, in natural value order (chunk, token, 16-byte unit of 8 values).
 //    F16 weights: x as fp16, products in fp32 FMAs. Quantized weights (Q8_0, Q4_K, Q6_K): x as int16 with one
 //    fp32 scale per 16 values (s = max |x| / 32767 of the group), plus (Q4_K, Q6_K) the group's fp32 sum X; the
@@ -126,6 +129,16 @@ GV_DEV u32 ldg_u16(const u8* p) { return (u32)GV_LDG((const u16*)p); }
 GV_DEV u32 ldg_u8(const u8* p) { return (u32)GV_LDG(p); }
 
 GV_DEV float shfl_xor(float v, int m) { return GV_SHFL_XOR(v, m); }
+
+// A float that another block of this launch wrote before its __threadfence: read at L2 (ld.global.cg), never from
+// a line this SM's L1 may still hold, and never through the read-only path (__ldg assumes launch-long constants).
+GV_DEV float ld_partial(const float* p) {
+#if SS_PTX
+    return __ldcg(p);
+#else
+    return *(const volatile float*)p;
+#endif
+}
 
 // round to the nearest int (ties to even) for |v| < 2^22: the add of 1.5 * 2^23 leaves it in the low mantissa bits
 GV_DEV int rint_small(float v) { return (int)(as_u32(v + 12582912.0f) - 0x4B400000u); }
@@ -350,21 +363,24 @@ GV_DEV void quant_group(uint4 u0, uint4 u1, uint4& o0, uint4& o1, float& scale, 
 // ---------------------------------------------------------------------------------------------
 // Pieces of both kernels
 
-// Stage x for one block: one thread per 16-value group (2 units), in batches of SB groups per thread with all
-// their loads issued first (one L2 latency per batch, not per group). Caller syncs.
+// Stage x chunks [cb0, cb0 + ncb) for one block (staged chunk i = chunk cb0 + i): one thread per 16-value group
+// (2 units), in batches of SB groups per thread with all their loads issued first (one L2 latency per batch, not
+// per group). Caller syncs.
 template <int QT, int NT>
-GV_DEV void stage_x(const uint4* __restrict__ xp, int tpad, int K, int nch, uint4* sx, float* sxq, float* sxs) {
+GV_DEV void stage_x(const uint4* __restrict__ xp, int tpad, int K, int cb0, int ncb, uint4* sx, float* sxq,
+                    float* sxs) {
     using L = Lay<QT>;
     constexpr int SB = 4;
     const int nthreads = (int)blockDim.x;
-    const int ngroups = nch * NT * 16;
+    const int ngroups = ncb * NT * 16;
     for (int g0 = (int)threadIdx.x; g0 < ngroups; g0 += SB * nthreads) {
         uint4 v[SB][2];
 #pragma unroll
         for (int b = 0; b < SB; ++b) {
             const int gi = g0 + b * nthreads;
-            const int ch = gi / (NT * 16);
-            const int rem = gi - ch * (NT * 16);
+            const int cl = gi / (NT * 16);
+            const int ch = cb0 + cl;
+            const int rem = gi - cl * (NT * 16);
             const int n = rem >> 4, g = rem & 15;
             const int C = K - ch * CHUNK < CHUNK ? K - ch * CHUNK : CHUNK;
             const int m = C >> 5;  // 32-value pairs per packed lane t (8 in a full chunk)
@@ -383,7 +399,7 @@ GV_DEV void stage_x(const uint4* __restrict__ xp, int tpad, int K, int nch, uint
         for (int b = 0; b < SB; ++b) {
             const int gi = g0 + b * nthreads;
             if (gi < ngroups) {
-                const int cn = gi >> 4, g = gi & 15;  // (chunk, token) index and group
+                const int cn = gi >> 4, g = gi & 15;  // (staged chunk, token) index and group
                 if constexpr (L::INT) {
                     float scale, sum;
                     quant_group(v[b][0], v[b][1], sx[cn * 32 + 2 * g], sx[cn * 32 + 2 * g + 1], scale, sum);
@@ -450,10 +466,11 @@ GV_DEV void chunk_int(const Raw<QT>& w, int c, int j, const int (&xu)[4], const 
     }
 }
 
-// Tail chunk (F16 / Q8_0 with K % 256 = 32m) of the tile at wt: rows of C = 32m values, not swizzled; lane j
-// takes 8-value units j, j + 8, ... of its 4 rows. Q8_0: quants [16][C] then d [16][m]; F16: halves [16][C].
+// Tail chunk c (F16 / Q8_0 with K % 256 = 32m) of the tile at wt, staged as x chunk cx: rows of C = 32m values,
+// not swizzled; lane j takes 8-value units j, j + 8, ... of its 4 rows. Q8_0: quants [16][C] then d [16][m]; F16:
+// halves [16][C].
 template <int QT, int NT>
-GV_DEV void tail_chunk(const u8* wt, int c, int K, int r4, int j, const uint4* sx, const float* sxq,
+GV_DEV void tail_chunk(const u8* wt, int c, int cx, int K, int r4, int j, const uint4* sx, const float* sxq,
                        float (&acc)[4][NT]) {
     constexpr int BLK = 16 * (Lay<QT>::MAIN + Lay<QT>::SIDE);
     const int C = K - c * CHUNK;
@@ -468,12 +485,12 @@ GV_DEV void tail_chunk(const u8* wt, int c, int K, int r4, int j, const uint4* s
                 const float d = h2f(ldg_u16(tb + 16 * C + r * 2 * m + 2 * (u >> 2)));
 #pragma unroll
                 for (int n = 0; n < NT; ++n) {
-                    const uint4 xv = sx[(c * NT + n) * 32 + u];
+                    const uint4 xv = sx[(cx * NT + n) * 32 + u];
                     int s = dp2a_lo(xv.x, q.x, 0);
                     s = dp2a_hi(xv.y, q.x, s);
                     s = dp2a_lo(xv.z, q.y, s);
                     s = dp2a_hi(xv.w, q.y, s);
-                    acc[i][n] = fmaf(d * sxq[(c * NT + n) * 16 + (u >> 1)], (float)s, acc[i][n]);
+                    acc[i][n] = fmaf(d * sxq[(cx * NT + n) * 16 + (u >> 1)], (float)s, acc[i][n]);
                 }
             } else {
                 float wf[8];
@@ -487,7 +504,7 @@ GV_DEV void tail_chunk(const u8* wt, int c, int K, int r4, int j, const uint4* s
 #pragma unroll
                 for (int n = 0; n < NT; ++n) {
                     float xf[8];
-                    unit_f(sx[(c * NT + n) * 32 + u], xf);
+                    unit_f(sx[(cx * NT + n) * 32 + u], xf);
                     float s = 0.f;
 #pragma unroll
                     for (int e = 0; e < 8; ++e) s = fmaf(xf[e], wf[e], s);
@@ -553,49 +570,18 @@ GV_DEV void finish_tile(float (&acc)[4][NT], float* red, int row0, int N, float*
     }
 }
 
-}  // namespace gv
-
-// y[T, N] (+)= x @ W^T for NT = T tokens (1..16). W: device_layout() (row_bytes = bytes of one GGUF row), 16-byte
-// aligned; xp: pack_x_kernel output with tpad = 8 ceil(T / 8) token slots; y: fp32 [T, N] with row stride ldy >= N
-// floats (a column slice of a wider output: the stacked projections write in place); accumulate != 0: y +=.
-// Grid: ceil(N / 16) blocks of 32 KW threads (KW <= 8). Dynamic shared memory (smem_bytes in kernels/quant_gemv.py):
-// nch * NT * 512 bytes of staged x, nch * NT * 64 of group scales (Q8_0, Q4_K, Q6_K) and as much of group sums
-// (Q4_K, Q6_K), and KW * 16 * NT * 4 of partial sums when KW > 1; nch = ceil(K / 256).
+// One warp's sums over chunks [c0, c1) of the tile at wt (both kernels without persistence): acc[i][n] = row i of
+// the lane . token n over the lane's values. x chunk c is staged as chunk c - cx0; `cur` holds chunk c0's weights
+// already requested (before x was staged, so the two latencies overlap) when c0 is a full chunk. Full chunks in
+// order, then the tail (F16 / Q8_0, owned by the warp whose range ends past the last full chunk).
 template <int QT, int NT>
-__global__ void GV_BOUNDS(256) gemv_kernel(const u8* __restrict__ W, long long row_bytes, int N, int K,
-                                           const uint4* __restrict__ xp, int tpad, float* __restrict__ y,
-                                           int accumulate, long long ldy) {
-    using namespace gv;
-    using L = Lay<QT>;
-    constexpr int BLK = 16 * (L::MAIN + L::SIDE);  // bytes of one full tile block
-    constexpr bool PREFETCH = QT != 1;              // F16: 16 loads per lane and chunk are in flight anyway
-    constexpr int TB = NT < 2 ? NT : 2;             // F16: tokens whose x values are live at once
-    extern __shared__ uint4 gv_smem[];
-
-    const int lane = (int)(threadIdx.x & 31u);
-    const int warp = (int)(threadIdx.x >> 5);
-    const int KW = (int)(blockDim.x >> 5);
-    const int j = lane >> 2, r4 = lane & 3;
-    const int nch = (K + CHUNK - 1) / CHUNK;
+GV_DEV void warp_chunks(Raw<QT>& cur, const u8* wt, int c0, int c1, int K, int cx0, int r4, int j, const uint4* sx,
+                        const float* sxq, const float* sxs, float (&acc)[4][NT]) {
+    constexpr int BLK = 16 * (Lay<QT>::MAIN + Lay<QT>::SIDE);  // bytes of one full tile block
+    constexpr bool PREFETCH = QT != 1;  // F16: 16 loads per lane and chunk are in flight anyway
+    constexpr int TB = NT < 2 ? NT : 2;  // F16: tokens whose x values are live at once
     const int nfull = K / CHUNK;
-    const int tile = (int)blockIdx.x;
-    const u8* const wt = W + (i64)tile * 16 * row_bytes;  // this tile's blocks: chunk c at wt + c * BLK
-
-    uint4* const sx = gv_smem;                                             // [nch][NT][32] units
-    float* const sxq = (float*)(gv_smem + (size_t)nch * NT * 32);          // [nch][NT][16] group scales
-    float* const sxs = sxq + (L::INT ? (size_t)nch * NT * 16 : 0);         // [nch][NT][16] group sums
-    float* const red = sxs + (L::SUMS ? (size_t)nch * NT * 16 : 0);        // [KW][16][NT]
-
-    const int c0 = (int)(((long long)warp * nch) / KW), c1 = (int)(((long long)(warp + 1) * nch) / KW);
-    const int c1f = c1 < nfull ? c1 : nfull;  // full chunks of this warp: [c0, c1f)
-
-    // the first chunk's weights are requested before x is staged, so the two latencies overlap
-    Raw<QT> cur;
-    if (c0 < c1f) load_raw<QT>(cur, wt + (i64)c0 * BLK, r4, j);
-    stage_x<QT, NT>(xp, tpad, K, nch, sx, sxq, sxs);
-    __syncthreads();
-
-    float acc[4][NT];
+    const int c1f = c1 < nfull ? c1 : nfull;
 #pragma unroll
     for (int i = 0; i < 4; ++i)
 #pragma unroll
@@ -609,7 +595,7 @@ __global__ void GV_BOUNDS(256) gemv_kernel(const u8* __restrict__ W, long long r
         if constexpr (PREFETCH) {
             Raw<QT> nxt;
             if (c + 1 < c1f) load_raw<QT>(nxt, wt + (i64)(c + 1) * BLK, r4, j);
-            chunk_int<QT, NT>(cur, c, j, xu, sx, sxq, sxs, acc);
+            chunk_int<QT, NT>(cur, c - cx0, j, xu, sx, sxq, sxs, acc);
             cur = nxt;
         } else {
             if (c != c0) load_raw<QT>(cur, wt + (i64)c * BLK, r4, j);  // chunk c0 was requested before staging
@@ -619,7 +605,7 @@ __global__ void GV_BOUNDS(256) gemv_kernel(const u8* __restrict__ W, long long r
 #pragma unroll
                 for (int nn = 0; nn < TB; ++nn) {
                     if (n0 + nn < NT) {
-                        const uint4* xr = sx + (c * NT + n0 + nn) * 32;
+                        const uint4* xr = sx + ((c - cx0) * NT + n0 + nn) * 32;
 #pragma unroll
                         for (int k = 0; k < 4; ++k) unit_f(xr[xu[k]], &xf[nn][8 * k]);
                     }
@@ -645,8 +631,52 @@ __global__ void GV_BOUNDS(256) gemv_kernel(const u8* __restrict__ W, long long r
         }
     }
     if constexpr (QT == 1 || QT == 8) {
-        if (c1 > nfull) tail_chunk<QT, NT>(wt, nfull, K, r4, j, sx, sxq, acc);
+        if (c1 > nfull) tail_chunk<QT, NT>(wt, nfull, nfull - cx0, K, r4, j, sx, sxq, acc);
     }
+}
+
+}  // namespace gv
+
+// y[T, N] (+)= x @ W^T for NT = T tokens (1..16). W: device_layout() (row_bytes = bytes of one GGUF row), 16-byte
+// aligned; xp: pack_x_kernel output with tpad = 8 ceil(T / 8) token slots; y: fp32 [T, N] with row stride ldy >= N
+// floats (a column slice of a wider output: the stacked projections write in place); accumulate != 0: y +=.
+// Grid: ceil(N / 16) blocks of 32 KW threads (KW <= 8). Dynamic shared memory (smem_bytes in kernels/quant_gemv.py):
+// nch * NT * 512 bytes of staged x, nch * NT * 64 of group scales (Q8_0, Q4_K, Q6_K) and as much of group sums
+// (Q4_K, Q6_K), and KW * 16 * NT * 4 of partial sums when KW > 1; nch = ceil(K / 256).
+template <int QT, int NT>
+__global__ void GV_BOUNDS(256) gemv_kernel(const u8* __restrict__ W, long long row_bytes, int N, int K,
+                                           const uint4* __restrict__ xp, int tpad, float* __restrict__ y,
+                                           int accumulate, long long ldy) {
+    using namespace gv;
+    using L = Lay<QT>;
+    constexpr int BLK = 16 * (L::MAIN + L::SIDE);  // bytes of one full tile block
+    extern __shared__ uint4 gv_smem[];
+
+    const int lane = (int)(threadIdx.x & 31u);
+    const int warp = (int)(threadIdx.x >> 5);
+    const int KW = (int)(blockDim.x >> 5);
+    const int j = lane >> 2, r4 = lane & 3;
+    const int nch = (K + CHUNK - 1) / CHUNK;
+    const int nfull = K / CHUNK;
+    const int tile = (int)blockIdx.x;
+    const u8* const wt = W + (i64)tile * 16 * row_bytes;  // this tile's blocks: chunk c at wt + c * BLK
+
+    uint4* const sx = gv_smem;                                             // [nch][NT][32] units
+    float* const sxq = (float*)(gv_smem + (size_t)nch * NT * 32);          // [nch][NT][16] group scales
+    float* const sxs = sxq + (L::INT ? (size_t)nch * NT * 16 : 0);         // [nch][NT][16] group sums
+    float* const red = sxs + (L::SUMS ? (size_t)nch * NT * 16 : 0);        // [KW][16][NT]
+
+    const int c0 = (int)(((long long)warp * nch) / KW), c1 = (int)(((long long)(warp + 1) * nch) / KW);
+    const int c1f = c1 < nfull ? c1 : nfull;  // full chunks of this warp: [c0, c1f)
+
+    // the first chunk's weights are requested before x is staged, so the two latencies overlap
+    Raw<QT> cur;
+    if (c0 < c1f) load_raw<QT>(cur, wt + (i64)c0 * BLK, r4, j);
+    stage_x<QT, NT>(xp, tpad, K, 0, nch, sx, sxq, sxs);
+    __syncthreads();
+
+    float acc[4][NT];
+    warp_chunks<QT, NT>(cur, wt, c0, c1, K, 0, r4, j, sx, sxq, sxs, acc);
     finish_tile<NT>(acc, red, 16 * tile, N, y, ldy, accumulate);
 }
 
@@ -698,7 +728,7 @@ __global__ void GV_BOUNDS(256) gemv_persist_kernel(const u8* __restrict__ W, lon
     if (items > 0) request(b0);  // the first items before x is staged: the latencies overlap
     if (items > 1) request(b1);
     if (PD == 2 && items > 2) request(b2);
-    stage_x<QT, NT>(xp, tpad, K, nch, sx, sxq, sxs);
+    stage_x<QT, NT>(xp, tpad, K, 0, nch, sx, sxq, sxs);
     __syncthreads();
 
     int xu[4];
@@ -728,8 +758,102 @@ __global__ void GV_BOUNDS(256) gemv_persist_kernel(const u8* __restrict__ W, lon
             phase = phase == PD ? 0 : phase + 1;
         }
         if constexpr (QT == 8) {
-            if (c1 > nfull) tail_chunk<QT, NT>(W + (i64)tile * tile_bytes, nfull, K, r4, j, sx, sxq, acc);
+            if (c1 > nfull) tail_chunk<QT, NT>(W + (i64)tile * tile_bytes, nfull, nfull, K, r4, j, sx, sxq, acc);
         }
         finish_tile<NT>(acc, red + (ti & 1) * KW * 16 * NT, 16 * tile, N, y, ldy, accumulate);
     }
+}
+
+// Split-K variant (all types), for matrices with too few 16-row tiles to fill the GPU at one block per tile
+// (5120 rows = 320 tiles on 132 SMs: 2-3 blocks of 4 warps per SM; a warp is bound by its own latency, so the time
+// is set by warps in flight). Each tile's K range is split over S = `splits` blocks of KW warps: block b handles
+// tile b / S, split s = b % S (a tile's blocks are adjacent, so they run and finish together). Global warp g = s KW +
+// warp owns chunks [g nch / (S KW), (g + 1) nch / (S KW)): exactly warp g of gemv_kernel with S KW warps, and the
+// block stages only its own chunks of x (shared memory and staging work / S).
+// Deterministic reduction without atomics on values: every warp writes its 16 x NT sums (after the lane butterfly)
+// to part[tile][g][16][NT] (fp32, scratch of ceil(N / 16) S KW 16 NT floats); the block then counts itself in on
+// counters[tile] (a __threadfence by every writer first); the block that arrives last adds the S KW partial sums of
+// the tile in g order (the order gemv_kernel adds its warps in: the output is bitwise gemv_kernel's with S KW warps,
+// whichever block arrives last) and sets the counter back to 0, so the next launch (or graph replay) on the stream
+// finds it zeroed with no memset. counters: ceil(N / 16) u32, zero before the first launch (the launcher does that
+// once per scratch buffer). Launches that share a scratch buffer must not run concurrently (one stream).
+// Shared memory: 16 bytes (the last-block flag), then staged x, scales and sums for ceil(nch / S) chunks.
+template <int QT, int NT>
+__global__ void GV_BOUNDS(256) gemv_splitk_kernel(const u8* __restrict__ W, long long row_bytes, int N, int K,
+                                                  const uint4* __restrict__ xp, int tpad, float* __restrict__ y,
+                                                  int accumulate, long long ldy, int splits, float* part,
+                                                  unsigned int* counters) {
+    using namespace gv;
+    using L = Lay<QT>;
+    constexpr int BLK = 16 * (L::MAIN + L::SIDE);
+    extern __shared__ uint4 gv_smem[];
+
+    const int lane = (int)(threadIdx.x & 31u);
+    const int warp = (int)(threadIdx.x >> 5);
+    const int KW = (int)(blockDim.x >> 5), nthreads = (int)blockDim.x;
+    const int j = lane >> 2, r4 = lane & 3;
+    const int nch = (K + CHUNK - 1) / CHUNK;
+    const int nfull = K / CHUNK;
+    const int S = splits;
+    const int tile = (int)blockIdx.x / S, s = (int)blockIdx.x - tile * S;
+    const int GW = S * KW;  // warps over the tile's K
+    const int g = s * KW + warp;
+    const u8* const wt = W + (i64)tile * 16 * row_bytes;
+
+    const int cb0 = (int)(((long long)s * KW * nch) / GW), cb1 = (int)(((long long)(s + 1) * KW * nch) / GW);
+    const int ncb = cb1 - cb0;  // this block's chunks, staged as 0 .. ncb - 1
+    int* const last = (int*)gv_smem;
+    uint4* const sx = gv_smem + 1;
+    float* const sxq = (float*)(sx + (size_t)ncb * NT * 32);
+    float* const sxs = sxq + (L::INT ? (size_t)ncb * NT * 16 : 0);
+
+    const int c0 = (int)(((long long)g * nch) / GW), c1 = (int)(((long long)(g + 1) * nch) / GW);
+    const int c1f = c1 < nfull ? c1 : nfull;
+
+    Raw<QT> cur;
+    if (c0 < c1f) load_raw<QT>(cur, wt + (i64)c0 * BLK, r4, j);
+    stage_x<QT, NT>(xp, tpad, K, cb0, ncb, sx, sxq, sxs);
+    __syncthreads();
+
+    float acc[4][NT];
+    warp_chunks<QT, NT>(cur, wt, c0, c1, K, cb0, r4, j, sx, sxq, sxs, acc);
+
+    // lanes j = 0..7 of a row add up (finish_tile's butterfly), lanes j == 0 publish the warp's sums
+#pragma unroll
+    for (int i = 0; i < 4; ++i)
+#pragma unroll
+        for (int n = 0; n < NT; ++n) {
+            float v = acc[i][n];
+            v += shfl_xor(v, 4);
+            v += shfl_xor(v, 8);
+            v += shfl_xor(v, 16);
+            acc[i][n] = v;
+        }
+    float* const tp = part + (i64)tile * GW * 16 * NT;
+    if (j == 0) {
+#pragma unroll
+        for (int i = 0; i < 4; ++i)
+#pragma unroll
+            for (int n = 0; n < NT; ++n) tp[(g * 16 + r4 + 4 * i) * NT + n] = acc[i][n];
+        __threadfence();  // the sums are visible device-wide before the block's arrival is counted
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        const unsigned int ticket = atomicAdd(counters + tile, 1u);
+        __threadfence();  // (last block) the others' sums are read after their arrivals were seen
+        *last = ticket == (unsigned int)(S - 1);
+    }
+    __syncthreads();
+    if (!*last) return;
+    for (int o = (int)threadIdx.x; o < 16 * NT; o += nthreads) {
+        const int r = o & 15, n = o >> 4;
+        float v = 0.f;
+        for (int w = 0; w < GW; ++w) v += ld_partial(tp + (w * 16 + r) * NT + n);  // g order: deterministic
+        const int row = 16 * tile + r;
+        if (row < N) {
+            float* dst = y + (i64)n * ldy + row;
+            *dst = accumulate ? *dst + v : v;
+        }
+    }
+    if (threadIdx.x == 0) counters[tile] = 0u;  // every block of the tile has counted: ready for the next launch
 }

@@ -2,10 +2,11 @@
 
 The same uploaded weights as the v2 kernel (`quant_matmul.device_layout`) and the same packed x (`PackedX`), so
 `QuantMatrix.matmul` picks this kernel for narrow inputs and v2 above (`prefer_gemv`); `gemv(W, packed, out)` is
-the launcher. One thread block per 16-row tile, or (persistent variant, `GemvConfig(persistent=True)` or
-`PERSISTENT_UP_TO`) a few blocks per SM each walking tiles; K is split among a block's warps and added in warp
-order: deterministic. Quantized weights: int16 x (one scale per 16 values) times the exact quants in integer dp2a,
-scales and offsets in fp32; F16: fp32 FMAs. NumPy twin: services.engine.quants.dequantize. Design and numbers:
+the launcher. One thread block per 16-row tile; or (persistent variant, `GemvConfig(persistent=True)` or
+`PERSISTENT_UP_TO`) a few blocks per SM each walking tiles; or (split-K variant, `GemvConfig(splits=S)` or
+`choose_split`) S blocks per tile for matrices of few tiles. K is split among a block's warps (and blocks) and added
+in warp order: deterministic. Quantized weights: int16 x (one scale per 16 values) times the exact quants in integer
+dp2a, scales and offsets in fp32; F16: fp32 FMAs. NumPy twin: services.engine.quants.dequantize. Design and numbers:
 docs/gpu_quant_matmul.md ("gemv").
 """
 
@@ -44,19 +45,43 @@ PERSISTENT_TYPES = frozenset(_INT)
 # gained 0-4 % but costs ~55 registers (184 vs 128 for Q4_K T=1), so fewer blocks fit; the best launch of every
 # swept matrix and width used depth 1 with all blocks that fit.
 PREFETCH = 1
+# Split-K variant (gemv_splitk_kernel): widest T for which gemv() may split a tile's K over several blocks, per storage
+# type, when choose_split finds it worth it. Empty: not dispatched. Measured on an H100 (docs/gpu_quant_matmul.md,
+# "gemv: split-K"): per matrix at T=1 it gains 2-4 % on ffn_down 5120x17408 (Q4_K 28.1 -> 26.9 us, Q6_K 34.8 -> 34.2)
+# and 9-15 % on the 64-tile attn_v 1024x5120 (Q6_K 7.2 -> 6.1), loses 5-7 % on 5120x6144 (ssm_out, attn_output: Q4_K
+# 12.1 -> 12.7 at best); in the decode step (27B Q4_K_M, graph replay) splitting every matrix of few tiles cost 40-70
+# us (9.61-9.64 -> 9.68 ms) and splitting attn_v alone changed nothing (9.61). At T=2 it gains 9-20 % per matrix
+# (Q8_0 ffn_down 46.6 -> 41.9 us, Q6_K 53.0 -> 42.5), but there the Q4_K / Q6_K products run on v2 (CROSSOVER) and
+# the rule below keeps the per-tile kernel (its 8 warps per block fill the SMs).
+SPLIT_UP_TO: dict[int, int] = {}
+# choose_split's knobs. The per-tile kernel keeps a matrix of at least one tile per SM whose warps run fewer than
+# SPLIT_MIN_TILE_CHUNKS chunks each (5120x6144: 6; the split's arrival protocol, a fence, an atomic and a second L2
+# round trip, costs more than it saves) or whose blocks fill at least SPLIT_FILL of the warps the SMs can hold
+# (registers decide: ~17 warps of 117-128 registers). Otherwise S splits x KW warps per block (KW from SPLIT_WARPS)
+# so that tiles x S blocks make as many warps as fit in SPLIT_WAVES waves, each warp keeping at least SPLIT_MIN_CHUNKS
+# chunks of 256 values.
+SPLIT_FILL = 0.75
+SPLIT_MIN_TILE_CHUNKS = 8
+SPLIT_WARPS = (4, 2)
+SPLIT_MIN_CHUNKS = 1
+SPLIT_WAVES = 1.0
+MAX_SPLITS = 16
 
 _configured: dict[tuple, int] = {}
 
 
 @dataclass(frozen=True)
 class GemvConfig:
-    """Launch shape. k_warps: warps per block splitting K (0: choose_k_warps). persistent: gemv_persist_kernel
-    (None: PERSISTENT_UP_TO decides); then blocks_per_sm (0: as many as fit at once) and prefetch (0: PREFETCH)."""
+    """Launch shape. k_warps: warps per block splitting K (0: choose_k_warps, or choose_split's with splits).
+    persistent: gemv_persist_kernel (None: PERSISTENT_UP_TO decides); then blocks_per_sm (0: as many as fit at once)
+    and prefetch (0: PREFETCH). splits: blocks per tile of the split-K kernel gemv_splitk_kernel (0: choose_split
+    decides when SPLIT_UP_TO allows; 1: one block per tile; >= 2: split-K with that many)."""
 
     k_warps: int = 0
     persistent: bool | None = None
     blocks_per_sm: int = 0
     prefetch: int = 0
+    splits: int = 0
 
 
 def smem_bytes(qtype: int, k: int, tokens: int, k_warps: int, persistent: bool = False) -> int:
@@ -68,6 +93,19 @@ def smem_bytes(qtype: int, k: int, tokens: int, k_warps: int, persistent: bool =
     if k_warps > 1:
         size += k_warps * TILE_ROWS * tokens * 4 * (2 if persistent else 1)
     return size
+
+
+def split_chunks(k: int, splits: int) -> int:
+    """Most chunks of K one block of the split-K kernel stages (blocks take [s nch / S, (s + 1) nch / S))."""
+    nch = -(-k // CHUNK)
+    return -(-nch // max(1, splits))
+
+
+def smem_split_bytes(qtype: int, k: int, tokens: int, splits: int) -> int:
+    """Dynamic shared memory of one split-K block: the last-arrival flag (16 bytes), then staged x, group scales and
+    sums of its chunks (partial sums go to the global scratch)."""
+    nch = split_chunks(k, splits)
+    return 16 + nch * tokens * (512 + 64 * ((int(qtype) in _INT) + (int(qtype) in _SUMS)))
 
 
 def fits(qtype: int, k: int, tokens: int) -> bool:
@@ -123,14 +161,32 @@ def persist_function(qtype: int, tokens: int, prefetch: int = PREFETCH, portable
     return fn
 
 
+def split_function(qtype: int, tokens: int, portable: bool = False) -> Any:
+    """The compiled split-K kernel for one storage type and width (1..16 tokens)."""
+    qtype = int(qtype)
+    if qtype not in qm.SUPPORTED_QTYPES:
+        raise ValueError(f"no GPU gemv kernel for {qm.type_name(qtype)}")
+    if not 1 <= tokens <= MAX_TOKENS:
+        raise ValueError(f"gemv takes 1..{MAX_TOKENS} tokens, not {tokens}")
+    defines = _defines(portable)
+    fn = loader.get_function(SOURCE, f"gemv_splitk_kernel<{qtype}, {tokens}>", defines)
+    key = ("split", qtype, tokens, defines, qm._device_id())
+    if key not in _configured:
+        fn.max_dynamic_shared_size_bytes = SMEM_LIMIT
+        _configured[key] = SMEM_LIMIT
+    return fn
+
+
 def warmup(qtypes=(1, 8, 12, 14), widths=range(1, MAX_TOKENS + 1), portable: bool = False) -> None:
-    """Compile the kernels up front (each is built on first use otherwise): per-tile ones, and the persistent ones
-    for the types and widths PERSISTENT_UP_TO selects."""
+    """Compile the kernels up front (each is built on first use otherwise): per-tile ones, the persistent ones for
+    the types and widths PERSISTENT_UP_TO selects and the split-K ones for those SPLIT_UP_TO allows."""
     for q in qtypes:
         for t in widths:
             gemv_function(q, t, portable)
             if prefer_persistent(q, t):
                 persist_function(q, t, PREFETCH, portable)
+            if t <= SPLIT_UP_TO.get(int(q), 0):
+                split_function(q, t, portable)
 
 
 def persist_grid(n_out: int, k_warps: int, smem: int, regs: int, sms: int, blocks_per_sm: int = 0) -> int:
@@ -146,6 +202,46 @@ def persist_grid(n_out: int, k_warps: int, smem: int, regs: int, sms: int, block
         return tiles
     balanced = -(-tiles // -(-tiles // slots))
     return balanced if 4 * balanced >= 3 * slots else slots
+
+
+def warps_per_sm(regs: int) -> int:
+    """Warps of `regs` registers per thread one SM holds at once (65536 registers, allocated per warp in units of
+    256; at most 64 warps)."""
+    per_warp = -(-max(regs, 1) * 32 // 256) * 256
+    return min(64, 65536 // per_warp)
+
+
+def choose_split(qtype: int, n_out: int, k: int, tokens: int, sms: int, regs: int, tile_regs: int = 0,
+                 tile_k_warps: int = 0) -> tuple[int, int]:
+    """(splits, k_warps) of the split-K kernel for this matrix and width, or (1, 0): keep one block per tile.
+
+    A gemv warp is bound by its own latency chain, so the time is set by warps in flight per SM (docs/
+    gpu_quant_matmul.md). With at least one tile per SM the per-tile kernel stays when its warps (KW = tile_k_warps or
+    choose_k_warps) run fewer than SPLIT_MIN_TILE_CHUNKS chunks each, or its tiles x KW warps (tile_regs registers
+    each) fill at least SPLIT_FILL of what the SMs hold. Otherwise, for each KW in SPLIT_WARPS: the blocks of KW warps
+    (`regs` registers each, the split kernel's) that fit in SPLIT_WAVES waves, divided among the tiles, gives S,
+    capped so that every warp keeps SPLIT_MIN_CHUNKS chunks; the (S, KW) with the most warps wins (ties: the larger
+    KW, fewer blocks to stage x). H100 sweep at T=1 (docs/gpu_quant_matmul.md): it picks (3, 2) for ffn_down
+    5120x17408, within 1 % of the best of 15 shapes, keeps 5120x6144 on the per-tile kernel (the fastest) and picks
+    (5, 4) for attn_v 1024x5120 (measured neighbours (4, 4) / (6, 4): 6.1 / 6.3 us against 7.2 per tile, Q6_K)."""
+    if tokens > SPLIT_UP_TO.get(int(qtype), 0):
+        return 1, 0
+    tiles = -(-n_out // TILE_ROWS)
+    nch = -(-k // CHUNK)
+    tkw = tile_k_warps or choose_k_warps(qtype, n_out, k, tokens, sms)
+    cap = sms * warps_per_sm(tile_regs or regs)
+    if tiles >= sms and (nch < SPLIT_MIN_TILE_CHUNKS * tkw or min(tiles * tkw, cap) >= SPLIT_FILL * cap):
+        return 1, 0
+    best = (0, 0, 1)  # (warps, k_warps, splits)
+    for kw in SPLIT_WARPS:
+        cap_s = min(MAX_SPLITS, nch // max(1, kw * SPLIT_MIN_CHUNKS))
+        for splits in range(cap_s, 1, -1):
+            smem = smem_split_bytes(qtype, k, tokens, splits)
+            fit = min(32, warps_per_sm(regs) // kw, SMEM_PER_SM // (smem + 1024))
+            if tiles * splits <= SPLIT_WAVES * sms * fit:
+                best = max(best, (tiles * splits * kw, kw, splits))
+                break
+    return (best[2], best[1]) if best[0] else (1, 0)
 
 
 def choose_k_warps(qtype: int, n_out: int, k: int, tokens: int, sms: int) -> int:
@@ -190,6 +286,17 @@ def gemv(
     persistent = cfg.persistent if cfg.persistent is not None else prefer_persistent(W.qtype, tokens)
     if persistent and int(W.qtype) not in PERSISTENT_TYPES:
         raise ValueError(f"{W.name}: the persistent gemv variant takes Q8_0, Q4_K and Q6_K, not {W.type_name}")
+    if cfg.splits < 0 or cfg.splits > MAX_SPLITS:
+        raise ValueError(f"splits must be 0..{MAX_SPLITS}, not {cfg.splits}")
+    if persistent and cfg.splits > 1:
+        raise ValueError(f"{W.name}: the persistent and the split-K gemv variants are exclusive")
+    splits, split_kw = cfg.splits, 0
+    if splits == 0:
+        splits = 1
+        if not persistent and cfg.k_warps == 0 and tokens <= SPLIT_UP_TO.get(int(W.qtype), 0):
+            splits, split_kw = auto_split(W.qtype, n_out, k, tokens, portable)
+    if splits > 1:
+        return _launch_split(W, packed, out, accumulate, splits, cfg.k_warps or split_kw or 4, portable)
     kw = cfg.k_warps or choose_k_warps(W.qtype, n_out, k, tokens, qm.sm_count())
     if not 1 <= kw <= MAX_K_WARPS:
         raise ValueError(f"k_warps must be 1..{MAX_K_WARPS}, not {kw}")
@@ -216,6 +323,100 @@ def gemv(
             out,
             np.int32(bool(accumulate)),
             np.int64(qm.out_stride(out)),
+        ),
+        shared_mem=smem,
+    )
+    return out
+
+
+_auto_split: dict[tuple, tuple[int, int]] = {}
+
+
+def auto_split(qtype: int, n_out: int, k: int, tokens: int, portable: bool = False) -> tuple[int, int]:
+    """choose_split with the compiled kernels' register counts (cached per shape, width and device; the knobs are part
+    of the key so a bench can change them)."""
+    key = (int(qtype), n_out, k, tokens, portable, qm._device_id(), SPLIT_FILL, SPLIT_WARPS, SPLIT_MIN_CHUNKS,
+           SPLIT_WAVES, SPLIT_UP_TO.get(int(qtype), 0), SPLIT_MIN_TILE_CHUNKS)  # fmt: skip
+    got = _auto_split.get(key)
+    if got is None:
+        regs = int(getattr(split_function(qtype, tokens, portable), "num_regs", 0) or 128)
+        tile_regs = int(getattr(gemv_function(qtype, tokens, portable), "num_regs", 0) or 128)
+        got = choose_split(qtype, n_out, k, tokens, qm.sm_count(), regs, tile_regs)
+        _auto_split[key] = got
+    return got
+
+
+class _Scratch:
+    """One stream's split-K scratch: partial sums (fp32) and per-tile arrival counters (u32, zero between launches)."""
+
+    def __init__(self, cupy: Any, part_floats: int, counters: int):
+        self.mem = cupy.cuda.Memory(4 * (part_floats + counters))  # cudaMalloc: not the caller's allocator (a
+        # graph capture's arena would hand the bytes to later temporaries while the counters must live on)
+        base = cupy.cuda.MemoryPointer(self.mem, 0)
+        self.counters = cupy.ndarray((counters,), cupy.uint32, base)
+        self.part = cupy.ndarray((part_floats,), cupy.float32, base + 4 * counters)
+        # zero the counters once, synchronously on a side stream: this works eagerly and inside a (relaxed) graph
+        # capture alike, and no memset node lands in a captured graph; the kernels leave them zero after every launch
+        dev = qm._device_id()
+        if dev not in _side_streams:
+            _side_streams[dev] = cupy.cuda.Stream(non_blocking=True)
+        side = _side_streams[dev]
+        cupy.cuda.runtime.memsetAsync(self.counters.data.ptr, 0, 4 * counters, side.ptr)
+        side.synchronize()
+
+
+_side_streams: dict[int, Any] = {}
+
+
+_scratch: dict[tuple[int, int], _Scratch] = {}
+_retired: list[_Scratch] = []  # outgrown buffers: graphs captured earlier still hold their addresses
+
+
+def split_scratch(tiles: int, part_floats: int) -> tuple[Any, Any]:
+    """(partial sums, counters) for a split-K launch on the current stream of the current device: cached per
+    (device, stream), grown (never freed) when a launch needs more. Launches on one stream run one after another, so
+    they share it safely; a CUDA graph keeps the buffer of the stream it was captured on (replay graphs captured on
+    one stream one at a time)."""
+    cupy = loader.require()
+    key = (qm._device_id(), int(cupy.cuda.get_current_stream().ptr))
+    sc = _scratch.get(key)
+    if sc is None or sc.part.size < part_floats or sc.counters.size < tiles:
+        if sc is not None:
+            _retired.append(sc)
+        old_p, old_c = (sc.part.size, sc.counters.size) if sc is not None else (1 << 19, 1 << 14)
+        sc = _Scratch(cupy, max(part_floats, old_p, 2 * old_p if sc is not None else 0),
+                      max(tiles, old_c, 2 * old_c if sc is not None else 0))
+        _scratch[key] = sc
+    return sc.part, sc.counters
+
+
+def _launch_split(W: Any, packed: Any, out: Any, accumulate: bool, splits: int, kw: int, portable: bool) -> Any:
+    n_out, k = W.shape
+    tokens = packed.tokens
+    if not 1 <= kw <= MAX_K_WARPS:
+        raise ValueError(f"k_warps must be 1..{MAX_K_WARPS}, not {kw}")
+    tiles = -(-n_out // TILE_ROWS)
+    smem = smem_split_bytes(W.qtype, k, tokens, splits)
+    if smem > SMEM_LIMIT:
+        raise ValueError(f"{W.name}: {tokens} tokens of {k} features need {smem} bytes of shared memory")
+    part, counters = split_scratch(tiles, tiles * splits * kw * TILE_ROWS * tokens)
+    kern = split_function(W.qtype, tokens, portable)
+    kern(
+        (tiles * splits,),
+        (32 * kw,),
+        (
+            W.device_buffer,
+            np.int64(W.row_bytes),
+            np.int32(n_out),
+            np.int32(k),
+            packed.data,
+            np.int32(packed.padded_tokens),
+            out,
+            np.int32(bool(accumulate)),
+            np.int64(qm.out_stride(out)),
+            np.int32(splits),
+            part,
+            counters,
         ),
         shared_mem=smem,
     )

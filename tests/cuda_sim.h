@@ -54,6 +54,15 @@ static unsigned int shfl(unsigned int v, int src) {
 static inline float __uint_as_float(unsigned int u) { float f; std::memcpy(&f, &u, 4); return f; }
 static inline unsigned int __float_as_uint(float f) { unsigned int u; std::memcpy(&u, &f, 4); return u; }
 static inline float atomicAdd(float* p, float v) { const float o = *p; *p = o + v; return o; }
+// Blocks run one after another (or one fiber at a time), so an atomic is a plain read-modify-write and a memory
+// fence has nothing to order; harnesses that test inter-block protocols (last block of a tile to arrive) vary the
+// order in which they run the blocks instead.
+static inline unsigned int atomicAdd(unsigned int* p, unsigned int v) {
+    const unsigned int o = *p;
+    *p = o + v;
+    return o;
+}
+static inline void __threadfence() {}
 
 namespace sim {
 typedef void (*LaneFn)();

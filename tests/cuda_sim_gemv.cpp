@@ -6,6 +6,8 @@
 // for real. x is packed by quant_matmul.cu's own pack_x_kernel, so the test checks the layout the GPU sees.
 #define SIM_BLOCK
 #include <cmath>
+#include <utility>
+#include <vector>
 
 #include "cuda_sim.h"
 
@@ -91,6 +93,65 @@ extern "C" int sim_gemv(int qt, int nt, const unsigned char* W, long long row_by
     for (unsigned b = 0; b < blocks; ++b) {
         sim::bid = {b, 0, 0};
         std::memset(gv_smem, 0xA5, sizeof(gv_smem));  // stale shared memory must not matter
+        errors += simb::run_block(32 * kw, g_body);
+    }
+    return errors;
+}
+
+// Split-K kernel (gemv_splitk_kernel): ceil(N / 16) * splits blocks of 32 kw threads. order_seed = 0: blocks in
+// grid order (a tile's split S - 1 arrives last); otherwise a pseudo-random permutation of all blocks (Fisher-Yates
+// on a 64-bit LCG seeded with it), so any split of a tile may be the last to arrive and tiles interleave. part /
+// counters: the launcher's scratch (partial sums, per-tile arrival counters that must be zero and are left zero).
+static struct {
+    int splits;
+    float* part;
+    unsigned int* counters;
+} sa;
+
+template <int QT, int NT>
+static void split_body() {
+    gemv_splitk_kernel<QT, NT>(ga.W, ga.row_bytes, ga.N, ga.K, ga.xp, ga.tpad, ga.y, ga.accumulate, ga.ldy, sa.splits,
+                               sa.part, sa.counters);
+}
+
+template <int QT>
+static void (*pick_split(int nt))() {
+    switch (nt) {
+        case 1: return split_body<QT, 1>;
+        case 2: return split_body<QT, 2>;
+        case 3: return split_body<QT, 3>;
+        case 5: return split_body<QT, 5>;
+    }
+    return nullptr;
+}
+
+extern "C" int sim_gemv_split(int qt, int nt, const unsigned char* W, long long row_bytes, int N, int K,
+                              const void* xp, int tpad, float* y, int accumulate, int kw, int splits, long long ldy,
+                              float* part, unsigned int* counters, unsigned long long order_seed) {
+    switch (qt) {
+        case 1: g_body = pick_split<1>(nt); break;
+        case 8: g_body = pick_split<8>(nt); break;
+        case 12: g_body = pick_split<12>(nt); break;
+        case 14: g_body = pick_split<14>(nt); break;
+        default: g_body = nullptr;
+    }
+    if (!g_body || kw < 1 || kw > gv::MAX_KW || splits < 1) return -1;
+    ga = {W, row_bytes, N, K, (const uint4*)xp, tpad, y, accumulate, ldy};
+    sa = {splits, part, counters};
+    const unsigned blocks = (unsigned)((N + 15) / 16) * (unsigned)splits;
+    std::vector<unsigned> order(blocks);
+    for (unsigned b = 0; b < blocks; ++b) order[b] = b;
+    unsigned long long state = order_seed;
+    for (unsigned b = blocks; order_seed != 0 && b > 1; --b) {
+        state = state * 6364136223846793005ull + 1442695040888963407ull;
+        std::swap(order[b - 1], order[(unsigned)((state >> 33) % b)]);
+    }
+    int errors = 0;
+    sim::gdim = {blocks, 1, 1};
+    sim::bdim = {32u * (unsigned)kw, 1, 1};
+    for (unsigned b : order) {
+        sim::bid = {b, 0, 0};
+        std::memset(gv_smem, 0xA5, sizeof(gv_smem));
         errors += simb::run_block(32 * kw, g_body);
     }
     return errors;

@@ -25,8 +25,6 @@ from tests.quant_twins import NAMES, dequantize, random_weights, rel_error  # no
 
 pytestmark = pytest.mark.gpu
 
-
-
 TYPES = (qm.Q4_K, qm.Q6_K, qm.Q8_0, qm.F16)
 TOL = 2e-4
 
@@ -172,7 +170,8 @@ def test_persistent_variant_at_27b_shapes(qtype: int, shape: tuple[int, int]) ->
         y0 = rng.standard_normal((tokens, shape[0])).astype(np.float32)
         y = run(W, x, kernel="gemv", config=pers)
         assert np.isfinite(y).all()
-        assert np.array_equal(y, run(W, x, kernel="gemv", config=qg.GemvConfig(persistent=False)))
+        tile = qg.GemvConfig(persistent=False, splits=1)
+        assert np.array_equal(y, run(W, x, kernel="gemv", config=tile))
         acc = run(W, x, y0, kernel="gemv", config=pers, accumulate=True)
         assert np.array_equal(acc, (y0 + y).astype(np.float32))
     F = qm.QuantMatrix(qm.F16, random_weights(qm.F16, 32, 256, rng), (32, 256))
@@ -236,3 +235,127 @@ def test_strided_out_per_tile_and_persistent(qtype: int) -> None:
                 assert cupy.array_equal(view, flat), f"T={tokens} persistent={persistent} accumulate={accumulate}"
                 host = cupy.asnumpy(wide)
                 assert (host[:, :11] == 7.25).all() and (host[:, 11 + n_out:] == 7.25).all()
+
+
+SPLIT_SHAPES = {
+    qm.Q4_K: (200, 2560),  # 13 tiles, the last one partial; 10 chunks
+    qm.Q6_K: (96, 3072),
+    qm.Q8_0: (130, 2336),  # a tail chunk of 32 values
+    qm.F16: (64, 1312),  # a tail chunk of 32 values
+}
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=NAMES.get)
+def test_split_k_matches_per_tile_kernel(qtype: int) -> None:
+    """gemv_splitk_kernel against the twin and, bit for bit, against gemv_kernel with splits x k_warps warps (the same
+    warp ranges, added in the same order whichever block of a tile arrives last); repeated launches bitwise equal."""
+    rng = np.random.default_rng(1200 + qtype)
+    shape = SPLIT_SHAPES[qtype]
+    raw = random_weights(qtype, *shape, rng)
+    W = qm.QuantMatrix(qtype, raw, shape, name=f"{NAMES[qtype]} split")
+    w64 = dequantize(qtype, raw, *shape)
+    for splits, kw in ((2, 4), (4, 2), (3, 1), (8, 1), (5, 2), (16, 4)):
+        cfg = qg.GemvConfig(k_warps=kw, splits=splits)
+        for tokens in (1, 2, 5):
+            y = check(W, w64, tokens, rng, f"{W.name} {cfg}", kernel="gemv", config=cfg)
+            x = (rng.standard_normal((tokens, shape[1])) * 0.5).astype(np.float16)
+            y = run(W, x, kernel="gemv", config=cfg)
+            if splits * kw <= qg.MAX_K_WARPS:
+                tile = qg.GemvConfig(k_warps=splits * kw, splits=1)
+                assert np.array_equal(y, run(W, x, kernel="gemv", config=tile)), f"{cfg} T={tokens}"
+            for _ in range(3):
+                assert np.array_equal(y, run(W, x, kernel="gemv", config=cfg)), f"{cfg} T={tokens}: not reproducible"
+
+
+@pytest.mark.parametrize("qtype", [qm.Q4_K, qm.Q6_K, qm.F16], ids=NAMES.get)
+def test_split_k_strided_accumulate_and_portable(qtype: int) -> None:
+    """Into a column slice of wider rows, plain and accumulating: bitwise what a contiguous out gets, the columns
+    beside it untouched; the portable build (-DSPECSPLIT_PORTABLE) gives the same bits."""
+    rng = np.random.default_rng(1300 + qtype)
+    n_out, k = SPLIT_SHAPES[qtype]
+    W = qm.QuantMatrix(qtype, random_weights(qtype, n_out, k, rng), (n_out, k))
+    cfg = qg.GemvConfig(k_warps=2, splits=3)
+    for tokens in (1, 2):
+        px = qm.pack_activations(cupy.asarray((rng.standard_normal((tokens, k)) * 0.5).astype(np.float16)))
+        y0 = cupy.asarray(rng.standard_normal((tokens, n_out)).astype(np.float32))
+        plain = cupy.full((tokens, n_out), np.nan, cupy.float32)
+        W.matmul(px, out=plain, kernel="gemv", config=cfg)
+        for accumulate in (False, True):
+            flat = y0.copy() if accumulate else cupy.full((tokens, n_out), np.nan, cupy.float32)
+            W.matmul(px, out=flat, accumulate=accumulate, kernel="gemv", config=cfg)
+            wide = cupy.full((tokens, n_out + 40), 7.25, cupy.float32)
+            view = wide[:, 11:11 + n_out]
+            view[...] = y0 if accumulate else cupy.nan
+            W.matmul(px, out=view, accumulate=accumulate, kernel="gemv", config=cfg)
+            assert cupy.array_equal(view, flat), f"T={tokens} accumulate={accumulate}"
+            host = cupy.asnumpy(wide)
+            assert (host[:, :11] == 7.25).all() and (host[:, 11 + n_out:] == 7.25).all()
+            if accumulate:
+                assert cupy.array_equal(flat, y0 + plain)  # the same sums, then one add
+        port = cupy.full((tokens, n_out), np.nan, cupy.float32)
+        W.matmul(px, out=port, kernel="gemv", config=cfg, portable=True)
+        assert cupy.array_equal(port, plain)
+
+
+def test_split_k_in_a_cuda_graph() -> None:
+    """Captured on a fresh stream (its scratch is made and zeroed during the capture, no memset node), replayed
+    several times: every replay bitwise equal to the eager launches, so the counters reset themselves; launches of
+    two matrices of different tile counts alternate on the same scratch."""
+    rng = np.random.default_rng(1400)
+    mats = []
+    for qtype, shape in ((qm.Q4_K, (5120, 6144)), (qm.Q6_K, (1024, 5120))):
+        mats.append(qm.QuantMatrix(qtype, random_weights(qtype, *shape, rng), shape))
+    cfgs = (qg.GemvConfig(k_warps=2, splits=3), qg.GemvConfig(k_warps=4, splits=5))
+    x = cupy.asarray((rng.standard_normal((1, 6144)) * 0.5).astype(np.float16))
+    x2 = cupy.asarray((rng.standard_normal((1, 5120)) * 0.5).astype(np.float16))
+    px, px2 = qm.pack_activations(x), qm.pack_activations(x2)
+    y0 = cupy.asarray(rng.standard_normal((1, 5120)).astype(np.float32))
+    eager_a = mats[0].matmul(px, kernel="gemv", config=cfgs[0])
+    eager_b = mats[1].matmul(px2, kernel="gemv", config=cfgs[1])
+    eager_c = y0.copy()
+    mats[0].matmul(px, out=eager_c, accumulate=True, kernel="gemv", config=cfgs[0])
+    stream = cupy.cuda.Stream(non_blocking=True)
+    with stream:
+        outs = [cupy.full((1, 5120), np.nan, cupy.float32), cupy.full((1, 1024), np.nan, cupy.float32),
+                cupy.empty((1, 5120), cupy.float32)]  # fmt: skip
+        stream.synchronize()
+        stream.begin_capture()
+        try:
+            mats[0].matmul(px, out=outs[0], kernel="gemv", config=cfgs[0])
+            mats[1].matmul(px2, out=outs[1], kernel="gemv", config=cfgs[1])
+            outs[2][...] = y0
+            mats[0].matmul(px, out=outs[2], accumulate=True, kernel="gemv", config=cfgs[0])
+        finally:
+            graph = stream.end_capture()
+        for _ in range(4):
+            outs[0].fill(np.nan)
+            outs[1].fill(np.nan)
+            graph.launch(stream)
+            stream.synchronize()
+            assert cupy.array_equal(outs[0], eager_a)
+            assert cupy.array_equal(outs[1], eager_b)
+            assert cupy.array_equal(outs[2], eager_c)
+    assert cupy.array_equal(mats[0].matmul(px, kernel="gemv", config=cfgs[0]), eager_a)  # eager again after
+
+
+@pytest.mark.parametrize("qtype,shape", [(qm.Q4_K, (5120, 6144)), (qm.Q6_K, (5120, 17408)), (qm.Q8_0, (1024, 5120))],
+                         ids=str)  # fmt: skip
+def test_split_k_auto_at_27b_shapes(qtype: int, shape: tuple[int, int], monkeypatch) -> None:
+    """The automatic choice (choose_split with the compiled kernels' registers, dispatch turned on) on 27B matrices of
+    few tiles: what matmul() runs at T = 1, 2 equals the per-tile kernel to fp32 summation order and the twin to TOL."""
+    monkeypatch.setattr(qg, "SPLIT_UP_TO", {qtype: 2})
+    rng = np.random.default_rng(1500 + qtype)
+    raw = random_weights(qtype, *shape, rng)
+    W = qm.QuantMatrix(qtype, raw, shape, name=f"{NAMES[qtype]} {shape}")
+    w64 = dequantize(qtype, raw, *shape)
+    for tokens in (1, 2):
+        splits, _ = qg.auto_split(qtype, shape[0], shape[1], tokens)
+        x = (rng.standard_normal((tokens, shape[1])) * 0.5).astype(np.float16)
+        auto = run(W, x, kernel="gemv")
+        tile = run(W, x, kernel="gemv", config=qg.GemvConfig(splits=1))
+        assert np.isfinite(auto).all()
+        assert rel_error(auto, tile) < 1e-6, f"T={tokens} splits={splits}"
+        assert rel_error(auto, x.astype(np.float64) @ w64.T) < TOL
+        assert np.array_equal(auto, run(W, x, kernel="gemv"))
+    with pytest.raises(ValueError, match="exclusive"):
+        W.matmul(cupy.asarray(x), kernel="gemv", config=qg.GemvConfig(persistent=True, splits=2))

@@ -240,3 +240,116 @@ def test_k_warps_choice() -> None:
     assert qg.choose_k_warps(Q4_K, 5120, 17408, 2, sms) == 8
     assert qg.choose_k_warps(Q4_K, 16, 256, 1, sms) == 1  # one chunk: one warp
     assert qg.choose_k_warps(Q4_K, 16, 5632, 16, sms) == 4  # with 8, 16 tokens of x and partial sums overflow
+
+
+def run_split(
+    lib, qtype: int, raw: np.ndarray, n_out: int, k: int, x: np.ndarray, kw: int, splits: int, y0=None, ld: int = 0,
+    seed: int = 0, scratch=None,
+) -> np.ndarray:
+    """One simulated split-K launch (blocks in grid order, seed = 0, or a permutation seeded with it), into a
+    NaN-poisoned output or accumulating into y0, optionally a column slice of [T, ld] rows. scratch: (partial sums,
+    counters) to reuse across launches (the launcher's per-stream cache); a fresh NaN-poisoned one otherwise. The
+    counters must come back zero (the kernel resets them for the next launch)."""
+    tokens = x.shape[0]
+    tpad = 8 * ((tokens + 7) // 8)
+    laid = qm.device_layout(qtype, raw)
+    w = aligned_zeros(laid.nbytes + PAD)
+    w[: laid.nbytes] = laid
+    xp = aligned_zeros(k * tpad * 2)
+    x = np.ascontiguousarray(x, dtype=np.float16)
+    lib.sim_pack(x.ctypes.data, tokens, k, tpad, xp.ctypes.data)
+    tiles = -(-n_out // 16)
+    if scratch is None:
+        scratch = (np.full(tiles * splits * kw * 16 * tokens, np.nan, np.float32), np.zeros(tiles, np.uint32))
+    part, counters = scratch
+    assert part.size >= tiles * splits * kw * 16 * tokens and counters.size >= tiles and not counters.any()
+    ld = ld or n_out
+    full = np.full((tokens, ld), SENTINEL, np.float32)
+    y = full[:, ld - n_out :]
+    y[...] = np.nan if y0 is None else y0
+    err = lib.sim_gemv_split(
+        qtype, tokens, w.ctypes.data, raw.shape[1], n_out, k, xp.ctypes.data, tpad, y.ctypes.data, int(y0 is not None),
+        kw, splits, ld, part.ctypes.data, counters.ctypes.data, seed,
+    )  # fmt: skip
+    assert err == 0, "the simulation reported a divergent warp or a deadlock"
+    assert not counters.any(), "the arrival counters were not reset for the next launch"
+    assert (full[:, : ld - n_out] == SENTINEL).all(), "a column outside the output slice was written"
+    return y.copy()
+
+
+@pytest.fixture(scope="module")
+def split_lib(sim) -> ctypes.CDLL:
+    sim.sim_gemv_split.restype = ctypes.c_int
+    sim.sim_gemv_split.argtypes = [
+        ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_longlong, ctypes.c_int, ctypes.c_int, ctypes.c_void_p,
+        ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_longlong, ctypes.c_void_p,
+        ctypes.c_void_p, ctypes.c_ulonglong,
+    ]  # fmt: skip
+    return sim
+
+
+SPLIT_CASES = [
+    # qtype, n_out, k, tokens, k_warps, splits: split-K warps = splits x k_warps (<= 8, so gemv_kernel can match it)
+    (Q4_K, 77, 1536, 1, 2, 3),  # 5 tiles (the last one partial), 6 chunks over 6 warps
+    (Q4_K, 40, 2560, 2, 2, 4),  # 10 chunks over 8 warps: uneven ranges, blocks of 2 or 3 staged chunks
+    (Q4_K, 33, 512, 3, 3, 2),  # more warps than chunks: idle warps publish zeros
+    (Q6_K, 50, 1792, 1, 4, 2),
+    (Q6_K, 20, 1024, 5, 1, 8),  # one warp per block, more blocks than chunks
+    (Q8_0, 45, 1248, 2, 2, 3),  # a tail chunk of 224 values, owned by the last split's last warp
+    (Q8_0, 33, 544, 1, 1, 3),  # a tail of 32 values
+    (F16, 50, 800, 1, 2, 2),  # F16 with a tail of 32 values
+    (F16, 17, 1536, 2, 3, 2),
+]
+
+
+@needs_gxx
+@pytest.mark.parametrize("qtype,n_out,k,tokens,kw,splits", SPLIT_CASES)
+def test_split_k_matches_twin_and_per_tile_kernel(
+    split_lib, qtype: int, n_out: int, k: int, tokens: int, kw: int, splits: int
+) -> None:
+    """The split-K kernel against the twin and, bit for bit, against gemv_kernel with splits x k_warps warps (the same
+    warp ranges and the same addition order), whichever block of a tile arrives last: grid order and two
+    permutations; then accumulate and a strided output, and a second launch on the same (reset) scratch."""
+    lib = split_lib
+    rng = np.random.default_rng(qtype * 71 + n_out + k + tokens + splits)
+    raw = random_weights(qtype, n_out, k, rng)
+    x = (rng.standard_normal((tokens, k)) * 0.5).astype(np.float16)
+    y = run_split(lib, qtype, raw, n_out, k, x, kw, splits)
+    check_twin(y, x, raw, qtype, n_out, k)
+    assert np.array_equal(y, run_sim(lib, qtype, raw, n_out, k, x, kw * splits))
+    for seed in (1, 12345):
+        assert np.array_equal(y, run_split(lib, qtype, raw, n_out, k, x, kw, splits, seed=seed))
+    y0 = rng.standard_normal((tokens, n_out)).astype(np.float32)
+    tiles = -(-n_out // 16)
+    scratch = (np.full(tiles * splits * kw * 16 * tokens + 7, np.nan, np.float32), np.zeros(tiles + 3, np.uint32))
+    for launch in range(2):  # the counters the first launch leaves behind serve the second
+        acc = run_split(lib, qtype, raw, n_out, k, x, kw, splits, y0, ld=n_out + 13, seed=launch * 7, scratch=scratch)
+        assert np.array_equal(acc, y0 + y)
+
+
+def test_split_choice(monkeypatch) -> None:
+    sms = 132
+    assert qg.warps_per_sm(117) == 17 and qg.warps_per_sm(128) == 16 and qg.warps_per_sm(255) == 8
+    if not qg.SPLIT_UP_TO:  # not dispatched (the H100 decode step was not faster): gemv() keeps one block per tile
+        assert qg.choose_split(Q4_K, 5120, 17408, 1, sms, 120, 117) == (1, 0)
+    monkeypatch.setattr(qg, "SPLIT_UP_TO", {Q4_K: 2, Q6_K: 2, Q8_0: 2, F16: 2})
+    # ffn_down 5120x17408 at one token: 320 tiles of 4 warps (17 chunks each) fill ~57 % of 132 SMs x 17 warps
+    # (117-128 registers): split; 2 warps per block fit 8 blocks per SM, 1056 slots, 3 splits (1920 warps)
+    assert qg.choose_split(Q4_K, 5120, 17408, 1, sms, 120, 117) == (3, 2)
+    assert qg.choose_split(Q6_K, 5120, 17408, 1, sms, 128, 128) == (3, 2)
+    # 5120x6144 (ssm_out, attn_output): per-tile warps run 6 chunks, too short to pay for the arrival protocol
+    assert qg.choose_split(Q4_K, 5120, 6144, 1, sms, 120, 117) == (1, 0)
+    # many tiles: the per-tile kernel already fills the GPU
+    assert qg.choose_split(Q4_K, 34816, 5120, 1, sms, 120, 117) == (1, 0)
+    assert qg.choose_split(Q6_K, 248320, 5120, 1, sms, 120, 117) == (1, 0)
+    # 64 tiles (attn_v 1024x5120): fewer tiles than SMs: 5 splits of 4 warps (1280 warps, as many as 10 x 2)
+    assert qg.choose_split(Q6_K, 1024, 5120, 1, sms, 120, 117) == (5, 4)
+    # T=2 on ffn_down: the per-tile kernel's 8 warps per block fill the SMs
+    assert qg.choose_split(Q8_0, 5120, 17408, 2, sms, 120, 117) == (1, 0)
+    # one chunk per tile: nothing to split; wider than SPLIT_UP_TO: never
+    assert qg.choose_split(Q4_K, 64, 256, 1, sms, 120, 117) == (1, 0)
+    assert qg.choose_split(Q4_K, 1024, 5120, 3, sms, 120, 117) == (1, 0)
+    # staged x per block: only its own chunks (plus the 16-byte flag)
+    assert qg.split_chunks(6144, 3) == 8 and qg.split_chunks(1248, 3) == 2
+    assert qg.smem_split_bytes(Q4_K, 6144, 1, 3) == 16 + 8 * (512 + 128)
+    assert qg.smem_split_bytes(F16, 800, 2, 2) == 16 + 2 * 2 * 512
