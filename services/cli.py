@@ -22,17 +22,29 @@ def _ids(text: str) -> list[int]:
 
 
 def _add_sampling(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--min-p", type=float, default=0.0)
+    # default None: an option not given takes the model file's declared value (GGUF general.sampling.*), else
+    # the engine's (greedy, filters and penalties off, penalty window 64)
+    p.add_argument("--temperature", type=float, default=None, help="0 = greedy (the default)")
+    p.add_argument("--top-k", type=int, default=None)
+    p.add_argument("--top-p", type=float, default=None)
+    p.add_argument("--min-p", type=float, default=None)
     p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--repeat-penalty", type=float, default=None, dest="repetition_penalty",
+                   help="divide the logits of recent tokens (llama.cpp / HF repetition penalty; 1 = off)")
+    p.add_argument("--presence-penalty", type=float, default=None, help="OpenAI presence penalty (0 = off)")
+    p.add_argument("--frequency-penalty", type=float, default=None, help="OpenAI frequency penalty (0 = off)")
+    p.add_argument("--repeat-last-n", type=int, default=None,
+                   help="how many recent tokens the penalties look at (-1 = all; default 64)")
+
+
+SAMPLING_OPTIONS = ("temperature", "top_k", "top_p", "min_p", "seed", "repetition_penalty", "presence_penalty",
+                    "frequency_penalty", "repeat_last_n")
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
     from .engine.generate import generate
     from .engine.placement import is_gpu, load_drafter_on, load_target_on
-    from .engine.sampling import SamplingParams
+    from .engine.sampling import resolve_sampling
 
     if args.model is None:
         from .engine.default_model import default_model_paths
@@ -72,8 +84,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         else:
             text = args.prompt
         prompt_ids = tok.encode(text)
-    params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-                            min_p=args.min_p, seed=args.seed).validate()
+    params = resolve_sampling({k: getattr(args, k) for k in SAMPLING_OPTIONS}, target.sampling_defaults)
     stop = sorted(tok.eos_ids) if tok is not None and not args.ignore_eos else []
     if args.draft:
         from .engine.speculative import AUTO_MAX_BUDGET, SpecConfig, speculative_generate
@@ -163,6 +174,35 @@ def cmd_convert(args: argparse.Namespace) -> int:
     return 0
 
 
+def _sampling_assignment(text: str) -> tuple[str, float | int]:
+    name, sep, value = text.partition("=")
+    if not sep:
+        raise argparse.ArgumentTypeError(f"expected FIELD=VALUE (e.g. repetition_penalty=1.1), got '{text}'")
+    try:
+        return name, int(value) if name in ("top_k", "repeat_last_n") else float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{name}: '{value}' is not a number") from None
+
+
+def cmd_set_sampling(args: argparse.Namespace) -> int:
+    from .engine.formats import open_model_file
+    from .engine.gguf_write import rewrite_metadata
+    from .engine.sampling import GGUF_SAMPLING_KEYS, model_sampling_defaults, sampling_metadata
+
+    mf = open_model_file(args.model)      # a clear error for a file that is not a readable GGUF
+    if mf.kind != "gguf":
+        raise SpecsplitError(f"{args.model}: set-sampling writes GGUF metadata; this is a {mf.kind} model")
+    updates: dict = sampling_metadata(dict(args.fields))
+    for name in args.clear:
+        if name not in GGUF_SAMPLING_KEYS:
+            raise SpecsplitError(f"--clear {name}: not a declarable field ({', '.join(GGUF_SAMPLING_KEYS)})")
+        updates[GGUF_SAMPLING_KEYS[name]] = None
+    out = args.out or mf.path
+    rewrite_metadata(mf.path, out, updates)
+    print(json.dumps({"model": out, "declared": model_sampling_defaults(open_model_file(out).metadata)}))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="specsplit", description=__doc__)
     sub = ap.add_subparsers(dest="command", required=True)
@@ -211,6 +251,14 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("out")
     c.add_argument("--outtype", default="f16", choices=["f32", "f16", "bf16", "q8_0", "q4_0"])
     c.set_defaults(func=cmd_convert)
+    s = sub.add_parser("set-sampling", help="declare a GGUF model's default sampling (general.sampling.* keys, "
+                       "as llama.cpp reads them); requests that leave a field unset get it")
+    s.add_argument("model", help="GGUF file (rewritten atomically unless --out)")
+    s.add_argument("fields", nargs="*", type=_sampling_assignment, metavar="FIELD=VALUE",
+                   help="temperature, top_k, top_p, min_p, repetition_penalty, repeat_last_n")
+    s.add_argument("--clear", action="append", default=[], metavar="FIELD", help="remove a declared field")
+    s.add_argument("--out", help="write the result here instead")
+    s.set_defaults(func=cmd_set_sampling)
     for module in _SERVICE_CLIS:
         importlib.import_module(module).register(sub)
     return ap

@@ -156,15 +156,32 @@ def __getattr__(name: str) -> ModuleType:
     return _modules[name]
 
 
-def sampling_from_pb(s):
-    """The engine's SamplingParams from a wire `SamplingParams` (unset fields take the engine defaults)."""
+def sampling_from_pb(s, defaults: dict | None = None):
+    """The engine's SamplingParams from a wire `SamplingParams`: unset fields take the model's declared
+    defaults (`defaults`, from its GGUF general.sampling.* keys), then the engine's. Not validated."""
     # Imported here: setup.py loads this module at build time, where NumPy may not be installed.
     from services.engine.sampling import SamplingParams
 
-    return SamplingParams(
-        temperature=s.temperature if s.HasField("temperature") else 0.0,
-        top_k=s.top_k if s.HasField("top_k") else 0,
-        top_p=s.top_p if s.HasField("top_p") else 1.0,
-        min_p=s.min_p if s.HasField("min_p") else 0.0,
-        seed=s.seed if s.HasField("seed") else None,
-    )
+    kw = dict(defaults or {})
+    kw.update({name: getattr(s, name) for name in sampling_fields_set(s)})
+    return SamplingParams(**kw)
+
+
+SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "min_p", "seed", "repetition_penalty", "presence_penalty",
+                   "frequency_penalty", "repeat_last_n")
+
+
+def sampling_fields_set(s) -> list[str]:
+    """The fields of a wire `SamplingParams` that the sender set."""
+    return [name for name in SAMPLING_FIELDS if s.HasField(name)]
+
+
+def sampling_to_pb(params, fields_set=None):
+    """A wire `SamplingParams` carrying the fields in `fields_set` (all when None) of an engine SamplingParams;
+    the fields left unset let the verifier apply its model's declared defaults."""
+    out = __getattr__("pb").SamplingParams()
+    for name in SAMPLING_FIELDS if fields_set is None else fields_set:
+        v = getattr(params, name)
+        if v is not None:
+            setattr(out, name, v)
+    return out

@@ -157,12 +157,14 @@ def _health(url: str) -> int:
 _REFS: dict[tuple, dict] = {}
 
 
-def reference(target: str, prompt_ids: list[int], max_tokens: int) -> dict:
-    """`specsplit generate --json` (plain decoding, no drafter) for these prompt ids."""
-    key = (target, tuple(prompt_ids), max_tokens)
+def reference(target: str | None, prompt_ids: list[int], max_tokens: int, extra: tuple[str, ...] = ()) -> dict:
+    """`specsplit generate --json` (plain decoding, no drafter) for these prompt ids (target None: the embedded
+    default model); `extra`: more options (sampling)."""
+    key = (target, tuple(prompt_ids), max_tokens, extra)
     if key not in _REFS:
-        out = subprocess.run([sys.executable, "-m", "services", "generate", "--model", target, "--prompt-ids",
-                              ",".join(map(str, prompt_ids)), "--max-tokens", str(max_tokens), "--json"],
+        model = ["--model", target] if target else ["--no-draft"]
+        out = subprocess.run([sys.executable, "-m", "services", "generate", *model, "--prompt-ids",
+                              ",".join(map(str, prompt_ids)), "--max-tokens", str(max_tokens), "--json", *extra],
                              cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True,
                              text=True, timeout=120, check=True)
         _REFS[key] = json.loads(out.stdout)
@@ -230,6 +232,27 @@ def test_chat_matches_plain_generation(cluster):
     text = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
     assert text == (msg.content or "")
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == r.usage.completion_tokens
+
+
+def test_penalties_reach_the_verifier(cluster):
+    """OpenAI presence_penalty and the vLLM / llama.cpp extensions travel to the verifier; speculative decoding
+    under them gives `specsplit generate`'s plain tokens; an out-of-range value is a 400 naming the field."""
+    c = cluster
+    client, model = c["client"], c["model"]
+    ids = c["tok"].encode("def add(a, b):")
+    ref = reference(c["target"], ids, N, ("--repeat-penalty", "1.8", "--presence-penalty", "0.5",
+                                          "--repeat-last-n", "-1"))
+    assert ref["token_ids"] != reference(c["target"], ids, N)["token_ids"], "the penalties must matter here"
+    r = client.completions.create(model=model, prompt=ids, max_tokens=N, presence_penalty=0.5,
+                                  extra_body={"repetition_penalty": 1.8, "repeat_last_n": -1})
+    assert r.choices[0].text == ref["text"]
+    assert r.model_extra["timings"]["draft_n"] > 0
+    for bad, field in (({"frequency_penalty": 2.5}, "frequency_penalty"),
+                       ({"extra_body": {"repetition_penalty": 0}}, "repetition_penalty"),
+                       ({"extra_body": {"repeat_last_n": -5}}, "repeat_last_n")):
+        with pytest.raises(openai.BadRequestError) as e:
+            client.completions.create(model=model, prompt=ids, max_tokens=4, **bad)
+        assert field in str(e.value)
 
 
 def test_bad_requests_and_server_keeps_serving(cluster):
@@ -424,5 +447,17 @@ def test_serve_without_model_serves_the_embedded_pair(tmp_path):
         r = client.completions.create(model="specsplit-code-tiny", prompt="def add(a, b):\n", max_tokens=24)
         assert r.usage.completion_tokens >= 1
         assert r.model_extra["timings"]["draft_n"] > 0
+        # the embedded target declares a repetition penalty (GGUF general.sampling.*): a request that sets none
+        # gets it, as `specsplit generate` does; an explicit 1 turns it off
+        from services.engine.default_model import default_model_paths
+
+        ids = load_tokenizer_source(default_model_paths()[0]).tokenizer.encode("def fibonacci(n):\n")
+        declared, off = reference(None, ids, 32), reference(None, ids, 32, ("--repeat-penalty", "1"))
+        assert declared["token_ids"] != off["token_ids"]
+        r = client.completions.create(model="specsplit-code-tiny", prompt=ids, max_tokens=32)
+        assert r.choices[0].text == declared["text"] and r.model_extra["timings"]["draft_n"] > 0
+        r = client.completions.create(model="specsplit-code-tiny", prompt=ids, max_tokens=32,
+                                      extra_body={"repetition_penalty": 1})
+        assert r.choices[0].text == off["text"]
     finally:
         p.stop()

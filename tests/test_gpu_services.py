@@ -11,6 +11,7 @@ from kernels.loader import unavailable_reason
 from services.engine.errors import SpecsplitError
 from services.engine.generate import generate
 from services.engine.loader import load_target
+from services.engine.sampling import resolve_sampling
 from services.verifier.service import VerifierConfig
 from services.wire import pb
 from tests.test_verifier_service import VerifierProcess
@@ -67,7 +68,8 @@ def test_gpu_verifier_greedy_equals_cpu_plain(gpu_verifier, cpu_target):
     tok = cpu_target.tokenizer
     for text in ("def add(a, b):\n", "import os\n\n\ndef main():\n", "class Stack:\n    def __init__(self):\n"):
         ids = tok.encode(text)
-        want = generate(cpu_target.model, ids, 24).token_ids
+        # a request that sets no sampling gets what the embedded target declares (a repetition penalty)
+        want = generate(cpu_target.model, ids, 24, resolve_sampling({}, cpu_target.sampling_defaults)).token_ids
         for speculative in (False, True):
             got, last, _ = gpu_verifier.generate(prompt_ids=ids, max_tokens=24, speculative=speculative)
             assert got == want, (text, speculative)

@@ -257,9 +257,15 @@ def test_generate_end_to_end_with_tq3_0(default_pair):
     target = default_pair[0]
     assert kv["kv_bytes_per_token"] == kv_bytes_per_token(target.cfg, "tq3_0", "tq3_0")
     assert kv["kv_bytes_per_token"] * 16 * 4 == kv["kv_bytes_per_token_f16"] * 14     # 3.5 vs 16 bits per value
+    # the CLI decodes with the sampling the embedded target declares (a repetition penalty)
+    from services.engine.default_model import default_model_paths
+    from services.engine.formats import open_model_file
+    from services.engine.sampling import model_sampling_defaults, resolve_sampling
+
+    declared = resolve_sampling({}, model_sampling_defaults(open_model_file(default_model_paths()[0]).metadata))
     target.set_kv_cache_types("tq3_0", "tq3_0")
     try:
-        assert out["token_ids"] == generate(target, [20, 7, 301, 45], 8).token_ids
+        assert out["token_ids"] == generate(target, [20, 7, 301, 45], 8, declared).token_ids
     finally:
         target.set_kv_cache_types("f32", "f32")
 

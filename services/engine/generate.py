@@ -89,9 +89,12 @@ def generate_stream(model: TargetModel, prompt_ids: Sequence[int], max_tokens: i
     logits, _ = prefill(model, state, prompt_ids)
     res.prompt_ms = (time.perf_counter() - t0) * 1e3
     t1 = time.perf_counter()
+    history = list(prompt_ids) if params.penalized else None    # what repetition penalties look back on
     while True:
-        tok = sample_row(logits, -1, params, rng)
+        tok = sample_row(logits, -1, params, rng, history)
         res.token_ids.append(tok)
+        if history is not None:
+            history.append(tok)
         yield [tok]
         if tok in stop:
             res.finish_reason = "stop"

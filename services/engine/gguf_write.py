@@ -83,3 +83,35 @@ def pick_type(name: str, arr: np.ndarray, out_type: int) -> int:
     if arr.shape[-1] % block:
         return QT.F16 if out_type != QT.F32 else QT.F32
     return out_type
+
+
+def rewrite_metadata(src: str | os.PathLike, dst: str | os.PathLike, updates: Mapping) -> None:
+    """Copy the GGUF `src` to `dst` with metadata keys set (value None: removed); tensors are copied byte for
+    byte and every other key keeps its stored type. dst may be src: the copy is written aside and renamed."""
+    r = gguf.GGUFReader(os.fspath(src))
+    arch = r.fields["general.architecture"].contents()
+    dst = os.fspath(dst)
+    tmp = f"{dst}.partial-{os.getpid()}"
+    w = gguf.GGUFWriter(tmp, arch)
+    try:
+        for key, field in r.fields.items():
+            if key.startswith("GGUF.") or key == "general.architecture" or key in updates:
+                continue
+            vt = field.types[0]
+            w.add_key_value(key, field.contents(), vt, sub_type=field.types[-1] if vt == VT.ARRAY else None)
+        for key, val in updates.items():
+            if val is not None:   # ints as INT32: llama.cpp's penalty_last_n may be -1
+                vt = VT.INT32 if isinstance(val, (int, np.integer)) and not isinstance(val, bool) else None
+                w.add_key_value(key, val, vt or _value_type(val)[0])
+        for t in r.tensors:
+            w.add_tensor(t.name, t.data, raw_dtype=t.tensor_type)   # the byte shape: gguf derives the logical one
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.write_tensors_to_file()
+        w.close()
+        os.replace(tmp, dst)
+    except BaseException:
+        w.close()
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise

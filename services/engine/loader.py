@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -15,6 +16,7 @@ from .formats import ModelFile, open_model_file
 from .models import arch_from_hf_config, arch_module, model_class
 from .models.base import TargetModel
 from .models.hf_names import hf_text_config
+from .sampling import model_sampling_defaults
 from .tokenizer import Tokenizer
 
 
@@ -30,6 +32,12 @@ class LoadedTarget:
     @property
     def name(self) -> str:
         return self.cfg.name or os.path.basename(os.path.normpath(self.path))
+
+    @property
+    def sampling_defaults(self) -> dict[str, Any]:
+        """The sampling the model file declares (GGUF general.sampling.*, as llama.cpp reads them): the values
+        of the fields a request leaves unset."""
+        return model_sampling_defaults(self.file.metadata) if self.file.kind == "gguf" else {}
 
 
 def hf_checkpoint(mf: ModelFile) -> tuple[ModelConfig, dict[str, np.ndarray]]:

@@ -7,12 +7,20 @@ top-k, top-p and min-p are applied in that order to the softmax of the scaled lo
 distribution the previous one left (renormalised). llama.cpp's default chain applies the temperature
 last instead, so its top-p / min-p cut-offs differ from ours when temperature != 1.
 Ties at a cut-off are broken towards the lower token id, so the kept set is always exactly determined.
+
+Repetition penalties come before all of them, as in llama.cpp's `penalties` sampler: over the last
+`repeat_last_n` tokens of the sequence (prompt and output; -1 = all of it, 0 = none), a token seen c times has
+its logit divided by `repetition_penalty` when positive (multiplied when negative: HF / vLLM / llama.cpp
+semantics), then lowered by c * frequency_penalty + presence_penalty (OpenAI's formula). They need the
+sequence so far (`history`); a speculative tree hands each node its own path.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, fields
+from typing import Any
 
 import numpy as np
 
@@ -21,17 +29,29 @@ from services.engine.errors import InvalidRequestError
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """What a request asks of the sampler. temperature <= 0 is greedy; top_k=0, top_p=1, min_p=0 are off."""
+    """What a request asks of the sampler. temperature <= 0 is greedy; top_k=0, top_p=1, min_p=0 are off, and so
+    are repetition_penalty=1, presence_penalty=0, frequency_penalty=0. repeat_last_n: the penalties' window
+    (llama.cpp's penalty_last_n, default 64; -1 = the whole sequence)."""
 
     temperature: float = 0.0
     top_k: int = 0
     top_p: float = 1.0
     min_p: float = 0.0
     seed: int | None = None
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repeat_last_n: int = 64
 
     @property
     def greedy(self) -> bool:
         return self.temperature <= 0
+
+    @property
+    def penalized(self) -> bool:
+        """Whether the distribution depends on the tokens so far (then samplers need `history`)."""
+        return self.repeat_last_n != 0 and (
+            self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0)
 
     def validate(self) -> SamplingParams:
         """Raise InvalidRequestError naming the field that is out of range; return self for chaining."""
@@ -47,7 +67,83 @@ class SamplingParams:
             raise InvalidRequestError(f"min_p must be in [0, 1], got {self.min_p}", param="min_p")
         if self.seed is not None and (isinstance(self.seed, bool) or int(self.seed) != self.seed):
             raise InvalidRequestError(f"seed must be an integer, got {self.seed}", param="seed")
+        if not (math.isfinite(self.repetition_penalty) and self.repetition_penalty > 0):
+            raise InvalidRequestError(f"repetition_penalty must be a finite number > 0, got "
+                                      f"{self.repetition_penalty}", param="repetition_penalty")
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            if not -2.0 <= v <= 2.0:       # OpenAI's range; also rejects NaN
+                raise InvalidRequestError(f"{name} must be in [-2, 2], got {v}", param=name)
+        n = self.repeat_last_n
+        if isinstance(n, bool) or int(n) != n or n < -1:
+            raise InvalidRequestError(f"repeat_last_n must be an integer >= -1 (-1: the whole sequence), got {n}",
+                                      param="repeat_last_n")
         return self
+
+
+# GGUF metadata keys (gguf-py Keys.General.SAMPLING_*) through which a model file declares the sampling it was
+# made for; llama.cpp reads them as defaults, and so does specsplit for every field a request leaves unset.
+GGUF_SAMPLING_KEYS = {
+    "temperature": "general.sampling.temp",
+    "top_k": "general.sampling.top_k",
+    "top_p": "general.sampling.top_p",
+    "min_p": "general.sampling.min_p",
+    "repetition_penalty": "general.sampling.penalty_repeat",
+    "repeat_last_n": "general.sampling.penalty_last_n",
+}
+
+
+def model_sampling_defaults(metadata: dict[str, Any]) -> dict[str, Any]:
+    """The sampling fields a model file declares (GGUF_SAMPLING_KEYS), as SamplingParams keyword arguments."""
+    out: dict[str, Any] = {}
+    for name, key in GGUF_SAMPLING_KEYS.items():
+        if key in metadata:
+            v = metadata[key]
+            # float32 in the file: 1.1 is stored as 1.100000023841858; keep the written decimal
+            out[name] = int(v) if name in ("top_k", "repeat_last_n") else float(f"{float(v):.7g}")
+    return out
+
+
+def sampling_metadata(fields_: dict[str, Any]) -> dict[str, Any]:
+    """GGUF metadata declaring sampling defaults, from SamplingParams field values (validated first)."""
+    unknown = set(fields_) - set(GGUF_SAMPLING_KEYS)
+    if unknown:
+        raise InvalidRequestError(f"a model file cannot declare {', '.join(sorted(unknown))} (it can: "
+                                  f"{', '.join(GGUF_SAMPLING_KEYS)})", param=sorted(unknown)[0])
+    SamplingParams(**fields_).validate()
+    return {GGUF_SAMPLING_KEYS[k]: v for k, v in fields_.items()}
+
+
+def resolve_sampling(given: dict[str, Any], defaults: dict[str, Any] | None = None) -> SamplingParams:
+    """SamplingParams from the fields a request set (`given`); the others from the model's declared defaults,
+    then the engine's. Raises InvalidRequestError for unknown fields or values out of range."""
+    names = {f.name for f in fields(SamplingParams)}
+    unknown = set(given) - names
+    if unknown:
+        raise InvalidRequestError(f"unknown sampling field(s): {', '.join(sorted(unknown))}",
+                                  param=sorted(unknown)[0])
+    merged = {k: v for k, v in (defaults or {}).items() if k in names}
+    merged.update({k: v for k, v in given.items() if v is not None})
+    return SamplingParams(**merged).validate()
+
+
+def apply_penalties(logits: np.ndarray, history: Sequence[int], params: SamplingParams) -> np.ndarray:
+    """float64 copy of one row of logits with the repetition penalties of `params` applied for `history`."""
+    row = np.array(logits, dtype=np.float64).reshape(-1)
+    if not params.penalized:
+        return row
+    window = history if params.repeat_last_n < 0 else history[max(0, len(history) - params.repeat_last_n):]
+    if len(window) == 0:
+        return row
+    ids, counts = np.unique(np.asarray(window, dtype=np.int64), return_counts=True)
+    keep = (ids >= 0) & (ids < row.shape[0])
+    ids, counts = ids[keep], counts[keep]
+    v = row[ids]
+    rp = params.repetition_penalty
+    if rp != 1.0:
+        v = np.where(v > 0, v / rp, v * rp)
+    row[ids] = v - counts * params.frequency_penalty - params.presence_penalty
+    return row
 
 
 def make_rng(seed: int | None) -> np.random.Generator:
@@ -119,15 +215,25 @@ def target_distributions(logits_2d: np.ndarray, params: SamplingParams) -> np.nd
     return probs
 
 
-def target_distribution(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
+def target_distribution(logits: np.ndarray, params: SamplingParams,
+                        history: Sequence[int] | None = None) -> np.ndarray:
     """The distribution `sample` draws from, as float64 probabilities over the vocabulary.
 
-    Greedy gives a one-hot vector at the argmax (lowest id on ties).
+    Greedy gives a one-hot vector at the argmax (lowest id on ties). `history`: the sequence so far, which
+    penalized params need.
     """
     logits = np.asarray(logits)
     if logits.ndim != 1:
         raise ValueError(f"expected (vocab,) logits, got shape {logits.shape}")
+    if params.penalized:
+        logits = apply_penalties(logits, _need_history(history), params)
     return target_distributions(logits[None, :], params)[0]
+
+
+def _need_history(history: Sequence[int] | None) -> Sequence[int]:
+    if history is None:
+        raise ValueError("repetition penalties need the sequence so far (history)")
+    return history
 
 
 def sample_from(probs: np.ndarray, rng: np.random.Generator) -> int:
@@ -142,12 +248,16 @@ def sample_from(probs: np.ndarray, rng: np.random.Generator) -> int:
     return i
 
 
-def sample(logits: np.ndarray, params: SamplingParams, rng: np.random.Generator) -> int:
-    """One token. Greedy is argmax and consumes no randomness; otherwise one uniform from `rng`."""
+def sample(logits: np.ndarray, params: SamplingParams, rng: np.random.Generator,
+           history: Sequence[int] | None = None) -> int:
+    """One token. Greedy is argmax and consumes no randomness; otherwise one uniform from `rng`. `history`: the
+    sequence so far (prompt and output), needed when params are penalized."""
     logits = np.asarray(logits)
+    if params.penalized:
+        logits = apply_penalties(logits, _need_history(history), params)
     if params.greedy:
         return int(np.argmax(logits))
-    return sample_from(target_distribution(logits, params), rng)
+    return sample_from(target_distributions(logits[None, :], params)[0], rng)
 
 
 def greedy_tokens(logits) -> np.ndarray:
@@ -159,11 +269,13 @@ def greedy_tokens(logits) -> np.ndarray:
     return np.argmax(np.asarray(logits), axis=-1).astype(np.int64)
 
 
-def sample_row(logits, row: int, params: SamplingParams, rng: np.random.Generator) -> int:
-    """`sample` of row `row` of (rows, vocab) logits (a 1-D array is the row itself). Greedy on a logits object
-    with argmax_rows reads that; otherwise only that row is read (fetched, for a GPU model's rows)."""
+def sample_row(logits, row: int, params: SamplingParams, rng: np.random.Generator,
+               history: Sequence[int] | None = None) -> int:
+    """`sample` of row `row` of (rows, vocab) logits (a 1-D array is the row itself). Greedy without penalties on
+    a logits object with argmax_rows reads that; otherwise only that row is read (fetched, for a GPU model's
+    rows: the penalties change the argmax)."""
     if np.ndim(logits) == 1:
-        return sample(logits, params, rng)
-    if params.greedy and hasattr(logits, "argmax_rows"):
+        return sample(logits, params, rng, history)
+    if params.greedy and not params.penalized and hasattr(logits, "argmax_rows"):
         return int(logits.argmax_rows()[row])
-    return sample(logits[row], params, rng)
+    return sample(logits[row], params, rng, history)

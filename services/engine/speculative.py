@@ -159,21 +159,29 @@ class SpecStats:
 
 
 def walk_tree(tree: DraftTree, logits: np.ndarray, params: SamplingParams,
-              rng: np.random.Generator) -> tuple[list[int], int]:
+              rng: np.random.Generator, history: Sequence[int] | None = None) -> tuple[list[int], int]:
     """Follow the target through the verified tree.
 
     At each node draw the next token from the target's distribution there (argmax when greedy); descend
     while the draw is a child. Returns the accepted verify-batch indices (root first) and the bonus token.
     Only the rows visited are read: on a GPU model greedy reads the argmax computed there (sample_row).
+    `history` (the sequence up to and including the root; penalized params need it): each node is judged
+    with its own path appended, so penalties see exactly what plain decoding would have seen.
     """
     kids = tree.children()
     path = [0]
+    seq = None
+    if params.penalized:
+        n = params.repeat_last_n
+        seq = list(history[-n:] if n > 0 else history) if history is not None else None
     while True:
-        tok = sample_row(logits, path[-1], params, rng)
+        tok = sample_row(logits, path[-1], params, rng, seq)
         nxt = kids[path[-1]].get(tok)
         if nxt is None:
             return path, tok
         path.append(nxt)
+        if seq is not None:
+            seq.append(tok)
 
 
 def speculative_stream(target: TargetModel, proposer: Proposer | None, prompt_ids: Sequence[int],
@@ -202,12 +210,16 @@ def speculative_stream(target: TargetModel, proposer: Proposer | None, prompt_id
     res.prompt_ms = (time.perf_counter() - t0) * 1e3
     t1 = time.perf_counter()
 
+    history = list(prompt_ids) if params.penalized else None   # what repetition penalties look back on
+
     def emit(tokens: list[int]) -> tuple[list[int], bool]:
         """Append tokens to the result up to a stop id or max_tokens; report whether generation ended."""
         out = []
         for t in tokens:
             out.append(int(t))
             res.token_ids.append(int(t))
+            if history is not None:
+                history.append(int(t))
             if t in stop:
                 res.finish_reason = "stop"
                 return out, True
@@ -216,7 +228,7 @@ def speculative_stream(target: TargetModel, proposer: Proposer | None, prompt_id
                 return out, True
         return out, False
 
-    root = sample(logits, params, rng)
+    root = sample(logits, params, rng, history)
     chunk, done = emit([root])
     yield chunk
     step = 0
@@ -239,7 +251,7 @@ def speculative_stream(target: TargetModel, proposer: Proposer | None, prompt_id
             state.commit([0])
             if out.captured is not None:
                 feats = out.captured if feats is None else np.concatenate([feats, out.captured], axis=0)
-            root = sample_row(out.logits, -1, params, rng)
+            root = sample_row(out.logits, -1, params, rng, history)
             spec.tuner.observe_plain(time.perf_counter() - tp)
             stats.plain_steps += 1
             chunk, done = emit([root])
@@ -257,7 +269,7 @@ def speculative_stream(target: TargetModel, proposer: Proposer | None, prompt_id
         if top is None:                                     # plain decoding step
             out = target.forward(state, [root], logits="last")
             state.commit([0])
-            root = sample_row(out.logits, -1, params, rng)
+            root = sample_row(out.logits, -1, params, rng, history)
             chunk, done = emit([root])
             yield chunk
             continue
@@ -277,7 +289,7 @@ def speculative_stream(target: TargetModel, proposer: Proposer | None, prompt_id
         tv = time.perf_counter()
         out = target.forward(state, tokens, parents, capture=layer_ids, checkpoints=True, logits="all")
         ta = time.perf_counter()
-        path, bonus = walk_tree(tree, out.logits, params, rng)
+        path, bonus = walk_tree(tree, out.logits, params, rng, history)
         state.commit(path)
         feats = out.captured[path] if out.captured is not None else None
         accept_ms = (time.perf_counter() - ta) * 1e3

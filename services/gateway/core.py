@@ -28,7 +28,7 @@ from services.engine.errors import SpecsplitError
 from services.engine.formats import open_model_file
 from services.engine.sampling import SamplingParams
 from services.engine.tokenizer import Tokenizer
-from services.wire import pb
+from services.wire import pb, sampling_to_pb
 
 from .errors import APIError, context_exceeded, from_engine, from_grpc, unavailable
 from .metrics import GatewayMetrics
@@ -93,6 +93,9 @@ class GenerationRequest:
     prompt_ids: list[int]
     max_tokens: int | None = None           # None: up to the context
     sampling: SamplingParams = field(default_factory=SamplingParams)
+    # the sampling fields the client set; the verifier fills the others from its model's declared defaults
+    # (GGUF general.sampling.*). None: all of them (the engine's defaults are sent as they are)
+    sampling_set: frozenset[str] | None = None
     stop: list[str] = field(default_factory=list)
     split_reasoning: bool = False
     in_reasoning: bool = False              # the prompt opened a think block
@@ -344,10 +347,7 @@ class Generation:
             max_tokens = room if max_tokens is None else min(max_tokens, room)
         elif max_tokens is None:
             max_tokens = 0                      # unknown context: the verifier's own limit decides
-        s = req.sampling
-        sampling = pb.SamplingParams(temperature=s.temperature, top_k=s.top_k, top_p=s.top_p, min_p=s.min_p)
-        if s.seed is not None:
-            sampling.seed = int(s.seed)
+        sampling = sampling_to_pb(req.sampling, None if req.sampling_set is None else sorted(req.sampling_set))
         return pb.GenerateRequest(request_id=req.request_id, prompt_ids=req.prompt_ids, max_tokens=max_tokens,
                                   sampling=sampling, stop_ids=self._stop_ids())
 

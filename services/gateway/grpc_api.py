@@ -14,7 +14,7 @@ import grpc
 
 from services import telemetry
 from services.engine.errors import InvalidRequestError
-from services.wire import pb, pb_grpc, sampling_from_pb
+from services.wire import pb, pb_grpc, sampling_fields_set, sampling_from_pb
 
 from .core import Delta, GatewayCore, GenerationRequest, Outcome
 from .errors import APIError, invalid
@@ -70,7 +70,8 @@ class GatewayServicer(pb_grpc.GatewayServicer):
         core.check_prompt(prompt_ids)
         return GenerationRequest(
             request_id=new_id("gen"), operation=operation, endpoint=ENDPOINT, model=model, prompt_ids=prompt_ids,
-            max_tokens=request.max_tokens or None, sampling=sampling, stop=[x for x in request.stop if x],
+            max_tokens=request.max_tokens or None, sampling=sampling, sampling_set=frozenset(sampling_fields_set(s)),
+            stop=[x for x in request.stop if x],
             timeout=context.time_remaining(), arrived=arrived,
             trace_context=telemetry.extract_context(context))
 

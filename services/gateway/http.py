@@ -186,7 +186,8 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     split = core.think_ids is not None
     req = GenerationRequest(request_id=new_id("chatcmpl"), operation="chat", endpoint="/v1/chat/completions",
                             model=model, prompt_ids=prompt_ids, max_tokens=params.max_tokens,
-                            sampling=params.sampling, stop=params.stop, split_reasoning=split,
+                            sampling=params.sampling, sampling_set=params.sampling_set, stop=params.stop,
+                            split_reasoning=split,
                             in_reasoning=split and prompt_opens_thinking(prompt_text), timeout=params.timeout,
                             ignore_eos=params.ignore_eos, arrived=arrived, trace_context=_trace_context(request))
     if params.stream:
@@ -207,7 +208,8 @@ async def completions(request: web.Request) -> web.StreamResponse:
     core.check_prompt(prompt_ids)
     req = GenerationRequest(request_id=new_id("cmpl"), operation="text_completion", endpoint="/v1/completions",
                             model=model, prompt_ids=prompt_ids, max_tokens=params.max_tokens,
-                            sampling=params.sampling, stop=params.stop, timeout=params.timeout,
+                            sampling=params.sampling, sampling_set=params.sampling_set, stop=params.stop,
+                            timeout=params.timeout,
                             ignore_eos=params.ignore_eos, arrived=arrived, trace_context=_trace_context(request))
     if params.stream:
         return await _stream(request, core, req, chat=False, include_usage=params.include_usage)

@@ -98,6 +98,7 @@ class CommonParams:
     include_usage: bool
     timeout: float | None
     ignore_eos: bool = False            # vLLM extension: generate through end-of-sequence tokens (benchmarks)
+    sampling_set: frozenset[str] = frozenset()   # the sampling fields the request set (others: model defaults)
 
 
 def parse_stop(value: Any) -> list[str]:
@@ -133,14 +134,19 @@ def parse_common(body: dict) -> CommonParams:
             raise invalid(f"'top_k' must be >= 0 (or -1 for disabled), got {top_k}", "top_k")
         top_k = 0
     seed = opt_int(body, "seed")
+    given = {"temperature": temperature, "top_k": top_k, "top_p": top_p, "min_p": min_p, "seed": seed,
+             "presence_penalty": opt_number(body, "presence_penalty"),
+             "frequency_penalty": opt_number(body, "frequency_penalty"),
+             # vLLM's and llama.cpp's extensions (llama.cpp's own spelling of the first is repeat_penalty)
+             "repetition_penalty": opt_number(body, "repetition_penalty"),
+             "repeat_last_n": opt_int(body, "repeat_last_n")}
+    if given["repetition_penalty"] is None:
+        given["repetition_penalty"] = opt_number(body, "repeat_penalty")
+    given = {k: v for k, v in given.items() if v is not None}
     try:
-        sampling = SamplingParams(
-            temperature=0.0 if temperature is None else temperature,
-            top_k=0 if top_k is None else top_k,
-            top_p=1.0 if top_p is None else top_p,
-            min_p=0.0 if min_p is None else min_p,
-            seed=seed,
-        ).validate()
+        # validated against the engine's defaults here; the verifier fills unset fields from its model's
+        # declared defaults (GGUF general.sampling.*) and validates again
+        sampling = SamplingParams(**given).validate()
     except InvalidRequestError as e:
         raise invalid(str(e), e.param) from None
     stream = opt_bool(body, "stream")
@@ -160,7 +166,7 @@ def parse_common(body: dict) -> CommonParams:
             raise APIError(400, "only response_format {\"type\": \"text\"} is supported", param="response_format")
     return CommonParams(max_tokens=max_tokens, sampling=sampling, stop=parse_stop(body.get("stop")),
                         stream=stream, include_usage=include_usage, timeout=timeout,
-                        ignore_eos=opt_bool(body, "ignore_eos"))
+                        ignore_eos=opt_bool(body, "ignore_eos"), sampling_set=frozenset(given))
 
 
 def parse_messages(body: dict) -> list[dict]:

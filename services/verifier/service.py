@@ -362,7 +362,8 @@ class VerifierServicer(pb_grpc.VerifierServicer):
     def _validate(self, request: pb.GenerateRequest) -> tuple[SamplingParams, bool, SpecConfig]:
         """Raise InvalidRequestError / ContextOverflowError for anything the engine would reject."""
         s = request.sampling
-        params = sampling_from_pb(s).validate()
+        # fields the client left unset: the model file's declared sampling (GGUF general.sampling.*)
+        params = sampling_from_pb(s, self.target.sampling_defaults).validate()
         check_request(self.target.model, request.prompt_ids, request.max_tokens, self.max_ctx)
         n_vocab = self.target.cfg.n_vocab
         bad = [t for t in request.stop_ids if not 0 <= t < n_vocab]
@@ -428,6 +429,11 @@ class VerifierServicer(pb_grpc.VerifierServicer):
         })
         if params.seed is not None:
             span.set_attribute("gen_ai.request.seed", params.seed)
+        if params.penalized:   # the resolved values (the model file's defaults included)
+            span.set_attribute("gen_ai.request.presence_penalty", params.presence_penalty)
+            span.set_attribute("gen_ai.request.frequency_penalty", params.frequency_penalty)
+            span.set_attribute("specsplit.request.repetition_penalty", params.repetition_penalty)
+            span.set_attribute("specsplit.request.repeat_last_n", params.repeat_last_n)
 
         job: _Job | None = None
         status = "ok"
