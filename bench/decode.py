@@ -27,7 +27,8 @@ step draft_topk (k=8) -> DDTree of 22 nodes -> tree verify (23 tokens, checkpoin
 -> greedy argmax of the rows -> commit of a forced path of a tokens (root + the top-1 chain's first a-1 nodes)
 -> next draft from those features. Its
 `outside_kernels_ms` = step - the loop's own drafter graph replayed alone - its verify graph replayed alone: the
-loop's work outside kernels (Python, uploads and downloads, tree build, argmax, commit).
+loop's work outside kernels (Python, uploads and downloads, tree build, argmax, commit). With DECODE_PROFILE=PATH
+the last acceptance length runs PROFILE_STEPS more steps under cProfile after its timed ones (stats to PATH).
 """
 
 from __future__ import annotations
@@ -51,6 +52,7 @@ from gpu_bench import add_model_source, device_name, json_saver, load_gpu_model 
 WIDTHS = (1, 2, 4, 8, 16, 23, 32, 41, 64)
 ACCEPT = (2, 3, 4, 6)
 SPEC_WIDTH = 23
+PROFILE_STEPS = 20
 COPY_BYTES = 4 << 30
 
 
@@ -255,13 +257,23 @@ def spec_loop(model, dr, timer: Timer, context: int, steps: int, deadline: float
     for a in ACCEPT:
         if time.perf_counter() > deadline:
             break
-        state = model.new_state(context + (steps + 2) * SPEC_WIDTH + 8)
+        # DECODE_PROFILE=PATH: after the timed steps of the last acceptance length, PROFILE_STEPS more under
+        # cProfile (host-side costs by function; the timed steps run without it)
+        prof_path = os.environ.get("DECODE_PROFILE") if a == ACCEPT[-1] else None
+        n_steps = steps + 1 + (PROFILE_STEPS if prof_path else 0)
+        state = model.new_state(context + (n_steps + 1) * SPEC_WIDTH + 8)
         res = model.forward(state, rng.integers(0, n_vocab, size=context), capture=layer_ids, logits="last")
         state.commit(list(range(context)))
         feats, root = res.captured, int(np.argmax(np.asarray(res.logits)[-1]))
         prop = GpuProposer(dr)
         parts: dict[str, list[float]] = {"step": [], "draft": [], "tree": [], "verify": [], "accept": []}
-        for s in range(steps + 1):
+        prof = None
+        for s in range(n_steps):
+            if prof_path and s == steps + 1:
+                import cProfile
+
+                prof = cProfile.Profile()
+                prof.enable()
             timer.cupy.cuda.Device().synchronize()
             t0 = time.perf_counter()
             top_ids, top_lp = prop.propose(feats, root, state.n_past, 8)
@@ -276,12 +288,16 @@ def spec_loop(model, dr, timer: Timer, context: int, steps: int, deadline: float
             path = list(range(a))                       # root + the top-1 chain's first a-1 nodes
             state.commit(path)
             feats, root = res.captured[path], int(amax[path[-1]])
+            res = lg = None   # as the engine's loop: no result held over the next replay (it would be copied)
             timer.cupy.cuda.Device().synchronize()
             t4 = time.perf_counter()
-            if s:
+            if 0 < s <= steps:
                 for k, v in (("step", t4 - t0), ("draft", t1 - t0), ("tree", t2 - t1), ("verify", t3 - t2),
                              ("accept", t4 - t3)):
                     parts[k].append(v)
+        if prof is not None:
+            prof.disable()
+            prof.dump_stats(prof_path)
         med = {k: statistics.median(v) for k, v in parts.items()}
         out[a] = {f"{k}_ms": round(v * 1e3, 3) for k, v in med.items()}
         out[a]["tps"] = round(a / med["step"], 2)

@@ -155,6 +155,50 @@ def test_speculative_greedy_with_gpu_drafter_equals_plain_greedy(budget):
     assert res.spec["mean_acceptance_length"] > 1.0          # the trained drafter gets tokens accepted
 
 
+@needs_gpu
+def test_second_request_reuses_pooled_sessions_and_graphs():
+    """A finished request's target state and drafter session (with their captured graphs) serve the next
+    request: the same request again captures nothing and gives the same tokens; the pools stay bounded and
+    hand a session to one thread at a time."""
+    import threading
+
+    from services.engine.models.dflash_gpu import GpuProposer, load_gpu_drafter
+    from services.engine.speculative import SpecConfig, speculative_generate
+
+    gpu, _, draft_path, ids = models()
+    drafter = load_gpu_drafter(draft_path, gpu)
+    spec = SpecConfig(budget=22)
+    first = speculative_generate(gpu, GpuProposer(drafter), ids, 32, spec=spec)
+    captures = (gpu.graph_stats["captures"], drafter.graph_stats["captures"])
+    reused = (gpu.pool_stats["reused"], drafter.pool_stats["reused"])
+    second = speculative_generate(gpu, GpuProposer(drafter), ids, 32, spec=spec)
+    assert second.token_ids == first.token_ids
+    assert (gpu.graph_stats["captures"], drafter.graph_stats["captures"]) == captures   # replays only
+    assert gpu.pool_stats["reused"] == reused[0] + 1 and drafter.pool_stats["reused"] == reused[1] + 1
+    print("pooled second request: target", gpu.graph_stats, gpu.pool_stats, "drafter", drafter.graph_stats,
+          drafter.pool_stats)
+
+    # several threads at once: each gets its own session; at most session_pool_size come back to the pool
+    drafter.session_pool_size = 2
+    got, lock = [], threading.Lock()
+
+    def take():
+        s = drafter.acquire_session()
+        with lock:
+            got.append(s)
+
+    threads = [threading.Thread(target=take) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len({id(s) for s in got}) == 4
+    for s in got:
+        drafter.release_session(s)
+    drafter.release_session(got[0])           # released twice: kept once
+    assert len(drafter._pool) == 2
+
+
 def test_draft_device_checks(capsys):
     """--draft-device: a GPU drafter on another GPU, or beside a CPU target, is a clear error before loading."""
     pytest.importorskip("grpc_health", reason="services.cli registers the gRPC services")

@@ -18,6 +18,9 @@ Everything is computed from the model files' headers (no weights are read) and t
 * the drafter: its weights, its context K/V cache (every layer keeps max_ctx rows, also the sliding ones;
   f32 on NumPy, f16 on the GPU), its block's activations and logits; a drafter on another device also holds
   a copy of the target's `token_embd` and `output`;
+* per slot, not on top: the GPU engine keeps finished requests' sequence states and drafter sessions (with
+  their CUDA graphs) for the next requests, at most `slots` of each counting those in use
+  (Qwen35GpuModel.acquire_state, DFlashGpuDrafter.acquire_session), so idle ones hold what a busy slot would;
 * a fixed reserve per device: RESERVE_BYTES below (CUDA context extras, CUDA graphs, cuBLAS workspace,
   NVRTC modules and allocator fragmentation on a GPU; interpreter, gRPC and NumPy temporaries on the CPU).
 

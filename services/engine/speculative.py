@@ -198,11 +198,28 @@ def speculative_stream(target: TargetModel, proposer: Proposer | None, prompt_id
     block = proposer.block_size if proposer is not None else 16
     stats = SpecStats(block_size=block, budget=spec.budget, auto=spec.tuner is not None)
     res.spec = stats.as_dict()
+    budget_cap = block - 1 if spec.chain else spec.budget
+    need = min(max_ctx, len(prompt_ids) + max_tokens + budget_cap + 1)
+    # a GPU target hands out pooled states (their captured graphs outlive the request); released at the end
+    acquire = getattr(target, "acquire_state", None)
+    state = acquire(need, max_ctx) if acquire is not None else target.new_state(need)
+    try:
+        yield from _spec_loop(target, proposer, prompt_ids, max_tokens, params, spec, stop_ids, res, on_step,
+                              state, stats, block, budget_cap)
+    finally:
+        release = getattr(target, "release_state", None)
+        if release is not None:
+            release(state)
+
+
+def _spec_loop(target: TargetModel, proposer: Proposer | None, prompt_ids: Sequence[int], max_tokens: int,
+               params: SamplingParams, spec: SpecConfig, stop_ids: Sequence[int], res: GenerationResult,
+               on_step: Callable[[StepInfo], None] | None, state, stats: SpecStats, block: int,
+               budget_cap: int) -> Iterator[list[int]]:
+    """speculative_stream's loop over a state it owns."""
     stop = {int(s) for s in stop_ids}
     rng = make_rng(params.seed)
     depth = block - 1
-    budget_cap = depth if spec.chain else spec.budget
-    state = target.new_state(min(max_ctx, len(prompt_ids) + max_tokens + budget_cap + 1))
     layer_ids = list(proposer.target_layer_ids) if proposer is not None else []
 
     t0 = time.perf_counter()
@@ -250,8 +267,9 @@ def speculative_stream(target: TargetModel, proposer: Proposer | None, prompt_id
             out = target.forward(state, [root], capture=layer_ids, logits="last")
             state.commit([0])
             if out.captured is not None:
-                feats = out.captured if feats is None else np.concatenate([feats, out.captured], axis=0)
+                feats = _append_rows(feats, out.captured)
             root = sample_row(out.logits, -1, params, rng, history)
+            out = None    # a GPU result still held when its graph replays next is copied first
             spec.tuner.observe_plain(time.perf_counter() - tp)
             stats.plain_steps += 1
             chunk, done = emit([root])
@@ -270,6 +288,7 @@ def speculative_stream(target: TargetModel, proposer: Proposer | None, prompt_id
             out = target.forward(state, [root], logits="last")
             state.commit([0])
             root = sample_row(out.logits, -1, params, rng, history)
+            out = None
             chunk, done = emit([root])
             yield chunk
             continue
@@ -292,6 +311,7 @@ def speculative_stream(target: TargetModel, proposer: Proposer | None, prompt_id
         path, bonus = walk_tree(tree, out.logits, params, rng, history)
         state.commit(path)
         feats = out.captured[path] if out.captured is not None else None
+        out = None
         accept_ms = (time.perf_counter() - ta) * 1e3
         info = StepInfo(index=step, budget=budget_cap if spec.tuner is None else len(tree), tree_size=len(tree),
                         accepted=len(path) - 1, draft_ms=draft_ms, verify_ms=(ta - tv) * 1e3, accept_ms=accept_ms)
@@ -310,6 +330,16 @@ def speculative_stream(target: TargetModel, proposer: Proposer | None, prompt_id
     res.spec = stats.as_dict()
     if proposer is not None:
         proposer.close()
+
+
+def _append_rows(feats, new):
+    """Captured rows of one more committed token after those not yet sent to the drafter (on the device when
+    the target keeps them there)."""
+    if feats is None:
+        return new
+    if hasattr(feats, "concat"):
+        return feats.concat(new)
+    return np.concatenate([feats, np.asarray(new)], axis=0)
 
 
 def speculative_generate(target: TargetModel, proposer: Proposer | None, prompt_ids: Sequence[int],

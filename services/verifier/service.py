@@ -2,8 +2,10 @@
 
 Concurrency model. The engine is synchronous array code, so every admitted request runs its engine loop in
 a worker thread of a pool with `slots` threads; the asyncio handler only validates, queues, and relays
-chunks from an asyncio.Queue the worker feeds with `call_soon_threadsafe`. Each request allocates its own
-SequenceState (its KV slot) inside the engine, so `slots` bounds the number of caches alive at once.
+chunks from an asyncio.Queue the worker feeds with `call_soon_threadsafe`. Each request has its own
+SequenceState (its KV slot) inside the engine, so `slots` bounds the number of caches alive at once (a GPU
+engine keeps up to `slots` finished states and drafter sessions, with their captured CUDA graphs, for the next
+requests instead of capturing again).
 
 Admission: up to `slots` requests run, up to `max_queue` more wait for a slot; past that a request gets
 RESOURCE_EXHAUSTED at once (the gateway turns it into 429), so overload never turns into unbounded latency.
@@ -295,6 +297,12 @@ class VerifierServicer(pb_grpc.VerifierServicer):
             self._engine_lock = threading.Lock()
         if self.cfg.draft:
             self.drafter = load_drafter_on(self.cfg.draft, self.target.model, self.cfg.draft_device)
+        # GPU engines keep finished requests' states and drafter sessions (with their captured CUDA graphs)
+        # for the next requests: one per slot at most, which is what the memory plan counts per slot
+        if hasattr(self.target.model, "state_pool_size"):
+            self.target.model.state_pool_size = self.cfg.slots
+        if self.drafter is not None and hasattr(self.drafter.drafter, "session_pool_size"):
+            self.drafter.drafter.session_pool_size = self.cfg.slots
         load_ms = (time.perf_counter() - t0) * 1e3
         if self.cfg.budget == "auto" and (self.cfg.draft or self.cfg.drafter_address):
             # the verify-cost curve of this machine, measured once; acceptance is learnt while serving

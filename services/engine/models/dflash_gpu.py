@@ -14,10 +14,16 @@ at `start`), mask all-ones (full layers, bidirectional) or causal (sliding layer
 window covers the whole context (start + block <= window). Past that, a sliding layer gathers its window's rows
 into a scratch cache (a plain CuPy take, indices from the device start) and runs the same kernel with the rows at
 the window's edge as extra "new tokens" under a per-step mask (_window_attention), still inside the graph.
+
+Sessions outlive a request: GpuProposer takes one from the drafter's pool (acquire_session) and returns it on
+close, so a request replays the graphs an earlier one captured (session_pool_size of them kept; the verifier sets
+its slots). A pass's values and the first embedded row go up in one copy from pinned memory; its top-k ids and
+log-probabilities come back in one copy.
 """
 
 from __future__ import annotations
 
+import threading
 import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -40,13 +46,14 @@ TOPK = smp.MAX_K              # top-k computed on the device per drafted positio
 MAX_APPEND = 64               # feature rows a captured pass appends; longer appends (a prompt) run eagerly first
 INITIAL_ROWS = 512            # first context capacity of a session; doubled (graphs dropped) when outgrown
 GRAPHS_PER_SESSION = 64
+_ARANGE_APPEND = np.arange(MAX_APPEND, dtype=np.int32)
 
 
 @dataclass
 class _DraftGraph:
     graph: Any
     heap: Any          # QG._GraphHeap: the arena whose addresses the graph replays
-    outputs: Any       # (logits, top-k ids, top-k log-probs) inside the arena, rewritten by every replay
+    outputs: Any       # _head's (logits, ids, log-probs, packed) inside the arena, rewritten by every replay
     replays: int = 0
 
 
@@ -55,19 +62,36 @@ class GpuDraftSession:
     k_norm + RoPE; the block's own rows are written after them by each pass and overwritten by the next append),
     the per-step values of a pass, and the captured passes of this session."""
 
-    def __init__(self, cfg: DrafterConfig, capacity: int = INITIAL_ROWS, max_rows: int | None = None):
+    def __init__(self, cfg: DrafterConfig, capacity: int = INITIAL_ROWS, max_rows: int | None = None,
+                 host_rows: bool = False):
         self.cfg = cfg
         self.max_rows = max_rows      # growth stops doubling here (the target's context + a block)
         if max_rows is not None:
             capacity = min(capacity, max_rows)
         self.n_ctx = 0
-        self.cp = nr.loader.require()
+        self.cp = cp = nr.loader.require()
         self.kv = [att.KVCacheLayer(cfg.n_head_kv, cfg.head_dim, capacity, "f16") for _ in range(cfg.n_layer)]
         B = cfg.block_size
-        # [s_ctx, start, ctx positions (MAX_APPEND), block positions (B), block tokens (B)]: one upload per pass
-        self.vals = self.cp.zeros(2 + MAX_APPEND + 2 * B, self.cp.int32)
-        self.feats = self.cp.zeros((MAX_APPEND, cfg.n_features), self.cp.float32)
-        self.x_in = None              # block rows embedded on the host (a token table the device cannot decode)
+        # [s_ctx, start, ctx positions (MAX_APPEND), block positions (B), block tokens (B)], then (a token table
+        # the device cannot decode) the block's rows embedded on the host: one device buffer and its pinned
+        # twin, so a pass's values go up in one copy (the header and the first row; the mask-token rows after
+        # it are written once)
+        n_vals = 2 + MAX_APPEND + 2 * B
+        self.vals_bytes = -(-4 * n_vals // 256) * 256
+        self.row_bytes = 4 * cfg.n_embd if host_rows else 0
+        total = self.vals_bytes + B * self.row_bytes
+        self.stage = cp.zeros(total, cp.uint8)
+        self.h_stage = QG._pinned(cp, total, np.uint8)
+        self.h_stage[...] = 0
+        self.vals = self.stage[:4 * n_vals].view(np.int32)
+        self.h_vals = self.h_stage[:4 * n_vals].view(np.int32)
+        self.x_in = self.h_x_in = None
+        if host_rows:
+            self.x_in = self.stage[self.vals_bytes:].view(np.float32).reshape(B, cfg.n_embd)
+            self.h_x_in = self.h_stage[self.vals_bytes:].view(np.float32).reshape(B, cfg.n_embd)
+        self.feats = cp.zeros((MAX_APPEND, cfg.n_features), cp.float32)
+        # a pass's top-k ids and log-probabilities (bits) side by side, copied here in one transfer
+        self.h_top = QG._pinned(cp, (B - 1) * 2 * TOPK, np.int32).reshape(B - 1, 2 * TOPK)
         # windowed sliding layers (DFlashGpuDrafter._window_attention): scratch cache, then per block width the
         # attention's S (n_all) and the per-step mask
         self.win: att.KVCacheLayer | None = None
@@ -98,6 +122,11 @@ class GpuDraftSession:
     @property
     def capacity(self) -> int:
         return self.kv[0].max_ctx
+
+    def upload(self, whole: bool = False) -> None:
+        """One host-to-device copy of the pass's values (and of the first embedded row, or all of them)."""
+        n = self.vals_bytes + (self.stage.size - self.vals_bytes if whole else self.row_bytes)
+        QG._upload(self.cp, self.stage[:n], self.h_stage[:n])
 
     def reserve(self, rows: int) -> None:
         """Room for `rows` rows (context plus a block); growing copies the valid rows and drops the graphs."""
@@ -192,11 +221,22 @@ class DFlashGpuDrafter:
         cp = self.xp
         self._mask_full = cp.full(B, (1 << B) - 1, dtype=cp.uint64)     # every block key visible to every query
         self._mask_causal = cp.asarray(att.tree_mask(np.arange(-1, B - 1)))
-        self._host_table = bool(getattr(self.tok_embd, "on_host", False))
+        # a table the device cannot decode: the block's rows are embedded on the host, unless the target (whose
+        # table it is) decodes them on the device (Qwen35GpuModel.device_embed: a Q4_K table)
+        self._device_embed = (self.tok_embd is getattr(target, "tok_embd", None)
+                              and bool(getattr(target, "embeds_on_device", False)))
+        self._host_table = bool(getattr(self.tok_embd, "on_host", False)) and not self._device_embed
         self.use_graphs = QG.graphs_default()
         self.graph_blocker: str | None = None
         self.graph_stats = {"captures": 0, "replays": 0, "eager": 0, "failed": 0}
         self._stream = None
+        # finished requests' sessions kept for the next ones (acquire_session / release_session): a session
+        # captures its graphs per shape, so a new session per request would capture them all again. Bounded:
+        # the verifier sets the size to its slots; 1 for one request at a time.
+        self.session_pool_size = 1
+        self._pool: list[GpuDraftSession] = []
+        self._pool_lock = threading.Lock()
+        self.pool_stats = {"new": 0, "reused": 0}
 
     @property
     def n_vocab(self) -> int:
@@ -212,15 +252,50 @@ class DFlashGpuDrafter:
     # -- context -------------------------------------------------------------------------------------
     def new_session(self) -> GpuDraftSession:
         ctx = getattr(getattr(self.target, "cfg", None), "context_length", None)
-        s = GpuDraftSession(self.cfg, max_rows=ctx + self.block_size if ctx else None)
-        s.tokens.fill(self.mask_token_id)
+        s = GpuDraftSession(self.cfg, max_rows=ctx + self.block_size if ctx else None, host_rows=self._host_table)
+        B = self.block_size
+        s.h_vals[2 + MAX_APPEND + B:] = self.mask_token_id
+        if self._host_table:
+            s.h_x_in[...] = self.host_embed(np.full(B, self.mask_token_id))
+        s.upload(whole=True)
         return s
+
+    def acquire_session(self) -> GpuDraftSession:
+        """A session for a new request: a pooled one when there is one (its buffers and captured graphs come
+        with it, so a request of shapes seen before replays instead of capturing), else a new one. Hand it
+        back with release_session()."""
+        with self._pool_lock:
+            if self._pool:
+                s = max(self._pool, key=lambda x: x.capacity)
+                self._pool.remove(s)
+                self.pool_stats["reused"] += 1
+                s.n_ctx = 0
+                return s
+        self.pool_stats["new"] += 1
+        return self.new_session()
+
+    def release_session(self, session: GpuDraftSession) -> None:
+        """Keep a finished request's session for the next one; at most `session_pool_size` are kept (those of
+        the largest context caches), the rest are freed. The memory plan counts a drafter context cache per
+        slot, which is what that many idle sessions hold."""
+        with self._pool_lock:
+            if any(s is session for s in self._pool):
+                return
+            self._pool.append(session)
+            self._pool.sort(key=lambda x: -x.capacity)
+            del self._pool[max(0, int(self.session_pool_size)):]
+
+    def clear_pool(self) -> None:
+        with self._pool_lock:
+            self._pool.clear()
 
     def _features(self, features: Any) -> Any:
         """(n, n_features) float32 device rows from host or device features ((n, K, E) accepted too)."""
         cp, c = self.xp, self.cfg
         if features is None:
             return cp.zeros((0, c.n_features), cp.float32)
+        if isinstance(features, QG.DeviceRows):      # the GPU target's captured rows: already on the device
+            features = features.rows
         f = features if isinstance(features, cp.ndarray) else np.asarray(features, dtype=np.float32)
         if f.ndim == 3:
             f = f.reshape(f.shape[0], -1)
@@ -278,6 +353,8 @@ class DFlashGpuDrafter:
             x = x0
         elif self._host_table:
             x = s.x_in[:T]
+        elif self._device_embed:
+            x = self.target.device_embed(s.tokens[:T])
         else:
             x = self.be.embed(self.tok_embd, s.tokens[:T])
         pos = s.blk_pos[:T]
@@ -349,26 +426,38 @@ class DFlashGpuDrafter:
         qp[:T] = q
         return att.attention(qp, win, s.win_len[T], mask, s_hint=n_all)[:T]
 
-    def _head(self, x: Any) -> tuple[Any, Any, Any]:
-        """(logits, top-k ids, top-k log-probs at temperature 1) of hidden rows, all on the device."""
+    def _head(self, x: Any) -> tuple[Any, Any, Any, Any]:
+        """(logits, top-k ids, top-k log-probs at temperature 1, both side by side as int32 bits) of hidden
+        rows, all on the device (the last for one copy to the host)."""
+        cp = self.xp
         logits = self.output.matmul(nr.rms_norm(x, self.output_norm, self.cfg.rms_eps))
-        ids, logp = smp.topk_logprobs(logits, min(TOPK, self.n_vocab))
-        return logits, ids, logp
+        k = min(TOPK, self.n_vocab)
+        ids, logp = smp.topk_logprobs(logits, k)
+        packed = cp.zeros((int(ids.shape[0]), 2 * TOPK), cp.int32)
+        packed[:, :k] = ids
+        packed[:, TOPK:TOPK + k] = logp.view(cp.int32)
+        return logits, ids, logp, packed
 
     def _check_ids(self, ids: Any) -> np.ndarray:
         return DFlashDrafter._check_ids(self, ids)
 
-    def _set_step(self, s: GpuDraftSession, start: int, n_new: int, tokens: np.ndarray | None) -> None:
-        """Write a pass's per-step values into the session's device buffer (one upload)."""
+    def _set_step(self, s: GpuDraftSession, start: int, n_new: int, tokens: np.ndarray | None,
+                  row0: np.ndarray | None = None) -> None:
+        """Write a pass's per-step values (and the block's first embedded row, a host token table) into the
+        session's pinned buffer and upload them in one copy."""
         B = self.block_size
-        vals = np.empty(2 + MAX_APPEND + 2 * B, np.int32)
+        vals = s.h_vals
         vals[0], vals[1] = start - n_new, start
-        vals[2:2 + MAX_APPEND] = np.arange(start - n_new, start - n_new + MAX_APPEND)
-        vals[2 + MAX_APPEND:2 + MAX_APPEND + B] = start + np.arange(B)
+        vals[2:2 + MAX_APPEND] = _ARANGE_APPEND
+        vals[2:2 + MAX_APPEND] += start - n_new
+        vals[2 + MAX_APPEND:2 + MAX_APPEND + B] = _ARANGE_APPEND[:B]
+        vals[2 + MAX_APPEND:2 + MAX_APPEND + B] += start
         vals[2 + MAX_APPEND + B:] = self.mask_token_id
         if tokens is not None:
             vals[2 + MAX_APPEND + B:2 + MAX_APPEND + B + len(tokens)] = tokens
-        s.vals[...] = self.xp.asarray(vals)
+        if row0 is not None:
+            s.h_x_in[0] = row0
+        s.upload()
 
     def block_logits(self, session: GpuDraftSession, ids: Any, start: int) -> np.ndarray:
         """Logits (len(ids), n_vocab) of every slot of any block of <= block_size tokens at start.. (eager)."""
@@ -390,12 +479,14 @@ class DFlashGpuDrafter:
         return np.asarray(cp.asnumpy(logits), dtype=np.float32)
 
     def host_embed(self, ids: np.ndarray) -> np.ndarray:
+        if self.tok_embd is getattr(self.target, "tok_embd", None) and hasattr(self.target, "host_head_embed"):
+            return self.target.host_head_embed(np.asarray(ids))     # the target's table and its row cache
         from ..backend import NumpyBackend
 
         return NumpyBackend().embed(self.tok_embd.host, np.asarray(ids))
 
-    def _pass(self, s: GpuDraftSession, features: Any, last_token: int, start: int) -> tuple[Any, Any, Any]:
-        """Append + block + head as one graph replay (or eager launches): device (logits, ids, logp)."""
+    def _pass(self, s: GpuDraftSession, features: Any, last_token: int, start: int) -> tuple[Any, Any, Any, Any]:
+        """Append + block + head as one graph replay (or eager launches): device (logits, ids, logp, packed)."""
         cp = self.xp
         feats = self._features(features)
         n = int(feats.shape[0])
@@ -409,13 +500,10 @@ class DFlashGpuDrafter:
             n = 0
         B = self.block_size
         s.reserve(start + B)
-        self._set_step(s, start, n, np.array([last_token]))
-        if n:
-            s.feats[:n] = cp.asarray(feats, dtype=cp.float32)
-        if self._host_table:
-            if s.x_in is None:
-                s.x_in = cp.asarray(self.host_embed(np.full(B, self.mask_token_id)))
-            s.x_in[0] = cp.asarray(self.host_embed(np.array([last_token]))[0])
+        row0 = self.host_embed(np.array([last_token]))[0] if self._host_table else None
+        self._set_step(s, start, n, np.array([last_token]), row0)
+        if n:   # device rows (the GPU target's): a device copy; host rows: an upload
+            s.feats[:n] = feats if isinstance(feats, cp.ndarray) else cp.asarray(feats, dtype=cp.float32)
         windowed = self._windowed(start, B)
         masks = (self._mask_full, self._mask_causal, self._window_mask(s, start, B) if windowed else None)
         if self.use_graphs and self.graph_blocker is None:
@@ -428,7 +516,7 @@ class DFlashGpuDrafter:
         s.n_ctx = start
         return out
 
-    def _graph_pass(self, s: GpuDraftSession, key: tuple, launches: Any) -> tuple[Any, Any, Any]:
+    def _graph_pass(self, s: GpuDraftSession, key: tuple, launches: Any) -> tuple[Any, Any, Any, Any]:
         """Replay the session's graph for this shape; without one: eager warm-up (this pass's results), then
         capture (Qwen35GpuModel._graph_step's scheme: measured arena, _GraphHeap, _record)."""
         cp = self.xp
@@ -461,7 +549,7 @@ class DFlashGpuDrafter:
     def draft(self, session: GpuDraftSession, new_features: Any, last_token: int, start: int) -> np.ndarray:
         """DFlashDrafter.draft: float32 host logits (block_size - 1, n_vocab) of positions start+1 ..
         (the whole rows come back: tests and tools; the speculative loop uses draft_topk)."""
-        logits, _, _ = self._pass(session, new_features, last_token, start)
+        logits = self._pass(session, new_features, last_token, start)[0]
         return np.asarray(self.xp.asnumpy(logits), dtype=np.float32)
 
     def draft_topk(self, session: GpuDraftSession, new_features: Any, last_token: int, start: int,
@@ -470,25 +558,37 @@ class DFlashGpuDrafter:
         log-probabilities (float64) coming back to the host."""
         if not 1 <= k <= TOPK:
             raise ValueError(f"k must be in 1..{TOPK}, not {k}")
-        _, ids, logp = self._pass(session, new_features, last_token, start)
-        cp = self.xp
-        return cp.asnumpy(ids[:, :k]).astype(np.int64), cp.asnumpy(logp[:, :k]).astype(np.float64)
+        packed = self._pass(session, new_features, last_token, start)[3]
+        top = session.h_top
+        self.xp.asnumpy(packed, out=top)        # one copy (it waits for the pass)
+        return top[:, :k].astype(np.int64), top[:, TOPK:TOPK + k].view(np.float32).astype(np.float64)
 
 
 class GpuProposer:
-    """speculative.LocalProposer for a DFlashGpuDrafter: the top-k come from the device (draft_topk)."""
+    """speculative.LocalProposer for a DFlashGpuDrafter: the top-k come from the device (draft_topk). Its
+    session comes from the drafter's pool at the first propose() (inside the engine's step, so under the
+    verifier's engine lock: a new session's allocations and uploads never meet another thread's capture) and
+    goes back on close()."""
 
     def __init__(self, drafter: DFlashGpuDrafter):
         self.drafter = drafter
-        self.session = drafter.new_session()
+        self.session: GpuDraftSession | None = None
+        self.closed = False
         self.block_size = drafter.block_size
         self.target_layer_ids = list(drafter.target_layer_ids)
 
     def propose(self, new_features: Any, last_token: int, start: int, k: int) -> tuple[np.ndarray, np.ndarray]:
+        if self.closed:
+            raise RuntimeError("propose() on a closed proposer")
+        if self.session is None:
+            self.session = self.drafter.acquire_session()
         return self.drafter.draft_topk(self.session, new_features, int(last_token), int(start), int(k))
 
     def close(self) -> None:
-        self.session = None
+        self.closed = True
+        s, self.session = self.session, None
+        if s is not None:   # closed twice (the engine, then the service): returned once
+            self.drafter.release_session(s)
 
 
 def load_gpu_drafter(path: str, target: Any, device: int | None = None) -> DFlashGpuDrafter:

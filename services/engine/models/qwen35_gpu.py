@@ -18,18 +18,28 @@ then the same launches are captured on a side stream with every allocation taken
 graph (_GraphHeap); later steps of that shape write their values (token ids, positions, parents, mask, S)
 into the state's device buffers and replay. Nothing in the captured launches reads the host or syncs.
 
+Host work per step is kept to what must run there (the speculative loop's time outside the graph replays):
+the per-step values go up in one copy from pinned memory (_StepValues), the captured layers stay on the
+device (DeviceRows: the GPU drafter reads them there), a Q4_K token table is decoded on the device inside the
+step (_embed_q4_k; other host-only tables go through host_head_embed's row cache), and a commit (accepted node,
+KV rows to move: one upload) replays a captured graph per shape. States outlive a request: acquire_state /
+release_state keep up to state_pool_size of them (buffers and captured graphs) for the next requests.
+
 Pieces done with plain CuPy ops instead of a kernel (each marked FALLBACK below): attention of a tree wider
 than 64 tokens (the attention kernel's mask is one uint64 per token; it decodes Q8_0 / TQ3_0 rows with CuPy),
-KV row compaction at commit, Q8_0 embedding rows, the residual adds of steps wider than 64 tokens (narrower
-steps fold norms, SwiGLU and residual adds into the matmuls' activation packing and epilogue).
+KV row compaction at commit (inside the commit's graph), Q8_0 and Q4_K embedding rows, the residual adds of
+steps wider than 64 tokens (narrower steps fold norms, SwiGLU and residual adds into the matmuls' activation
+packing and epilogue).
 """
 
 from __future__ import annotations
 
 import os
+import threading
 import warnings
 import weakref
 from bisect import insort
+from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -55,6 +65,7 @@ MAX_TREE = 65            # tree nodes with recurrent checkpoints (a 64-node budg
 ATTN_TOKENS = att.MAX_TOKENS
 
 
+HOST_ROW_CACHE_BYTES = 64 << 20   # host_head_embed's cache of dequantized token rows (27B: ~3300 rows)
 GRAPH_MIN_BUCKET = 512   # smallest S bucket of a graph (K splits chosen for S + T up to it)
 GRAPHS_PER_STATE = 64    # captured shapes kept per state (oldest dropped first: each holds an arena)
 
@@ -81,12 +92,88 @@ class GpuPending:
     n_tokens: int
     parents: np.ndarray
     per_token: bool          # recurrent checkpoints after every token (else only the final state)
+    is_chain: bool = False
+
+
+def _pinned(cp: Any, n: int, dtype: Any) -> np.ndarray:
+    """A host array in page-locked memory (copies from and to it run asynchronously, in stream order)."""
+    dt = np.dtype(dtype)
+    return np.ndarray((int(n),), dt, buffer=cp.cuda.alloc_pinned_memory(max(1, int(n) * dt.itemsize)))
+
+
+def _upload(cp: Any, dst: Any, src: np.ndarray) -> None:
+    """src (host, pinned) -> dst (device, contiguous), asynchronously on the current stream."""
+    if isinstance(dst, np.ndarray):          # a NumPy stand-in for CuPy (tests on machines without a GPU)
+        dst[...] = src
+    else:
+        dst.set(src, stream=cp.cuda.get_current_stream())
+
+
+Q4_K = 12   # GGML type id
+
+
+def _embed_q4_k(cp: Any, table: Any, ids: Any) -> Any:
+    """Rows `ids` (device int) of a device Q4_K table (rows, row bytes), dequantized with the same float32
+    operations in the same order as quants/kquants.dequantize_q4_k (so equal to the host rows bit for bit):
+    value = d * scale * q - dmin * min per 32-value sub-block. Plain CuPy ops, captured with the step."""
+    blk = cp.take(table, ids, axis=0)
+    T = int(blk.shape[0])
+    b = blk.reshape(T, -1, 144)                     # {f16 d; f16 dmin; u8 scales[12]; u8 qs[128]} per 256
+    nb = int(b.shape[1])
+    d = cp.ascontiguousarray(b[:, :, 0:2]).view(cp.float16).astype(cp.float32)       # (T, nb, 1)
+    dmin = cp.ascontiguousarray(b[:, :, 2:4]).view(cp.float16).astype(cp.float32)
+    first, second, third = b[:, :, 4:8], b[:, :, 8:12], b[:, :, 12:16]
+    low6, low4, u4, u6 = np.uint8(63), np.uint8(0x0F), np.uint8(4), np.uint8(6)
+    sc = cp.concatenate([first & low6, (third & low4) | ((first >> u6) << u4)], axis=2)      # (T, nb, 8)
+    mn = cp.concatenate([second & low6, (third >> u4) | ((second >> u6) << u4)], axis=2)
+    qs = b[:, :, 16:144].reshape(T, nb, 4, 1, 32)
+    q = cp.concatenate([qs & low4, qs >> u4], axis=3).reshape(T, nb, 8, 32).astype(cp.float32)
+    d1 = (d * sc.astype(cp.float32))[..., None]
+    m1 = (dmin * mn.astype(cp.float32))[..., None]
+    return (d1 * q - m1).reshape(T, nb * 256)
+
+
+class _StepValues:
+    """A step's per-step values, laid out once in one device buffer and its pinned host twin, so that a step
+    writes them on the host and uploads them with one copy (instead of one copy and one kernel per value):
+    [tokens | positions | parents | s_len | mask (uint64) | embedded rows, when the token table is on the host]."""
+
+    ALIGN = 256
+
+    def __init__(self, cp: Any, max_tree: int, n_embd: int, host_rows: bool):
+        self.cp, self.max_tree, self.n_embd = cp, int(max_tree), int(n_embd)
+        off = 0
+        spans = {}
+        for name, n, dt in (("tokens", max_tree, np.int32), ("positions", max_tree, np.int32),
+                            ("parents", max_tree, np.int32), ("s_len", 1, np.int32),
+                            ("mask", ATTN_TOKENS, np.uint64)):
+            spans[name] = (off, n, np.dtype(dt))
+            off += -(-n * np.dtype(dt).itemsize // self.ALIGN) * self.ALIGN
+        self.header_bytes = off
+        total = off + (max_tree * n_embd * 4 if host_rows else 0)
+        self.dev = cp.zeros(total, cp.uint8)
+        self.host = _pinned(cp, total, np.uint8)
+        self.host[...] = 0
+        for name, (o, n, dt) in spans.items():
+            setattr(self, name, self.dev[o:o + n * dt.itemsize].view(dt))
+            setattr(self, "h_" + name, self.host[o:o + n * dt.itemsize].view(dt))
+        self.h_parents[...] = -1
+        self.x_in = self.h_rows = None
+        if host_rows:
+            self.x_in = self.dev[off:].view(np.float32).reshape(max_tree, n_embd)
+            self.h_rows = self.host[off:].view(np.float32).reshape(max_tree, n_embd)
+
+    def upload(self, rows: int = 0) -> None:
+        """One host-to-device copy of the header (and of the first `rows` embedded rows)."""
+        n = self.header_bytes + rows * self.n_embd * 4
+        _upload(self.cp, self.dev[:n], self.host[:n])
 
 
 class GpuSequenceState:
     """Device twin of state.SequenceState: KV per attention layer, DeltaNet state + conv windows, checkpoints."""
 
-    def __init__(self, cfg: ModelConfig, max_ctx: int, kv_k: str, kv_v: str, max_tree: int = MAX_TREE):
+    def __init__(self, cfg: ModelConfig, max_ctx: int, kv_k: str, kv_v: str, max_tree: int = MAX_TREE,
+                 host_rows: bool = False):
         cp = nr.loader.require()
         self.cfg, self.max_ctx, self.max_tree = cfg, int(max_ctx), int(max_tree)
         self.n_past = 0
@@ -105,24 +192,41 @@ class GpuSequenceState:
             self.ckpt = cp.zeros((L, max_tree, hv, dk, dv), cp.float32)
             self.conv = cp.zeros((L, cfg.ssm_conv_kernel - 1, cd), cp.float32)
             self.raw = cp.zeros((L, max_tree, cd), cp.float32)
-        # per-step values in device buffers (what a captured graph will read)
-        self.positions = cp.zeros(max_tree, cp.int32)
-        self.parents = cp.full(max_tree, -1, cp.int32)
-        self.mask = cp.zeros(ATTN_TOKENS, cp.uint64)
-        self.s_len = cp.zeros(1, cp.int32)
-        self.accepted = cp.zeros(1, cp.int32)
-        self.tokens = cp.zeros(max_tree, cp.int32)
-        self.x_in = None          # embedded rows of a step (see embedded())
+        # per-step values in device buffers (what a captured graph will read): views into one staging buffer
+        # (_StepValues) that a step fills from pinned host memory with a single copy
+        self.stage = _StepValues(cp, self.max_tree, cfg.n_embd, host_rows)
+        self.positions, self.parents, self.tokens = self.stage.positions, self.stage.parents, self.stage.tokens
+        self.mask, self.s_len = self.stage.mask, self.stage.s_len
+        # commits: accepted node and KV rows to move (one upload), the captured commits by shape
+        self.commit_stage = _CommitValues(cp, self.max_tree)
+        self.accepted = self.commit_stage.accepted
+        self.commit_graphs: dict[tuple, Any] = {}
+        self._commit_heaps: dict[tuple, _GraphHeap] = {}
+        self._commit_stream = None
+        self.graph_commits = graphs_default()   # off after a failed commit capture
+        self.graphs_on = True                    # the model's choice, set by each forward
+        # argmax ids of a step's rows land here (pinned: the copy is asynchronous); forward copies them out
+        self.argmax_host = _pinned(cp, max_tree, np.int32)
         # captured steps of this state by shape (see Qwen35GpuModel.forward); they hold the addresses of the
         # buffers above, so replacing a buffer drops them
         self.graphs: dict[tuple, _StepGraph | None] = {}
 
+    @property
+    def x_in(self):
+        return self.stage.x_in
+
     def embedded(self, n_embd: int):
         """(max_tree, n_embd) float32 buffer for a step's embedded rows when the token table is on the host."""
-        if self.x_in is None:
-            cp = nr.loader.require()
-            self.x_in = cp.zeros((self.tokens.size, n_embd), cp.float32)
-        return self.x_in
+        return self.stage.x_in
+
+    def reset(self) -> None:
+        """An empty sequence again (a pooled state handed to the next request): nothing committed, recurrent
+        state and conv windows zeroed; buffers and captured graphs kept (their addresses do not change)."""
+        self.n_past = 0
+        self.pending = None
+        if self.rec_layers:
+            self.ssm.fill(0)
+            self.conv.fill(0)
 
     def check_room(self, n_new: int) -> None:
         if self.n_past + n_new > self.max_ctx:
@@ -133,43 +237,108 @@ class GpuSequenceState:
         if T > self.raw.shape[1]:
             cp = nr.loader.require()
             self.graphs.clear()
+            self.commit_graphs.clear()
+            self._commit_heaps.clear()
             self.raw = cp.zeros((self.raw.shape[0], T, self.raw.shape[2]), cp.float32)
         return self.raw
 
     def commit(self, path) -> None:
         """state.SequenceState.commit on the device: KV rows compacted, state from the path's checkpoint,
-        conv window gathered along the path; nothing is recomputed."""
+        conv window gathered along the path; nothing is recomputed. The launches read the accepted node and
+        the rows to move from device buffers (one upload), so a commit of a shape seen before is one graph
+        replay (_commit_launches)."""
         p = self.pending
         if p is None:
             raise RuntimeError("commit() without a pending forward pass")
         path = check_commit_path(path, p.parents)
         if path:
             cp = nr.loader.require()
-            base = self.n_past
-            moved = [(d, i) for d, i in enumerate(path) if i != d]
-            if moved:  # FALLBACK (plain CuPy gather): KV rows of the branch into place
-                dst = cp.asarray([base + d for d, _ in moved], dtype=cp.int64)
-                src = cp.asarray([base + i for _, i in moved], dtype=cp.int64)
-                for c in self.kv.values():
-                    # each side is [Hkv][ctx][its row bytes] and a token's row is quantized on its own (a Q8_0
-                    # block or TQ3_0 rotation group never spans two tokens), so moving bytes moves the token
-                    for buf, rb in ((c.k, c.row_bytes), (c.v, c.row_bytes_v)):
-                        rows = buf.reshape(c.n_kv_heads, c.ctx, rb)
-                        rows[:, dst] = rows[:, src]
-            if self.rec_layers:
-                whole = path == list(range(p.n_tokens))
-                self.accepted[...] = path[-1]
-                if p.per_token:
-                    dn.commit_state(self.accepted, self.ckpt, self.ssm)
-                elif whole:
-                    self.ssm[...] = self.ssm_final
-                else:
-                    raise ValueError("a chain forward without checkpoints can only be committed whole")
-                chain = bool(np.array_equal(p.parents, np.arange(-1, p.n_tokens - 1)))
-                dn.commit_conv(self.accepted, None if chain else self.parents[:p.n_tokens],
-                               self.raw[:, :p.n_tokens], self.conv)
+            first = next((d for d, i in enumerate(path) if i != d), None)
+            moved = 0 if first is None else len(path) - first
+            whole = path == list(range(p.n_tokens))
+            if self.rec_layers and not p.per_token and not whole:
+                raise ValueError("a chain forward without checkpoints can only be committed whole")
+            cs = self.commit_stage
+            cs.h_accepted[0] = path[-1]
+            if moved:   # rows before `first` are already in place; from there on the path's rows move down
+                base = self.n_past
+                cs.h_dst[:moved] = np.arange(base + first, base + len(path))
+                cs.h_src[:moved] = [base + i for i in path[first:]]
+            cs.upload()
+            key = (p.n_tokens, p.is_chain, p.per_token, whole, moved)
+            launches = lambda: self._commit_launches(p, whole, moved)  # noqa: E731
+            g = self.commit_graphs.get(key)
+            if g is not None:
+                g.launch(cp.cuda.get_current_stream())
+            elif not (self.graph_commits and self.graphs_on) or p.n_tokens > self.max_tree:
+                launches()     # graphs off, or a prefill chunk (a one-off shape)
+            else:
+                self._capture_commit(key, launches)
             self.n_past += len(path)
         self.pending = None
+
+    def _commit_launches(self, p: GpuPending, whole: bool, moved: int) -> tuple:
+        """The commit's device work, reading only device buffers (graph-safe)."""
+        cs = self.commit_stage
+        if moved:  # FALLBACK (plain CuPy gather / scatter): KV rows of the branch into place
+            dst, src = cs.dst[:moved], cs.src[:moved]
+            for c in self.kv.values():
+                # each side is [Hkv][ctx][its row bytes] and a token's row is quantized on its own (a Q8_0 block
+                # or TQ3_0 rotation group never spans two tokens), so moving bytes moves the token
+                for buf, rb in ((c.k, c.row_bytes), (c.v, c.row_bytes_v)):
+                    rows = buf.reshape(c.n_kv_heads, c.ctx, rb)
+                    rows[:, dst] = rows[:, src]
+        if self.rec_layers:
+            if p.per_token:
+                dn.commit_state(self.accepted, self.ckpt, self.ssm)
+            else:
+                self.ssm[...] = self.ssm_final
+            dn.commit_conv(self.accepted, None if p.is_chain else self.parents[:p.n_tokens],
+                           self.raw[:, :p.n_tokens], self.conv)
+        return ()
+
+    def _capture_commit(self, key: tuple, launches: Any) -> None:
+        """Run the commit eagerly (this step's), then capture it for the next commits of this shape; a failed
+        capture leaves commits eager for this state."""
+        cp = nr.loader.require()
+        probe = _GraphHeap(cp, None)
+        with cp.cuda.using_allocator(probe.malloc):
+            launches()
+        try:
+            heap = _GraphHeap(cp, cp.empty(probe.peak + probe.peak // 8 + (1 << 16), cp.uint8))
+            if self._commit_stream is None:
+                self._commit_stream = cp.cuda.Stream(non_blocking=True)
+            graph, _ = _record(self._commit_stream, heap, launches)
+        except Exception as e:  # noqa: BLE001 - any capture failure: eager commits, and say why
+            self.graph_commits = False
+            warnings.warn(f"commit graphs off for this state: {type(e).__name__}: {e}", RuntimeWarning, stacklevel=3)
+            return
+        while len(self.commit_graphs) >= GRAPHS_PER_STATE:
+            old = next(iter(self.commit_graphs))
+            del self.commit_graphs[old]
+            self._commit_heaps.pop(old, None)
+        self.commit_graphs[key] = graph
+        self._commit_heaps[key] = heap
+
+
+class _CommitValues:
+    """A commit's device values and their pinned twin, uploaded in one copy: the accepted node (int32, what
+    the recurrent commit kernels read) and the KV rows to move (int64 destination and source rows)."""
+
+    def __init__(self, cp: Any, max_tree: int):
+        self.cp = cp
+        n = 16 + 2 * 8 * max_tree
+        self.dev = cp.zeros(n, cp.uint8)
+        self.host = _pinned(cp, n, np.uint8)
+        self.host[...] = 0
+        self.accepted, self.h_accepted = self.dev[:4].view(np.int32), self.host[:4].view(np.int32)
+        self.dst = self.dev[16:16 + 8 * max_tree].view(np.int64)
+        self.h_dst = self.host[16:16 + 8 * max_tree].view(np.int64)
+        self.src = self.dev[16 + 8 * max_tree:].view(np.int64)
+        self.h_src = self.host[16 + 8 * max_tree:].view(np.int64)
+
+    def upload(self) -> None:
+        _upload(self.cp, self.dev, self.host)
 
 
 class DeviceLogits:
@@ -221,6 +390,83 @@ class DeviceLogits:
         self._rows = self._rows.copy()
 
 
+class DeviceRows:
+    """Captured layer outputs (T, len(capture), n_embd) float32 left on the device: the GPU drafter beside the
+    target reads them there; np.asarray(x) (and reshape) copies them to the host, as the NumPy engine's array
+    would be. x[key] gathers rows on the device (a fresh array, not tied to any graph)."""
+
+    ndim = 3
+    dtype = np.dtype(np.float32)
+
+    def __init__(self, rows: Any):
+        self.rows = rows           # device (T, K, n_embd) float32
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(int(d) for d in self.rows.shape)
+
+    def __len__(self) -> int:
+        return int(self.rows.shape[0])
+
+    def __repr__(self) -> str:
+        return f"DeviceRows(shape={self.shape})"
+
+    def __getitem__(self, key: Any) -> DeviceRows:
+        if isinstance(key, (list, np.ndarray)):
+            idx = [int(i) for i in np.asarray(key).reshape(-1)]
+            n = len(idx)
+            if n and idx == list(range(idx[0], idx[0] + n)):    # a run of rows (a chain's path): one slice
+                return DeviceRows(self.rows[idx[0]:idx[0] + n].copy())
+            cp = nr.loader.require()
+            return DeviceRows(self.rows[cp.asarray(np.asarray(idx, dtype=np.int64))])
+        return DeviceRows(self.rows[key].copy())
+
+    def concat(self, other: Any) -> DeviceRows:
+        """These rows, then `other`'s (device rows or host rows), as one device array."""
+        cp = nr.loader.require()
+        o = other.rows if isinstance(other, DeviceRows) else cp.asarray(np.asarray(other, np.float32))
+        return DeviceRows(cp.concatenate([self.rows, o.reshape(o.shape[0], *self.rows.shape[1:])], axis=0))
+
+    def reshape(self, *shape: Any) -> np.ndarray:
+        return np.asarray(self).reshape(*shape)
+
+    def __array__(self, dtype: Any = None, copy: bool | None = None) -> np.ndarray:
+        host = nr.loader.require().asnumpy(self.rows)
+        return host if dtype is None else host.astype(dtype, copy=False)
+
+    def _detach(self) -> None:
+        """Own a copy of the rows (the graph they belong to is about to replay over them); in stream order."""
+        self.rows = self.rows.copy()
+
+
+def _chain_masks() -> np.ndarray:
+    bits = np.zeros(ATTN_TOKENS, dtype=np.uint64)
+    acc = 0
+    for i in range(ATTN_TOKENS):
+        acc |= 1 << i
+        bits[i] = acc
+    return bits
+
+
+CHAIN_MASKS = _chain_masks()   # att.tree_mask of a chain of 64: row t sees tokens 0..t
+
+
+def _tree_shape(par: np.ndarray, is_chain: bool, T: int) -> tuple[np.ndarray, np.ndarray | None]:
+    """(depth of each token, the attention's ancestor mask or None past ATTN_TOKENS): att.tree_mask's bits,
+    from a precomputed table for a chain and one pass over Python ints for a tree."""
+    if is_chain:
+        return np.arange(T, dtype=np.int64), (CHAIN_MASKS[:T] if T <= ATTN_TOKENS else None)
+    depth = [0] * T
+    bits = [0] * T
+    for i, p in enumerate(par.tolist()):
+        if p >= 0:
+            depth[i] = depth[p] + 1
+            bits[i] = bits[p] | (1 << i)
+        else:
+            bits[i] = 1 << i
+    return np.array(depth, dtype=np.int64), (np.array(bits, dtype=np.uint64) if T <= ATTN_TOKENS else None)
+
+
 class Qwen35GpuModel(TargetModel):
     """The qwen35 target on CupyBackend; `forward` reads like models/qwen35.py with kernel calls."""
 
@@ -255,9 +501,31 @@ class Qwen35GpuModel(TargetModel):
         # a token table whose type the device cannot decode (GpuEmbedding.on_host, e.g. Q4_K / Q6_K): the step's
         # rows are dequantized on the host and written to state.x_in before the launches, like the token ids
         self._host_table = bool(getattr(self.tok_embd, "on_host", False))
+        # a Q4_K table (llama.cpp's Q4_K_M files) goes to the device packed after all (the memory plan counts
+        # every stored byte there) and the step's rows are decoded inside the step (_embed_q4_k): the host
+        # dequantization and upload of T rows cost ~0.5 ms of a 27B verify, the drafter's row ~0.4 ms more
+        self._embd_dev = None
+        if self._host_table and int(getattr(self.tok_embd, "qtype", -1)) == Q4_K and os.environ.get(
+                "SPECSPLIT_DEVICE_EMBD", "1").strip().lower() not in ("0", "false", "no", "off"):
+            host = self.tok_embd.host
+            data = np.asarray(host.data if isinstance(host, RawTensor) else host).reshape(-1).view(np.uint8)
+            self._embd_dev = be.xp.asarray(data).reshape(int(self.tok_embd.shape[0]), -1)
+            self._host_table = False
+        self._row_cache: OrderedDict[int, np.ndarray] = OrderedDict()    # host_head_embed's dequantized rows
+        self._row_cache_rows = max(1, HOST_ROW_CACHE_BYTES // (4 * cfg.n_embd))
+        self._row_lock = threading.Lock()
+        self.row_cache_stats = {"hits": 0, "misses": 0}
         # detached: replays that first copied the rows of a still-held result of the same graph (DeviceLogits)
         self.graph_stats = {"captures": 0, "replays": 0, "eager": 0, "failed": 0, "detached": 0}
         self._capture_stream = None
+        # finished requests' states kept for the next ones (acquire_state / release_state): a state's graphs
+        # are captured per shape, so a new state per request would capture them all again. Bounded: the
+        # verifier sets the size to its slots (what the memory plan counts); 1 for one request at a time.
+        self.state_pool_size = 1
+        self._state_pool: list[GpuSequenceState] = []
+        self._pool_lock = threading.Lock()
+        self._states_out = 0         # acquired and not yet released
+        self.pool_stats = {"new": 0, "reused": 0}
 
     def _load_layer(self, i: int) -> dict:
         p, c, be = f"blk.{i}.", self.cfg, self.be
@@ -291,13 +559,95 @@ class Qwen35GpuModel(TargetModel):
                   cache_type_v: str | None = None) -> GpuSequenceState:
         k, v = resolve_cache_types(self.cfg, cache_type_k or self.kv_cache_types[0],
                                    cache_type_v or self.kv_cache_types[1])
-        return GpuSequenceState(self.cfg, max_ctx or self.cfg.context_length, gpu_kv_type(k), gpu_kv_type(v))
+        return GpuSequenceState(self.cfg, max_ctx or self.cfg.context_length, gpu_kv_type(k), gpu_kv_type(v),
+                                host_rows=self._host_table)
 
-    def host_head_embed(self, tokens: np.ndarray) -> np.ndarray:
-        """float32 rows of a token table kept on the host (GpuEmbedding.on_host)."""
+    def acquire_state(self, n_ctx: int, limit: int | None = None) -> GpuSequenceState:
+        """A state for a request of up to n_ctx tokens, from the pool when one fits (its captured graphs come
+        with it: a request of shapes seen before replays instead of capturing), else a new one of n_ctx
+        rounded up to GRAPH_MIN_BUCKET rows (at most `limit`), so that later requests fit it too. Hand it back
+        with release_state()."""
+        limit = int(limit or self.cfg.context_length)
+        kv = tuple(gpu_kv_type(t) for t in resolve_cache_types(self.cfg, *self.kv_cache_types))
+        with self._pool_lock:
+            fits = [st for st in self._state_pool if n_ctx <= st.max_ctx <= limit and st.kv_types == kv]
+            self._states_out += 1
+            if fits:
+                st = min(fits, key=lambda x: x.max_ctx)
+                self._state_pool.remove(st)
+                self.pool_stats["reused"] += 1
+                st.reset()
+                return st
+            # none fits: free idle ones first, so that states in use plus idle ones stay within the pool size
+            # (the slots the memory plan counts)
+            self._state_pool.sort(key=lambda x: -x.max_ctx)
+            while self._state_pool and len(self._state_pool) + self._states_out > self.state_pool_size:
+                self._state_pool.pop()
+        self.pool_stats["new"] += 1
+        rounded = -(-int(n_ctx) // GRAPH_MIN_BUCKET) * GRAPH_MIN_BUCKET
+        return self.new_state(max(int(n_ctx), min(rounded, limit)))
+
+    def release_state(self, state: Any) -> None:
+        """Keep a finished request's state (buffers and graphs) for the next one; at most `state_pool_size`
+        are kept (the largest), the rest are freed. Idle pooled states take what the memory plan counts for
+        that many slots (KV cache, recurrent state and checkpoints per slot)."""
+        if not isinstance(state, GpuSequenceState):
+            return
+        state.pending = None
+        with self._pool_lock:
+            if any(st is state for st in self._state_pool):
+                return
+            self._states_out = max(0, self._states_out - 1)
+            self._state_pool.append(state)
+            self._state_pool.sort(key=lambda x: -x.max_ctx)
+            del self._state_pool[max(0, int(self.state_pool_size)):]
+
+    def clear_pools(self) -> None:
+        """Free the pooled states (their buffers and graph arenas)."""
+        with self._pool_lock:
+            self._state_pool.clear()
+
+    @property
+    def embeds_on_device(self) -> bool:
+        """Whether device_embed() decodes rows on the device (graph-safe: no host work)."""
+        return not self._host_table
+
+    def device_embed(self, ids: Any) -> Any:
+        """float32 rows (len(ids), n_embd) of device token ids, decoded on the device (not for a host table)."""
+        if self._embd_dev is not None:
+            return _embed_q4_k(self.be.xp, self._embd_dev, ids)
+        return self.be.embed(self.tok_embd, ids)
+
+    def host_head_embed(self, tokens: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+        """float32 rows of a token table kept on the host (GpuEmbedding.on_host), into `out` when given.
+        Dequantizing K-quant rows in NumPy costs ~0.1-0.2 ms a row, about a tenth of a 27B verify step for
+        23 rows, and a request's tokens repeat (drafted trees, the bonus token the drafter embeds again): the
+        rows are kept in a bounded LRU cache (HOST_ROW_CACHE_BYTES), each dequantized once."""
         from ..backend import NumpyBackend
 
-        return NumpyBackend().embed(self.tok_embd.host, tokens)
+        ids = np.asarray(tokens, dtype=np.int64).reshape(-1)
+        if out is None:
+            out = np.empty((len(ids), self.cfg.n_embd), np.float32)
+        cache = self._row_cache
+        with self._row_lock:
+            miss = []
+            for i, t in enumerate(ids.tolist()):
+                row = cache.get(t)
+                if row is None:
+                    miss.append(i)
+                else:
+                    cache.move_to_end(t)
+                    out[i] = row
+            if miss:
+                rows = NumpyBackend().embed(self.tok_embd.host, ids[miss])
+                out[miss] = rows
+                for i, row in zip(miss, rows):
+                    cache[int(ids[i])] = row.copy()      # its own row: a view would keep the block alive
+                while len(cache) > self._row_cache_rows:
+                    cache.popitem(last=False)
+            self.row_cache_stats["hits"] += len(ids) - len(miss)
+            self.row_cache_stats["misses"] += len(miss)
+        return out
 
     def host_head(self) -> HostHead:
         """What a CPU drafter needs from this target: cfg, token table and lm head on the host (NumPy)."""
@@ -307,8 +657,9 @@ class Qwen35GpuModel(TargetModel):
     def forward(self, state: GpuSequenceState, tokens: Sequence[int], parents: Sequence[int] | None = None,
                 capture: Sequence[int] = (), checkpoints: bool = False, logits: str = "all") -> ForwardResult:
         """TargetModel.forward on the device. The logits stay there (DeviceLogits: each row's argmax is already
-        on the host, a row is copied when indexed); captured features come back as host float32. Returns when
-        the step has run (callers read the result next, and their timings stay honest)."""
+        on the host, a row is copied when indexed); so do the captured features (DeviceRows: np.asarray copies
+        them). Per-step values go up in one copy from pinned memory. Returns when the step has run (callers
+        read the result next, and their timings stay honest)."""
         cp = self.be.xp
         tokens, par, is_chain = check_step(tokens, parents, self.cfg.n_vocab)
         T = len(tokens)
@@ -322,56 +673,64 @@ class Qwen35GpuModel(TargetModel):
         for lid in capture:
             if not 0 <= lid < self.cfg.n_layer:
                 raise ValueError(f"capture layer {lid} outside the model's {self.cfg.n_layer} layers")
-        depth = np.zeros(T, dtype=np.int64)
-        for i in range(T):
-            depth[i] = 0 if par[i] < 0 else depth[par[i]] + 1
-
-        # per-step values into the state's device buffers
+        # per-step values: written into the state's pinned staging buffer, then one copy to the device
         S = state.n_past
-        if T > state.positions.size:
-            state.graphs.clear()
-            state.positions = cp.zeros(T, cp.int32)
-        state.positions[:T] = cp.asarray((S + depth).astype(np.int32))
-        if not is_chain:
-            state.parents[:T] = cp.asarray(par.astype(np.int32))
-        if T <= ATTN_TOKENS:
-            state.mask[:T] = cp.asarray(att.tree_mask(par))
-        small = T <= state.tokens.size
+        st = state.stage
+        small = T <= state.max_tree
+        depth, mask = _tree_shape(par, is_chain, T)
+        st.h_s_len[0] = S
+        positions = None
         if small:
-            state.tokens[:T] = cp.asarray(tokens.astype(np.int32))
+            st.h_positions[:T] = S + depth
+            st.h_tokens[:T] = tokens
+            if not is_chain:
+                st.h_parents[:T] = par
+            if mask is not None:
+                st.h_mask[:T] = mask
+            positions = state.positions[:T]
+        else:   # a long prefill chunk (a chain): its positions apart, eager launches
+            positions = cp.arange(S, S + T, dtype=cp.int32)
         x0 = None
+        rows = 0
         if self._host_table:
-            rows = cp.asarray(self.host_head_embed(tokens))
-            if small:
-                state.embedded(self.cfg.n_embd)[:T] = rows
+            if small:   # dequantized straight into the pinned staging rows
+                self.host_head_embed(tokens, out=st.h_rows[:T])
+                rows = T
             else:
-                x0 = rows
+                x0 = cp.asarray(self.host_head_embed(tokens))
         elif not small:
-            x0 = self.be.embed(self.tok_embd, cp.asarray(tokens))
-        state.s_len.fill(S)
+            x0 = self.device_embed(cp.asarray(tokens))
+        st.upload(rows)
         graph = self.use_graphs and self.graph_blocker is None and small and T <= min(ATTN_TOKENS, state.max_tree)
         # K splits of the attention: from S (eager), or from S's bucket (a graph serves every S up to it)
         s_hint = _s_bucket(S + T, state.max_ctx) - T if graph else S
-        step = _Step(T=T, S=S, parents=par, is_chain=is_chain, per_token=per_token,
-                     positions=state.positions[:T], s_hint=s_hint)
+        step = _Step(T=T, S=S, parents=par, is_chain=is_chain, per_token=per_token, positions=positions,
+                     s_hint=s_hint)
         if graph:
             key = (T, is_chain, per_token, logits, tuple(capture), s_hint)
             lg, amax, cap, g = self._graph_step(state, step, key, logits, capture)
         else:
             self.graph_stats["eager"] += 1
             (lg, amax, cap), g = self._launches(state, step, logits, capture, x0), None
-        state.pending = GpuPending(n_tokens=T, parents=par, per_token=per_token)
-        rows = {"all": np.arange(T), "last": np.array([T - 1]), "none": np.array([], dtype=np.int64)}[logits]
+        state.pending = GpuPending(n_tokens=T, parents=par, per_token=per_token, is_chain=is_chain)
+        state.graphs_on = self.use_graphs and self.graph_blocker is None
+        rows_idx = {"all": np.arange(T), "last": np.array([T - 1]), "none": np.array([], dtype=np.int64)}[logits]
         out = None
+        n_ids = len(rows_idx)
         if lg is not None:
-            ids = np.ndarray((len(rows),), np.int32, buffer=cp.cuda.alloc_pinned_memory(4 * len(rows)))
+            ids = state.argmax_host[:n_ids] if n_ids <= state.argmax_host.size else _pinned(cp, n_ids, np.int32)
             cp.asnumpy(amax, out=ids, blocking=False)    # T ids into pinned memory, in stream order
-            out = DeviceLogits(lg, ids)
-            if g is not None:  # the graph's next replay rewrites these rows: out copies them first
-                g.handed = weakref.ref(out)
-        captured = cp.asnumpy(cap) if cap is not None else None
+        # the captured rows stay on the device (the drafter beside the target reads them there; np.asarray
+        # copies them to the host)
+        captured = DeviceRows(cap) if cap is not None else None
         cp.cuda.get_current_stream().synchronize()
-        return ForwardResult(logits=out, logit_rows=rows, captured=captured)
+        if lg is not None:
+            out = DeviceLogits(lg, ids.copy())           # the pinned buffer is the next step's
+            if g is not None:  # the graph's next replay rewrites these rows: the results copy them first
+                g.handed = weakref.ref(out)
+        if g is not None and captured is not None:
+            g.handed_cap = weakref.ref(captured)
+        return ForwardResult(logits=out, logit_rows=rows_idx, captured=captured)
 
     def _launches(self, state: GpuSequenceState, step: _Step, logits: str, capture: list[int],
                   x0: Any = None) -> tuple[Any, Any, Any]:
@@ -386,7 +745,7 @@ class Qwen35GpuModel(TargetModel):
         elif self._host_table:
             x = state.embedded(self.cfg.n_embd)[:T]
         else:
-            x = self.be.embed(self.tok_embd, state.tokens[:T])
+            x = self.device_embed(state.tokens[:T])
         for i, w in enumerate(self.layers):
             x = self._block(i, w, x, state, step)
             for slot, lid in enumerate(capture):
@@ -407,10 +766,12 @@ class Qwen35GpuModel(TargetModel):
         cp = self.be.xp
         g = state.graphs.get(key)
         if g is not None:
-            last = g.handed() if g.handed is not None else None
-            if last is not None:   # a result of this graph is still held: give it its own rows first
-                last._detach()
-                self.graph_stats["detached"] += 1
+            for ref in (g.handed, g.handed_cap):
+                last = ref() if ref is not None else None
+                if last is not None:   # a result of this graph is still held: give it its own rows first
+                    last._detach()
+                    self.graph_stats["detached"] += 1
+            g.handed = g.handed_cap = None
             g.graph.launch(cp.cuda.get_current_stream())
             g.replays += 1
             self.graph_stats["replays"] += 1
@@ -543,6 +904,7 @@ class _StepGraph:
     captured: Any
     replays: int = 0
     handed: Any = None  # weakref to the DeviceLogits last returned over `logits`
+    handed_cap: Any = None  # weakref to the DeviceRows last returned over `captured`
 
 
 def _record(stream: Any, heap: _GraphHeap, launches: Any) -> tuple[Any, Any]:
