@@ -265,7 +265,8 @@ def card_section(ev: dict) -> str:
                      ("short_declared_unit", f"short prompts, declared sampling ({dec_txt}), end of the unit")):
         s = ev.get(f"syntax_valid_{k}")
         if s and s["n"]:
-            lines.append(f"| parses with ast.parse: {label} | {s['rate']:.0%} of {s['n']} |")
+            lines.append(f"| parses with ast.parse: {label} | {round(s['rate'] * s['n'])} of {s['n']} "
+                         f"({s['rate']:.1%}) |")
     if "declared_spec_mismatches" in ev and dec.get("repetition_penalty", 1.0) != 1.0:
         same = "yes" if ev["declared_spec_mismatches"] == 0 else f"no: {ev['declared_spec_mismatches']} differ"
         lines.append(f"| speculative (DDTree-22) == plain under the declared sampling, short prompts | {same} |")

@@ -1,0 +1,30 @@
+#!/bin/bash
+# One GPU-machine run of the engine's numbers (docs/benchmarks.md, "session 4"): writes the synthetic
+# Qwen3.6-27B Q4_K_M while the kernels compile, runs the GPU tests of penalties / services / loop, the embedded
+# pair on the GPU (bench/spec_cpu.py, after a warm-up run) and bench/decode.py. Results under $OUT (default ./out).
+# Needs CuPy and pytest; wheels in .whl/ and .whl_svc/ are installed first when present (the device tool's carry).
+set -o pipefail
+OUT=${OUT:-out}
+mkdir -p "$OUT"
+if [ -d .whl ]; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+        $(ls .whl/*.whl .whl_svc/*.whl 2>/dev/null) || exit 1
+    export PYTHONPATH=/tmp/site:$PWD
+fi
+export PYTHONUNBUFFERED=1
+nvidia-smi --query-gpu=name --format=csv,noheader
+t0=$(date +%s)
+(python3 -m services make-synthetic --shape qwen3.6-27b --quant q4_k_m --out /tmp/syn > $OUT/syn.log 2>&1) &
+SYN=$!
+python3 bench/roofline.py --precompile-only > $OUT/precompile.log 2>&1
+echo "precompile $(( $(date +%s) - t0 )) s"
+timeout 200 python3 -m pytest -q -x -rs tests/test_penalties.py tests/test_gpu_services.py tests/test_gpu_loop.py -k "gpu or loop or tree" 2>&1 | tee $OUT/tests.log | tail -4
+echo "tests $(( $(date +%s) - t0 )) s"
+timeout 120 python3 bench/spec_cpu.py --device cuda:0 --n-prompts 8 --max-tokens 64 --budgets chain,22,auto > /dev/null 2>&1
+timeout 120 python3 bench/spec_cpu.py --device cuda:0 --n-prompts 8 --max-tokens 64 --budgets chain,22,auto 2>&1 | tee $OUT/spec_pair.log | tail -8
+echo "pair $(( $(date +%s) - t0 )) s"
+wait $SYN; tail -2 $OUT/syn.log
+ls /tmp/syn
+M=$(ls /tmp/syn/*q4_k_m*.gguf | grep -v draft | head -1); D=$(ls /tmp/syn/*draft*.gguf | head -1)
+timeout 260 python3 bench/decode.py --model $M --draft $D --widths 1 4 16 23 32 41 64 --reps 3 --spec-steps 4 --long-context 2600 --deadline-s 200 --precompile 0 --json $OUT/decode.json 2>&1 | tee $OUT/decode.log | tail -40
+echo "total $(( $(date +%s) - t0 )) s"
