@@ -12,7 +12,9 @@ picks large ones.
 
 from __future__ import annotations
 
+import statistics
 import time
+from collections import deque
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -65,6 +67,11 @@ def measure_plain_step(target, context: int = 64, reps: int = 4) -> float:
     return best
 
 
+# A running time (drafter pass, plain step, verify drift) is the lower median of its last WINDOW observations:
+# latencies only ever add, and one slow step (a CUDA-graph capture on a request's first draft, a page fault, a
+# burst of load) must not steer the next dozens of choices, as it did through an exponential average seeded by it.
+WINDOW = 16
+
 PLAIN_PAUSE = (8, 64)   # plain steps before the drafter is tried again: at first, at most (doubling meanwhile)
 
 
@@ -91,6 +98,10 @@ class BudgetTuner:
         if not self.verify_costs:
             raise ValueError("BudgetTuner needs at least one measured verify width")
         self._widths = np.array(sorted(self.verify_costs), dtype=np.float64)
+        # the start-up measurements seed the windows (they were the best of a few warm repetitions)
+        self._draft_obs: deque[float] = deque([self.draft_s] if self.draft_s > 0 else [], maxlen=WINDOW)
+        self._plain_obs: deque[float] = deque([self.plain_s] if self.plain_s > 0 else [], maxlen=WINDOW)
+        self._scale_obs: deque[float] = deque([self.scale], maxlen=WINDOW)
 
     @classmethod
     def measure(cls, target, max_budget: int = 64) -> BudgetTuner:
@@ -101,7 +112,8 @@ class BudgetTuner:
         """Fold in the time of a plain step taken instead of a speculative one."""
         self.plain_steps += 1
         if seconds > 0:
-            self.plain_s = seconds if self.plain_s == 0.0 else (1 - self.ema) * self.plain_s + self.ema * seconds
+            self._plain_obs.append(seconds)
+            self.plain_s = statistics.median_low(self._plain_obs)
 
     def cost(self, width: int | np.ndarray) -> np.ndarray:
         """Verify seconds at `width` tokens: the measured curve times the observed drift."""
@@ -142,11 +154,14 @@ class BudgetTuner:
         self._acc = (1 - a) * self._acc + a * accepted
         if self._pred > 1e-6:
             self.kappa = float(np.clip(self._acc / self._pred, 0.05, 20.0))
-        self.draft_s = draft_s if self.draft_s == 0.0 else (1 - a) * self.draft_s + a * draft_s
+        if draft_s > 0:
+            self._draft_obs.append(draft_s)
+            self.draft_s = statistics.median_low(self._draft_obs)
         # drift (contention, clocks, longer contexts) scales the whole measured curve
         predicted_s = float(self._base_cost(kept + 1))
         if predicted_s > 0 and verify_s > 0:
-            self.scale = float(np.clip((1 - a) * self.scale + a * verify_s / predicted_s, 0.1, 10.0))
+            self._scale_obs.append(float(np.clip(verify_s / predicted_s, 0.1, 10.0)))
+            self.scale = statistics.median_low(self._scale_obs)
         self.chosen[kept] = self.chosen.get(kept, 0) + 1
 
     def snapshot(self) -> dict:
