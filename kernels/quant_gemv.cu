@@ -515,16 +515,9 @@ GV_DEV void tail_chunk(const u8* wt, int c, int cx, int K, int r4, int j, const 
     }
 }
 
-// End of a tile: lanes j = 0..7 of a row add their sums (butterfly: every lane ends with the same, order-fixed
-// total), then KW == 1: lanes j == 0 store; else the warps' sums meet in red ([KW][16][NT]) and are added in warp
-// order (deterministic). Block-uniform; with KW > 1 it holds one __syncthreads (red must not be rewritten before
-// the adds have read it: the per-tile kernel returns after it, the persistent one alternates two buffers).
+// Lanes j = 0..7 of a row (lane = 4 j + r4) add up their partial sums: every one ends with the row's warp sum.
 template <int NT>
-GV_DEV void finish_tile(float (&acc)[4][NT], float* red, int row0, int N, float* __restrict__ y, i64 ldy,
-                        int accumulate) {
-    const int lane = (int)(threadIdx.x & 31u), warp = (int)(threadIdx.x >> 5);
-    const int KW = (int)(blockDim.x >> 5), nthreads = (int)blockDim.x;
-    const int j = lane >> 2, r4 = lane & 3;
+GV_DEV void row_butterfly(float (&acc)[4][NT]) {
 #pragma unroll
     for (int i = 0; i < 4; ++i)
 #pragma unroll
@@ -535,6 +528,19 @@ GV_DEV void finish_tile(float (&acc)[4][NT], float* red, int row0, int N, float*
             v += shfl_xor(v, 16);
             acc[i][n] = v;
         }
+}
+
+// End of a tile: lanes j = 0..7 of a row add their sums (butterfly: every lane ends with the same, order-fixed
+// total), then KW == 1: lanes j == 0 store; else the warps' sums meet in red ([KW][16][NT]) and are added in warp
+// order (deterministic). Block-uniform; with KW > 1 it holds one __syncthreads (red must not be rewritten before
+// the adds have read it: the per-tile kernel returns after it, the persistent one alternates two buffers).
+template <int NT>
+GV_DEV void finish_tile(float (&acc)[4][NT], float* red, int row0, int N, float* __restrict__ y, i64 ldy,
+                        int accumulate) {
+    const int lane = (int)(threadIdx.x & 31u), warp = (int)(threadIdx.x >> 5);
+    const int KW = (int)(blockDim.x >> 5), nthreads = (int)blockDim.x;
+    const int j = lane >> 2, r4 = lane & 3;
+    row_butterfly<NT>(acc);
     if (KW == 1) {
         if (j == 0) {
 #pragma unroll
@@ -819,16 +825,7 @@ __global__ void GV_BOUNDS(256) gemv_splitk_kernel(const u8* __restrict__ W, long
     warp_chunks<QT, NT>(cur, wt, c0, c1, K, cb0, r4, j, sx, sxq, sxs, acc);
 
     // lanes j = 0..7 of a row add up (finish_tile's butterfly), lanes j == 0 publish the warp's sums
-#pragma unroll
-    for (int i = 0; i < 4; ++i)
-#pragma unroll
-        for (int n = 0; n < NT; ++n) {
-            float v = acc[i][n];
-            v += shfl_xor(v, 4);
-            v += shfl_xor(v, 8);
-            v += shfl_xor(v, 16);
-            acc[i][n] = v;
-        }
+    row_butterfly<NT>(acc);
     float* const tp = part + (i64)tile * GW * 16 * NT;
     if (j == 0) {
 #pragma unroll

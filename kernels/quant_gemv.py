@@ -260,6 +260,12 @@ def choose_k_warps(qtype: int, n_out: int, k: int, tokens: int, sms: int) -> int
     return kw
 
 
+def _launch_args(W: Any, n_out: int, k: int, packed: Any, out: Any, accumulate: bool) -> tuple:
+    """The arguments every gemv kernel takes first (the split-K kernel adds its scratch after them)."""
+    return (W.device_buffer, np.int64(W.row_bytes), np.int32(n_out), np.int32(k), packed.data,
+            np.int32(packed.padded_tokens), out, np.int32(bool(accumulate)), np.int64(qm.out_stride(out)))
+
+
 def gemv(
     W: Any,
     packed: Any,
@@ -313,17 +319,7 @@ def gemv(
     kern(
         (grid,),
         (32 * kw,),
-        (
-            W.device_buffer,
-            np.int64(W.row_bytes),
-            np.int32(n_out),
-            np.int32(k),
-            packed.data,
-            np.int32(packed.padded_tokens),
-            out,
-            np.int32(bool(accumulate)),
-            np.int64(qm.out_stride(out)),
-        ),
+        _launch_args(W, n_out, k, packed, out, accumulate),
         shared_mem=smem,
     )
     return out
@@ -404,20 +400,7 @@ def _launch_split(W: Any, packed: Any, out: Any, accumulate: bool, splits: int, 
     kern(
         (tiles * splits,),
         (32 * kw,),
-        (
-            W.device_buffer,
-            np.int64(W.row_bytes),
-            np.int32(n_out),
-            np.int32(k),
-            packed.data,
-            np.int32(packed.padded_tokens),
-            out,
-            np.int32(bool(accumulate)),
-            np.int64(qm.out_stride(out)),
-            np.int32(splits),
-            part,
-            counters,
-        ),
+        _launch_args(W, n_out, k, packed, out, accumulate) + (np.int32(splits), part, counters),
         shared_mem=smem,
     )
     return out

@@ -20,7 +20,6 @@ from kernels import loader as kernel_loader
 from services.engine.errors import InvalidRequestError
 from services.engine.generate import GenerationResult, generate
 from services.engine.loader import load_target
-from services.engine.models.dflash import load_drafter
 from services.engine.sampling import (
     SamplingParams,
     apply_penalties,
@@ -30,8 +29,7 @@ from services.engine.sampling import (
     target_distribution,
 )
 from services.engine.speculative import LocalProposer, SpecConfig, speculative_generate, speculative_stream
-from tests.dflash_models import make_zlab_drafter
-from tests.hf_models import make_hf_model
+from tests.conftest import SMALL_VOCAB
 from tests.test_cli import run_cli
 from tests.test_spec_sampled import chi_square_pvalue
 
@@ -114,18 +112,7 @@ def test_resolve_sampling_order():
 
 # ------------------------------------------------------------------------ a tiny target and drafter
 
-V = 12
-
-
-@pytest.fixture(scope="module")
-def pair(tmp_path_factory):
-    d = tmp_path_factory.mktemp("penalties")
-    make_hf_model("qwen35", d / "t", seed=4, vocab_size=V, hidden_size=32, intermediate_size=48,
-                  num_hidden_layers=2, layer_types=["linear_attention", "full_attention"])
-    target = load_target(str(d / "t"), with_tokenizer=False).model
-    make_zlab_drafter(d / "d", target.cfg, n_layer=1, block_size=4, target_layer_ids=[0, 1], seed=5,
-                      mask_token_id=V - 1)
-    return target, load_drafter(str(d / "d"), target)
+V = SMALL_VOCAB
 
 
 def manual_greedy(target, prompt, n, rp, pres, freq, last_n):
@@ -143,8 +130,8 @@ def manual_greedy(target, prompt, n, rp, pres, freq, last_n):
     return toks
 
 
-def test_plain_decoding_with_penalties_matches_a_hand_loop(pair):
-    target, _ = pair
+def test_plain_decoding_with_penalties_matches_a_hand_loop(small_vocab_pair):
+    target, _ = small_vocab_pair
     prompt = [3, 7, 1, 3]
     got = generate(target, prompt, 20, PENALIZED).token_ids
     assert got == manual_greedy(target, prompt, 20, 1.3, 0.4, 0.2, 8)
@@ -152,8 +139,8 @@ def test_plain_decoding_with_penalties_matches_a_hand_loop(pair):
 
 
 @pytest.mark.parametrize("spec", [SpecConfig(budget=None), SpecConfig(budget=6), SpecConfig(budget=2)])
-def test_speculative_greedy_with_penalties_equals_plain(pair, spec):
-    target, drafter = pair
+def test_speculative_greedy_with_penalties_equals_plain(small_vocab_pair, spec):
+    target, drafter = small_vocab_pair
     for prompt in ([3, 7, 1, 3], [5, 5, 5, 2, 9]):
         for params in (PENALIZED, SamplingParams(repetition_penalty=1.5, repeat_last_n=-1)):
             plain = generate(target, prompt, 24, params)
@@ -162,8 +149,8 @@ def test_speculative_greedy_with_penalties_equals_plain(pair, spec):
             assert out.spec["steps"] >= 1
 
 
-def test_sampled_speculative_with_penalties_follows_the_penalized_target(pair):
-    target, drafter = pair
+def test_sampled_speculative_with_penalties_follows_the_penalized_target(small_vocab_pair):
+    target, drafter = small_vocab_pair
     prompt = [3, 7, 3]
     params = SamplingParams(temperature=1.0, repetition_penalty=1.6, presence_penalty=0.5, frequency_penalty=0.3,
                             repeat_last_n=4)

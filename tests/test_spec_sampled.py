@@ -11,27 +11,13 @@ import numpy as np
 import pytest
 
 from services.engine.generate import GenerationResult
-from services.engine.loader import load_target
-from services.engine.models.dflash import load_drafter
 from services.engine.sampling import SamplingParams, target_distribution
 from services.engine.speculative import LocalProposer, SpecConfig, speculative_stream
-from tests.dflash_models import make_zlab_drafter
-from tests.hf_models import make_hf_model
+from tests.conftest import SMALL_VOCAB
 
-V = 12
+V = SMALL_VOCAB
 N_TOKENS = 3
 PROMPT = [3, 7, 1]
-
-
-@pytest.fixture(scope="module")
-def pair(tmp_path_factory):
-    d = tmp_path_factory.mktemp("sampled")
-    make_hf_model("qwen35", d / "t", seed=4, vocab_size=V, hidden_size=32, intermediate_size=48,
-                  num_hidden_layers=2, layer_types=["linear_attention", "full_attention"])
-    target = load_target(str(d / "t"), with_tokenizer=False).model
-    make_zlab_drafter(d / "d", target.cfg, n_layer=1, block_size=4, target_layer_ids=[0, 1], seed=5,
-                      mask_token_id=V - 1)
-    return target, load_drafter(str(d / "d"), target)
 
 
 def exact_joint(target, params):
@@ -85,8 +71,8 @@ def chi_square_pvalue(observed: dict, expected_p: dict, n: int) -> float:
     (SamplingParams(temperature=1.0, top_p=0.9), SpecConfig(budget=6)),
     (SamplingParams(temperature=1.0, top_p=0.9, top_k=8), SpecConfig(budget=2)),
 ])
-def test_sampled_distribution_matches_target(pair, params, spec):
-    target, drafter = pair
+def test_sampled_distribution_matches_target(small_vocab_pair, params, spec):
+    target, drafter = small_vocab_pair
     expected = exact_joint(target, params)
     n = 5000
     observed: dict = {}
@@ -104,9 +90,9 @@ def test_sampled_distribution_matches_target(pair, params, spec):
     assert pval > 1e-3, f"chi-square p-value {pval:.2e}"
 
 
-def test_chi_square_detects_a_biased_sampler(pair):
+def test_chi_square_detects_a_biased_sampler(small_vocab_pair):
     """The statistic has power: samples from a slightly wrong distribution fail it."""
-    target, _ = pair
+    target, _ = small_vocab_pair
     params = SamplingParams(temperature=1.0)
     expected = exact_joint(target, params)
     wrong = exact_joint(target, SamplingParams(temperature=0.8))

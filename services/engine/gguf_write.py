@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 
 import gguf
 import numpy as np
@@ -43,10 +44,7 @@ def write_gguf(path: str | os.PathLike, metadata: Mapping, tensors: Mapping[str,
     Arrays are in numpy order (out, in); quantized types need a row length that is a multiple of the block.
     """
     path = os.fspath(path)
-    arch = metadata["general.architecture"]
-    tmp = f"{path}.partial-{os.getpid()}"
-    w = gguf.GGUFWriter(tmp, arch)
-    try:
+    with _atomic_writer(path, metadata["general.architecture"]) as w:
         for key, val in metadata.items():
             if key == "general.architecture" or (isinstance(val, (list, tuple)) and len(val) == 0):
                 continue
@@ -63,6 +61,16 @@ def write_gguf(path: str | os.PathLike, metadata: Mapping, tensors: Mapping[str,
                 w.add_tensor(name, arr.astype(np.float16))
             else:
                 w.add_tensor(name, quantize(arr, qtype), raw_dtype=qtype)
+
+
+@contextmanager
+def _atomic_writer(path: str, arch: str) -> Iterator[gguf.GGUFWriter]:
+    """A GGUFWriter on a file beside `path`: what the block added is written and renamed over `path` at its end;
+    on any error the partial file is removed and `path` is left as it was."""
+    tmp = f"{path}.partial-{os.getpid()}"
+    w = gguf.GGUFWriter(tmp, arch)
+    try:
+        yield w
         w.write_header_to_file()
         w.write_kv_data_to_file()
         w.write_tensors_to_file()
@@ -89,11 +97,7 @@ def rewrite_metadata(src: str | os.PathLike, dst: str | os.PathLike, updates: Ma
     """Copy the GGUF `src` to `dst` with metadata keys set (value None: removed); tensors are copied byte for
     byte and every other key keeps its stored type. dst may be src: the copy is written aside and renamed."""
     r = gguf.GGUFReader(os.fspath(src))
-    arch = r.fields["general.architecture"].contents()
-    dst = os.fspath(dst)
-    tmp = f"{dst}.partial-{os.getpid()}"
-    w = gguf.GGUFWriter(tmp, arch)
-    try:
+    with _atomic_writer(os.fspath(dst), r.fields["general.architecture"].contents()) as w:
         for key, field in r.fields.items():
             if key.startswith("GGUF.") or key == "general.architecture" or key in updates:
                 continue
@@ -105,13 +109,3 @@ def rewrite_metadata(src: str | os.PathLike, dst: str | os.PathLike, updates: Ma
                 w.add_key_value(key, val, vt or _value_type(val)[0])
         for t in r.tensors:
             w.add_tensor(t.name, t.data, raw_dtype=t.tensor_type)   # the byte shape: gguf derives the logical one
-        w.write_header_to_file()
-        w.write_kv_data_to_file()
-        w.write_tensors_to_file()
-        w.close()
-        os.replace(tmp, dst)
-    except BaseException:
-        w.close()
-        if os.path.exists(tmp):
-            os.remove(tmp)
-        raise
