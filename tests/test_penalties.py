@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from kernels import loader as kernel_loader
-from services.engine.errors import InvalidRequestError
+from services.engine.errors import InvalidRequestError, ModelFormatError
 from services.engine.generate import GenerationResult, generate
 from services.engine.loader import load_target
 from services.engine.sampling import (
@@ -259,3 +259,29 @@ def test_gpu_speculative_under_declared_penalties_equals_plain():
     for spec in (SpecConfig(budget=None), SpecConfig(budget=22)):
         out = speculative_generate(gpu.model, placed.new_proposer(), ids, 48, params, spec)
         assert out.token_ids == plain and out.spec["accepted"] > 0
+
+
+def test_hf_generation_config_declares_defaults(tiny_pair, tmp_path):
+    """A Hugging Face folder's generation_config.json declares sampling as vLLM reads it; HF's repetition
+    penalty covers the whole sequence; with do_sample false only the penalty is kept; a corrupt file is one
+    clear error."""
+    hf, _, _ = tiny_pair
+    folder = tmp_path / "hf"
+    shutil.copytree(hf, folder)
+    gen = folder / "generation_config.json"
+    gen.write_text(json.dumps({"do_sample": True, "temperature": 0.6, "top_k": 20, "top_p": 0.95,
+                               "repetition_penalty": 1.05, "eos_token_id": [1, 2]}))
+    assert load_target(str(folder)).sampling_defaults == {"temperature": 0.6, "top_k": 20, "top_p": 0.95,
+                                                          "repetition_penalty": 1.05, "repeat_last_n": -1}
+    gen.write_text(json.dumps({"do_sample": False, "temperature": 0.6, "repetition_penalty": 1.2}))
+    lt = load_target(str(folder))
+    assert lt.sampling_defaults == {"repetition_penalty": 1.2, "repeat_last_n": -1}
+    out = json.loads(run_cli("generate", "--model", str(folder), "--prompt", "def add(a, b):", "--max-tokens",
+                             "12", "--ignore-eos", "--json").stdout)
+    want = generate(lt.model, out["prompt_ids"], 12, SamplingParams(repetition_penalty=1.2, repeat_last_n=-1))
+    assert out["token_ids"] == want.token_ids
+    gen.write_text("{not json")
+    with pytest.raises(ModelFormatError, match="generation_config.json"):
+        _ = load_target(str(folder)).sampling_defaults
+    p = run_cli("generate", "--model", str(folder), "--prompt", "x", "--max-tokens", "2", check=False)
+    assert p.returncode != 0 and "generation_config.json" in p.stderr and "Traceback" not in p.stderr

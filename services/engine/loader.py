@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import functools
+import json
 import os
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -16,7 +19,7 @@ from .formats import ModelFile, open_model_file
 from .models import arch_from_hf_config, arch_module, model_class
 from .models.base import TargetModel
 from .models.hf_names import hf_text_config
-from .sampling import model_sampling_defaults
+from .sampling import hf_sampling_defaults, model_sampling_defaults
 from .tokenizer import Tokenizer
 
 
@@ -33,11 +36,22 @@ class LoadedTarget:
     def name(self) -> str:
         return self.cfg.name or os.path.basename(os.path.normpath(self.path))
 
-    @property
+    @functools.cached_property
     def sampling_defaults(self) -> dict[str, Any]:
-        """The sampling the model file declares (GGUF general.sampling.*, as llama.cpp reads them): the values
-        of the fields a request leaves unset."""
-        return model_sampling_defaults(self.file.metadata) if self.file.kind == "gguf" else {}
+        """The sampling the model declares, the values of the fields a request leaves unset: a GGUF's
+        general.sampling.* keys (as llama.cpp reads them), a Hugging Face folder's generation_config.json (as
+        vLLM reads it)."""
+        if self.file.kind == "gguf":
+            return model_sampling_defaults(self.file.metadata)
+        gen = Path(self.file.path if os.path.isdir(self.file.path) else os.path.dirname(self.file.path))
+        gen = gen / "generation_config.json"
+        if not gen.is_file():
+            return {}
+        try:
+            data = json.loads(gen.read_text())
+        except (OSError, ValueError) as e:
+            raise ModelFormatError(str(gen), "a JSON object", f"unreadable JSON ({e})") from None
+        return hf_sampling_defaults(data) if isinstance(data, dict) else {}
 
 
 def hf_checkpoint(mf: ModelFile) -> tuple[ModelConfig, dict[str, np.ndarray]]:

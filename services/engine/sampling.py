@@ -104,6 +104,28 @@ def model_sampling_defaults(metadata: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+# Hugging Face generation_config.json fields specsplit reads as defaults (vLLM's `--generation-config auto` reads
+# the same); HF applies repetition_penalty over the whole sequence, hence repeat_last_n -1 with it.
+HF_SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty")
+
+
+def hf_sampling_defaults(generation_config: dict[str, Any]) -> dict[str, Any]:
+    """The sampling a Hugging Face generation_config.json declares, as SamplingParams keyword arguments. With
+    do_sample false (HF: greedy) only the repetition penalty is kept."""
+    out: dict[str, Any] = {}
+    sampling = generation_config.get("do_sample") is not False
+    for name in HF_SAMPLING_FIELDS:
+        v = generation_config.get(name)
+        if v is None or isinstance(v, bool) or not isinstance(v, (int, float)):
+            continue
+        if name != "repetition_penalty" and not sampling:
+            continue
+        out[name] = int(v) if name == "top_k" else float(v)
+    if "repetition_penalty" in out:
+        out["repeat_last_n"] = -1
+    return out
+
+
 def sampling_metadata(fields_: dict[str, Any]) -> dict[str, Any]:
     """GGUF metadata declaring sampling defaults, from SamplingParams field values (validated first)."""
     unknown = set(fields_) - set(GGUF_SAMPLING_KEYS)

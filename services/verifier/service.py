@@ -288,6 +288,10 @@ class VerifierServicer(pb_grpc.VerifierServicer):
             log.warning("max_ctx %d is beyond the model's context length %d; using %d",
                         self.cfg.max_ctx, model_ctx, model_ctx)
         self.max_ctx = min(self.cfg.max_ctx or model_ctx, model_ctx)
+        # the model's declared sampling (defaults of unset request fields): read, and a bad file refused, here
+        declared = self.target.sampling_defaults
+        if declared:
+            log.info("model declares sampling defaults %s", declared)
         # a head size the chosen type cannot hold is a start-up error, not a per-request one
         self.target.model.set_kv_cache_types(self.cfg.cache_type_k, self.cfg.cache_type_v)
         self.kv = kv_info(self.target.cfg, *self.target.model.kv_cache_types, self.max_ctx)
