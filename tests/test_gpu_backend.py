@@ -92,6 +92,19 @@ def test_greedy_64_tokens_identical():
 
 
 @needs_gpu
+def test_plain_requests_reuse_pooled_states():
+    """Plain decoding takes its state from the target's pool too: the same request again captures no graph and
+    gives the same tokens."""
+    from services.engine.generate import generate
+
+    _, gpu, ids, _ = models()
+    a = generate(gpu, ids, 24).token_ids
+    captures, reused = gpu.graph_stats["captures"], gpu.pool_stats["reused"]
+    assert generate(gpu, ids, 24).token_ids == a
+    assert gpu.graph_stats["captures"] == captures and gpu.pool_stats["reused"] == reused + 1
+
+
+@needs_gpu
 @pytest.mark.parametrize("parents, path", [
     ([-1, 0, 0, 1, 2, 3, 3, 5, 2], [0, 2, 4]),
     ([-1, 0, 1, 2, 0, 4, 5, 6, 7], [0, 4, 5, 6, 7, 8]),       # a deep second branch: KV rows move, conv gathers

@@ -83,8 +83,21 @@ def generate_stream(model: TargetModel, prompt_ids: Sequence[int], max_tokens: i
     res.prompt_tokens = len(prompt_ids)
     stop = set(int(s) for s in stop_ids)
     rng = make_rng(params.seed)
-    state = model.new_state(min(max_ctx, len(prompt_ids) + max_tokens))
+    need = min(max_ctx, len(prompt_ids) + max_tokens)
+    # a GPU target hands out pooled states (their captured graphs outlive the request); released at the end
+    acquire = getattr(model, "acquire_state", None)
+    state = acquire(need, max_ctx) if acquire is not None else model.new_state(need)
+    try:
+        yield from _plain_loop(model, state, prompt_ids, max_tokens, params, stop, rng, res)
+    finally:
+        release = getattr(model, "release_state", None)
+        if release is not None:
+            release(state)
 
+
+def _plain_loop(model: TargetModel, state, prompt_ids: Sequence[int], max_tokens: int, params: SamplingParams,
+                stop: set[int], rng, res: GenerationResult) -> Iterator[list[int]]:
+    """generate_stream's loop over a state it was handed."""
     t0 = time.perf_counter()
     logits, _ = prefill(model, state, prompt_ids)
     res.prompt_ms = (time.perf_counter() - t0) * 1e3
