@@ -441,7 +441,8 @@ def test_errors_after_headers_are_sse_events(tiny_pair, source):
 def test_request_timeout_becomes_the_grpc_deadline(tiny_pair, source):
     async def scenario():
         async with stack(tiny_pair, source) as (g, http):
-            s, b, _ = await post(http, "/v1/completions", {"prompt": "Hello", "max_tokens": 500, "timeout": 0.05})
+            s, b, _ = await post(http, "/v1/completions", {"prompt": "Hello", "max_tokens": 400, "ignore_eos": True,
+                                                         "timeout": 0.05})
             assert_error(s, b, 504, "timeout_error")
             s, b, _ = await post(http, "/v1/completions", {"prompt": "Hello", "max_tokens": 2, "timeout": -1})
             assert_error(s, b, 400, "invalid_request_error", "timeout")
