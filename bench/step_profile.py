@@ -1,5 +1,5 @@
 """Per-kernel GPU time of single steps of the GPU engine (models/qwen35_gpu.py): a width-1 decode step and a
-width-23 tree verify, every launch timed with CUDA events, grouped by kernel, layer part and matrix.
+tree verify (width 23, or --tree-widths), every launch timed with CUDA events, grouped by kernel, layer part and matrix.
 
     python3 bench/step_profile.py --make-synthetic DIR [--json OUT]     # writes the synthetic 27B first
     python3 bench/step_profile.py --model PATH.gguf [--context 512] [--compare-persistent] [--json OUT]
@@ -326,6 +326,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--context", type=int, default=512, help="committed tokens before the profiled steps")
     ap.add_argument("--compare-persistent", action="store_true",
                     help="also the width-1 step with gemv's persistent variant for every quantized type")
+    ap.add_argument("--tree-widths", type=int, nargs="+", default=[TREE_WIDTH],
+                    help="tree verify widths to profile after the width-1 step")
     ap.add_argument("--json", help="write the results here")
     args = ap.parse_args(argv)
     from kernels import loader
@@ -370,12 +372,12 @@ def main(argv: list[str] | None = None) -> int:
     rep["calibration"] = calibrate(cp, spin)
     rng = np.random.default_rng(0)
     n_vocab = model.cfg.n_vocab
-    state = model.new_state(args.context + 2 * TREE_WIDTH + 8)
+    state = model.new_state(args.context + 2 * max(args.tree_widths) + 8)
     ids = rng.integers(0, n_vocab, size=args.context)
     model.forward(state, ids, logits="none")
     state.commit(list(range(len(ids))))
-    steps = [("width 1 (decode)", rng.integers(0, n_vocab, size=1), None),
-             (f"width {TREE_WIDTH} tree verify", rng.integers(0, n_vocab, size=TREE_WIDTH), tree_parents(TREE_WIDTH))]
+    steps = [("width 1 (decode)", rng.integers(0, n_vocab, size=1), None)]
+    steps += [(f"width {w} tree verify", rng.integers(0, n_vocab, size=w), tree_parents(w)) for w in args.tree_widths]
     rep["steps"] = []
     for label, toks, par in steps:
         res = profile_step(model, cp, spin, state, [int(t) for t in toks], par, label, copy)
