@@ -1,21 +1,31 @@
-"""GPU per-row argmax and top-k log-probabilities over the vocabulary (kernels/sampling.cu).
+"""GPU per-row argmax and top-k log-probabilities over the vocabulary, and exact sampled draws (kernels/sampling.cu).
 
-NumPy twins: `np.argmax(logits, axis=-1)` (greedy; lowest id on ties, as services/engine/sampling.py) and
+NumPy twins: `np.argmax(logits, axis=-1)` (greedy; lowest id on ties, as services/engine/sampling.py),
 services.engine.ddtree.topk_logprobs (the k best ids and their log-softmax at a temperature, best first,
-lower id on ties), which DDTree builds its tree from:
+lower id on ties), which DDTree builds its tree from, and services.engine.sampling.target_distribution +
+sample_from (penalties, temperature, top-k, top-p, min-p, then an inverse-CDF draw in id order) for `sample`:
 
     idx, val = argmax(logits)                 # logits cupy [rows, V] f32/f16/bf16 -> int32 [rows], f32 [rows]
     ids, logp = topk_logprobs(logits, k=8)    # int32 [rows, k], f32 [rows, k]
+    toks = sample(logits, rows, us, temperature=0.7, top_p=0.9, ...)   # host int64 [len(rows)]
+    probs = distribution(logits, rows, temperature=0.7, top_p=0.9)     # device f64 [len(rows), V]
 
-Each is two launches (per-chunk records, then a per-row merge), with no atomics and no host sync: pass
-`workspace=` buffers (make_*_workspace) to reuse them, e.g. inside a captured CUDA graph.
+argmax / top-k are two launches each (per-chunk records, then a per-row merge), with no atomics and no host
+sync: pass `workspace=` buffers (make_*_workspace) to reuse them, e.g. inside a captured CUDA graph.
 Precision: argmax is exact on the stored values; log-probabilities are f32 (max, sum of exp) against the
 f64 twin: absolute error ~1e-5 for a 248320-token vocabulary.
+
+`sample` draws one token for each of the given rows with the uniform us[i] (one `rng.random()` of the request,
+drawn on the host as sample_from does), in 3 launches plus 3 per active cut (top-k, top-p), one upload of the
+uniforms and penalty windows and one copy of the tokens back: no vocabulary-sized transfer. Kept sets are
+exactly the twin's (ties at each cut to the lower ids) but where a top-p cut is within float64 rounding of
+top_p; kernels/sampling.cu (the `sxs` section) has the design and the precision.
 """
 
 from __future__ import annotations
 
 import math
+import threading
 from typing import Any
 
 import numpy as np
@@ -125,3 +135,245 @@ def topk_logprobs(
     )
     loader.get_function(SOURCE, f"topk_final_kernel<{k}>")((rows,), (THREADS,), (ms, pv, pi, np.int32(nch), logp, ids))
     return ids, logp
+
+
+# -- exact sampled draws ---------------------------------------------------------------------------------------
+
+CHUNK = 4096          # sxs::CHUNK: values per block of a full-row pass
+NB = 2048             # sxs::NB: histogram digits
+RIN = 5               # sxs::RIN: ints per drawn row (logits row, penalty window as two runs of the token list)
+STATE_BYTES = 128     # >= sizeof(sxs::RowState)
+SELECT_LEVELS = 3     # radix digits of 11, 11 and 10 bits
+
+
+def kernel_filters(temperature: float, top_k: int, top_p: float, min_p: float, n: int) -> tuple[float, int, float,
+                                                                                                 float]:
+    """(temperature, k, p, min_p) as the kernels take them: top-k off (0) unless 0 < top_k < n, as the twin;
+    temperature <= 0 (greedy: the argmax after penalties, lowest id on ties) is top-1 at temperature 1."""
+    if not temperature > 0:
+        return 1.0, 1, 1.0, 0.0
+    k = int(top_k) if 0 < int(top_k) < n else 0
+    return float(temperature), k, float(top_p), float(min_p)
+
+
+def select_passes(top_k: int, top_p: float) -> list[tuple[int, int]]:
+    """The select launches as (lane, level): top-k's three levels (lane 0), then top-p's (lane 1)."""
+    lanes = ([0] if top_k > 0 else []) + ([1] if top_p < 1.0 else [])
+    return [(lane, level) for lane in lanes for level in range(SELECT_LEVELS)]
+
+
+def draw_lane(top_k: int, top_p: float) -> int:
+    """The cut the draw applies: 2 top-p's (within top-k's), 1 top-k's, 0 none."""
+    return 2 if top_p < 1.0 else (1 if top_k > 0 else 0)
+
+
+def penalty_windows(rows, history=None, paths=None, last_n: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """(rin int32 [len(rows), RIN], tok int32): drawn row i reads logits row rows[i] and counts the window
+    (history + paths[i])[-last_n:] (last_n -1: all of it, 0: none) as runs (offset, length) of tok: the shared
+    history once, then every row's own path (a speculative node's tokens after the root)."""
+    rows = np.asarray(rows, dtype=np.int64).reshape(-1)
+    rin = np.zeros((len(rows), RIN), np.int32)
+    rin[:, 0] = rows
+    if last_n == 0:
+        return rin, np.zeros(0, np.int32)
+    h = np.asarray(history if history is not None else (), dtype=np.int64).reshape(-1)
+    if last_n > 0:
+        h = h[max(0, len(h) - last_n):]
+    parts, off = [h], len(h)
+    for i in range(len(rows)):
+        p = np.asarray(paths[i] if paths is not None else (), dtype=np.int64).reshape(-1)
+        drop = max(0, len(h) + len(p) - last_n) if last_n > 0 else 0
+        hs = min(drop, len(h))
+        ps = drop - hs
+        rin[i, 1:] = (hs, len(h) - hs, off + ps, len(p) - ps)
+        parts.append(p)
+        off += len(p)
+    # ids outside int32 can be no token id: any value that is not one is ignored by the kernel, as by the twin
+    tok = np.clip(np.concatenate(parts), -1, 2**31 - 1).astype(np.int32)
+    return rin, tok
+
+
+class SampleWorkspace:
+    """Device buffers of `sample` / `distribution` for up to `rows` draws over rows of n values. Histograms and
+    counters start zeroed and every launch leaves them so; one workspace serves one stream at a time."""
+
+    def __init__(self, rows: int, n: int):
+        cp = loader.require()
+        self.rows, self.n = int(rows), int(n)
+        self.nch = -(-self.n // CHUNK)
+        self.device = int(cp.cuda.runtime.getDevice())
+        self.pm = cp.zeros((rows, 2 * self.nch), cp.uint32)
+        self.state = cp.zeros((rows, STATE_BYTES), cp.uint8)
+        self.hcnt = cp.zeros((rows, NB), cp.uint32)
+        self.hlo = cp.zeros((rows, NB), cp.uint64)
+        self.hhi = cp.zeros((rows, NB), cp.uint64)
+        self.counters = cp.zeros(rows, cp.uint32)
+        self.rmass = cp.zeros((rows, self.nch), cp.float64)
+        self.rties = cp.zeros((rows, self.nch), cp.uint32)
+        self.tokens = cp.zeros(rows, cp.int32)
+        self.scratch = None                                   # penalised rows (rows, n) f32, made when needed
+        self.host_tokens = _pinned(cp, rows, np.int32)
+        self._host_in = self._dev_in = None
+        self._uploaded = None                                  # event: the last upload has read the pinned bytes
+
+    def fits(self, rows: int, n: int) -> bool:
+        return rows <= self.rows and n == self.n
+
+    def penalised_rows(self) -> Any:
+        if self.scratch is None:
+            self.scratch = loader.require().empty((self.rows, self.n), np.float32)
+        return self.scratch
+
+    def upload(self, us: np.ndarray, rin: np.ndarray, tok: np.ndarray) -> tuple[Any, Any, Any]:
+        """(us f64, rin int32, tok int32 or a null pointer) on the device, from one copy out of pinned memory."""
+        cp = loader.require()
+        r = len(us)
+        o_rin = 8 * r
+        o_tok = o_rin + -(-rin.nbytes // 8) * 8
+        total = o_tok + tok.nbytes
+        if self._host_in is None or self._host_in.size < total:
+            size = max(4096, 2 * total)
+            self._host_in, self._dev_in = _pinned(cp, size, np.uint8), cp.empty(size, cp.uint8)
+            self._uploaded = None
+        if self._uploaded is not None:
+            self._uploaded.synchronize()
+        h = self._host_in
+        h[:o_rin].view(np.float64)[:] = us
+        h[o_rin:o_rin + rin.nbytes].view(np.int32)[:] = rin.reshape(-1)
+        h[o_tok:total].view(np.int32)[:] = tok
+        stream = cp.cuda.get_current_stream()
+        if isinstance(self._dev_in, np.ndarray):     # a NumPy stand-in for CuPy (the CPU simulation's tests)
+            self._dev_in[:total] = h[:total]
+        else:
+            self._dev_in[:total].set(h[:total], stream=stream)
+        self._uploaded = stream.record()
+        d = self._dev_in
+        tok_d = d[o_tok:total].view(cp.int32) if tok.size else _NULL
+        return d[:o_rin].view(cp.float64), d[o_rin:o_rin + rin.nbytes].view(cp.int32), tok_d
+
+
+_NULL = np.uint64(0)
+_local = threading.local()
+
+
+def _pinned(cupy: Any, n: int, dtype: Any) -> np.ndarray:
+    dt = np.dtype(dtype)
+    return np.ndarray((int(n),), dt, buffer=cupy.cuda.alloc_pinned_memory(max(1, int(n) * dt.itemsize)))
+
+
+def workspace_for(rows: int, n: int) -> SampleWorkspace:
+    """This thread's workspace on the current device, grown to `rows` draws over n values when needed."""
+    cp = loader.require()
+    dev = int(cp.cuda.runtime.getDevice())
+    cache = getattr(_local, "ws", None)
+    if cache is None:
+        cache = _local.ws = {}
+    ws = cache.get(dev)
+    if ws is None or not ws.fits(rows, n):
+        ws = cache[dev] = SampleWorkspace(max(rows, ws.rows if ws is not None and ws.n == n else 0), n)
+    return ws
+
+
+def _float_rows(logits: Any) -> tuple[Any, int, int]:
+    x, _, n, ld = _rows(logits)
+    if x.dtype != np.float32:
+        x = x.astype(np.float32)
+        ld = n
+    return x, n, ld
+
+
+def _enqueue(logits: Any, rows, us, temperature: float, top_k: int, top_p: float, min_p: float,
+             repetition_penalty: float, presence_penalty: float, frequency_penalty: float, history, paths,
+             last_n: int, workspace: SampleWorkspace | None):
+    """Everything up to the draw's chunk choice; returns what the last launch (scan or probs) takes."""
+    x, n, ld = _float_rows(logits)
+    rows = np.asarray(rows, dtype=np.int64).reshape(-1)
+    if rows.size == 0:
+        raise ValueError("no rows to sample")
+    if rows.min() < 0 or rows.max() >= x.shape[0]:
+        raise ValueError(f"rows must be in 0..{x.shape[0] - 1}")
+    nr = len(rows)
+    us = np.broadcast_to(np.asarray(us, dtype=np.float64), (nr,))
+    ws = workspace if workspace is not None else workspace_for(nr, n)
+    if not ws.fits(nr, n):
+        raise ValueError(f"workspace holds {ws.rows} draws over {ws.n} values, not {nr} over {n}")
+    temp, k, p, mp = kernel_filters(temperature, top_k, top_p, min_p, n)
+    if not temperature > 0:
+        us = np.zeros(nr)
+    pen = last_n != 0 and (repetition_penalty != 1.0 or presence_penalty != 0.0 or frequency_penalty != 0.0)
+    rin, tok = penalty_windows(rows, history, paths, last_n if pen else 0)
+    us_d, rin_d, tok_d = ws.upload(us, rin, tok)
+    nch = ws.nch
+    if pen:
+        z, ldz, zsel = ws.penalised_rows(), n, 0
+    else:
+        z, ldz, zsel = x, ld, 1
+    f = loader.get_function
+    f(SOURCE, "sample_prep_kernel")(
+        (nch, nr), (THREADS,),
+        (x, np.int64(ld), rin_d, np.int32(n), tok_d, np.float64(repetition_penalty), np.float64(frequency_penalty),
+         np.float64(presence_penalty), z if pen else _NULL, np.int64(ldz), ws.pm, ws.state),
+    )  # fmt: skip
+    common = (z, np.int64(ldz), np.int32(zsel), rin_d, np.int32(n))
+    for lane, level in select_passes(k, p):
+        f(SOURCE, f"sample_select_kernel<{lane}>")(
+            (nch, nr), (THREADS,),
+            (*common, np.int32(level), np.float64(temp), np.int32(k), np.float64(p), ws.pm, ws.state, ws.hcnt,
+             ws.hlo, ws.hhi, ws.counters),
+        )  # fmt: skip
+    lane = np.int32(draw_lane(k, p))
+    f(SOURCE, "sample_draw_sum_kernel")(
+        (nch, nr), (THREADS,),
+        (*common, np.float64(temp), lane, np.float64(mp), us_d, ws.pm, ws.state, ws.rmass, ws.rties, ws.counters),
+    )  # fmt: skip
+    return ws, nr, common, (np.float64(temp), lane, np.float64(mp))
+
+
+def sample_async(logits: Any, rows, us, *, temperature: float, top_k: int = 0, top_p: float = 1.0,
+                 min_p: float = 0.0, repetition_penalty: float = 1.0, presence_penalty: float = 0.0,
+                 frequency_penalty: float = 0.0, history=None, paths=None, last_n: int = 0,
+                 workspace: SampleWorkspace | None = None) -> Any:
+    """`sample`'s launches, without waiting: device int32 [len(rows)] tokens (the workspace's: read them before
+    the next call on it)."""
+    ws, nr, common, tail = _enqueue(logits, rows, us, temperature, top_k, top_p, min_p, repetition_penalty,
+                                    presence_penalty, frequency_penalty, history, paths, last_n, workspace)
+    loader.get_function(SOURCE, "sample_draw_scan_kernel")((nr,), (THREADS,), (*common, *tail, ws.pm, ws.state,
+                                                                                ws.tokens))
+    return ws.tokens[:nr]
+
+
+def sample(logits: Any, rows, us, *, temperature: float, top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0,
+           repetition_penalty: float = 1.0, presence_penalty: float = 0.0, frequency_penalty: float = 0.0,
+           history=None, paths=None, last_n: int = 0, workspace: SampleWorkspace | None = None) -> np.ndarray:
+    """int64 [len(rows)]: a token drawn from each logits row rows[i] (device [rows, V]) with the uniform us[i] in
+    [0, 1), from the twin's distribution: penalties over the window (history + paths[i])[-last_n:], temperature,
+    top-k, top-p, min-p (temperature <= 0: the argmax after penalties; us unused). -1 for a row the twin rejects
+    (a NaN, +inf, or no finite value), -2 if a cut could not be placed (the caller samples that row on the host).
+    Waits for the draws (one small copy of the tokens)."""
+    cp = loader.require()
+    x, n, _ = _float_rows(logits)
+    nr = int(np.size(rows))
+    ws = workspace if workspace is not None else workspace_for(nr, n)
+    toks = sample_async(x, rows, us, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
+                        repetition_penalty=repetition_penalty, presence_penalty=presence_penalty,
+                        frequency_penalty=frequency_penalty, history=history, paths=paths, last_n=last_n,
+                        workspace=ws)
+    out = ws.host_tokens[:nr]
+    cp.asnumpy(toks, out=out, blocking=False)
+    cp.cuda.get_current_stream().synchronize()
+    return out.astype(np.int64)
+
+
+def distribution(logits: Any, rows, *, temperature: float, top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0,
+                 repetition_penalty: float = 1.0, presence_penalty: float = 0.0, frequency_penalty: float = 0.0,
+                 history=None, paths=None, last_n: int = 0, workspace: SampleWorkspace | None = None) -> Any:
+    """Device float64 [len(rows), V]: the distribution `sample` draws from for each row (the twin's
+    target_distribution), NaN rows where the twin raises. For tests and inspection: sample never builds it."""
+    cp = loader.require()
+    ws, nr, common, tail = _enqueue(logits, rows, 0.0, temperature, top_k, top_p, min_p, repetition_penalty,
+                                    presence_penalty, frequency_penalty, history, paths, last_n, workspace)
+    out = cp.empty((nr, ws.n), cp.float64)
+    loader.get_function(SOURCE, "sample_probs_kernel")(
+        (ws.nch, nr), (THREADS,), (*common, *tail, ws.pm, ws.state, ws.rties, out, np.int64(ws.n))
+    )
+    return out / out.sum(axis=1, keepdims=True)

@@ -62,6 +62,11 @@ static inline unsigned int atomicAdd(unsigned int* p, unsigned int v) {
     *p = o + v;
     return o;
 }
+static inline unsigned long long atomicAdd(unsigned long long* p, unsigned long long v) {
+    const unsigned long long o = *p;
+    *p = o + v;
+    return o;
+}
 static inline void __threadfence() {}
 
 namespace sim {

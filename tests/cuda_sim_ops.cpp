@@ -10,6 +10,7 @@
 #define SIM_BLOCK
 #include <math.h>
 
+#include <algorithm>
 #include <functional>
 
 #include "cuda_sim.h"
@@ -36,6 +37,30 @@ static int launch(unsigned gx, unsigned gy, unsigned gz, unsigned threads) {
                 std::memset(ssa_smem, 0xA5, sizeof(ssa_smem));  // stale shared memory must not matter
                 errors += simb::run_block((int)threads, trampoline);
             }
+    return errors;
+}
+
+// As launch(), the blocks in another order: 0 as launch() does, 1 the reverse, 2 a fixed shuffle. Kernels whose
+// last block to arrive finishes a row's work must not depend on which block that is.
+static int launch_ordered(unsigned gx, unsigned gy, unsigned threads, int order) {
+    std::vector<unsigned> ids(gx * gy);
+    for (unsigned i = 0; i < gx * gy; ++i) ids[i] = i;
+    if (order == 1) std::reverse(ids.begin(), ids.end());
+    if (order == 2) {
+        unsigned long long s = 0x9E3779B97F4A7C15ull;
+        for (unsigned i = gx * gy; i > 1; --i) {
+            s = s * 6364136223846793005ull + 1442695040888963407ull;
+            std::swap(ids[i - 1], ids[(unsigned)((s >> 33) % i)]);
+        }
+    }
+    int errors = 0;
+    sim::gdim = {gx, gy, 1};
+    sim::bdim = {threads, 1, 1};
+    for (unsigned id : ids) {
+        sim::bid = {id % gx, id / gx, 0};
+        std::memset(ssa_smem, 0xA5, sizeof(ssa_smem));
+        errors += simb::run_block((int)threads, trampoline);
+    }
     return errors;
 }
 
@@ -202,6 +227,56 @@ extern "C" int sim_topk(int ti, int k, const void* x, long long ld, int rows, in
 #undef TK
     return -1;
 }
+
+// The exact sampler's kernels (kernels/sampling.py runs them in this order: prep, the select passes, draw_sum,
+// then draw_scan or probs); `order`: launch_ordered's block order.
+extern "C" int sim_sample_prep(const float* x, long long ldx, const int* rin, int rows, int n, const int* tok, double rp,
+                               double fp, double pp, float* zs, long long ldz, unsigned* pm, void* st) {
+    const int nch = (n + sxs::CHUNK - 1) / sxs::CHUNK;
+    g_body = [=] { sample_prep_kernel(x, ldx, rin, n, tok, rp, fp, pp, zs, ldz, pm, (sxs::RowState*)st); };
+    return launch(nch, rows, 1, 256);
+}
+
+extern "C" int sim_sample_select(int lane, const float* z, long long ldz, int zsel, const int* rin, int rows, int n,
+                                 int level, double temp, int top_k, double top_p, const unsigned* pm, void* st,
+                                 unsigned* hcnt, unsigned long long* hlo, unsigned long long* hhi, unsigned* counters,
+                                 int order) {
+    const int nch = (n + sxs::CHUNK - 1) / sxs::CHUNK;
+    sxs::RowState* s = (sxs::RowState*)st;
+    if (lane == 0)
+        g_body = [=] { sample_select_kernel<0>(z, ldz, zsel, rin, n, level, temp, top_k, top_p, pm, s, hcnt, hlo, hhi,
+                                               counters); };
+    else
+        g_body = [=] { sample_select_kernel<1>(z, ldz, zsel, rin, n, level, temp, top_k, top_p, pm, s, hcnt, hlo, hhi,
+                                               counters); };
+    return launch_ordered(nch, rows, 256, order);
+}
+
+extern "C" int sim_sample_draw_sum(const float* z, long long ldz, int zsel, const int* rin, int rows, int n, double temp,
+                                   int lane, double min_p, const double* us, const unsigned* pm, void* st,
+                                   double* rmass, unsigned* rties, unsigned* counters, int order) {
+    const int nch = (n + sxs::CHUNK - 1) / sxs::CHUNK;
+    g_body = [=] { sample_draw_sum_kernel(z, ldz, zsel, rin, n, temp, lane, min_p, us, pm, (sxs::RowState*)st, rmass,
+                                          rties, counters); };
+    return launch_ordered(nch, rows, 256, order);
+}
+
+extern "C" int sim_sample_draw_scan(const float* z, long long ldz, int zsel, const int* rin, int rows, int n,
+                                    double temp, int lane, double min_p, const unsigned* pm, const void* st, int* out) {
+    g_body = [=] { sample_draw_scan_kernel(z, ldz, zsel, rin, n, temp, lane, min_p, pm, (const sxs::RowState*)st, out); };
+    return launch(rows, 1, 1, 256);
+}
+
+extern "C" int sim_sample_probs(const float* z, long long ldz, int zsel, const int* rin, int rows, int n, double temp,
+                                int lane, double min_p, const unsigned* pm, const void* st, const unsigned* rties,
+                                double* out, long long ldo) {
+    const int nch = (n + sxs::CHUNK - 1) / sxs::CHUNK;
+    g_body = [=] { sample_probs_kernel(z, ldz, zsel, rin, n, temp, lane, min_p, pm, (const sxs::RowState*)st, rties,
+                                       out, ldo); };
+    return launch(nch, rows, 1, 256);
+}
+
+extern "C" int sim_sample_state_bytes() { return (int)sizeof(sxs::RowState); }
 #endif
 
 #if OPS_FAMILY == 4
