@@ -358,16 +358,19 @@ def test_sampled_speculative_runs_on_gpu():
     assert runs[0] == runs[1]
 
 
-def test_greedy_reads_device_argmax_and_sampling_fetches_visited_rows(monkeypatch):
+def test_greedy_reads_device_argmax_and_sampling_draws_on_the_device(monkeypatch):
     """sample_row / walk_tree on a DeviceLogits over a NumPy stand-in for the device: greedy follows argmax_rows
-    and copies no row; a sampled walk copies exactly the rows it visits, and draws what the host rows would."""
+    and copies no row; a sampled walk draws through sample_rows (here the NumPy twin in place of the kernels),
+    copies no row either, and draws what the host rows would."""
     import types
 
     from kernels import loader as kl
     from services.engine.ddtree import build_chain
+    from services.engine.models import qwen35_gpu
     from services.engine.models.qwen35_gpu import DeviceLogits
     from services.engine.sampling import SamplingParams, greedy_tokens, sample_row
     from services.engine.speculative import walk_tree
+    from tests.sampling_twin import twin_draw_rows
 
     copies = []
     dev = types.SimpleNamespace(asarray=np.asarray, asnumpy=lambda a: copies.append(np.shape(a)) or np.array(a))
@@ -384,10 +387,11 @@ def test_greedy_reads_device_argmax_and_sampling_fetches_visited_rows(monkeypatc
     assert np.array_equal(greedy_tokens(lg), np.argmax(rows, axis=-1)) and copies == []
     # a marked argmax shows which source greedy read
     assert sample_row(DeviceLogits(rows, np.full(6, 7, np.int32)), 2, greedy, rng) == 7
+    monkeypatch.setattr(qwen35_gpu, "draw_rows", twin_draw_rows)
     hot = SamplingParams(temperature=1.0, seed=3)
     a = walk_tree(tree, lg, hot, np.random.default_rng(9))
     assert a == walk_tree(tree, rows, hot, np.random.default_rng(9))
-    assert copies == [(50,)] * len(a[0])
+    assert copies == []
 
 
 # -- TQ3_0 KV on the GPU ------------------------------------------------------------------------------------------

@@ -294,10 +294,13 @@ def greedy_tokens(logits) -> np.ndarray:
 def sample_row(logits, row: int, params: SamplingParams, rng: np.random.Generator,
                history: Sequence[int] | None = None) -> int:
     """`sample` of row `row` of (rows, vocab) logits (a 1-D array is the row itself). Greedy without penalties on
-    a logits object with argmax_rows reads that; otherwise only that row is read (fetched, for a GPU model's
-    rows: the penalties change the argmax)."""
+    a logits object with argmax_rows reads that; a GPU model's rows otherwise draw on the device (sample_rows:
+    the same distribution and the same one `rng.random()`, only the token crosses); else only that row is read."""
     if np.ndim(logits) == 1:
         return sample(logits, params, rng, history)
     if params.greedy and not params.penalized and hasattr(logits, "argmax_rows"):
         return int(logits.argmax_rows()[row])
+    if hasattr(logits, "sample_rows"):
+        u = 0.0 if params.greedy else rng.random()
+        return int(logits.sample_rows([row % len(logits)], params, [u], history)[0])
     return sample(logits[row], params, rng, history)

@@ -169,6 +169,8 @@ def walk_tree(tree: DraftTree, logits: np.ndarray, params: SamplingParams,
     with its own path appended, so penalties see exactly what plain decoding would have seen.
     """
     kids = tree.children()
+    if hasattr(logits, "sample_rows") and not (params.greedy and not params.penalized):
+        return _walk_on_device(tree, kids, logits, params, rng, history)
     path = [0]
     seq = None
     if params.penalized:
@@ -182,6 +184,32 @@ def walk_tree(tree: DraftTree, logits: np.ndarray, params: SamplingParams,
         path.append(nxt)
         if seq is not None:
             seq.append(tok)
+
+
+def _walk_on_device(tree: DraftTree, kids: list[dict[int, int]], logits, params: SamplingParams,
+                    rng: np.random.Generator, history: Sequence[int] | None) -> tuple[list[int], int]:
+    """walk_tree on a GPU model's logits: every node's draw at once on the device (one launch sequence, one copy
+    of the tokens back), then the host follows them. The walk's d-th draw is the generator's d-th uniform, so a
+    node at depth d takes it; afterwards the generator advances by the draws the walk made, as walk_tree's."""
+    depth = np.concatenate([[0], tree.depths]).astype(np.int64)
+    us = np.zeros(len(depth))
+    if not params.greedy:
+        saved = rng.bit_generator.state
+        ahead = rng.random(int(depth.max()) + 1)
+        rng.bit_generator.state = saved
+        us = ahead[depth]
+    paths = None
+    if params.penalized:        # each node's own tokens after the root: its penalty window past `history`
+        paths = [[]]
+        for t, p in zip(tree.tokens, tree.parents):
+            paths.append(paths[0 if p < 0 else p + 1] + [int(t)])
+    toks = logits.sample_rows(np.arange(len(depth)), params, us, history, paths)
+    path = [0]
+    while (nxt := kids[path[-1]].get(int(toks[path[-1]]))) is not None:
+        path.append(nxt)
+    if not params.greedy:
+        rng.random(len(path))
+    return path, int(toks[path[-1]])
 
 
 def speculative_stream(target: TargetModel, proposer: Proposer | None, prompt_ids: Sequence[int],

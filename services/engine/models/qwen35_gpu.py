@@ -7,7 +7,8 @@ as state.SequenceState, with every per-sequence array on the device (GpuSequence
 before the launches, so that a captured CUDA graph replays the same launches for every step of its shape.
 
 Logits stay on the device (DeviceLogits): the step also computes each row's argmax there (kernels/sampling.py),
-and forward copies only those T ids to the host; a full row crosses only when a caller indexes it (sampling).
+and forward copies only those T ids to the host; sampled draws run there too (DeviceLogits.sample_rows), so a
+full row crosses only when a caller indexes it.
 At a 248k vocabulary that saves a 40-64 MB copy to pageable memory per verify (11-17 ms of a 40-60 ms step).
 KV types: f16, q8_0 or tq3_0, K and V chosen independently (f32 is kept as f16, the kernel's widest).
 
@@ -54,10 +55,12 @@ from kernels import sampling as smp
 
 from ..backend import CupyBackend
 from ..config import ModelConfig
+from ..device_sampling import draw_rows
 from ..errors import ContextOverflowError
 from ..formats import RawTensor
 from ..kvcache import resolve_cache_types
 from ..quants import tq3
+from ..sampling import SamplingParams
 from ..state import check_commit_path
 from .base import ForwardResult, TargetModel, check_step
 
@@ -345,7 +348,7 @@ class DeviceLogits:
     """The logits rows of a GPU forward, left on the device, with each row's argmax (computed on the device in
     the same step) already on the host. Reads like the (rows, n_vocab) float32 array of the NumPy engine where
     a caller needs one: `x[i]` (a row; any NumPy index) and np.asarray(x) copy from the device, each call a
-    fresh host array; argmax_rows() and np.argmax(x, axis=-1) copy nothing."""
+    fresh host array; argmax_rows(), np.argmax(x, axis=-1) and sample_rows() (sampled draws) copy no row."""
 
     ndim = 2
     dtype = np.dtype(np.float32)
@@ -367,6 +370,12 @@ class DeviceLogits:
     def argmax_rows(self) -> np.ndarray:
         """int64 (rows,): each row's argmax, lowest id on ties (np.argmax's choice)."""
         return self._argmax.astype(np.int64)
+
+    def sample_rows(self, rows: Sequence[int], params: SamplingParams, us: Sequence[float],
+                    history: Sequence[int] | None = None, paths: Sequence[Sequence[int]] | None = None) -> np.ndarray:
+        """int64: a token drawn on the device from each row rows[i] with uniform us[i] (device_sampling.draw_rows);
+        only the token ids cross to the host."""
+        return draw_rows(self._rows, rows, params, us, history, paths)
 
     def argmax(self, axis: int | None = None, out: np.ndarray | None = None, keepdims: bool = False) -> Any:
         """ndarray.argmax; along the rows (what np.argmax(x, axis=-1) asks) without copying the rows."""
