@@ -157,9 +157,12 @@ def expected_joint(target, prompt, params, width: int = 12):
     from services.engine.sampling import target_distribution
 
     def dist(prefix):
-        st = target.new_state(len(prompt) + 8)
-        out = target.forward(st, list(prompt) + list(prefix), logits="last")
-        return target_distribution(np.asarray(out.logits[-1]), params, list(prompt) + list(prefix))
+        st = target.acquire_state(len(prompt) + 8)   # pooled: one state (and its graphs) for every prefix
+        try:
+            row = np.asarray(target.forward(st, list(prompt) + list(prefix), logits="last").logits[-1])
+        finally:
+            target.release_state(st)
+        return target_distribution(row, params, list(prompt) + list(prefix))
 
     def top(p):
         ids = np.argsort(-p, kind="stable")[:width]
