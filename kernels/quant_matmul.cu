@@ -1562,7 +1562,7 @@ __global__ void SS_BOUNDS(256, (MT == 1 && NT == 1 && QT != 14) ? 4 : 1) qmv_ker
 //    written straight to y. A row block shared by several blocks (its "pieces", in block order = K order) goes
 //    through a global scratch: each warp stores its partial sums (fragment order, coalesced) in part[slot][warp]
 //    (slot 2 b for the block's first row block, 2 b + 1 for its last), __threadfence, counts itself in on
-//    counters[rb WM + warp]; the warp that arrives last adds the pieces in block order (its own from registers),
+//    counters[rb WM + warp]; the warp that arrives last adds the pieces in block order (its own as stored, read back),
 //    writes y and zeroes the counter. Same sums whatever the arrival order, no memset, graph-replayable.
 //  * Dequantization and mma are v2's (prep2 / frag2, the same step order per accumulator), so a row block covered
 //    by one block is bitwise qmv_kernel's with one K-warp; the numerics are v2's.
@@ -1672,7 +1672,7 @@ __global__ void SS_BOUNDS(256, 1) qmw_kernel(const u8* __restrict__ W, long long
 
     const int tid = (int)threadIdx.x;
     const int lane = tid & 31, warp = tid >> 5;
-    const int WM = (int)(blockDim.x >> 5), nthreads = (int)blockDim.x;
+    const int WM = (int)(blockDim.x >> 5);
     const int g = lane >> 2, t = lane & 3;
     const int RT = WM * MT;  // tiles per row block
     const int nch = (K + CHUNK - 1) / CHUNK;
@@ -1702,11 +1702,16 @@ __global__ void SS_BOUNDS(256, 1) qmw_kernel(const u8* __restrict__ W, long long
     __syncthreads();
 #endif
 
-    // copy item idx of this block (x of its chunk, its row block's tile blocks) into stage idx % stages
+    // copy item idx of this block (x of its chunk, its row block's tile blocks) into stage idx % stages; items are
+    // issued in order, (irb, ich) being the next one's row block and chunk
+    int irb = (int)(i0 / nch), ich = (int)(i0 - (i64)irb * nch);
     auto issue = [&](int idx) {
         if (idx < n_items) {
-            const i64 item = i0 + idx;
-            const int rb = (int)(item / nch), ch = (int)(item - (i64)rb * nch);
+            const int rb = irb, ch = ich;
+            if (++ich == nch) {
+                ich = 0;
+                ++irb;
+            }
             const int C = imin(CHUNK, K - ch * CHUNK);
             const int s = idx % stages;
             u8* const dst = smem + s * SB;
@@ -1724,6 +1729,7 @@ __global__ void SS_BOUNDS(256, 1) qmw_kernel(const u8* __restrict__ W, long long
                 for (int m = 0; m < valid; ++m) bulk_g2s(dst + XB + m * BLK, wsrc + m * tile_stride, (u32)wbytes, full + s);
             }
 #else
+            const int nthreads = (int)blockDim.x;
             for (int u = tid; u < (xbytes >> 4); u += nthreads) cp_async16(dst + 16 * u, xsrc + 16 * u);
             const int wu = wbytes >> 4;
             for (int u = tid; u < valid * wu; u += nthreads) {
@@ -1741,9 +1747,12 @@ __global__ void SS_BOUNDS(256, 1) qmw_kernel(const u8* __restrict__ W, long long
     for (int i = 0; i < stages - 1; ++i) issue(i);
 
     float acc[MT][NT][4];
+    int rb = (int)(i0 / nch), ch = (int)(i0 - (i64)rb * nch) - 1;  // the item being computed
     for (int idx = 0; idx < n_items; ++idx) {
-        const i64 item = i0 + idx;
-        const int rb = (int)(item / nch), ch = (int)(item - (i64)rb * nch);
+        if (++ch == nch) {
+            ch = 0;
+            ++rb;
+        }
         if (idx == 0 || ch == 0) {
 #pragma unroll
             for (int mt = 0; mt < MT; ++mt)
@@ -1794,25 +1803,23 @@ __global__ void SS_BOUNDS(256, 1) qmw_kernel(const u8* __restrict__ W, long long
             }
             ticket = SS_SHFL(ticket, 0);
             writer = ticket == (unsigned int)(lb - fb);
-            if (writer) {
+            if (writer) {  // the pieces in block order (this warp's own too, as stored): deterministic
 #pragma unroll
                 for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
                     for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
-                        for (int i = 0; i < 4; ++i) {
-                            const int a = (mt * NT + nt) * 4 + i;
-                            float v = 0.f;
-                            for (i64 bb = fb; bb <= lb; ++bb) {  // block order: deterministic
-                                if (bb == b) {
-                                    v += acc[mt][nt][i];
-                                } else {
-                                    const i64 sl = 2 * bb + ((bb * total / P) >= first ? 0 : 1);
-                                    v += ld_partial(part + ((sl * WM + warp) * NACC + a) * 32 + lane);
-                                }
-                            }
-                            acc[mt][nt][i] = v;
-                        }
+                        for (int i = 0; i < 4; ++i) acc[mt][nt][i] = 0.f;
+                for (i64 bb = fb; bb <= lb; ++bb) {
+                    const i64 sl = 2 * bb + ((bb * total / P) >= first ? 0 : 1);  // bb's first or last row block
+                    const float* const src = part + (sl * WM + warp) * NACC * 32 + lane;
+#pragma unroll
+                    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+                        for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+                            for (int i = 0; i < 4; ++i) acc[mt][nt][i] += ld_partial(src + ((mt * NT + nt) * 4 + i) * 32);
+                }
                 if (lane == 0) counters[(i64)rb * WM + warp] = 0u;  // every piece has counted: ready for the next launch
             }
         }
