@@ -276,3 +276,68 @@ def test_stream_k_split_restatement() -> None:
     got = pieces(17408, 5120, 2, 8, 132)
     assert len(got) == 68 and set(got) <= {2, 3}
     assert pieces(17408, 5120, 2, 8, 68) == [1] * 68
+
+
+class _SimKernel:
+    """Stands in for the compiled qmw_kernel<QT, NT, MT>: checks each argument's type against the kernel's C
+    signature, then runs the launch in the simulation."""
+
+    SIGNATURE = ("ptr", np.int64, np.int32, np.int32, "ptr", np.int32, "ptr", np.int32, np.int32, np.int64, "ptr",
+                 "ptr")  # fmt: skip
+
+    def __init__(self, lib, name: str, launches: list):
+        qt, nt, mt = (int(v) for v in name[name.index("<") + 1 : -1].split(","))
+        self.lib, self.qt, self.nt, self.mt, self.launches = lib, qt, nt, mt, launches
+        self.num_regs = 128
+        self.max_dynamic_shared_size_bytes = 0
+
+    def __call__(self, grid, block, args, shared_mem=0):
+        assert len(args) == len(self.SIGNATURE)
+        for a, want in zip(args, self.SIGNATURE):
+            assert isinstance(a, np.ndarray) if want == "ptr" else type(a) is want, (a, want)
+        W, row_bytes, n, k, xp, tokens, y, stages, accumulate, ldy, part, counters = args
+        (blocks,), (threads,) = grid, block
+        self.launches.append({"blocks": blocks, "threads": threads, "smem": shared_mem, "part": part.size})
+        assert threads % 32 == 0 and shared_mem <= qw.SMEM_LIMIT
+        err = self.lib.sim_qmw(self.qt, self.nt, self.mt, threads // 32, int(stages), W.ctypes.data, int(row_bytes),
+                               int(n), int(k), xp.ctypes.data, int(tokens), y.ctypes.data, int(accumulate), int(ldy),
+                               part.ctypes.data, counters.ctypes.data, blocks, 11)  # fmt: skip
+        assert err == 0
+        assert (self.lib.smem[shared_mem:] == SMEM_CANARY).all(), "the launch reserves too little shared memory"
+
+
+@needs_gxx
+@pytest.mark.parametrize("qtype,n_out,k,tokens,config", [(Q4_K, 300, 1536, 23, None), (Q6_K, 96, 1024, 64, None),
+                                                          (Q8_0, 45, 1248, 9, qw.WideConfig(1, 2, 3, blocks=4)),
+                                                          (F16, 70, 800, 41, qw.WideConfig(2, 2, 2))])
+def test_launcher_end_to_end_on_cpu(sim, monkeypatch, qtype, n_out, k, tokens, config) -> None:
+    """quant_wide.wide() as the engine calls it, its launch going to the simulation: argument order and types, grid,
+    shared memory and scratch sizes, a strided accumulating output."""
+    from kernels import loader
+
+    launches: list = []
+    monkeypatch.setattr(loader, "get_function", lambda src, name, defines=(): _SimKernel(sim, name, launches))
+    monkeypatch.setattr(qm, "sm_count", lambda: 3)
+    monkeypatch.setattr(qm, "_device_id", lambda: 0)
+    nrb_max = qw.row_blocks(n_out, 1, 1)
+    scratch = (np.full(1 << 22, np.nan, np.float32), np.zeros(nrb_max * 8, np.uint32))
+    sizes = []
+    monkeypatch.setattr(qg, "split_scratch", lambda tiles, floats: sizes.append((tiles, floats)) or scratch)
+    p = Problem(sim, qtype, n_out, k, tokens, seed=k + tokens)
+    W = type("W", (), {"shape": (n_out, k), "qtype": qtype, "kernel": "v2", "name": "w", "row_bytes": p.raw.shape[1],
+                       "device_buffer": p.w})()  # fmt: skip
+    packed = qm.PackedX(p.xp.view(np.uint16), tokens, k)
+    y0 = p.rng.standard_normal((tokens, n_out)).astype(np.float32)
+    wide = np.full((tokens, n_out + 9), 7.25, np.float32)
+    wide[:, 5 : 5 + n_out] = y0
+    qw.wide(W, packed, wide[:, 5 : 5 + n_out], accumulate=True, config=config)
+    check_twin(p, wide[:, 5 : 5 + n_out] - y0)
+    assert (wide[:, :5] == 7.25).all() and (wide[:, 5 + n_out :] == 7.25).all()
+    (launch,) = launches
+    cfg = qw.choose_config(qtype, n_out, k, tokens, config)
+    assert launch["threads"] == 32 * cfg.warps
+    assert launch["blocks"] == qw.grid(n_out, k, cfg, 128, launch["smem"], 3)
+    assert launch["smem"] == qw.smem_bytes(qtype, (tokens + 7) // 8, cfg.m_tiles, cfg.warps, cfg.stages)
+    assert sizes == [(qw.row_blocks(n_out, cfg.m_tiles, cfg.warps) * cfg.warps,
+                      qw.scratch_floats(launch["blocks"], (tokens + 7) // 8, cfg.m_tiles, cfg.warps))]  # fmt: skip
+    assert not scratch[1].any()
