@@ -26,10 +26,10 @@ of 30 replays each; "off" first and last, to see drift).
 1,16,23,32,41,48,64; trees shaped as bench/step_profile.py's) capture and replay the step with the wide kernel's
 dispatch off (v2 above gemv's widths) and on (median of 20 replays each): issue 5's step ratios.
 --sweep: v2 launch shapes (m16 tiles per warp x warps per block x stages) at a few widths, per matrix.
---wide-sweep: wide launch shapes (m16 tiles per warp 1, 2 x warps per block 4, 8 x stages 2, 3, 4 x blocks per SM 1, 2)
-at T = 16, 23, 41, 64 on the Q4_K / Q6_K 27B matrices, next to the default shape. With gemv and wide timed, a last
-table gives each matrix's wide time at 16, 23, 41, 64 tokens over the gemv time at T=1 (issue 5's targets: T=23
-<= 1.15x, T=41 <= 1.4x, T=64 <= 2x), with v2's and the best swept shape's beside it.
+--wide-sweep: wide launch shapes (m16 tiles per warp 1, 2 x warps per block 4, 8 x stages 2, 3, 4 x blocks per SM 1,
+2, all that fit) at T = 16, 23, 41, 64 on the Q4_K / Q6_K 27B matrices, next to the default shape. With gemv and wide
+timed, a last table gives each matrix's wide time at 16, 23, 41, 64 tokens over the gemv time at T=1 (issue 5's
+targets: T=23 <= 1.15x, T=41 <= 1.4x, T=64 <= 2x), with v2's and the best swept shape's beside it.
 --launch: launch overhead: 200 back-to-back calls timed with events, eager vs one CUDA-graph replay.
 --precompile N: compile the kernels in N processes first (NVRTC builds one kernel at a time; CuPy's disk
 cache then serves the later loads, also those of the GPU tests run after this in bench/gpu_check.sh).
@@ -376,7 +376,7 @@ def sweep_wide(cupy, qm, qw, mats, per_graph: int, tokens: int, shape_name: str)
     for mt in (1, 2):
         for warps in (4, 8):
             for stages in (2, 3, 4):
-                for bps in (1, 2):
+                for bps in (1, 2, 0):  # 0: all that fit (registers, shared memory)
                     cfg = qw.WideConfig(mt, warps, stages, blocks_per_sm=bps)
                     full = qw.choose_config(W0.qtype, n_out, k, tokens, cfg)
                     if qw.smem_bytes(W0.qtype, packed.n_tiles, mt, warps, stages) > qw.SMEM_LIMIT or full != cfg:
