@@ -35,10 +35,10 @@ PYEOF
     status=0
     "$PY" bench/roofline.py --precompile-only || true
     if "$PY" -c "import pytest" 2>/dev/null; then
-        "$PY" -m pytest -q -rs tests/test_kernels_quant_matmul.py || status=$?
+        "$PY" -m pytest -q -rs tests/test_kernels_quant_matmul.py tests/test_kernels_quant_wide.py || status=$?
     else
         echo "(pytest is not installed: running the tests with bench/mini_pytest.py)"
-        "$PY" bench/mini_pytest.py tests/test_kernels_quant_matmul.py || status=$?
+        "$PY" bench/mini_pytest.py tests/test_kernels_quant_matmul.py tests/test_kernels_quant_wide.py || status=$?
     fi
     if [ "$status" -eq 0 ] || [ "${GPU_CHECK_BENCH_ALWAYS:-0}" = "1" ]; then
         # shellcheck disable=SC2086

@@ -8,8 +8,10 @@
 
 --kernels: which kernels to time (v2 = qmv_kernel, the default; v1 = qmm_kernel, the first version; gemv =
 gemv_kernel of quant_gemv.cu on the v2 layout, one block per 16-row tile, widths <= 16, and with it gemvp = its
-persistent variant gemv_persist_kernel (quantized types; also selectable alone); auto = QuantMatrix.matmul's own
-choice per width). With gemv / gemvp / auto and v2 listed, a table of their time ratios to v2 in the same run follows
+persistent variant gemv_persist_kernel (quantized types; also selectable alone); wide = qmw_kernel (kernels/
+quant_wide.py: x staged once per block for many row tiles, stream-K; any width <= 64); auto = QuantMatrix.matmul's
+own choice per width). With gemv / gemvp / wide / auto and v2 listed, a table of their time ratios to v2 in the same
+run follows
 (and gemvp / gemv when both ran).
 --gemv-sweep: gemv warps per block (k_warps 1..8) at T = 1, 2, 4, 8, per matrix.
 --persist-sweep: gemvp launch shapes (k_warps 2, 4, 8 x blocks per SM 1, 2, all that fit x prefetch depth 1, 2) at
@@ -20,7 +22,14 @@ per-tile kernel (splits=1) and the automatic choice (quant_gemv.choose_split). `
 --step-ab MODEL.gguf: load the model (bench/gpu_bench.load_gpu_model), commit --context tokens (512), then capture and
 replay the width-1 decode step with the split-K dispatch off and under several choose_split knob settings (median
 of 30 replays each; "off" first and last, to see drift).
+--wide-step MODEL.gguf: load the model, commit --context tokens (512), then per verify width (--step-widths, default
+1,16,23,32,41,48,64; trees shaped as bench/step_profile.py's) capture and replay the step with the wide kernel's
+dispatch off (v2 above gemv's widths) and on (median of 20 replays each): issue 5's step ratios.
 --sweep: v2 launch shapes (m16 tiles per warp x warps per block x stages) at a few widths, per matrix.
+--wide-sweep: wide launch shapes (m16 tiles per warp 1, 2 x warps per block 4, 8 x stages 2, 3, 4 x blocks per SM 1,
+2, all that fit) at T = 16, 23, 41, 64 on the Q4_K / Q6_K 27B matrices, next to the default shape. With gemv and wide
+timed, a last table gives each matrix's wide time at 16, 23, 41, 64 tokens over the gemv time at T=1 (issue 5's
+targets: T=23 <= 1.15x, T=41 <= 1.4x, T=64 <= 2x), with v2's and the best swept shape's beside it.
 --launch: launch overhead: 200 back-to-back calls timed with events, eager vs one CUDA-graph replay.
 --precompile N: compile the kernels in N processes first (NVRTC builds one kernel at a time; CuPy's disk
 cache then serves the later loads, also those of the GPU tests run after this in bench/gpu_check.sh).
@@ -65,6 +74,12 @@ SPLIT_SWEEP_WIDTHS = (1, 2)
 SPLIT_TEST_WIDTHS = (1, 2, 5)  # tests/test_kernels_quant_gemv.py's split-K cases
 SPLIT_PORTABLE_WIDTHS = (1, 2)
 SWEEP_WIDTHS = (1, 23, 41)
+WIDE_TEST_TILES = tuple(range(1, 9))  # tests/test_kernels_quant_wide.py runs every token-tile count
+WIDE_PORTABLE_TILES = (2, 3)
+WIDE_SWEEP_WIDTHS = (16, 23, 41, 64)
+WIDE_SWEEP_SHAPES = (("Q4_K", "ffn_up"), ("Q4_K", "ffn_down"), ("Q4_K", "ssm_out"), ("Q6_K", "ffn_up"),
+                     ("Q6_K", "ffn_down"), ("Q6_K", "output"))  # fmt: skip
+WIDE_TARGETS = {23: 1.15, 41: 1.4, 64: 2.0}  # issue 5: wide time / gemv time at T=1, per matrix
 SWEEP_SHAPES = (("Q4_K", "ffn_up"), ("Q4_K", "ffn_down"), ("Q6_K", "ffn_down"), ("Q6_K", "output"), ("Q8_0", "ffn_up"))
 SHAPES = {"ffn_up": (17408, 5120), "ffn_down": (5120, 17408), "output": (248320, 5120), "ssm_out": (5120, 6144),
           "attn_v": (1024, 5120)}  # (out, in)
@@ -171,6 +186,10 @@ def _compile_job(job: tuple) -> str:
         quant_gemv.split_function(*args)
     elif kind == "v2":
         qm.qmv_function(*args)
+    elif kind == "wide":
+        from kernels import quant_wide
+
+        quant_wide.wide_function(*args)
     elif kind == "v1":
         qm.qmm_function(*args)
     else:
@@ -204,6 +223,14 @@ def compile_jobs(qm, widths, sweep: bool, kernels, full: bool = True) -> list[tu
             sw = sorted({t for t in widths if t <= 2} | set(SPLIT_TEST_WIDTHS))
             jobs += [("gemvs", q, t, False) for t in sw]
             jobs += [("gemvs", q, t, True) for t in SPLIT_PORTABLE_WIDTHS]
+        if "wide" in kernels or "auto" in kernels or (full and "v2" in kernels):  # matmul() dispatches to it
+            from kernels import quant_wide
+
+            wt = sorted({(t + 7) // 8 for t in widths} | (set(WIDE_TEST_TILES) if full else set()))
+            mts = (1, 2) if sweep else (quant_wide.M_TILES,)
+            jobs += [("wide", q, nt, mt, False) for nt in wt for mt in mts]
+            if full:
+                jobs += [("wide", q, nt, 2, True) for nt in WIDE_PORTABLE_TILES]
     return jobs
 
 
@@ -213,7 +240,7 @@ def precompile(jobs: list[tuple], workers: int) -> float:
 
     t0 = time.time()
     # heaviest first (many token tiles), so the pool does not end on one long build
-    jobs = sorted(jobs, key=lambda j: -(j[2] if j[0] in ("v1", "v2", "gemv", "gemvp", "gemvs") else 0))
+    jobs = sorted(jobs, key=lambda j: -(j[2] if j[0] in ("v1", "v2", "gemv", "gemvp", "gemvs", "wide") else 0))
     with cf.ProcessPoolExecutor(max_workers=workers, mp_context=mp.get_context("spawn")) as pool:
         for _ in pool.map(_compile_job, jobs):
             pass
@@ -326,6 +353,51 @@ def gemv_runs(qg, qtype: int, k: int, tokens: int, persistent: bool = False) -> 
         return False
     smem = qg.smem_bytes(qtype, k, tokens, qg.MAX_K_WARPS, persistent)
     return tokens <= qg.MAX_TOKENS and smem <= qg.SMEM_LIMIT
+
+
+def wide_launch(qw, W, tokens: int, cfg=None) -> list:
+    """What a wide launch of W at this width runs as: [m_tiles, warps, stages, grid, registers]."""
+    shape = qw.launch_shape(W, tokens, cfg)
+    c = shape["config"]
+    return [c.m_tiles, c.warps, c.stages, shape["blocks"], shape["regs"]]
+
+
+def sweep_wide(cupy, qm, qw, mats, per_graph: int, tokens: int, shape_name: str) -> list[dict]:
+    """Time the wide kernel's launch shapes at one width: m16 tiles per warp x warps per block x stages x blocks per
+    SM (shapes that resolve to the same launch are timed once; the default shape is marked)."""
+    W0 = mats[0]
+    n_out, k = W0.shape
+    x = (cupy.random.standard_normal((tokens, k), dtype=cupy.float32) * 0.5).astype(cupy.float16)
+    packed = qm.pack_activations(x)
+    out = cupy.empty((tokens, n_out), dtype=cupy.float32)
+    copies = len(mats)
+    default = tuple(wide_launch(qw, W0, tokens)[:4])
+    found, seen = [], set()
+    for mt in (1, 2):
+        for warps in (4, 8):
+            for stages in (2, 3, 4):
+                for bps in (1, 2, 0):  # 0: all that fit (registers, shared memory)
+                    cfg = qw.WideConfig(mt, warps, stages, blocks_per_sm=bps)
+                    full = qw.choose_config(W0.qtype, n_out, k, tokens, cfg)
+                    if qw.smem_bytes(W0.qtype, packed.n_tiles, mt, warps, stages) > qw.SMEM_LIMIT or full != cfg:
+                        continue
+                    launch = wide_launch(qw, W0, tokens, cfg)
+                    key = tuple(launch[:4])
+                    if key in seen:
+                        continue
+                    seen.add(key)
+                    calls = [
+                        (lambda W=mats[i % copies], c=cfg: W.matmul(packed, out=out, kernel="wide", config=c))  # noqa: B023
+                        for i in range(per_graph)
+                    ]
+                    us, _, _ = time_calls(cupy, calls)
+                    found.append({"qtype": W0.type_name, "shape": shape_name, "tokens": tokens, "m_tiles": mt,
+                                  "warps": warps, "stages": stages, "blocks_per_sm": bps, "grid": launch[3],
+                                  "regs": launch[4], "default": key == default, "us": round(us, 2)})  # fmt: skip
+    if found:
+        best = min(found, key=lambda r: r["us"])
+        print("wide sweep best:", json.dumps(best), flush=True)
+    return found
 
 
 def gemv_launch(qm, qg, W, tokens: int, persistent: bool, cfg=None) -> list:
@@ -528,6 +600,56 @@ def step_ab(cupy, qg, path: str, context: int) -> list[dict]:
     return rows
 
 
+def step_wide(cupy, qw, path: str, context: int, widths: tuple[int, ...]) -> list[dict]:
+    """The model's step at each width (a decode step at 1, a verify tree above), captured and replayed with the wide
+    dispatch off (CROSSOVER past 64: v2) and on (as shipped); median us of 20 event-timed replays."""
+    import numpy as np
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from gpu_bench import load_gpu_model
+    from step_profile import replay_us, tree_parents
+
+    t0 = time.time()
+    model, _, _ = load_gpu_model(path)
+    print(f"wide-step: loaded {path} in {time.time() - t0:.0f} s", flush=True)
+    rng = np.random.default_rng(0)
+    state = model.new_state(context + 2 * max(widths) + 8)
+    ids = rng.integers(0, model.cfg.n_vocab, size=context)
+    model.forward(state, ids, logits="none")
+    state.commit(list(range(len(ids))))
+    shipped = dict(qw.CROSSOVER)
+    rows = []
+    try:
+        for w in widths:
+            toks = [int(t) for t in rng.integers(0, model.cfg.n_vocab, size=w)]
+            par = tree_parents(w) if w > 1 else None
+            kw = dict(parents=par, checkpoints=par is not None, logits="all")
+            row = {"width": w}
+            for label, table in (("off", {q: qw.MAX_TOKENS + 1 for q in shipped}), ("on", shipped)):
+                if w == 1 and label == "on":
+                    continue  # gemv's width either way
+                qw.CROSSOVER.clear()
+                qw.CROSSOVER.update(table)
+                model.use_graphs = True
+                state.graphs.clear()
+                for _ in range(2):  # warm-up + capture
+                    model.forward(state, toks, **kw)
+                    state.pending = None
+                g = next(iter(state.graphs.values()), None)
+                if g is None:
+                    row[label] = None
+                    row["error"] = str(model.graph_blocker)
+                    continue
+                row[label] = round(replay_us(cupy, g.graph), 1)
+            rows.append(row)
+            print(f"wide-step width {w}: v2 {row.get('off')} us, wide {row.get('on')} us", flush=True)
+    finally:
+        qw.CROSSOVER.clear()
+        qw.CROSSOVER.update(shipped)
+        state.graphs.clear()
+    return rows
+
+
 def _arg(argv: list[str], name: str, default: str | None = None) -> str | None:
     return argv[argv.index(name) + 1] if name in argv else default
 
@@ -549,7 +671,7 @@ def main(argv: list[str]) -> int:
 
     from kernels import quant_matmul as qm
 
-    known = (*qm.KERNELS, "gemv", "gemvp", "auto")
+    known = (*qm.KERNELS, "gemv", "gemvp", "wide", "auto")
     bad = [k for k in kernels if k not in known]
     if bad:
         raise SystemExit(f"--kernels: unknown {bad} (choose from {known})")
@@ -564,7 +686,7 @@ def main(argv: list[str]) -> int:
         if "--kernels" in argv:  # just what a run with these kernels and widths needs (and the gemv tests)
             full = False
         else:
-            kernels = (*qm.KERNELS, "gemv", "gemvp")
+            kernels = (*qm.KERNELS, "gemv", "gemvp", "wide")
     if workers:
         jobs = compile_jobs(qm, widths, sweep_on or full, kernels, full)
         secs = precompile(jobs, workers)
@@ -607,13 +729,16 @@ def main(argv: list[str]) -> int:
         (qm.Q8_0, "ffn_down"),
         (qm.F16, "ffn_up"),
         (qm.F16, "ffn_down"),
+        (qm.Q4_K, "ssm_out"),
+        (qm.Q6_K, "ssm_out"),
     ]
     if "--types" in argv:
         keep = set(_arg(argv, "--types").split(","))
         configs = [c for c in configs if qm.type_name(c[0]) in keep]
     from kernels import quant_gemv as qg
+    from kernels import quant_wide as qw
 
-    rows, sweep, pack_rows, launch_rows, gsweep, psweep = [], [], [], [], [], []
+    rows, sweep, pack_rows, launch_rows, gsweep, psweep, wsweep = [], [], [], [], [], [], []
     for qtype, shape_name in configs:
         shape = shapes[shape_name]
         n_out, k = shape
@@ -646,12 +771,15 @@ def main(argv: list[str]) -> int:
                 gbs = nbytes / (us * 1e-6) / 1e9
                 ran = kernel
                 if kernel == "auto":
-                    ran = "gemv" if qg.prefer_gemv(qtype, k, tokens) else "v2"
+                    ran = "wide" if qw.prefer_wide(qtype, tokens) else "v2"
+                    ran = "gemv" if qg.prefer_gemv(qtype, k, tokens) else ran
                     if ran == "gemv" and qg.prefer_persistent(qtype, tokens):
                         ran = "gemvp"
                 cfg = mats[0].choose_config(tokens) if ran == "v2" else None
                 if ran in ("gemv", "gemvp"):
                     config = gemv_launch(qm, qg, mats[0], tokens, ran == "gemvp")
+                elif ran == "wide":
+                    config = wide_launch(qw, mats[0], tokens)
                 else:
                     config = [cfg.m_tiles, cfg.k_warps, cfg.stages, cfg.splits] if cfg else None
                 row = {
@@ -687,6 +815,9 @@ def main(argv: list[str]) -> int:
                 lo.update(launch_overhead(cupy, qm, mats[0], packed, out, calls=4 if quick else 200, **how_kw))
                 launch_rows.append(lo)
                 print(json.dumps(lo), flush=True)
+            if "--wide-sweep" in argv and kernel == "wide" and (qm.type_name(qtype), shape_name) in WIDE_SWEEP_SHAPES:
+                for tokens in WIDE_SWEEP_WIDTHS if not quick else widths[-2:]:
+                    wsweep += sweep_wide(cupy, qm, qw, mats, per_graph, tokens, shape_name)
             if sweep_on and kernel == "v2" and (qm.type_name(qtype), shape_name) in SWEEP_SHAPES:
                 for tokens in SWEEP_WIDTHS if not quick else widths[:2]:
                     sweep += sweep_shapes(cupy, qm, mats, per_graph, tokens, shape_name)
@@ -722,6 +853,7 @@ def main(argv: list[str]) -> int:
         "gemv_sweep": gsweep,
         "persist_sweep": psweep,
         "split_sweep": ssweep,
+        "wide_sweep": wsweep,
         "pack": pack_rows,
         "seconds": round(time.time() - t_start, 1),
     }
@@ -733,6 +865,16 @@ def main(argv: list[str]) -> int:
             (Path(out_dir) / "roofline.json").write_text(json.dumps(result, indent=1))
 
     save()
+    if "--wide-step" in argv:
+        try:
+            sw = tuple(int(w) for w in _arg(argv, "--step-widths", "1,16,23,32,41,48,64").split(","))
+            ctx = int(_arg(argv, "--context", "512"))
+            result["wide_step"] = step_wide(cupy, qw, _arg(argv, "--wide-step"), ctx, sw)
+        except Exception as e:  # noqa: BLE001 - the kernel numbers above stay
+            result["wide_step_error"] = f"{type(e).__name__}: {e}"
+            print(f"wide-step failed: {result['wide_step_error']}", flush=True)
+        result["seconds"] = round(time.time() - t_start, 1)
+        save()
     if "--step-ab" in argv:
         try:
             result["step_ab"] = step_ab(cupy, qg, _arg(argv, "--step-ab"), int(_arg(argv, "--context", "512")))
@@ -780,7 +922,7 @@ def main(argv: list[str]) -> int:
             print(head_ + cells(sel, "us", "7.1f") + "  us")
             print(" " * len(head_) + cells(sel, "roof_copy", "7.2f") + "  roof (vs copy)")
             print(" " * len(head_) + cells(sel, "x_t1", "7.2f") + "  x T=1")
-    others = [k for k in kernels if k in ("gemv", "gemvp", "auto")]
+    others = [k for k in kernels if k in ("gemv", "gemvp", "wide", "auto")]
     if "v2" in kernels and others:
         print("time ratio to v2 of the same run (< 1: faster than v2):")
         for kernel in others:
@@ -834,7 +976,62 @@ def main(argv: list[str]) -> int:
                               f"{r['config']} {r['us']:.1f} ({r['roof_copy']:.2f})" for r in top))  # fmt: skip
     for r in result.get("step_ab", []):
         print(f"step-ab {r['preset']}: replay {r.get('replay_us')} us (min {r.get('min_us')})")
+    steps = result.get("wide_step", [])
+    base = next((r.get("off") for r in steps if r["width"] == 1), None)
+    if steps:
+        print("step graph replay (us; x = / width-1 step; issue 5: width 23 <= 1.3x, 41 <= 1.6x):")
+        for r in steps:
+            def x(v):
+                return f"{v:9.1f} ({v / base:4.2f}x)" if v and base else f"{'-':>17}"
+            print(f"  width {r['width']:3d}: v2 {x(r.get('off'))}  wide {x(r.get('on'))}")
+    if wsweep:
+        print("wide launch-shape sweep, best (m_tiles, warps, stages, blocks per SM -> grid) per matrix and width, us "
+              "(default shape us):")  # fmt: skip
+        for qt, sn in WIDE_SWEEP_SHAPES:
+            for tokens in sorted({r["tokens"] for r in wsweep}):
+                sel = [r for r in wsweep if r["qtype"] == qt and r["shape"] == sn and r["tokens"] == tokens]
+                if sel:
+                    top = sorted(sel, key=lambda r: r["us"])[:3]
+                    auto = [r["us"] for r in sel if r["default"]]
+                    print(f"  {qt} {sn} T={tokens}: " + ", ".join(
+                        f"({r['m_tiles']},{r['warps']},{r['stages']},{r['blocks_per_sm']}->{r['grid']}) {r['us']:.1f}"
+                        for r in top) + (f"; default {auto[0]:.1f}" if auto else ""))  # fmt: skip
+    if "wide" in kernels and ("gemv" in kernels or "auto" in kernels):
+        print_wide_targets(rows, wsweep, configs, qm)
     return 0
+
+
+def print_wide_targets(rows: list[dict], wsweep: list[dict], configs, qm) -> None:
+    """Issue 5's per-matrix table: wide (and v2, and the best swept wide shape) at 16, 23, 41, 64 tokens over the
+    gemv time at T=1 (auto's T=1 when gemv was not timed), targets marked."""
+    print("wide vs gemv T=1 (us; x = time / gemv T=1; targets T=23 <= 1.15, T=41 <= 1.4, T=64 <= 2; "
+          "* = target met; best = best swept shape):")  # fmt: skip
+    widths = (16, 23, 41, 64)
+    print(f"{'type':5} {'shape':8} {'gemv T1':>8} " + " ".join(f"{'T=' + str(t):>22}" for t in widths))
+    for qtype, shape_name in configs:
+        qt = qm.type_name(qtype)
+
+        def us(kernel: str, tokens: int, qt: str = qt, shape_name: str = shape_name):
+            sel = [r["us"] for r in rows if r["kernel"] == kernel and r["qtype"] == qt and r["shape"] == shape_name
+                   and r["tokens"] == tokens]  # fmt: skip
+            return sel[0] if sel else None
+
+        base = us("gemv", 1) or us("auto", 1)
+        if base is None or us("wide", 16) is None and us("wide", 23) is None:
+            continue
+        cells = []
+        for t in widths:
+            w, v2 = us("wide", t), us("v2", t)
+            sw = [r["us"] for r in wsweep if r["qtype"] == qt and r["shape"] == shape_name and r["tokens"] == t]
+            if w is None:
+                cells.append(f"{'-':>22}")
+                continue
+            mark = "*" if t in WIDE_TARGETS and w / base <= WIDE_TARGETS[t] else " "
+            cell = f"{w / base:.2f}{mark}"
+            cell += f" v2 {v2 / base:.2f}" if v2 else ""
+            cell += f" b {min(sw) / base:.2f}" if sw else ""
+            cells.append(f"{cell:>22}")
+        print(f"{qt:5} {shape_name:8} {base:8.1f} " + " ".join(cells))
 
 
 if __name__ == "__main__":

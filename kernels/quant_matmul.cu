@@ -1118,6 +1118,9 @@ SS_DEV void bulk_g2s(void* dst, const void* src, u32 bytes, u64* bar) {
                  "l"(src), "r"(bytes), "r"(smem_addr(bar))
                  : "memory");
 }
+SS_DEV void mbar_arrive(u64* bar) {  // one arrival (release: this thread's earlier shared-memory reads are done)
+    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(smem_addr(bar)) : "memory");
+}
 #endif
 
 SS_DEV void cp_async_wait_keep(int keep) {  // wait until at most `keep` (0..3) groups are in flight
@@ -1536,6 +1539,305 @@ __global__ void SS_BOUNDS(256, (MT == 1 && NT == 1 && QT != 14) ? 4 : 1) qmv_ker
                     }
                 }
             }
+        }
+    }
+}
+
+// =============================================================================================
+// qmw_kernel ("wide"): the same product for wide launches (speculative verify: ~9..64 tokens), on the same device
+// layout and packed x as qmv_kernel. What changes (docs/gpu_quant_matmul.md, "wide"):
+//  * Block = WM warps (blockDim.x = 32 WM) on DIFFERENT rows: warp w owns m16 tiles w MT .. w MT + MT - 1 of the
+//    block's row block (RT = WM MT tiles) and all TPAD tokens; all warps walk the same K chunks together. One stage
+//    of shared memory holds a chunk's packed x for every token (512 TPAD bytes, one contiguous run of xp) and the
+//    RT tile blocks of weights: x comes from L2 once per block and chunk (v2: once per warp, ~7x the weight bytes at
+//    64 tokens), and each B fragment read from shared memory (LDS.128, a warp's 512 contiguous bytes: no bank
+//    conflict) feeds MT row tiles.
+//  * Pipeline of `stages` stages. sm_90: thread 0 issues one bulk copy for x and one per tile block, completing on
+//    full[s] (transaction count), once every warp has released the stage on empty[s] (one arrival per warp); no
+//    block-wide barrier in the loop. sm_80 / portable: every thread copies 16-byte pieces (cp.async), two
+//    __syncthreads per chunk.
+//  * Work: the (row block, chunk) items, row-block major, split evenly over the gridDim.x blocks (stream-K): block
+//    b takes items [b total / P, (b + 1) total / P), so every block streams the same number of weight bytes
+//    whatever the row count (ffn_down's 5120 rows and ffn_up's 17408 alike). A row block that one block covers is
+//    written straight to y. A row block shared by several blocks (its "pieces", in block order = K order) goes
+//    through a global scratch: each warp stores its partial sums (fragment order, coalesced) in part[slot][warp]
+//    (slot 2 b for the block's first row block, 2 b + 1 for its last), __threadfence, counts itself in on
+//    counters[rb WM + warp]; the warp that arrives last adds the pieces in block order (its own as stored, read back),
+//    writes y and zeroes the counter. Same sums whatever the arrival order, no memset, graph-replayable.
+//  * Dequantization and mma are v2's (prep2 / frag2, the same step order per accumulator), so a row block covered
+//    by one block is bitwise qmv_kernel's with one K-warp; the numerics are v2's.
+
+namespace ss {
+
+// Reads a float another block of this launch wrote before its __threadfence: at L2 (ld.global.cg), never from a
+// line this SM's L1 may hold.
+SS_DEV float ld_partial(const float* p) {
+#if SS_PTX
+    return __ldcg(p);
+#else
+    return *(const volatile float*)p;
+#endif
+}
+
+// acc += this warp's MT tiles of one chunk times all TPAD tokens. wst: the warp's first tile block in the stage
+// (tiles BLK bytes apart); xs: the chunk's packed x in the stage; C: the chunk's length (256, or a F16 / Q8_0 tail).
+template <int QT, int NT, int MT>
+SS_DEV void wide_chunk(float (&acc)[MT][NT][4], const u8* wst, const uint4* xs, int C, int g, int t, const LaneK& lk) {
+    using L = Lay<QT>;
+    constexpr int BLK = 16 * (L::MAIN + L::SIDE);
+    constexpr int TPAD = 8 * NT;
+    if (C == CHUNK) {
+        RowState st[MT][2];
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+            for (int hr = 0; hr < 2; ++hr) {
+                const int r = 8 * hr + g;
+                st[mt][hr] = prep2<QT>(wst + mt * BLK + r * L::MAIN, wst + mt * BLK + 16 * L::MAIN + r * L::SIDE, t);
+            }
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            u32 a[MT][2][8];
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+                for (int hr = 0; hr < 2; ++hr) frag2<QT>(wst + mt * BLK + (8 * hr + g) * L::MAIN, t, st[mt][hr], lk, j, a[mt][hr]);
+            // unit j of packed x (steps 0, 1 of the word pair: a[..][0..3]), then unit 4 + j (steps 2, 3: a[..][4..7]);
+            // per accumulator the steps run in qmv_kernel's order
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                uint4 ub[NT];
+#pragma unroll
+                for (int nt = 0; nt < NT; ++nt) ub[nt] = xs[((4 * h + j) * TPAD + 8 * nt + g) * 4 + t];
+#pragma unroll
+                for (int s2 = 0; s2 < 2; ++s2) {
+                    const int st4 = 2 * h + s2;
+#pragma unroll
+                    for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+                        for (int mt = 0; mt < MT; ++mt) {
+                            const u32 b0 = s2 ? ub[nt].z : ub[nt].x, b1 = s2 ? ub[nt].w : ub[nt].y;
+                            mma16816_nv(acc[mt][nt], a[mt][0][2 * st4], a[mt][1][2 * st4], a[mt][0][2 * st4 + 1],
+                                        a[mt][1][2 * st4 + 1], b0, b1);
+                        }
+                }
+            }
+        }
+    } else {
+        if constexpr (QT == 1 || QT == 8) {
+            const int m = C >> 5;  // 1..7 pairs per lane
+            const int mb = main_bytes<QT>(C), sb = side_bytes<QT>(C);
+            for (int p = 0; p < m; ++p) {
+                u32 a[MT][2][4];
+#pragma unroll
+                for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+                    for (int hr = 0; hr < 2; ++hr) {
+                        const int r = 8 * hr + g;
+                        frag2_tail<QT>(wst + mt * BLK + r * mb, wst + mt * BLK + 16 * mb + r * sb, t, m, p, a[mt][hr]);
+                    }
+#pragma unroll
+                for (int nt = 0; nt < NT; ++nt) {
+                    const uint4 u = xs[(p * TPAD + 8 * nt + g) * 4 + t];
+#pragma unroll
+                    for (int mt = 0; mt < MT; ++mt) {
+                        mma16816_nv(acc[mt][nt], a[mt][0][0], a[mt][1][0], a[mt][0][1], a[mt][1][1], u.x, u.y);
+                        mma16816_nv(acc[mt][nt], a[mt][0][2], a[mt][1][2], a[mt][0][3], a[mt][1][3], u.z, u.w);
+                    }
+                }
+            }
+        }
+    }
+}
+
+}  // namespace ss
+
+// y[T, N] (+)= x @ W^T, T <= 8 NT, on the tiled device layout (16-byte aligned, rows padded to 16) and packed x (xp,
+// TPAD = 8 NT token rows). Grid: P blocks of 32 WM threads (WM = 1..8), any P >= 1 (the launcher: what fits on the
+// GPU at once, at most one per item). accumulate != 0: y += x @ W^T (one add per value); ldy: y's row stride in floats
+// (0: N). part / counters: the split scratch (kernels/quant_gemv.py split_scratch): part >= 2 P WM (MT NT 4) 32 floats,
+// counters >= ceil(ceil(N / 16) / (WM MT)) WM words, zero before the launch and left zero. Dynamic shared memory:
+// stages (512 TPAD + WM MT 16 (MAIN + SIDE)) + 16 stages bytes (quant_wide.smem_bytes).
+template <int QT, int NT, int MT>
+__global__ void SS_BOUNDS(256, 1) qmw_kernel(const u8* __restrict__ W, long long row_bytes, int N, int K,
+                                             const uint4* __restrict__ xp, int T, float* __restrict__ y, int stages,
+                                             int accumulate, long long ldy, float* part, unsigned int* counters) {
+    using namespace ss;
+    using L = Lay<QT>;
+    constexpr int BLK = 16 * (L::MAIN + L::SIDE);  // bytes of one full tile block
+    constexpr int TPAD = 8 * NT;
+    constexpr int XB = 512 * TPAD;  // bytes of a full chunk of packed x
+    constexpr int NACC = MT * NT * 4;
+    extern __shared__ uint4 ss_smem[];
+
+    const int tid = (int)threadIdx.x;
+    const int lane = tid & 31, warp = tid >> 5;
+    const int WM = (int)(blockDim.x >> 5);
+    const int g = lane >> 2, t = lane & 3;
+    const int RT = WM * MT;  // tiles per row block
+    const int nch = (K + CHUNK - 1) / CHUNK;
+    const int ntiles = (N + 15) / 16;
+    const int nrb = (ntiles + RT - 1) / RT;
+    const i64 total = (i64)nrb * nch;
+    const i64 P = (i64)gridDim.x, b = (i64)blockIdx.x;
+    const i64 i0 = b * total / P, i1 = (b + 1) * total / P;  // this block's items
+    const int n_items = (int)(i1 - i0);
+    if (n_items <= 0) return;  // the whole block (more blocks than items)
+    const int SB = XB + RT * BLK;  // bytes of one stage: x, then the RT tile blocks
+    u8* const smem = (u8*)ss_smem;
+    const i64 tile_stride = 16 * row_bytes;
+    const i64 ld = ldy > 0 ? ldy : N;
+    const LaneK lk = lane_consts<QT>(g, t);
+
+#if SS_BULK
+    u64* const full = (u64*)(smem + stages * SB);
+    u64* const empty = full + stages;
+    if (tid == 0) {
+        for (int i = 0; i < stages; ++i) {
+            mbar_init(full + i, 1u);
+            mbar_init(empty + i, (u32)WM);
+        }
+        mbar_fence_init();
+    }
+    __syncthreads();
+#endif
+
+    // copy item idx of this block (x of its chunk, its row block's tile blocks) into stage idx % stages; items are
+    // issued in order, (irb, ich) being the next one's row block and chunk
+    int irb = (int)(i0 / nch), ich = (int)(i0 - (i64)irb * nch);
+    auto issue = [&](int idx) {
+        if (idx < n_items) {
+            const int rb = irb, ch = ich;
+            if (++ich == nch) {
+                ich = 0;
+                ++irb;
+            }
+            const int C = imin(CHUNK, K - ch * CHUNK);
+            const int s = idx % stages;
+            u8* const dst = smem + s * SB;
+            const u8* const xsrc = (const u8*)(xp + (i64)ch * 32 * TPAD);
+            const int xbytes = 2 * C * TPAD;
+            const int tile0 = rb * RT;
+            const int valid = imin(RT, ntiles - tile0);
+            const int wbytes = 16 * (main_bytes<QT>(C) + side_bytes<QT>(C));
+            const u8* const wsrc = W + (i64)tile0 * tile_stride + (i64)ch * BLK;
+#if SS_BULK
+            if (tid == 0) {
+                if (idx >= stages) mbar_wait(empty + s, (u32)(idx / stages - 1) & 1u);  // every warp is done with it
+                mbar_expect_tx(full + s, (u32)(xbytes + valid * wbytes));
+                bulk_g2s(dst, xsrc, (u32)xbytes, full + s);
+                for (int m = 0; m < valid; ++m) bulk_g2s(dst + XB + m * BLK, wsrc + m * tile_stride, (u32)wbytes, full + s);
+            }
+#else
+            const int nthreads = (int)blockDim.x;
+            for (int u = tid; u < (xbytes >> 4); u += nthreads) cp_async16(dst + 16 * u, xsrc + 16 * u);
+            const int wu = wbytes >> 4;
+            for (int u = tid; u < valid * wu; u += nthreads) {
+                const int m = u / wu, r = u - m * wu;
+                cp_async16(dst + XB + m * BLK + 16 * r, wsrc + m * tile_stride + 16 * r);
+            }
+            cp_async_commit();
+#endif
+        } else {
+#if !SS_BULK
+            cp_async_commit();  // one group per item slot, even empty, so wait_group counts stay uniform
+#endif
+        }
+    };
+    for (int i = 0; i < stages - 1; ++i) issue(i);
+
+    float acc[MT][NT][4];
+    int rb = (int)(i0 / nch), ch = (int)(i0 - (i64)rb * nch) - 1;  // the item being computed
+    for (int idx = 0; idx < n_items; ++idx) {
+        if (++ch == nch) {
+            ch = 0;
+            ++rb;
+        }
+        if (idx == 0 || ch == 0) {
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+                for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+                    for (int i = 0; i < 4; ++i) acc[mt][nt][i] = 0.f;
+        }
+        issue(idx + stages - 1);  // into the stage item idx - 1 used
+        const int s = idx % stages;
+#if SS_BULK
+        mbar_wait(full + s, (u32)(idx / stages) & 1u);
+#else
+        cp_async_wait_keep(stages - 1);
+        __syncthreads();  // every thread's pieces of item idx have landed
+#endif
+        const u8* const stage = smem + s * SB;
+        if ((rb * RT + warp * MT) < ntiles)  // (a warp past the last tile only keeps pace)
+            wide_chunk<QT, NT, MT>(acc, stage + XB + warp * MT * BLK, (const uint4*)stage, imin(CHUNK, K - ch * CHUNK),
+                                   g, t, lk);
+#if SS_BULK
+        __syncwarp();
+        if (lane == 0) mbar_arrive(empty + s);  // this warp is done with the stage
+#else
+        __syncthreads();  // everyone is done with the stage before it is refilled
+#endif
+        if (ch != nch - 1 && idx != n_items - 1) continue;
+
+        // the end of this block's piece of row block rb
+        const i64 first = (i64)rb * nch;
+        const i64 fb = ((first + 1) * P - 1) / total, lb = ((first + nch) * P - 1) / total;  // blocks sharing rb
+        bool writer = true;
+        if (fb != lb) {
+            const int slot = (int)(2 * b + (i0 >= first ? 0 : 1));
+            float* const mine = part + ((i64)slot * WM + warp) * NACC * 32 + lane;
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+                for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+                    for (int i = 0; i < 4; ++i) mine[((mt * NT + nt) * 4 + i) * 32] = acc[mt][nt][i];
+            __threadfence();  // the sums are visible device-wide before this warp's arrival is counted
+            __syncwarp();
+            unsigned int ticket = 0u;
+            if (lane == 0) {
+                ticket = atomicAdd(counters + (i64)rb * WM + warp, 1u);
+                __threadfence();  // (last warp) the others' sums are read after their arrivals were seen
+            }
+            ticket = SS_SHFL(ticket, 0);
+            writer = ticket == (unsigned int)(lb - fb);
+            if (writer) {  // the pieces in block order (this warp's own too, as stored): deterministic
+#pragma unroll
+                for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+                    for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+                        for (int i = 0; i < 4; ++i) acc[mt][nt][i] = 0.f;
+                for (i64 bb = fb; bb <= lb; ++bb) {
+                    const i64 sl = 2 * bb + ((bb * total / P) >= first ? 0 : 1);  // bb's first or last row block
+                    const float* const src = part + (sl * WM + warp) * NACC * 32 + lane;
+#pragma unroll
+                    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+                        for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+                            for (int i = 0; i < 4; ++i) acc[mt][nt][i] += ld_partial(src + ((mt * NT + nt) * 4 + i) * 32);
+                }
+                if (lane == 0) counters[(i64)rb * WM + warp] = 0u;  // every piece has counted: ready for the next launch
+            }
+        }
+        if (writer) {
+            const int row0 = (rb * RT + warp * MT) * 16;
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+                for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+                    for (int i = 0; i < 4; ++i) {
+                        const int rr = row0 + 16 * mt + g + 8 * (i >> 1);
+                        const int nn = 8 * nt + 2 * t + (i & 1);
+                        if (nn < T && rr < N) {
+                            float* dst = y + (i64)nn * ld + rr;
+                            *dst = accumulate ? *dst + acc[mt][nt][i] : acc[mt][nt][i];
+                        }
+                    }
         }
     }
 }

@@ -23,6 +23,9 @@ and splits K among the warps of a thread block, which add their partial sums in 
 order: the output is bitwise reproducible. "v1" (qmm_kernel, the first version, kept for comparison) keeps
 the GGUF row layout. Both can also split K across thread blocks (`splits > 1`, fp32 atomics into a zeroed
 y; then the last bits can differ between runs); v2 does so only for matrices with very few rows.
+Two more kernels read the v2 layout, and `matmul` picks them by launch width: "gemv" (kernels/quant_gemv.py,
+CUDA cores, the narrowest widths) and "wide" (qmw_kernel in this .cu, launched by kernels/quant_wide.py: x staged
+once per block for many row tiles, for speculative verify widths).
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ from typing import Any
 
 import numpy as np
 
-from . import loader, quant_gemv
+from . import loader, quant_gemv, quant_wide
 
 SOURCE = "quant_matmul.cu"
 
@@ -609,8 +612,9 @@ class QuantMatrix:
         config: v2 launch shape (None: choose_config).
         portable: use the kernels built without inline PTX (the HIP / fallback path), for testing.
         kernel: None picks per launch width: "gemv" (kernels/quant_gemv.cu, CUDA cores) up to its measured
-        crossover width on a v2-layout matrix, else the matrix's own kernel; "gemv" / "v2" / "v1" force one
-        (gemv and v2 share the v2 layout; config may then be a quant_gemv.GemvConfig).
+        crossover width on a v2-layout matrix, "wide" (qmw_kernel, kernels/quant_wide.py) from its crossover width,
+        else the matrix's own kernel; "gemv" / "wide" / "v2" / "v1" force one (gemv, wide and v2 share the v2
+        layout; config may then be a quant_gemv.GemvConfig / quant_wide.WideConfig).
         """
         cupy = loader.require()
         n_out, k = self.shape
@@ -653,16 +657,25 @@ class QuantMatrix:
         if kernel is None:
             if isinstance(config, quant_gemv.GemvConfig):
                 kernel = "gemv"
+            elif isinstance(config, quant_wide.WideConfig):
+                kernel = "wide"
             elif self.kernel == "v2" and config is None and splits is None:
-                kernel = "gemv" if quant_gemv.prefer_gemv(self.qtype, self.in_features, tokens) else "v2"
+                if quant_gemv.prefer_gemv(self.qtype, self.in_features, tokens):
+                    kernel = "gemv"
+                elif quant_wide.prefer_wide(self.qtype, tokens):
+                    kernel = "wide"
+                else:
+                    kernel = "v2"
             else:
                 kernel = self.kernel
         if kernel == "gemv" and self.kernel == "v2":
             return self._launch_gemv
+        if kernel == "wide" and self.kernel == "v2":
+            return self._launch_wide
         if kernel != self.kernel:
             raise ValueError(f"{self.name}: kernel {kernel!r} does not read this matrix's {self.kernel} layout")
-        if isinstance(config, quant_gemv.GemvConfig):
-            raise ValueError(f"{self.name}: a GemvConfig applies to the gemv kernel only")
+        if isinstance(config, (quant_gemv.GemvConfig, quant_wide.WideConfig)):
+            raise ValueError(f"{self.name}: a {type(config).__name__} applies to the {kernel} kernel only")
         return self._launch_v2 if kernel == "v2" else self._launch
 
     def _launch_gemv(
@@ -671,6 +684,13 @@ class QuantMatrix:
         if splits is not None or isinstance(config, QmvConfig):
             raise ValueError(f"{self.name}: splits / QmvConfig apply to the v2 kernel, not gemv")
         quant_gemv.gemv(self, packed, out, accumulate=accumulate, config=config, portable=portable)
+
+    def _launch_wide(
+        self, packed: PackedX, out: Any, splits: int | None, portable: bool, config: Any, accumulate: bool = False
+    ) -> None:
+        if splits is not None or (config is not None and not isinstance(config, quant_wide.WideConfig)):
+            raise ValueError(f"{self.name}: splits / {type(config).__name__} do not apply to the wide kernel")
+        quant_wide.wide(self, packed, out, accumulate=accumulate, config=config, portable=portable)
 
     def _launch_v2(
         self, packed: PackedX, out: Any, splits: int | None, portable: bool, config: QmvConfig | None,

@@ -1,0 +1,122 @@
+// CPU simulation of kernels/quant_matmul.cu's qmw_kernel (the wide-token kernel) for machines without a GPU
+// (tests/test_kernels_quant_wide_sim.py).
+//
+// g++ -std=c++17 -DQMM_SOURCE='"path"': the .cu file compiles as plain C++ (no __CUDA_ARCH__, so it takes its portable
+// path: software fp16, shuffle mma emulation, synchronous copies standing in for cp.async, __syncthreads pipeline).
+// Every thread of a block is a fiber (tests/cuda_sim.h block mode): the kernel's __syncthreads and shuffles run for
+// real. Blocks run one at a time, so the stream-K protocol (per-warp arrival counters, the last warp adding the pieces)
+// is exercised by running a launch's blocks in grid order and in seeded permutations: any piece of a row block can be
+// the last to arrive. qmv_kernel (v2) runs here too, as the bitwise reference for row blocks one block covers.
+#define SIM_BLOCK
+#include <utility>
+#include <vector>
+
+#include "cuda_sim.h"
+
+alignas(16) uint4 ss_smem[(232 * 1024) / 16];
+
+#include QMM_SOURCE
+
+static struct {
+    const u8* W;
+    long long row_bytes;
+    int N, K;
+    const uint4* xp;
+    int T;
+    float* y;
+    int stages, accumulate;
+    long long ldy;
+    float* part;
+    unsigned int* counters;
+} wa;
+static void (*g_body)() = nullptr;
+
+template <int QT, int NT, int MT>
+static void qmw_body() {
+    qmw_kernel<QT, NT, MT>(wa.W, wa.row_bytes, wa.N, wa.K, wa.xp, wa.T, wa.y, wa.stages, wa.accumulate, wa.ldy, wa.part,
+                           wa.counters);
+}
+
+template <int QT, int NT, int MT>
+static void qmv_body() {
+    qmv_kernel<QT, NT, MT>(wa.W, wa.row_bytes, wa.N, wa.K, wa.xp, wa.T, wa.y, wa.stages, wa.accumulate, wa.ldy);
+}
+
+template <int QT, int MT, bool WIDE>
+static void (*pick_nt(int nt))() {
+    switch (nt) {
+        case 1: return WIDE ? qmw_body<QT, 1, MT> : qmv_body<QT, 1, MT>;
+        case 2: return WIDE ? qmw_body<QT, 2, MT> : qmv_body<QT, 2, MT>;
+        case 3: return WIDE ? qmw_body<QT, 3, MT> : qmv_body<QT, 3, MT>;
+        case 4: return WIDE ? qmw_body<QT, 4, MT> : qmv_body<QT, 4, MT>;
+        case 5: return WIDE ? qmw_body<QT, 5, MT> : qmv_body<QT, 5, MT>;
+        case 6: return WIDE ? qmw_body<QT, 6, MT> : qmv_body<QT, 6, MT>;
+        case 7: return WIDE ? qmw_body<QT, 7, MT> : qmv_body<QT, 7, MT>;
+        case 8: return WIDE ? qmw_body<QT, 8, MT> : qmv_body<QT, 8, MT>;
+    }
+    return nullptr;
+}
+
+template <bool WIDE>
+static void (*pick(int qt, int nt, int mt))() {
+    if (mt != 1 && mt != 2) return nullptr;
+    switch (qt) {
+        case 1: return mt == 1 ? pick_nt<1, 1, WIDE>(nt) : pick_nt<1, 2, WIDE>(nt);
+        case 8: return mt == 1 ? pick_nt<8, 1, WIDE>(nt) : pick_nt<8, 2, WIDE>(nt);
+        case 12: return mt == 1 ? pick_nt<12, 1, WIDE>(nt) : pick_nt<12, 2, WIDE>(nt);
+        case 14: return mt == 1 ? pick_nt<14, 1, WIDE>(nt) : pick_nt<14, 2, WIDE>(nt);
+    }
+    return nullptr;
+}
+
+// Runs g_body as `blocks` blocks of `threads` threads: in grid order (order_seed 0) or a pseudo-random permutation
+// (Fisher-Yates on a 64-bit LCG seeded with order_seed). Returns the simulation errors.
+static int launch(unsigned blocks, unsigned threads, unsigned long long order_seed) {
+    std::vector<unsigned> order(blocks);
+    for (unsigned b = 0; b < blocks; ++b) order[b] = b;
+    unsigned long long state = order_seed;
+    for (unsigned b = blocks; order_seed != 0 && b > 1; --b) {
+        state = state * 6364136223846793005ull + 1442695040888963407ull;
+        std::swap(order[b - 1], order[(unsigned)((state >> 33) % b)]);
+    }
+    int errors = 0;
+    sim::gdim = {blocks, 1, 1};
+    sim::bdim = {threads, 1, 1};
+    for (unsigned b : order) {
+        sim::bid = {b, 0, 0};
+        std::memset(ss_smem, 0xA5, sizeof(ss_smem));  // stale shared memory must not matter
+        errors += simb::run_block((int)threads, g_body);
+    }
+    return errors;
+}
+
+// qmw_kernel: `blocks` blocks of 32 warps threads; part / counters: the scratch (counters zero, left zero).
+extern "C" int sim_qmw(int qt, int nt, int mt, int warps, int stages, const unsigned char* W, long long row_bytes, int N,
+                       int K, const void* xp, int T, float* y, int accumulate, long long ldy, float* part,
+                       unsigned int* counters, int blocks, unsigned long long order_seed) {
+    g_body = pick<true>(qt, nt, mt);
+    if (!g_body || warps < 1 || warps > 8 || blocks < 1 || stages < 2 || stages > 4) return -1;
+    wa = {W, row_bytes, N, K, (const uint4*)xp, T, y, stages, accumulate, ldy, part, counters};
+    return launch((unsigned)blocks, 32u * (unsigned)warps, order_seed);
+}
+
+// qmv_kernel (v2) with kw K-warps, grid_x persistent blocks, no K split across blocks.
+extern "C" int sim_qmv(int qt, int nt, int mt, int kw, int stages, const unsigned char* W, long long row_bytes, int N,
+                       int K, const void* xp, int T, float* y, int accumulate, long long ldy, int grid_x) {
+    g_body = pick<false>(qt, nt, mt);
+    if (!g_body || kw < 1 || kw > 8 || grid_x < 1) return -1;
+    wa = {W, row_bytes, N, K, (const uint4*)xp, T, y, stages, accumulate, ldy, nullptr, nullptr};
+    return launch((unsigned)grid_x, 32u * (unsigned)kw, 0ull);
+}
+
+extern "C" void sim_pack(int in_f32, const void* x, long long ldx, int T, int K, int tpad, void* xp) {
+    sim::gdim = {1, 1, 1};
+    sim::bdim = {1, 1, 1};
+    sim::bid = {0, 0, 0};
+    simb::cur = 0;
+    simb::tids[0] = {0, 0, 0};
+    if (in_f32)
+        pack_x_kernel<1>(x, ldx, T, K, tpad, (uint4*)xp);
+    else
+        pack_x_kernel<0>(x, ldx, T, K, tpad, (uint4*)xp);
+}

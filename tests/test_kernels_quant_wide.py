@@ -1,0 +1,241 @@
+"""GPU wide-token kernel (quant_matmul.cu's qmw_kernel, launched by kernels/quant_wide.py) against the NumPy twins.
+
+Needs CuPy and a CUDA GPU; skipped (with the reason) anywhere else (tests/test_kernels_quant_wide_sim.py runs the
+same kernel source on the CPU). Outputs are poisoned with NaN first; the bound is v2's, ||y - x @ dequantize(W).T|| /
+||ref|| < 2e-3 (fp16 x and fp16-rounded weights: ~3e-4), in float64. Also: launch shapes and stream-K splits, row
+blocks one block covers bitwise equal to v2 with one K-warp, bitwise reproducibility across launches and CUDA-graph
+replays (the split scratch's counters reset themselves), strided / accumulating outputs, the portable build, the
+automatic dispatch.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from kernels import loader
+
+_REASON = loader.unavailable_reason()  # the one check the engine uses too (CuPy, driver, a visible GPU)
+if _REASON is not None:
+    pytest.skip(f"GPU kernel tests skipped: {_REASON}", allow_module_level=True)
+
+import cupy  # noqa: E402
+
+from kernels import quant_gemv as qg  # noqa: E402
+from kernels import quant_matmul as qm  # noqa: E402
+from kernels import quant_wide as qw  # noqa: E402
+from tests.quant_twins import NAMES, dequantize, random_weights, rel_error  # noqa: E402
+
+pytestmark = pytest.mark.gpu
+
+TYPES = (qm.Q4_K, qm.Q6_K, qm.Q8_0, qm.F16)
+TOL = 2e-3
+WIDTHS = (1, 5, 8, 9, 13, 16, 17, 23, 31, 32, 33, 41, 47, 48, 57, 64)
+
+
+def run(W: qm.QuantMatrix, x, y0=None, **kw) -> np.ndarray:
+    """W.matmul on the GPU into a NaN-poisoned (or y0-filled, for accumulate) output; returns it on the host."""
+    tokens = x.tokens if isinstance(x, qm.PackedX) else x.shape[0]
+    out = cupy.array(y0) if y0 is not None else cupy.full((tokens, W.out_features), np.nan, dtype=cupy.float32)
+    y = W.matmul(x if isinstance(x, qm.PackedX) else cupy.asarray(x), out=out, **kw)
+    cupy.cuda.Device().synchronize()
+    return cupy.asnumpy(y)
+
+
+def check(W: qm.QuantMatrix, w64: np.ndarray, tokens: int, rng: np.random.Generator, label: str, **kw) -> np.ndarray:
+    x = (rng.standard_normal((tokens, W.in_features)) * 0.5).astype(np.float16)
+    y = run(W, x, **kw)
+    bad = ~np.isfinite(y)
+    assert not bad.any(), f"{label} T={tokens} {kw}: {int(bad.sum())} elements unwritten or not finite"
+    err = rel_error(y, x.astype(np.float64) @ w64.T)
+    assert err < TOL, f"{label} T={tokens} {kw}: relative error {err:.3e} >= {TOL}"
+    return y
+
+
+CASES = [
+    (qtype, shape) for qtype in TYPES for shape in ((256, 512), (1024, 2048), (77, 768))
+] + [
+    (qm.Q8_0, (200, 544)),  # K % 256 == 32: a one-pair tail chunk
+    (qm.Q8_0, (45, 1248)),  # K % 256 == 224: a seven-pair tail chunk
+    (qm.F16, (130, 288)),
+]
+
+
+def _case_id(value) -> str:
+    return NAMES[value] if isinstance(value, int) else "x".join(map(str, value))
+
+
+def _matrix(qtype: int, shape: tuple[int, int], rng: np.random.Generator) -> tuple[qm.QuantMatrix, np.ndarray]:
+    raw = random_weights(qtype, *shape, rng)
+    return qm.QuantMatrix(qtype, raw, shape, name=f"{NAMES[qtype]} {shape}"), dequantize(qtype, raw, *shape)
+
+
+@pytest.mark.parametrize("qtype,shape", CASES, ids=_case_id)
+def test_matches_twin_at_every_width(qtype: int, shape: tuple[int, int]) -> None:
+    rng = np.random.default_rng(2000 * qtype + shape[0] + shape[1])
+    W, w64 = _matrix(qtype, shape, rng)
+    for tokens in WIDTHS:
+        check(W, w64, tokens, rng, W.name, kernel="wide")
+
+
+SHAPES = [
+    qw.WideConfig(2, 8, 3),
+    qw.WideConfig(1, 4, 2),
+    qw.WideConfig(2, 2, 4),
+    qw.WideConfig(1, 8, 3, blocks_per_sm=1),
+    qw.WideConfig(2, 4, 2, blocks_per_sm=2),
+    qw.WideConfig(2, 4, 3, blocks=1),  # one block walks every row block whole
+    qw.WideConfig(2, 1, 2, blocks=7),  # row blocks shared by uneven pieces
+    qw.WideConfig(1, 2, 2, blocks=1000),  # more blocks than items: most have nothing to do
+]
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=NAMES.get)
+def test_launch_shapes_agree(qtype: int) -> None:
+    rng = np.random.default_rng(41 + qtype)
+    shape = (200, 2304) if qtype != qm.Q8_0 else (200, 2336)  # Q8_0: a tail chunk of 32 values
+    W, w64 = _matrix(qtype, shape, rng)
+    for cfg in SHAPES:
+        for tokens in (9, 41, 64):
+            full = qw.choose_config(qtype, *shape, tokens, cfg)
+            if qw.smem_bytes(qtype, (tokens + 7) // 8, full.m_tiles, full.warps, full.stages) <= qw.SMEM_LIMIT:
+                check(W, w64, tokens, rng, f"{W.name} {cfg}", config=cfg)
+
+
+@pytest.mark.parametrize("qtype,shape,mt,warps", [(qm.Q4_K, (1000, 2048), 2, 4), (qm.Q6_K, (300, 1536), 1, 8),
+                                                  (qm.Q8_0, (250, 1248), 2, 2), (qm.F16, (130, 800), 1, 4)],
+                         ids=str)  # fmt: skip
+def test_whole_row_blocks_equal_v2_bitwise(qtype: int, shape: tuple[int, int], mt: int, warps: int) -> None:
+    """One block per row block: every row block is one block's sequential sum over the chunks, with v2's
+    dequantization and mma order, so the output is bitwise v2's with one K-warp (and no K split)."""
+    rng = np.random.default_rng(77 + qtype)
+    W, w64 = _matrix(qtype, shape, rng)
+    cfg = qw.WideConfig(mt, warps, 2, blocks=qw.row_blocks(shape[0], mt, warps))
+    for tokens in (9, 23, 64):
+        x = cupy.asarray((rng.standard_normal((tokens, shape[1])) * 0.5).astype(np.float16))
+        px = qm.pack_activations(x)
+        wide = run(W, px, kernel="wide", config=cfg)
+        v2 = run(W, px, kernel="v2", config=qm.QmvConfig(mt, 1, 2, 1))
+        assert np.array_equal(wide, v2), f"T={tokens}"
+        assert rel_error(wide, cupy.asnumpy(x).astype(np.float64) @ w64.T) < TOL
+
+
+@pytest.mark.parametrize("qtype,shape", [(qm.Q4_K, (17408, 5120)), (qm.Q4_K, (5120, 17408)), (qm.Q6_K, (5120, 17408)),
+                                         (qm.Q6_K, (5120, 6144))], ids=_case_id)  # fmt: skip
+def test_27b_shapes(qtype: int, shape: tuple[int, int]) -> None:
+    """Qwen3.6-27B ffn_up / ffn_down / ssm_out at verify widths with the default launch (stream-K pieces)."""
+    rng = np.random.default_rng(7 + qtype + shape[0])
+    W, w64 = _matrix(qtype, shape, rng)
+    for tokens in (9, 16, 23, 41, 64):
+        check(W, w64, tokens, rng, W.name, kernel="wide")
+
+
+def test_reproducible_and_counters_left_zero() -> None:
+    rng = np.random.default_rng(5)
+    W, _ = _matrix(qm.Q4_K, (5120, 6144), rng)
+    x = cupy.asarray((rng.standard_normal((41, 6144)) * 0.5).astype(np.float16))
+    px = qm.pack_activations(x)
+    shape = qw.launch_shape(W, 41)
+    assert max(1, shape["blocks"]) > shape["row_blocks"]  # the default split shares row blocks between blocks
+    first = run(W, px, kernel="wide")
+    for _ in range(3):
+        assert np.array_equal(run(W, px, kernel="wide"), first)
+    for sc in qg._scratch.values():
+        assert not bool(sc.counters.any()), "the arrival counters must be left zero"
+
+
+def test_wide_in_a_cuda_graph() -> None:
+    """Captured on a fresh stream (its scratch is made during the capture), replayed several times: every replay
+    bitwise equal to the eager launches; two matrices of different shapes and an accumulating launch share the
+    scratch."""
+    rng = np.random.default_rng(1500)
+    (A, _), (B, _) = _matrix(qm.Q4_K, (5120, 6144), rng), _matrix(qm.Q6_K, (1024, 5120), rng)
+    xa = qm.pack_activations(cupy.asarray((rng.standard_normal((23, 6144)) * 0.5).astype(np.float16)))
+    xb = qm.pack_activations(cupy.asarray((rng.standard_normal((23, 5120)) * 0.5).astype(np.float16)))
+    y0 = cupy.asarray(rng.standard_normal((23, 5120)).astype(np.float32))
+    eager_a = A.matmul(xa, kernel="wide")
+    eager_b = B.matmul(xb, kernel="wide")
+    eager_c = y0.copy()
+    A.matmul(xa, out=eager_c, accumulate=True, kernel="wide")
+    stream = cupy.cuda.Stream(non_blocking=True)
+    with stream:
+        outs = [cupy.full((23, 5120), np.nan, cupy.float32), cupy.full((23, 1024), np.nan, cupy.float32),
+                cupy.empty((23, 5120), cupy.float32)]  # fmt: skip
+        stream.synchronize()
+        stream.begin_capture()
+        try:
+            A.matmul(xa, out=outs[0], kernel="wide")
+            B.matmul(xb, out=outs[1], kernel="wide")
+            outs[2][...] = y0
+            A.matmul(xa, out=outs[2], accumulate=True, kernel="wide")
+        finally:
+            graph = stream.end_capture()
+        for _ in range(4):
+            outs[0].fill(np.nan)
+            outs[1].fill(np.nan)
+            graph.launch(stream)
+            stream.synchronize()
+            assert cupy.array_equal(outs[0], eager_a)
+            assert cupy.array_equal(outs[1], eager_b)
+            assert cupy.array_equal(outs[2], eager_c)
+    assert cupy.array_equal(A.matmul(xa, kernel="wide"), eager_a)  # eager again after
+
+
+@pytest.mark.parametrize("cfg", [qw.WideConfig(2, 4, 2, blocks=1), qw.WideConfig(2, 4, 2, blocks=9), None], ids=str)
+def test_strided_out_and_accumulate(cfg) -> None:
+    """A column slice of wider rows (row stride ldy) gets what a contiguous output gets, its neighbours untouched;
+    accumulate adds the finished sum once: bitwise y0 + the product."""
+    rng = np.random.default_rng(9)
+    n_out, k, tokens = 300, 2048, 37
+    W, _ = _matrix(qm.Q6_K, (n_out, k), rng)
+    px = qm.pack_activations(cupy.asarray((rng.standard_normal((tokens, k)) * 0.5).astype(np.float16)))
+    y0 = cupy.asarray(rng.standard_normal((tokens, n_out)).astype(np.float32))
+    plain = cupy.full((tokens, n_out), np.nan, cupy.float32)
+    W.matmul(px, out=plain, kernel="wide", config=cfg)
+    for accumulate in (False, True):
+        flat = y0.copy() if accumulate else cupy.full((tokens, n_out), np.nan, cupy.float32)
+        W.matmul(px, out=flat, accumulate=accumulate, kernel="wide", config=cfg)
+        wide = cupy.full((tokens, n_out + 40), 7.25, cupy.float32)
+        view = wide[:, 11 : 11 + n_out]
+        view[...] = y0 if accumulate else cupy.nan
+        W.matmul(px, out=view, accumulate=accumulate, kernel="wide", config=cfg)
+        assert cupy.array_equal(view, flat), f"accumulate={accumulate}"
+        host = cupy.asnumpy(wide)
+        assert (host[:, :11] == 7.25).all() and (host[:, 11 + n_out :] == 7.25).all()
+        if accumulate:
+            assert cupy.array_equal(flat, y0 + plain)
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=NAMES.get)
+def test_portable_fallback_path(qtype: int) -> None:
+    """Compiled with -DSPECSPLIT_PORTABLE: software fp16 and mma, cp.async replaced by plain copies, the
+    __syncthreads pipeline instead of bulk copies and mbarriers."""
+    rng = np.random.default_rng(99 + qtype)
+    shape = (256, 512) if qtype in (qm.Q4_K, qm.Q6_K) else (200, 544)
+    W, w64 = _matrix(qtype, shape, rng)
+    for tokens in (9, 23):
+        check(W, w64, tokens, rng, f"portable {NAMES[qtype]}", kernel="wide", portable=True,
+              config=qw.WideConfig(2, 2, 2, blocks=3))  # fmt: skip
+
+
+def test_float32_input_and_dispatch() -> None:
+    rng = np.random.default_rng(12)
+    shape = (384, 1024)
+    W, w64 = _matrix(qm.Q4_K, shape, rng)
+    x = rng.standard_normal((29, shape[1])).astype(np.float32)
+    y = run(W, x, kernel="wide")
+    assert rel_error(y, x.astype(np.float16).astype(np.float64) @ w64.T) < TOL  # fp32 input is rounded to fp16
+    # matmul() picks the wide kernel from its crossover width, v2 below it (above gemv's widths)
+    px = qm.pack_activations(cupy.asarray(x))
+    assert np.array_equal(run(W, px), run(W, px, kernel="wide"))
+    narrow = qw.CROSSOVER[qm.Q4_K] - 1
+    if narrow > qg.CROSSOVER[qm.Q4_K]:
+        pn = qm.pack_activations(cupy.asarray(x[:narrow]))
+        assert np.array_equal(run(W, pn), run(W, pn, kernel="v2"))
+    with pytest.raises(ValueError):
+        W.matmul(px, kernel="wide", splits=2)
+    with pytest.raises(ValueError):
+        W.matmul(px, kernel="wide", config=qm.QmvConfig(2, 4, 2, 1))
+    v1 = qm.QuantMatrix(qm.Q4_K, random_weights(qm.Q4_K, *shape, rng), shape, kernel="v1")
+    with pytest.raises(ValueError):
+        v1.matmul(px, kernel="wide")

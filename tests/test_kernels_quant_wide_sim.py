@@ -1,0 +1,343 @@
+"""quant_matmul.cu's wide-token kernel (qmw_kernel) run on the CPU: its portable path compiled as C++ by g++
+(tests/cuda_sim_wide.cpp), against the NumPy twins.
+
+No GPU is needed. The simulation runs the real kernel source with every thread of a block a fiber (tests/cuda_sim.h
+block mode): the staging of x and weight tiles per chunk through the stage ring with real __syncthreads, the warps'
+row tiles, v2's dequantization and fragment order with B read from shared memory, F16 / Q8_0 tail chunks, partial
+row blocks past the last tile, the stream-K split of (row block, chunk) items over the blocks with the per-warp
+arrival counters and the last warp adding the pieces (blocks run in grid order and in permutations, so any piece can
+arrive last), accumulate, a strided output. Plus the launcher's pure-Python parts (kernels/quant_wide.py).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from kernels import quant_gemv as qg
+from kernels import quant_matmul as qm
+from kernels import quant_wide as qw
+from services.engine import quants
+from tests.quant_twins import random_weights
+
+ROOT = Path(__file__).resolve().parents[1]
+SOURCE = ROOT / "kernels" / "quant_matmul.cu"
+HARNESS = Path(__file__).resolve().parent / "cuda_sim_wide.cpp"
+
+F16, Q8_0, Q4_K, Q6_K = 1, 8, 12, 14
+PAD = 1024
+TOL = 2e-3  # v2's numerics: fp16 x and fp16-rounded weights (~3e-4)
+SMEM_CANARY = 0xA5  # the harness fills shared memory with it before every block
+
+needs_gxx = pytest.mark.skipif(
+    shutil.which("g++") is None or not sys.platform.startswith("linux"),
+    reason="the CPU simulation of the CUDA kernels needs g++ on Linux (ucontext fibers)",
+)
+
+
+@pytest.fixture(scope="session")
+def sim(tmp_path_factory) -> ctypes.CDLL:
+    parts = (SOURCE, HARNESS, HARNESS.with_name("cuda_sim.h"))
+    digest = hashlib.sha256(b"".join(p.read_bytes() for p in parts)).hexdigest()[:16]
+    lib_path = tmp_path_factory.mktemp("cuda_sim_wide") / f"cuda_sim_wide_{digest}.so"
+    cmd = [
+        "g++", "-std=c++17", "-O1", "-shared", "-fPIC", "-w", f'-DQMM_SOURCE="{SOURCE}"', "-o", str(lib_path),
+        str(HARNESS),
+    ]  # fmt: skip
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    assert done.returncode == 0, f"g++ failed:\n{done.stderr[-4000:]}"
+    lib = ctypes.CDLL(str(lib_path))
+    I, LL, P, ULL = ctypes.c_int, ctypes.c_longlong, ctypes.c_void_p, ctypes.c_ulonglong
+    lib.sim_qmw.restype = I
+    lib.sim_qmw.argtypes = [I, I, I, I, I, P, LL, I, I, P, I, P, I, LL, P, P, I, ULL]
+    lib.sim_qmv.restype = I
+    lib.sim_qmv.argtypes = [I, I, I, I, I, P, LL, I, I, P, I, P, I, LL, I]
+    lib.sim_pack.restype = None
+    lib.sim_pack.argtypes = [I, P, LL, I, I, I, P]
+    lib.smem = np.ctypeslib.as_array((ctypes.c_uint8 * (232 * 1024)).in_dll(lib, "ss_smem"))
+    return lib
+
+
+def aligned_zeros(nbytes: int) -> np.ndarray:
+    raw = np.zeros(nbytes + 64, np.uint8)
+    off = (-raw.ctypes.data) % 64
+    return raw[off : off + nbytes]
+
+
+class Problem:
+    """One matrix in the v2 layout (16-byte aligned, with the launcher's slack) and x packed by pack_x_kernel."""
+
+    def __init__(self, lib, qtype: int, n_out: int, k: int, tokens: int, seed: int, f32: bool = False):
+        rng = np.random.default_rng(seed)
+        self.lib, self.qtype, self.n_out, self.k, self.tokens = lib, qtype, n_out, k, tokens
+        self.raw = random_weights(qtype, n_out, k, rng)
+        laid = qm.device_layout(qtype, self.raw)
+        self.w = aligned_zeros(laid.nbytes + PAD)
+        self.w[: laid.nbytes] = laid
+        self.nt = (tokens + 7) // 8
+        self.tpad = 8 * self.nt
+        x = rng.standard_normal((tokens, k)) * 0.5
+        self.x = x.astype(np.float32 if f32 else np.float16)
+        self.xp = aligned_zeros(k * self.tpad * 2)
+        lib.sim_pack(int(f32), self.x.ctypes.data, k, tokens, k, self.tpad, self.xp.ctypes.data)
+        self.rng = rng
+
+    def reference(self) -> np.ndarray:
+        w64 = quants.dequantize(self.raw, self.qtype, (self.n_out, self.k)).astype(np.float64)
+        return self.x.astype(np.float16).astype(np.float64) @ w64.T
+
+    def wide(self, mt: int, warps: int, stages: int, blocks: int, *, seed: int = 0, y=None, accumulate: bool = False,
+             ld: int = 0, scratch=None) -> tuple[np.ndarray, tuple]:  # fmt: skip
+        """One simulated launch; returns y and the scratch (part, counters) it used (counters checked zero after)."""
+        if y is None:
+            y = np.full((self.tokens, self.n_out), np.nan, np.float32)  # poison: unwritten elements stay NaN
+        if scratch is None:
+            nrb = qw.row_blocks(self.n_out, mt, warps)
+            part = np.full(qw.scratch_floats(blocks, self.nt, mt, warps), np.nan, np.float32)
+            scratch = (part, np.zeros(nrb * warps, np.uint32))
+        part, counters = scratch
+        smem = qw.smem_bytes(self.qtype, self.nt, mt, warps, stages)
+        err = self.lib.sim_qmw(self.qtype, self.nt, mt, warps, stages, self.w.ctypes.data, self.raw.shape[1],
+                               self.n_out, self.k, self.xp.ctypes.data, self.tokens, y.ctypes.data, int(accumulate),
+                               ld, part.ctypes.data, counters.ctypes.data, blocks, seed)  # fmt: skip
+        assert err == 0, "simulation error (divergent warp or deadlock)"
+        assert not counters.any(), "the arrival counters must be left zero"
+        # the kernel stays inside the shared memory the launcher reserves (last block run)
+        assert (self.lib.smem[smem:] == SMEM_CANARY).all(), "shared memory written past smem_bytes()"
+        return y, scratch
+
+    def v2(self, mt: int, kw: int = 1) -> np.ndarray:
+        y = np.full((self.tokens, self.n_out), np.nan, np.float32)
+        groups = -(-self.n_out // (16 * mt))
+        err = self.lib.sim_qmv(self.qtype, self.nt, mt, kw, 2, self.w.ctypes.data, self.raw.shape[1], self.n_out,
+                               self.k, self.xp.ctypes.data, self.tokens, y.ctypes.data, 0, 0, groups)  # fmt: skip
+        assert err == 0
+        return y
+
+
+def check_twin(p: Problem, y: np.ndarray) -> None:
+    bad = ~np.isfinite(y)
+    assert not bad.any(), f"{int(bad.sum())} outputs unwritten"
+    ref = p.reference()
+    rel = np.linalg.norm(y - ref) / np.linalg.norm(ref)
+    assert rel < TOL, f"relative error {rel:.3e}"
+
+
+def pieces(n_out: int, k: int, mt: int, warps: int, blocks: int) -> list[int]:
+    """Blocks sharing each row block under the kernel's stream-K split (NumPy restatement of its arithmetic)."""
+    nch = -(-k // 256)
+    total = qw.row_blocks(n_out, mt, warps) * nch
+    start = [b * total // blocks for b in range(blocks + 1)]
+    return [sum(1 for b in range(blocks) if start[b] < (rb + 1) * nch and start[b + 1] > rb * nch)
+            for rb in range(total // nch)]  # fmt: skip
+
+
+CASES = [
+    # qtype, n_out, k, tokens, (m_tiles, warps, stages, blocks)
+    (Q4_K, 64, 1024, 16, (2, 2, 3, 1)),  # one block walks both row blocks whole
+    (Q4_K, 100, 1280, 23, (2, 4, 2, 3)),  # a partial row block (100 rows), 5 chunks split 3 ways
+    (Q4_K, 48, 768, 41, (1, 3, 4, 2)),  # 3 warps, 4 stages
+    (Q4_K, 37, 512, 9, (2, 1, 2, 5)),  # one warp per block, more blocks than row blocks
+    (Q6_K, 80, 768, 64, (2, 2, 2, 4)),  # all 8 token tiles
+    (Q6_K, 20, 1024, 31, (1, 2, 3, 3)),  # 2 tiles, the second partial
+    (Q6_K, 130, 512, 5, (1, 8, 2, 2)),  # 8 warps, 9 tiles: one row block of 8 plus one of 1
+    (Q8_0, 33, 1248, 17, (2, 2, 3, 4)),  # tail chunk of 224 values
+    (Q8_0, 45, 544, 48, (1, 2, 2, 3)),  # tail of 32 values
+    (Q8_0, 20, 32, 12, (2, 1, 2, 1)),  # only a tail chunk
+    (F16, 50, 800, 27, (2, 2, 2, 3)),  # tail of 32 values
+    (F16, 40, 256, 2, (1, 2, 3, 7)),  # 2 items over 7 blocks: five blocks have nothing to do
+]
+
+
+@needs_gxx
+@pytest.mark.parametrize("qtype,n_out,k,tokens,cfg", CASES)
+def test_wide_kernel_matches_twin_on_cpu(sim, qtype, n_out, k, tokens, cfg) -> None:
+    p = Problem(sim, qtype, n_out, k, tokens, seed=qtype * 131 + n_out + k + tokens)
+    y, _ = p.wide(*cfg)
+    check_twin(p, y)
+
+
+@needs_gxx
+@pytest.mark.parametrize("qtype,n_out,k,tokens,mt,warps", [(Q4_K, 70, 1024, 19, 2, 2), (Q6_K, 48, 512, 40, 1, 3),
+                                                           (Q8_0, 33, 1248, 9, 2, 2), (F16, 40, 544, 64, 1, 2)])
+def test_whole_row_blocks_equal_v2_bitwise_on_cpu(sim, qtype, n_out, k, tokens, mt, warps) -> None:
+    """With one block per row block (every row block a single piece) each output is summed exactly as v2 with one
+    K-warp sums it: same dequantization, same mma step order, chunks in order."""
+    p = Problem(sim, qtype, n_out, k, tokens, seed=n_out * 7 + k)
+    blocks = qw.row_blocks(n_out, mt, warps)
+    assert max(pieces(n_out, k, mt, warps, blocks)) == 1
+    y, _ = p.wide(mt, warps, 2, blocks, seed=3)
+    ref = p.v2(mt, kw=1)
+    assert np.array_equal(y, ref)
+    assert np.array_equal(y, p.v2(3 - mt, kw=1))  # v2's m_tiles does not change a sum either
+    check_twin(p, y)
+
+
+@needs_gxx
+@pytest.mark.parametrize("qtype,n_out,k,tokens,cfg", [(Q4_K, 100, 2048, 23, (2, 2, 3, 7)),
+                                                      (Q6_K, 40, 1280, 33, (1, 3, 2, 4)),
+                                                      (F16, 64, 800, 9, (2, 1, 2, 5))])
+def test_split_row_blocks_are_deterministic_on_cpu(sim, qtype, n_out, k, tokens, cfg) -> None:
+    """Row blocks shared by several blocks: the last warp to arrive adds the pieces in block order, so the output is
+    bitwise the same whichever piece arrives last (grid order and permutations), and a second launch on the same
+    scratch (counters left zero) repeats it."""
+    mt, warps, stages, blocks = cfg
+    assert max(pieces(n_out, k, mt, warps, blocks)) >= 2
+    p = Problem(sim, qtype, n_out, k, tokens, seed=k + tokens)
+    y0, scratch = p.wide(*cfg)
+    check_twin(p, y0)
+    for seed in (1, 2, 0xBEEF):
+        y, scratch = p.wide(*cfg, seed=seed, scratch=scratch)
+        assert np.array_equal(y, y0), f"block order {seed}"
+    # the same sum in float64 terms: pieces added in block order (within rounding of the v2 single-warp sum)
+    np.testing.assert_allclose(y0, p.v2(mt), rtol=1e-4, atol=1e-4)
+
+
+@needs_gxx
+@pytest.mark.parametrize("blocks", [1, 3])
+def test_accumulate_and_strided_output_on_cpu(sim, blocks) -> None:
+    """accumulate=True adds the finished sum once (bitwise y0 + the product, split or not); a product into a column
+    slice of wider rows (row stride ldy) equals the contiguous one and leaves the other columns alone."""
+    n_out, k, tokens, cfg = 72, 1024, 21, (2, 2, 2, blocks)
+    p = Problem(sim, Q4_K, n_out, k, tokens, seed=blocks)
+    plain, _ = p.wide(*cfg, seed=blocks)
+    y0 = p.rng.standard_normal((tokens, n_out)).astype(np.float32)
+    acc, _ = p.wide(*cfg, y=y0.copy(), accumulate=True)
+    assert np.array_equal(acc, y0 + plain)
+    ld, off = n_out + 19, 11
+    for ref, flag in ((plain, False), (acc, True)):
+        wide = np.full((tokens, ld), 7.25, np.float32)
+        wide[:, off : off + n_out] = y0 if flag else np.nan
+        p.wide(*cfg, y=wide[:, off:], accumulate=flag, ld=ld, seed=7)
+        assert np.array_equal(wide[:, off : off + n_out], ref)
+        assert (wide[:, :off] == 7.25).all() and (wide[:, off + n_out :] == 7.25).all()
+
+
+@needs_gxx
+def test_float32_activations_are_rounded_to_fp16_on_cpu(sim) -> None:
+    p = Problem(sim, Q6_K, 32, 768, 13, seed=5, f32=True)
+    y, _ = p.wide(2, 1, 3, 2)
+    check_twin(p, y)
+
+
+# --- the launcher's pure-Python parts ---------------------------------------------------------------------------
+
+
+def test_shared_memory_and_scratch_sizes() -> None:
+    # per stage: 512 bytes of packed x per token of the padded width, one tile block per (warp, m tile), 2 mbarriers
+    assert qw.smem_bytes(Q4_K, 8, 2, 8, 3) == 3 * (512 * 64 + 16 * 2304 + 16)
+    assert qw.smem_bytes(Q6_K, 3, 1, 4, 2) == 2 * (512 * 24 + 4 * 16 * 210 + 16)
+    assert qw.chunk_block_bytes(Q8_0) == 16 * 272 and qw.chunk_block_bytes(F16) == 16 * 512
+    assert qw.row_blocks(17408, 2, 8) == 68 and qw.row_blocks(5120, 2, 8) == 20 and qw.row_blocks(100, 2, 4) == 1
+    assert qw.scratch_floats(132, 8, 2, 8) == 2 * 132 * 256 * 64
+
+
+@pytest.mark.parametrize("qtype", [F16, Q8_0, Q4_K, Q6_K])
+@pytest.mark.parametrize("tokens", [1, 9, 23, 41, 64])
+def test_default_config_fits(qtype, tokens) -> None:
+    for shape in ((17408, 5120), (5120, 17408), (248320, 5120), (48, 5120)):
+        cfg = qw.choose_config(qtype, *shape, tokens)
+        qw.check(qtype, (tokens + 7) // 8, cfg)
+        assert cfg.m_tiles == qw.M_TILES
+        assert cfg.warps * cfg.m_tiles <= max(cfg.m_tiles, -(-shape[0] // 16))  # no block of mostly idle warps
+    # Q4_K keeps 8 warps and 3 stages up to 64 tokens; Q6_K's bigger tiles drop to 2 stages at 64
+    assert qw.choose_config(Q4_K, 17408, 5120, 64) == qw.WideConfig(2, 8, 3)
+    assert qw.choose_config(Q6_K, 17408, 5120, 64) == qw.WideConfig(2, 8, 2)
+    assert qw.choose_config(Q4_K, 17408, 5120, 64, qw.WideConfig(warps=4, stages=4)) == qw.WideConfig(2, 4, 4)
+
+
+def test_grid_and_residency() -> None:
+    # 8 warps of 187 registers: one block per SM; 4 warps of 121 registers and 60 KB: three
+    assert qw.blocks_per_sm(8, 187, 200_000) == 1
+    assert qw.blocks_per_sm(4, 121, 60_000) == 3
+    cfg = qw.WideConfig(2, 8, 3)
+    assert qw.grid(17408, 5120, cfg, 187, 200_000, 132) == 132
+    assert qw.grid(256, 512, cfg, 187, 200_000, 132) == 2  # at most one block per item
+    assert qw.grid(17408, 5120, qw.WideConfig(2, 4, 2, blocks_per_sm=2), 121, 60_000, 132) == 264
+    assert qw.grid(17408, 5120, qw.WideConfig(2, 4, 2, blocks=77), 121, 60_000, 132) == 77
+
+
+def test_dispatch_widths() -> None:
+    for q in (F16, Q8_0, Q4_K, Q6_K):
+        assert qw.CROSSOVER[q] > qg.CROSSOVER[q]  # gemv keeps its widths
+        assert not qw.prefer_wide(q, qw.CROSSOVER[q] - 1) and qw.prefer_wide(q, qw.CROSSOVER[q])
+        assert qw.prefer_wide(q, 64) and not qw.prefer_wide(q, 65)
+
+
+def test_stream_k_split_restatement() -> None:
+    # ffn_up 17408 rows at 256 rows per block: 68 row blocks x 20 chunks over 132 blocks -> 2 or 3 pieces each
+    got = pieces(17408, 5120, 2, 8, 132)
+    assert len(got) == 68 and set(got) <= {2, 3}
+    assert pieces(17408, 5120, 2, 8, 68) == [1] * 68
+
+
+class _SimKernel:
+    """Stands in for the compiled qmw_kernel<QT, NT, MT>: checks each argument's type against the kernel's C
+    signature, then runs the launch in the simulation."""
+
+    SIGNATURE = ("ptr", np.int64, np.int32, np.int32, "ptr", np.int32, "ptr", np.int32, np.int32, np.int64, "ptr",
+                 "ptr")  # fmt: skip
+
+    def __init__(self, lib, name: str, launches: list):
+        qt, nt, mt = (int(v) for v in name[name.index("<") + 1 : -1].split(","))
+        self.lib, self.qt, self.nt, self.mt, self.launches = lib, qt, nt, mt, launches
+        self.num_regs = 128
+        self.max_dynamic_shared_size_bytes = 0
+
+    def __call__(self, grid, block, args, shared_mem=0):
+        assert len(args) == len(self.SIGNATURE)
+        for a, want in zip(args, self.SIGNATURE):
+            assert isinstance(a, np.ndarray) if want == "ptr" else type(a) is want, (a, want)
+        W, row_bytes, n, k, xp, tokens, y, stages, accumulate, ldy, part, counters = args
+        (blocks,), (threads,) = grid, block
+        self.launches.append({"blocks": blocks, "threads": threads, "smem": shared_mem, "part": part.size})
+        assert threads % 32 == 0 and shared_mem <= qw.SMEM_LIMIT
+        err = self.lib.sim_qmw(self.qt, self.nt, self.mt, threads // 32, int(stages), W.ctypes.data, int(row_bytes),
+                               int(n), int(k), xp.ctypes.data, int(tokens), y.ctypes.data, int(accumulate), int(ldy),
+                               part.ctypes.data, counters.ctypes.data, blocks, 11)  # fmt: skip
+        assert err == 0
+        assert (self.lib.smem[shared_mem:] == SMEM_CANARY).all(), "the launch reserves too little shared memory"
+
+
+@needs_gxx
+@pytest.mark.parametrize("qtype,n_out,k,tokens,config", [(Q4_K, 300, 1536, 23, None), (Q6_K, 96, 1024, 64, None),
+                                                          (Q8_0, 45, 1248, 9, qw.WideConfig(1, 2, 3, blocks=4)),
+                                                          (F16, 70, 800, 41, qw.WideConfig(2, 2, 2))])
+def test_launcher_end_to_end_on_cpu(sim, monkeypatch, qtype, n_out, k, tokens, config) -> None:
+    """quant_wide.wide() as the engine calls it, its launch going to the simulation: argument order and types, grid,
+    shared memory and scratch sizes, a strided accumulating output."""
+    from kernels import loader
+
+    launches: list = []
+    monkeypatch.setattr(loader, "get_function", lambda src, name, defines=(): _SimKernel(sim, name, launches))
+    monkeypatch.setattr(qm, "sm_count", lambda: 3)
+    monkeypatch.setattr(qm, "_device_id", lambda: 0)
+    nrb_max = qw.row_blocks(n_out, 1, 1)
+    scratch = (np.full(1 << 22, np.nan, np.float32), np.zeros(nrb_max * 8, np.uint32))
+    sizes = []
+    monkeypatch.setattr(qg, "split_scratch", lambda tiles, floats: sizes.append((tiles, floats)) or scratch)
+    p = Problem(sim, qtype, n_out, k, tokens, seed=k + tokens)
+    W = type("W", (), {"shape": (n_out, k), "qtype": qtype, "kernel": "v2", "name": "w", "row_bytes": p.raw.shape[1],
+                       "device_buffer": p.w})()  # fmt: skip
+    packed = qm.PackedX(p.xp.view(np.uint16), tokens, k)
+    y0 = p.rng.standard_normal((tokens, n_out)).astype(np.float32)
+    wide = np.full((tokens, n_out + 9), 7.25, np.float32)
+    wide[:, 5 : 5 + n_out] = y0
+    qw.wide(W, packed, wide[:, 5 : 5 + n_out], accumulate=True, config=config)
+    check_twin(p, wide[:, 5 : 5 + n_out] - y0)
+    assert (wide[:, :5] == 7.25).all() and (wide[:, 5 + n_out :] == 7.25).all()
+    (launch,) = launches
+    cfg = qw.choose_config(qtype, n_out, k, tokens, config)
+    assert launch["threads"] == 32 * cfg.warps
+    assert launch["blocks"] == qw.grid(n_out, k, cfg, 128, launch["smem"], 3)
+    assert launch["smem"] == qw.smem_bytes(qtype, (tokens + 7) // 8, cfg.m_tiles, cfg.warps, cfg.stages)
+    assert sizes == [(qw.row_blocks(n_out, cfg.m_tiles, cfg.warps) * cfg.warps,
+                      qw.scratch_floats(launch["blocks"], (tokens + 7) // 8, cfg.m_tiles, cfg.warps))]  # fmt: skip
+    assert not scratch[1].any()
