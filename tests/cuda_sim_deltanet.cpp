@@ -131,6 +131,7 @@ extern "C" int sim_tree_staged(int f16, int dk, int cw, int depth, int gx, int b
     if (dk == 128 && cw == 4 && depth == 8) fn = f16 ? tree_staged_lane<u16, 128, 4, 8> : tree_staged_lane<float, 128, 4, 8>;
     if (dk == 64 && cw == 8 && depth == 8) fn = f16 ? tree_staged_lane<u16, 64, 8, 8> : tree_staged_lane<float, 64, 8, 8>;
     if (dk == 128 && cw == 8 && depth == 2) fn = f16 ? tree_staged_lane<u16, 128, 8, 2> : tree_staged_lane<float, 128, 8, 2>;
+    if (dk == 128 && cw == 8 && depth == 16) fn = f16 ? tree_staged_lane<u16, 128, 8, 16> : tree_staged_lane<float, 128, 8, 16>;
     if (!fn) return -1;
     stale_smem();
     return launch(g2(gx, 1), block, fn);
@@ -168,6 +169,7 @@ extern "C" int sim_tree_walk(int f16, int dk, int cw, int depth, int gx, int blo
     DN_PICK(walk_lane, 128, 4, 8)
     DN_PICK(walk_lane, 64, 8, 8)
     DN_PICK(walk_lane, 128, 8, 2)
+    DN_PICK(walk_lane, 128, 8, 16)
     if (!fn) return -1;
     stale_smem();
     return launch(g2(gx, 1), block, fn);
@@ -194,6 +196,7 @@ extern "C" int sim_commit_replay(int f16, int dk, int cw, int depth, int gx, int
     DN_PICK(replay_lane, 128, 4, 8)
     DN_PICK(replay_lane, 64, 8, 8)
     DN_PICK(replay_lane, 128, 8, 2)
+    DN_PICK(replay_lane, 128, 8, 16)
     if (!fn) return -1;
     stale_smem();
     return launch(g2(gx, gy), block, fn);

@@ -588,11 +588,17 @@ class SimKernel:
 
 
 class SimCupy:
-    """The CuPy surface kernels/deltanet.py uses, on host memory, with kernel launches run by the simulator."""
+    """The CuPy surface kernels/deltanet.py (and GpuSequenceState) use, on host memory, with kernel launches run
+    by the simulator."""
 
-    float32, float16, int32, uint16 = np.float32, np.float16, np.int32, np.uint16
+    float32, float16, int32, uint16, uint8, uint64 = np.float32, np.float16, np.int32, np.uint16, np.uint8, np.uint64
     ndarray = SimArray
-    cuda = SimpleNamespace(runtime=SimpleNamespace(getDevice=lambda: 0))
+    cuda = SimpleNamespace(runtime=SimpleNamespace(getDevice=lambda: 0), alloc_pinned_memory=bytearray)
+
+    def zeros(self, shape, dtype=np.float32) -> SimArray:
+        a = self.empty(shape, dtype)
+        a[...] = 0
+        return a
 
     def __init__(self, lib):
         self.lib = lib
@@ -776,3 +782,91 @@ def test_layer_core_matches_the_engine_lines(xp) -> None:
 
 def test_bad_inputs_get_clear_errors(xp) -> None:
     check_bad_inputs(xp)
+
+
+def test_gpu_model_deltanet_steps_and_commits_match_the_numpy_engine(xp, monkeypatch) -> None:
+    """models/qwen35_gpu's DeltaNet layer (_deltanet), its tree plan and GpuSequenceState.commit, run on the
+    simulator (the projections and the output norm in NumPy), against models/qwen35's _deltanet and
+    SequenceState.commit on the same weights: a DDTree verify step and the commit of one of its paths, a plain
+    decode step (a chain's final state), a checkpointed chain and the commit of its prefix."""
+    from services.engine.models import qwen35, qwen35_gpu
+    from services.engine.models.base import StepContext
+    from services.engine.state import PendingStep, SequenceState
+
+    rng = np.random.default_rng(21)
+    Hk, Hv, dk, dv, n_embd, L = 2, 4, 128, 32, 48, 2
+    kd = Hk * dk
+    cd = 2 * kd + Hv * dv
+    cfg = SimpleNamespace(recurrent_layers=[True] * L, ssm_n_k_heads=Hk, ssm_n_v_heads=Hv, ssm_head_k_dim=dk,
+                          ssm_head_v_dim=dv, ssm_conv_kernel=KW, ssm_conv_dim=cd, ssm_key_dim=kd, rms_eps=1e-6,
+                          n_embd=n_embd, n_head_kv=1, head_dim=64)  # fmt: skip
+    weights = []
+    for _ in range(L):
+        weights.append(dict(ssm_in=(rng.standard_normal((n_embd, cd + Hv * dv + 2 * Hv)) * 0.3).astype(np.float32),
+                            ssm_out=(rng.standard_normal((Hv * dv, n_embd)) * 0.1).astype(np.float32),
+                            ssm_conv1d=(rng.standard_normal((cd, KW)) * 0.5).astype(np.float32),
+                            ssm_norm=(1 + 0.1 * rng.standard_normal(dv)).astype(np.float32),
+                            ssm_a=-np.exp(rng.standard_normal(Hv) * 0.5).astype(np.float32),
+                            ssm_dt=rng.standard_normal(Hv).astype(np.float32)))  # fmt: skip
+
+    class Mat:  # QuantMatrix.matmul's place: a float32 product on the host
+        def __init__(self, w):
+            self.w = w
+
+        def matmul(self, x):
+            return xp.asarray(np.asarray(x, np.float32) @ self.w)
+
+    def norm_gate(o, z, w, eps):  # nr.norm_gate's NumPy twin (the lines of qwen35._deltanet)
+        return xp.asarray(layers.rms_norm(np.asarray(o), w, eps) * layers.silu(np.asarray(z)))
+
+    monkeypatch.setattr(qwen35_gpu.nr, "norm_gate", norm_gate)
+    monkeypatch.setattr(qwen35_gpu.nr.loader, "require", lambda: xp)
+    w_gpu = [{k: Mat(v) if k in ("ssm_in", "ssm_out") else xp.asarray(v) for k, v in w.items()} for w in weights]
+    gpu_self = SimpleNamespace(cfg=cfg, fused_launches=False)
+    np_self = SimpleNamespace(cfg=cfg, _lin=lambda x, w: np.asarray(x, np.float32) @ w)
+    gst = qwen35_gpu.GpuSequenceState(cfg, 64, "f16", "f16")
+    gst.graph_commits = False
+    nst = SequenceState.allocate(cfg, 64)
+    init = [(rng.standard_normal((Hv, dk, dv)) * 0.3).astype(np.float32) for _ in range(L)]
+    for i in range(L):
+        gst.ssm[i] = nst.ssm[i] = init[i]
+        gst.conv[i] = nst.conv[i] = rng.standard_normal((KW - 1, cd)).astype(np.float32)
+
+    def step(parents, checkpoints: bool):
+        T = len(parents)
+        par = np.asarray(parents, np.int64)
+        chain = bool((par == np.arange(-1, T - 1)).all())
+        per_token = checkpoints or not chain
+        h = rng.standard_normal((T, n_embd)).astype(np.float32)
+        gst.stage.h_parents[:T] = par
+        gst.stage.upload()
+        st = qwen35_gpu._Step(T=T, S=gst.n_past, parents=par, is_chain=chain, per_token=per_token, positions=None)
+        qwen35_gpu.plan_tree_walk(gst, st)
+        pending = PendingStep(n_tokens=T, parents=par, ssm_per_token=per_token)
+        anc = layers.ancestor_matrix(par)
+        ctx = StepContext(state=nst, pending=pending, positions=None, parents=par, is_chain=chain,
+                          visible=np.concatenate([np.ones((T, nst.n_past), bool), anc], axis=1), checkpoints=per_token)
+        for i in range(L):
+            got = np.asarray(qwen35_gpu.Qwen35GpuModel._deltanet(gpu_self, i, w_gpu[i], xp.asarray(h), gst, st))
+            want = qwen35.Qwen35Model._deltanet(np_self, i, weights[i], h, ctx)
+            assert rel_max(got, want) < 1e-4, f"layer {i}, step {par.tolist()}"
+        gst.pending = qwen35_gpu.GpuPending(n_tokens=T, parents=par, per_token=per_token, is_chain=chain)
+        nst.pending = pending
+
+    def commit(path):
+        gst.commit(path)
+        nst.commit(path)
+        assert gst.n_past == nst.n_past
+        for i in range(L):
+            assert rel_max(np.asarray(gst.ssm[i]), nst.ssm[i]) < TOL_RULE, f"layer {i} state after {path}"
+            assert np.array_equal(np.asarray(gst.conv[i]), nst.conv[i]), f"layer {i} conv window after {path}"
+
+    tree = ddtree_parents(23, rng)
+    step(tree, True)
+    commit(path_to(tree, int(np.flatnonzero(tree == 16)[-1])))  # a path through a side branch
+    step([-1], False)  # plain decode: the chain's final state, copied at commit
+    commit([0])
+    step(list(range(-1, 7)), True)  # a checkpointed chain: commit a prefix
+    commit([0, 1, 2, 3])
+    step(tree, True)
+    commit(path_to(tree, 15))  # the top-1 chain to its end
