@@ -563,7 +563,8 @@ def commit_replay(
         a, n, stride = _layered(a, 2, what)
         if n != layers:
             raise ValueError(f"{what} has {n} layers, the state {layers}")
-        arrays[what] = (a, stride, _rows(a[0] if a.ndim == 3 else a, what, align=1)[1])
+        _rows(a[0] if a.ndim == 3 else a, what, align=1)
+        arrays[what] = (a, stride, a.strides[-2] // a.dtype.itemsize)  # the buffer's row stride, also for one row
     (k, lk, ld_k), (v, lv, ld_v) = arrays["k"], arrays["v"]
     (g, lg, ld_g), (beta, lb, ld_b) = arrays["g"], arrays["beta"]
     if k.dtype != v.dtype:

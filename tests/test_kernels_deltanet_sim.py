@@ -744,7 +744,8 @@ def test_tree_walk_matches_token_loop_and_checkpoint_kernel(xp, kind, n, dk, dv,
 
 @pytest.mark.parametrize(
     "kind,n,f16,cw,decay,chain",
-    [("random", 23, False, 8, 0.5, False), ("random", 64, False, 8, 0.5, False), ("ddtree", 41, True, 8, 0.5, False),
+    [("random", 1, False, 8, 0.5, False), ("random", 2, True, 8, 0.5, True), ("random", 23, False, 8, 0.5, False),
+     ("random", 64, False, 8, 0.5, False), ("ddtree", 41, True, 8, 0.5, False),
      ("deep", 23, False, 4, 0.5, False), ("star", 16, False, 8, 0.5, False), ("binary", 4, False, 8, 0.5, False),
      ("chain", 12, False, 8, 0.5, True), ("random", 16, False, 8, 30.0, False)],
 )  # fmt: skip
@@ -868,5 +869,7 @@ def test_gpu_model_deltanet_steps_and_commits_match_the_numpy_engine(xp, monkeyp
     commit([0])
     step(list(range(-1, 7)), True)  # a checkpointed chain: commit a prefix
     commit([0, 1, 2, 3])
+    step([-1], True)  # a one-node verify (one row: its row strides come from the buffer)
+    commit([0])
     step(tree, True)
     commit(path_to(tree, 15))  # the top-1 chain to its end
