@@ -40,6 +40,7 @@ SOURCE = "deltanet.cu"
 MAX_GRID_Y = 65535  # tokens beyond this loop inside the kernels (grid-stride over t)
 DEFAULT_DEPTH = 8  # tokens in flight in the tree step (docs/gpu_deltanet.md has the measurements)
 DEFAULT_WARPS = 2
+DEFAULT_COLS = 8  # state columns a warp owns; the tree step and commit_replay must agree (their sums' order)
 PLAN_MAX = 1024  # nodes of a tree walked without checkpoints (gdr_tree_plan_kernel packs an index in 16 bits)
 SMEM_LIMIT = 227 * 1024  # dynamic shared memory a block may opt in to (sm_80 / sm_90)
 
@@ -358,7 +359,7 @@ def gated_delta_tree(
     checkpoints: Any = None,
     final_state: Any = None,
     out: Any = None,
-    cols_per_warp: int = 8,
+    cols_per_warp: int = DEFAULT_COLS,
     warps: int = DEFAULT_WARPS,
     depth: int = DEFAULT_DEPTH,
     portable: bool = False,
@@ -538,7 +539,7 @@ def commit_replay(
     beta: Any,
     state: Any,
     *,
-    cols_per_warp: int = 8,
+    cols_per_warp: int = DEFAULT_COLS,
     warps: int = DEFAULT_WARPS,
     depth: int = DEFAULT_DEPTH,
     portable: bool = False,
@@ -611,7 +612,7 @@ def commit(
     raw: Any,
     window: Any,
     *,
-    cols_per_warp: int = 8,
+    cols_per_warp: int = DEFAULT_COLS,
     warps: int = DEFAULT_WARPS,
     depth: int = DEFAULT_DEPTH,
     portable: bool = False,
