@@ -62,6 +62,11 @@ static inline unsigned int atomicAdd(unsigned int* p, unsigned int v) {
     *p = o + v;
     return o;
 }
+static inline unsigned int atomicMax(unsigned int* p, unsigned int v) {
+    const unsigned int o = *p;
+    if (v > o) *p = v;
+    return o;
+}
 static inline void __threadfence() {}
 
 namespace sim {

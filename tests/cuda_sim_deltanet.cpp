@@ -15,14 +15,6 @@ static inline float shfl_xor(float v, int m) { return __uint_as_float(shfl(__flo
 }  // namespace sim
 #define __shfl_xor_sync(mask, v, m) sim::shfl_xor((v), (m))
 
-// integer atomics the tree plan uses on shared memory (lanes are fibers that switch only at barriers, so a plain
-// read-modify-write is atomic here)
-static inline unsigned int atomicMax(unsigned int* p, unsigned int v) {
-    const unsigned int o = *p;
-    if (v > o) *p = v;
-    return o;
-}
-
 // dynamic shared memory of the staged / walk / commit / plan kernels (warps of a block run one after another,
 // each on its own part of it)
 constexpr size_t SIM_SMEM = 227 * 1024;
