@@ -233,6 +233,7 @@ def test_graph_replay_of_plan_walk_and_commit() -> None:
     graphs = []
     with stream:
         for launches in (step, commit):
+            launches()  # eagerly first, as the model does: kernels built, shared memory opted in, outside a capture
             stream.begin_capture()
             launches()
             graphs.append(stream.end_capture())
