@@ -1,19 +1,27 @@
-"""One GPU-machine call for the Gated DeltaNet kernels: run their GPU tests, then time them at Qwen3.6-27B shapes.
+"""One GPU-machine call for the Gated DeltaNet kernels: their GPU tests, then timings at Qwen3.6-27B shapes.
 
-    python3 bench/gpu_deltanet_check.py            # from the repository root; logs and JSON under $OUT
+    python3 bench/gpu_deltanet_check.py [--skip-tests] [--torch] [--precompile N]   # from the repository root
+    python3 bench/gpu_deltanet_check.py --precompile-only            # fill CuPy's kernel cache in parallel
 
 Shapes: 48 DeltaNet layers, 16 key heads, 48 value heads, dk = dv = 128, conv kernel 4, conv_dim 10240. Each
-timing is a CUDA graph of one launch per layer (48 launches, every layer with its own state, checkpoints and conv
-window, as in a real step, so the L2 cache does not hold a layer's state from one replay to the next) replayed
-under CUDA events; the median per-layer time is reported. Roofline: measured device-to-device copy bandwidth;
-"floor" = the bytes a kernel must move (state read, checkpoint / state writes, inputs read once, outputs written
-once) / that bandwidth; "x floor" = time / floor (1.0 = at the copy bandwidth). Prefill of 4096 tokens is timed
-for the recurrent kernel against the chunked WY form (layers.gated_delta_rule_chunked) run as a torch program on
-the same GPU (captured in a CUDA graph), fp32 with TF32 off and on.
+timing is a CUDA graph replayed under CUDA events (median): the tree steps are one launch per layer (48, every layer
+with its own state, its own conv output rows and gates, as in the GPU model's state), so the L2 cache does not
+hold a layer's state from one replay to the next; commits are one launch for all 48 layers.
+
+The comparison this run exists for (issue 5, docs/gpu_deltanet.md): a verify step of T tokens on bench/step_profile's
+tree shape (a chain of half the nodes, one side branch off each of its first nodes) plus the commit of its deepest
+node, OLD = per-node checkpoints (gdr_tree_staged_kernel writing T states a layer, ssm_commit_kernel copying one
+back) against NEW = the tree walk (gdr_tree_plan_kernel once, gdr_tree_walk_kernel writing outputs only) and the
+commit by replay (gdr_commit_kernel over the accepted path), at T = 1, 16, 23, 41, 64. Then: walk and commit
+layouts, the commit against the path's length, decode and the 4096-token prefill (chains: old staged kernel vs the
+walk kernel, which should match), conv / norm, the plan kernel alone; --torch adds the chunked WY prefill as a
+torch program. Roofline: "floor" = the bytes a kernel must move (state read, states written, inputs read once,
+outputs written once) / the measured device-to-device copy bandwidth; "x floor" = time / floor.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import platform
@@ -33,9 +41,12 @@ KD = HK * DK
 CONV_DIM = 2 * KD + HV * DV
 STATE = HV * DK * DV * 4  # bytes of one layer's state / one checkpoint slot
 PREFILL = 4096
-TREE_SIZES = (1, 16, 23, 41)
-# (cols_per_warp, warps per block, depth = tokens in flight; 1 = gdr_tree_kernel, else gdr_tree_staged_kernel)
-VARIANTS = ((8, 2, 1), (8, 4, 8), (8, 2, 8), (8, 1, 8), (4, 1, 8), (8, 2, 4), (8, 2, 16))
+T_MAX = 64
+COMPARE_SIZES = (1, 16, 23, 41, 64)
+# (cols_per_warp, warps per block, depth = tokens in flight)
+WALK_VARIANTS = ((8, 2, 8), (8, 1, 8), (8, 4, 8), (4, 2, 8), (4, 4, 8), (8, 2, 4), (8, 2, 16))
+COMMIT_VARIANTS = ((8, 2, 8), (8, 1, 8), (8, 4, 8), (4, 2, 8), (4, 4, 8), (8, 2, 4), (8, 2, 16))
+PATH_LENGTHS = (1, 4, 8, 12, 16, 32, 64)
 OUT = Path(os.environ.get("OUT") or "/tmp/gpu_deltanet_out")
 
 
@@ -58,8 +69,53 @@ def run_tests() -> int:
     return done.returncode
 
 
-def graph_time(cupy, launches, reps: int = 20) -> float:
-    """Median seconds of one replay of a graph holding `launches()` (called once, under capture)."""
+def kernel_names() -> list[tuple[str, tuple[str, ...]]]:
+    """(name expression, defines) of every deltanet kernel the GPU tests and this script build."""
+    jobs = []
+    portable = ("SPECSPLIT_PORTABLE",)
+    for t in ("float", "unsigned short"):
+        names = [f"conv_silu_kernel<{t}, 4>", f"conv_silu_rows_kernel<{t}, 4>", f"conv_commit_kernel<{t}, 4>",
+                 f"qk_norm_gate_kernel<{t}, 128>", f"qk_norm_gate_kernel<{t}, 64>", f"gdr_tree_kernel<{t}, 128, 8>",
+                 f"gdr_tree_kernel<{t}, 128, 4>", f"gdr_tree_kernel<{t}, 64, 8>",
+                 f"gdr_tree_staged_kernel<{t}, 128, 4, 8>", f"gdr_tree_staged_kernel<{t}, 64, 8, 8>",
+                 f"gdr_tree_walk_kernel<{t}, 64, 8, 8>", f"gdr_commit_kernel<{t}, 64, 8, 8>"]  # fmt: skip
+        for d in (2, 4, 8, 16):
+            names.append(f"gdr_tree_staged_kernel<{t}, 128, 8, {d}>")
+            names += [f"gdr_tree_walk_kernel<{t}, 128, {cw}, {d}>" for cw in (4, 8)]
+            names += [f"gdr_commit_kernel<{t}, 128, {cw}, {d}>" for cw in (4, 8)]
+        jobs += [(n, ()) for n in names]
+        both = [f"conv_silu_kernel<{t}, 4>", f"qk_norm_gate_kernel<{t}, 128>", f"qk_norm_gate_kernel<{t}, 64>",
+                f"gdr_tree_kernel<{t}, 128, 8>", f"gdr_tree_staged_kernel<{t}, 128, 8, 8>",
+                f"gdr_tree_walk_kernel<{t}, 128, 8, 8>", f"gdr_commit_kernel<{t}, 128, 8, 8>",
+                f"conv_commit_kernel<{t}, 4>"]  # fmt: skip
+        jobs += [(n, portable) for n in both]
+    for d in ((), portable):
+        jobs += [("ssm_commit_kernel", d), ("gdr_tree_plan_kernel", d)]
+    return jobs
+
+
+def _compile(job: tuple[str, tuple[str, ...]]) -> str:
+    """One kernel build in a worker process (fills CuPy's on-disk kernel cache for the tests and the timings)."""
+    from kernels import loader
+
+    loader.get_function("deltanet.cu", job[0], job[1])
+    return job[0]
+
+
+def precompile(workers: int) -> None:
+    import concurrent.futures as cf
+    import multiprocessing as mp
+
+    t0 = time.time()
+    jobs = kernel_names()
+    with cf.ProcessPoolExecutor(max_workers=workers, mp_context=mp.get_context("spawn")) as pool:
+        list(pool.map(_compile, jobs))
+    log(f"== precompiled {len(jobs)} deltanet kernels in {time.time() - t0:.0f} s with {workers} processes")
+
+
+def graph_time(cupy, launches, reps: int = 20, before=None) -> float:
+    """Median seconds of one replay of a graph holding `launches()` (called once eagerly, once under capture).
+    before(): run (outside the graph and the timing) ahead of each replay, e.g. to reset a state."""
     stream = cupy.cuda.Stream(non_blocking=True)
     with stream:
         launches()  # eager once: compile, check errors
@@ -72,6 +128,8 @@ def graph_time(cupy, launches, reps: int = 20) -> float:
         start, stop = cupy.cuda.Event(), cupy.cuda.Event()
         times = []
         for _ in range(reps):
+            if before is not None:
+                before()
             start.record(stream)
             graph.launch(stream)
             stop.record(stream)
@@ -98,161 +156,278 @@ def copy_bandwidth(cupy) -> float:
     return 2 * n / min(t_memcpy, t_kernel)
 
 
+def tree_parents(width: int) -> list[int]:
+    """bench/step_profile.py's verify tree: a chain of about half the nodes from the root, the rest one branch
+    each off the chain's first nodes (a DDTree's top-1 chain with side branches)."""
+    chain = (width + 1) // 2
+    par = [-1] + list(range(chain - 1))
+    par += [i % max(1, chain - 1) for i in range(width - chain)]
+    return par[:width]
+
+
+def deepest(parents: list[int]) -> tuple[int, int]:
+    """(node, path length) of the tree's deepest node (lowest index on ties)."""
+    depth = []
+    for p in parents:
+        depth.append(1 if p < 0 else depth[p] + 1)
+    d = max(depth)
+    return depth.index(d), d
+
+
 class Bench:
     """Timings at Qwen3.6-27B shapes; each section logs its rows and survives the failure of another."""
 
-    def __init__(self, cupy, dn, random_tree):
-        self.cupy, self.dn, self.random_tree = cupy, dn, random_tree
+    def __init__(self, cupy, dn):
+        self.cupy, self.dn = cupy, dn
         self.rng = np.random.default_rng(0)
         self.rows: list[dict] = []
+        self.compare_rows: list[dict] = []
         self.bw = copy_bandwidth(cupy)
         log(f"== copy bandwidth {self.bw / 1e9:.0f} GB/s (device-to-device, 1 GiB, read + write)")
-        cupy_, rng, t_max = cupy, self.rng, 64
-        self.t_max = t_max
-        # step inputs shared by the layers (produced just before by the projections in a real step: L2-warm)
-        self.mixed = self.rnd((t_max, CONV_DIM))
-        self.g = cupy_.asarray((-np.abs(rng.standard_normal((t_max, HV))) * 0.3).astype(np.float32))
-        self.beta = cupy_.asarray((1 / (1 + np.exp(-rng.standard_normal((t_max, HV))))).astype(np.float32))
-        self.alpha_p, self.b_p = self.rnd((t_max, HV)), self.rnd((t_max, HV))
-        self.ssm_a = cupy_.asarray(-np.exp(rng.standard_normal(HV)).astype(np.float32))
+        rng = self.rng
+        # per layer, as a GpuSequenceState keeps them: conv output rows (q | k | v, normalised) and gates
+        self.mixed = self.rnd((L, T_MAX, CONV_DIM))
+        self.gates = cupy.empty((L, 2, T_MAX, HV), cupy.float32)
+        self.alpha_p, self.b_p = self.rnd((T_MAX, HV)), self.rnd((T_MAX, HV))
+        self.ssm_a = cupy.asarray(-np.exp(rng.standard_normal(HV)).astype(np.float32))
         self.dt_bias = self.rnd((HV,))
-        dn.qk_norm_gate(self.mixed, self.alpha_p, self.b_p, self.ssm_a, self.dt_bias, n_k_heads=HK, head_k_dim=DK)
-        self.states = [self.rnd((HV, DK, DV), scale=0.1) for _ in range(L)]
-        self.out = cupy_.empty((t_max, HV * DV), cupy_.float32)
+        for i in range(L):
+            dn.qk_norm_gate(self.mixed[i], self.alpha_p, self.b_p, self.ssm_a, self.dt_bias, n_k_heads=HK,
+                            head_k_dim=DK, g=self.gates[i, 0], beta=self.gates[i, 1])  # fmt: skip
+        self.state = self.rnd((L, HV, DK, DV), scale=0.1)
+        self.state0 = self.state.copy()
+        self.out = cupy.empty((T_MAX, HV * DV), cupy.float32)
         dn.warmup()
 
     def rnd(self, shape, dtype=np.float32, scale=1.0):
         return self.cupy.asarray((self.rng.standard_normal(shape) * scale).astype(dtype))
 
-    def tree_parents(self, T: int):
-        return self.cupy.asarray(self.random_tree(T, self.rng).astype(np.int32))
+    def qkv(self, i: int, T: int):
+        m = self.mixed[i, :T]
+        return m[:, :KD], m[:, KD : 2 * KD], m[:, 2 * KD :], self.gates[i, 0, :T], self.gates[i, 1, :T]
+
+    def replay_inputs(self, T: int):
+        m = self.mixed[:, :T]
+        return m[:, :, KD : 2 * KD], m[:, :, 2 * KD :], self.gates[:, 0, :T], self.gates[:, 1, :T]
 
     def record(self, name: str, t: float, nbytes: float, note: str = "") -> None:
         floor = nbytes / self.bw
         self.rows.append(dict(kernel=name, us=t * 1e6, floor_us=floor * 1e6, x_floor=t / floor,
                               gbps=nbytes / t / 1e9, note=note))  # fmt: skip
-        log(f"   {name:<36} {t * 1e6:9.1f} us  floor {floor * 1e6:8.1f} us  x{t / floor:5.2f}  {note}")
+        log(f"   {name:<44} {t * 1e6:9.1f} us  floor {floor * 1e6:8.1f} us  x{t / floor:5.2f}  {note}")
 
-    def tree(self) -> None:
-        log("== tree step (gdr_tree_kernel), per layer; graph of 48 layers")
+    def reset_state(self) -> None:
+        self.cupy.copyto(self.state, self.state0)
+
+    # ------------------------------------------------------------------ the comparison
+    def compare(self) -> None:
+        log("== old (per-node checkpoints + copy commit) vs new (tree walk + commit by replay), 48 layers, "
+            "step_profile's tree, commit of its deepest node")
         cupy, dn = self.cupy, self.dn
-        m = self.mixed
-        for T in TREE_SIZES:
-            parents = self.tree_parents(T)
-            n_tok = cupy.asarray(np.array([T], np.int32))
-            ckpts = [cupy.empty((T, HV, DK, DV), cupy.float32) for _ in range(L)]
-            q, k, v = m[:T, :KD], m[:T, KD : 2 * KD], m[:T, 2 * KD :]
-            g, beta, out = self.g[:T], self.beta[:T], self.out[:T]
+        ckpt = cupy.empty((L, T_MAX, HV, DK, DV), cupy.float32)  # the old path's buffer: 9.7 GB
+        in_bytes = lambda T: T * (2 * KD + 2 * HV * DV + 2 * HV) * 4  # noqa: E731 - q, k, v, g, beta in; out
+        for T in COMPARE_SIZES:
+            par = tree_parents(T)
+            node, d = deepest(par)
+            par_d = cupy.asarray(np.array(par, np.int32))
+            acc = cupy.asarray(np.array([node], np.int32))
+            plan = cupy.empty(T, cupy.int32)
 
-            def step(cw, nw, d, parents=parents, n_tok=n_tok, ckpts=ckpts, q=q, k=k, v=v, g=g, beta=beta, out=out):
+            def old_step(T=T, par_d=par_d):
                 for i in range(L):
-                    dn.gated_delta_tree(q, k, v, g, beta, self.states[i], parents=parents, n_tokens=n_tok,
-                                        checkpoints=ckpts[i], out=out, cols_per_warp=cw, warps=nw, depth=d)  # fmt: skip
+                    dn.gated_delta_tree(*self.qkv(i, T), self.state[i], parents=par_d, checkpoints=ckpt[i],
+                                        out=self.out[:T])  # fmt: skip
 
-            nbytes = STATE * (1 + T) + T * (2 * KD + 2 * HV * DV + 2 * HV) * 4
-            for cw, nw, d in VARIANTS:
-                t = graph_time(cupy, lambda step=step, cw=cw, nw=nw, d=d: step(cw, nw, d)) / L
-                self.record(f"tree T={T} (+ckpt) cw={cw} w={nw} d={d}", t, nbytes)
+            def new_step(T=T, par_d=par_d, plan=plan):
+                dn.tree_plan(par_d, out=plan)
+                for i in range(L):
+                    dn.gated_delta_tree(*self.qkv(i, T), self.state[i], plan=plan, out=self.out[:T])
 
-        def decode(cw, nw, d):
+            def old_commit(acc=acc, T=T):
+                dn.commit_state(acc, ckpt[:, :T], self.state)
+
+            def new_commit(acc=acc, par_d=par_d, T=T):
+                dn.commit_replay(acc, par_d, *self.replay_inputs(T), self.state)
+
+            t_os = graph_time(cupy, old_step)
+            t_ns = graph_time(cupy, new_step)
+            t_oc = graph_time(cupy, old_commit)
+            t_nc = graph_time(cupy, new_commit, before=self.reset_state)
+            self.record(f"old tree T={T} (+{T} ckpt) per layer", t_os / L, STATE * (1 + T) + in_bytes(T))
+            self.record(f"new walk T={T} (+plan) per layer", t_ns / L, STATE + in_bytes(T), "plan launch included")
+            self.record("old commit (copy), 48 layers", t_oc, 2 * STATE * L)
+            self.record(f"new commit (replay {d} tokens), 48 layers", t_nc, 2 * STATE * L + L * d * 4 * (KD + HV * DV))
+            row = dict(T=T, path=d, old_step_ms=t_os * 1e3, old_commit_ms=t_oc * 1e3, new_step_ms=t_ns * 1e3,
+                       new_commit_ms=t_nc * 1e3)  # fmt: skip
+            row["old_ms"] = row["old_step_ms"] + row["old_commit_ms"]
+            row["new_ms"] = row["new_step_ms"] + row["new_commit_ms"]
+            self.compare_rows.append(row)
+            log(f"   T={T}: old {row['old_ms']:.3f} ms (step {row['old_step_ms']:.3f} + commit "
+                f"{row['old_commit_ms']:.3f}), new {row['new_ms']:.3f} ms (step {row['new_step_ms']:.3f} + commit "
+                f"{row['new_commit_ms']:.3f}), new/old {row['new_ms'] / row['old_ms']:.2f}")  # fmt: skip
+
+    def walk_variants(self) -> None:
+        log("== tree walk layouts (cols_per_warp, warps, depth), per layer, step_profile's tree")
+        cupy, dn = self.cupy, self.dn
+        for T in (23, 64):
+            par_d = cupy.asarray(np.array(tree_parents(T), np.int32))
+            plan = dn.tree_plan(par_d)
+            for cw, nw, d in WALK_VARIANTS:
+
+                def step(T=T, plan=plan, cw=cw, nw=nw, d=d):
+                    for i in range(L):
+                        dn.gated_delta_tree(*self.qkv(i, T), self.state[i], plan=plan, out=self.out[:T],
+                                            cols_per_warp=cw, warps=nw, depth=d)  # fmt: skip
+
+                t = graph_time(cupy, step) / L
+                self.record(f"walk T={T} cw={cw} w={nw} d={d}", t, STATE + T * (2 * KD + 2 * HV * DV + 2 * HV) * 4)
+
+    def commit_paths(self) -> None:
+        log("== commit by replay against the path length (a chain of 64: path 0..a), 48 layers in one launch")
+        cupy, dn = self.cupy, self.dn
+        for n in PATH_LENGTHS:
+            acc = cupy.asarray(np.array([n - 1], np.int32))
+            for cw, nw, d in COMMIT_VARIANTS if n in (4, 16) else COMMIT_VARIANTS[:1]:
+                t = graph_time(cupy, lambda acc=acc, cw=cw, nw=nw, d=d: dn.commit_replay(
+                    acc, None, *self.replay_inputs(T_MAX), self.state, cols_per_warp=cw, warps=nw, depth=d),
+                               before=self.reset_state)  # fmt: skip
+                self.record(f"commit replay {n} tokens cw={cw} w={nw} d={d}", t,
+                            2 * STATE * L + L * n * 4 * (KD + HV * DV))  # fmt: skip
+
+    def chains(self) -> None:
+        log("== chains (decode T=1 in place, prefill 4096 tokens, one layer): old staged kernel vs the walk kernel")
+        cupy, dn = self.cupy, self.dn
+
+        def decode():  # what the launcher runs for a chain now: gdr_tree_walk_kernel without a plan
             for i in range(L):
-                dn.gated_delta_tree(m[:1, :KD], m[:1, KD : 2 * KD], m[:1, 2 * KD :], self.g[:1], self.beta[:1],
-                                    self.states[i], final_state=self.states[i], out=self.out[:1], cols_per_warp=cw,
-                                    warps=nw, depth=d)  # fmt: skip
+                dn.gated_delta_tree(*self.qkv(i, 1), self.state[i], final_state=self.state[i], out=self.out[:1])
 
         nbytes = 2 * STATE + (2 * KD + 2 * HV * DV) * 4
-        for cw, nw, d in VARIANTS:
-            t = graph_time(cupy, lambda cw=cw, nw=nw, d=d: decode(cw, nw, d)) / L
-            self.record(f"decode T=1 in place cw={cw} w={nw} d={d}", t, nbytes, "no checkpoint")
+        self.record("decode T=1 in place (walk kernel)", graph_time(cupy, decode) / L, nbytes)
+        self.record("decode T=1 in place (staged kernel)", graph_time(cupy, lambda: self.staged_chain(1)) / L, nbytes)
+        P = PREFILL
+        pm = self.rnd((P, CONV_DIM))
+        pg, pbeta = dn.qk_norm_gate(pm, self.rnd((P, HV)), self.rnd((P, HV)), self.ssm_a, self.dt_bias, n_k_heads=HK,
+                                    head_k_dim=DK)  # fmt: skip
+        s_init = self.rnd((HV, DK, DV), scale=0.1)
+        s_work = cupy.empty_like(s_init)
+        p_out = cupy.empty((P, HV * DV), cupy.float32)
+        self.prefill_inputs = (pm, pg, pbeta, s_init, s_work, p_out)
+
+        def run():
+            cupy.copyto(s_work, s_init)
+            dn.gated_delta_tree(pm[:, :KD], pm[:, KD : 2 * KD], pm[:, 2 * KD :], pg, pbeta, s_work, final_state=s_work,
+                                out=p_out)  # fmt: skip
+
+        nbytes = P * (2 * KD + 2 * HV * DV + 2 * HV) * 4 + 2 * STATE
+        self.t_prefill = graph_time(cupy, run, reps=5)
+        self.record(f"prefill {P} recurrent (walk kernel)", self.t_prefill, nbytes, "state in place")
+        self.record(f"prefill {P} recurrent (staged kernel)", graph_time(cupy, lambda: self.staged_chain(P), reps=5),
+                    nbytes, "state in place")  # fmt: skip
+
+    def staged_chain(self, T: int) -> None:
+        """gdr_tree_staged_kernel (the checkpoint kernel, no checkpoint buffer) on a chain, launched directly:
+        the launcher now sends chains to the walk kernel."""
+        cupy, dn = self.cupy, self.dn
+        kern = dn._fn("gdr_tree_staged_kernel<float, 128, 8, 8>", False)
+        smem = 2 * 8 * dn.slot_bytes(DK, 4)
+        null = np.uint64(0)
+        if T == 1:
+            for i in range(L):
+                m = self.mixed[i]
+                kern((HV * DV // 16,), (64,), (m[:, :KD], m[:, KD:], np.int64(CONV_DIM), m[:, 2 * KD :],
+                                              np.int64(CONV_DIM), self.gates[i, 0], self.gates[i, 1], np.int64(HV),
+                                              np.int32(HK), np.int32(HV), np.int32(DV), self.state[i], null,
+                                              null, np.int32(1), null, self.state[i], self.out, np.int64(HV * DV)),
+                     shared_mem=smem)  # fmt: skip
+            return
+        pm, pg, pbeta, s_init, s_work, p_out = self.prefill_inputs
+        cupy.copyto(s_work, s_init)
+        kern((HV * DV // 16,), (64,), (pm[:, :KD], pm[:, KD:], np.int64(CONV_DIM), pm[:, 2 * KD :], np.int64(CONV_DIM),
+                                      pg, pbeta, np.int64(HV), np.int32(HK), np.int32(HV), np.int32(DV), s_work, null,
+                                      null, np.int32(T), null, s_work, p_out, np.int64(HV * DV)),
+             shared_mem=smem)  # fmt: skip
+
+    def plan_alone(self) -> None:
+        log("== gdr_tree_plan_kernel alone (once per verify step)")
+        cupy, dn = self.cupy, self.dn
+        for T, par in ((23, tree_parents(23)), (41, tree_parents(41)), (65, tree_parents(65))):
+            par_d = cupy.asarray(np.array(par, np.int32))
+            plan = cupy.empty(T, cupy.int32)
+            self.record(f"plan T={T}", graph_time(cupy, lambda par_d=par_d, plan=plan: dn.tree_plan(par_d, out=plan)),
+                        8 * T, "latency-bound: one warp")  # fmt: skip
 
     def conv_norm(self) -> None:
         log("== causal conv + SiLU (conv_silu_kernel) and q/k norm + gates, per layer")
         cupy, dn = self.cupy, self.dn
         windows = [self.rnd((KW - 1, CONV_DIM)) for _ in range(L)]
         weights = [self.rnd((CONV_DIM, KW), scale=0.5) for _ in range(L)]
-        raws = [self.rnd((self.t_max, CONV_DIM)) for _ in range(L)]
+        raws = [self.rnd((T_MAX, CONV_DIM)) for _ in range(L)]
+        outs = cupy.empty((L, T_MAX, CONV_DIM), cupy.float32)
+        g, beta = cupy.empty((T_MAX, HV), cupy.float32), cupy.empty((T_MAX, HV), cupy.float32)
         for T in (1, 23, 41):
-            parents = self.tree_parents(T)
-            outs = [cupy.empty((T, CONV_DIM), cupy.float32) for _ in range(L)]
+            parents = cupy.asarray(np.array(tree_parents(T), np.int32))
 
-            def conv(parents=parents, outs=outs, T=T):
+            def conv(parents=parents, T=T):
                 for i in range(L):
-                    dn.conv_silu(raws[i][:T], windows[i], weights[i], parents=parents, out=outs[i])
+                    dn.conv_silu(raws[i][:T], windows[i], weights[i], parents=parents, out=outs[i, :T])
 
             nbytes = (2 * T + KW - 1 + KW) * CONV_DIM * 4
             self.record(f"conv T={T}", graph_time(cupy, conv) / L, nbytes, "raw + window + weights in, out")
 
-            def norm(outs=outs, T=T):
+            def norm(T=T):
                 for i in range(L):
-                    dn.qk_norm_gate(outs[i], self.alpha_p[:T], self.b_p[:T], self.ssm_a, self.dt_bias, n_k_heads=HK,
-                                    head_k_dim=DK, g=self.g[:T], beta=self.beta[:T])  # fmt: skip
+                    dn.qk_norm_gate(outs[i, :T], self.alpha_p[:T], self.b_p[:T], self.ssm_a, self.dt_bias,
+                                    n_k_heads=HK, head_k_dim=DK, g=g[:T], beta=beta[:T])  # fmt: skip
 
             self.record(f"qk norm + gates T={T}", graph_time(cupy, norm) / L, T * (4 * KD + 4 * HV) * 4, "in place")
 
-    def commit(self) -> None:
-        log("== commit: ssm_commit_kernel over 48 layers in one launch, conv_commit_kernel likewise")
-        cupy, dn = self.cupy, self.dn
-        T = 23
-        ckpt = cupy.full((L, T, HV, DK, DV), 0.5, cupy.float32)
-        state = cupy.empty((L, HV, DK, DV), cupy.float32)
-        window = self.rnd((L, KW - 1, CONV_DIM))
-        raw = self.rnd((L, T, CONV_DIM))
-        parents = self.tree_parents(T)
-        acc = cupy.asarray(np.array([T - 1], np.int32))
-        t = graph_time(cupy, lambda: dn.commit_state(acc, ckpt, state))
-        self.record("commit state, 48 layers (total)", t, 2 * STATE * L)
-        t = graph_time(cupy, lambda: dn.commit_conv(acc, parents, raw, window))
-        self.record("commit conv window, 48 layers", t, L * 3 * (KW - 1) * CONV_DIM * 4)
-
-    def prefill(self) -> None:
-        log(f"== prefill, {PREFILL} tokens, one layer: recurrent kernel vs the chunked WY form in torch")
-        cupy, dn = self.cupy, self.dn
-        P = PREFILL
-        pm = self.rnd((P, CONV_DIM))
-        pa, pb = self.rnd((P, HV)), self.rnd((P, HV))
-        pg, pbeta = dn.qk_norm_gate(pm, pa, pb, self.ssm_a, self.dt_bias, n_k_heads=HK, head_k_dim=DK)
-        s_init = self.rnd((HV, DK, DV), scale=0.1)
-        s_work = cupy.empty_like(s_init)
-        p_out = cupy.empty((P, HV * DV), cupy.float32)
-
-        def run(cw, nw, d):
-            cupy.copyto(s_work, s_init)
-            dn.gated_delta_tree(pm[:, :KD], pm[:, KD : 2 * KD], pm[:, 2 * KD :], pg, pbeta, s_work,
-                                final_state=s_work, out=p_out, cols_per_warp=cw, warps=nw, depth=d)  # fmt: skip
-
-        nbytes = P * (2 * KD + 2 * HV * DV + 2 * HV) * 4 + 2 * STATE
-        times = {}
-        for cw, nw, d in VARIANTS:
-            times[cw, nw, d] = graph_time(cupy, lambda cw=cw, nw=nw, d=d: run(cw, nw, d), reps=5)
-            self.record(f"prefill {P} recurrent cw={cw} w={nw} d={d}", times[cw, nw, d], nbytes, "state in place")
-        best = min(times, key=times.get)
-        t_rec = times[best]
-        graph_time(cupy, lambda: run(*best), reps=1)  # p_out / s_work: the fastest variant's result
-        rec_out = cupy.asnumpy(p_out).reshape(P, HV, DV)
-        rec_state = cupy.asnumpy(s_work)
-        self.rows += torch_chunked(pm, pg, pbeta, s_init, rec_out, rec_state, nbytes, t_rec)
+    def torch_prefill(self) -> None:
+        pm, pg, pbeta, s_init, s_work, p_out = self.prefill_inputs
+        self.cupy.copyto(s_work, s_init)
+        self.dn.gated_delta_tree(pm[:, :KD], pm[:, KD : 2 * KD], pm[:, 2 * KD :], pg, pbeta, s_work, final_state=s_work,
+                                 out=p_out)  # fmt: skip
+        self.cupy.cuda.get_current_stream().synchronize()
+        rec_out = self.cupy.asnumpy(p_out).reshape(PREFILL, HV, DV)
+        rec_state = self.cupy.asnumpy(s_work)
+        nbytes = PREFILL * (2 * KD + 2 * HV * DV + 2 * HV) * 4 + 2 * STATE
+        self.rows += torch_chunked(pm, pg, pbeta, s_init, rec_out, rec_state, nbytes, self.t_prefill)
 
 
 def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--skip-tests", action="store_true", help="timings only (the tests ran before)")
+    ap.add_argument("--torch", action="store_true", help="also the chunked WY prefill as a torch program")
+    ap.add_argument("--precompile", type=int, default=0, metavar="N", help="build every kernel in N processes first")
+    ap.add_argument("--precompile-only", action="store_true", help="only that (with N = 16 unless given)")
+    args = ap.parse_args()
     OUT.mkdir(parents=True, exist_ok=True)
+    if args.precompile or args.precompile_only:
+        precompile(args.precompile or 16)
+        if args.precompile_only:
+            return 0
     (OUT / "gpu_deltanet.log").write_text("")
     git = subprocess.run(["git", "log", "-1", "--format=%h"], cwd=ROOT, capture_output=True, text=True)
     commit = git.stdout.strip() or "?"
     log(f"== gpu_deltanet_check {time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())} on {platform.node()}, "
         f"commit {commit} (+ working tree)")  # fmt: skip
-    smi = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version,memory.total,clocks.max.sm",
-                          "--format=csv,noheader"], capture_output=True, text=True)  # fmt: skip
-    log("   " + (smi.stdout.strip() or smi.stderr.strip()))
-    status = run_tests()
+    try:
+        smi = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version,memory.total,clocks.max.sm",
+                              "--format=csv,noheader"], capture_output=True, text=True)  # fmt: skip
+        log("   " + (smi.stdout.strip() or smi.stderr.strip()))
+    except OSError as e:
+        log(f"   nvidia-smi: {e}")
+    status = 0 if args.skip_tests else run_tests()
 
     import cupy
-    from test_kernels_deltanet_sim import random_tree
 
     from kernels import deltanet as dn
 
     log(f"   cupy {cupy.__version__}, runtime {cupy.cuda.runtime.runtimeGetVersion()}")
-    bench = Bench(cupy, dn, random_tree)
-    for section in (bench.tree, bench.conv_norm, bench.commit, bench.prefill):
+    bench = Bench(cupy, dn)
+    sections = [bench.compare, bench.walk_variants, bench.commit_paths, bench.chains, bench.plan_alone,
+                bench.conv_norm] + ([bench.torch_prefill] if args.torch else [])  # fmt: skip
+    for section in sections:
         try:
             section()
         except Exception:
@@ -262,19 +437,21 @@ def main() -> int:
 
     rows = bench.rows
     log("")
-    log(f"{'kernel':<38}{'us':>10}{'floor us':>10}{'x floor':>9}{'GB/s':>8}  note")
+    log(f"{'kernel':<46}{'us':>10}{'floor us':>10}{'x floor':>9}{'GB/s':>8}  note")
     for r in rows:
-        log(f"{r['kernel']:<38}{r['us']:>10.1f}{r['floor_us']:>10.1f}{r['x_floor']:>9.2f}{r['gbps']:>8.0f}  "
+        log(f"{r['kernel']:<46}{r['us']:>10.1f}{r['floor_us']:>10.1f}{r['x_floor']:>9.2f}{r['gbps']:>8.0f}  "
             f"{r['note']}")  # fmt: skip
-    best: dict[str, float] = {}
-    for r in rows:
-        if r["kernel"].startswith("tree "):
-            t = r["kernel"].split()[1]
-            best[t] = min(best.get(t, float("inf")), r["us"])
-    log("48 layers, delta rule + checkpoints, best variant, ms per step: "
-        + ", ".join(f"{t}: {L * us / 1e3:.2f}" for t, us in best.items()))  # fmt: skip
-    result = dict(copy_gbps=bench.bw / 1e9, commit=commit, rows=rows, tests_exit=status)
+    result = dict(copy_gbps=bench.bw / 1e9, commit=commit, rows=rows, compare=bench.compare_rows, tests_exit=status)
     (OUT / "deltanet_bench.json").write_text(json.dumps(result, indent=1))
+    log("")
+    log("48 DeltaNet layers per verify step + commit of the deepest node (ms): old = per-node checkpoints, "
+        "new = tree walk + replay")
+    log(f"{'T':>4}{'path':>6}{'old step':>10}{'old commit':>12}{'old total':>11}{'new step':>10}{'new commit':>12}"
+        f"{'new total':>11}{'new/old':>9}")  # fmt: skip
+    for r in bench.compare_rows:
+        ratio = r["new_ms"] / r["old_ms"]
+        log(f"{r['T']:>4}{r['path']:>6}{r['old_step_ms']:>10.3f}{r['old_commit_ms']:>12.3f}{r['old_ms']:>11.3f}"
+            f"{r['new_step_ms']:>10.3f}{r['new_commit_ms']:>12.3f}{r['new_ms']:>11.3f}{ratio:>9.2f}")
     log(f"== exit status {status}")
     return status
 

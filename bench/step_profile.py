@@ -259,7 +259,8 @@ def calibrate(cp, spin, n: int = 200) -> dict[str, float]:
 
 def profile_step(model, cp, spin, state, tokens, parents, label: str, copy_gbps: float | None) -> dict[str, Any]:
     """Eager warm-up (kernel builds, host time per launch), the profiled eager step, then graph capture + replay.
-    A tree (parents given) keeps per-node checkpoints, as a verify does; a width-1 step is a plain decode step."""
+    A tree (parents given) is a verify step (checkpoints=True: any node committable, the DeltaNet layers keep
+    their replay inputs); a width-1 step is a plain decode step."""
     from kernels import loader
     from kernels import quant_matmul as qm
 

@@ -140,10 +140,11 @@ DN_DEV int token_count(const int* n_tokens, int t_max) {
     return n < 0 ? 0 : (n > t_max ? t_max : n);
 }
 
-// One token on a lane's R rows of one state column: decay, delta-rule update, output. Returns q.S_j reduced over
-// the warp's row groups (every lane of the column gets it).
+// One token's state update on a lane's R rows of one state column: decay, then the delta rule,
+// S_j <- a S_j + k (beta (v_j - a k.S_j)). The tree step and the commit's replay of an accepted path both run it,
+// so a replayed state equals the tree step's state for that node bit for bit (same layout CW, same order).
 template <int R, int CW>
-DN_DEV float token_update(float (&s)[R], const float (&kk)[R], const float (&qq)[R], float v, float g, float b) {
+DN_DEV void state_update(float (&s)[R], const float (&kk)[R], float v, float g, float b) {
     const float a = expf(g);
     float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
 #pragma unroll
@@ -155,12 +156,17 @@ DN_DEV float token_update(float (&s)[R], const float (&kk)[R], const float (&qq)
 #pragma unroll
     for (int m = CW; m < 32; m <<= 1) kv += DN_SHFL_XOR(kv, m);
     const float delta = b * (v - kv);
+#pragma unroll
+    for (int r = 0; r < R; ++r) s[r] += kk[r] * delta;
+}
+
+// state_update, then the output q.S_j reduced over the warp's row groups (every lane of the column gets it).
+template <int R, int CW>
+DN_DEV float token_update(float (&s)[R], const float (&kk)[R], const float (&qq)[R], float v, float g, float b) {
+    state_update<R, CW>(s, kk, v, g, b);
     float o[4] = {0.0f, 0.0f, 0.0f, 0.0f};
 #pragma unroll
-    for (int r = 0; r < R; ++r) {
-        s[r] += kk[r] * delta;
-        o[r & 3] += s[r] * qq[r];
-    }
+    for (int r = 0; r < R; ++r) o[r & 3] += s[r] * qq[r];
     float ov = (o[0] + o[1]) + (o[2] + o[3]);
 #pragma unroll
     for (int m = CW; m < 32; m <<= 1) ov += DN_SHFL_XOR(ov, m);
@@ -506,6 +512,326 @@ __global__ void __launch_bounds__(128) gdr_tree_staged_kernel(
 #pragma unroll
         for (int r = 0; r < R; ++r) s_final[own + (i64)r * DV] = s[r];
     }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Tree walk without per-node checkpoints (the default tree step; kernels/deltanet.py gated_delta_tree).
+//
+// The walk visits the nodes in depth-first order, each node's children light first and the heaviest (largest
+// subtree) last. A node's first visited child comes right after it and continues from the state in registers;
+// only a node with two or more children saves its state, to a per-warp stack in shared memory, and its later
+// children reload it from there; its last (heavy) child frees the slot. A light child's subtree holds at most
+// half of its parent's, so at most floor(log2(T + 1)) - 1 states are saved at once (5 for T <= 126): the stack
+// fits in shared memory and nothing but the outputs goes to global memory. Roots reload the committed s0.
+//
+// The visit order is computed once per step (all layers share it) by gdr_tree_plan_kernel into `plan`:
+// plan[i] = node | load << 16 | save << 24 for the i-th visited node, load 0 = the state in registers (the
+// parent was visited just before), 1 = s0, 2 + j = stack slot j; save 0 = none, 1 + j = into stack slot j.
+namespace dn {
+constexpr int PLAN_MAX = 1024;  // nodes of a planned tree (the heavy-child key packs an index into 16 bits)
+constexpr int PLAN_HELD = 0, PLAN_S0 = 1;
+}  // namespace dn
+
+// One warp (blockDim.x == 32) computes the walk of the tree given by `parents` (entries outside -1..t-1 read as
+// roots, as everywhere here). Dynamic shared memory: 7 * t_max ints. Every step is parallel over nodes (a lane
+// per node) except walks up the ancestors, which are as long as the tree is deep.
+__global__ void __launch_bounds__(32) gdr_tree_plan_kernel(const int* __restrict__ parents,
+                                                            const int* __restrict__ n_tokens, int t_max,
+                                                            int* __restrict__ plan) {
+    extern __shared__ uint4 dn_smem[];
+    const int lane = threadIdx.x;
+    const int T = dn::token_count(n_tokens, t_max > dn::PLAN_MAX ? dn::PLAN_MAX : t_max);
+    int* par = (int*)dn_smem;
+    u32* size = (u32*)(par + t_max);  // nodes in the subtree
+    u32* nch = size + t_max;          // children
+    u32* hkey = nch + t_max;          // heavy child: max of size << 16 | (0xFFFF - index)
+    int* off = (int*)(hkey + t_max);  // nodes visited between the parent and this node
+    int* pos = off + t_max;           // place in the walk
+    int* slot = pos + t_max;          // stack slot this node saves to (= saved ancestors still live at its visit)
+    for (int t = lane; t < T; t += 32) {
+        par[t] = dn::parent_of(parents, t);
+        size[t] = 1u;
+        nch[t] = 0u;
+        hkey[t] = 0u;
+    }
+    DN_SYNCWARP();
+    for (int t = lane; t < T; t += 32) {
+        const int p = par[t];
+        if (p >= 0) atomicAdd(&nch[p], 1u);
+        for (int a = p; a >= 0; a = par[a]) atomicAdd(&size[a], 1u);
+    }
+    DN_SYNCWARP();
+    for (int t = lane; t < T; t += 32) {
+        const int p = par[t];
+        if (p >= 0) atomicMax(&hkey[p], (size[t] << 16) | (0xFFFFu - (u32)t));
+    }
+    DN_SYNCWARP();
+    auto heavy = [&](int p) { return p >= 0 ? (int)(0xFFFFu - (hkey[p] & 0xFFFFu)) : -1; };
+    for (int n = lane; n < T; n += 32) {
+        // siblings visited before n: the light ones of lower index; all light ones when n is the heavy child.
+        // Siblings come after their parent, so the scan starts there.
+        const int p = par[n], h = heavy(p);
+        const int end = n == h ? T : n;
+        int o = 0;
+        for (int t = p + 1; t < end; ++t)
+            if (par[t] == p && t != h && t != n) o += (int)size[t];
+        off[n] = o;
+    }
+    DN_SYNCWARP();
+    for (int n = lane; n < T; n += 32) {
+        int ps = off[n], sl = 0;
+        for (int c = n, a = par[n]; a >= 0; c = a, a = par[a]) {
+            ps += off[a] + 1;
+            if (nch[a] >= 2u && c != heavy(a)) ++sl;  // a's slot is live while its light children are walked
+        }
+        pos[n] = ps;
+        slot[n] = sl;
+    }
+    DN_SYNCWARP();
+    for (int n = lane; n < T; n += 32) {
+        const int p = par[n];
+        int load;
+        if (p < 0)
+            load = pos[n] == 0 ? dn::PLAN_HELD : dn::PLAN_S0;
+        else
+            load = pos[p] == pos[n] - 1 ? dn::PLAN_HELD : 2 + slot[p];
+        const int save = nch[n] >= 2u ? 1 + slot[n] : 0;
+        plan[pos[n]] = n | (load << 16) | (save << 24);
+    }
+}
+
+// Per-warp shared memory of gdr_tree_walk_kernel: the token ring, the state stack, the plan.
+template <typename TIn, int DK, int CW, int D>
+struct WalkSmem {
+    static constexpr int RING = D * Slot<TIn, DK>::BYTES;
+    static constexpr int STATE = DK * CW * 4;  // one saved state of the warp's columns
+    static DN_MEM i64 bytes(int n_slots, int plan_ints) { return RING + (i64)n_slots * STATE + 16 * ((plan_ints + 3) / 4); }
+};
+
+// The tree step of gdr_tree_staged_kernel (same ring of D token slots filled by cp.async, same layout and
+// arithmetic) walking the tree in `plan` order with the state stack in shared memory (n_slots states per warp);
+// writes out[t] for every token and, with no plan (a chain: decode, prefill, a chain verify), s_final.
+// plan == nullptr: tokens 0..T-1 in order from s0. Plan entries are clamped (node < T, slots < n_slots, else the
+// reload reads s0 and the save is skipped), so a corrupt plan cannot make the kernel leave its buffers.
+// Dynamic shared memory: warps * WalkSmem::bytes(n_slots, plan ? t_max : 0).
+template <typename TIn, int DK, int CW, int D>
+__global__ void __launch_bounds__(128) gdr_tree_walk_kernel(
+    const TIn* __restrict__ q, const TIn* __restrict__ k, i64 ld_qk, const TIn* __restrict__ v, i64 ld_v,
+    const float* __restrict__ g, const float* __restrict__ beta, i64 ld_gb, int Hk, int Hv, int DV,
+    const float* s0, const int* __restrict__ plan, const int* __restrict__ n_tokens, int t_max, int n_slots,
+    float* s_final, float* __restrict__ out, i64 ld_out) {
+    static_assert(32 % CW == 0 && CW >= 1, "CW must divide 32");
+    static_assert(D >= 2, "the ring needs at least two slots");
+    constexpr int RG = 32 / CW;
+    static_assert(DK % (RG * 8) == 0, "rows per lane must be a multiple of 8");
+    constexpr int R = DK / RG;
+    typedef Slot<TIn, DK> SL;
+    typedef WalkSmem<TIn, DK, CW, D> WS;
+    static_assert(SL::KQ_BYTES % 16 == 0, "k and q rows must be whole 16-byte chunks");
+    extern __shared__ uint4 dn_smem[];
+    const int lane = threadIdx.x & 31;
+    const int warp = threadIdx.x >> 5;
+    const int nw = blockDim.x >> 5;
+    const int cols_per_block = nw * CW;
+    const int blocks_per_head = DV / cols_per_block;
+    const int h = blockIdx.x / blocks_per_head;
+    if (h >= Hv) return;
+    const int col = (blockIdx.x % blocks_per_head) * cols_per_block + warp * CW + lane % CW;
+    const int row0 = (lane / CW) * R;
+    const int hk = h % Hk;
+    const int T = dn::token_count(n_tokens, t_max);
+    const i64 head_elems = (i64)DK * DV;
+    const i64 own = (i64)h * head_elems + (i64)row0 * DV + col;
+    char* ring = (char*)dn_smem + (i64)warp * WS::bytes(n_slots, plan ? t_max : 0);
+    float* stack = (float*)(ring + WS::RING);  // [slot][row][lane]: conflict-free
+    int* pl = (int*)(ring + WS::RING + (i64)n_slots * WS::STATE);
+    const int vcol = sizeof(TIn) == 2 ? (col & ~1) : col;
+
+    float s[R];
+#pragma unroll
+    for (int r = 0; r < R; ++r) s[r] = s0[own + (i64)r * DV];
+    if (plan) {
+        for (int i = lane; i < T; i += 32) pl[i] = plan[i];
+        DN_SYNCWARP();
+    }
+    auto node_at = [&](int i) {
+        if (!plan) return i;
+        const int n = pl[i] & 0xFFFF;
+        return n < T ? n : T - 1;
+    };
+    auto issue = [&](int i) {  // the i-th visited token's inputs into slot i % D; always one commit group
+        if (i < T) {
+            const int t = node_at(i);
+            char* slot = ring + (i % D) * SL::BYTES;
+            const char* krow = (const char*)(k + (i64)t * ld_qk + hk * DK);
+            const char* qrow = (const char*)(q + (i64)t * ld_qk + hk * DK);
+            for (int c = lane; c < SL::CHUNKS; c += 32) {
+                const char* src = c < SL::CHUNKS / 2 ? krow + 16 * c : qrow + 16 * (c - SL::CHUNKS / 2);
+                dn::cp_async<16>(slot + 16 * c, src);
+            }
+            dn::cp_async<4>(slot + SL::V_OFF + 4 * lane, v + (i64)t * ld_v + (i64)h * DV + vcol);
+            if (lane == 0) dn::cp_async<4>(slot + SL::GBP_OFF, g + (i64)t * ld_gb + h);
+            if (lane == 1) dn::cp_async<4>(slot + SL::GBP_OFF + 4, beta + (i64)t * ld_gb + h);
+        }
+        dn::cp_async_commit();
+    };
+#pragma unroll
+    for (int j = 0; j < D - 1; ++j) issue(j);
+
+    for (int i = 0; i < T; ++i) {
+        dn::cp_async_wait<D - 2>();
+        DN_SYNCWARP();
+        issue(i + D - 1);
+        const char* slot = ring + (i % D) * SL::BYTES;
+        float kk[R], qq[R];
+        {
+            dn::Vec<TIn, R> kv_, qv_;
+            kv_.load((const TIn*)slot + row0);
+            qv_.load((const TIn*)slot + DK + row0);
+            kv_.get(kk);
+            qv_.get(qq);
+        }
+        const u32 vw = *(const u32*)(slot + SL::V_OFF + 4 * lane);
+        float vt;
+        if (sizeof(TIn) == 2)
+            vt = dn::h2f((col & 1) ? (vw >> 16) : (vw & 0xFFFFu));
+        else
+            vt = __uint_as_float(vw);
+        const float gt = *(const float*)(slot + SL::GBP_OFF);
+        const float bt = *(const float*)(slot + SL::GBP_OFF + 4);
+        const int code = plan ? pl[i] : 0;
+        const int t = node_at(i);
+        const int load = (code >> 16) & 0xFF, save = (code >> 24) & 0xFF;
+        if (load != dn::PLAN_HELD) {  // one generic load path: a stack slot (shared) or s0 (global)
+            const bool from_stack = load >= 2 && load - 2 < n_slots;
+            const float* src = from_stack ? stack + (i64)(load - 2) * R * 32 + lane : s0 + own;
+            const i64 stride = from_stack ? 32 : DV;
+#pragma unroll
+            for (int r = 0; r < R; ++r) s[r] = src[(i64)r * stride];
+        }
+        const float ov = dn::token_update<R, CW>(s, kk, qq, vt, gt, bt);
+        if (save >= 1 && save - 1 < n_slots) {
+            float* dst = stack + (i64)(save - 1) * R * 32 + lane;
+#pragma unroll
+            for (int r = 0; r < R; ++r) dst[r * 32] = s[r];
+        }
+        if (lane < CW) out[(i64)t * ld_out + (i64)h * DV + col] = ov;
+    }
+    if (s_final && T > 0 && !plan) {
+#pragma unroll
+        for (int r = 0; r < R; ++r) s_final[own + (i64)r * DV] = s[r];
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Commit by replay: state[l] <- the state after the root -> *accepted path of the last tree step, recomputed from
+// the committed state by state_update over the path's tokens (k, v, g, beta kept from the step; no q, no
+// output), for L layers (gridDim.y) in one launch, in place. Same lane layout as the tree step (CW must match
+// its), so the result equals the tree step's state for that node bit for bit. parents == nullptr: a chain
+// (path 0..*accepted). *accepted < 0 (nothing accepted) or >= t_max leaves the state as it is.
+// k: rows of Hk * DK, v: rows of Hv * DV, both views of one buffer's rows (row stride ld_kv, layer stride
+// ld_layer_kv, as the conv output rows the tree step read them from); g, beta:
+// (T_max, Hv) rows (ld_gb), layer stride ld_layer_gb; state: (Hv, DK, DV) per layer (ld_layer_state).
+// Dynamic shared memory: warps * CommitSmem::bytes(t_max) (a ring of D slots of k rows, the path, the parents).
+template <typename TIn, int DK>
+struct CSlot {
+    static constexpr int K_BYTES = DK * (int)sizeof(TIn);
+    static constexpr int CHUNKS = K_BYTES / 16;
+    static constexpr int V_OFF = K_BYTES;
+    static constexpr int GB_OFF = V_OFF + 128;
+    static constexpr int BYTES = GB_OFF + 16;
+};
+
+template <typename TIn, int DK, int D>
+struct CommitSmem {
+    static constexpr int RING = D * CSlot<TIn, DK>::BYTES;
+    static DN_MEM i64 bytes(int t_max) { return RING + 2 * 16 * (i64)((t_max + 3) / 4); }
+};
+
+template <typename TIn, int DK, int CW, int D>
+__global__ void __launch_bounds__(128) gdr_commit_kernel(
+    const TIn* __restrict__ k, const TIn* __restrict__ v, i64 ld_kv, i64 ld_layer_kv,
+    const float* __restrict__ g, const float* __restrict__ beta, i64 ld_gb, i64 ld_layer_gb, int Hk, int Hv, int DV,
+    float* __restrict__ state, i64 ld_layer_state, const int* __restrict__ parents, const int* __restrict__ accepted,
+    int t_max) {
+    static_assert(32 % CW == 0 && CW >= 1, "CW must divide 32");
+    static_assert(D >= 2, "the ring needs at least two slots");
+    constexpr int RG = 32 / CW;
+    static_assert(DK % (RG * 8) == 0, "rows per lane must be a multiple of 8");
+    constexpr int R = DK / RG;
+    typedef CSlot<TIn, DK> SL;
+    static_assert(SL::K_BYTES % 16 == 0, "k rows must be whole 16-byte chunks");
+    extern __shared__ uint4 dn_smem[];
+    const int a = *accepted;
+    if (a < 0 || a >= t_max) return;
+    const int lane = threadIdx.x & 31;
+    const int warp = threadIdx.x >> 5;
+    const int nw = blockDim.x >> 5;
+    const int cols_per_block = nw * CW;
+    const int blocks_per_head = DV / cols_per_block;
+    const int h = blockIdx.x / blocks_per_head;
+    if (h >= Hv) return;
+    const int col = (blockIdx.x % blocks_per_head) * cols_per_block + warp * CW + lane % CW;
+    const int row0 = (lane / CW) * R;
+    const int hk = h % Hk;
+    const i64 layer = blockIdx.y;
+    k += layer * ld_layer_kv;
+    v += layer * ld_layer_kv;
+    g += layer * ld_layer_gb;
+    beta += layer * ld_layer_gb;
+    float* st = state + layer * ld_layer_state + (i64)h * DK * DV + (i64)row0 * DV + col;
+    char* ring = (char*)dn_smem + (i64)warp * CommitSmem<TIn, DK, D>::bytes(t_max);
+    int* path = (int*)(ring + CommitSmem<TIn, DK, D>::RING);
+    int* par = path + 4 * ((t_max + 3) / 4);
+    const int vcol = sizeof(TIn) == 2 ? (col & ~1) : col;
+
+    float s[R];
+#pragma unroll
+    for (int r = 0; r < R; ++r) s[r] = st[(i64)r * DV];
+    int n = a + 1;  // path length; a chain's path is 0..a
+    if (parents) {
+        for (int i = lane; i <= a; i += 32) par[i] = dn::parent_of(parents, i);
+        DN_SYNCWARP();
+        n = 0;
+        for (int c = a; c >= 0; c = par[c]) ++n;
+        int c = a;
+        for (int j = n - 1; j >= 0; --j) {
+            if (lane == 0) path[j] = c;
+            c = par[c];
+        }
+        DN_SYNCWARP();
+    }
+    auto issue = [&](int j) {  // the path's j-th token into slot j % D; always one commit group
+        if (j < n) {
+            const int t = parents ? path[j] : j;
+            char* slot = ring + (j % D) * SL::BYTES;
+            const char* krow = (const char*)(k + (i64)t * ld_kv + hk * DK);
+            for (int c = lane; c < SL::CHUNKS; c += 32) dn::cp_async<16>(slot + 16 * c, krow + 16 * c);
+            dn::cp_async<4>(slot + SL::V_OFF + 4 * lane, v + (i64)t * ld_kv + (i64)h * DV + vcol);
+            if (lane == 0) dn::cp_async<4>(slot + SL::GB_OFF, g + (i64)t * ld_gb + h);
+            if (lane == 1) dn::cp_async<4>(slot + SL::GB_OFF + 4, beta + (i64)t * ld_gb + h);
+        }
+        dn::cp_async_commit();
+    };
+#pragma unroll
+    for (int j = 0; j < D - 1; ++j) issue(j);
+    for (int j = 0; j < n; ++j) {
+        dn::cp_async_wait<D - 2>();
+        DN_SYNCWARP();
+        issue(j + D - 1);
+        const char* slot = ring + (j % D) * SL::BYTES;
+        float kk[R];
+        {
+            dn::Vec<TIn, R> kv_;
+            kv_.load((const TIn*)slot + row0);
+            kv_.get(kk);
+        }
+        const u32 vw = *(const u32*)(slot + SL::V_OFF + 4 * lane);
+        const float vt = sizeof(TIn) == 2 ? dn::h2f((col & 1) ? (vw >> 16) : (vw & 0xFFFFu)) : __uint_as_float(vw);
+        dn::state_update<R, CW>(s, kk, vt, *(const float*)(slot + SL::GB_OFF), *(const float*)(slot + SL::GB_OFF + 4));
+    }
+#pragma unroll
+    for (int r = 0; r < R; ++r) st[(i64)r * DV] = s[r];
 }
 
 // ---------------------------------------------------------------------------------------------

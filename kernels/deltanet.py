@@ -4,15 +4,21 @@ Launchers for kernels/deltanet.cu (CuPy arrays in, CuPy arrays out; every kernel
 the parent list from device buffers, so a captured CUDA graph replays for any tree up to T_max). NumPy twins
 in services/engine: `conv_silu` = layers.causal_conv over layers.conv_window_ids; `qk_norm_gate` = the l2-norm,
 dk^-0.5 and g / beta lines of models/qwen35._deltanet; `gated_delta_tree` = layers.gated_delta_rule_tree
-(and, with no parents and no checkpoints, the recurrent prefill used instead of layers.gated_delta_rule_chunked);
-`commit` = state.SequenceState.commit for the recurrent state and the conv window.
+(outputs; with no parents, the recurrent prefill used instead of layers.gated_delta_rule_chunked); `commit` =
+state.SequenceState.commit for the recurrent state and the conv window; `tree_plan` = `walk_plan` below.
 
+    plan = tree_plan(par_dev, n_tokens=n_dev)                                         # once per step
     mixed = conv_silu(raw, window, conv_w, parents=par_dev, n_tokens=n_dev)          # (T_max, conv_dim) f32
     g, beta = qk_norm_gate(mixed, alpha, b, ssm_a, dt_bias, n_k_heads=16, head_k_dim=128, n_tokens=n_dev)
     kd = 16 * 128
-    o = gated_delta_tree(mixed[:, :kd], mixed[:, kd:2 * kd], mixed[:, 2 * kd:], g, beta, ssm_state,
-                         parents=par_dev, n_tokens=n_dev, checkpoints=ckpt)           # (T_max, Hv, dv) f32
-    commit(accepted_dev, par_dev, ckpt, ssm_state, raw, window)                        # after verification
+    q, k, v = mixed[:, :kd], mixed[:, kd:2 * kd], mixed[:, 2 * kd:]
+    o = gated_delta_tree(q, k, v, g, beta, ssm_state, plan=plan, n_tokens=n_dev)      # (T_max, Hv, dv) f32
+    commit(accepted_dev, par_dev, k, v, g, beta, ssm_state, raw, window)              # after verification
+
+The tree step writes no per-node states: it walks the tree depth first with the states it must come back to in
+shared memory, and the commit recomputes the accepted path's state from the committed one (`commit_replay`: the
+path's k / v / g / beta, kept from the step, through the same state update; docs/gpu_deltanet.md has the why
+and the numbers). The per-node checkpoint path (`checkpoints=` and `commit_state`) is kept for comparison.
 
 State and checkpoints are float32; raw rows, alpha / b projections and q / k / v may be float16 or float32
 (fp32 arithmetic throughout). A parent outside -1..t-1 in a device list is read as -1 (a root) so that a bad
@@ -34,12 +40,84 @@ SOURCE = "deltanet.cu"
 MAX_GRID_Y = 65535  # tokens beyond this loop inside the kernels (grid-stride over t)
 DEFAULT_DEPTH = 8  # tokens in flight in the tree step (docs/gpu_deltanet.md has the measurements)
 DEFAULT_WARPS = 2
-_smem_configured: set[tuple] = set()
+DEFAULT_COLS = 8  # state columns a warp owns; the tree step and commit_replay must agree (their sums' order)
+PLAN_MAX = 1024  # nodes of a tree walked without checkpoints (gdr_tree_plan_kernel packs an index in 16 bits)
+SMEM_LIMIT = 227 * 1024  # dynamic shared memory a block may opt in to (sm_80 / sm_90)
 
 
 def slot_bytes(head_k_dim: int, itemsize: int) -> int:
     """Shared-memory bytes of one token slot of gdr_tree_staged_kernel (k and q rows, v words, g / beta / parent)."""
     return 2 * head_k_dim * itemsize + 128 + 16
+
+
+def walk_stack_slots(t_max: int) -> int:
+    """States a tree walk of up to t_max nodes keeps at once: floor(log2(t_max + 1)) - 1 (a light child's subtree
+    holds at most half of its parent's, so each saved state halves what is left under it)."""
+    return max(0, (int(t_max) + 1).bit_length() - 2)
+
+
+def walk_smem_bytes(head_k_dim: int, itemsize: int, cols_per_warp: int, depth: int, n_slots: int,
+                    plan_ints: int) -> int:
+    """Shared-memory bytes of one warp of gdr_tree_walk_kernel (WalkSmem): token ring, state stack, plan."""
+    return depth * slot_bytes(head_k_dim, itemsize) + n_slots * head_k_dim * cols_per_warp * 4 + 16 * (
+        (plan_ints + 3) // 4)
+
+
+def commit_smem_bytes(head_k_dim: int, itemsize: int, depth: int, t_max: int) -> int:
+    """Shared-memory bytes of one warp of gdr_commit_kernel (CommitSmem): ring of k rows, the path, the parents."""
+    return depth * (head_k_dim * itemsize + 128 + 16) + 2 * 16 * ((t_max + 3) // 4)
+
+
+def walk_plan(parents: Any) -> np.ndarray:
+    """NumPy twin of gdr_tree_plan_kernel: the tree walk's visit order and its state loads / saves, int32 (T,).
+
+    Entry i: node | load << 16 | save << 24 for the i-th visited node; load 0 = continue from the state just
+    computed (the parent was visited last), 1 = the committed state, 2 + j = stack slot j; save 0 = none,
+    1 + j = into slot j. Depth first from the roots in index order; a node's children light first (in index
+    order), the one with the largest subtree (lowest index on ties) last. Only nodes with two or more children
+    save; a slot is taken while its node's light children are walked (a stack, simulated here)."""
+    par = [int(p) if -1 <= int(p) < t else -1 for t, p in enumerate(np.asarray(parents).reshape(-1).tolist())]
+    T = len(par)
+    size, nch = [1] * T, [0] * T
+    kids: list[list[int]] = [[] for _ in range(T + 1)]  # kids[T]: the roots
+    for t in reversed(range(T)):
+        if par[t] >= 0:
+            size[par[t]] += size[t]
+            nch[par[t]] += 1
+    for t, p in enumerate(par):
+        kids[p if p >= 0 else T].append(t)
+    heavy = [-1] * T
+    for p in range(T):
+        for c in kids[p]:
+            if heavy[p] < 0 or size[c] > size[heavy[p]]:
+                heavy[p] = c
+    order: list[int] = []
+    todo = list(reversed(kids[T]))
+    while todo:
+        n = todo.pop()
+        order.append(n)
+        todo += [heavy[n]] if heavy[n] >= 0 else []
+        todo += [c for c in reversed(kids[n]) if c != heavy[n]]
+    plan = np.zeros(T, np.int32)
+    slot: dict[int, int] = {}
+    live = 0
+    for i, n in enumerate(order):
+        p = par[n]
+        if p < 0:
+            load = 0 if i == 0 else 1
+        elif order[i - 1] == p:
+            load = 0
+        else:
+            load = 2 + slot[p]
+            if n == heavy[p]:  # p's last child: its slot is the stack's top, free from here on
+                live -= 1
+        save = 0
+        if nch[n] >= 2:
+            slot[n] = live
+            live += 1
+            save = 1 + slot[n]
+        plan[i] = n | load << 16 | save << 24
+    return plan
 
 
 def _defines(portable: bool) -> tuple[str, ...]:
@@ -237,6 +315,36 @@ def qk_norm_gate(
 # ---------------------------------------------------------------------------------------------- delta rule
 
 
+def tree_plan(parents: Any, *, n_tokens: Any = None, t_max: int | None = None, out: Any = None,
+              portable: bool = False) -> Any:
+    """The walk of a tree (gdr_tree_plan_kernel; NumPy twin `walk_plan`): int32 (t_max,) on the device, entry i
+    for the i-th visited node (entries past n_tokens are not written). One launch of one warp per step: every
+    layer's tree step reads the same plan. parents: a device int32 list (entries outside -1..t-1 read as roots)
+    or a NumPy list (checked); t_max defaults to its length, at most PLAN_MAX."""
+    cupy = loader.require()
+    p = device_parents(parents, t_max)
+    t_max = int(p.size) if t_max is None else int(t_max)
+    if not 1 <= t_max <= PLAN_MAX or int(p.size) < t_max:
+        raise ValueError(f"a planned tree walk takes 1..{PLAN_MAX} tokens and a parent for each, not {t_max} "
+                         f"with {int(p.size)} parents")
+    if out is None:
+        out = cupy.empty(t_max, cupy.int32)
+    if out.dtype != np.int32 or out.ndim != 1 or int(out.size) < t_max or not out.flags.c_contiguous:
+        raise ValueError(f"plan must be a contiguous int32 vector of at least {t_max} entries")
+    _fn("gdr_tree_plan_kernel", portable)((1,), (32,), (p, _n_tokens(n_tokens, t_max), np.int32(t_max), out),
+                                           shared_mem=7 * 4 * t_max)  # fmt: skip
+    return out
+
+
+def _opt_in_smem(kern: Any, name: str, smem: int) -> None:
+    if smem > SMEM_LIMIT:
+        raise ValueError(f"{name} needs {smem} bytes of shared memory a block, over {SMEM_LIMIT}: use fewer warps "
+                         "or a smaller depth")
+    # opt in above the 48 KiB default (the attribute lives on the compiled function: one driver call to read it)
+    if smem > 48 * 1024 and kern.max_dynamic_shared_size_bytes < smem:
+        kern.max_dynamic_shared_size_bytes = smem
+
+
 def gated_delta_tree(
     q: Any,
     k: Any,
@@ -246,11 +354,12 @@ def gated_delta_tree(
     s0: Any,
     *,
     parents: Any = None,
+    plan: Any = None,
     n_tokens: Any = None,
     checkpoints: Any = None,
     final_state: Any = None,
     out: Any = None,
-    cols_per_warp: int = 8,
+    cols_per_warp: int = DEFAULT_COLS,
     warps: int = DEFAULT_WARPS,
     depth: int = DEFAULT_DEPTH,
     portable: bool = False,
@@ -260,12 +369,17 @@ def gated_delta_tree(
     q, k: (T_max, Hk * dk) normalised (q scaled), v: (T_max, Hv * dv), all float16 or all float32 with contiguous
     rows (views of the conv output are fine); g, beta: (T_max, Hv) float32; s0: (Hv, dk, dv) float32 committed
     state (read only unless it is also final_state). Value head h reads key head h % Hk.
-    parents: None (a chain: decode, prefill) or a device/NumPy parent list; a tree needs `checkpoints`.
-    checkpoints: (>= T_max, Hv, dk, dv) float32: the state after every token (the rollback points).
-    final_state: (Hv, dk, dv) float32 to receive the last token's state (may be s0: an in-place chain step).
+
+    Default (gdr_tree_walk_kernel): a tree is walked depth first from `plan` (tree_plan's; built here from
+    `parents` when not given, one extra launch), the states it comes back to kept in shared memory; nothing
+    but `out` is written, and the commit recomputes the accepted node's state (commit_replay). No parents and no
+    plan: a chain (decode, prefill, a chain verify); final_state (Hv, dk, dv) float32, which may be s0 itself
+    (an in-place step), receives the last token's state.
+    checkpoints ((>= T_max, Hv, dk, dv) float32): the per-node checkpoint kernels instead (gdr_tree_staged_kernel,
+    or gdr_tree_kernel at depth 1), writing the state after every token there (commit_state copies one back).
     cols_per_warp (4, 8), warps (1..4 per block): the layout (see kernels/deltanet.cu); depth: tokens whose inputs
-    are in flight at once: 1 = gdr_tree_kernel (prefetch one token in registers), 2..16 = gdr_tree_staged_kernel
-    (a cp.async ring of `depth` token slots per warp in shared memory).
+    are in flight at once, 2..16 (a cp.async ring of `depth` token slots per warp in shared memory), 1 = the
+    checkpoint kernel that prefetches one token in registers (checkpoints or a chain only).
     """
     cupy = loader.require()
     if s0.ndim != 3:
@@ -298,12 +412,24 @@ def gated_delta_tree(
         raise ValueError(f"cols_per_warp in (4, 8), warps in 1..4 and dv = {dv} a multiple of their product")
     if dk % (32 // cw * 8):
         raise ValueError(f"dk = {dk} must be a multiple of {32 // cw * 8} for cols_per_warp = {cw}")
-    if parents is not None and checkpoints is None:
-        raise ValueError("a tree step (parents given) needs a checkpoints buffer to reload parent states from")
     if checkpoints is not None:
+        if plan is not None:
+            raise ValueError("a plan is for the walk without checkpoints")
         if (checkpoints.dtype != np.float32 or checkpoints.ndim != 4 or int(checkpoints.shape[0]) < t_max
                 or tuple(checkpoints.shape[1:]) != (hv, dk, dv) or not checkpoints.flags.c_contiguous):  # fmt: skip
             raise ValueError(f"checkpoints must be contiguous float32 (>= {t_max}, {hv}, {dk}, {dv})")
+    else:
+        if (parents is not None or plan is not None) and depth == 1:
+            raise ValueError("depth 1 (gdr_tree_kernel) walks a tree only with a checkpoints buffer")
+        if parents is not None and plan is None:
+            plan = tree_plan(parents, n_tokens=n_tokens, t_max=t_max, portable=portable)
+        if plan is not None:
+            if final_state is not None:
+                raise ValueError("final_state is a chain's last state (a tree walk ends on an arbitrary node)")
+            if plan.dtype != np.int32 or plan.ndim != 1 or int(plan.size) < t_max or not plan.flags.c_contiguous:
+                raise ValueError(f"plan must be a contiguous int32 vector of at least {t_max} entries (tree_plan)")
+            if t_max > PLAN_MAX:
+                raise ValueError(f"a planned tree walk takes at most {PLAN_MAX} tokens")
     if final_state is not None:
         _f32(final_state, (hv, dk, dv), "final_state")
     if out is None:
@@ -313,23 +439,30 @@ def gated_delta_tree(
     if out.dtype != np.float32 or int(out.shape[0]) < t_max:
         raise ValueError(f"out must be float32 with at least {t_max} rows")
     ct = _ctype(q.dtype, "q")
+    grid = (hv * dv // (cw * nw),)
+    head = (q, k, np.int64(ld_qk), v, np.int64(ld_v), g, beta, np.int64(hv), np.int32(hk), np.int32(hv), np.int32(dv),
+            s0)  # fmt: skip
+    tail = (_null() if final_state is None else final_state, out, np.int64(ld_out))
+    if checkpoints is None and depth > 1:
+        n_slots = walk_stack_slots(t_max) if plan is not None else 0
+        name = f"gdr_tree_walk_kernel<{ct}, {dk}, {cw}, {depth}>"
+        kern = _fn(name, portable)
+        smem = nw * walk_smem_bytes(dk, q.dtype.itemsize, cw, depth, n_slots, t_max if plan is not None else 0)
+        _opt_in_smem(kern, name, smem)
+        kern(grid, (32 * nw,), (*head, _null() if plan is None else plan, _n_tokens(n_tokens, t_max), np.int32(t_max),
+                                np.int32(n_slots), *tail), shared_mem=smem)  # fmt: skip
+        return out.reshape(int(out.shape[0]), hv, dv)
     smem = 0
     if depth == 1:
-        kern = _fn(f"gdr_tree_kernel<{ct}, {dk}, {cw}>", portable)
+        name = f"gdr_tree_kernel<{ct}, {dk}, {cw}>"
+        kern = _fn(name, portable)
     else:
-        kern = _fn(f"gdr_tree_staged_kernel<{ct}, {dk}, {cw}, {depth}>", portable)
+        name = f"gdr_tree_staged_kernel<{ct}, {dk}, {cw}, {depth}>"
+        kern = _fn(name, portable)
         smem = nw * depth * slot_bytes(dk, q.dtype.itemsize)
-        if smem > 48 * 1024:
-            key = (ct, dk, cw, depth, portable, int(cupy.cuda.runtime.getDevice()))
-            if key not in _smem_configured:
-                kern.max_dynamic_shared_size_bytes = smem  # opt in above the 48 KiB default
-                _smem_configured.add(key)
-    grid = (hv * dv // (cw * nw),)
-    kern(grid, (32 * nw,), (q, k, np.int64(ld_qk), v, np.int64(ld_v), g, beta, np.int64(hv), np.int32(hk),
-                            np.int32(hv), np.int32(dv), s0, _parents_arg(parents, t_max), _n_tokens(n_tokens, t_max),
-                            np.int32(t_max), _null() if checkpoints is None else checkpoints,
-                            _null() if final_state is None else final_state, out, np.int64(ld_out)),
-         shared_mem=smem)  # fmt: skip
+        _opt_in_smem(kern, name, smem)
+    kern(grid, (32 * nw,), (*head, _parents_arg(parents, t_max), _n_tokens(n_tokens, t_max), np.int32(t_max),
+                            _null() if checkpoints is None else checkpoints, *tail), shared_mem=smem)  # fmt: skip
     return out.reshape(int(out.shape[0]), hv, dv)
 
 
@@ -397,12 +530,98 @@ def commit_conv(accepted: Any, parents: Any, raw: Any, window: Any, *, portable:
           _accepted(accepted), np.int32(t_max), np.int32(c)))  # fmt: skip
 
 
-def commit(
-    accepted: Any, parents: Any, checkpoints: Any, state: Any, raw: Any, window: Any, *, portable: bool = False
+def commit_replay(
+    accepted: Any,
+    parents: Any,
+    k: Any,
+    v: Any,
+    g: Any,
+    beta: Any,
+    state: Any,
+    *,
+    cols_per_warp: int = DEFAULT_COLS,
+    warps: int = DEFAULT_WARPS,
+    depth: int = DEFAULT_DEPTH,
+    portable: bool = False,
 ) -> None:
-    """Keep the root -> `accepted` path of a verified tree: recurrent state from its checkpoint, conv window
-    gathered along it (state.SequenceState.commit, without a host round trip; accepted is a device int32 [1])."""
-    commit_state(accepted, checkpoints, state, portable=portable)
+    """state[l] <- its state after the root -> `accepted` path of the last tree step, recomputed on the device by
+    the tree step's own state update over the path's tokens (gdr_commit_kernel, all layers in one launch, in
+    place): state.SequenceState.commit's checkpoint, without one per node. accepted: device int32 [1] (< 0 keeps
+    the state); parents: the step's list (None: a chain, path 0..accepted).
+
+    k: ([L,] T_max, Hk * dk) and v: ([L,] T_max, Hv * dv) of the step (float16 or float32, the tree step's
+    inputs: views of the conv output rows, with the same row and layer strides); g, beta: ([L,] T_max, Hv)
+    float32; state: ([L,] Hv, dk, dv) float32, each layer contiguous. cols_per_warp must be the tree step's (the
+    reduction order is the layout's): the state then equals the tree step's state for that node bit for bit.
+    """
+    loader.require()  # a clear error without CuPy or a GPU
+    state, layers, s_stride = _layered(state, 3, "state")
+    if state.dtype != np.float32 or not (state[0] if state.ndim == 4 else state).flags.c_contiguous:
+        raise ValueError("state must be float32 with each layer contiguous")
+    hv, dk, dv = (int(x) for x in state.shape[-3:])
+    arrays = {}
+    for a, what in ((k, "k"), (v, "v"), (g, "g"), (beta, "beta")):
+        a, n, stride = _layered(a, 2, what)
+        if n != layers:
+            raise ValueError(f"{what} has {n} layers, the state {layers}")
+        _rows(a[0] if a.ndim == 3 else a, what, align=1)
+        arrays[what] = (a, stride, a.strides[-2] // a.dtype.itemsize)  # the buffer's row stride, also for one row
+    (k, lk, ld_k), (v, lv, ld_v) = arrays["k"], arrays["v"]
+    (g, lg, ld_g), (beta, lb, ld_b) = arrays["g"], arrays["beta"]
+    if k.dtype != v.dtype:
+        raise ValueError("k and v must share one dtype")
+    t_max, hk_dk = int(k.shape[-2]), int(k.shape[-1])
+    if hk_dk % dk or hv % (hk_dk // dk):
+        raise ValueError(f"k has {hk_dk} features: not key heads of dk = {dk} that divide {hv} value heads")
+    if tuple(v.shape[-2:]) != (t_max, hv * dv):
+        raise ValueError(f"v must be (T_max={t_max}, {hv * dv}), not {tuple(v.shape[-2:])}")
+    if ld_k != ld_v or (layers > 1 and lk != lv):
+        raise ValueError("k and v must have the same row and layer strides (views of the conv output rows)")
+    for a, what in ((g, "g"), (beta, "beta")):
+        if a.dtype != np.float32 or tuple(a.shape[-2:]) != (t_max, hv):
+            raise ValueError(f"{what} must be float32 (T_max={t_max}, Hv={hv}), not {a.dtype} {tuple(a.shape[-2:])}")
+    if ld_g != ld_b or (layers > 1 and lg != lb):
+        raise ValueError("g and beta must have the same strides")
+    item = k.dtype.itemsize
+    if k.data.ptr % 16 or (ld_k * item) % 16 or (lk * item) % 16:
+        raise ValueError("k rows must start on 16-byte boundaries (cp.async)")
+    if item == 2 and (v.data.ptr % 4 or ld_k % 2 or lk % 2):
+        raise ValueError("float16 v rows must start on 4-byte boundaries")
+    cw, nw, depth = int(cols_per_warp), int(warps), int(depth)
+    if cw not in (4, 8) or not 1 <= nw <= 4 or dv % (cw * nw) or dk % (32 // cw * 8) or not 2 <= depth <= 16:
+        raise ValueError("cols_per_warp in (4, 8) dividing dv and dk's layout, warps in 1..4, depth in 2..16")
+    ct = _ctype(k.dtype, "k")
+    name = f"gdr_commit_kernel<{ct}, {dk}, {cw}, {depth}>"
+    kern = _fn(name, portable)
+    smem = nw * commit_smem_bytes(dk, item, depth, t_max)
+    _opt_in_smem(kern, name, smem)
+    kern((hv * dv // (cw * nw), layers), (32 * nw,),
+         (k, v, np.int64(ld_k), np.int64(lk), g, beta, np.int64(ld_g), np.int64(lg),
+          np.int32(hk_dk // dk), np.int32(hv), np.int32(dv), state, np.int64(s_stride), _parents_arg(parents, t_max),
+          _accepted(accepted), np.int32(t_max)), shared_mem=smem)  # fmt: skip
+
+
+def commit(
+    accepted: Any,
+    parents: Any,
+    k: Any,
+    v: Any,
+    g: Any,
+    beta: Any,
+    state: Any,
+    raw: Any,
+    window: Any,
+    *,
+    cols_per_warp: int = DEFAULT_COLS,
+    warps: int = DEFAULT_WARPS,
+    depth: int = DEFAULT_DEPTH,
+    portable: bool = False,
+) -> None:
+    """Keep the root -> `accepted` path of a verified tree: recurrent state replayed along it (commit_replay),
+    conv window gathered along it (commit_conv); state.SequenceState.commit without a host round trip (accepted
+    is a device int32 [1])."""
+    commit_replay(accepted, parents, k, v, g, beta, state, cols_per_warp=cols_per_warp, warps=warps, depth=depth,
+                  portable=portable)
     commit_conv(accepted, parents, raw, window, portable=portable)
 
 
@@ -455,10 +674,19 @@ def warmup(portable: bool = False) -> None:
         _fn(f"qk_norm_gate_kernel<{t}, 128>", portable)
         _fn(f"gdr_tree_kernel<{t}, 128, 8>", portable)
         _fn(f"gdr_tree_staged_kernel<{t}, 128, 8, {DEFAULT_DEPTH}>", portable)
+        _fn(f"gdr_tree_walk_kernel<{t}, 128, 8, {DEFAULT_DEPTH}>", portable)
+        _fn(f"gdr_commit_kernel<{t}, 128, 8, {DEFAULT_DEPTH}>", portable)
         _fn(f"conv_commit_kernel<{t}, 4>", portable)
     _fn("ssm_commit_kernel", portable)
+    _fn("gdr_tree_plan_kernel", portable)
 
 
 def state_bytes(n_v_heads: int, head_k_dim: int, head_v_dim: int) -> int:
-    """Bytes of one layer's recurrent state (one checkpoint slot)."""
+    """Bytes of one layer's recurrent state (one checkpoint slot of the checkpoint path)."""
     return 4 * n_v_heads * head_k_dim * head_v_dim
+
+
+def replay_bytes_per_node(conv_dim: int, n_v_heads: int) -> int:
+    """Bytes a tree step keeps per node and layer for commit_replay: its conv output row (q | k | v, float32; q
+    rides along because the row is the tree step's input buffer) and its g, beta."""
+    return 4 * (conv_dim + 2 * n_v_heads)

@@ -67,6 +67,11 @@ static inline unsigned long long atomicAdd(unsigned long long* p, unsigned long 
     *p = o + v;
     return o;
 }
+static inline unsigned int atomicMax(unsigned int* p, unsigned int v) {
+    const unsigned int o = *p;
+    if (v > o) *p = v;
+    return o;
+}
 static inline void __threadfence() {}
 
 namespace sim {

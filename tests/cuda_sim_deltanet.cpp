@@ -3,7 +3,8 @@
 // The .cu file is compiled as plain C++ (g++ -std=c++17 -DDN_SOURCE='"path"') on the fiber simulator of
 // tests/cuda_sim.h: no __CUDA_ARCH__, so the fp16 conversion takes its software path; everything else (index
 // arithmetic, parent walks, register layouts, the xor-shuffle reductions, prefetching, in-place commits) is the
-// code the GPU runs. The deltanet kernels use no __syncthreads, so warps may run one after another.
+// code the GPU runs. The deltanet kernels use no __syncthreads, so warps may run one after another (each works in its
+// own part of the dynamic shared memory).
 #include <cmath>
 
 #include "cuda_sim.h"
@@ -14,8 +15,12 @@ static inline float shfl_xor(float v, int m) { return __uint_as_float(shfl(__flo
 }  // namespace sim
 #define __shfl_xor_sync(mask, v, m) sim::shfl_xor((v), (m))
 
-// dynamic shared memory of gdr_tree_staged_kernel (warps of a block run one after another, each on its own ring)
-alignas(16) uint4 dn_smem[(96 * 1024) / 16];
+// dynamic shared memory of the staged / walk / commit / plan kernels (warps of a block run one after another,
+// each on its own part of it)
+constexpr size_t SIM_SMEM = 227 * 1024;
+alignas(16) uint4 dn_smem[SIM_SMEM / 16];
+extern "C" size_t sim_smem_bytes() { return SIM_SMEM; }
+static void stale_smem() { std::memset(dn_smem, 0xA5, sizeof(dn_smem)); }  // garbage, not zeros
 
 #include DN_SOURCE
 
@@ -118,9 +123,75 @@ extern "C" int sim_tree_staged(int f16, int dk, int cw, int depth, int gx, int b
     if (dk == 128 && cw == 4 && depth == 8) fn = f16 ? tree_staged_lane<u16, 128, 4, 8> : tree_staged_lane<float, 128, 4, 8>;
     if (dk == 64 && cw == 8 && depth == 8) fn = f16 ? tree_staged_lane<u16, 64, 8, 8> : tree_staged_lane<float, 64, 8, 8>;
     if (dk == 128 && cw == 8 && depth == 2) fn = f16 ? tree_staged_lane<u16, 128, 8, 2> : tree_staged_lane<float, 128, 8, 2>;
+    if (dk == 128 && cw == 8 && depth == 16) fn = f16 ? tree_staged_lane<u16, 128, 8, 16> : tree_staged_lane<float, 128, 8, 16>;
     if (!fn) return -1;
-    std::memset(dn_smem, 0xA5, sizeof(dn_smem));  // stale shared memory is garbage, not zeros
+    stale_smem();
     return launch(g2(gx, 1), block, fn);
+}
+
+// ---- tree walk (plan + shared-memory state stack), its plan, the commit by replay
+struct PlanArgs { const int* parents; const int* n_tokens; int t_max; int* plan; };
+static PlanArgs pa;
+static void plan_lane() { gdr_tree_plan_kernel(pa.parents, pa.n_tokens, pa.t_max, pa.plan); }
+extern "C" int sim_plan(int gx, int block, const int* parents, const int* n_tokens, int t_max, int* plan) {
+    pa = {parents, n_tokens, t_max, plan};
+    stale_smem();
+    return launch(g2(gx, 1), block, plan_lane);
+}
+
+struct WalkArgs { const void* q; const void* k; i64 ld_qk; const void* v; i64 ld_v; const float* g;
+                  const float* beta; i64 ld_gb; int Hk, Hv, DV; const float* s0; const int* plan;
+                  const int* n_tokens; int t_max, n_slots; float* s_final; float* out; i64 ld_out; };
+static WalkArgs wa;
+template <typename TIn, int DK, int CW, int D>
+static void walk_lane() {
+    gdr_tree_walk_kernel<TIn, DK, CW, D>((const TIn*)wa.q, (const TIn*)wa.k, wa.ld_qk, (const TIn*)wa.v, wa.ld_v,
+                                         wa.g, wa.beta, wa.ld_gb, wa.Hk, wa.Hv, wa.DV, wa.s0, wa.plan, wa.n_tokens,
+                                         wa.t_max, wa.n_slots, wa.s_final, wa.out, wa.ld_out);
+}
+#define DN_PICK(F, dk_, cw_, d_) \
+    if (dk == dk_ && cw == cw_ && depth == d_) fn = f16 ? F<u16, dk_, cw_, d_> : F<float, dk_, cw_, d_>;
+extern "C" int sim_tree_walk(int f16, int dk, int cw, int depth, int gx, int block, const void* q, const void* k,
+                             i64 ld_qk, const void* v, i64 ld_v, const float* g, const float* beta, i64 ld_gb,
+                             int Hk, int Hv, int DV, const float* s0, const int* plan, const int* n_tokens, int t_max,
+                             int n_slots, float* s_final, float* out, i64 ld_out) {
+    wa = {q, k, ld_qk, v, ld_v, g, beta, ld_gb, Hk, Hv, DV, s0, plan, n_tokens, t_max, n_slots, s_final, out, ld_out};
+    Body fn = nullptr;
+    DN_PICK(walk_lane, 128, 8, 8)
+    DN_PICK(walk_lane, 128, 4, 8)
+    DN_PICK(walk_lane, 64, 8, 8)
+    DN_PICK(walk_lane, 128, 8, 2)
+    DN_PICK(walk_lane, 128, 8, 16)
+    if (!fn) return -1;
+    stale_smem();
+    return launch(g2(gx, 1), block, fn);
+}
+
+struct ReplayArgs { const void* k; const void* v; i64 ld_kv, ld_layer_kv; const float* g; const float* beta;
+                    i64 ld_gb, ld_layer_gb; int Hk, Hv, DV; float* state; i64 ld_layer_state; const int* parents;
+                    const int* accepted; int t_max; };
+static ReplayArgs ra;
+template <typename TIn, int DK, int CW, int D>
+static void replay_lane() {
+    gdr_commit_kernel<TIn, DK, CW, D>((const TIn*)ra.k, (const TIn*)ra.v, ra.ld_kv, ra.ld_layer_kv, ra.g,
+                                      ra.beta, ra.ld_gb, ra.ld_layer_gb, ra.Hk, ra.Hv, ra.DV, ra.state,
+                                      ra.ld_layer_state, ra.parents, ra.accepted, ra.t_max);
+}
+extern "C" int sim_commit_replay(int f16, int dk, int cw, int depth, int gx, int gy, int block, const void* k,
+                                 const void* v, i64 ld_kv, i64 ld_layer_kv, const float* g, const float* beta,
+                                 i64 ld_gb, i64 ld_layer_gb, int Hk, int Hv, int DV, float* state,
+                                 i64 ld_layer_state, const int* parents, const int* accepted, int t_max) {
+    ra = {k, v, ld_kv, ld_layer_kv, g, beta, ld_gb, ld_layer_gb, Hk, Hv, DV, state, ld_layer_state, parents,
+          accepted, t_max};
+    Body fn = nullptr;
+    DN_PICK(replay_lane, 128, 8, 8)
+    DN_PICK(replay_lane, 128, 4, 8)
+    DN_PICK(replay_lane, 64, 8, 8)
+    DN_PICK(replay_lane, 128, 8, 2)
+    DN_PICK(replay_lane, 128, 8, 16)
+    if (!fn) return -1;
+    stale_smem();
+    return launch(g2(gx, gy), block, fn);
 }
 
 // ---- commit
@@ -146,4 +217,19 @@ extern "C" int sim_conv_commit(int f16, int gx, int gy, int block, float* window
                                i64 ld_raw, i64 raw_ls, const int* parents, const int* accepted, int t_max, int C) {
     cc = {window, win_ls, raw, ld_raw, raw_ls, parents, accepted, t_max, C};
     return launch(g2(gx, gy), block, f16 ? conv_commit_lane<u16> : conv_commit_lane<float>);
+}
+
+// the shared-memory layouts the kernels use, for the launchers' byte counts to be checked against
+extern "C" long long sim_walk_smem(int f16, int dk, int cw, int depth, int n_slots, int plan_ints) {
+#define DN_WS(dk_, cw_, d_) \
+    if (dk == dk_ && cw == cw_ && depth == d_) \
+        return f16 ? WalkSmem<u16, dk_, cw_, d_>::bytes(n_slots, plan_ints) : WalkSmem<float, dk_, cw_, d_>::bytes(n_slots, plan_ints);
+    DN_WS(128, 8, 8) DN_WS(128, 4, 8) DN_WS(64, 8, 8) DN_WS(128, 8, 2)
+    return -1;
+}
+extern "C" long long sim_commit_smem(int f16, int dk, int depth, int t_max) {
+#define DN_CS(dk_, d_) \
+    if (dk == dk_ && depth == d_) return f16 ? CommitSmem<u16, dk_, d_>::bytes(t_max) : CommitSmem<float, dk_, d_>::bytes(t_max);
+    DN_CS(128, 8) DN_CS(64, 8) DN_CS(128, 2)
+    return -1;
 }

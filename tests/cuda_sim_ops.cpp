@@ -19,6 +19,9 @@ alignas(16) uint4 ssa_smem[(232 * 1024) / 16];  // attention.cu's dynamic shared
 #if OPS_FAMILY == 4
 #define ss_smem ssa_smem  // quant_matmul.cu's dynamic shared memory: the same buffer, reset per block
 #endif
+#if OPS_FAMILY == 5
+#define dn_smem ssa_smem  // deltanet.cu's (its tree plan kernel names it; tests/cuda_sim_deltanet.cpp drives those)
+#endif
 
 #include OPS_SOURCE
 

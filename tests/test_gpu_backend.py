@@ -441,6 +441,23 @@ def test_kv_types_and_memory_plan_match_the_gpu_allocation():
                 st = models()[1].new_state(ctx, k, v)
                 assert st.kv_types == (gk, gv)
                 assert sum(c.nbytes for c in st.kv.values()) == want
+    # the DeltaNet buffers: per node and layer a conv output row and g, beta (the commit replays the accepted path),
+    # for MAX_TREE rows whatever the budget; the committed state and a chain step's final state
+    from services.engine.memory_plan import Device, PlanSettings, WeightBytes, build_plan
+    from services.engine.models.qwen35_gpu import MAX_TREE
+
+    n_rec = sum(1 for r in cfg.recurrent_layers if r)
+    plan = build_plan(cfg, WeightBytes.of({}), PlanSettings(max_ctx=256, device=Device("cuda", 0), budget=22), None,
+                      free={"cuda:0": (1 << 40, 1 << 40)}).devices[0]  # fmt: skip
+    replay = n_rec * MAX_TREE * (cfg.ssm_conv_dim + 2 * cfg.ssm_n_v_heads) * 4
+    state = n_rec * cfg.ssm_n_v_heads * cfg.ssm_head_k_dim * cfg.ssm_head_v_dim * 4
+    conv = n_rec * (cfg.ssm_conv_kernel - 1 + MAX_TREE) * cfg.ssm_conv_dim * 4
+    assert plan.get("recurrent replay inputs") == replay and plan.get("recurrent state") == 2 * state
+    assert plan.get("conv windows") == conv
+    if _REASON is None:
+        st = models()[1].new_state(256)
+        assert st.mixed.nbytes + st.gates.nbytes == replay and st.ssm.nbytes + st.ssm_final.nbytes == 2 * state
+        assert st.conv.nbytes + st.raw.nbytes == conv
     if _REASON is None:
         gpu = models()[1]
         try:

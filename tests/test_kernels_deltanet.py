@@ -2,10 +2,13 @@
 
 Needs CuPy and a CUDA GPU; skipped (with the reason) anywhere else. The cases are the `check_*` functions of
 tests/test_kernels_deltanet_sim.py (which runs them on the CPU simulator); here they run on the device at larger
-shapes, every tree size T in (1, 2, 7, 16, 23, 41, 64) on random parent lists, the Qwen3.6-27B head layout
-(16 key heads, 48 value heads, dk = dv = 128), fp16 and fp32 inputs, and the portable (no inline PTX) build.
-Tolerances, as stated there: max |error| / max |reference| < 1e-5 for conv / norm / gates, < 1e-4 for the delta
-rule (fp32 state), commit bit-exact. Plus a CUDA-graph replay whose token count and parents change between replays.
+shapes, every tree size T in (1, 2, 7, 16, 23, 41, 64) on random parent lists plus DDTree, star, deep, forest and
+complete binary trees (65 nodes: the GPU model's widest tree), the Qwen3.6-27B head layout (16 key heads, 48
+value heads, dk = dv = 128), fp16 and fp32 inputs, and the portable (no inline PTX) build. Tolerances, as stated
+there: max |error| / max |reference| < 1e-5 for conv / norm / gates, < 1e-4 for the delta rule (fp32 state);
+the tree walk's outputs and the replayed commit's state bit for bit the checkpoint kernel's, the checkpoint
+commit and the conv window bit-exact. Plus CUDA-graph replays whose token count, parents and accepted node
+change between replays.
 """
 
 from __future__ import annotations
@@ -81,8 +84,70 @@ def test_chain_decode_and_recurrent_prefill(T: int, depth: int) -> None:
 
 
 @pytest.mark.parametrize("accepted,f16", [(0, False), (5, True), (9, False), (-1, False)])
-def test_commit_matches_sequence_state(accepted: int, f16: bool) -> None:
-    cases.check_commit(cupy, np.random.default_rng(50 + accepted), accepted, f16)
+def test_checkpoint_commit_matches_sequence_state(accepted: int, f16: bool) -> None:
+    cases.check_commit_checkpoint(cupy, np.random.default_rng(50 + accepted), accepted, f16)
+
+
+@pytest.mark.parametrize("kind,n", cases.WALK_SHAPES + [("ddtree", 65), ("random", 65)])
+def test_tree_plan_matches_its_twin(kind: str, n: int) -> None:
+    cases.check_plan(cupy, cases.tree_shape(kind, n, np.random.default_rng(n)))
+
+
+def test_tree_plan_random_corrupt_and_portable() -> None:
+    rng = np.random.default_rng(4)
+    for n in rng.integers(1, 66, size=30):
+        cases.check_plan(cupy, cases.random_tree(int(n), rng))
+    cases.check_plan(cupy, np.array([5, 0, 99, -7, 3, 4, 6, 2, -1, 8], np.int32))
+    cases.check_plan(cupy, cases.random_tree(12, rng), t_max=20)
+    cases.check_plan(cupy, cases.random_tree(23, rng), portable=True)
+    assert cases.check_plan(cupy, cases.dfs_binary(6)) == 6  # 127 nodes: the bound, 6 slots
+
+
+WALK_TREES = [("random", T) for T in cases.TREE_SIZES] + [("ddtree", 23), ("ddtree", 65), ("profile", 41),
+                                                          ("binary", 5), ("star", 41), ("deep", 64), ("forest", 12)]
+
+
+@pytest.mark.parametrize("kind,n", WALK_TREES)
+def test_tree_walk_matches_token_loop_and_checkpoint_kernel(kind: str, n: int) -> None:
+    rng = np.random.default_rng(200 + n)
+    parents = cases.tree_shape(kind, n, rng)
+    cases.check_walk(cupy, rng, parents, 4, 12, DK, DV)  # 12 value heads over 4 key heads: h -> h % 4
+    cases.check_walk(cupy, rng, parents, 4, 12, DK, DV, f16=True, warps=1, explicit_plan=True)
+
+
+def test_tree_walk_qwen36_shape_and_variants() -> None:
+    rng = np.random.default_rng(6)
+    cases.check_walk(cupy, rng, cases.ddtree_parents(23, rng), HK, HV, DK, DV)
+    cases.check_walk(cupy, rng, cases.ddtree_parents(65, rng), HK, HV, DK, DV)  # 5 stack slots: 60 KB a block
+    cases.check_walk(cupy, rng, cases.random_tree(64, rng), 2, 4, DK, DV, cols_per_warp=4, warps=2)
+    cases.check_walk(cupy, rng, cases.random_tree(41, rng), 2, 4, DK, DV, warps=4)  # the opt-in above 48 KB
+    cases.check_walk(cupy, rng, cases.dfs_binary(5), 2, 4, DK, DV, warps=4, depth=16)  # 157 KB
+    cases.check_walk(cupy, rng, cases.random_tree(30, rng), 2, 4, DK, DV, depth=2)
+    cases.check_walk(cupy, rng, cases.random_tree(16, rng), 2, 4, DK, DV, f16=True, portable=True)
+    cases.check_walk(cupy, rng, cases.random_tree(23, rng), 2, 4, DK, DV, decay=30.0)  # strong decay
+
+
+@pytest.mark.parametrize("kind,n,f16", [("random", 23, False), ("ddtree", 65, False), ("ddtree", 41, True),
+                                        ("binary", 5, False), ("deep", 41, False), ("star", 16, False)])
+def test_commit_replay_of_every_accepted_path(kind: str, n: int, f16: bool) -> None:
+    rng = np.random.default_rng(300 + n)
+    cases.check_commit_replay(cupy, rng, cases.tree_shape(kind, n, rng), 4, 12, DK, DV, L=3, f16=f16)
+
+
+def test_commit_replay_qwen36_shape_and_variants() -> None:
+    rng = np.random.default_rng(7)
+    cases.check_commit_replay(cupy, rng, cases.ddtree_parents(23, rng), HK, HV, DK, DV, L=2,
+                              accepted=[0, 3, 15, 16, 22, -1, 23])  # fmt: skip
+    cases.check_commit_replay(cupy, rng, np.arange(-1, 15, dtype=np.int32), 4, 12, DK, DV, chain=True)
+    cases.check_commit_replay(cupy, rng, cases.random_tree(41, rng), 2, 4, DK, DV, cols_per_warp=4, warps=1)
+    cases.check_commit_replay(cupy, rng, cases.random_tree(23, rng), 2, 4, DK, DV, decay=30.0, warps=4, depth=16)
+    cases.check_commit_replay(cupy, rng, cases.random_tree(16, rng), 2, 4, DK, DV, f16=True, portable=True)
+    bad = np.array([5, 0, 99, -7, 3, 4, 2, 6, 7, 1], np.int32)
+    cases.check_commit_replay(cupy, rng, np.zeros(len(bad), np.int32), 2, 4, DK, DV, device_parents=bad)
+
+
+def test_corrupt_plan_stays_in_bounds() -> None:
+    cases.check_corrupt_plan(cupy, np.random.default_rng(13))
 
 
 @pytest.mark.parametrize("f16", [False, True])
@@ -131,3 +196,72 @@ def test_graph_replay_follows_device_token_count_and_parents() -> None:
         assert np.isnan(got[T:]).all()
         ref_mixed = cases.layers.causal_conv(window, raw[:T], conv_w, cases.layers.conv_window_ids(parents, cases.KW))
         assert cases.rel_max(cupy.asnumpy(mixed)[:T], ref_mixed) < cases.TOL
+
+
+def test_graph_replay_of_plan_walk_and_commit() -> None:
+    # One captured step (plan + walk of 2 layers) and one captured commit (replay + conv window, both layers);
+    # each round writes a new tree, token count and accepted node into device buffers and replays both.
+    rng = np.random.default_rng(12)
+    t_max, hk, hv, L = 65, 4, 8, 2
+    C = 2 * hk * DK + hv * DV
+    kd = hk * DK
+    mixed = np.stack([np.concatenate(cases.tree_inputs(t_max, hk, hv, DK, DV, rng)[:3], axis=1) for _ in range(L)])
+    gates = np.stack([np.stack(cases.tree_inputs(t_max, hk, hv, DK, DV, rng)[3:5]) for _ in range(L)])
+    s0 = (rng.standard_normal((L, hv, DK, DV)) * 0.3).astype(np.float32)
+    raw = rng.standard_normal((L, t_max, C)).astype(np.float32)
+    window = rng.standard_normal((L, cases.KW - 1, C)).astype(np.float32)
+    m_d, gb_d, raw_d = cupy.asarray(mixed), cupy.asarray(gates), cupy.asarray(raw)
+    state, win_d = cupy.asarray(s0), cupy.asarray(window)
+    par_d = cupy.full(t_max, -1, dtype=cupy.int32)
+    n_d = cupy.zeros(1, dtype=cupy.int32)
+    acc_d = cupy.zeros(1, dtype=cupy.int32)
+    plan = cupy.empty(t_max, cupy.int32)
+    outs = [cupy.empty((t_max, hv * DV), cupy.float32) for _ in range(L)]
+    dn.warmup()
+    stream = cupy.cuda.Stream(non_blocking=True)
+
+    def step():
+        dn.tree_plan(par_d, n_tokens=n_d, out=plan)
+        for i in range(L):
+            dn.gated_delta_tree(m_d[i, :, :kd], m_d[i, :, kd : 2 * kd], m_d[i, :, 2 * kd :], gb_d[i, 0], gb_d[i, 1],
+                                state[i], plan=plan, n_tokens=n_d, out=outs[i])  # fmt: skip
+
+    def commit():
+        k, v = m_d[:, :, kd : 2 * kd], m_d[:, :, 2 * kd :]
+        dn.commit(acc_d, par_d, k, v, gb_d[:, 0], gb_d[:, 1], state, raw_d, win_d)
+
+    graphs = []
+    with stream:
+        for launches in (step, commit):
+            launches()  # eagerly first, as the model does: kernels built, shared memory opted in, outside a capture
+            stream.begin_capture()
+            launches()
+            graphs.append(stream.end_capture())
+    for T in (23, 1, 65, 7, 41):
+        parents = cases.ddtree_parents(T, rng) if T > 1 else np.array([-1], np.int32)
+        accepted = int(rng.integers(0, T))
+        par_d[:T].set(parents)
+        n_d.set(np.array([T], np.int32))
+        acc_d.set(np.array([accepted], np.int32))
+        state.set(s0)
+        win_d.set(window)
+        for o in outs:
+            o.fill(np.nan)
+        graphs[0].launch(stream)
+        stream.synchronize()
+        ckpts = []
+        for i in range(L):
+            ref_out, _ = cases.tree_twin(mixed[i, :, :kd], mixed[i, :, kd : 2 * kd], mixed[i, :, 2 * kd :], gates[i, 0],
+                                         gates[i, 1], s0[i], parents, hk, DK)  # fmt: skip
+            got = cupy.asnumpy(outs[i])
+            assert cases.rel_max(got[:T].reshape(T, hv, DV), ref_out) < cases.TOL_RULE
+            assert np.isnan(got[T:]).all()
+            ck = cupy.empty((T, hv, DK, DV), cupy.float32)
+            dn.gated_delta_tree(m_d[i, :T, :kd], m_d[i, :T, kd : 2 * kd], m_d[i, :T, 2 * kd :], gb_d[i, 0, :T],
+                                gb_d[i, 1, :T], state[i], parents=parents, checkpoints=ck)  # fmt: skip
+            ckpts.append(cupy.asnumpy(ck[accepted]))
+        graphs[1].launch(stream)
+        stream.synchronize()
+        got = cupy.asnumpy(state)
+        for i in range(L):
+            assert np.array_equal(got[i], ckpts[i]), f"T={T}, accepted {accepted}, layer {i}"

@@ -113,12 +113,14 @@ def check_norm_gate(xp, rng, T: int, Hk: int, Hv: int, dk: int, f16: bool, porta
     assert np.isnan(g[n:]).all() and np.isnan(beta[n:]).all()
 
 
-def tree_inputs(T: int, Hk: int, Hv: int, dk: int, dv: int, rng: np.random.Generator, dtype=np.float32):
-    """Host q, k (T, Hk*dk) l2-normalised (q scaled), v (T, Hv*dv), g <= 0, beta in (0, 1), s0 (Hv, dk, dv)."""
+def tree_inputs(T: int, Hk: int, Hv: int, dk: int, dv: int, rng: np.random.Generator, dtype=np.float32,
+                decay: float = 0.5):  # fmt: skip
+    """Host q, k (T, Hk*dk) l2-normalised (q scaled), v (T, Hv*dv), g <= 0 (|g| ~ decay), beta in (0, 1),
+    s0 (Hv, dk, dv)."""
     q = layers.l2_norm(rng.standard_normal((T, Hk, dk)), 1e-6) * dk**-0.5
     k = layers.l2_norm(rng.standard_normal((T, Hk, dk)), 1e-6)
     v = rng.standard_normal((T, Hv * dv))
-    g = (-np.abs(rng.standard_normal((T, Hv))) * 0.5).astype(np.float32)
+    g = (-np.abs(rng.standard_normal((T, Hv))) * decay).astype(np.float32)
     beta = layers.sigmoid(rng.standard_normal((T, Hv))).astype(np.float32)
     s0 = (rng.standard_normal((Hv, dk, dv)) * 0.3).astype(np.float32)
     return q.reshape(T, -1).astype(dtype), k.reshape(T, -1).astype(dtype), v.astype(dtype), g, beta, s0
@@ -171,7 +173,8 @@ def check_chain_in_place(xp, rng, T: int, Hk: int, Hv: int, dk: int, dv: int, de
     assert rel_max(xp.asnumpy(s), ref_states[-1]) < TOL_RULE
 
 
-def check_commit(xp, rng, accepted: int, f16: bool, portable: bool = False) -> None:
+def check_commit_checkpoint(xp, rng, accepted: int, f16: bool, portable: bool = False) -> None:
+    """The checkpoint path's commit (commit_state + commit_conv) against SequenceState.commit, bit-exact."""
     from kernels import deltanet as dn
     from services.engine.state import PendingStep, SequenceState  # needs gguf (kv cache codecs): imported here
 
@@ -202,12 +205,246 @@ def check_commit(xp, rng, accepted: int, f16: bool, portable: bool = False) -> N
     seq.commit(path)
 
     state_d, window_d = xp.asarray(state), xp.asarray(window)
-    dn.commit(xp.asarray(np.array([accepted], np.int32)), xp.asarray(par), xp.asarray(ckpt), state_d, xp.asarray(raw),
-              window_d, portable=portable)  # fmt: skip
+    acc = xp.asarray(np.array([accepted], np.int32))
+    dn.commit_state(acc, xp.asarray(ckpt), state_d, portable=portable)
+    dn.commit_conv(acc, xp.asarray(par), xp.asarray(raw), window_d, portable=portable)
     state_d, window_d = xp.asnumpy(state_d), xp.asnumpy(window_d)
     for i in range(L):
         assert np.array_equal(state_d[i], seq.ssm[i])
         assert np.array_equal(window_d[i], seq.conv[i])
+
+
+# ---------------------------------------------------------------------------------------------- tree walk
+
+
+def clamp_parents(parents) -> np.ndarray:
+    """A device list as the kernels read it: entries outside -1..t-1 are roots."""
+    p = np.asarray(parents, np.int64)
+    return np.where((p >= -1) & (p < np.arange(len(p))), p, -1).astype(np.int32)
+
+
+def ddtree_parents(n: int, rng: np.random.Generator, k: int = 8, positions: int = 15) -> np.ndarray:
+    """The verify batch of a DDTree of n - 1 drafted nodes (services/engine/ddtree.py) over random logits."""
+    from services.engine import ddtree
+
+    ids, logp = ddtree.topk_logprobs(rng.standard_normal((positions, 64)) * 3, k)
+    _, parents = ddtree.build_ddtree(ids, logp, n - 1).verify_batch(0)
+    return parents.astype(np.int32)
+
+
+def profile_parents(width: int) -> np.ndarray:
+    """bench/step_profile.py's tree_parents: a chain of half the nodes, one side branch off each of its first nodes."""
+    chain = (width + 1) // 2
+    par = [-1] + list(range(chain - 1))
+    par += [i % max(1, chain - 1) for i in range(width - chain)]
+    return np.array(par, np.int32)
+
+
+def dfs_binary(depth: int) -> np.ndarray:
+    """A complete binary tree in depth-first order: the shape that needs the most saved states (the bound)."""
+    par: list[int] = []
+
+    def build(p: int, d: int) -> None:
+        me = len(par)
+        par.append(p)
+        if d:
+            build(me, d - 1)
+            build(me, d - 1)
+
+    build(-1, depth)
+    return np.array(par, np.int32)
+
+
+def tree_shape(kind: str, n: int, rng: np.random.Generator) -> np.ndarray:
+    """Parent lists of n nodes: random, chain, star, forest, deep (branches at the bottom of a long chain),
+    ddtree (a real draft tree), profile (bench/step_profile.py's), binary (complete, depth first; n ignored)."""
+    if kind == "random":
+        return random_tree(n, rng)
+    if kind == "chain":
+        return np.arange(-1, n - 1, dtype=np.int32)
+    if kind == "star":
+        return np.array([-1] + [0] * (n - 1), np.int32)
+    if kind == "forest":
+        return np.array([-1 if t % 3 == 0 else t - 1 for t in range(n)], np.int32)
+    if kind == "deep":  # a chain of 3/4 of the nodes, the rest in two-node branches off its deepest nodes
+        c = max(1, 3 * n // 4)
+        par = list(range(-1, c - 1))
+        for j in range(n - c):
+            par.append(c - 1 - (j // 2) % c if j % 2 == 0 else len(par) - 1)
+        return np.array(par, np.int32)
+    if kind == "ddtree":
+        return ddtree_parents(n, rng)
+    if kind == "profile":
+        return profile_parents(n)
+    if kind == "binary":
+        return dfs_binary(n)
+    raise ValueError(kind)
+
+
+def walk_slots_used(parents, plan) -> int:
+    """Walks a plan on the host with node ids for states: every node visited once, each starting from its parent's
+    state (in registers, in the named stack slot, or s0 for a root). Returns the stack slots it used."""
+    par = clamp_parents(parents)
+    held, stack, seen, used = -1, {}, set(), 0
+    for i, code in enumerate(np.asarray(plan).tolist()):
+        n, load, save = code & 0xFFFF, (code >> 16) & 0xFF, (code >> 24) & 0xFF
+        assert n < len(par) and n not in seen, f"plan[{i}] visits node {n} again or out of range"
+        seen.add(n)
+        src = held if load == 0 else (-1 if load == 1 else stack.get(load - 2, "empty"))
+        assert src == par[n], f"plan[{i}]: node {n} starts from {src}, its parent is {par[n]}"
+        used = max(used, load - 1)
+        held = n
+        if save:
+            stack[save - 1] = n
+            used = max(used, save)
+    assert len(seen) == len(par), "a node was not visited"
+    return used
+
+
+def check_plan(xp, parents, t_max: int | None = None, portable: bool = False) -> int:
+    """tree_plan (the kernel) equals walk_plan (its twin) and is a valid walk within walk_stack_slots(t_max)."""
+    from kernels import deltanet as dn
+
+    T = len(parents)
+    t_max = t_max or T
+    par = np.full(t_max, -1, np.int32)
+    par[:T] = parents
+    out = xp.asarray(np.full(t_max, -7, np.int32))
+    dn.tree_plan(xp.asarray(par), n_tokens=xp.asarray(np.array([T], np.int32)), out=out, portable=portable)
+    got = xp.asnumpy(out)
+    assert np.array_equal(got[:T], dn.walk_plan(par[:T])), f"plan differs from its twin for parents {par[:T]}"
+    assert (got[T:] == -7).all(), "plan entries past n_tokens were written"
+    used = walk_slots_used(par[:T], got[:T])
+    assert used <= dn.walk_stack_slots(t_max)
+    return used
+
+
+def check_walk(xp, rng, parents, Hk: int, Hv: int, dk: int, dv: int, f16: bool = False, cols_per_warp: int = 8,
+               warps: int = 2, depth: int = 8, decay: float = 0.5, explicit_plan: bool = False,
+               portable: bool = False) -> None:  # fmt: skip
+    """The walk (no checkpoints) against the token loop, and bit for bit the checkpoint kernel's outputs."""
+    from kernels import deltanet as dn
+
+    T = len(parents)
+    t_max = T + 2
+    dt = np.float16 if f16 else np.float32
+    q, k, v, g, beta, s0 = tree_inputs(t_max, Hk, Hv, dk, dv, rng, dt, decay)
+    par = np.full(t_max, -1, np.int32)
+    par[:T] = parents
+    n_dev = xp.asarray(np.array([T], np.int32))
+    dev = [xp.asarray(a) for a in (q, k, v, g, beta)]
+    s0_d = xp.asarray(s0)
+    layout = dict(cols_per_warp=cols_per_warp, warps=warps, portable=portable)
+    out = poisoned(xp, (t_max, Hv * dv))
+    if explicit_plan:
+        plan = dn.tree_plan(xp.asarray(par), n_tokens=n_dev, portable=portable)
+        dn.gated_delta_tree(*dev, s0_d, plan=plan, n_tokens=n_dev, out=out, depth=depth, **layout)
+    else:
+        dn.gated_delta_tree(*dev, s0_d, parents=xp.asarray(par), n_tokens=n_dev, out=out, depth=depth, **layout)
+    out = xp.asnumpy(out)
+    ref_out, _ = tree_twin(q, k, v, g, beta, s0, clamp_parents(parents), Hk, dk)
+    assert rel_max(out[:T].reshape(T, Hv, dv), ref_out) < TOL_RULE
+    assert np.isnan(out[T:]).all(), "rows past n_tokens were written"
+    assert np.array_equal(xp.asnumpy(s0_d), s0), "the committed state was written"
+    ck_out = poisoned(xp, (t_max, Hv * dv))
+    ckpt = poisoned(xp, (t_max, Hv, dk, dv))
+    dn.gated_delta_tree(*dev, s0_d, parents=xp.asarray(par), n_tokens=n_dev, checkpoints=ckpt, out=ck_out,
+                        depth=max(2, depth), **layout)  # fmt: skip
+    assert np.array_equal(out[:T], xp.asnumpy(ck_out)[:T]), "the walk's outputs differ from the checkpoint kernel's"
+
+
+def path_to(parents, node: int) -> list[int]:
+    path = []
+    while node >= 0:
+        path.append(int(node))
+        node = int(parents[node])
+    return path[::-1]
+
+
+def check_commit_replay(xp, rng, parents, Hk: int, Hv: int, dk: int, dv: int, L: int = 2, f16: bool = False,
+                        cols_per_warp: int = 8, warps: int = 2, depth: int = 8, decay: float = 0.5, accepted=None,
+                        chain: bool = False, device_parents=None, portable: bool = False) -> None:  # fmt: skip
+    """Every accepted path of a tree (or the nodes in `accepted`), committed by replay (commit: state + conv
+    window, all layers in one launch each): the state bit for bit the checkpoint kernel's for that node and within
+    TOL_RULE of SequenceState.commit over the token loop's states (float64), the window bit-exact; nothing
+    accepted (-1) or an index past T_max leaves both as they were. chain: the commit gets no parent list (a chain
+    verify). device_parents: the list the device gets instead of `parents` (a corrupt one: read clamped)."""
+    from kernels import deltanet as dn
+    from services.engine.state import PendingStep, SequenceState  # needs gguf (kv cache codecs): imported here
+
+    T = len(parents)
+    host_par = clamp_parents(parents if device_parents is None else device_parents)
+    t_max = T + 1
+    dt = np.float16 if f16 else np.float32
+    C = 2 * Hk * dk + Hv * dv
+    mixed = np.zeros((L, t_max, C), dt)  # the model's layout: conv output rows (q | k | v), gates apart
+    gates = np.zeros((L, 2, t_max, Hv), np.float32)
+    s0 = np.zeros((L, Hv, dk, dv), np.float32)
+    for i in range(L):
+        q, k, v, g, beta, s0[i] = tree_inputs(t_max, Hk, Hv, dk, dv, rng, dt, decay)
+        mixed[i] = np.concatenate([q, k, v], axis=1)
+        gates[i] = g, beta
+    window = rng.standard_normal((L, KW - 1, C)).astype(np.float32)
+    raw = rng.standard_normal((L, t_max, C)).astype(dt)
+    par = np.full(t_max, -1, np.int32)
+    par[:T] = host_par if device_parents is None else np.asarray(device_parents, np.int32)
+    par_d = None if chain else xp.asarray(par)
+    kd = Hk * dk
+    mixed_d, gates_d, raw_d = xp.asarray(mixed), xp.asarray(gates), xp.asarray(raw)
+    layout = dict(cols_per_warp=cols_per_warp, warps=warps, depth=depth, portable=portable)
+
+    ckpts, twins = [], []  # per layer: the checkpoint kernel's states, the float64 token loop's
+    for i in range(L):
+        m = mixed_d[i]
+        ck = poisoned(xp, (t_max, Hv, dk, dv))
+        dn.gated_delta_tree(m[:, :kd], m[:, kd : 2 * kd], m[:, 2 * kd :], gates_d[i, 0], gates_d[i, 1],
+                            xp.asarray(s0[i]), parents=xp.asarray(par), n_tokens=T, checkpoints=ck,
+                            **layout)  # fmt: skip
+        ckpts.append(xp.asnumpy(ck))
+        mh = mixed[i].astype(np.float32)
+        twins.append(tree_twin(mh[:, :kd], mh[:, kd : 2 * kd], mh[:, 2 * kd :], gates[i, 0], gates[i, 1], s0[i],
+                               host_par, Hk, dk)[1])  # fmt: skip
+
+    cfg = SimpleNamespace(recurrent_layers=[True] * L, ssm_n_v_heads=Hv, ssm_head_k_dim=dk, ssm_head_v_dim=dv,
+                          ssm_conv_kernel=KW, ssm_conv_dim=C)  # fmt: skip
+    nodes = list(range(T)) + [-1, t_max, 10 * t_max] if accepted is None else list(accepted)
+    for a in nodes:
+        state_d, window_d = xp.asarray(s0), xp.asarray(window)
+        dn.commit(xp.asarray(np.array([a], np.int32)), par_d, mixed_d[:, :T, kd : 2 * kd], mixed_d[:, :T, 2 * kd :],
+                  gates_d[:, 0, :T], gates_d[:, 1, :T], state_d, raw_d[:, :T], window_d, cols_per_warp=cols_per_warp,
+                  warps=warps, depth=max(2, depth), portable=portable)  # fmt: skip
+        got, got_w = xp.asnumpy(state_d), xp.asnumpy(window_d)
+        if not 0 <= a < T:
+            assert np.array_equal(got, s0) and np.array_equal(got_w, window), f"accepted {a} changed the state"
+            continue
+        seq = SequenceState.allocate(cfg, 64)
+        for i in range(L):
+            seq.conv[i][:] = window[i]
+        seq.pending = PendingStep(n_tokens=T, parents=host_par, ssm_states={i: twins[i] for i in range(L)},
+                                  ssm_per_token=True, raw_rows={i: raw[i, :T].astype(np.float32) for i in range(L)})
+        seq.commit(path_to(host_par, a))
+        for i in range(L):
+            assert np.array_equal(got[i], ckpts[i][a]), f"layer {i}, node {a}: replay != the tree step's state"
+            assert rel_max(got[i], seq.ssm[i]) < TOL_RULE, f"layer {i}, node {a}"
+            assert np.array_equal(got_w[i], seq.conv[i]), f"layer {i}, node {a}: conv window"
+
+
+def check_corrupt_plan(xp, rng, portable: bool = False) -> None:
+    """Garbage plan entries (nodes, loads, saves past their ranges) keep the walk inside its buffers: it writes only
+    rows below n_tokens and never the committed state."""
+    from kernels import deltanet as dn
+
+    T, Hk, Hv, dk, dv = 9, 2, 4, 128, 32
+    t_max = T + 3
+    q, k, v, g, beta, s0 = tree_inputs(t_max, Hk, Hv, dk, dv, rng)
+    plan = rng.integers(-(2**31), 2**31 - 1, size=t_max, dtype=np.int64).astype(np.int32)
+    out = poisoned(xp, (t_max, Hv * dv))
+    s0_d = xp.asarray(s0)
+    dn.gated_delta_tree(*(xp.asarray(a) for a in (q, k, v, g, beta)), s0_d, plan=xp.asarray(plan),
+                        n_tokens=xp.asarray(np.array([T], np.int32)), out=out, portable=portable)  # fmt: skip
+    out = xp.asnumpy(out)
+    assert np.isnan(out[T:]).all(), "a garbage plan wrote past n_tokens"
+    assert np.array_equal(xp.asnumpy(s0_d), s0)
 
 
 def check_layer_core(xp, rng, T: int, Hk: int, Hv: int, dk: int, dv: int, f16: bool, portable: bool = False) -> None:
@@ -253,8 +490,16 @@ def check_bad_inputs(xp) -> None:
     q = xp.asarray(np.zeros((3, 256), f))
     g = xp.asarray(np.zeros((3, 4), f))
     s0 = xp.asarray(np.zeros((4, 128, 32), f))
+    v = xp.asarray(np.zeros((3, 128), f))
     with pytest.raises(ValueError, match="checkpoints"):
-        dn.gated_delta_tree(q, q, xp.asarray(np.zeros((3, 128), f)), g, g, s0, parents=np.array([-1, 0, 0]))
+        dn.gated_delta_tree(q, q, v, g, g, s0, parents=np.array([-1, 0, 0]), depth=1)
+    with pytest.raises(ValueError, match="final_state"):
+        dn.gated_delta_tree(q, q, v, g, g, s0, parents=np.array([-1, 0, 0]), final_state=s0)
+    with pytest.raises(ValueError, match="plan"):
+        dn.gated_delta_tree(q, q, v, g, g, s0, plan=xp.asarray(np.zeros(3, np.int32)),
+                            checkpoints=xp.asarray(np.zeros((3, 4, 128, 32), f)))  # fmt: skip
+    with pytest.raises(ValueError, match="1..1024"):
+        dn.tree_plan(np.full(1025, -1))
     with pytest.raises(ValueError, match="features"):
         dn.gated_delta_tree(q, q, xp.asarray(np.zeros((3, 100), f)), g, g, s0)
     with pytest.raises(ValueError, match="float16 or float32"):
@@ -279,6 +524,11 @@ _SIGNATURES = {  # harness entry: leading (launch) parameters, then the kernel's
     "sim_tree_staged": [I32, I32, I32, I32, I32, I32, P, P, I64, P, I64, P, P, I64, I32, I32, I32, P, P, P, I32, P, P,
                         P, I64],  # fmt: skip
     "sim_ssm_commit": [I32, I32, I32, P, I64, P, I64, P, I32, I64],
+    "sim_plan": [I32, I32, P, P, I32, P],
+    "sim_tree_walk": [I32, I32, I32, I32, I32, I32, P, P, I64, P, I64, P, P, I64, I32, I32, I32, P, P, P, I32, I32, P,
+                      P, I64],
+    "sim_commit_replay": [I32, I32, I32, I32, I32, I32, I32, P, P, I64, I64, P, P, I64, I64, I32, I32, I32, P, I64, P,
+                          P, I32],
     "sim_conv_commit": [I32, I32, I32, I32, P, I64, P, I64, I64, P, P, I32, I32],
 }
 
@@ -307,11 +557,20 @@ class SimKernel:
             self.fn, self.lead = lib.sim_tree_staged, [f16, int(targs[1]), int(targs[2]), int(targs[3])]
         elif base == "ssm_commit_kernel":
             self.fn, self.lead = lib.sim_ssm_commit, []
+        elif base == "gdr_tree_plan_kernel":
+            self.fn, self.lead = lib.sim_plan, []
+        elif base in ("gdr_tree_walk_kernel", "gdr_commit_kernel"):
+            fn = lib.sim_tree_walk if base == "gdr_tree_walk_kernel" else lib.sim_commit_replay
+            self.fn, self.lead = fn, [f16, int(targs[1]), int(targs[2]), int(targs[3])]
         else:
             raise AssertionError(f"no simulator entry for {name}")
         self.grid_dims = 1 if base.startswith("gdr_tree") else 2
+        self.smem_limit = lib.sim_smem_bytes()
+        self.max_dynamic_shared_size_bytes = 48 * 1024  # CUDA's default; a launcher opts in above it
 
     def __call__(self, grid, block, args, shared_mem: int = 0) -> None:
+        assert shared_mem <= self.smem_limit, f"{shared_mem} bytes of shared memory asked, the simulator has fewer"
+        assert shared_mem <= self.max_dynamic_shared_size_bytes, "launched above 48 KiB without opting in"
         grid = tuple(grid) + (1,) * (self.grid_dims - len(grid))
         assert len(grid) == self.grid_dims and len(block) == 1 and block[0] % 32 == 0
         conv = []
@@ -329,10 +588,17 @@ class SimKernel:
 
 
 class SimCupy:
-    """The CuPy surface kernels/deltanet.py uses, on host memory, with kernel launches run by the simulator."""
+    """The CuPy surface kernels/deltanet.py (and GpuSequenceState) use, on host memory, with kernel launches run
+    by the simulator."""
 
-    float32, float16, int32, uint16 = np.float32, np.float16, np.int32, np.uint16
+    float32, float16, int32, uint16, uint8, uint64 = np.float32, np.float16, np.int32, np.uint16, np.uint8, np.uint64
     ndarray = SimArray
+    cuda = SimpleNamespace(runtime=SimpleNamespace(getDevice=lambda: 0), alloc_pinned_memory=bytearray)
+
+    def zeros(self, shape, dtype=np.float32) -> SimArray:
+        a = self.empty(shape, dtype)
+        a[...] = 0
+        return a
 
     def __init__(self, lib):
         self.lib = lib
@@ -374,6 +640,7 @@ def sim_lib(tmp_path_factory):
     for name, argtypes in _SIGNATURES.items():
         fn = getattr(lib, name)
         fn.argtypes, fn.restype = argtypes, ctypes.c_int
+    lib.sim_smem_bytes.argtypes, lib.sim_smem_bytes.restype = [], ctypes.c_size_t
     return lib
 
 
@@ -429,8 +696,85 @@ def test_corrupt_device_parent_lists_stay_in_bounds(xp) -> None:
 
 
 @pytest.mark.parametrize("accepted,f16", [(0, False), (5, True), (9, False), (-1, False)])
-def test_commit_matches_sequence_state(xp, accepted: int, f16: bool) -> None:
-    check_commit(xp, np.random.default_rng(50 + accepted), accepted, f16)
+def test_checkpoint_commit_matches_sequence_state(xp, accepted: int, f16: bool) -> None:
+    check_commit_checkpoint(xp, np.random.default_rng(50 + accepted), accepted, f16)
+
+
+WALK_SHAPES = [("random", 1), ("random", 2), ("random", 7), ("random", 23), ("random", 41), ("random", 64),
+               ("chain", 16), ("star", 23), ("forest", 10), ("deep", 41), ("ddtree", 23), ("ddtree", 64),
+               ("profile", 41), ("binary", 5)]  # fmt: skip
+
+
+@pytest.mark.parametrize("kind,n", WALK_SHAPES)
+def test_tree_plan_matches_its_twin(xp, kind: str, n: int) -> None:
+    check_plan(xp, tree_shape(kind, n, np.random.default_rng(n)))
+
+
+def test_tree_plan_many_random_trees_and_the_stack_bound(xp) -> None:
+    from kernels import deltanet as dn
+
+    rng = np.random.default_rng(4)
+    for n in rng.integers(1, 65, size=40):
+        check_plan(xp, random_tree(int(n), rng))
+        check_plan(xp, np.array([-1] + [int(rng.integers(0, t)) for t in range(1, int(n))], np.int32))
+    for depth in range(1, 6):  # complete binary trees need exactly the bound: 1..5 slots for 3..63 nodes
+        par = dfs_binary(depth)
+        assert check_plan(xp, par) == depth == dn.walk_stack_slots(len(par))
+
+
+def test_tree_plan_of_corrupt_lists_and_past_n_tokens(xp) -> None:
+    check_plan(xp, np.array([5, 0, 99, -7, 3, 4, 6, 2, -1, 8], np.int32))  # read clamped, as the twin does
+    check_plan(xp, random_tree(12, np.random.default_rng(2)), t_max=20)
+
+
+@pytest.mark.parametrize(
+    "kind,n,dk,dv,cw,f16,warps,depth,decay,explicit",
+    [("random", 1, 128, 64, 8, False, 4, 8, 0.5, False), ("random", 7, 64, 32, 8, True, 4, 8, 0.5, True),
+     ("random", 23, 128, 32, 4, False, 1, 8, 0.5, False), ("random", 41, 128, 32, 8, False, 2, 2, 0.5, False),
+     ("random", 64, 128, 32, 8, False, 4, 8, 0.5, True), ("star", 23, 128, 32, 8, False, 2, 8, 0.5, False),
+     ("deep", 41, 64, 32, 8, True, 2, 8, 0.5, False), ("ddtree", 64, 128, 32, 8, False, 2, 8, 0.5, False),
+     ("binary", 5, 128, 32, 8, False, 2, 8, 0.5, False), ("forest", 10, 128, 32, 8, False, 2, 8, 0.5, False),
+     ("chain", 16, 128, 32, 8, False, 2, 8, 0.5, False), ("random", 23, 128, 32, 8, False, 2, 8, 30.0, False)],
+)  # fmt: skip
+def test_tree_walk_matches_token_loop_and_checkpoint_kernel(xp, kind, n, dk, dv, cw, f16, warps, depth, decay,
+                                                            explicit) -> None:  # fmt: skip
+    rng = np.random.default_rng(200 + n)
+    check_walk(xp, rng, tree_shape(kind, n, rng), 2, 4, dk, dv, f16, cw, warps, depth, decay, explicit)
+
+
+@pytest.mark.parametrize(
+    "kind,n,f16,cw,decay,chain",
+    [("random", 1, False, 8, 0.5, False), ("random", 2, True, 8, 0.5, True), ("random", 23, False, 8, 0.5, False),
+     ("random", 64, False, 8, 0.5, False), ("ddtree", 41, True, 8, 0.5, False),
+     ("deep", 23, False, 4, 0.5, False), ("star", 16, False, 8, 0.5, False), ("binary", 4, False, 8, 0.5, False),
+     ("chain", 12, False, 8, 0.5, True), ("random", 16, False, 8, 30.0, False)],
+)  # fmt: skip
+def test_commit_replay_of_every_accepted_path(xp, kind, n, f16, cw, decay, chain) -> None:
+    rng = np.random.default_rng(300 + n)
+    check_commit_replay(xp, rng, tree_shape(kind, n, rng), 2, 4, 128, 32, f16=f16, cols_per_warp=cw, decay=decay,
+                        chain=chain)  # fmt: skip
+
+
+def test_commit_replay_reads_corrupt_parents_clamped(xp) -> None:
+    bad = np.array([5, 0, 99, -7, 3, 4, 2, 6, 7, 1], np.int32)
+    check_commit_replay(xp, np.random.default_rng(12), np.zeros(len(bad), np.int32), 2, 4, 64, 32,
+                        device_parents=bad)  # fmt: skip
+
+
+def test_corrupt_plan_stays_in_bounds(xp) -> None:
+    check_corrupt_plan(xp, np.random.default_rng(13))
+
+
+def test_shared_memory_sizes_match_the_kernels(xp, sim_lib) -> None:
+    from kernels import deltanet as dn
+
+    sim_lib.sim_walk_smem.restype = sim_lib.sim_commit_smem.restype = ctypes.c_longlong
+    for f16, dk, cw, depth, slots, plan in ((0, 128, 8, 8, 5, 65), (1, 128, 8, 8, 0, 0), (0, 64, 8, 8, 3, 23),
+                                            (1, 128, 4, 8, 4, 41), (0, 128, 8, 2, 1, 3)):  # fmt: skip
+        want = sim_lib.sim_walk_smem(f16, dk, cw, depth, slots, plan)
+        assert dn.walk_smem_bytes(dk, 2 if f16 else 4, cw, depth, slots, plan) == want
+    for f16, dk, depth, t_max in ((0, 128, 8, 65), (1, 128, 8, 1), (0, 64, 8, 23), (1, 128, 2, 41)):
+        assert dn.commit_smem_bytes(dk, 2 if f16 else 4, depth, t_max) == sim_lib.sim_commit_smem(f16, dk, depth, t_max)
 
 
 def test_layer_core_matches_the_engine_lines(xp) -> None:
@@ -439,3 +783,93 @@ def test_layer_core_matches_the_engine_lines(xp) -> None:
 
 def test_bad_inputs_get_clear_errors(xp) -> None:
     check_bad_inputs(xp)
+
+
+def test_gpu_model_deltanet_steps_and_commits_match_the_numpy_engine(xp, monkeypatch) -> None:
+    """models/qwen35_gpu's DeltaNet layer (_deltanet), its tree plan and GpuSequenceState.commit, run on the
+    simulator (the projections and the output norm in NumPy), against models/qwen35's _deltanet and
+    SequenceState.commit on the same weights: a DDTree verify step and the commit of one of its paths, a plain
+    decode step (a chain's final state), a checkpointed chain and the commit of its prefix."""
+    from services.engine.models import qwen35, qwen35_gpu
+    from services.engine.models.base import StepContext
+    from services.engine.state import PendingStep, SequenceState
+
+    rng = np.random.default_rng(21)
+    Hk, Hv, dk, dv, n_embd, L = 2, 4, 128, 32, 48, 2
+    kd = Hk * dk
+    cd = 2 * kd + Hv * dv
+    cfg = SimpleNamespace(recurrent_layers=[True] * L, ssm_n_k_heads=Hk, ssm_n_v_heads=Hv, ssm_head_k_dim=dk,
+                          ssm_head_v_dim=dv, ssm_conv_kernel=KW, ssm_conv_dim=cd, ssm_key_dim=kd, rms_eps=1e-6,
+                          n_embd=n_embd, n_head_kv=1, head_dim=64)  # fmt: skip
+    weights = []
+    for _ in range(L):
+        weights.append(dict(ssm_in=(rng.standard_normal((n_embd, cd + Hv * dv + 2 * Hv)) * 0.3).astype(np.float32),
+                            ssm_out=(rng.standard_normal((Hv * dv, n_embd)) * 0.1).astype(np.float32),
+                            ssm_conv1d=(rng.standard_normal((cd, KW)) * 0.5).astype(np.float32),
+                            ssm_norm=(1 + 0.1 * rng.standard_normal(dv)).astype(np.float32),
+                            ssm_a=-np.exp(rng.standard_normal(Hv) * 0.5).astype(np.float32),
+                            ssm_dt=rng.standard_normal(Hv).astype(np.float32)))  # fmt: skip
+
+    class Mat:  # QuantMatrix.matmul's place: a float32 product on the host
+        def __init__(self, w):
+            self.w = w
+
+        def matmul(self, x):
+            return xp.asarray(np.asarray(x, np.float32) @ self.w)
+
+    def norm_gate(o, z, w, eps):  # nr.norm_gate's NumPy twin (the lines of qwen35._deltanet)
+        return xp.asarray(layers.rms_norm(np.asarray(o), w, eps) * layers.silu(np.asarray(z)))
+
+    monkeypatch.setattr(qwen35_gpu.nr, "norm_gate", norm_gate)
+    monkeypatch.setattr(qwen35_gpu.nr.loader, "require", lambda: xp)
+    w_gpu = [{k: Mat(v) if k in ("ssm_in", "ssm_out") else xp.asarray(v) for k, v in w.items()} for w in weights]
+    gpu_self = SimpleNamespace(cfg=cfg, fused_launches=False)
+    np_self = SimpleNamespace(cfg=cfg, _lin=lambda x, w: np.asarray(x, np.float32) @ w)
+    gst = qwen35_gpu.GpuSequenceState(cfg, 64, "f16", "f16")
+    gst.graph_commits = False
+    nst = SequenceState.allocate(cfg, 64)
+    init = [(rng.standard_normal((Hv, dk, dv)) * 0.3).astype(np.float32) for _ in range(L)]
+    for i in range(L):
+        gst.ssm[i] = nst.ssm[i] = init[i]
+        gst.conv[i] = nst.conv[i] = rng.standard_normal((KW - 1, cd)).astype(np.float32)
+
+    def step(parents, checkpoints: bool):
+        T = len(parents)
+        par = np.asarray(parents, np.int64)
+        chain = bool((par == np.arange(-1, T - 1)).all())
+        per_token = checkpoints or not chain
+        h = rng.standard_normal((T, n_embd)).astype(np.float32)
+        gst.stage.h_parents[:T] = par
+        gst.stage.upload()
+        st = qwen35_gpu._Step(T=T, S=gst.n_past, parents=par, is_chain=chain, per_token=per_token, positions=None)
+        qwen35_gpu.plan_tree_walk(gst, st)
+        pending = PendingStep(n_tokens=T, parents=par, ssm_per_token=per_token)
+        anc = layers.ancestor_matrix(par)
+        ctx = StepContext(state=nst, pending=pending, positions=None, parents=par, is_chain=chain,
+                          visible=np.concatenate([np.ones((T, nst.n_past), bool), anc], axis=1), checkpoints=per_token)
+        for i in range(L):
+            got = np.asarray(qwen35_gpu.Qwen35GpuModel._deltanet(gpu_self, i, w_gpu[i], xp.asarray(h), gst, st))
+            want = qwen35.Qwen35Model._deltanet(np_self, i, weights[i], h, ctx)
+            assert rel_max(got, want) < 1e-4, f"layer {i}, step {par.tolist()}"
+        gst.pending = qwen35_gpu.GpuPending(n_tokens=T, parents=par, per_token=per_token, is_chain=chain)
+        nst.pending = pending
+
+    def commit(path):
+        gst.commit(path)
+        nst.commit(path)
+        assert gst.n_past == nst.n_past
+        for i in range(L):
+            assert rel_max(np.asarray(gst.ssm[i]), nst.ssm[i]) < TOL_RULE, f"layer {i} state after {path}"
+            assert np.array_equal(np.asarray(gst.conv[i]), nst.conv[i]), f"layer {i} conv window after {path}"
+
+    tree = ddtree_parents(23, rng)
+    step(tree, True)
+    commit(path_to(tree, int(np.flatnonzero(tree == 16)[-1])))  # a path through a side branch
+    step([-1], False)  # plain decode: the chain's final state, copied at commit
+    commit([0])
+    step(list(range(-1, 7)), True)  # a checkpointed chain: commit a prefix
+    commit([0, 1, 2, 3])
+    step([-1], True)  # a one-node verify (one row: its row strides come from the buffer)
+    commit([0])
+    step(tree, True)
+    commit(path_to(tree, 15))  # the top-1 chain to its end

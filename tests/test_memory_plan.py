@@ -10,6 +10,7 @@ from services.engine import synthetic as S
 from services.engine.formats import open_model_file
 
 GiB = 1 << 30
+MiB = 1 << 20
 STATE_27B = 48 * 128 * 128 * 4            # one Gated DeltaNet state: H_v x d_k x d_v float32
 
 
@@ -56,17 +57,31 @@ def test_27b_items_by_hand(q27):
     d = plan.devices[0]
     assert plan.width == 23
     assert d.get("target weights") == 16_536_406_016                # stored Q4_K_M bytes on the GPU
-    assert d.get("recurrent state") == 48 * STATE_27B
-    assert d.get("recurrent checkpoints") == 48 * 23 * STATE_27B == 3_472_883_712
-    assert d.get("conv windows") == 48 * (3 + 23) * 10240 * 4
+    # GPU: no per-node states (a commit replays the path), a chain step's final state, and per node its conv
+    # output row + g, beta for the 65 rows a GPU state allocates whatever the budget
+    assert d.get("recurrent state") == 2 * 48 * STATE_27B
+    assert d.get("recurrent checkpoints") == 0
+    assert d.get("recurrent replay inputs") == 48 * 65 * (10240 + 2 * 48) * 4 == 128_993_280
+    assert d.get("conv windows") == 48 * (3 + 65) * 10240 * 4
     assert d.get("logits") == 2 * 23 * 248320 * 4
     assert d.get("drafter weights") == 1_838_535_680
     assert d.get("drafter context cache") == 262144 * 5 * 2 * 8 * 128 * 2   # f16 K and V, every layer
     assert d.get("workspace reserve") == M.RESERVE_BYTES["cuda"]
     assert d.total == sum(i.bytes for i in d.items) and plan.fits
-    # chain: block_size nodes; no drafter: one
-    assert _plan(q27, budget=None).devices[0].get("recurrent checkpoints") == 48 * 16 * STATE_27B
+    assert _plan(q27, budget=64).devices[0].get("recurrent replay inputs") == 128_993_280   # was 48 x 65 x 3 MiB
     cfg, w, _ = q27
+    # the NumPy engine still counts one checkpoint per node: budget + 1, a chain block_size, no drafter one
+    cpu = M.Device("cpu")
+
+    def on_cpu(**kw):
+        s = M.PlanSettings(**{"max_ctx": 4096, "device": cpu, **kw})
+        return M.build_plan(cfg, w, s, ds, free={"cpu": (1 << 40, 1 << 40)}).devices[0]
+
+    ds = q27[2]
+    assert on_cpu(budget=22).get("recurrent checkpoints") == 48 * 23 * STATE_27B == 3_472_883_712
+    assert on_cpu(budget=22).get("recurrent state") == 48 * STATE_27B
+    assert on_cpu(budget=22).get("conv windows") == 48 * (3 + 23) * 10240 * 4
+    assert on_cpu(budget=None).get("recurrent checkpoints") == 48 * 16 * STATE_27B
     plain = M.build_plan(cfg, w, M.PlanSettings(max_ctx=4096, device=GPU, speculative=False), None,
                          free={"cuda:0": (80 * GiB, 80 * GiB)})
     assert plain.width == 1 and plain.devices[0].get("drafter weights") == 0
@@ -103,16 +118,17 @@ def test_refusal_names_what_fits(q27):
     with pytest.raises(M.MemoryPlanError) as e:
         M.plan_memory(cfg, w, s, ds, free=free)
     msg = str(e.value)
-    assert "does not fit" in msg and "cuda:0 needs 43." in msg and "40.00 GiB free" in msg
+    assert "does not fit" in msg and "cuda:0 needs 40." in msg and "40.00 GiB free" in msg
     ctx = int(msg.split("--max-ctx ")[1].split(";")[0])
     assert ctx % 256 == 0
     assert M.build_plan(cfg, w, M.replace(s, max_ctx=ctx), ds, free).fits
     assert not M.build_plan(cfg, w, M.replace(s, max_ctx=ctx + 256), ds, free).fits
     assert "--cache-type-k q8_0 --cache-type-v q8_0" in msg
-    # a tighter device where only a smaller budget (not the context or KV alone) saves the day
+    # a tighter device where a smaller budget saves the day (on the GPU a budget moves only the logits rows,
+    # ~2 MB a node at a 248k vocabulary: the per-node recurrent buffers are fixed and small)
     s2 = M.replace(s, max_ctx=8192, budget=64)
     need = M.build_plan(cfg, w, s2, ds, free).devices[0].total
-    tight = {"cuda:0": (need - 2 * GiB, 80 * GiB)}
+    tight = {"cuda:0": (need - 64 * MiB, 80 * GiB)}
     with pytest.raises(M.MemoryPlanError, match=r"--budget \d+") as e2:
         M.plan_memory(cfg, w, s2, ds, free=tight)
     b = int(str(e2.value).split("--budget ")[1].split(";")[0].split(".")[0])

@@ -8,8 +8,11 @@ Everything is computed from the model files' headers (no weights are read) and t
 * KV cache of the attention layers for `max_ctx` tokens per slot, per side at 4 / 2 / 34/32 / 14/32 bytes per
   value for f32 / f16 / q8_0 / tq3_0, as the backend allocates it (the GPU keeps f32 as f16 and rounds the rows
   up to whole 32-key tiles: kv_cache_bytes);
-* Gated DeltaNet state: the committed state plus one checkpoint per verified tree node (width = budget + 1,
-  a chain verifies block_size tokens, plain decoding 1), each H_v * d_k * d_v float32, and the conv window
+* Gated DeltaNet state: the committed state plus, on the CPU, one checkpoint per verified tree node (width =
+  budget + 1, a chain verifies block_size tokens, plain decoding 1), each H_v * d_k * d_v float32; on the GPU
+  no per-node states (a commit replays the accepted path: docs/gpu_deltanet.md) but a second state (a chain
+  step's final state) and each node's replay inputs (its conv output row and g, beta: conv_dim + 2 H_v
+  float32) for the rows a GPU state allocates (CUDA_TREE_ROWS, whatever the budget); and the conv window
   (K - 1 committed rows plus one raw row per node, conv_dim float32 each);
 * activations of the widest pass (the 512-token prefill chunk or the verify tree, whichever is wider),
   attention scratch (the NumPy path materialises softmax scores over the whole context; the GPU path keeps
@@ -52,6 +55,7 @@ CTX_STEP = 256                 # a suggested --max-ctx is a multiple of this
 MIN_AUTO_CTX = 4096            # a context the planner shrinks to on its own must be at least this long
 CUDA_ATTN_SPLITS = 32          # split-K partials of the GPU tree attention
 CUDA_KV_TILE = 32              # kernels/attention.py KT: a GPU KV cache holds whole tiles of this many rows
+CUDA_TREE_ROWS = 65            # models/qwen35_gpu.MAX_TREE: rows of a GPU state's per-node buffers, any budget
 DEFAULT_BLOCK_SIZE = 16
 DEFAULT_BUDGET = "auto"        # the verifier's default; planned as its largest tree (AUTO_MAX_BUDGET)
 
@@ -369,6 +373,7 @@ def build_plan(cfg: ModelConfig, weights: WeightBytes, s: PlanSettings, drafter:
     wide = max(width, min(PREFILL_CHUNK, ctx))
     n_rec = sum(1 for r in cfg.recurrent_layers if r)
     state = cfg.ssm_n_v_heads * cfg.ssm_head_k_dim * cfg.ssm_head_v_dim * 4
+    tree_rows = max(width, CUDA_TREE_ROWS) if be == "cuda" else width   # per-node rows a state holds
     kv_slot = kv_cache_bytes(cfg, s.cache_type_k, s.cache_type_v, ctx, be)
     kv_note = f"{s.cache_type_k}/{s.cache_type_v}"
     if be == "cuda" and "f32" in (s.cache_type_k, s.cache_type_v):
@@ -381,10 +386,15 @@ def build_plan(cfg: ModelConfig, weights: WeightBytes, s: PlanSettings, drafter:
         Item("target weights", weights.resident(be),
              "stored (quantized) bytes" if be == "cuda" else "float32 (NumPy dequantizes at load), token_embd packed"),
         Item("KV cache", n * kv_slot, f"{n} slot(s) x {ctx} tokens x {kv_slot / ctx:g} B ({kv_note})"),
-        Item("recurrent state", n * n_rec * state, f"{n_rec} DeltaNet layers x {state} B"),
-        Item("recurrent checkpoints", n * n_rec * width * state, f"{width} per layer ({budget_txt})"),
-        Item("conv windows", n * n_rec * (cfg.ssm_conv_kernel - 1 + width) * cfg.ssm_conv_dim * 4,
-             f"{cfg.ssm_conv_kernel - 1} committed + {width} tree rows x {cfg.ssm_conv_dim} float32"),
+        *((Item("recurrent state", n * n_rec * 2 * state,
+                f"{n_rec} DeltaNet layers x {state} B x 2 (committed, a chain step's final state)"),
+           Item("recurrent replay inputs", n * n_rec * tree_rows * (cfg.ssm_conv_dim + 2 * cfg.ssm_n_v_heads) * 4,
+                f"{tree_rows} nodes per layer x conv row + g, beta float32 (a commit replays the path; {budget_txt})"))
+          if be == "cuda" else
+          (Item("recurrent state", n * n_rec * state, f"{n_rec} DeltaNet layers x {state} B"),
+           Item("recurrent checkpoints", n * n_rec * width * state, f"{width} per layer ({budget_txt})"))),
+        Item("conv windows", n * n_rec * (cfg.ssm_conv_kernel - 1 + tree_rows) * cfg.ssm_conv_dim * 4,
+             f"{cfg.ssm_conv_kernel - 1} committed + {tree_rows} tree rows x {cfg.ssm_conv_dim} float32"),
         Item("activations", n * wide * _activation_floats(cfg) * 4, f"widest pass {wide} tokens, float32"),
         Item("attention scratch", n * _attention_scratch(be, cfg.n_head, cfg.head_dim, cfg.n_head_kv, wide, ctx,
                                                          quantized_kv),

@@ -1,8 +1,11 @@
 """Qwen3.5 / Qwen3.6 (`qwen35`) on the GPU: models/qwen35.py's forward, block for block, on the kernels in kernels/.
 
 Same contract as TargetModel.forward (token trees by parent list, positions n_past + depth, captured layer
-outputs, per-node recurrent checkpoints, logits rows all / last / none) and the same commit(path) semantics
-as state.SequenceState, with every per-sequence array on the device (GpuSequenceState). Per-step values
+outputs, any node committable after a tree or checkpointed step, logits rows all / last / none) and the same
+commit(path) semantics as state.SequenceState, with every per-sequence array on the device (GpuSequenceState).
+The DeltaNet layers keep no per-node states: a tree step keeps each node's conv output row and gates, and the
+commit recomputes the accepted node's state from the committed one along the path (kernels/deltanet.py
+commit_replay; docs/gpu_deltanet.md has the trade). Per-step values
 (positions, parents, the ancestor mask, the committed length S) are written into device buffers of the state
 before the launches, so that a captured CUDA graph replays the same launches for every step of its shape.
 
@@ -64,7 +67,7 @@ from ..sampling import SamplingParams
 from ..state import check_commit_path
 from .base import ForwardResult, TargetModel, check_step
 
-MAX_TREE = 65            # tree nodes with recurrent checkpoints (a 64-node budget plus the root)
+MAX_TREE = 65            # nodes of a tree (or checkpointed chain) step: a 64-node budget plus the root
 ATTN_TOKENS = att.MAX_TOKENS
 
 
@@ -94,7 +97,7 @@ def gpu_kv_type(kind: str) -> str:
 class GpuPending:
     n_tokens: int
     parents: np.ndarray
-    per_token: bool          # recurrent checkpoints after every token (else only the final state)
+    per_token: bool          # any node committable: replay inputs kept (else a chain's final state only)
     is_chain: bool = False
 
 
@@ -173,7 +176,8 @@ class _StepValues:
 
 
 class GpuSequenceState:
-    """Device twin of state.SequenceState: KV per attention layer, DeltaNet state + conv windows, checkpoints."""
+    """Device twin of state.SequenceState: KV per attention layer, DeltaNet state + conv windows, and what a
+    commit of any node of the last step needs (KV rows in place, conv rows, the nodes' replay inputs)."""
 
     def __init__(self, cfg: ModelConfig, max_ctx: int, kv_k: str, kv_v: str, max_tree: int = MAX_TREE,
                  host_rows: bool = False):
@@ -192,7 +196,12 @@ class GpuSequenceState:
             hv, dk, dv, cd = cfg.ssm_n_v_heads, cfg.ssm_head_k_dim, cfg.ssm_head_v_dim, cfg.ssm_conv_dim
             self.ssm = cp.zeros((L, hv, dk, dv), cp.float32)
             self.ssm_final = cp.zeros((L, hv, dk, dv), cp.float32)
-            self.ckpt = cp.zeros((L, max_tree, hv, dk, dv), cp.float32)
+            # a tree / checkpointed step's conv output rows (q | k | v, normalised) and gates (g, beta) per layer:
+            # the tree step reads them, a commit replays the accepted path's k / v / g / beta from them
+            # (~40 KB a node and layer at 27B shapes, against 3.1 MB for a per-node state)
+            self.mixed = cp.zeros((L, max_tree, cd), cp.float32)
+            self.gates = cp.zeros((L, 2, max_tree, hv), cp.float32)
+            self.plan = cp.zeros(max_tree, cp.int32)    # the tree walk of the step (dn.tree_plan), all layers'
             self.conv = cp.zeros((L, cfg.ssm_conv_kernel - 1, cd), cp.float32)
             self.raw = cp.zeros((L, max_tree, cd), cp.float32)
         # per-step values in device buffers (what a captured graph will read): views into one staging buffer
@@ -246,10 +255,11 @@ class GpuSequenceState:
         return self.raw
 
     def commit(self, path) -> None:
-        """state.SequenceState.commit on the device: KV rows compacted, state from the path's checkpoint,
-        conv window gathered along the path; nothing is recomputed. The launches read the accepted node and
-        the rows to move from device buffers (one upload), so a commit of a shape seen before is one graph
-        replay (_commit_launches)."""
+        """state.SequenceState.commit on the device: KV rows compacted, recurrent state recomputed along the
+        path from the committed one (the DeltaNet recurrence only, from the step's kept k / v / g / beta: no
+        target pass), conv window gathered along the path. The launches read the accepted node and the rows to
+        move from device buffers (one upload), so a commit of a shape seen before is one graph replay
+        (_commit_launches)."""
         p = self.pending
         if p is None:
             raise RuntimeError("commit() without a pending forward pass")
@@ -292,12 +302,14 @@ class GpuSequenceState:
                     rows = buf.reshape(c.n_kv_heads, c.ctx, rb)
                     rows[:, dst] = rows[:, src]
         if self.rec_layers:
+            n, kd = p.n_tokens, self.cfg.ssm_key_dim
+            parents = None if p.is_chain else self.parents[:n]
             if p.per_token:
-                dn.commit_state(self.accepted, self.ckpt, self.ssm)
+                dn.commit_replay(self.accepted, parents, self.mixed[:, :n, kd:2 * kd], self.mixed[:, :n, 2 * kd:],
+                                 self.gates[:, 0, :n], self.gates[:, 1, :n], self.ssm)
             else:
                 self.ssm[...] = self.ssm_final
-            dn.commit_conv(self.accepted, None if p.is_chain else self.parents[:p.n_tokens],
-                           self.raw[:, :p.n_tokens], self.conv)
+            dn.commit_conv(self.accepted, parents, self.raw[:, :n], self.conv)
         return ()
 
     def _capture_commit(self, key: tuple, launches: Any) -> None:
@@ -599,7 +611,7 @@ class Qwen35GpuModel(TargetModel):
     def release_state(self, state: Any) -> None:
         """Keep a finished request's state (buffers and graphs) for the next one; at most `state_pool_size`
         are kept (the largest), the rest are freed. Idle pooled states take what the memory plan counts for
-        that many slots (KV cache, recurrent state and checkpoints per slot)."""
+        that many slots (KV cache, recurrent state and replay inputs per slot)."""
         if not isinstance(state, GpuSequenceState):
             return
         state.pending = None
@@ -755,6 +767,7 @@ class Qwen35GpuModel(TargetModel):
             x = state.embedded(self.cfg.n_embd)[:T]
         else:
             x = self.device_embed(state.tokens[:T])
+        plan_tree_walk(state, step)
         for i, w in enumerate(self.layers):
             x = self._block(i, w, x, state, step)
             for slot, lid in enumerate(capture):
@@ -869,20 +882,33 @@ class Qwen35GpuModel(TargetModel):
         b = proj[:, cd + Hv * dv:cd + Hv * dv + Hv]
         alpha = proj[:, cd + Hv * dv + Hv:]
         parents = None if step.is_chain else state.parents[:T]
+        # a committable step writes its conv output and gates where the commit's replay reads them
+        keep = (state.mixed[L, :T], state.gates[L, 0, :T], state.gates[L, 1, :T]) if step.per_token else (None,) * 3
         if fused:  # the conv reads the projection in place and keeps the raw rows itself
-            mixed = dn.conv_silu(proj[:, :cd], state.conv[L], w["ssm_conv1d"], parents=parents, rows_out=raw)
+            mixed = dn.conv_silu(proj[:, :cd], state.conv[L], w["ssm_conv1d"], parents=parents, rows_out=raw,
+                                 out=keep[0])
         else:
             raw[...] = proj[:, :cd]
-            mixed = dn.conv_silu(raw, state.conv[L], w["ssm_conv1d"], parents=parents)
-        g, beta = dn.qk_norm_gate(mixed, alpha, b, w["ssm_a"], w["ssm_dt"], n_k_heads=Hk, head_k_dim=dk)
+            mixed = dn.conv_silu(raw, state.conv[L], w["ssm_conv1d"], parents=parents, out=keep[0])
+        g, beta = dn.qk_norm_gate(mixed, alpha, b, w["ssm_a"], w["ssm_dt"], n_k_heads=Hk, head_k_dim=dk, g=keep[1],
+                                  beta=keep[2])
+        # a tree walks the step's plan (_launches computed it), states it comes back to in shared memory; the
+        # committed state is read only (a commit replays the accepted path), or a chain's final state is written
         o = dn.gated_delta_tree(mixed[:, :kd], mixed[:, kd:2 * kd], mixed[:, 2 * kd:], g, beta, state.ssm[L],
-                                parents=parents, checkpoints=state.ckpt[L] if step.per_token else None,
+                                plan=None if step.is_chain else state.plan[:T],
                                 final_state=None if step.per_token else state.ssm_final[L])
         if fused:  # the output norm * silu(z) in ssm_out's pack
             return w["ssm_out"].matmul(qm.pack_activations(o.reshape(T, Hv * dv), rms_weight=w["ssm_norm"],
                                                            eps=c.rms_eps, gate=proj[:, cd:cd + Hv * dv]))
         o = nr.norm_gate(o, z, w["ssm_norm"], c.rms_eps)
         return w["ssm_out"].matmul(o.reshape(T, Hv * dv))
+
+
+def plan_tree_walk(state: GpuSequenceState, step: _Step) -> None:
+    """A tree step's walk (dn.tree_plan from the parents in the state's device buffer), once for every DeltaNet
+    layer's tree step; nothing for a chain."""
+    if state.rec_layers and not step.is_chain:
+        dn.tree_plan(state.parents[:step.T], out=state.plan[:step.T])
 
 
 @dataclass
