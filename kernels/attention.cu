@@ -427,6 +427,23 @@ struct Layout {
     static_assert(TK % 16 == 0 && TV % 16 == 0, "tile bytes must be a multiple of 16");
 };
 
+// half2 (d * q0, d * q1) of a Q8_0 pair (q0 in bits 0-7, q1 in 8-15; d2 = the f16 scale in both halves, dsc =
+// it as f32). The product of an f16 scale and an 8-bit integer is exact in f32, so one rounding to f16 gives the
+// same bits either way; the PTX path stays in half2 (no int-to-float conversions, a quarter-rate unit):
+// 0x64XX is the f16 1024 + XX, so bytes q + 128 under 0x64 minus 1152 are q, exactly.
+SS_DEV u32 q8_pair_h2(u32 pair, u32 d2, float dsc) {
+#if SS_PTX
+    const u32 h = __byte_perm(pair ^ 0x8080u, 0x6464u, 0x4140u);
+    u32 v, r;
+    asm("sub.rn.f16x2 %0, %1, %2;" : "=r"(v) : "r"(h), "r"(0x64806480u));
+    asm("mul.rn.f16x2 %0, %1, %2;" : "=r"(r) : "r"(v), "r"(d2));
+    return r;
+#else
+    (void)d2;
+    return pack_f2(dsc * (float)(i8)(pair & 0xFFu), dsc * (float)(i8)(pair >> 8));
+#endif
+}
+
 // Decode the KT rows of one Q8_0 / TQ3_0 tile to f16, swizzled like the f16 cache's tiles (K and V alike: P x V
 // reads V with ldmatrix .trans). Q8_0: the values (rows past n become zeros). TQ3_0: the bare centroids, and the
 // group norms (0 past n) into nrm[key * NG + group]: the kernel applies them in f32 to the partial scores / the
@@ -447,9 +464,10 @@ SS_DEV void deq_tile(const u8* raw, u16* out, float* nrm, int key0, int n, int t
         for (int c = 0; c < 4; ++c) {
             u32 w[4];
             if constexpr (KIND == 1) {
+                const u32 d2 = ok ? (u32)(*(const u16*)blk) * 0x10001u : 0u;
                 for (int j = 0; j < 4; ++j) {
                     const u32 pair = ok ? (u32)(*(const u16*)(blk + 2 + 8 * c + 2 * j)) : 0u;
-                    w[j] = pack_f2(dsc * (float)(i8)(pair & 0xFFu), dsc * (float)(i8)(pair >> 8));
+                    w[j] = q8_pair_h2(pair, d2, dsc);
                 }
             } else {  // values 8c .. 8c+7: qs bytes 2c, 2c+1 and signs byte c
                 const u32 lo = *(const u16*)(blk + 2 + 2 * c);
