@@ -138,6 +138,27 @@ SS_DEV float ld(const void* p, i64 i) {
     return 0.0f;
 }
 
+// Eight consecutive values from element i (a multiple of 8) of a 16-byte aligned array, as f32 (zeros when !ok).
+template <int TY>
+SS_DEV void ld8(const void* p, i64 i, bool ok, float (&x)[8]) {
+    uint4 w[2] = {uint4{0u, 0u, 0u, 0u}, uint4{0u, 0u, 0u, 0u}};
+    if (ok) {
+        if constexpr (TY == 0) {
+            w[0] = ((const uint4*)p)[i / 4];
+            w[1] = ((const uint4*)p)[i / 4 + 1];
+        } else {
+            w[0] = ((const uint4*)p)[i / 8];
+        }
+    }
+    const u32 u[8] = {w[0].x, w[0].y, w[0].z, w[0].w, w[1].x, w[1].y, w[1].z, w[1].w};
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+        if constexpr (TY == 0) x[j] = bits_f(u[j]);
+        if constexpr (TY == 1) x[j] = h2f((u[j / 2] >> (16 * (j & 1))) & 0xFFFFu);
+        if constexpr (TY == 2) x[j] = bits_f(((u[j / 2] >> (16 * (j & 1))) & 0xFFFFu) << 16);
+    }
+}
+
 SS_DEV u32 f2bf(float f) {
     const u32 x = f_bits(f);
     if ((x & 0x7FFFFFFFu) > 0x7F800000u) return 0x7FC0u;
@@ -219,6 +240,47 @@ SS_DEV void cp_commit() {
 SS_DEV void cp_wait_prev() {  // all but the most recent group have landed
 #if SS_PTX
     asm volatile("cp.async.wait_group 1;\n" ::: "memory");
+#endif
+}
+
+// ldmatrix .x4: four 8x8 b16 matrices from shared memory in one instruction. Lane l gives the row address
+// base + off (off in halves, 16-byte aligned) of row l % 8 of matrix l / 8. Lane (g = l / 4, t = l % 4) gets
+// r[j] = matrix j's row g, columns 2t, 2t+1 (TR: its transpose, rows 2t, 2t+1 of column g): exactly an mma
+// A / B fragment register. The portable path gathers the same words through shuffles of the row offsets.
+template <bool TR>
+SS_DEV void ldsm4(u32 (&r)[4], const u16* base, u32 off) {
+#if SS_PTX
+    u32 a;
+    asm volatile("{ .reg .u64 p; cvta.to.shared.u64 p, %1; cvt.u32.u64 %0, p; }\n" : "=r"(a) : "l"(base + off));
+    if constexpr (TR)
+        asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                     : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                     : "r"(a));
+    else
+        asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                     : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                     : "r"(a));
+#else
+    const int lane = (int)(threadIdx.x & 31u), g = lane >> 2, t = lane & 3;
+    for (int j = 0; j < 4; ++j) {
+        if constexpr (TR) {
+            const u32 o0 = SS_SHFL(off, 8 * j + 2 * t), o1 = SS_SHFL(off, 8 * j + 2 * t + 1);
+            r[j] = (u32)base[o0 + g] | ((u32)base[o1 + g] << 16);
+        } else {
+            const u32 o = SS_SHFL(off, 8 * j + g);
+            r[j] = *(const u32*)(base + o + 2 * t);
+        }
+    }
+#endif
+}
+
+SS_DEV bool warp_all(bool p) {  // every lane of the (converged) warp has p
+#if SS_PTX
+    return __all_sync(0xffffffffu, p) != 0;
+#else
+    int v = p ? 1 : 0;
+    for (int m = 1; m < 32; m <<= 1) v &= SS_SHFL_XOR(v, m);
+    return v != 0;
 #endif
 }
 
@@ -353,9 +415,8 @@ struct Layout {
     static constexpr int RBK = Row<KK, D>::RB, RBV = Row<KV, D>::RB;
     static constexpr int TK = KT * RBK, TV = KT * RBV;    // bytes of one K, one V tile
     static constexpr int STAGE = TK + TV;                  // K then V
-    static constexpr int VTS = KT + 8;                     // halves per row of a dequantized (transposed) V tile
     static constexpr int DEQK = KK == 0 ? 0 : KT * D * 2;  // quantized K: swizzled f16 tile
-    static constexpr int DEQV = KV == 0 ? 0 : D * VTS * 2; // quantized V: transposed f16 tile
+    static constexpr int DEQV = KV == 0 ? 0 : KT * D * 2;  // quantized V: the same layout (ldmatrix .trans reads it)
     static constexpr int NG = D % 128 == 0 ? D / 128 : D / 64;  // TQ3_0 rotation groups per row
     static constexpr int NRMK = KK == 2 ? KT * NG * 4 : 0;     // TQ3_0 K: f32 norm per (key, group)
     static constexpr int NRMV = KV == 2 ? KT * NG * 4 : 0;
@@ -366,16 +427,34 @@ struct Layout {
     static_assert(TK % 16 == 0 && TV % 16 == 0, "tile bytes must be a multiple of 16");
 };
 
-// Decode the KT rows of one Q8_0 / TQ3_0 tile to f16: K swizzled like the f16 cache's tiles (ISV false),
-// V transposed [D][VTS] (a P x V B fragment is then one 32-bit load). Q8_0: the values (rows past n become
-// zeros). TQ3_0: the bare centroids, and the group norms (0 past n) into nrm[key * NG + group]: the kernel
-// applies them in f32 to the partial scores / the softmax weights, so decoding needs no float arithmetic.
-template <int KIND, int D, bool ISV>
+// half2 (d * q0, d * q1) of a Q8_0 pair (q0 in bits 0-7, q1 in 8-15; d2 = the f16 scale in both halves, dsc =
+// it as f32). The product of an f16 scale and an 8-bit integer is exact in f32, so one rounding to f16 gives the
+// same bits either way; the PTX path stays in half2 (no int-to-float conversions, a quarter-rate unit):
+// 0x64XX is the f16 1024 + XX, so bytes q + 128 under 0x64 minus 1152 are q, exactly.
+SS_DEV u32 q8_pair_h2(u32 pair, u32 d2, float dsc) {
+#if SS_PTX
+    const u32 h = __byte_perm(pair ^ 0x8080u, 0x6464u, 0x4140u);
+    u32 v, r;
+    asm("sub.rn.f16x2 %0, %1, %2;" : "=r"(v) : "r"(h), "r"(0x64806480u));
+    asm("mul.rn.f16x2 %0, %1, %2;" : "=r"(r) : "r"(v), "r"(d2));
+    return r;
+#else
+    (void)d2;
+    return pack_f2(dsc * (float)(i8)(pair & 0xFFu), dsc * (float)(i8)(pair >> 8));
+#endif
+}
+
+// Decode the KT rows of one Q8_0 / TQ3_0 tile to f16, swizzled like the f16 cache's tiles (K and V alike: P x V
+// reads V with ldmatrix .trans). Q8_0: the values (rows past n become zeros). TQ3_0: the bare centroids, and the
+// group norms (0 past n) into nrm[key * NG + group]: the kernel applies them in f32 to the partial scores / the
+// softmax weights, so decoding needs no float arithmetic. Work unit (key, 32-value block b): the 8 lanes of a
+// quarter warp take 8 consecutive keys of one block, so their 16-byte stores hit 8 different bank groups.
+template <int KIND, int D>
 SS_DEV void deq_tile(const u8* raw, u16* out, float* nrm, int key0, int n, int tid, int nthreads) {
-    constexpr int NB = D / 32, RB = Row<KIND, D>::RB, BB = Row<KIND, D>::BB, VTS = KT + 8;
+    constexpr int NB = D / 32, RB = Row<KIND, D>::RB, BB = Row<KIND, D>::BB;
     constexpr int GR = D % 128 == 0 ? 128 : 64;
     for (int u = tid; u < KT * NB; u += nthreads) {
-        const int key = u / NB, b = u % NB;
+        const int key = (u & 7) | ((u / (8 * NB)) << 3), b = (u >> 3) % NB;
         const u8* blk = raw + key * RB + BB * b;
         const bool ok = key0 + key < n;
         const float dsc = ok ? h2f(*(const u16*)blk) : 0.0f;  // Q8_0 scale or TQ3_0 norm
@@ -385,24 +464,17 @@ SS_DEV void deq_tile(const u8* raw, u16* out, float* nrm, int key0, int n, int t
         for (int c = 0; c < 4; ++c) {
             u32 w[4];
             if constexpr (KIND == 1) {
+                const u32 d2 = ok ? (u32)(*(const u16*)blk) * 0x10001u : 0u;
                 for (int j = 0; j < 4; ++j) {
                     const u32 pair = ok ? (u32)(*(const u16*)(blk + 2 + 8 * c + 2 * j)) : 0u;
-                    w[j] = pack_f2(dsc * (float)(i8)(pair & 0xFFu), dsc * (float)(i8)(pair >> 8));
+                    w[j] = q8_pair_h2(pair, d2, dsc);
                 }
             } else {  // values 8c .. 8c+7: qs bytes 2c, 2c+1 and signs byte c
                 const u32 lo = *(const u16*)(blk + 2 + 2 * c);
                 const u32 hb = (u32)(*(const u16*)(blk + 10 + 2 * (c >> 1))) >> (8 * (c & 1));
                 for (int j = 0; j < 4; ++j) w[j] = tq3_pair_h2((lo >> (4 * j)) & 15u, (hb >> (2 * j)) & 3u);
             }
-            if constexpr (!ISV) {
-                *(uint4*)(out + swz<D>(key, 32 * b + 8 * c)) = uint4{w[0], w[1], w[2], w[3]};
-            } else {
-                u16* vtt = out + (32 * b + 8 * c) * VTS + key;
-                for (int j = 0; j < 4; ++j) {
-                    vtt[(2 * j) * VTS] = (u16)(w[j] & 0xFFFFu);
-                    vtt[(2 * j + 1) * VTS] = (u16)(w[j] >> 16);
-                }
-            }
+            *(uint4*)(out + swz<D>(key, 32 * b + 8 * c)) = uint4{w[0], w[1], w[2], w[3]};
         }
     }
 }
@@ -473,7 +545,7 @@ __global__ __launch_bounds__(256) void kv_store_kernel(const void* __restrict__ 
 }
 
 template <int KK, int KV, int D, int TQ, int KW>
-__global__ __launch_bounds__(128) void attn_partial_kernel(
+__global__ __launch_bounds__(128, 2) void attn_partial_kernel(
     const void* __restrict__ q, const u8* __restrict__ kc, const u8* __restrict__ vc, const int* __restrict__ s_len,
     const u64* __restrict__ mask, int T, int H, int Hkv, i64 ctx, float scale_log2, float* __restrict__ ws_o,
     float* __restrict__ ws_ml) {
@@ -505,69 +577,6 @@ __global__ __launch_bounds__(128) void attn_partial_kernel(
     const int per = (ntiles + splits - 1) / splits;
     const int tb = z * per, te = tb + per < ntiles ? tb + per : ntiles;
 
-    // The m16 tile's 16 query rows, pre-scaled, as fp16 (key slice 0 loads them; the first barrier of the
-    // tile loop publishes them to the tile's other warps).
-    u16* qs = qs_all + mtl * 16 * L::QROW;
-    for (int rl = 0; rl < 16 && ks == 0; ++rl) {
-        const int r = mt * 16 + rl;
-        const bool ok = active && r < R;
-        const i64 base = ok ? ((i64)(r / G) * H + kvh * G + r % G) * D : 0;
-        if constexpr (KK == 2) {
-            // TQ3_0 keys stay rotated: rotate the query row instead (<Rq, Rk> = <q, k>). Lane l holds values
-            // l*E .. l*E+E-1; butterfly stages below E run in registers, the others across lanes.
-            constexpr int E = D / 32, GR = D % 128 == 0 ? 128 : 64;
-            float x[E];
-#pragma unroll
-            for (int j = 0; j < E; ++j) {
-                const int d = lane * E + j;
-                x[j] = ok ? ld<TQ>(q, base + d) * tq3_sign1(d % GR) : 0.0f;
-            }
-#pragma unroll
-            for (int h = 1; h < E; h *= 2) {
-#pragma unroll
-                for (int j = 0; j < E; ++j) {
-                    if (j & h) continue;
-                    const float a = x[j], b = x[j + h];
-                    x[j] = a + b;
-                    x[j + h] = a - b;
-                }
-            }
-#pragma unroll
-            for (int m = 1; m * E < GR; m *= 2) {
-#pragma unroll
-                for (int j = 0; j < E; ++j) {
-                    const float p = SS_SHFL_XOR(x[j], m);
-                    x[j] = (lane & m) ? p - x[j] : x[j] + p;
-                }
-            }
-#pragma unroll
-            for (int j = 0; j < E; ++j) {
-                const int d = lane * E + j;
-                const float y = x[j] * tq3_sign2(d % GR) * tq3_rscale<GR>();
-                qs[rl * L::QROW + d] = (u16)(ok ? f2h(y * scale_log2) : 0u);
-            }
-        } else {
-            for (int d = lane; d < D; d += 32)
-                qs[rl * L::QROW + d] = (u16)(ok ? f2h(ld<TQ>(q, base + d) * scale_log2) : 0u);
-        }
-    }
-    // Row state: rows g and g+8 of the tile.
-    int tok[2];
-    bool rok[2];
-    u64 mbits[2];
-    float m_run[2], l_run[2];
-    for (int i = 0; i < 2; ++i) {
-        const int r = mt * 16 + g + 8 * i;
-        rok[i] = active && r < R;
-        tok[i] = rok[i] ? r / G : 0;
-        mbits[i] = rok[i] ? mask[tok[i]] : 0ull;
-        m_run[i] = neg_inf();
-        l_run[i] = 0.0f;
-    }
-    float o[D / 8][4];
-#pragma unroll
-    for (int nd = 0; nd < D / 8; ++nd) o[nd][0] = o[nd][1] = o[nd][2] = o[nd][3] = 0.0f;
-
     const u8* kbase = kc + (i64)kvh * ctx * L::RBK;
     const u8* vbase = vc + (i64)kvh * ctx * L::RBV;
     auto issue = [&](int tile, int stage) {
@@ -594,68 +603,199 @@ __global__ __launch_bounds__(128) void attn_partial_kernel(
             }
         }
     };
-
+    // The split's first two tiles stream in while the query rows are loaded (one commit group per tile, empty
+    // groups included, so "all but the newest group landed" always means "tile it landed").
     if (tb < te) issue(tb, 0);
     cp_commit();
+    if (tb + 1 < te) issue(tb + 1, 1);
+    cp_commit();
+
+    // The m16 tile's 16 query rows, pre-scaled, as fp16 (key slice 0 loads them; the first barrier of the
+    // tile loop publishes them to the tile's other warps). The loads of several rows are issued before any is
+    // used: a row at a time would chain 16 global round trips.
+    u16* qs = qs_all + mtl * 16 * L::QROW;
+    if (ks == 0) {
+        auto q_base = [&](int rl, bool& ok) -> i64 {  // element offset of row rl of the tile in q [T, H, D]
+            const int r = mt * 16 + rl;
+            ok = active && r < R;
+            return ok ? ((i64)(r / G) * H + kvh * G + r % G) * D : 0;
+        };
+        if constexpr (KK == 2) {
+            // TQ3_0 keys stay rotated: rotate the query row instead (<Rq, Rk> = <q, k>). Lane l holds values
+            // l*E .. l*E+E-1; butterfly stages below E run in registers, the others across lanes.
+            constexpr int E = D / 32, GR = D % 128 == 0 ? 128 : 64, RB = 4;
+            for (int r0 = 0; r0 < 16; r0 += RB) {
+                float x[RB][E];
+                bool ok[RB];
+#pragma unroll
+                for (int rr = 0; rr < RB; ++rr) {
+                    const i64 base = q_base(r0 + rr, ok[rr]);
+#pragma unroll
+                    for (int j = 0; j < E; ++j) x[rr][j] = ok[rr] ? ld<TQ>(q, base + lane * E + j) : 0.0f;
+                }
+#pragma unroll
+                for (int rr = 0; rr < RB; ++rr) {
+#pragma unroll
+                    for (int j = 0; j < E; ++j) x[rr][j] *= tq3_sign1((lane * E + j) % GR);
+#pragma unroll
+                    for (int h = 1; h < E; h *= 2) {
+#pragma unroll
+                        for (int j = 0; j < E; ++j) {
+                            if (j & h) continue;
+                            const float a = x[rr][j], b = x[rr][j + h];
+                            x[rr][j] = a + b;
+                            x[rr][j + h] = a - b;
+                        }
+                    }
+#pragma unroll
+                    for (int m = 1; m * E < GR; m *= 2) {
+#pragma unroll
+                        for (int j = 0; j < E; ++j) {
+                            const float p = SS_SHFL_XOR(x[rr][j], m);
+                            x[rr][j] = (lane & m) ? p - x[rr][j] : x[rr][j] + p;
+                        }
+                    }
+#pragma unroll
+                    for (int j = 0; j < E; ++j) {
+                        const int d = lane * E + j;
+                        const float y = x[rr][j] * tq3_sign2(d % GR) * tq3_rscale<GR>();
+                        qs[(r0 + rr) * L::QROW + d] = (u16)(ok[rr] ? f2h(y * scale_log2) : 0u);
+                    }
+                }
+            }
+        } else {
+            // unit u = (row u / (D / 8), 8 values at 8 * (u % (D / 8))): one 16-byte store of fp16 each
+            constexpr int NU = 16 * D / 8 / 32, UB = NU < 8 ? NU : 8;  // units per lane, per batch
+            for (int u0 = 0; u0 < NU; u0 += UB) {
+                float x[UB][8];
+                bool ok[UB];
+#pragma unroll
+                for (int k = 0; k < UB; ++k) {
+                    const int u = (u0 + k) * 32 + lane, rl = u / (D / 8), d0 = 8 * (u % (D / 8));
+                    const i64 base = q_base(rl, ok[k]) + d0;
+                    ld8<TQ>(q, base, ok[k], x[k]);
+                }
+#pragma unroll
+                for (int k = 0; k < UB; ++k) {
+                    const int u = (u0 + k) * 32 + lane, rl = u / (D / 8), d0 = 8 * (u % (D / 8));
+                    u32 w[4];
+#pragma unroll
+                    for (int j = 0; j < 4; ++j) w[j] = pack_f2(x[k][2 * j] * scale_log2, x[k][2 * j + 1] * scale_log2);
+                    *(uint4*)(qs + rl * L::QROW + d0) = uint4{w[0], w[1], w[2], w[3]};
+                }
+            }
+        }
+    }
+    // Row state: rows g and g+8 of the tile.
+    int tok[2];
+    bool rok[2];
+    u64 mbits[2];
+    float m_run[2], l_run[2];
+    for (int i = 0; i < 2; ++i) {
+        const int r = mt * 16 + g + 8 * i;
+        rok[i] = active && r < R;
+        tok[i] = rok[i] ? r / G : 0;
+        mbits[i] = rok[i] ? mask[tok[i]] : 0ull;
+        m_run[i] = neg_inf();
+        l_run[i] = 0.0f;
+    }
+    float o[D / 8][4];
+#pragma unroll
+    for (int nd = 0; nd < D / 8; ++nd) o[nd][0] = o[nd][1] = o[nd][2] = o[nd][3] = 0.0f;
+
+    // Per-lane ldmatrix row offsets (halves). Every fragment row below is a key row kw0 + 8x + (lane & 7) of a
+    // swizzled tile, so its chunk swizzle is (lane & 7): chunk c of it sits at chunk c ^ r8.
+    const int r8 = lane & 7, j4 = lane >> 3;
+    const u32 q_off = (u32)((r8 + 8 * (j4 & 1)) * L::QROW + 8 * (j4 >> 1));  // A: rows 0-7 / 8-15, cols +0 / +8
+    constexpr int NC = NTW >= 4 ? 1 : 4 / NTW;  // independent accumulator chains of the Q K^T k-loop
+
     for (int it = tb; it < te; ++it) {
         const int stage = (it - tb) & 1;
-        if (it + 1 < te) issue(it + 1, stage ^ 1);
-        cp_commit();
         cp_wait_prev();
         __syncthreads();
         const int key0 = it * KT;
         // Q8_0 / TQ3_0 tiles are dequantized to f16 in shared memory (keys past n become zeros: their
         // bytes may be stale); f16 tiles are used where they landed.
         const u8* raw = stages + stage * L::STAGE;
-        if constexpr (KK != 0) deq_tile<KK, D, false>(raw, deq_k, nrm_k, key0, n, tid, nthreads);
-        if constexpr (KV != 0) deq_tile<KV, D, true>(raw + L::TK, deq_v, nrm_v, key0, n, tid, nthreads);
+        if constexpr (KK != 0) deq_tile<KK, D>(raw, deq_k, nrm_k, key0, n, tid, nthreads);
+        if constexpr (KV != 0) deq_tile<KV, D>(raw + L::TK, deq_v, nrm_v, key0, n, tid, nthreads);
         if constexpr (KK != 0 || KV != 0) __syncthreads();
         const u16* kt = KK != 0 ? (const u16*)deq_k : (const u16*)raw;
         const u16* vt = KV != 0 ? (const u16*)deq_v : (const u16*)(raw + L::TK);
 
         if (active) {
             const int kw0 = ks * KPW;  // this warp's first key within the tile
+            // acc[c] += Q[:, 16kk..16kk+15] K^T for kk = kb .. kb + NC - 1 (chain c = kk - kb), this warp's keys.
+            // K B fragments by ldmatrix: NTW >= 2: one x4 = (b0, b1) of two n8 key tiles; NTW == 1: of two kk.
+            auto qk = [&](int kb, float(&acc)[NC][NTW][4]) {
+                if constexpr (NTW >= 2) {
+#pragma unroll
+                    for (int c = 0; c < NC; ++c) {
+                        const int kk = kb + c;
+                        u32 a[4];
+                        ldsm4<false>(a, qs, q_off + 16 * kk);
+#pragma unroll
+                        for (int p = 0; p < NTW / 2; ++p) {
+                            const int key = kw0 + 16 * p + 8 * (j4 >> 1) + r8;
+                            u32 b[4];
+                            ldsm4<false>(b, kt, (u32)(key * D + (((2 * kk + (j4 & 1)) ^ r8) << 3)));
+                            mma16816(acc[c][2 * p], a[0], a[1], a[2], a[3], b[0], b[1]);
+                            mma16816(acc[c][2 * p + 1], a[0], a[1], a[2], a[3], b[2], b[3]);
+                        }
+                    }
+                } else {
+#pragma unroll
+                    for (int c = 0; c < NC; c += 2) {  // NC = 4: kk and kk + 1 share one K ldmatrix
+                        const int kk = kb + c;
+                        u32 a[4], a1[4], b[4];
+                        ldsm4<false>(a, qs, q_off + 16 * kk);
+                        ldsm4<false>(a1, qs, q_off + 16 * (kk + 1));
+                        ldsm4<false>(b, kt, (u32)((kw0 + r8) * D + (((2 * kk + j4) ^ r8) << 3)));
+                        mma16816(acc[c][0], a[0], a[1], a[2], a[3], b[0], b[1]);
+                        mma16816(acc[c + 1][0], a1[0], a1[1], a1[2], a1[3], b[2], b[3]);
+                    }
+                }
+            };
             float s[NTW][4];
 #pragma unroll
             for (int nt = 0; nt < NTW; ++nt) s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.0f;
-            auto qk = [&](int kk, float(&acc)[NTW][4]) {  // acc += Q[:, 16kk..16kk+15] K^T for this warp's keys
-                const int d0 = 16 * kk + 2 * t4;
-                const u32 a0 = *(const u32*)(qs + g * L::QROW + d0);
-                const u32 a1 = *(const u32*)(qs + (g + 8) * L::QROW + d0);
-                const u32 a2 = *(const u32*)(qs + g * L::QROW + d0 + 8);
-                const u32 a3 = *(const u32*)(qs + (g + 8) * L::QROW + d0 + 8);
+            auto qk_range = [&](int kb0, int kb1, float(&out)[NTW][4], const float* scale_n, int gi) {
+                float acc[NC][NTW][4];
+#pragma unroll
+                for (int c = 0; c < NC; ++c)
+#pragma unroll
+                    for (int nt = 0; nt < NTW; ++nt) acc[c][nt][0] = acc[c][nt][1] = acc[c][nt][2] = acc[c][nt][3] = 0.0f;
+#pragma unroll 2
+                for (int kb = kb0; kb < kb1; kb += NC) qk(kb, acc);
 #pragma unroll
                 for (int nt = 0; nt < NTW; ++nt) {
-                    const int key = kw0 + 8 * nt + g;
-                    const u32 b0 = *(const u32*)(kt + swz<D>(key, d0));
-                    const u32 b1 = *(const u32*)(kt + swz<D>(key, d0 + 8));
-                    mma16816(acc[nt], a0, a1, a2, a3, b0, b1);
+                    float n0 = 1.0f, n1 = 1.0f;
+                    if (scale_n != nullptr) {  // TQ3_0 K: the group norms of this lane's two keys
+                        const int key = kw0 + 8 * nt + 2 * t4;
+                        n0 = scale_n[key * NG + gi];
+                        n1 = scale_n[(key + 1) * NG + gi];
+                    }
+#pragma unroll
+                    for (int c = 0; c < NC; ++c) {
+                        out[nt][0] += n0 * acc[c][nt][0];
+                        out[nt][1] += n1 * acc[c][nt][1];
+                        out[nt][2] += n0 * acc[c][nt][2];
+                        out[nt][3] += n1 * acc[c][nt][3];
+                    }
                 }
             };
             if constexpr (KK == 2) {
                 // TQ3_0 K holds bare centroids: score = sum over groups of norm[key][group] * <q_g, c_g>
 #pragma unroll
-                for (int gi = 0; gi < NG; ++gi) {
-                    float sg[NTW][4];
-#pragma unroll
-                    for (int nt = 0; nt < NTW; ++nt) sg[nt][0] = sg[nt][1] = sg[nt][2] = sg[nt][3] = 0.0f;
-#pragma unroll 4
-                    for (int kk = gi * GR / 16; kk < (gi + 1) * GR / 16; ++kk) qk(kk, sg);
-#pragma unroll
-                    for (int nt = 0; nt < NTW; ++nt) {
-                        const int key = kw0 + 8 * nt + 2 * t4;
-                        const float n0 = nrm_k[key * NG + gi], n1 = nrm_k[(key + 1) * NG + gi];
-                        s[nt][0] += n0 * sg[nt][0];
-                        s[nt][1] += n1 * sg[nt][1];
-                        s[nt][2] += n0 * sg[nt][2];
-                        s[nt][3] += n1 * sg[nt][3];
-                    }
-                }
+                for (int gi = 0; gi < NG; ++gi) qk_range(gi * GR / 16, (gi + 1) * GR / 16, s, nrm_k, gi);
             } else {
-#pragma unroll 4
-                for (int kk = 0; kk < D / 16; ++kk) qk(kk, s);
+                qk_range(0, D / 16, s, nullptr, 0);
             }
-            // mask, then online softmax (exp2 domain) for rows g (i = 0) and g + 8 (i = 1)
+            // Mask (only a tile that reaches the new keys or past n needs one: every committed key is visible, and
+            // rows past R hold zero queries whose results are never written), then online softmax in the exp2
+            // domain for rows g (i = 0) and g + 8 (i = 1). The running max moves only when a tile's max exceeds it
+            // by more than 8 (weights stay <= 2^8, exact enough in fp16), so most tiles skip rescaling O.
+            const bool edge = key0 + KT > S;
             float alpha[2];
 #pragma unroll
             for (int i = 0; i < 2; ++i) {
@@ -664,18 +804,20 @@ __global__ __launch_bounds__(128) void attn_partial_kernel(
                 for (int nt = 0; nt < NTW; ++nt) {
 #pragma unroll
                     for (int e = 0; e < 2; ++e) {
-                        const int j = key0 + kw0 + 8 * nt + 2 * t4 + e;
-                        const bool vis = rok[i] && (j < S || (j < n && ((mbits[i] >> (j - S)) & 1ull)));
                         float& sv = s[nt][2 * i + e];
-                        sv = vis ? sv : neg_inf();
+                        if (edge) {
+                            const int j = key0 + kw0 + 8 * nt + 2 * t4 + e;
+                            const bool vis = rok[i] && (j < S || (j < n && ((mbits[i] >> (j - S)) & 1ull)));
+                            sv = vis ? sv : neg_inf();
+                        }
                         mx = fmaxf(mx, sv);
                     }
                 }
                 mx = fmaxf(mx, SS_SHFL_XOR(mx, 1));
                 mx = fmaxf(mx, SS_SHFL_XOR(mx, 2));
-                const float m_new = fmaxf(m_run[i], mx);
+                const float m_new = mx > m_run[i] + 8.0f ? mx : m_run[i];
                 const float m_use = m_new == neg_inf() ? 0.0f : m_new;
-                alpha[i] = exp2f(m_run[i] - m_use);
+                alpha[i] = m_new == m_run[i] ? 1.0f : exp2f(m_run[i] - m_use);
                 m_run[i] = m_new;
                 float sum = 0.0f;
 #pragma unroll
@@ -689,63 +831,69 @@ __global__ __launch_bounds__(128) void attn_partial_kernel(
                 }
                 l_run[i] = l_run[i] * alpha[i] + sum;
             }
+            if (!warp_all(alpha[0] == 1.0f && alpha[1] == 1.0f)) {
 #pragma unroll
-            for (int nd = 0; nd < D / 8; ++nd) {
-                o[nd][0] *= alpha[0];
-                o[nd][1] *= alpha[0];
-                o[nd][2] *= alpha[1];
-                o[nd][3] *= alpha[1];
+                for (int nd = 0; nd < D / 8; ++nd) {
+                    o[nd][0] *= alpha[0];
+                    o[nd][1] *= alpha[0];
+                    o[nd][2] *= alpha[1];
+                    o[nd][3] *= alpha[1];
+                }
             }
-            // P x V, 16 keys per mma; a warp with 8 keys (KW = 4) fills the upper k half with zeros
+            // P x V, 16 keys per mma; a warp with 8 keys (KW = 4) fills the upper k half with zeros. V B fragments
+            // by ldmatrix .trans of the swizzled [key][dim] tile: one x4 = (b0, b1) of two n8 dim tiles (16 keys),
+            // or b0 of four (8 keys).
 #pragma unroll
             for (int k2 = 0; k2 < (NTW + 1) / 2; ++k2) {
                 constexpr bool HALF = NTW == 1;
+                constexpr int UP = HALF ? 0 : 1;
+                const int k0 = kw0 + 16 * k2;
+                u32 af[NG][4];
                 if constexpr (KV == 2) {
                     // TQ3_0 V holds bare centroids: scale the weights by each key's group norm instead, one set
                     // of A fragments per group, each multiplying that group's D / NG output columns.
-                    const int k0 = kw0 + 16 * k2 + 2 * t4;
-                    constexpr int UP = HALF ? 0 : 1;  // a warp with 8 keys has no upper k half
-                    u32 af[NG][4];
+                    const int kl = k0 + 2 * t4;
 #pragma unroll
                     for (int gi = 0; gi < NG; ++gi) {
-                        const float na = nrm_v[k0 * NG + gi], nb = nrm_v[(k0 + 1) * NG + gi];
-                        const float nc = HALF ? 0.0f : nrm_v[(k0 + 8) * NG + gi];
-                        const float nd8 = HALF ? 0.0f : nrm_v[(k0 + 9) * NG + gi];
+                        const float na = nrm_v[kl * NG + gi], nb = nrm_v[(kl + 1) * NG + gi];
+                        const float nc = HALF ? 0.0f : nrm_v[(kl + 8) * NG + gi];
+                        const float nd8 = HALF ? 0.0f : nrm_v[(kl + 9) * NG + gi];
                         af[gi][0] = pack_f2(s[2 * k2][0] * na, s[2 * k2][1] * nb);
                         af[gi][1] = pack_f2(s[2 * k2][2] * na, s[2 * k2][3] * nb);
                         af[gi][2] = HALF ? 0u : pack_f2(s[2 * k2 + UP][0] * nc, s[2 * k2 + UP][1] * nd8);
                         af[gi][3] = HALF ? 0u : pack_f2(s[2 * k2 + UP][2] * nc, s[2 * k2 + UP][3] * nd8);
                     }
-#pragma unroll
-                    for (int nd = 0; nd < D / 8; ++nd) {
-                        const int dim = 8 * nd + g, gi = nd / (GR / 8);
-                        const u32 b0 = *(const u32*)(vt + dim * L::VTS + k0);
-                        const u32 b1 = HALF ? 0u : *(const u32*)(vt + dim * L::VTS + k0 + 8);
-                        mma16816(o[nd], af[gi][0], af[gi][1], af[gi][2], af[gi][3], b0, b1);
-                    }
                 } else {
-                    const u32 a0 = pack_f2(s[2 * k2][0], s[2 * k2][1]);
-                    const u32 a1 = pack_f2(s[2 * k2][2], s[2 * k2][3]);
-                    const u32 a2 = HALF ? 0u : pack_f2(s[2 * k2 + 1 - HALF][0], s[2 * k2 + 1 - HALF][1]);
-                    const u32 a3 = HALF ? 0u : pack_f2(s[2 * k2 + 1 - HALF][2], s[2 * k2 + 1 - HALF][3]);
-                    const int k0 = kw0 + 16 * k2 + 2 * t4;
+                    af[0][0] = pack_f2(s[2 * k2][0], s[2 * k2][1]);
+                    af[0][1] = pack_f2(s[2 * k2][2], s[2 * k2][3]);
+                    af[0][2] = HALF ? 0u : pack_f2(s[2 * k2 + UP][0], s[2 * k2 + UP][1]);
+                    af[0][3] = HALF ? 0u : pack_f2(s[2 * k2 + UP][2], s[2 * k2 + UP][3]);
 #pragma unroll
-                    for (int nd = 0; nd < D / 8; ++nd) {
-                        const int dim = 8 * nd + g;
-                        u32 b0, b1;
-                        if constexpr (KV != 0) {
-                            b0 = *(const u32*)(vt + dim * L::VTS + k0);
-                            b1 = HALF ? 0u : *(const u32*)(vt + dim * L::VTS + k0 + 8);
-                        } else {
-                            b0 = (u32)vt[swz<D>(k0, dim)] | ((u32)vt[swz<D>(k0 + 1, dim)] << 16);
-                            b1 = HALF ? 0u : (u32)vt[swz<D>(k0 + 8, dim)] | ((u32)vt[swz<D>(k0 + 9, dim)] << 16);
-                        }
-                        mma16816(o[nd], a0, a1, a2, a3, b0, b1);
+                    for (int gi = 1; gi < NG; ++gi)
+#pragma unroll
+                        for (int e = 0; e < 4; ++e) af[gi][e] = af[0][e];
+                }
+                constexpr int NDS = HALF ? 4 : 2;  // n8 dim tiles per ldmatrix
+#pragma unroll
+                for (int nd0 = 0; nd0 < D / 8; nd0 += NDS) {
+                    const int gi = KV == 2 ? nd0 / (GR / 8) : 0;
+                    const int key = HALF ? k0 + r8 : k0 + 8 * (j4 & 1) + r8;
+                    const int chunk = HALF ? nd0 + j4 : nd0 + (j4 >> 1);
+                    u32 b[4];
+                    ldsm4<true>(b, vt, (u32)(key * D + ((chunk ^ r8) << 3)));
+                    if constexpr (HALF) {
+#pragma unroll
+                        for (int j = 0; j < 4; ++j) mma16816(o[nd0 + j], af[gi][0], af[gi][1], 0u, 0u, b[j], 0u);
+                    } else {
+                        mma16816(o[nd0], af[gi][0], af[gi][1], af[gi][2], af[gi][3], b[0], b[1]);
+                        mma16816(o[nd0 + 1], af[gi][0], af[gi][1], af[gi][2], af[gi][3], b[2], b[3]);
                     }
                 }
             }
         }
         __syncthreads();  // the stage (and the dequantized tile) is rewritten next
+        if (it + 2 < te) issue(it + 2, stage);
+        cp_commit();
     }
 
 #pragma unroll
@@ -859,11 +1007,14 @@ __global__ __launch_bounds__(256) void attn_combine_kernel(const float* __restri
     __syncthreads();
     float L = 0.0f;
     for (int w = 0; w < nw; ++w) L += red[1][w];
-    float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-    int z = 0;
-    for (; z + 4 <= splits; z += 4) {
+    constexpr int NA = 8;  // loads in flight per thread
+    float acc[NA];
 #pragma unroll
-        for (int j = 0; j < 4; ++j) {
+    for (int j = 0; j < NA; ++j) acc[j] = 0.0f;
+    int z = 0;
+    for (; z + NA <= splits; z += NA) {
+#pragma unroll
+        for (int j = 0; j < NA; ++j) {
             const float w = wsh[z + j];  // 0 for splits without keys: their O was never written
             acc[j] += w != 0.0f ? w * ws_o[((z + j) * rows_all + row) * D + d] : 0.0f;
         }
@@ -872,7 +1023,10 @@ __global__ __launch_bounds__(256) void attn_combine_kernel(const float* __restri
         const float w = wsh[z];
         acc[0] += w != 0.0f ? w * ws_o[(z * rows_all + row) * D + d] : 0.0f;
     }
-    float v = L > 0.0f ? (acc[0] + acc[1] + acc[2] + acc[3]) / L : 0.0f;
+    float sum = 0.0f;
+#pragma unroll
+    for (int j = 0; j < NA; ++j) sum += acc[j];
+    float v = L > 0.0f ? sum / L : 0.0f;
     if constexpr (RG != 0) {
         // TQ3_0 V: the row is a weighted sum of rotated V rows; inverse-rotate it once per RG-value group
         // (x = D1 H D2 y / sqrt(g)), a shared-memory butterfly over the block's D threads.

@@ -223,39 +223,49 @@ def _mask(mask: Any, T: int) -> Any:
     return cupy.ascontiguousarray(m)
 
 
-def grid_rows(n_head: int, n_kv_heads: int, tokens: int) -> tuple[int, int]:
+def grid_rows(n_head: int, n_kv_heads: int, tokens: int, kw: int | None = None) -> tuple[int, int]:
     """(blocks along x, KW warps per m16 tile) for T tokens: G*T query rows in MT m16 tiles; a block of
-    MAXW warps takes MAXW / KW tiles, its KW warps per tile each take 1/KW of the keys."""
+    MAXW warps takes MAXW / KW tiles, its KW warps per tile each take 1/KW of the keys. KW (1, 2 or 4) by
+    default: 4 for one m16 tile (decode), 2 for two, else 1 (every K/V tile shared by 4 m16 tiles)."""
     m_tiles = math.ceil(n_head // n_kv_heads * tokens / 16)
-    kw = 4 if m_tiles == 1 else 2 if m_tiles == 2 else 1
+    if kw is None:
+        kw = 4 if m_tiles == 1 else 2 if m_tiles == 2 else 1
+    if kw not in (1, 2, 4):
+        raise ValueError(f"kw must be 1, 2 or 4, not {kw}")
     return math.ceil(m_tiles / (MAXW // kw)), kw
 
 
+WS_CAP_BYTES = 24 << 20  # split workspace bound: it stays in L2 (50 MB on an H100) between the two kernels
+
+
 def choose_splits(n_head: int, n_kv_heads: int, head_dim: int, tokens: int, s_hint: int, kind: str = "f16",
-                  kind_v: str | None = None) -> int:  # fmt: skip
-    """K splits: about 3 blocks per SM with KW = 4 (decode: short blocks), 2 otherwise; >= 2 key tiles per
-    split; a workspace (the splits' partial outputs, written and read once) at most half the K/V bytes as f16
-    (what the blocks process: a quantized tile is decoded to f16 in shared memory, which for TQ3_0 costs more
-    than reading it, so its splits are not cut to its 4.6x smaller bytes)."""
-    gx, kw = grid_rows(n_head, n_kv_heads, tokens)
+                  kind_v: str | None = None, kw: int | None = None) -> int:  # fmt: skip
+    """K splits: about 3 blocks per SM with KW = 4 (decode: short blocks), 2 otherwise (the register and
+    shared-memory limit of the KW = 1 and 2 blocks at head dim 256), so every SM walks its share of the tiles
+    in parallel; >= 2 key tiles per split (the double buffer has a tile to overlap), <= MAX_SPLITS, and a split
+    workspace (written once, read once by the combine) of at most WS_CAP_BYTES.
+
+    The kernel is latency-bound at the contexts a verify sees (S of a few thousand: the whole K/V of a layer is
+    a few MB), so the blocks' serial chains of tiles are what to shorten: the old cap of the workspace at half
+    the K/V bytes gave a 23-token tree at S = 512 one split, i.e. 12 blocks walking 17 tiles each."""
+    gx, kw = grid_rows(n_head, n_kv_heads, tokens, kw)
     tiles = math.ceil((s_hint + tokens) / KT)
     want = math.ceil((3 if kw == 4 else 2) * _sm_count_now() / (gx * n_kv_heads))
     for k in (kind, kind_v):
         if k is not None:
             row_bytes(k, head_dim)  # a clear error for an unknown kind
-    kv_bytes = 2 * n_kv_heads * (s_hint + tokens) * row_bytes("f16", head_dim)
-    ws_per_split = n_head * tokens * head_dim * 4
-    cap = max(1, min(tiles // 2, kv_bytes // (2 * ws_per_split), MAX_SPLITS))
+    ws_per_split = n_head * tokens * (head_dim + 2) * 4
+    cap = max(1, min(tiles // 2, WS_CAP_BYTES // ws_per_split, MAX_SPLITS))
     return max(1, min(want, cap))
 
 
 def smem_bytes(kind: str, head_dim: int, kw: int, kind_v: str | None = None) -> int:
     """Dynamic shared memory of attn_partial_kernel (ssa::Layout): 2 stages of K + V tiles, the f16 tiles of
-    the quantized sides (K swizzled, V^T) and TQ3_0 group norms, or the parked key-slice partials if larger;
-    then the Q rows."""
+    the quantized sides (both swizzled [key][dim]) and TQ3_0 group norms, or the parked key-slice partials if
+    larger; then the Q rows."""
     kind_v = kind if kind_v is None else kind_v
     stage = KT * (row_bytes(kind, head_dim) + row_bytes(kind_v, head_dim))
-    deq = (0 if kind == "f16" else KT * head_dim * 2) + (0 if kind_v == "f16" else head_dim * (KT + 8) * 2)
+    deq = KT * head_dim * 2 * (2 - [kind, kind_v].count("f16"))
     deq += KT * (head_dim // tq3_group(head_dim)) * 4 * [kind, kind_v].count("tq3_0")  # TQ3_0 group norms
     park = (MAXW - 1) * 16 * (head_dim + 2) * 4
     return max(2 * stage + deq, park) + MAXW // kw * 16 * (head_dim + QPAD) * 2
@@ -281,14 +291,18 @@ def attention(
     out: Any = None,
     workspace: tuple[Any, Any] | None = None,
     portable: bool = False,
+    kw: int | None = None,
 ) -> Any:
     """o [T, H, D] = softmax(q K^T / sqrt(D) + mask) V over cache rows [0, S + T), times sigmoid(gate) if given.
 
     q: [T, H, D] f32/f16/bf16 (T <= 64, H a multiple of the cache's KV heads); s_len: device int32 [1] or an
     int; mask: uint64 [T] (tree_mask). splits: K splits (None: choose_splits from s_hint, default S when
-    s_len is an int, else the cache size). workspace: make_workspace(H, T, D, splits) to reuse buffers."""
+    s_len is an int, else the cache size). workspace: make_workspace(H, T, D, splits) to reuse buffers. kw: warps
+    per m16 tile of query rows (1, 2 or 4; None: grid_rows's choice)."""
     cupy = loader.require()
     q = cupy.ascontiguousarray(as_device(q))
+    if q.data.ptr % 16:  # the kernel reads q rows in 16-byte pieces
+        q = q.copy()
     if q.ndim != 3:
         raise ValueError(f"q must be [tokens, heads, head_dim], not shape {tuple(q.shape)}")
     T, H, D = (int(s) for s in q.shape)
@@ -306,11 +320,11 @@ def attention(
     tq = type_code(q)
     to, odt = out_code(out_dtype, 0)
     if splits is None:
-        splits = choose_splits(H, Hkv, D, T, max(0, int(s_hint)), cache.kind, cache.kind_v)
+        splits = choose_splits(H, Hkv, D, T, max(0, int(s_hint)), cache.kind, cache.kind_v, kw)
     splits = int(splits)
     if not 1 <= splits <= MAX_SPLITS:
         raise ValueError(f"splits must be in 1..{MAX_SPLITS}, not {splits}")
-    gx, kw = grid_rows(H, Hkv, T)
+    gx, kw = grid_rows(H, Hkv, T, kw)
     if workspace is None:
         workspace = make_workspace(H, T, D, splits)
     ws_o, ws_ml = workspace

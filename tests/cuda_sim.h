@@ -46,7 +46,7 @@ static unsigned int shfl(unsigned int v, int src) {
 #define __device__
 #define __forceinline__ inline
 #define __noinline__ __attribute__((noinline))
-#define __launch_bounds__(x)
+#define __launch_bounds__(...)
 #define __restrict__ __restrict
 #define __shared__
 #define __syncwarp() sim::barrier()

@@ -179,6 +179,18 @@ extern "C" int sim_attn_partial(int kk, int kv, int D, int tq, int kw, const voi
     AP(2, 0, 64, 1, 2)
     AP(2, 2, 128, 0, 4)
     AP(0, 2, 128, 0, 2)
+    AP(1, 1, 64, 0, 1)
+    AP(1, 1, 64, 0, 2)
+    AP(2, 2, 64, 0, 1)
+    AP(2, 2, 64, 0, 2)
+    AP(1, 2, 64, 0, 1)
+    AP(1, 2, 64, 0, 2)
+    AP(1, 2, 64, 0, 4)
+    AP(0, 0, 64, 1, 2)
+    AP(0, 0, 64, 1, 4)
+    AP(1, 2, 64, 1, 2)
+    AP(1, 2, 128, 1, 4)
+    AP(2, 2, 64, 2, 4)
 #undef AP
     if (!g_body) return -1;
     return launch(gx, Hkv, splits, 128);

@@ -166,11 +166,14 @@ def random_tree(T: int, rng) -> list[int]:
     return [-1] + [int(rng.integers(-1, i)) for i in range(1, T)]
 
 
-def make_cache(kind: str, Hkv: int, D: int, S: int, T: int, rng, max_ctx: int | None = None, kind_v=None):
+def make_cache(kind: str, Hkv: int, D: int, S: int, T: int, rng, max_ctx: int | None = None, kind_v=None,
+               ramp: float = 0.0):  # fmt: skip
+    """ramp: key row j scaled by 1 + ramp * j (scores grow along the context)."""
     cache = at.KVCacheLayer(Hkv, D, max_ctx or S + T + 40, kind, kind_v)
     cache.k.fill(0xFF)  # stale NaN bytes past the written rows must not leak into the result
     cache.v.fill(0xFF)
     k = rng.standard_normal((S + T, Hkv, D)).astype(np.float32)
+    k *= (1.0 + ramp * np.arange(S + T, dtype=np.float32))[:, None, None]
     v = rng.standard_normal((S + T, Hkv, D)).astype(np.float32)
     if S:
         cache.store(k[:S], v[:S], 0)
@@ -273,6 +276,41 @@ def test_attention_graph_replay_with_new_length_and_tree() -> None:
                                           vd.astype(np.float64), visible)  # fmt: skip
             assert rel(host(out), ref) < ATTN_TOL, f"S={S}"
             assert cupy.asnumpy(idx).tolist() == np.argmax(cupy.asnumpy(flat), axis=1).tolist()
+
+
+@pytest.mark.parametrize("kinds", [("f16", "f16"), ("q8_0", "tq3_0")])
+@pytest.mark.parametrize("T,S", [(1, 31), (16, 32), (23, 33), (41, 511), (64, 480)])
+def test_attention_verify_widths_graph_splits(kinds, T: int, S: int) -> None:
+    # the splits a graph bucket gets (s_hint 1024 - T: many, most of them empty at these S), S just below / at /
+    # above a 32-key tile boundary, the default block shape and 2 warps per m16 tile
+    rng = np.random.default_rng(T + S)
+    H, Hkv, D = 24, 4, 256
+    cache, _, _ = make_cache(kinds[0], Hkv, D, S, T, rng, max_ctx=1024, kind_v=kinds[1])
+    parents = random_tree(T, rng)
+    q = rng.standard_normal((T, H, D)).astype(np.float16)
+    ref = twin_attention(q, cache, S, T, parents)  # model-domain rows (TQ3_0 decoded and inverse-rotated)
+    mask = cupy.asarray(at.tree_mask(parents))
+    for kw in (None, 2):
+        out = cupy.full((T, H, D), np.nan, cupy.float32)
+        at.attention(cupy.asarray(q), cache, S, mask, s_hint=1024 - T, kw=kw, out=out)
+        assert rel(host(out), ref) < ATTN_TOL, f"kw={kw}"
+
+
+@pytest.mark.parametrize("kinds", [("f16", "f16"), ("q8_0", "tq3_0")])
+def test_attention_growing_scores_bf16_q(kinds) -> None:
+    # keys scaled up along the context: the running max moves by more than 8 (log2) on some tiles and by less on
+    # others (kept: weights up to 2^8); q as bf16 bits
+    rng = np.random.default_rng(3)
+    H, Hkv, D, S, T = 24, 4, 256, 700, 23
+    cache, _, _ = make_cache(kinds[0], Hkv, D, S, T, rng, kind_v=kinds[1], ramp=0.01)
+    parents = random_tree(T, rng)
+    q = rng.standard_normal((T, H, D)).astype(np.float32)
+    bits = ((q.view(np.uint32).astype(np.uint64) + 0x7FFF + ((q.view(np.uint32) >> 16) & 1)) >> 16).astype(np.uint16)
+    qb = (bits.astype(np.uint32) << 16).view(np.float32)
+    ref = twin_attention(qb, cache, S, T, parents)
+    for splits in (None, 3):
+        o = at.attention(cupy.asarray(bits), cache, S, at.tree_mask(parents), splits=splits)
+        assert rel(host(o), ref) < ATTN_TOL, f"splits={splits}"
 
 
 # -- TQ3_0 KV -------------------------------------------------------------------------------------------

@@ -227,9 +227,12 @@ def twin_store(kind: str, raw: np.ndarray, n: int, Hkv: int, D: int) -> kvcache.
 
 
 def run_attention(lib, kv, D: int, tq: int, T: int, G: int, Hkv: int, S: int, parents, splits: int,
-                  rng, gate_f16: bool = False, ti_new: int | None = None):  # fmt: skip
+                  rng, gate_f16: bool = False, ti_new: int | None = None, kw: int | None = None,
+                  k_ramp: float = 0.0):  # fmt: skip
     """kv: one kind code for K and V, or a (K, V) pair. Stores S committed rows (f32 input) and T new rows
-    (f16 input when ti_new is 1), checks the stored bytes, runs attention; returns (y, twin)."""
+    (f16 input when ti_new is 1), checks the stored bytes, runs attention; returns (y, twin). tq: q as f32, f16
+    or bf16 (0, 1, 2); kw: warps per m16 tile (None: the launcher's choice); k_ramp: key row j scaled by
+    1 + k_ramp * j, so later tiles hold larger scores (the running max moves tile after tile)."""
     kk, kv = (kv, kv) if isinstance(kv, int) else kv
     H = G * Hkv
     ctx = 32 * math.ceil((S + T + 5) / 32)
@@ -238,6 +241,7 @@ def run_attention(lib, kv, D: int, tq: int, T: int, G: int, Hkv: int, S: int, pa
     vc = np.full(Hkv * ctx * rbv, 0xFF, np.uint8)
     k_all = rng.standard_normal((S + T, Hkv, D)).astype(np.float32)
     v_all = rng.standard_normal((S + T, Hkv, D)).astype(np.float32)
+    k_all *= (1.0 + k_ramp * np.arange(S + T, dtype=np.float32))[:, None, None]
     if ti_new is None:
         ti_new = 1 if kk == kv == 0 else 0
     if ti_new:
@@ -266,9 +270,9 @@ def run_attention(lib, kv, D: int, tq: int, T: int, G: int, Hkv: int, S: int, pa
             check_tq3_bytes(raw, src, tq3)
 
     q = rng.standard_normal((T, H, D)).astype(np.float32) * 1.5
-    qx = q.astype(np.float16) if tq == 1 else q
+    qx = q.astype(np.float16) if tq == 1 else to_bf16(q) if tq == 2 else q
     mask = attn_mod.tree_mask(parents)
-    gx, kw = attn_mod.grid_rows(H, Hkv, T)
+    gx, kw = attn_mod.grid_rows(H, Hkv, T, kw)
     parts = splits  # the key slices of a split are merged inside its block
     ws_o = np.full((parts, H * T, D), np.nan, np.float32)
     ws_ml = np.full((parts, H * T, 2), np.nan, np.float32)
@@ -289,7 +293,7 @@ def run_attention(lib, kv, D: int, tq: int, T: int, G: int, Hkv: int, S: int, pa
     visible = np.concatenate([np.ones((T, S), bool), layers.ancestor_matrix(np.asarray(parents))], axis=1)
     twin = kvcache.KVCache(twin_store(KV_NAMES[kk], stored(kc, rbk), S + T, Hkv, D),
                            twin_store(KV_NAMES[kv], stored(vc, rbv), S + T, Hkv, D))  # fmt: skip
-    ref = twin.attend(qx.astype(np.float32), S + T, visible).astype(np.float64)
+    ref = twin.attend(decode(qx, tq).astype(np.float32), S + T, visible).astype(np.float64)
     if gate_f16:
         ref = ref * layers.sigmoid(gate[..., D:].astype(np.float64))
     return out.astype(np.float64), ref
@@ -341,6 +345,40 @@ def test_attention_tq3_0(libs, kinds, D, tq, T, G, Hkv, S, tree, splits, ti_new)
     y, ref = run_attention(libs["attention"], kinds, D, tq, T, G, Hkv, S, parents, splits, rng, ti_new=ti_new)
     assert np.isfinite(y).all()
     assert rel(y, ref) < 3e-3  # the twin reads the same TQ3_0 bytes: fp16 q / weights / dequantized K, V
+
+
+WIDTH_KINDS = [(0, 0), (1, 1), (2, 2), (1, 2)]
+# T, S (around the 32-key tile boundaries: the tile holding S is the first to need the tree mask), splits
+WIDTHS = [(1, 31, 2), (16, 32, 3), (23, 33, 2), (41, 63, 2), (64, 64, 3)]
+
+
+@pytest.mark.parametrize("kinds", WIDTH_KINDS)
+@pytest.mark.parametrize("T,S,splits", WIDTHS)
+def test_attention_verify_widths(libs, kinds, T: int, S: int, splits: int) -> None:
+    # every KV kind at the verify widths; G = 1 keeps the simulation short (KW 4, 4, 2, 1, 1 by the m16 tiles)
+    rng = np.random.default_rng(1000 * T + S + 10 * kinds[0] + kinds[1])
+    parents = random_tree(T, rng)
+    y, ref = run_attention(libs["attention"], kinds, 64, 0, T, 1, 1, S, parents, splits, rng)
+    assert np.isfinite(y).all()
+    assert rel(y, ref) < 3e-3
+
+
+@pytest.mark.parametrize("kinds,kw", [((0, 0), 2), ((0, 0), 4), ((1, 2), 2), ((0, 0), 1)])
+def test_attention_block_shapes(libs, kinds, kw: int) -> None:
+    # the launcher's kw override: 23 tokens x 6 heads (9 m16 tiles) in blocks of 1, 2 or 4 m16 tiles
+    rng = np.random.default_rng(50 + kw + kinds[1])
+    y, ref = run_attention(libs["attention"], kinds, 64, 1, 23, 6, 1, 40, random_tree(23, rng), 2, rng, kw=kw)
+    assert rel(y, ref) < 3e-3
+
+
+@pytest.mark.parametrize("kinds,D,tq,ramp", [((0, 0), 128, 0, 0.15), ((1, 2), 128, 1, 0.03), ((2, 2), 64, 2, 0.05)])
+def test_attention_growing_scores(libs, kinds, D: int, tq: int, ramp: float) -> None:
+    # keys scaled up along the context: the running max rises by more than 8 (log2) on some tiles (O rescaled)
+    # and by less on others (kept, weights up to 2^8); q as f32, f16 or bf16
+    rng = np.random.default_rng(77 + D + tq)
+    y, ref = run_attention(libs["attention"], kinds, D, tq, 5, 2, 1, 150, [-1, 0, 1, 1, 3], 2, rng, k_ramp=ramp)
+    assert np.isfinite(y).all()
+    assert rel(y, ref) < 3e-3
 
 
 def test_attention_tq3_0_with_output_gate(libs) -> None:

@@ -1,0 +1,894 @@
+// Grouped-query attention of T new tokens (a verify tree, T <= 64) over a KV cache: split-K ("flash
+// decoding") with online softmax, fp16 tensor-core products, fp32 accumulation.
+// NumPy twin: services/engine/layers.py masked_attention (the KV cache of models/base.py _kv_attention).
+//
+// KV cache layout (per layer, K and V each of its own kind): head-major [Hkv][ctx][D] rows, each row D f16
+// values (kind 0), D/32 GGUF Q8_0 blocks {f16 d; i8 q[32]} of 34 bytes (kind 1) or D/32 TQ3_0 blocks of 14
+// bytes (kind 2, services/engine/quants/tq3.py: rotated domain, 3-bit centroid codes, per-group norm).
+// ctx is a multiple of KT, so a tile of KT rows of one head is one contiguous run of bytes, 16-byte aligned.
+// TQ3_0 K: the kernel rotates each query row once (<Rq, Rk> = <q, k>); TQ3_0 V: the output is a sum of
+// rotated rows and attn_combine_kernel inverse-rotates it once (twin: services/engine/kvcache.py attend).
+// Rows 0..S-1 are the committed context, rows S..S+T-1 the T new tokens (kv_store_kernel writes them).
+// S is read from a device int (s_len[0]) and the tree's ancestor mask from a device array (mask[t] bit u:
+// new token u is visible to new token t), so a captured CUDA graph replays with new lengths and trees.
+//
+// attn_partial_kernel: grid (ceil(MT / MTB), Hkv, splits), MT = ceil(G*T / 16) m16 tiles of query rows
+// (row r = t*G + g reads q head kvh*G + g), block = 4 warps sharing each K/V tile in shared memory, so a
+// KV byte is read from memory once per block (once in all when MT <= 4, i.e. G*T <= 64). KW = 4 / MTB
+// warps work on each m16 tile, each on its own KT/KW keys of every tile with its own softmax state,
+// merged inside the block at the end: decode (MT = 1) thus spreads a tile's 32 keys over 4 warps instead
+// of leaving one warp to do all the work. Split z walks its range of KT-key tiles:
+//  * cp.async (16 bytes, zero-filled past the last valid key) streams tile i+1 while tile i is computed;
+//    f16 rows are stored with their 16-byte chunks XOR-swizzled by (key & 7) (conflict-free fragment
+//    loads); Q8_0 and TQ3_0 tiles are dequantized in shared memory first: K to the same layout, V transposed.
+//  * S = Q K^T (mma m16n8k16, Q pre-scaled by log2(e)/sqrt(D) and held in fp16), mask, online softmax in
+//    the exp2 domain, P (fp16, straight from the S accumulators) x V into fp32 O accumulators.
+// The split's (m, l, O) go to a workspace; attn_combine_kernel merges the splits, normalises, optionally
+// multiplies by sigmoid(gate) (Qwen3.5's output gate) and writes o [T, H, D].
+// Includes no header. Inline PTX (mma.sync, cp.async, cvt) only behind SS_PTX with portable fallbacks
+// (software fp16, warp-shuffle mma emulation, synchronous copies) for HIP and the CPU simulation.
+
+typedef unsigned int u32;
+typedef unsigned short u16;
+typedef unsigned char u8;
+typedef signed char i8;
+typedef unsigned long long u64;
+typedef long long i64;
+
+#if defined(__HIP_PLATFORM_AMD__) || defined(__HIPCC__) || defined(__HIPCC_RTC__)
+#define SS_HIP 1
+#else
+#define SS_HIP 0
+#endif
+
+#if !SS_HIP && defined(__CUDA_ARCH__) && (__CUDA_ARCH__ >= 800) && !defined(SPECSPLIT_PORTABLE)
+#define SS_PTX 1
+#else
+#define SS_PTX 0
+#endif
+
+#define SS_DEV static __device__ __forceinline__
+#define SS_SOFT static __device__ __noinline__
+
+#if SS_HIP
+#define SS_SHFL(v, src) __shfl((v), (src), 32)
+#define SS_SHFL_XOR(v, m) __shfl_xor((v), (m), 32)
+#else
+#define SS_SHFL(v, src) __shfl_sync(0xffffffffu, (v), (src))
+#define SS_SHFL_XOR(v, m) __shfl_xor_sync(0xffffffffu, (v), (m))
+#endif
+
+namespace ssa {
+
+constexpr int KT = 32;     // keys per tile
+constexpr int MAXW = 4;    // warps per block
+constexpr int QPAD = 8;    // halves of padding per Q row in shared memory
+constexpr int MAX_SPLITS = 1024;  // attn_combine_kernel's shared weights
+
+SS_DEV float bits_f(u32 u) { return __uint_as_float(u); }
+SS_DEV u32 f_bits(float f) { return __float_as_uint(f); }
+SS_DEV float neg_inf() { return bits_f(0xFF800000u); }
+
+#if !SS_PTX
+SS_SOFT float h2f_soft(u32 h) {
+    const u32 sign = (h & 0x8000u) << 16, e = (h >> 10) & 0x1Fu, m = h & 0x3FFu;
+    if (e == 0) {
+        const float v = (float)m * 5.9604644775390625e-8f;
+        return sign ? -v : v;
+    }
+    if (e == 31) return bits_f(sign | 0x7F800000u | (m << 13));
+    return bits_f(sign | ((e + 112u) << 23) | (m << 13));
+}
+
+SS_SOFT u32 f2h_soft(float f) {
+    const u32 x = f_bits(f), sign = (x >> 16) & 0x8000u, ax = x & 0x7FFFFFFFu;
+    if (ax > 0x7F800000u) return sign | 0x7E00u;
+    if (ax >= 0x477FF000u) return sign | 0x7C00u;
+    if (ax < 0x38800000u) {
+        if (ax < 0x33000000u) return sign;
+        const u32 e = ax >> 23, m = (ax & 0x7FFFFFu) | 0x800000u, shift = 126u - e;
+        u32 q = m >> shift;
+        const u32 rem = m & ((1u << shift) - 1u), halfway = 1u << (shift - 1u);
+        if (rem > halfway || (rem == halfway && (q & 1u))) ++q;
+        return sign | q;
+    }
+    u32 h = (ax >> 13) - (112u << 10);
+    const u32 rem = ax & 0x1FFFu;
+    if (rem > 0x1000u || (rem == 0x1000u && (h & 1u))) ++h;
+    return sign | h;
+}
+#endif
+
+SS_DEV float h2f(u32 h) {
+#if SS_PTX
+    float f;
+    const u16 hs = (u16)h;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(hs));
+    return f;
+#else
+    return h2f_soft(h & 0xFFFFu);
+#endif
+}
+
+SS_DEV u32 f2h(float f) {
+#if SS_PTX
+    u16 h;
+    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f));
+    return (u32)h;
+#else
+    return f2h_soft(f);
+#endif
+}
+
+SS_DEV u32 pack_f2(float lo, float hi) {  // half2(lo, hi), lo in bits 0-15
+#if SS_PTX
+    u32 r;
+    asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+    return r;
+#else
+    return f2h_soft(lo) | (f2h_soft(hi) << 16);
+#endif
+}
+
+template <int TY>
+SS_DEV float ld(const void* p, i64 i) {
+    if constexpr (TY == 0) return ((const float*)p)[i];
+    if constexpr (TY == 1) return h2f(((const u16*)p)[i]);
+    if constexpr (TY == 2) return bits_f((u32)((const u16*)p)[i] << 16);
+    return 0.0f;
+}
+
+SS_DEV u32 f2bf(float f) {
+    const u32 x = f_bits(f);
+    if ((x & 0x7FFFFFFFu) > 0x7F800000u) return 0x7FC0u;
+    return (x + 0x7FFFu + ((x >> 16) & 1u)) >> 16;
+}
+
+template <int TY>
+SS_DEV void st(void* p, i64 i, float v) {
+    if constexpr (TY == 0) ((float*)p)[i] = v;
+    if constexpr (TY == 1) ((u16*)p)[i] = (u16)f2h(v);
+    if constexpr (TY == 2) ((u16*)p)[i] = (u16)f2bf(v);
+}
+
+// ---------------------------------------------------------------------------------------------
+// mma.m16n8k16 (fp16 in, fp32 accumulate). Fragment layout (PTX ISA), g = lane / 4, t = lane % 4:
+//   a0: A[g][2t..2t+1]  a1: A[g+8][2t..2t+1]  a2: A[g][2t+8..2t+9]  a3: A[g+8][2t+8..2t+9]
+//   b0: B[2t..2t+1][g]  b1: B[2t+8..2t+9][g]   c: D[g][2t], D[g][2t+1], D[g+8][2t], D[g+8][2t+1]
+
+#if !SS_PTX
+SS_SOFT float hdot2_soft(u32 a, u32 b) {
+    return h2f_soft(a & 0xFFFFu) * h2f_soft(b & 0xFFFFu) + h2f_soft(a >> 16) * h2f_soft(b >> 16);
+}
+struct F4 {
+    float v[4];
+};
+SS_SOFT F4 mma16816_soft(F4 c, u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
+    const int lane = (int)(threadIdx.x & 31u);
+    const int g = lane >> 2, t = lane & 3;
+    for (int j = 0; j < 4; ++j) {
+        const u32 ag_lo = SS_SHFL(a0, 4 * g + j), ag_hi = SS_SHFL(a2, 4 * g + j);
+        const u32 ah_lo = SS_SHFL(a1, 4 * g + j), ah_hi = SS_SHFL(a3, 4 * g + j);
+        const u32 bA_lo = SS_SHFL(b0, 8 * t + j), bA_hi = SS_SHFL(b1, 8 * t + j);
+        const u32 bB_lo = SS_SHFL(b0, 8 * t + 4 + j), bB_hi = SS_SHFL(b1, 8 * t + 4 + j);
+        c.v[0] += hdot2_soft(ag_lo, bA_lo) + hdot2_soft(ag_hi, bA_hi);
+        c.v[1] += hdot2_soft(ag_lo, bB_lo) + hdot2_soft(ag_hi, bB_hi);
+        c.v[2] += hdot2_soft(ah_lo, bA_lo) + hdot2_soft(ah_hi, bA_hi);
+        c.v[3] += hdot2_soft(ah_lo, bB_lo) + hdot2_soft(ah_hi, bB_hi);
+    }
+    return c;
+}
+#endif
+
+SS_DEV void mma16816(float (&c)[4], u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
+#if SS_PTX
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 "
+        "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+#else
+    F4 in;
+    for (int i = 0; i < 4; ++i) in.v[i] = c[i];
+    const F4 r = mma16816_soft(in, a0, a1, a2, a3, b0, b1);
+    for (int i = 0; i < 4; ++i) c[i] = r.v[i];
+#endif
+}
+
+// 16-byte global -> shared copy; valid == false writes zeros and reads nothing.
+SS_DEV void cp16(void* smem_dst, const void* gmem_src, bool valid) {
+#if SS_PTX
+    u32 s;
+    asm volatile("{ .reg .u64 a; cvta.to.shared.u64 a, %1; cvt.u32.u64 %0, a; }\n" : "=r"(s) : "l"(smem_dst));
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(s), "l"(gmem_src), "r"(valid ? 16 : 0)
+                 : "memory");
+#else
+    if (valid)
+        *(uint4*)smem_dst = *(const uint4*)gmem_src;
+    else
+        *(uint4*)smem_dst = uint4{0u, 0u, 0u, 0u};
+#endif
+}
+
+SS_DEV void cp_commit() {
+#if SS_PTX
+    asm volatile("cp.async.commit_group;\n" ::: "memory");
+#endif
+}
+
+SS_DEV void cp_wait_prev() {  // all but the most recent group have landed
+#if SS_PTX
+    asm volatile("cp.async.wait_group 1;\n" ::: "memory");
+#endif
+}
+
+// f16 tile [KT][D] with 16-byte chunk c of row `key` stored at chunk c ^ (key & 7).
+template <int D>
+SS_DEV int swz(int key, int d) {
+    return key * D + ((((d >> 3) ^ (key & 7))) << 3) + (d & 7);
+}
+
+// ---------------------------------------------------------------------------------------------
+// TQ3_0 (services/engine/quants/tq3.py): 14-byte blocks {f16 norm; u8 qs[8] (2 low index bits each);
+// u8 signs[4] (the third bit)}, value = centroid[idx] * norm in the rotated domain; rotation groups of
+// 128 values (64 when D = 64): y = D2 H D1 x / sqrt(g). Constants from tq3.py (sign bit set = -1).
+
+SS_DEV float tq3_centroid(u32 idx) {  // Lloyd-Max levels for N(0, 1/128), symmetric
+    const u32 j = idx >= 4u ? idx - 4u : 3u - idx;
+    const float m = j == 0u ? 0.021460f : j == 1u ? 0.065717f : j == 2u ? 0.117832f : 0.190685f;
+    return idx >= 4u ? m : -m;
+}
+
+SS_DEV float tq3_sign1(int i) {
+    const u32 w = i < 32 ? 0xe46a0359u : i < 64 ? 0x42f85949u : i < 96 ? 0xa4c63bbbu : 0x49f250a9u;
+    return (w >> (i & 31)) & 1u ? -1.0f : 1.0f;
+}
+
+SS_DEV float tq3_sign2(int i) {
+    const u32 w = i < 32 ? 0x16acee90u : i < 64 ? 0x3f628fdcu : i < 96 ? 0xb7a5357au : 0xbea56562u;
+    return (w >> (i & 31)) & 1u ? -1.0f : 1.0f;
+}
+
+// 1/sqrt(g) as tq3.py's float32 rotation matrix holds it
+template <int G>
+SS_DEV float tq3_rscale() {
+    return G == 128 ? 0.0883883461f : 0.125f;
+}
+
+// Nearest centroid of a rotated unit-vector coordinate: the count of midpoints <= y (np.searchsorted
+// side="right"); 64-value groups compare against the midpoints scaled by sqrt(2) (tq3._MIDS[64]).
+template <int G>
+SS_DEV u32 tq3_code(float y) {
+    const float a = G == 128 ? 0.043589f : 0.0616441555f;
+    const float b = G == 128 ? 0.091775f : 0.129789457f;
+    const float c = G == 128 ? 0.154259f : 0.218155161f;
+    return (u32)(y >= -c) + (u32)(y >= -b) + (u32)(y >= -a) + (u32)(y >= 0.0f) + (u32)(y >= a) + (u32)(y >= b) +
+           (u32)(y >= c);
+}
+
+SS_DEV u32 byte_perm(u32 x, u32 y, u32 sel) {  // __byte_perm: result byte i = byte (nibble i of sel) of y:x
+#if SS_PTX
+    return __byte_perm(x, y, sel);
+#else
+    const u64 v = (u64)x | ((u64)y << 32);
+    u32 r = 0u;
+    for (int i = 0; i < 4; ++i) r |= (u32)((v >> (8 * ((sel >> (4 * i)) & 7u))) & 0xFFu) << (8 * i);
+    return r;
+#endif
+}
+
+// half2 (centroid[i0], centroid[i1]) from low4 = low2(i0) | low2(i1) << 2 and h2 = hi(i0) | hi(i1) << 1, all in
+// integer ops (no float conversion): |centroid| rank j = low2 ^ (negative ? 3 : 0) picks the fp16 bits of the
+// magnitude from a 4-half table with one byte permute, and the sign bit is ORed in.
+SS_DEV u32 tq3_pair_h2(u32 low4, u32 h2) {
+    const u32 neg = h2 ^ 3u;  // bit set: index < 4, a negative centroid
+    const u32 jj = low4 ^ ((neg & 1u) * 3u | (neg & 2u) * 6u);
+    const u32 sel = ((jj & 3u) | ((jj & 12u) << 6)) * 0x22u + 0x1010u;
+    return byte_perm(0x2c35257eu, 0x321a2f8bu, sel) | ((neg & 1u) << 15) | ((neg & 2u) << 30);
+}
+
+// Quantize one G-value group (src values off .. off + G - 1) into G / 32 blocks at dst (2-byte aligned):
+// norm, unit vector, in-register Walsh-Hadamard butterfly, nearest centroid, corrected norm in f16.
+template <int G, int TI>
+SS_DEV void tq3_quantize_group(const void* src, i64 off, u8* dst) {
+    float y[G];
+    float ss = 0.0f;
+#pragma unroll
+    for (int i = 0; i < G; ++i) {
+        y[i] = ld<TI>(src, off + i);
+        ss += y[i] * y[i];
+    }
+    const float nrm = sqrtf(ss);
+    const float inv = nrm > 1e-10f ? 1.0f / nrm : 0.0f;
+#pragma unroll
+    for (int i = 0; i < G; ++i) y[i] = y[i] * inv * tq3_sign1(i);
+#pragma unroll
+    for (int h = 1; h < G; h *= 2) {
+#pragma unroll
+        for (int i = 0; i < G; ++i) {
+            if (i & h) continue;
+            const float a = y[i], b = y[i + h];
+            y[i] = a + b;
+            y[i + h] = a - b;
+        }
+    }
+    u32 lo[G / 16], hi[G / 32];  // 2 low bits: 16 values a word; the high bit: 32 a word
+#pragma unroll
+    for (int w = 0; w < G / 16; ++w) lo[w] = 0u;
+#pragma unroll
+    for (int w = 0; w < G / 32; ++w) hi[w] = 0u;
+    float r2 = 0.0f;
+#pragma unroll
+    for (int i = 0; i < G; ++i) {
+        const u32 c = tq3_code<G>(y[i] * tq3_sign2(i) * tq3_rscale<G>());
+        const float cv = tq3_centroid(c);
+        r2 += cv * cv;
+        lo[i >> 4] |= (c & 3u) << (2 * (i & 15));
+        hi[i >> 5] |= (c >> 2) << (i & 31);
+    }
+    const float recon = sqrtf(r2);
+    const u32 h = f2h(recon > 1e-10f ? nrm / recon : nrm);
+#pragma unroll
+    for (int b = 0; b < G / 32; ++b) {  // 16-bit stores only (see kv_store_kernel)
+        u16* blk = (u16*)(dst + 14 * b);
+        blk[0] = (u16)h;
+        blk[1] = (u16)(lo[2 * b] & 0xFFFFu);
+        blk[2] = (u16)(lo[2 * b] >> 16);
+        blk[3] = (u16)(lo[2 * b + 1] & 0xFFFFu);
+        blk[4] = (u16)(lo[2 * b + 1] >> 16);
+        blk[5] = (u16)(hi[b] & 0xFFFFu);
+        blk[6] = (u16)(hi[b] >> 16);
+    }
+}
+
+// KV kinds: 0 f16, 1 Q8_0, 2 TQ3_0 (K and V chosen independently).
+template <int KIND, int D>
+struct Row {
+    static constexpr int RB = KIND == 0 ? 2 * D : KIND == 1 ? D / 32 * 34 : D / 32 * 14;  // bytes per row
+    static constexpr int BB = KIND == 1 ? 34 : 14;                                        // bytes per block
+};
+
+template <int KK, int KV, int D>
+struct Layout {
+    static constexpr int RBK = Row<KK, D>::RB, RBV = Row<KV, D>::RB;
+    static constexpr int TK = KT * RBK, TV = KT * RBV;    // bytes of one K, one V tile
+    static constexpr int STAGE = TK + TV;                  // K then V
+    static constexpr int VTS = KT + 8;                     // halves per row of a dequantized (transposed) V tile
+    static constexpr int DEQK = KK == 0 ? 0 : KT * D * 2;  // quantized K: swizzled f16 tile
+    static constexpr int DEQV = KV == 0 ? 0 : D * VTS * 2; // quantized V: transposed f16 tile
+    static constexpr int NG = D % 128 == 0 ? D / 128 : D / 64;  // TQ3_0 rotation groups per row
+    static constexpr int NRMK = KK == 2 ? KT * NG * 4 : 0;     // TQ3_0 K: f32 norm per (key, group)
+    static constexpr int NRMV = KV == 2 ? KT * NG * 4 : 0;
+    static constexpr int USED = 2 * STAGE + DEQK + DEQV + NRMK + NRMV;
+    static constexpr int PARK = (MAXW - 1) * 16 * (D + 2) * 4;  // the key slices' parked partials (KW = 4)
+    static constexpr int WORK = USED > PARK ? USED : PARK;
+    static constexpr int QROW = D + QPAD;                  // halves per Q row
+    static_assert(TK % 16 == 0 && TV % 16 == 0, "tile bytes must be a multiple of 16");
+};
+
+// Decode the KT rows of one Q8_0 / TQ3_0 tile to f16: K swizzled like the f16 cache's tiles (ISV false),
+// V transposed [D][VTS] (a P x V B fragment is then one 32-bit load). Q8_0: the values (rows past n become
+// zeros). TQ3_0: the bare centroids, and the group norms (0 past n) into nrm[key * NG + group]: the kernel
+// applies them in f32 to the partial scores / the softmax weights, so decoding needs no float arithmetic.
+template <int KIND, int D, bool ISV>
+SS_DEV void deq_tile(const u8* raw, u16* out, float* nrm, int key0, int n, int tid, int nthreads) {
+    constexpr int NB = D / 32, RB = Row<KIND, D>::RB, BB = Row<KIND, D>::BB, VTS = KT + 8;
+    constexpr int GR = D % 128 == 0 ? 128 : 64;
+    for (int u = tid; u < KT * NB; u += nthreads) {
+        const int key = u / NB, b = u % NB;
+        const u8* blk = raw + key * RB + BB * b;
+        const bool ok = key0 + key < n;
+        const float dsc = ok ? h2f(*(const u16*)blk) : 0.0f;  // Q8_0 scale or TQ3_0 norm
+        if constexpr (KIND == 2) {
+            if ((32 * b) % GR == 0) nrm[key * (D / GR) + 32 * b / GR] = dsc;
+        }
+        for (int c = 0; c < 4; ++c) {
+            u32 w[4];
+            if constexpr (KIND == 1) {
+                for (int j = 0; j < 4; ++j) {
+                    const u32 pair = ok ? (u32)(*(const u16*)(blk + 2 + 8 * c + 2 * j)) : 0u;
+                    w[j] = pack_f2(dsc * (float)(i8)(pair & 0xFFu), dsc * (float)(i8)(pair >> 8));
+                }
+            } else {  // values 8c .. 8c+7: qs bytes 2c, 2c+1 and signs byte c
+                const u32 lo = *(const u16*)(blk + 2 + 2 * c);
+                const u32 hb = (u32)(*(const u16*)(blk + 10 + 2 * (c >> 1))) >> (8 * (c & 1));
+                for (int j = 0; j < 4; ++j) w[j] = tq3_pair_h2((lo >> (4 * j)) & 15u, (hb >> (2 * j)) & 3u);
+            }
+            if constexpr (!ISV) {
+                *(uint4*)(out + swz<D>(key, 32 * b + 8 * c)) = uint4{w[0], w[1], w[2], w[3]};
+            } else {
+                u16* vtt = out + (32 * b + 8 * c) * VTS + key;
+                for (int j = 0; j < 4; ++j) {
+                    vtt[(2 * j) * VTS] = (u16)(w[j] & 0xFFFFu);
+                    vtt[(2 * j + 1) * VTS] = (u16)(w[j] >> 16);
+                }
+            }
+        }
+    }
+}
+
+}  // namespace ssa
+
+// One store unit of one side: a value (f16), a 32-value block (Q8_0, quantized like ggml's
+// quantize_row_q8_0_ref) or a rotation group (TQ3_0, like tq3.quantize_tq3_0) of row (t, h) -> cache row S + t.
+template <int KIND, int TI>
+SS_DEV void store_unit(const void* src, u8* dst, i64 w, int Hkv, int D, i64 S, i64 ctx) {
+    using namespace ssa;
+    if constexpr (KIND == 0) {
+        const i64 d = w % D, th = w / D, h = th % Hkv, t = th / Hkv;
+        if (S + t >= ctx) return;
+        ((u16*)dst)[(h * ctx + S + t) * D + d] = (u16)f2h(ld<TI>(src, w));
+    } else if constexpr (KIND == 1) {
+        const int nb = D / 32;
+        const i64 b = w % nb, th = w / nb, h = th % Hkv, t = th / Hkv;
+        if (S + t >= ctx) return;
+        float x[32];
+        float amax = 0.0f;
+        for (int i = 0; i < 32; ++i) {
+            x[i] = ld<TI>(src, th * D + b * 32 + i);
+            amax = fmaxf(amax, fabsf(x[i]));
+        }
+        const float d = amax / 127.0f;
+        const float id = d != 0.0f ? 1.0f / d : 0.0f;
+        u8* blk = dst + ((h * ctx + S + t) * nb + b) * 34;
+        // 16-bit stores (blk is 2-byte aligned): on sm_90 a byte store of the inline-asm cvt result lost
+        // its value (seen on an H200: the scale's low byte read back 0), a u16 store of it does not.
+        ((u16*)blk)[0] = (u16)f2h(d);
+        for (int i = 0; i < 32; i += 2) {
+            const u32 q0 = (u32)(u8)(i8)(int)roundf(x[i] * id), q1 = (u32)(u8)(i8)(int)roundf(x[i + 1] * id);
+            ((u16*)blk)[1 + i / 2] = (u16)(q0 | (q1 << 8));
+        }
+    } else {
+        const int G = D % 128 == 0 ? 128 : 64, ng = D / G;
+        const i64 gi = w % ng, th = w / ng, h = th % Hkv, t = th / Hkv;
+        if (S + t >= ctx) return;
+        u8* grp = dst + (h * ctx + S + t) * (D / 32 * 14) + gi * (G / 32 * 14);
+        if (G == 128)
+            tq3_quantize_group<128, TI>(src, th * D + gi * G, grp);
+        else
+            tq3_quantize_group<64, TI>(src, th * D + gi * G, grp);
+    }
+}
+
+template <int KIND>
+SS_DEV i64 store_units_per_row(int D) {
+    return KIND == 0 ? D : KIND == 1 ? D / 32 : D / (D % 128 == 0 ? 128 : 64);
+}
+
+// Write this step's K/V rows (k, v: [T, Hkv, D] of type TI) into cache rows s_len[0] + t, K as kind KK and V
+// as kind KV (0 f16, 1 Q8_0, 2 TQ3_0). Grid-stride over the store units of both sides.
+template <int KK, int KV, int TI>
+__global__ __launch_bounds__(256) void kv_store_kernel(const void* __restrict__ k, const void* __restrict__ v,
+                                                       u8* __restrict__ kc, u8* __restrict__ vc,
+                                                       const int* __restrict__ s_len, int T, int Hkv, int D,
+                                                       i64 ctx) {
+    const i64 S = s_len[0];
+    const i64 per_k = (i64)T * Hkv * store_units_per_row<KK>(D), per_v = (i64)T * Hkv * store_units_per_row<KV>(D);
+    for (i64 u = (i64)blockIdx.x * blockDim.x + threadIdx.x; u < per_k + per_v; u += (i64)gridDim.x * blockDim.x) {
+        if (u < per_k)
+            store_unit<KK, TI>(k, kc, u, Hkv, D, S, ctx);
+        else
+            store_unit<KV, TI>(v, vc, u - per_k, Hkv, D, S, ctx);
+    }
+}
+
+template <int KK, int KV, int D, int TQ, int KW>
+__global__ __launch_bounds__(128) void attn_partial_kernel(
+    const void* __restrict__ q, const u8* __restrict__ kc, const u8* __restrict__ vc, const int* __restrict__ s_len,
+    const u64* __restrict__ mask, int T, int H, int Hkv, i64 ctx, float scale_log2, float* __restrict__ ws_o,
+    float* __restrict__ ws_ml) {
+    using namespace ssa;
+    using L = Layout<KK, KV, D>;
+    extern __shared__ uint4 ssa_smem[];
+    u8* smem = (u8*)ssa_smem;
+    u8* stages = smem;                                        // 2 stages of raw K, V tiles
+    u16* deq_k = (u16*)(smem + 2 * L::STAGE);                 // quantized K: its f16 tile
+    u16* deq_v = (u16*)(smem + 2 * L::STAGE + L::DEQK);       // quantized V: its f16 V^T tile
+    float* nrm_k = (float*)(smem + 2 * L::STAGE + L::DEQK + L::DEQV);  // TQ3_0 K / V: norms [KT][NG]
+    float* nrm_v = (float*)(smem + 2 * L::STAGE + L::DEQK + L::DEQV + L::NRMK);
+    constexpr int NG = L::NG, GR = D / NG;
+    u16* qs_all = (u16*)(smem + L::WORK);                     // Q rows, one m16 tile per MTB
+
+    constexpr int MTB = MAXW / KW;   // m16 tiles per block; KW warps share each, one key slice each
+    constexpr int KPW = KT / KW;     // keys of each tile per warp: 32, 16 or 8
+    constexpr int NTW = KPW / 8;     // n8 score tiles per warp
+    const int nthreads = (int)blockDim.x;
+    const int tid = (int)threadIdx.x, lane = tid & 31, wid = tid >> 5;
+    const int g = lane >> 2, t4 = lane & 3;
+    const int kvh = (int)blockIdx.y, z = (int)blockIdx.z, splits = (int)gridDim.z;
+    const int G = H / Hkv, R = G * T;                // query rows of this KV head
+    const int mtl = wid / KW, ks = wid % KW;         // m16 tile within the block, key slice
+    const int mt = (int)blockIdx.x * MTB + mtl;      // this warp's m16 tile
+    const bool active = mt * 16 < R;
+    const int S = s_len[0], n = S + T;
+    const int ntiles = (n + KT - 1) / KT;
+    const int per = (ntiles + splits - 1) / splits;
+    const int tb = z * per, te = tb + per < ntiles ? tb + per : ntiles;
+
+    // The m16 tile's 16 query rows, pre-scaled, as fp16 (key slice 0 loads them; the first barrier of the
+    // tile loop publishes them to the tile's other warps).
+    u16* qs = qs_all + mtl * 16 * L::QROW;
+    for (int rl = 0; rl < 16 && ks == 0; ++rl) {
+        const int r = mt * 16 + rl;
+        const bool ok = active && r < R;
+        const i64 base = ok ? ((i64)(r / G) * H + kvh * G + r % G) * D : 0;
+        if constexpr (KK == 2) {
+            // TQ3_0 keys stay rotated: rotate the query row instead (<Rq, Rk> = <q, k>). Lane l holds values
+            // l*E .. l*E+E-1; butterfly stages below E run in registers, the others across lanes.
+            constexpr int E = D / 32, GR = D % 128 == 0 ? 128 : 64;
+            float x[E];
+#pragma unroll
+            for (int j = 0; j < E; ++j) {
+                const int d = lane * E + j;
+                x[j] = ok ? ld<TQ>(q, base + d) * tq3_sign1(d % GR) : 0.0f;
+            }
+#pragma unroll
+            for (int h = 1; h < E; h *= 2) {
+#pragma unroll
+                for (int j = 0; j < E; ++j) {
+                    if (j & h) continue;
+                    const float a = x[j], b = x[j + h];
+                    x[j] = a + b;
+                    x[j + h] = a - b;
+                }
+            }
+#pragma unroll
+            for (int m = 1; m * E < GR; m *= 2) {
+#pragma unroll
+                for (int j = 0; j < E; ++j) {
+                    const float p = SS_SHFL_XOR(x[j], m);
+                    x[j] = (lane & m) ? p - x[j] : x[j] + p;
+                }
+            }
+#pragma unroll
+            for (int j = 0; j < E; ++j) {
+                const int d = lane * E + j;
+                const float y = x[j] * tq3_sign2(d % GR) * tq3_rscale<GR>();
+                qs[rl * L::QROW + d] = (u16)(ok ? f2h(y * scale_log2) : 0u);
+            }
+        } else {
+            for (int d = lane; d < D; d += 32)
+                qs[rl * L::QROW + d] = (u16)(ok ? f2h(ld<TQ>(q, base + d) * scale_log2) : 0u);
+        }
+    }
+    // Row state: rows g and g+8 of the tile.
+    int tok[2];
+    bool rok[2];
+    u64 mbits[2];
+    float m_run[2], l_run[2];
+    for (int i = 0; i < 2; ++i) {
+        const int r = mt * 16 + g + 8 * i;
+        rok[i] = active && r < R;
+        tok[i] = rok[i] ? r / G : 0;
+        mbits[i] = rok[i] ? mask[tok[i]] : 0ull;
+        m_run[i] = neg_inf();
+        l_run[i] = 0.0f;
+    }
+    float o[D / 8][4];
+#pragma unroll
+    for (int nd = 0; nd < D / 8; ++nd) o[nd][0] = o[nd][1] = o[nd][2] = o[nd][3] = 0.0f;
+
+    const u8* kbase = kc + (i64)kvh * ctx * L::RBK;
+    const u8* vbase = vc + (i64)kvh * ctx * L::RBV;
+    auto issue = [&](int tile, int stage) {
+        u8* dk = stages + stage * L::STAGE;
+        u8* dv = dk + L::TK;
+        const int nvalid = n - tile * KT;  // > 0 for every tile we load
+        constexpr int CH = (L::TK > L::TV ? L::TK : L::TV) / 16;
+        for (int c = tid; c < CH; c += nthreads) {
+            if (16 * c < L::TK) {
+                int dst = 16 * c;
+                if constexpr (KK == 0) {  // f16: swizzle 16-byte chunks within each row
+                    const int key = c / (L::RBK / 16), ch = c % (L::RBK / 16);
+                    dst = key * L::RBK + 16 * (ch ^ (key & 7));
+                }
+                cp16(dk + dst, kbase + (i64)tile * L::TK + 16 * c, 16 * c < nvalid * L::RBK);
+            }
+            if (16 * c < L::TV) {
+                int dst = 16 * c;
+                if constexpr (KV == 0) {
+                    const int key = c / (L::RBV / 16), ch = c % (L::RBV / 16);
+                    dst = key * L::RBV + 16 * (ch ^ (key & 7));
+                }
+                cp16(dv + dst, vbase + (i64)tile * L::TV + 16 * c, 16 * c < nvalid * L::RBV);
+            }
+        }
+    };
+
+    if (tb < te) issue(tb, 0);
+    cp_commit();
+    for (int it = tb; it < te; ++it) {
+        const int stage = (it - tb) & 1;
+        if (it + 1 < te) issue(it + 1, stage ^ 1);
+        cp_commit();
+        cp_wait_prev();
+        __syncthreads();
+        const int key0 = it * KT;
+        // Q8_0 / TQ3_0 tiles are dequantized to f16 in shared memory (keys past n become zeros: their
+        // bytes may be stale); f16 tiles are used where they landed.
+        const u8* raw = stages + stage * L::STAGE;
+        if constexpr (KK != 0) deq_tile<KK, D, false>(raw, deq_k, nrm_k, key0, n, tid, nthreads);
+        if constexpr (KV != 0) deq_tile<KV, D, true>(raw + L::TK, deq_v, nrm_v, key0, n, tid, nthreads);
+        if constexpr (KK != 0 || KV != 0) __syncthreads();
+        const u16* kt = KK != 0 ? (const u16*)deq_k : (const u16*)raw;
+        const u16* vt = KV != 0 ? (const u16*)deq_v : (const u16*)(raw + L::TK);
+
+        if (active) {
+            const int kw0 = ks * KPW;  // this warp's first key within the tile
+            float s[NTW][4];
+#pragma unroll
+            for (int nt = 0; nt < NTW; ++nt) s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.0f;
+            auto qk = [&](int kk, float(&acc)[NTW][4]) {  // acc += Q[:, 16kk..16kk+15] K^T for this warp's keys
+                const int d0 = 16 * kk + 2 * t4;
+                const u32 a0 = *(const u32*)(qs + g * L::QROW + d0);
+                const u32 a1 = *(const u32*)(qs + (g + 8) * L::QROW + d0);
+                const u32 a2 = *(const u32*)(qs + g * L::QROW + d0 + 8);
+                const u32 a3 = *(const u32*)(qs + (g + 8) * L::QROW + d0 + 8);
+#pragma unroll
+                for (int nt = 0; nt < NTW; ++nt) {
+                    const int key = kw0 + 8 * nt + g;
+                    const u32 b0 = *(const u32*)(kt + swz<D>(key, d0));
+                    const u32 b1 = *(const u32*)(kt + swz<D>(key, d0 + 8));
+                    mma16816(acc[nt], a0, a1, a2, a3, b0, b1);
+                }
+            };
+            if constexpr (KK == 2) {
+                // TQ3_0 K holds bare centroids: score = sum over groups of norm[key][group] * <q_g, c_g>
+#pragma unroll
+                for (int gi = 0; gi < NG; ++gi) {
+                    float sg[NTW][4];
+#pragma unroll
+                    for (int nt = 0; nt < NTW; ++nt) sg[nt][0] = sg[nt][1] = sg[nt][2] = sg[nt][3] = 0.0f;
+#pragma unroll 4
+                    for (int kk = gi * GR / 16; kk < (gi + 1) * GR / 16; ++kk) qk(kk, sg);
+#pragma unroll
+                    for (int nt = 0; nt < NTW; ++nt) {
+                        const int key = kw0 + 8 * nt + 2 * t4;
+                        const float n0 = nrm_k[key * NG + gi], n1 = nrm_k[(key + 1) * NG + gi];
+                        s[nt][0] += n0 * sg[nt][0];
+                        s[nt][1] += n1 * sg[nt][1];
+                        s[nt][2] += n0 * sg[nt][2];
+                        s[nt][3] += n1 * sg[nt][3];
+                    }
+                }
+            } else {
+#pragma unroll 4
+                for (int kk = 0; kk < D / 16; ++kk) qk(kk, s);
+            }
+            // mask, then online softmax (exp2 domain) for rows g (i = 0) and g + 8 (i = 1)
+            float alpha[2];
+#pragma unroll
+            for (int i = 0; i < 2; ++i) {
+                float mx = neg_inf();
+#pragma unroll
+                for (int nt = 0; nt < NTW; ++nt) {
+#pragma unroll
+                    for (int e = 0; e < 2; ++e) {
+                        const int j = key0 + kw0 + 8 * nt + 2 * t4 + e;
+                        const bool vis = rok[i] && (j < S || (j < n && ((mbits[i] >> (j - S)) & 1ull)));
+                        float& sv = s[nt][2 * i + e];
+                        sv = vis ? sv : neg_inf();
+                        mx = fmaxf(mx, sv);
+                    }
+                }
+                mx = fmaxf(mx, SS_SHFL_XOR(mx, 1));
+                mx = fmaxf(mx, SS_SHFL_XOR(mx, 2));
+                const float m_new = fmaxf(m_run[i], mx);
+                const float m_use = m_new == neg_inf() ? 0.0f : m_new;
+                alpha[i] = exp2f(m_run[i] - m_use);
+                m_run[i] = m_new;
+                float sum = 0.0f;
+#pragma unroll
+                for (int nt = 0; nt < NTW; ++nt) {
+#pragma unroll
+                    for (int e = 0; e < 2; ++e) {
+                        float& sv = s[nt][2 * i + e];
+                        sv = exp2f(sv - m_use);
+                        sum += sv;
+                    }
+                }
+                l_run[i] = l_run[i] * alpha[i] + sum;
+            }
+#pragma unroll
+            for (int nd = 0; nd < D / 8; ++nd) {
+                o[nd][0] *= alpha[0];
+                o[nd][1] *= alpha[0];
+                o[nd][2] *= alpha[1];
+                o[nd][3] *= alpha[1];
+            }
+            // P x V, 16 keys per mma; a warp with 8 keys (KW = 4) fills the upper k half with zeros
+#pragma unroll
+            for (int k2 = 0; k2 < (NTW + 1) / 2; ++k2) {
+                constexpr bool HALF = NTW == 1;
+                if constexpr (KV == 2) {
+                    // TQ3_0 V holds bare centroids: scale the weights by each key's group norm instead, one set
+                    // of A fragments per group, each multiplying that group's D / NG output columns.
+                    const int k0 = kw0 + 16 * k2 + 2 * t4;
+                    constexpr int UP = HALF ? 0 : 1;  // a warp with 8 keys has no upper k half
+                    u32 af[NG][4];
+#pragma unroll
+                    for (int gi = 0; gi < NG; ++gi) {
+                        const float na = nrm_v[k0 * NG + gi], nb = nrm_v[(k0 + 1) * NG + gi];
+                        const float nc = HALF ? 0.0f : nrm_v[(k0 + 8) * NG + gi];
+                        const float nd8 = HALF ? 0.0f : nrm_v[(k0 + 9) * NG + gi];
+                        af[gi][0] = pack_f2(s[2 * k2][0] * na, s[2 * k2][1] * nb);
+                        af[gi][1] = pack_f2(s[2 * k2][2] * na, s[2 * k2][3] * nb);
+                        af[gi][2] = HALF ? 0u : pack_f2(s[2 * k2 + UP][0] * nc, s[2 * k2 + UP][1] * nd8);
+                        af[gi][3] = HALF ? 0u : pack_f2(s[2 * k2 + UP][2] * nc, s[2 * k2 + UP][3] * nd8);
+                    }
+#pragma unroll
+                    for (int nd = 0; nd < D / 8; ++nd) {
+                        const int dim = 8 * nd + g, gi = nd / (GR / 8);
+                        const u32 b0 = *(const u32*)(vt + dim * L::VTS + k0);
+                        const u32 b1 = HALF ? 0u : *(const u32*)(vt + dim * L::VTS + k0 + 8);
+                        mma16816(o[nd], af[gi][0], af[gi][1], af[gi][2], af[gi][3], b0, b1);
+                    }
+                } else {
+                    const u32 a0 = pack_f2(s[2 * k2][0], s[2 * k2][1]);
+                    const u32 a1 = pack_f2(s[2 * k2][2], s[2 * k2][3]);
+                    const u32 a2 = HALF ? 0u : pack_f2(s[2 * k2 + 1 - HALF][0], s[2 * k2 + 1 - HALF][1]);
+                    const u32 a3 = HALF ? 0u : pack_f2(s[2 * k2 + 1 - HALF][2], s[2 * k2 + 1 - HALF][3]);
+                    const int k0 = kw0 + 16 * k2 + 2 * t4;
+#pragma unroll
+                    for (int nd = 0; nd < D / 8; ++nd) {
+                        const int dim = 8 * nd + g;
+                        u32 b0, b1;
+                        if constexpr (KV != 0) {
+                            b0 = *(const u32*)(vt + dim * L::VTS + k0);
+                            b1 = HALF ? 0u : *(const u32*)(vt + dim * L::VTS + k0 + 8);
+                        } else {
+                            b0 = (u32)vt[swz<D>(k0, dim)] | ((u32)vt[swz<D>(k0 + 1, dim)] << 16);
+                            b1 = HALF ? 0u : (u32)vt[swz<D>(k0 + 8, dim)] | ((u32)vt[swz<D>(k0 + 9, dim)] << 16);
+                        }
+                        mma16816(o[nd], a0, a1, a2, a3, b0, b1);
+                    }
+                }
+            }
+        }
+        __syncthreads();  // the stage (and the dequantized tile) is rewritten next
+    }
+
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+        l_run[i] += SS_SHFL_XOR(l_run[i], 1);
+        l_run[i] += SS_SHFL_XOR(l_run[i], 2);
+    }
+    if constexpr (KW > 1) {
+        // Merge the KW key slices of each m16 tile inside the block (fewer partials for the combine to read):
+        // slices 1.. park (O, m, l) in the now idle stage buffers, slice 0 folds them into its own.
+        constexpr int PR = D + 2;  // floats per parked row: O[0..D), m, l
+        static_assert(MTB * (KW - 1) * 16 * PR * 4 <= L::WORK, "parked partials exceed the work area");
+        float* park = (float*)smem;
+        if (ks > 0 && active) {
+            float* mine = park + (mtl * (KW - 1) + ks - 1) * 16 * PR;
+#pragma unroll
+            for (int i = 0; i < 2; ++i) {
+                float* rowp = mine + (g + 8 * i) * PR;
+#pragma unroll
+                for (int nd = 0; nd < D / 8; ++nd) {
+                    rowp[8 * nd + 2 * t4] = o[nd][2 * i];
+                    rowp[8 * nd + 2 * t4 + 1] = o[nd][2 * i + 1];
+                }
+                if (t4 == 0) {
+                    rowp[D] = m_run[i];
+                    rowp[D + 1] = l_run[i];
+                }
+            }
+        }
+        __syncthreads();
+        if (ks > 0) return;
+        if (active) {
+            for (int sl = 1; sl < KW; ++sl) {
+                const float* other = park + (mtl * (KW - 1) + sl - 1) * 16 * PR;
+#pragma unroll
+                for (int i = 0; i < 2; ++i) {
+                    const float* rowp = other + (g + 8 * i) * PR;
+                    const float m2 = rowp[D], l2 = rowp[D + 1];
+                    const float mm = fmaxf(m_run[i], m2);
+                    const float mu = mm == neg_inf() ? 0.0f : mm;
+                    const float a = exp2f(m_run[i] - mu), b = exp2f(m2 - mu);
+                    l_run[i] = l_run[i] * a + l2 * b;
+                    m_run[i] = mm;
+#pragma unroll
+                    for (int nd = 0; nd < D / 8; ++nd) {
+                        o[nd][2 * i] = o[nd][2 * i] * a + rowp[8 * nd + 2 * t4] * b;
+                        o[nd][2 * i + 1] = o[nd][2 * i + 1] * a + rowp[8 * nd + 2 * t4 + 1] * b;
+                    }
+                }
+            }
+        }
+    }
+    if (!active) return;
+    const i64 rows_all = (i64)Hkv * R;
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+        if (!rok[i]) continue;
+        const i64 row = (i64)z * rows_all + (i64)kvh * R + mt * 16 + g + 8 * i;
+        if (t4 == 0) {
+            ws_ml[2 * row] = m_run[i];
+            ws_ml[2 * row + 1] = l_run[i];
+        }
+        if (tb < te) {
+            float* dst = ws_o + row * D + 2 * t4;
+#pragma unroll
+            for (int nd = 0; nd < D / 8; ++nd) {
+                dst[8 * nd] = o[nd][2 * i];
+                dst[8 * nd + 1] = o[nd][2 * i + 1];
+            }
+        }
+    }
+}
+
+// o[t, h, d] = sum_z 2^(m_z - M) O_z / sum_z 2^(m_z - M) l_z, inverse-rotated in RG-value groups when V is
+// TQ3_0 (RG = 128 or 64; 0 otherwise), times sigmoid(gate) when gate != null.
+// grid = Hkv * G * T rows (kernel row order), block = D threads; splits <= MAX_SPLITS. The split weights are
+// computed once per block into shared memory, so the O loop has independent loads (several in flight).
+template <int TO, int TG, int RG>
+__global__ __launch_bounds__(256) void attn_combine_kernel(const float* __restrict__ ws_o,
+                                                           const float* __restrict__ ws_ml, int splits, int T,
+                                                           int H, int Hkv, int D, const void* __restrict__ gate,
+                                                           i64 g_tok, i64 g_head, void* __restrict__ out) {
+    using namespace ssa;
+    static __shared__ float wsh[MAX_SPLITS];
+    static __shared__ float red[2][8];
+    const int G = H / Hkv, R = G * T;
+    const i64 row = blockIdx.x;
+    const int kvh = (int)(row / R), r = (int)(row % R), t = r / G, head = kvh * G + r % G;
+    const int d = (int)threadIdx.x, lane = d & 31, wid = d >> 5, nw = (int)(blockDim.x >> 5);
+    const i64 rows_all = (i64)Hkv * R;
+    float mx = neg_inf();
+    for (int z = d; z < splits; z += (int)blockDim.x) {
+        const i64 zr = z * rows_all + row;
+        if (ws_ml[2 * zr + 1] > 0.0f) mx = fmaxf(mx, ws_ml[2 * zr]);
+    }
+    for (int m = 16; m >= 1; m >>= 1) mx = fmaxf(mx, SS_SHFL_XOR(mx, m));
+    if (lane == 0) red[0][wid] = mx;
+    __syncthreads();
+    float M = red[0][0];
+    for (int w = 1; w < nw; ++w) M = fmaxf(M, red[0][w]);
+    float lsum = 0.0f;
+    for (int z = d; z < splits; z += (int)blockDim.x) {
+        const i64 zr = z * rows_all + row;
+        const float l = ws_ml[2 * zr + 1];
+        const float w = l > 0.0f ? exp2f(ws_ml[2 * zr] - M) : 0.0f;
+        wsh[z] = w;
+        lsum += w * l;
+    }
+    for (int m = 16; m >= 1; m >>= 1) lsum += SS_SHFL_XOR(lsum, m);
+    if (lane == 0) red[1][wid] = lsum;
+    __syncthreads();
+    float L = 0.0f;
+    for (int w = 0; w < nw; ++w) L += red[1][w];
+    float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    int z = 0;
+    for (; z + 4 <= splits; z += 4) {
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            const float w = wsh[z + j];  // 0 for splits without keys: their O was never written
+            acc[j] += w != 0.0f ? w * ws_o[((z + j) * rows_all + row) * D + d] : 0.0f;
+        }
+    }
+    for (; z < splits; ++z) {
+        const float w = wsh[z];
+        acc[0] += w != 0.0f ? w * ws_o[(z * rows_all + row) * D + d] : 0.0f;
+    }
+    float v = L > 0.0f ? (acc[0] + acc[1] + acc[2] + acc[3]) / L : 0.0f;
+    if constexpr (RG != 0) {
+        // TQ3_0 V: the row is a weighted sum of rotated V rows; inverse-rotate it once per RG-value group
+        // (x = D1 H D2 y / sqrt(g)), a shared-memory butterfly over the block's D threads.
+        static __shared__ float rot[256];
+        rot[d] = v * tq3_sign2(d % RG);
+        __syncthreads();
+        for (int h = 1; h < RG; h *= 2) {
+            if (!(d & h)) {
+                const float a = rot[d], b = rot[d + h];
+                rot[d] = a + b;
+                rot[d + h] = a - b;
+            }
+            __syncthreads();
+        }
+        v = rot[d] * tq3_sign1(d % RG) * tq3_rscale<RG>();
+    }
+    if (gate != nullptr) v *= 1.0f / (1.0f + expf(-ld<TG>(gate, (i64)t * g_tok + (i64)head * g_head + d)));
+    st<TO>(out, ((i64)t * H + head) * D + d, v);
+}

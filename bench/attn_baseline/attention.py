@@ -1,0 +1,358 @@
+"""GPU attention of a verify tree (T <= 64 new tokens) over an f16, Q8_0 or TQ3_0 KV cache (kernels/attention.cu).
+
+NumPy twin: services.engine.layers.masked_attention over the committed rows plus the new rows, with the
+tree's ancestor mask (services.engine.layers.ancestor_matrix), as models/base.py `_kv_attention` does:
+
+    cache = KVCacheLayer(n_kv_heads=4, head_dim=256, max_ctx=32768, kind="q8_0", kind_v="tq3_0")  # per layer
+    cache.store(k_new, v_new, s_len)            # rows s_len[0] .. s_len[0] + T - 1 (k after norm + RoPE)
+    o = attention(q, cache, s_len, mask)        # q [T, H, D] -> o [T, H, D]; mask = tree_mask(parents)
+
+`s_len` (committed length S, int32 [1]) and `mask` (uint64 [T], bit u of mask[t]: new token u is visible to
+new token t; bit t is always set) are device arrays, so a captured CUDA graph replays with new lengths and
+trees written into them. The number of K splits is fixed when launching (and so when capturing): it is
+chosen from `s_hint` (the largest S the launch should be good for); any S up to the cache size is correct.
+`gate` multiplies the output by sigmoid(gate) (the Qwen3.5 output gate; a strided view of the q|gate
+projection is fine). Precision: q, K, V and the softmax weights enter the tensor cores as fp16 (Q8_0 K/V
+are dequantized to fp16), accumulation is fp32: relative error ~1e-3 against the f64 twin.
+
+K and V kinds are independent (`kind` for K, and for V unless `kind_v` is given). TQ3_0 (the format of
+services/engine/quants/tq3.py; twin of the attention: services/engine/kvcache.py KVCache.attend) rows are
+stored rotated: the attention kernel rotates each query row (TQ3_0 K) and the combine kernel inverse-rotates
+the output once (TQ3_0 V). The store kernel's TQ3_0 blocks equal tq3.quantize_tq3_0's except where a
+rotated value lies within float32 rounding of a centroid midpoint (the butterfly and the twin's matrix
+product round differently), which moves that value one code and its group's norm by a rounding.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+
+from . import loader
+from .norm_rope import NULL, as_device, out_code, type_code
+
+SOURCE = "attention.cu"
+KT = 32  # keys per tile (ssa::KT); cache rows are allocated in multiples of it
+MAXW = 4  # warps per block (ssa::MAXW)
+QPAD = 8  # ssa::QPAD
+MAX_SPLITS = 1024  # ssa::MAX_SPLITS (the combine kernel's shared weights)
+MAX_TOKENS = 64  # the ancestor mask is one uint64 per token
+HEAD_DIMS = (64, 128, 256)
+KINDS = {"f16": 0, "q8_0": 1, "tq3_0": 2}
+
+# TQ3_0 decode constants (services/engine/quants/tq3.py; kernels may not import services): the Lloyd-Max
+# centroids and the rotation's sign vectors as bit masks (bit i set: sign -1), as in attention.cu.
+TQ3_CENTROIDS = np.array([-0.190685, -0.117832, -0.065717, -0.021460,
+                          0.021460, 0.065717, 0.117832, 0.190685], dtype=np.float32)  # fmt: skip
+_TQ3_SIGN_WORDS = ((0xE46A0359, 0x42F85949, 0xA4C63BBB, 0x49F250A9), (0x16ACEE90, 0x3F628FDC, 0xB7A5357A, 0xBEA56562))
+
+_smem_set: set[tuple] = set()
+_sm_count: dict[int, int] = {}
+
+
+def row_bytes(kind: str, head_dim: int) -> int:
+    """Bytes of one cache row (one token, one KV head)."""
+    if kind not in KINDS:
+        raise ValueError(f"KV cache type must be one of {sorted(KINDS)}, not {kind!r}")
+    return 2 * head_dim if kind == "f16" else head_dim // 32 * (34 if kind == "q8_0" else 14)
+
+
+def tq3_group(head_dim: int) -> int:
+    """TQ3_0 rotation group of a head_dim row: 128 values, 64 when head_dim is not a multiple of 128."""
+    return 128 if head_dim % 128 == 0 else 64
+
+
+def _tq3_rotation(g: int) -> np.ndarray:
+    """float64 R = diag(signs2) H diag(signs1) / sqrt(g) (tq3.py's rotation), for host-side decoding."""
+    signs = [np.array([-1.0 if (w >> (i % 32)) & 1 else 1.0 for w in words for i in range(32)])[:g]
+             for words in _TQ3_SIGN_WORDS]  # fmt: skip
+    h = np.ones((1, 1))
+    while h.shape[0] < g:
+        h = np.block([[h, h], [h, -h]])
+    return signs[1][:, None] * h * signs[0][None, :] / np.sqrt(g)
+
+
+def tq3_decode(blocks: np.ndarray, head_dim: int, rotated: bool = False) -> np.ndarray:
+    """(..., head_dim // 32 * 14) uint8 TQ3_0 rows -> (..., head_dim) float32 (rotated=True: as stored)."""
+    b = np.asarray(blocks, dtype=np.uint8)
+    b = b.reshape(*b.shape[:-1], head_dim // 32, 14)
+    norm = np.ascontiguousarray(b[..., :2]).view(np.float16)[..., 0].astype(np.float32)
+    low = (b[..., 2:10, None] >> np.array([0, 2, 4, 6], np.uint8)) & 3
+    high = np.unpackbits(b[..., 10:14], axis=-1, bitorder="little")
+    idx = low.reshape(*b.shape[:-1], 32) | (high << 2)
+    vals = (TQ3_CENTROIDS[idx] * norm[..., None]).reshape(*b.shape[:-2], head_dim)
+    if rotated:
+        return vals
+    g = tq3_group(head_dim)
+    r = _tq3_rotation(g).astype(np.float32)
+    return (vals.reshape(*vals.shape[:-1], head_dim // g, g) @ r).reshape(vals.shape)
+
+
+def _check_kind(kind: str, head_dim: int) -> int:
+    if kind not in KINDS:
+        raise ValueError(f"KV cache type must be one of {sorted(KINDS)}, not {kind!r}")
+    if head_dim not in HEAD_DIMS:
+        raise ValueError(f"head_dim {head_dim} is not supported by the attention kernel (one of {HEAD_DIMS})")
+    return KINDS[kind]
+
+
+def tree_mask(parents: Any) -> np.ndarray:
+    """uint64 [T]: bit u of row t set when new token u is t itself or one of its ancestors (parents[i] < i)."""
+    parents = np.asarray(parents, dtype=np.int64).reshape(-1)
+    T = len(parents)
+    if not 1 <= T <= MAX_TOKENS:
+        raise ValueError(f"a tree has 1..{MAX_TOKENS} tokens, not {T}")
+    bits = np.zeros(T, dtype=np.uint64)
+    for i, p in enumerate(parents):
+        if not -1 <= p < i:
+            raise ValueError("parents must be topologically ordered: -1 <= parents[i] < i")
+        bits[i] = (bits[p] if p >= 0 else np.uint64(0)) | np.uint64(1 << i)
+    return bits
+
+
+def _sm_count_now() -> int:
+    cupy = loader.require()
+    dev = int(cupy.cuda.runtime.getDevice())
+    if dev not in _sm_count:
+        _sm_count[dev] = int(cupy.cuda.Device(dev).attributes["MultiProcessorCount"])
+    return _sm_count[dev]
+
+
+class KVCacheLayer:
+    """One layer's K and V cache on the GPU: head-major [Hkv][ctx][D] rows of f16, GGUF Q8_0 or TQ3_0 blocks.
+
+    `kind` is K's type and V's unless `kind_v` is given. `kind`, `code` and `row_bytes` describe K (they are
+    V's too when both sides agree); `kind_v`, `code_v` and `row_bytes_v` describe V."""
+
+    def __init__(self, n_kv_heads: int, head_dim: int, max_ctx: int, kind: str = "f16", kind_v: str | None = None):
+        cupy = loader.require()
+        kind_v = kind if kind_v is None else kind_v
+        self.code = _check_kind(kind, head_dim)
+        self.code_v = _check_kind(kind_v, head_dim)
+        if n_kv_heads < 1 or max_ctx < 1:
+            raise ValueError(f"need n_kv_heads >= 1 and max_ctx >= 1, not {n_kv_heads}, {max_ctx}")
+        self.kind, self.kind_v, self.n_kv_heads, self.head_dim = kind, kind_v, int(n_kv_heads), int(head_dim)
+        self.max_ctx = int(max_ctx)
+        self.ctx = KT * math.ceil(self.max_ctx / KT)  # whole tiles: the kernel reads KT rows at a time
+        self.row_bytes = row_bytes(kind, head_dim)
+        self.row_bytes_v = row_bytes(kind_v, head_dim)
+        self.k = cupy.zeros(self.n_kv_heads * self.ctx * self.row_bytes, dtype=cupy.uint8)
+        self.v = cupy.zeros(self.n_kv_heads * self.ctx * self.row_bytes_v, dtype=cupy.uint8)
+
+    @property
+    def kind_k(self) -> str:
+        return self.kind
+
+    @property
+    def bytes_per_token(self) -> int:
+        """K + V bytes one token takes over the layer's KV heads."""
+        return self.n_kv_heads * (self.row_bytes + self.row_bytes_v)
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.k.nbytes + self.v.nbytes)
+
+    def store(self, k: Any, v: Any, s_len: Any) -> None:
+        """Write k, v [T, Hkv, D] (f32/f16/bf16) to rows s_len[0] + t (rows past the cache are dropped; check
+        S + T <= max_ctx before the call, the device cannot raise)."""
+        k, v = as_device(k), as_device(v)
+        shape = (int(k.shape[0]), self.n_kv_heads, self.head_dim) if k.ndim == 3 else None
+        if shape is None or tuple(k.shape) != shape or tuple(v.shape) != shape or k.dtype != v.dtype:
+            raise ValueError(f"k, v must both be [T, {self.n_kv_heads}, {self.head_dim}], not "
+                             f"{k.dtype}{tuple(k.shape)} / {v.dtype}{tuple(v.shape)}")  # fmt: skip
+        cupy = loader.require()
+        k, v = cupy.ascontiguousarray(k), cupy.ascontiguousarray(v)
+        ti = type_code(k)
+        T = shape[0]
+        units = T * self.n_kv_heads * sum(_store_units(c, self.head_dim) for c in (self.code, self.code_v))
+        kern = loader.get_function(SOURCE, f"kv_store_kernel<{self.code}, {self.code_v}, {ti}>")
+        kern(
+            (max(1, min((units + 255) // 256, 65535)),),
+            (256,),
+            (k, v, self.k, self.v, _s_len(s_len), np.int32(T), np.int32(self.n_kv_heads), np.int32(self.head_dim),
+             np.int64(self.ctx)),
+        )  # fmt: skip
+
+    def raw_rows(self, n: int) -> tuple[np.ndarray, np.ndarray]:
+        """The first n rows' stored bytes as uint8 NumPy [n, Hkv, row bytes] (K, V): KVStore.data's layout."""
+        out = []
+        for buf, rb in ((self.k, self.row_bytes), (self.v, self.row_bytes_v)):
+            raw = buf.get().reshape(self.n_kv_heads, self.ctx, rb)[:, :n]
+            out.append(np.ascontiguousarray(raw.transpose(1, 0, 2)))
+        return out[0], out[1]
+
+    def rows(self, n: int, rotated: bool = False) -> tuple[np.ndarray, np.ndarray]:
+        """The first n rows as float32 NumPy [n, Hkv, D] (K, V), decoded on the host (for tests and checks).
+        TQ3_0 rows are inverse-rotated to the model's domain unless rotated=True (then: as attention reads them)."""
+        out = []
+        for raw, kind in zip(self.raw_rows(n), (self.kind, self.kind_v)):
+            if kind == "f16":
+                vals = raw.reshape(-1).view(np.float16).astype(np.float32).reshape(n, self.n_kv_heads, self.head_dim)
+            elif kind == "q8_0":
+                blocks = raw.reshape(-1, 34)
+                d = blocks[:, :2].copy().view(np.float16).astype(np.float32)
+                vals = (d * blocks[:, 2:].view(np.int8).astype(np.float32)).reshape(n, self.n_kv_heads, self.head_dim)
+            else:
+                vals = tq3_decode(raw, self.head_dim, rotated=rotated)
+            out.append(vals)
+        return out[0], out[1]
+
+
+def _store_units(code: int, head_dim: int) -> int:
+    """Store-kernel work units per row: values (f16), 32-value blocks (Q8_0) or rotation groups (TQ3_0)."""
+    return head_dim if code == 0 else head_dim // 32 if code == 1 else head_dim // tq3_group(head_dim)
+
+
+def _s_len(s_len: Any) -> Any:
+    cupy = loader.require()
+    if isinstance(s_len, (int, np.integer)):
+        return cupy.asarray([int(s_len)], dtype=cupy.int32)
+    s = cupy.asarray(s_len)
+    if s.dtype != cupy.int32 or s.size < 1:
+        raise ValueError("s_len must be a device int32 array holding S (or a Python int)")
+    return s
+
+
+def _mask(mask: Any, T: int) -> Any:
+    cupy = loader.require()
+    m = cupy.asarray(mask)
+    if m.dtype != cupy.uint64 or m.shape != (T,):
+        raise ValueError(f"mask must be uint64 [{T}] (see tree_mask), not {m.dtype}{tuple(m.shape)}")
+    return cupy.ascontiguousarray(m)
+
+
+def grid_rows(n_head: int, n_kv_heads: int, tokens: int) -> tuple[int, int]:
+    """(blocks along x, KW warps per m16 tile) for T tokens: G*T query rows in MT m16 tiles; a block of
+    MAXW warps takes MAXW / KW tiles, its KW warps per tile each take 1/KW of the keys."""
+    m_tiles = math.ceil(n_head // n_kv_heads * tokens / 16)
+    kw = 4 if m_tiles == 1 else 2 if m_tiles == 2 else 1
+    return math.ceil(m_tiles / (MAXW // kw)), kw
+
+
+def choose_splits(n_head: int, n_kv_heads: int, head_dim: int, tokens: int, s_hint: int, kind: str = "f16",
+                  kind_v: str | None = None) -> int:  # fmt: skip
+    """K splits: about 3 blocks per SM with KW = 4 (decode: short blocks), 2 otherwise; >= 2 key tiles per
+    split; a workspace (the splits' partial outputs, written and read once) at most half the K/V bytes as f16
+    (what the blocks process: a quantized tile is decoded to f16 in shared memory, which for TQ3_0 costs more
+    than reading it, so its splits are not cut to its 4.6x smaller bytes)."""
+    gx, kw = grid_rows(n_head, n_kv_heads, tokens)
+    tiles = math.ceil((s_hint + tokens) / KT)
+    want = math.ceil((3 if kw == 4 else 2) * _sm_count_now() / (gx * n_kv_heads))
+    for k in (kind, kind_v):
+        if k is not None:
+            row_bytes(k, head_dim)  # a clear error for an unknown kind
+    kv_bytes = 2 * n_kv_heads * (s_hint + tokens) * row_bytes("f16", head_dim)
+    ws_per_split = n_head * tokens * head_dim * 4
+    cap = max(1, min(tiles // 2, kv_bytes // (2 * ws_per_split), MAX_SPLITS))
+    return max(1, min(want, cap))
+
+
+def smem_bytes(kind: str, head_dim: int, kw: int, kind_v: str | None = None) -> int:
+    """Dynamic shared memory of attn_partial_kernel (ssa::Layout): 2 stages of K + V tiles, the f16 tiles of
+    the quantized sides (K swizzled, V^T) and TQ3_0 group norms, or the parked key-slice partials if larger;
+    then the Q rows."""
+    kind_v = kind if kind_v is None else kind_v
+    stage = KT * (row_bytes(kind, head_dim) + row_bytes(kind_v, head_dim))
+    deq = (0 if kind == "f16" else KT * head_dim * 2) + (0 if kind_v == "f16" else head_dim * (KT + 8) * 2)
+    deq += KT * (head_dim // tq3_group(head_dim)) * 4 * [kind, kind_v].count("tq3_0")  # TQ3_0 group norms
+    park = (MAXW - 1) * 16 * (head_dim + 2) * 4
+    return max(2 * stage + deq, park) + MAXW // kw * 16 * (head_dim + QPAD) * 2
+
+
+def make_workspace(n_head: int, tokens: int, head_dim: int, splits: int) -> tuple[Any, Any]:
+    """The partial-output buffers for `splits` (allocate once before capturing a graph)."""
+    cupy = loader.require()
+    return (cupy.empty((splits, n_head * tokens, head_dim), dtype=cupy.float32),
+            cupy.empty((splits, n_head * tokens, 2), dtype=cupy.float32))  # fmt: skip
+
+
+def attention(
+    q: Any,
+    cache: KVCacheLayer,
+    s_len: Any,
+    mask: Any,
+    *,
+    splits: int | None = None,
+    s_hint: int | None = None,
+    gate: Any = None,
+    out_dtype: Any = np.float32,
+    out: Any = None,
+    workspace: tuple[Any, Any] | None = None,
+    portable: bool = False,
+) -> Any:
+    """o [T, H, D] = softmax(q K^T / sqrt(D) + mask) V over cache rows [0, S + T), times sigmoid(gate) if given.
+
+    q: [T, H, D] f32/f16/bf16 (T <= 64, H a multiple of the cache's KV heads); s_len: device int32 [1] or an
+    int; mask: uint64 [T] (tree_mask). splits: K splits (None: choose_splits from s_hint, default S when
+    s_len is an int, else the cache size). workspace: make_workspace(H, T, D, splits) to reuse buffers."""
+    cupy = loader.require()
+    q = cupy.ascontiguousarray(as_device(q))
+    if q.ndim != 3:
+        raise ValueError(f"q must be [tokens, heads, head_dim], not shape {tuple(q.shape)}")
+    T, H, D = (int(s) for s in q.shape)
+    Hkv = cache.n_kv_heads
+    if D != cache.head_dim or H % Hkv:
+        raise ValueError(f"q {tuple(q.shape)} does not fit a cache of {Hkv} KV heads of dim {cache.head_dim}")
+    if not 1 <= T <= MAX_TOKENS:
+        raise ValueError(f"attention takes 1..{MAX_TOKENS} new tokens, not {T}")
+    if isinstance(s_len, (int, np.integer)) and int(s_len) + T > cache.max_ctx:
+        raise ValueError(f"S + T = {int(s_len) + T} rows exceed the cache's {cache.max_ctx}")
+    if s_hint is None:
+        s_hint = int(s_len) if isinstance(s_len, (int, np.integer)) else cache.max_ctx - T
+    s_dev = _s_len(s_len)
+    m_dev = _mask(mask, T)
+    tq = type_code(q)
+    to, odt = out_code(out_dtype, 0)
+    if splits is None:
+        splits = choose_splits(H, Hkv, D, T, max(0, int(s_hint)), cache.kind, cache.kind_v)
+    splits = int(splits)
+    if not 1 <= splits <= MAX_SPLITS:
+        raise ValueError(f"splits must be in 1..{MAX_SPLITS}, not {splits}")
+    gx, kw = grid_rows(H, Hkv, T)
+    if workspace is None:
+        workspace = make_workspace(H, T, D, splits)
+    ws_o, ws_ml = workspace
+    if ws_o.shape != (splits, H * T, D) or ws_ml.shape != (splits, H * T, 2):
+        raise ValueError(f"workspace does not fit {splits} splits of {H * T} rows (make_workspace)")
+    if out is None:
+        out = cupy.empty((T, H, D), dtype=odt)
+    elif out.dtype != odt or tuple(out.shape) != (T, H, D) or not out.flags.c_contiguous:
+        raise ValueError(f"out must be a contiguous {np.dtype(odt)} array of shape {(T, H, D)}")
+
+    defines = ("SPECSPLIT_PORTABLE",) if portable else ()
+    kern = loader.get_function(SOURCE, f"attn_partial_kernel<{cache.code}, {cache.code_v}, {D}, {tq}, {kw}>", defines)
+    smem = smem_bytes(cache.kind, D, kw, cache.kind_v)
+    key = (cache.code, cache.code_v, D, tq, kw, defines, int(cupy.cuda.runtime.getDevice()))
+    if smem > 48 * 1024 and key not in _smem_set:
+        kern.max_dynamic_shared_size_bytes = smem
+        _smem_set.add(key)
+    scale_log2 = np.float32(1.0 / math.sqrt(D) / math.log(2.0))
+    kern(
+        (gx, Hkv, splits),
+        (32 * MAXW,),
+        (q, cache.k, cache.v, s_dev, m_dev, np.int32(T), np.int32(H), np.int32(Hkv), np.int64(cache.ctx), scale_log2,
+         ws_o, ws_ml),
+        shared_mem=smem,
+    )  # fmt: skip
+
+    if gate is not None:
+        gate = as_device(gate)
+        if tuple(gate.shape) != (T, H, D):
+            raise ValueError(f"gate must be [T, H, D] = {(T, H, D)}, not {tuple(gate.shape)}")
+        gi = gate.dtype.itemsize
+        if gate.strides[2] != gi or gate.strides[0] % gi or gate.strides[1] % gi:
+            gate = cupy.ascontiguousarray(gate)
+        tg, g_tok, g_head = type_code(gate), gate.strides[0] // gi, gate.strides[1] // gi
+    else:
+        tg, g_tok, g_head = 0, 0, 0
+    rg = tq3_group(D) if cache.kind_v == "tq3_0" else 0  # TQ3_0 V: the combine inverse-rotates the output
+    comb = loader.get_function(SOURCE, f"attn_combine_kernel<{to}, {tg}, {rg}>", defines)
+    comb(
+        (H * T,),
+        (D,),
+        (ws_o, ws_ml, np.int32(splits), np.int32(T), np.int32(H), np.int32(Hkv), np.int32(D),
+         gate if gate is not None else NULL, np.int64(g_tok), np.int64(g_head), out),
+    )  # fmt: skip
+    return out
