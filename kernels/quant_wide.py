@@ -29,10 +29,10 @@ SMEM_PER_SM = 228 * 1024
 BARRIER_BYTES = 16  # per stage: the full and empty mbarriers
 
 # Narrowest width for which QuantMatrix.matmul takes this kernel instead of v2, per storage type (gemv keeps the
-# widths up to quant_gemv.CROSSOVER). ESTIMATE, not measured yet: from 9 tokens (two token tiles), where v2's per-warp
-# x reads start to cost (v2 is flat from 1 to 8 tokens on every 27B matrix and rises from 16); bench/roofline.py
-# --kernels gemv,v2,wide gives the numbers to set it from.
-CROSSOVER = {1: 9, 8: 9, 12: 9, 14: 9}  # F16, Q8_0, Q4_K, Q6_K
+# widths up to quant_gemv.CROSSOVER). H100, 2026-11-26 (bench/gpu_wide_check.sh, default launch shape): on the 27B
+# ffn matrices v2 is as fast or faster up to 23 tokens (Q4_K ffn_up 34.4 vs 37.9 us at 23) and the wide kernel
+# wins from 32 (41 vs 54 us; 41 tokens 47 vs 83, 64 tokens 56 vs 145); 5120x6144 matrices keep v2 at 23 too.
+CROSSOVER = {1: 25, 8: 25, 12: 25, 14: 25}  # F16, Q8_0, Q4_K, Q6_K  # F16, Q8_0, Q4_K, Q6_K
 # Default launch shape (choose_config): m16 tiles per warp, warps per block, copy stages; the first that fits in
 # shared memory of (M_TILES, warps in WARP_CHOICES, stages in STAGE_CHOICES). ESTIMATE until the sweep: 8 warps x 2
 # tiles = 256 rows per block keeps x's L2 reads below the weight bytes up to 64 tokens (2 TPAD / (256 bytes per
