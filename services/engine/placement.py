@@ -103,7 +103,6 @@ def reserve_serving(model: Any, drafter: Any, slots: int, max_ctx: int, budget: 
         return width
     from .models.qwen35_gpu import graph_arena
 
-    model.release_cached_memory()      # the weights' upload temporaries, cached by CuPy's pool: back to the device
     model.max_tree = width
     gpu_drafter = drafter if hasattr(drafter, "reserve_sessions") else None
     if gpu_drafter is not None:
@@ -114,4 +113,7 @@ def reserve_serving(model: Any, drafter: Any, slots: int, max_ctx: int, budget: 
                                  mp.drafter_shape_of(gpu_drafter.cfg) if gpu_drafter is not None else None,
                                  mp.device_sms(parse_device(device)))
     graph_arena(model.be.xp).reserve(arena, exact=True)
+    # what CuPy's pool cached meanwhile (the weights' upload temporaries, the arena the model reserved when it
+    # loaded): back to the device
+    model.release_cached_memory()
     return width
