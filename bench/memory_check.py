@@ -153,6 +153,23 @@ def _widths(model: Any, widths: list[int], capture: list[int], meter: Meter, rng
         model.release_state(state)
 
 
+def _node_counts(states: list[Any], sessions: list[Any]) -> dict[str, Any]:
+    """Kernel nodes of the graphs alive at the end (bench/step_launches.graph_nodes: the driver's count)."""
+    try:
+        sys.path.insert(0, os.path.join(ROOT, "bench"))
+        from step_launches import graph_nodes as count
+    except Exception as e:  # noqa: BLE001 - a report without node counts
+        return {"error": f"{type(e).__name__}: {e}"}
+    try:
+        step = [count(g.graph)["total"] for st in states for g in st.graphs.values() if g is not None]
+        commit = [count(g)["total"] for st in states for g in st.commit_graphs.values()]
+        draft = [count(g.graph)["total"] for s in sessions for g in s.graphs.values()]
+    except Exception as e:  # noqa: BLE001
+        return {"error": f"{type(e).__name__}: {e}"}
+    return {"step_max": max(step, default=0), "commit_max": max(commit, default=0), "draft_max": max(draft, default=0),
+            "total": sum(step) + sum(commit) + sum(draft)}
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     src = ap.add_mutually_exclusive_group(required=True)
@@ -238,6 +255,7 @@ def main(argv: list[str] | None = None) -> int:
 
     states = list(model._state_pool)
     sessions = list(getattr(drafter, "_pool", []) or [])
+    nodes = _node_counts(states, sessions)
     graphs_new = (end["step_graphs"] + end["commit_graphs"] + end.get("draft_graphs", 0)
                   - reserved["step_graphs"] - reserved["commit_graphs"] - reserved.get("draft_graphs", 0))
     outside_growth = end["outside_pool"] - reserved["outside_pool"]
@@ -263,7 +281,9 @@ def main(argv: list[str] | None = None) -> int:
         "planned_pool_resident": pool_resident,
         "outside_pool": {"max": meter.max["outside_pool"], "after_reserve": reserved["outside_pool"],
                          "planned": outside_planned, "new_graphs": graphs_new,
-                         "bytes_per_graph": outside_growth / graphs_new if graphs_new else None},
+                         "bytes_per_graph": outside_growth / graphs_new if graphs_new else None,
+                         "bytes_per_node": outside_growth / nodes["total"] if nodes.get("total") else None},
+        "graph_nodes": nodes,
         "graphs": {"step": end["step_graphs"], "commit": end["commit_graphs"], "draft": end.get("draft_graphs", 0),
                    "step_max_per_state": meter.max.get("step_graphs_max", 0)},
         "graph_stats": dict(model.graph_stats), "pool_stats": dict(model.pool_stats),
@@ -279,7 +299,7 @@ def main(argv: list[str] | None = None) -> int:
         with open(args.json, "w") as f:
             json.dump(rep, f, indent=1, default=str)
 
-    nodes = mp.graph_nodes(cfg, mp.drafter_shape_of(drafter.cfg) if hasattr(drafter, "_pool") else None)
+    planned_nodes = mp.graph_nodes(cfg, mp.drafter_shape_of(drafter.cfg) if hasattr(drafter, "_pool") else None)
     print(f"\n{os.path.basename(target_path)}: width {width}, slots {args.slots}, ctx {plan.settings.max_ctx}, "
           f"KV {kv_k}/{kv_v}; {tokens} tokens in {args.requests} requests ({req_s:.1f} s), widths "
           f"{widths[0] if widths else '-'}..{widths[-1] if widths else '-'} ({widths_s:.1f} s); graphs "
@@ -297,10 +317,12 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{'':42} {'planned':>14} {'measured':>14}  ok")
     for name, p, m in rows:
         print(f"{name:42} {_gib(p):>14} {_gib(m):>14}  {'yes' if m <= p else 'NO'}")
-    per = rep["outside_pool"]["bytes_per_graph"]
-    print(f"graphs: {rep['graphs']} (nodes planned per step / commit / pass: {nodes}); outside-pool growth per new "
-          f"graph {_gib(per) if per is not None else '-'} (planned per step graph "
-          f"{_gib(nodes[0] * mp.GRAPH_NODE_BYTES)}); arena grown while serving: {rep['arena']['grown_while_serving']}")
+    per, per_node = rep["outside_pool"]["bytes_per_graph"], rep["outside_pool"]["bytes_per_node"]
+    print(f"graphs alive: {rep['graphs']}; kernel nodes, most per step / commit / pass: measured "
+          f"{nodes.get('step_max')} / {nodes.get('commit_max')} / {nodes.get('draft_max')}, planned {planned_nodes}; "
+          f"outside-pool growth per graph {_gib(per) if per is not None else '-'}, per node "
+          f"{f'{per_node / 1024:.1f} KiB' if per_node is not None else '-'} (planned {mp.GRAPH_NODE_BYTES >> 10} KiB); "
+          f"arena grown while serving: {rep['arena']['grown_while_serving']}")
     ok = (rep["states"]["bytes_each"] == st_planned and rep["sessions"]["bytes_each"] == ses_planned
           and rep["arena"]["grown_while_serving"] == 0 and rep["pool"]["max_total"] <= pool_resident)
     print("within the plan" if ok else "NOT within the plan")
