@@ -386,6 +386,25 @@ def split_scratch(tiles: int, part_floats: int) -> tuple[Any, Any]:
     return sc.part, sc.counters
 
 
+def split_scratch_bytes() -> int:
+    """Device bytes held by split-K scratch buffers (current and outgrown) on every device and stream."""
+    return sum(4 * (sc.part.size + sc.counters.size) for sc in (*_scratch.values(), *_retired))
+
+
+def split_scratch_bound(sms: int, streams: int) -> int:
+    """Most device bytes split-K scratch can take on one device whose launches go to `streams` streams: 0 while
+    SPLIT_UP_TO dispatches no type. choose_split keeps tiles x splits within SPLIT_WAVES waves of at most 32 blocks
+    per SM, with at most max(SPLIT_WARPS) warps of TILE_ROWS rows each per block; a launch takes at most the widest
+    SPLIT_UP_TO tokens; counters are one per tile. Growth doubles, and outgrown buffers are kept (graphs hold their
+    addresses), so a stream holds under 4x the largest launch's need."""
+    if not SPLIT_UP_TO:
+        return 0
+    blocks = int(SPLIT_WAVES * sms * 32)
+    part = blocks * max(SPLIT_WARPS) * TILE_ROWS * max(SPLIT_UP_TO.values())
+    first = (1 << 19) + (1 << 14)        # split_scratch's first allocation (floats + counters)
+    return streams * 4 * 4 * max(part + blocks, first)
+
+
 def _launch_split(W: Any, packed: Any, out: Any, accumulate: bool, splits: int, kw: int, portable: bool) -> Any:
     n_out, k = W.shape
     tokens = packed.tokens

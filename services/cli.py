@@ -86,21 +86,31 @@ def cmd_generate(args: argparse.Namespace) -> int:
         prompt_ids = tok.encode(text)
     params = resolve_sampling({k: getattr(args, k) for k in SAMPLING_OPTIONS}, target.sampling_defaults)
     stop = sorted(tok.eos_ids) if tok is not None and not args.ignore_eos else []
+    from .engine.memory_plan import serving_width
+
     if args.draft:
         from .engine.speculative import AUTO_MAX_BUDGET, SpecConfig, speculative_generate
 
-        proposer = load_drafter_on(args.draft, target.model, args.draft_device).new_proposer()
-        if args.chain or args.budget is None:
+        loaded = load_drafter_on(args.draft, target.model, args.draft_device)
+        proposer = loaded.new_proposer()
+        chain = args.chain or args.budget is None
+        budget = None if chain else (AUTO_MAX_BUDGET if args.budget == "auto" else args.budget)
+        width = serving_width(True, budget, loaded.drafter.block_size, "cuda" if gpu else "numpy")
+        if gpu:
+            target.model.max_tree = width          # the widest verify the memory plan counted
+        if chain:
             spec = SpecConfig(budget=None)
         elif args.budget == "auto":
             from .engine.budget import BudgetTuner
 
-            spec = SpecConfig.auto(BudgetTuner.measure(target.model, AUTO_MAX_BUDGET))
+            spec = SpecConfig.auto(BudgetTuner.measure(target.model, min(AUTO_MAX_BUDGET, width - 1)))
         else:
             spec = SpecConfig(budget=args.budget)
         res = speculative_generate(target.model, proposer, prompt_ids, args.max_tokens, params, spec,
                                    stop_ids=stop, max_ctx=args.max_ctx)
     else:
+        if gpu:
+            target.model.max_tree = serving_width(False, None, 1, "cuda")
         res = generate(target.model, prompt_ids, args.max_tokens, params, stop_ids=stop, max_ctx=args.max_ctx)
     out_ids = res.token_ids
     text_ids = out_ids[:-1] if res.finish_reason == "stop" else out_ids

@@ -86,3 +86,34 @@ def test_gpu_verifier_keeps_serving_after_bad_input(gpu_verifier, cpu_target):
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     got, last, _ = gpu_verifier.generate(prompt_ids=[5, 6, 7], max_tokens=8, speculative=True)
     assert len(got) == 8 and last.finish_reason == pb.FINISH_REASON_LENGTH
+
+
+@needs_gpu
+def test_gpu_verifier_out_of_memory_mid_request_fails_alone(tmp_path, cpu_target):
+    """An allocation failure injected into the third forward pass of a served request (SPECSPLIT_INJECT_OOM) on a
+    GPU verifier: RESOURCE_EXHAUSTED for that request after its first two tokens, the next requests (plain and
+    speculative, one slot, no queue) succeed with the same tokens as before, and CUDA graphs stay on."""
+    import grpc
+
+    gguf, drafter = _pair()
+    p = VerifierProcess(tmp_path / "v.sock", ["--model", gguf, "--draft", drafter, "--device", "cuda:0", "--slots", "1",
+                                              "--max-queue", "0", "--cache-type-k", "f16", "--cache-type-v", "f16"],
+                        env={"SPECSPLIT_INJECT_OOM": "forward:3"})
+    try:
+        ids = cpu_target.tokenizer.encode("def add(a, b):\n")
+        want = generate(cpu_target.model, ids, 16, resolve_sampling({}, cpu_target.sampling_defaults)).token_ids
+        got: list[int] = []
+        with pytest.raises(grpc.RpcError) as e:
+            for chunk in p.stub.Generate(pb.GenerateRequest(prompt_ids=ids, max_tokens=16, speculative=False),
+                                         timeout=120):
+                got += list(chunk.token_ids)
+        assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "out of memory on cuda:0 after 2 generated tokens" in e.value.details()
+        assert got == want[:2]
+        for speculative in (False, True):
+            again, _, _ = p.generate(prompt_ids=ids, max_tokens=16, speculative=speculative)
+            assert again == want
+    finally:
+        p.stop()
+    log = p.log.read_text()
+    assert "ran out of memory on cuda:0" in log and "CUDA graphs off" not in log

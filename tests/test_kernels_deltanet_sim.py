@@ -593,7 +593,8 @@ class SimCupy:
 
     float32, float16, int32, uint16, uint8, uint64 = np.float32, np.float16, np.int32, np.uint16, np.uint8, np.uint64
     ndarray = SimArray
-    cuda = SimpleNamespace(runtime=SimpleNamespace(getDevice=lambda: 0), alloc_pinned_memory=bytearray)
+    cuda = SimpleNamespace(runtime=SimpleNamespace(getDevice=lambda: 0), alloc_pinned_memory=bytearray,
+                           Device=lambda *a: SimpleNamespace(id=0))
 
     def zeros(self, shape, dtype=np.float32) -> SimArray:
         a = self.empty(shape, dtype)
@@ -800,7 +801,7 @@ def test_gpu_model_deltanet_steps_and_commits_match_the_numpy_engine(xp, monkeyp
     cd = 2 * kd + Hv * dv
     cfg = SimpleNamespace(recurrent_layers=[True] * L, ssm_n_k_heads=Hk, ssm_n_v_heads=Hv, ssm_head_k_dim=dk,
                           ssm_head_v_dim=dv, ssm_conv_kernel=KW, ssm_conv_dim=cd, ssm_key_dim=kd, rms_eps=1e-6,
-                          n_embd=n_embd, n_head_kv=1, head_dim=64)  # fmt: skip
+                          n_embd=n_embd, n_head_kv=1, head_dim=64, n_vocab=32)  # fmt: skip
     weights = []
     for _ in range(L):
         weights.append(dict(ssm_in=(rng.standard_normal((n_embd, cd + Hv * dv + 2 * Hv)) * 0.3).astype(np.float32),

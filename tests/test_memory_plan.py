@@ -20,8 +20,8 @@ def q27():
     sh = S.get_shape("qwen3.6-27b")
     w = M.WeightBytes.of({s.name: s for s in S.target_tensors(sh.target)})
     d = sh.drafter
-    ds = M.DrafterShape(d.n_layer, d.n_embd, d.n_ff, d.n_head, d.n_head_kv, d.head_dim, d.block_size,
-                        d.n_features, M.WeightBytes.of({s.name: s for s in S.drafter_tensors(d)}))
+    ds = M.drafter_shape_of(d, M.WeightBytes.of({s.name: s for s in S.drafter_tensors(d)}))
+    assert (ds.n_layer, ds.block_size, ds.n_features, ds.sliding_window, ds.n_causal) == (5, 16, 25600, 2048, 4)
     return sh.target, w, ds
 
 
@@ -53,42 +53,91 @@ def test_kv_bytes_per_token_by_hand(q27):
 
 
 def test_27b_items_by_hand(q27):
+    """The GPU plan of Qwen3.6-27B Q4_K_M, item by item, as the GPU engine allocates (per slot: a pooled state and a
+    drafter session of the whole context; per device: one graph arena, the eager scratch, a request's copies)."""
     plan = _plan(q27, budget=22, cache_type_k="q8_0", cache_type_v="tq3_0")
     d = plan.devices[0]
     assert plan.width == 23
-    assert d.get("target weights") == 16_536_406_016                # stored Q4_K_M bytes on the GPU
-    # GPU: no per-node states (a commit replays the path), a chain step's final state, and per node its conv
-    # output row + g, beta for the 65 rows a GPU state allocates whatever the budget
-    assert d.get("recurrent state") == 2 * 48 * STATE_27B
+    # stored Q4_K_M bytes on the GPU, plus the matmul kernel's 1 KiB read slack after each of the 497 matrices
+    # (token_embd and the vectors / conv taps are not matrices; no row count needs padding to 16)
+    assert d.get("target weights") == 16_536_406_016 + 497 * 1024
+    assert d.get("KV cache") == 262144 * 16 * 4 * (272 + 112)        # q8_0 / tq3_0 rows of 256 values
+    assert d.get("recurrent state") == 2 * 48 * STATE_27B            # committed + a chain's final state
+    # no per-node states on the GPU (a commit replays the accepted path): per node its conv output row + g, beta
     assert d.get("recurrent checkpoints") == 0
-    assert d.get("recurrent replay inputs") == 48 * 65 * (10240 + 2 * 48) * 4 == 128_993_280
-    assert d.get("conv windows") == 48 * (3 + 65) * 10240 * 4
-    assert d.get("logits") == 2 * 23 * 248320 * 4
-    assert d.get("drafter weights") == 1_838_535_680
-    assert d.get("drafter context cache") == 262144 * 5 * 2 * 8 * 128 * 2   # f16 K and V, every layer
+    assert d.get("recurrent replay inputs") == 48 * 23 * (10240 + 2 * 48) * 4 + 23 * 4
+    assert d.get("conv windows") == 48 * (3 + 512) * 10240 * 4        # a prefill chunk's raw rows
+    # 23 logits rows, argmax ids + maxima, 5 captured layers of 23 rows; step values (256-byte spans) + commit rows
+    assert d.get("step outputs") == 23 * 248320 * 4 + 2 * 23 * 4 + 23 * 5 * 5120 * 4 + (3 * 256 + 256 + 512) + (
+        16 + 2 * 8 * 23)
+    assert d.get("graph arena") == M.graph_arena_bytes(q27[0], 23, "q8_0", "tq3_0", q27[2], 132)
+    assert 40 * M.MiB < d.get("graph arena") < 128 * M.MiB
+    assert d.get("CUDA graphs") == 64 * (16 * 64 + 40 + 4 * 16 + 4) * 10240
+    assert d.get("drafter weights") == 1_838_535_680 + 36 * 1024      # 36 matrices
+    # 262144 + 16 rows in whole 32-row tiles, f16 K and V, every layer (also the sliding ones)
+    assert d.get("drafter context cache") == 262176 * 5 * 2 * 8 * 128 * 2
+    # pass values, 64 appended feature rows, the window scratch (2032 + 16 + 15 rows -> 2080) with its S and mask
+    assert d.get("drafter session buffers") == 512 + 64 * 25600 * 4 + 2 * 8 * 2080 * 128 * 2 + 4 + 31 * 8
     assert d.get("workspace reserve") == M.RESERVE_BYTES["cuda"]
     assert d.total == sum(i.bytes for i in d.items) and plan.fits
-    assert _plan(q27, budget=64).devices[0].get("recurrent replay inputs") == 128_993_280   # was 48 x 65 x 3 MiB
-    cfg, w, _ = q27
-    # the NumPy engine still counts one checkpoint per node: budget + 1, a chain block_size, no drafter one
-    cpu = M.Device("cpu")
-
-    def on_cpu(**kw):
-        s = M.PlanSettings(**{"max_ctx": 4096, "device": cpu, **kw})
-        return M.build_plan(cfg, w, s, ds, free={"cpu": (1 << 40, 1 << 40)}).devices[0]
-
-    ds = q27[2]
-    assert on_cpu(budget=22).get("recurrent checkpoints") == 48 * 23 * STATE_27B == 3_472_883_712
-    assert on_cpu(budget=22).get("recurrent state") == 48 * STATE_27B
-    assert on_cpu(budget=22).get("conv windows") == 48 * (3 + 23) * 10240 * 4
-    assert on_cpu(budget=None).get("recurrent checkpoints") == 48 * 16 * STATE_27B
+    # a chain verifies block_size tokens, a small tree still plans a chain (a request may ask for one); no drafter: 1
+    assert _plan(q27, budget=None).width == 16 and _plan(q27, budget=5).width == 16
+    assert _plan(q27, budget=None).devices[0].get("recurrent replay inputs") == 48 * 16 * (10240 + 96) * 4 + 16 * 4
+    # the GPU verifies at most 64 tokens (the attention kernel's mask); the NumPy engine the whole tree
+    assert _plan(q27, budget=64).width == 64
+    cfg, w, ds = q27
+    assert M.build_plan(cfg, w, M.PlanSettings(max_ctx=4096, budget=64), ds, free={"cpu": (GiB, GiB)}).width == 65
+    # the NumPy engine still counts one checkpoint per node: budget + 1, a chain block_size
+    cpu = M.build_plan(cfg, w, M.PlanSettings(max_ctx=4096, budget=22), ds, free={"cpu": (1 << 40, 1 << 40)})
+    assert cpu.devices[0].get("recurrent checkpoints") == 48 * 23 * STATE_27B == 3_472_883_712
+    assert cpu.devices[0].get("recurrent replay inputs") == 0
     plain = M.build_plan(cfg, w, M.PlanSettings(max_ctx=4096, device=GPU, speculative=False), None,
                          free={"cuda:0": (80 * GiB, 80 * GiB)})
     assert plain.width == 1 and plain.devices[0].get("drafter weights") == 0
-    # two slots double every per-request item, not the weights
+    assert plain.devices[0].get("step outputs") == 248320 * 4 + 8 + (3 * 256 + 256 + 512) + 16 + 16
+    # two slots double every per-slot item; the weights and what the steps share (one at a time) stay once
     two = _plan(q27, slots=2).devices[0]
     one = _plan(q27).devices[0]
-    assert two.get("KV cache") == 2 * one.get("KV cache") and two.get("target weights") == one.get("target weights")
+    for name in ("KV cache", "recurrent checkpoints", "conv windows", "step outputs", "CUDA graphs",
+                 "drafter context cache", "drafter CUDA graphs"):
+        assert two.get(name) == 2 * one.get(name), name
+    for name in ("target weights", "graph arena", "eager pass scratch", "request copies", "drafter weights"):
+        assert two.get(name) == one.get(name), name
+
+
+def test_gpu_scratch_grows_with_width_and_splits(q27):
+    """The step scratch the arena is planned for: monotone in the width; the attention's partials follow the SMs."""
+    cfg = q27[0]
+    steps = [M.gpu_step_scratch(cfg, t, 132) for t in (1, 8, 16, 23, 41, 64)]
+    assert steps == sorted(steps) and steps[0] < 8 * M.MiB and steps[-1] < 64 * M.MiB
+    assert M.attention_splits_bound(24, 4, 1, 132) == 99      # decode: KW 4, one block row, 3 blocks per SM
+    assert M.attention_splits_bound(24, 4, 64, 132) == 11
+    assert M.gpu_step_scratch(cfg, 64, 264) > M.gpu_step_scratch(cfg, 64, 132)
+    # a remote drafter (no shape): the target still keeps 5 captured layers per step
+    p = M.build_plan(cfg, q27[1], M.PlanSettings(max_ctx=8192, device=GPU), None,
+                     free={"cuda:0": (80 * GiB, 80 * GiB)}, sms=132)
+    st = M.gpu_state_bytes(cfg, 8192, "f16", "f16", 23, 5)
+    assert p.devices[0].get("step outputs") == st["step outputs"] + st["step values"]
+    assert st["step outputs"] - M.gpu_state_bytes(cfg, 8192, "f16", "f16", 23, 0)["step outputs"] == 23 * 5 * 5120 * 4
+    assert p.devices[0].get("drafter weights") == 0
+
+
+def test_gpu_weights_count_matrices_vectors_and_fallbacks(q27):
+    cfg, w, _ = q27
+    sh = S.get_shape("qwen3.6-27b")
+    specs = S.target_tensors(sh.target)
+    mats = [t for t in specs if len(t.shape) == 2 and t.name != "token_embd.weight" and "conv1d" not in t.name]
+    assert len(mats) == 497 and w.gpu == w.stored + 497 * 1024 and not w.embd_on_host
+    # a matrix type the kernel lacks goes up as F16; a token table it cannot decode stays on the host
+    Q = S.Q
+    odd = {t.name: t for t in specs}
+    odd["output.weight"] = S.TensorSpec("output.weight", (248320, 5120), Q.Q5_K, "matrix")
+    odd["token_embd.weight"] = S.TensorSpec("token_embd.weight", (248320, 5120), Q.Q6_K, "embedding")
+    w2 = M.WeightBytes.of(odd)
+    assert w2.embd_on_host and w2.embd_gpu == 0
+    q4 = next(t for t in specs if t.name == "token_embd.weight").nbytes
+    q6 = next(t for t in specs if t.name == "output.weight").nbytes
+    assert w2.gpu == w.gpu - q4 - q6 + 248320 * 5120 * 2
 
 
 def test_numpy_weights_are_float32(q27):
@@ -105,7 +154,7 @@ def test_separate_draft_device(q27):
     plan = M.build_plan(cfg, w, s, ds, free={"cuda:0": (80 * GiB, 80 * GiB), "cuda:1": (80 * GiB, 80 * GiB)})
     t, d = plan.devices
     assert (t.device, d.device) == ("cuda:0", "cuda:1")
-    assert t.get("drafter weights") == 0 and d.get("drafter weights") == 1_838_535_680
+    assert t.get("drafter weights") == 0 and d.get("drafter weights") == 1_838_535_680 + 36 * 1024
     # the drafter needs its own copy of token_embd (Q4_K) and output (Q6_K)
     assert d.get("target embedding + head copy") == 248320 * 5120 // 256 * (144 + 210)
     assert d.get("workspace reserve") == t.get("workspace reserve") == M.RESERVE_BYTES["cuda"]
@@ -118,7 +167,8 @@ def test_refusal_names_what_fits(q27):
     with pytest.raises(M.MemoryPlanError) as e:
         M.plan_memory(cfg, w, s, ds, free=free)
     msg = str(e.value)
-    assert "does not fit" in msg and "cuda:0 needs 40." in msg and "40.00 GiB free" in msg
+    need = M.build_plan(cfg, w, s, ds, free).devices[0].total
+    assert "does not fit" in msg and f"cuda:0 needs {need / GiB:.2f} GiB" in msg and "40.00 GiB free" in msg
     ctx = int(msg.split("--max-ctx ")[1].split(";")[0])
     assert ctx % 256 == 0
     assert M.build_plan(cfg, w, M.replace(s, max_ctx=ctx), ds, free).fits
@@ -134,7 +184,7 @@ def test_refusal_names_what_fits(q27):
     b = int(str(e2.value).split("--budget ")[1].split(";")[0].split(".")[0])
     assert 1 <= b < 64 and M.build_plan(cfg, w, M.replace(s2, budget=b), ds, tight).fits
     # nothing helps: the weights alone are too big
-    floor = r"even at max_ctx 1 it needs cuda:0 1\d\.\d\d GiB \(weights 17\.11 GiB"    # target + drafter
+    floor = r"even at max_ctx 1 it needs cuda:0 \d+\.\d\d GiB \(weights 17\.11 GiB"    # target + drafter
     with pytest.raises(M.MemoryPlanError, match=floor):
         M.plan_memory(cfg, w, s, ds, free={"cuda:0": (10 * GiB, 16 * GiB)})
 

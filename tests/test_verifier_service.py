@@ -222,6 +222,52 @@ def test_bad_requests_are_invalid_argument(verifier, fields, needle):
     assert len(got) == 2
 
 
+def test_out_of_memory_mid_request_fails_alone(tiny_pair, tmp_path, target, prompts):
+    """An allocation that fails mid-request (injected: SPECSPLIT_INJECT_OOM=forward:3, the third forward pass
+    after the verifier is ready) ends that request, after its first two tokens were streamed, with
+    RESOURCE_EXHAUSTED naming what to change; its slot and state come back (one slot, no queue: a slot still held
+    would turn the next request away) and the same process serves the next requests, plain and speculative."""
+    p = VerifierProcess(tmp_path / "v.sock", ["--model", tiny_pair[1], "--draft", tiny_pair[2], "--budget", "chain",
+                                              "--slots", "1", "--max-queue", "0"],
+                        env={"SPECSPLIT_INJECT_OOM": "forward:3"})
+    try:
+        ids = prompts[0]
+        want = generate(target.model, ids, 40).token_ids
+        got: list[int] = []
+        call = p.stub.Generate(pb.GenerateRequest(prompt_ids=ids, max_tokens=40, speculative=False),
+                               timeout=CALL_TIMEOUT)
+        with pytest.raises(grpc.RpcError) as e:
+            for chunk in call:
+                got += list(chunk.token_ids)
+        assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        details = e.value.details()
+        assert "out of memory on cpu after 2 generated tokens" in details and "injected" in details
+        assert "--max-ctx" in details and "verifier goes on serving" in details
+        assert got == want[:2]               # the prefill's token, one decode step's; the third pass failed
+        for speculative in (False, True):
+            again, last, _ = p.generate(prompt_ids=ids, max_tokens=12, speculative=speculative)
+            assert again == want[:12] and last.finish_reason == pb.FINISH_REASON_LENGTH
+        info = p.stub.Info(pb.InfoRequest(), timeout=CALL_TIMEOUT)
+        assert info.active == 0 and info.queued == 0
+    finally:
+        p.stop()
+    log = p.log.read_text()
+    assert "allocation failure will be injected" in log and "ran out of memory on cpu" in log
+
+
+def test_request_budget_is_capped_at_the_planned_width(tiny_pair, tmp_path, target, prompts):
+    """A request may not verify a wider tree than the memory plan counted (the server's budget, or a chain):
+    with --budget 3 a request's budget 200 runs as budget 3, and greedy output is unchanged."""
+    p = VerifierProcess(tmp_path / "v.sock", ["--model", tiny_pair[1], "--draft", tiny_pair[2], "--budget", "3"])
+    try:
+        ids = prompts[1]
+        got, last, _ = p.generate(prompt_ids=ids, max_tokens=16, budget=200, speculative=True)
+        assert got == generate(target.model, ids, 16).token_ids
+        assert last.spec.mode == "ddtree" and last.spec.budget == 15    # max(budget + 1, block 16) - 1
+    finally:
+        p.stop()
+
+
 def test_info(verifier, target):
     info = verifier.stub.Info(pb.InfoRequest())
     assert info.model.id == target.name and info.model.arch == target.cfg.arch

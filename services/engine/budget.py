@@ -15,6 +15,7 @@ from __future__ import annotations
 import statistics
 import time
 from collections import deque
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -27,13 +28,32 @@ from .sampling import greedy_tokens
 CALIBRATION_WIDTHS = (1, 2, 4, 8, 12, 16, 20, 24, 32, 48, 65)
 
 
+@contextmanager
+def _scratch_state(target, n_ctx: int):
+    """A state for a measurement: from the target's pool when it keeps one (a GPU target: no state beyond the
+    ones the memory plan counts, and the graphs captured here serve requests later), else a new one."""
+    acquire = getattr(target, "acquire_state", None)
+    if acquire is None:
+        yield target.new_state(n_ctx)
+        return
+    state = acquire(n_ctx)
+    try:
+        yield state
+    finally:
+        target.release_state(state)
+
+
 def measure_verify_costs(target, widths=CALIBRATION_WIDTHS, context: int = 64, reps: int = 3) -> dict[int, float]:
     """Seconds per target pass at each verify width (a chain with checkpoints and logits on every row,
     after `context` committed tokens), the best of `reps` rounds over all widths (rounds, so a burst of
     load elsewhere hits every width alike); a scratch state, nothing is kept."""
-    n_vocab = target.cfg.n_vocab
     ws = sorted(set(int(x) for x in widths))
-    state = target.new_state(context + max(ws) + 1)
+    with _scratch_state(target, context + max(ws) + 1) as state:
+        return _verify_costs(target, state, ws, context, reps)
+
+
+def _verify_costs(target, state, ws: list[int], context: int, reps: int) -> dict[int, float]:
+    n_vocab = target.cfg.n_vocab
     ids = np.arange(context + max(ws)) % max(1, n_vocab - 1)
     target.forward(state, ids[:context], logits="none")
     state.commit(list(range(context)))
@@ -51,8 +71,12 @@ def measure_verify_costs(target, widths=CALIBRATION_WIDTHS, context: int = 64, r
 
 def measure_plain_step(target, context: int = 64, reps: int = 4) -> float:
     """Seconds of one plain decode step (width-1 forward, logits of the last row, commit), the best of `reps`."""
+    with _scratch_state(target, context + reps + 2) as state:
+        return _plain_step(target, state, context, reps)
+
+
+def _plain_step(target, state, context: int, reps: int) -> float:
     n_vocab = target.cfg.n_vocab
-    state = target.new_state(context + reps + 2)
     ids = np.arange(context) % max(1, n_vocab - 1)
     target.forward(state, ids, logits="none")
     state.commit(list(range(context)))

@@ -42,3 +42,31 @@ class InvalidRequestError(SpecsplitError):
     def __init__(self, message: str, param: str | None = None):
         self.param = param
         super().__init__(message)
+
+
+class DeviceMemoryError(SpecsplitError):
+    """A device (or host) allocation failed while a request ran: the request is stopped, the server goes on.
+
+    The memory plan is meant to make this impossible (services/engine/memory_plan.py); when it happens anyway
+    (another process took the GPU's memory, an accounting gap) the verifier answers RESOURCE_EXHAUSTED."""
+
+    def __init__(self, message: str, device: str = ""):
+        self.device = device
+        super().__init__(message)
+
+
+_CUDA_OUT_OF_MEMORY = 2     # cudaErrorMemoryAllocation (runtime) and CUDA_ERROR_OUT_OF_MEMORY (driver) alike
+
+
+def is_out_of_memory(e: BaseException) -> bool:
+    """Whether `e` is an allocation failure: DeviceMemoryError, MemoryError (NumPy, pinned host memory), CuPy's
+    OutOfMemoryError (its pool), or a CUDA runtime / driver error of status out-of-memory (an allocation outside
+    the pool, a graph instantiation, a launch). Duck-typed, so that it works (and is tested) without CuPy."""
+    if isinstance(e, (DeviceMemoryError, MemoryError)):
+        return True
+    name, module = type(e).__name__, type(e).__module__ or ""
+    if not module.startswith("cupy"):        # cupy.* and cupy_backends.*
+        return False
+    if name == "OutOfMemoryError":
+        return True
+    return name in ("CUDARuntimeError", "CUDADriverError") and getattr(e, "status", None) == _CUDA_OUT_OF_MEMORY

@@ -1,33 +1,35 @@
 """Start-up memory plan: what the target, its caches, the drafter and the scratch of the widest pass take on
 each device, checked against the device's free memory, so a request never runs the device out of memory.
 
-Everything is computed from the model files' headers (no weights are read) and the serving settings:
+Everything is computed from the model files' headers (no weights are read) and the serving settings. The widest
+verify pass (serving_width) is a tree of budget + 1 tokens or a chain of block_size, whichever is wider (the
+verifier caps a request's tree at it), 1 without a drafter, at most 64 tokens on a GPU.
 
-* weights as the backend holds them: the GPU backend keeps the stored (quantized) bytes; the NumPy backend
-  dequantizes every matrix to float32 at load (4 bytes a parameter) except `token_embd`, which stays packed;
-* KV cache of the attention layers for `max_ctx` tokens per slot, per side at 4 / 2 / 34/32 / 14/32 bytes per
-  value for f32 / f16 / q8_0 / tq3_0, as the backend allocates it (the GPU keeps f32 as f16 and rounds the rows
-  up to whole 32-key tiles: kv_cache_bytes);
-* Gated DeltaNet state: the committed state plus, on the CPU, one checkpoint per verified tree node (width =
-  budget + 1, a chain verifies block_size tokens, plain decoding 1), each H_v * d_k * d_v float32; on the GPU
-  no per-node states (a commit replays the accepted path: docs/gpu_deltanet.md) but a second state (a chain
-  step's final state) and each node's replay inputs (its conv output row and g, beta: conv_dim + 2 H_v
-  float32) for the rows a GPU state allocates (CUDA_TREE_ROWS, whatever the budget); and the conv window
-  (K - 1 committed rows plus one raw row per node, conv_dim float32 each);
-* activations of the widest pass (the 512-token prefill chunk or the verify tree, whichever is wider),
-  attention scratch (the NumPy path materialises softmax scores over the whole context; the GPU path keeps
-  split-K partials), logits rows (width x vocab float32, twice: logits and the sampler's copy; on the GPU the
-  device rows and the copy a replayed graph makes of a result still held);
-* the drafter: its weights, its context K/V cache (every layer keeps max_ctx rows, also the sliding ones;
-  f32 on NumPy, f16 on the GPU), its block's activations and logits; a drafter on another device also holds
-  a copy of the target's `token_embd` and `output`;
-* per slot, not on top: the GPU engine keeps finished requests' sequence states and drafter sessions (with
-  their CUDA graphs) for the next requests, at most `slots` of each counting those in use
-  (Qwen35GpuModel.acquire_state, DFlashGpuDrafter.acquire_session), so idle ones hold what a busy slot would;
-* a fixed reserve per device: RESERVE_BYTES below (CUDA context extras, CUDA graphs, cuBLAS workspace,
-  NVRTC modules and allocator fragmentation on a GPU; interpreter, gRPC and NumPy temporaries on the CPU).
+NumPy backend (slots run side by side, so everything per request is counted per slot): weights dequantized to
+float32 at load except the packed `token_embd`; the KV cache for `max_ctx` tokens per slot at 4 / 2 / 34/32 /
+14/32 bytes a value for f32 / f16 / q8_0 / tq3_0; Gated DeltaNet state, one checkpoint per verified node and the
+conv windows; activations, softmax scratch over the whole context and logits of the widest pass (the 512-token
+prefill chunk or the verify); the drafter's float32 weights, context cache, activations and logits.
 
-Free memory: cupy's memGetInfo on a GPU, MemAvailable from /proc/meminfo for the CPU backend.
+GPU backend, mirroring what the engine allocates (services/engine/models/qwen35_gpu.py, dflash_gpu.py):
+* weights as held: stored (quantized) rows for the types the matmul kernel reads, F16 for the others, vectors as
+  float32, the token table on the device when it can be decoded there;
+* per slot, one pooled GpuSequenceState (gpu_state_bytes: KV in whole 32-row tiles, f32 kept as f16; committed and
+  final recurrent state; width checkpoints; conv windows with a prefill chunk's raw rows; the graph steps' output
+  buffers: logits rows, argmax, captured layers) and one GpuDraftSession of max_ctx + a block rows
+  (gpu_session_bytes). The verifier makes them at start-up (reserve_states / reserve_sessions), so a request
+  allocates no state;
+* per slot, the instantiated CUDA graphs: up to GRAPHS_PER_STATE step and commit graphs per state and
+  GRAPHS_PER_SESSION drafter passes per session, at GRAPH_NODE_BYTES per kernel node;
+* once per device (steps run one at a time under the verifier's engine lock): the graph arena that every
+  captured graph takes its temporaries from (graph_arena_bytes: the widest step, commit or drafter pass; reserved
+  at start-up), the eager scratch of a prefill chunk or of a new shape's warm-up (CuPy's pool), a request's
+  copies of held results, and quant_gemv's split-K scratch when it is dispatched;
+* a fixed reserve per device: RESERVE_BYTES below (CUDA context, cuBLAS workspace, NVRTC modules and allocator
+  fragmentation on a GPU; interpreter, gRPC and NumPy temporaries on the CPU).
+
+Free memory: cupy's memGetInfo on a GPU, MemAvailable from /proc/meminfo for the CPU backend. bench/memory_check.py
+compares the plan with what a GPU run holds.
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ from .errors import SpecsplitError
 
 GiB = 1 << 30
 MiB = 1 << 20
+GPU_TABLE_TYPES = (0, 1, 8, 12)   # F32, F16, Q8_0, Q4_K: token tables the GPU engine keeps (and decodes) on the device
 
 # bytes per cached K or V value
 KV_BYTES_PER_VALUE: dict[str, float] = {"f32": 4.0, "f16": 2.0, "q8_0": 34 / 32, "tq3_0": 14 / 32}
@@ -55,8 +58,8 @@ CTX_STEP = 256                 # a suggested --max-ctx is a multiple of this
 MIN_AUTO_CTX = 4096            # a context the planner shrinks to on its own must be at least this long
 CUDA_ATTN_SPLITS = 32          # split-K partials of the GPU tree attention
 CUDA_KV_TILE = 32              # kernels/attention.py KT: a GPU KV cache holds whole tiles of this many rows
-CUDA_TREE_ROWS = 65            # models/qwen35_gpu.MAX_TREE: rows of a GPU state's per-node buffers, any budget
 DEFAULT_BLOCK_SIZE = 16
+DEFAULT_CAPTURE_LAYERS = 5     # target layers a remote (unseen) drafter reads: the DFlash drafters' 5
 DEFAULT_BUDGET = "auto"        # the verifier's default; planned as its largest tree (AUTO_MAX_BUDGET)
 
 
@@ -168,25 +171,48 @@ class WeightBytes:
     output_stored: int = 0
     output_f32: int = 0
     tied: bool = False
+    gpu: int | None = None          # bytes on the GPU backend (None: the stored bytes)
+    embd_gpu: int = 0               # the token table's share of them
+    embd_on_host: bool = False      # the GPU keeps the token table on the host (a type it cannot decode)
 
     @classmethod
     def of(cls, tensors: dict[str, Any]) -> WeightBytes:
-        wb = cls(stored=0, f32=0)
+        from kernels.quant_matmul import PAD_BYTES, SUPPORTED_QTYPES, TILE_ROWS
+
+        def matrix(t: Any) -> int:
+            """backend.GpuMatrix's device bytes: stored rows (F16 for a type the kernel lacks), the rows padded to
+            whole 16-row tiles, and the kernel's read slack after them (kernels.quant_matmul.QuantMatrix)."""
+            rows = int(t.shape[0])
+            size = int(t.nbytes) if int(getattr(t, "qtype", 0)) in SUPPORTED_QTYPES else 2 * math.prod(t.shape)
+            return size // rows * _round_up(rows, TILE_ROWS) + PAD_BYTES
+
+        wb = cls(stored=0, f32=0, gpu=0)
         for name, t in tensors.items():
             n32 = 4 * math.prod(t.shape)
             wb.stored += int(t.nbytes)
             wb.f32 += n32
             if name == "token_embd.weight":
                 wb.embd_stored, wb.embd_f32 = int(t.nbytes), n32
+                # backend.GpuEmbedding keeps F32 / F16 / Q8_0 on the device, qwen35_gpu a Q4_K table too
+                wb.embd_on_host = int(getattr(t, "qtype", 0)) not in GPU_TABLE_TYPES
+                wb.embd_gpu = 0 if wb.embd_on_host else int(t.nbytes)
+                wb.gpu += wb.embd_gpu
             elif name == "output.weight":
                 wb.output_stored, wb.output_f32 = int(t.nbytes), n32
+                wb.gpu += matrix(t)
+            elif len(t.shape) == 2 and "conv1d" not in name:
+                wb.gpu += matrix(t)
+            else:                          # vectors (and conv taps): float32 device arrays
+                wb.gpu += n32
         wb.tied = wb.output_stored == 0
+        if wb.tied and "token_embd.weight" in tensors:
+            wb.gpu += matrix(tensors["token_embd.weight"])     # the LM head: the table again, as a matrix
         return wb
 
     def resident(self, backend: str) -> int:
         """Bytes the backend keeps for the whole model."""
         if backend == "cuda":
-            return self.stored
+            return self.stored if self.gpu is None else self.gpu
         # NumPy: float32 everywhere but the packed embedding table; a tied head is a float32 copy of it
         return self.f32 - self.embd_f32 + self.embd_stored + (self.embd_f32 if self.tied else 0)
 
@@ -208,6 +234,8 @@ class DrafterShape:
     block_size: int
     n_features: int
     weights: WeightBytes
+    sliding_window: int | None = None   # the sliding layers' context window (None: no windowed layer)
+    n_causal: int = 0                   # sliding (causal) layers
 
 
 # --------------------------------------------------------------------------------------------------
@@ -356,9 +384,233 @@ def _attention_scratch(backend: str, n_head: int, head_dim: int, n_kv_head: int,
     return 3 * n_head * width * ctx * 4 + dec
 
 
+# --------------------------------------------------------------------------------------------------
+# the GPU engine's buffers (models/qwen35_gpu.py, models/dflash_gpu.py), byte for byte where they are fixed
+
+
+GPU_MAX_WIDTH = 64             # the attention kernel's mask is one uint64 per token: a verify wider runs eagerly
+GPU_RAW_ROWS = 512             # qwen35_gpu.RAW_ROWS: pre-conv rows a state keeps (a prefill chunk's)
+GPU_ATTN_TOKENS = 64           # qwen35_gpu.ATTN_TOKENS: the step values' mask rows
+GPU_ARENA_SLACK = 4 << 20      # qwen35_gpu.ARENA_SLACK: an arena holds a measured peak + 1/8 + this
+GPU_GRAPHS_PER_STATE = 64      # qwen35_gpu.GRAPHS_PER_STATE: step graphs, and commit graphs, a state keeps
+GPU_GRAPHS_PER_SESSION = 64    # dflash_gpu.GRAPHS_PER_SESSION
+GPU_MAX_APPEND = 64            # dflash_gpu.MAX_APPEND: feature rows a captured drafter pass appends
+GPU_APPEND_CHUNK = 256         # dflash_gpu.append_context: a prompt's features are appended this many rows at once
+GPU_TOPK = 8                   # dflash_gpu.TOPK
+DEFAULT_SMS = 132              # SMs assumed when the GPU cannot be asked (an H100 SXM / H200 has 132)
+# Device memory an instantiated CUDA graph keeps per kernel node: ~10 KB measured by NVIDIA's CCCL
+# (github.com/NVIDIA/cccl pull 3768); bench/memory_check.py measures it here (bytes per captured graph). Node
+# counts: qwen35_gpu's fused block is ~15 launches (docs: 933 nodes in a 64-layer width-1 step).
+GRAPH_NODE_BYTES = 10 << 10
+STEP_NODES_PER_LAYER, STEP_NODES_EXTRA = 16, 40
+COMMIT_NODES_PER_ATTN_LAYER, COMMIT_NODES_EXTRA = 4, 4
+DRAFT_NODES_PER_LAYER, DRAFT_NODES_PER_WINDOWED_LAYER, DRAFT_NODES_EXTRA = 20, 10, 40
+SMALL_ALLOCS_PER_BLOCK = 48    # allocations of a block, each rounded up to 512 bytes by the arena
+ARENA_ALIGN = 512
+
+
+def serving_width(speculative: bool, budget: int | None, block: int, backend: str) -> int:
+    """Tokens of the widest verify pass a server runs: 1 without a drafter; else a tree of budget + 1 or a chain of
+    `block` tokens, whichever is wider (a request may ask for a chain; the verifier caps a request's tree at this
+    width); on a GPU at most GPU_MAX_WIDTH, so that every verify is a captured step on the attention kernel."""
+    if not speculative:
+        return 1
+    width = block if budget is None else max(int(budget) + 1, block)
+    return min(width, GPU_MAX_WIDTH) if backend == "cuda" else width
+
+
+def device_sms(device: Device | None = None) -> int:
+    """Streaming multiprocessors of a GPU (DEFAULT_SMS when it cannot be asked)."""
+    try:
+        import cupy
+
+        return int(cupy.cuda.Device(device.index if device else 0).attributes["MultiProcessorCount"])
+    except Exception:  # noqa: BLE001 - no CuPy / no GPU: the planner still answers
+        return DEFAULT_SMS
+
+
+def _pad8(n: int) -> int:
+    return -(-int(n) // 8) * 8
+
+
+def _round_up(n: int, unit: int) -> int:
+    return -(-int(n) // unit) * unit
+
+
+def attention_splits_bound(n_head: int, n_kv_head: int, tokens: int, sms: int) -> int:
+    """Most K splits kernels.attention.choose_splits gives `tokens` queries at any context (its `want`)."""
+    from kernels import attention as att
+
+    gx, kw = att.grid_rows(n_head, n_kv_head, tokens)
+    want = math.ceil((3 if kw == 4 else 2) * sms / (gx * n_kv_head))
+    return max(1, min(want, att.MAX_SPLITS))
+
+
+def _attn_workspace(n_head: int, n_kv_head: int, head_dim: int, tokens: int, sms: int) -> int:
+    """kernels.attention.make_workspace: the splits' partial outputs and (max, sum) pairs, float32."""
+    return attention_splits_bound(n_head, n_kv_head, tokens, sms) * n_head * tokens * (head_dim + 2) * 4
+
+
+def _embed_scratch(cfg: ModelConfig, T: int) -> int:
+    """Device temporaries of T token rows decoded on the device (qwen35_gpu._embed_q4_k: the gathered blocks, scales,
+    the unpacked codes and a few float32 (T, n_embd) products; GpuEmbedding.lookup for F32 / F16 / Q8_0 less)."""
+    return 6 * T * cfg.n_embd * 4 + 2 * T * cfg.n_embd
+
+
+def gpu_step_scratch(cfg: ModelConfig, T: int, sms: int) -> int:
+    """Every allocation of a T-token target step (T <= 64: qwen35_gpu._block's fused launches) except its outputs,
+    summed over one decoder block as if none were freed, plus the residual stream in and out, the embedded rows and
+    the head's norm and argmax partials. The graph arena's first-fit placement reuses what a block frees, so its
+    peak stays under this (checked on a GPU: tests/test_gpu_memory.py, bench/memory_check.py)."""
+    E, F, V = cfg.n_embd, cfg.n_ff, cfg.n_vocab
+    H, Hkv, D = cfg.n_head, cfg.n_head_kv, cfg.head_dim
+    P, x = _pad8(T), T * cfg.n_embd * 4
+    mixers = []
+    if not all(cfg.recurrent_layers):
+        # packed input, q|gate|k|v product, normed + rotated q and k, contiguous q / k / v copies, the attention's
+        # split-K partials and output, the packed output rows and their projection
+        mixers.append(P * E * 2 + T * (2 * H * D + 2 * Hkv * D) * 4 + 3 * T * H * D * 4 + 3 * T * Hkv * D * 4
+                      + _attn_workspace(H, Hkv, D, T, sms) + P * H * D * 2 + x)
+    if any(cfg.recurrent_layers):
+        cd, Hv, dv = cfg.ssm_conv_dim, cfg.ssm_n_v_heads, cfg.ssm_head_v_dim
+        # packed input, the [qkv | z | beta | alpha] product, the conv output, g and beta, the delta rule's
+        # output, its packed norm * gate, the projection
+        mixers.append(P * E * 2 + T * (cd + Hv * dv + 2 * Hv) * 4 + T * cd * 4 + 2 * T * Hv * 4 + T * Hv * dv * 4
+                      + P * Hv * dv * 2 + x)
+    # post-mixer pack and the new residual stream, the gate|up product, the packed SwiGLU
+    ffn = P * E * 2 + x + T * 2 * F * 4 + P * F * 2
+    block = max(mixers) + ffn + SMALL_ALLOCS_PER_BLOCK * ARENA_ALIGN
+    head = x + T * math.ceil(V / 1024) * 8
+    return 2 * x + block + _embed_scratch(cfg, T) + head
+
+
+def gpu_commit_scratch(cfg: ModelConfig, width: int, kv_k: str, kv_v: str) -> int:
+    """A commit's temporaries (qwen35_gpu._commit_launches): the gathered K or V rows of the moved tokens."""
+    from kernels import attention as att
+
+    rb = max(att.row_bytes(gpu_kv(kv_k), cfg.head_dim), att.row_bytes(gpu_kv(kv_v), cfg.head_dim))
+    return 2 * cfg.n_head_kv * width * rb + 16 * ARENA_ALIGN
+
+
+def gpu_draft_scratch(cfg: ModelConfig, d: DrafterShape, sms: int, rows: int = GPU_MAX_APPEND) -> int:
+    """Every allocation of one GPU drafter pass (dflash_gpu._block_pass + _head) appending `rows` feature rows: the
+    append's products, one block layer's (the window attention's gathers and padded queries on a sliding layer),
+    the embedded block and the head: the logits of block - 1 rows, the top-k partials, ids, log-probs."""
+    B, E, F, H, Hkv, D = d.block_size, d.n_embd, d.n_ff, d.n_head, d.n_head_kv, d.head_dim
+    n, P = rows, _pad8(rows)
+    append = P * d.n_features * 2 + 2 * n * E * 4 + 2 * (P * E * 2 + n * 2 * Hkv * D * 4 + 2 * n * Hkv * D * 4)
+    PB = _pad8(B)
+    layer = (B * E * 4 + PB * E * 2 + 3 * B * H * D * 4 + B * 2 * Hkv * D * 4 + 2 * B * Hkv * D * 4
+             + _attn_workspace(H, Hkv, D, B, sms) + B * H * D * 4 + PB * H * D * 2 + B * E * 4 + 2 * B * E * 4
+             + PB * E * 2 + B * 2 * F * 4 + B * F * 4 + PB * F * 2 + 2 * B * E * 4)
+    if d.sliding_window is not None and d.n_causal:
+        W = d.sliding_window
+        n_edge = min(B - 1, W - 1)
+        win_rows = max(W - B, 0) + B + n_edge
+        rb = 2 * D
+        layer += (3 * win_rows * 4 + 2 * Hkv * win_rows * rb + 2 * (B + n_edge) * H * D * 4
+                  + _attn_workspace(H, Hkv, D, B + n_edge, sms))
+    layer += SMALL_ALLOCS_PER_BLOCK * ARENA_ALIGN
+    V, R = cfg.n_vocab, B - 1
+    head = R * E * 4 + R * V * 4 + R * math.ceil(V / 1024) * (2 + 2 * GPU_TOPK) * 4 + 2 * R * GPU_TOPK * 4 \
+        + R * 2 * GPU_TOPK * 4
+    return append + 2 * B * E * 4 + _embed_scratch(cfg, B) + layer + head
+
+
+def graph_arena_bytes(cfg: ModelConfig, width: int, kv_k: str, kv_v: str, drafter: DrafterShape | None,
+                      sms: int) -> int:
+    """The device's one graph arena (qwen35_gpu.GraphArena): the largest capture's need - a target step of up to
+    `width` tokens, a commit, a drafter pass - with the arena's slack."""
+    peak = max(max(gpu_step_scratch(cfg, t, sms) for t in range(1, min(width, GPU_MAX_WIDTH) + 1)),
+               gpu_commit_scratch(cfg, width, kv_k, kv_v),
+               gpu_draft_scratch(cfg, drafter, sms) if drafter is not None else 0)
+    return _round_up(peak + peak // 8 + GPU_ARENA_SLACK, 1 << 20)
+
+
+def gpu_eager_scratch(cfg: ModelConfig, chunk: int, n_capture: int, sms: int) -> int:
+    """The temporaries of an eager target pass of `chunk` tokens (a prefill chunk: qwen35_gpu._block's separate
+    launches, products in 64-token slices, attention in 64-query blocks), with its captured rows and last logits."""
+    E, F, V = cfg.n_embd, cfg.n_ff, cfg.n_vocab
+    H, Hkv, D = cfg.n_head, cfg.n_head_kv, cfg.head_dim
+    C, x = chunk, chunk * cfg.n_embd * 4
+    slice_pack = 64 * max(E, F, H * D, cfg.ssm_inner_size or 0) * 2
+    mixers = []
+    if not all(cfg.recurrent_layers):
+        mixers.append(C * (2 * H * D + 2 * Hkv * D) * 4 + 3 * C * H * D * 4 + 3 * C * Hkv * D * 4
+                      + 64 * H * D * 4 * 2 + _attn_workspace(H, Hkv, D, min(C, 64), sms) + x)
+    if any(cfg.recurrent_layers):
+        cd, Hv, dv = cfg.ssm_conv_dim, cfg.ssm_n_v_heads, cfg.ssm_head_v_dim
+        mixers.append(C * (cd + Hv * dv + 2 * Hv) * 4 + C * cd * 4 + 2 * C * Hv * 4 + 2 * C * Hv * dv * 4 + x)
+    block = x + max(mixers) + 2 * x + C * 2 * F * 4 + C * F * 4 + 2 * x + slice_pack \
+        + SMALL_ALLOCS_PER_BLOCK * ARENA_ALIGN
+    head = E * 4 + V * 4 + math.ceil(V / 1024) * 8
+    return 2 * x + block + _embed_scratch(cfg, C) + C * n_capture * E * 4 + C * 8 + head
+
+
+def gpu_draft_append_scratch(d: DrafterShape, rows: int = GPU_APPEND_CHUNK) -> int:
+    """dflash_gpu.append_context's temporaries for one chunk of a prompt's feature rows."""
+    E, Hkv, D, P = d.n_embd, d.n_head_kv, d.head_dim, _pad8(min(rows, 64))
+    return (rows * d.n_features * 4 + P * d.n_features * 2 + 2 * rows * E * 4 + rows * 4
+            + 2 * (P * E * 2 + rows * 2 * Hkv * D * 4 + 2 * rows * Hkv * D * 4))
+
+
+def gpu_kv(kind: str) -> str:
+    """qwen35_gpu.gpu_kv_type: f32 is kept as f16."""
+    return "f16" if kind == "f32" else kind
+
+
+def gpu_state_bytes(cfg: ModelConfig, max_ctx: int, kv_k: str, kv_v: str, max_tree: int, n_capture: int,
+                    host_rows: bool = False) -> dict[str, int]:
+    """What one qwen35_gpu.GpuSequenceState holds, by part (GpuSequenceState.nbytes is their sum)."""
+    L = sum(1 for r in cfg.recurrent_layers if r)
+    st = cfg.ssm_n_v_heads * cfg.ssm_head_k_dim * cfg.ssm_head_v_dim * 4
+    cd = cfg.ssm_conv_dim
+
+    def span(n: int, itemsize: int) -> int:       # _StepValues: each field padded to 256 bytes
+        return _round_up(n * itemsize, 256)
+
+    stage = 3 * span(max_tree, 4) + span(1, 4) + span(GPU_ATTN_TOKENS, 8) + (max_tree * cfg.n_embd * 4 if host_rows
+                                                                             else 0)
+    return {
+        "KV cache": kv_cache_bytes(cfg, kv_k, kv_v, max_ctx, "cuda"),
+        "recurrent state": 2 * L * st,                                  # committed, and a chain's final state
+        # no per-node states: each node's conv output row and g, beta, which a commit replays (docs/gpu_deltanet.md)
+        "recurrent replay inputs": (L * max_tree * (cd + 2 * cfg.ssm_n_v_heads) * 4 + max_tree * 4) if L else 0,
+        "conv windows": L * ((cfg.ssm_conv_kernel - 1) + max(max_tree, GPU_RAW_ROWS)) * cd * 4 if L else 0,
+        "step outputs": max_tree * cfg.n_vocab * 4 + 2 * max_tree * 4 + max_tree * n_capture * cfg.n_embd * 4,
+        "step values": stage + 16 + 2 * 8 * max_tree,
+    }
+
+
+def gpu_session_bytes(d: DrafterShape, rows: int, host_rows: bool = False) -> dict[str, int]:
+    """What one dflash_gpu.GpuDraftSession of `rows` context rows holds (GpuDraftSession.nbytes is the sum)."""
+    B = d.block_size
+    kv = d.n_layer * 2 * d.n_head_kv * _round_up(rows, CUDA_KV_TILE) * d.head_dim * 2
+    vals = _round_up(4 * (2 + GPU_MAX_APPEND + 2 * B), 256) + (B * 4 * d.n_embd if host_rows else 0)
+    other = vals + GPU_MAX_APPEND * d.n_features * 4
+    if d.sliding_window is not None and d.n_causal:
+        n_edge = min(B - 1, d.sliding_window - 1)
+        win = max(d.sliding_window - B, 0) + B + n_edge
+        other += 2 * d.n_head_kv * _round_up(win, CUDA_KV_TILE) * d.head_dim * 2 + 4 + (B + n_edge) * 8
+    return {"drafter context cache": kv, "drafter session buffers": other}
+
+
+def graph_nodes(cfg: ModelConfig, drafter: DrafterShape | None) -> tuple[int, int, int]:
+    """Estimated kernel nodes of a captured (target step, commit, drafter pass)."""
+    n_attn = sum(1 for r in cfg.recurrent_layers if not r)
+    step = STEP_NODES_PER_LAYER * cfg.n_layer + STEP_NODES_EXTRA
+    commit = COMMIT_NODES_PER_ATTN_LAYER * n_attn + COMMIT_NODES_EXTRA
+    draft = 0
+    if drafter is not None:
+        draft = (DRAFT_NODES_PER_LAYER * drafter.n_layer + DRAFT_NODES_EXTRA
+                 + (DRAFT_NODES_PER_WINDOWED_LAYER * drafter.n_causal if drafter.sliding_window else 0))
+    return step, commit, draft
+
+
 def build_plan(cfg: ModelConfig, weights: WeightBytes, s: PlanSettings, drafter: DrafterShape | None = None,
-               free: dict[str, tuple[int, int]] | None = None) -> MemoryPlan:
-    """The itemised plan for settings `s`; free maps str(device) -> (free, total) bytes (queried if absent)."""
+               free: dict[str, tuple[int, int]] | None = None, sms: int | None = None) -> MemoryPlan:
+    """The itemised plan for settings `s`; free maps str(device) -> (free, total) bytes (queried if absent);
+    sms: the GPU's streaming multiprocessors (asked when None: they size the attention's split-K partials)."""
     if s.max_ctx < 1:
         raise MemoryPlanError(f"max_ctx must be >= 1, got {s.max_ctx}")
     if s.slots < 1:
@@ -366,60 +618,28 @@ def build_plan(cfg: ModelConfig, weights: WeightBytes, s: PlanSettings, drafter:
     tdev = s.device
     ddev = s.draft_device or tdev
     be = tdev.backend
-    n = s.slots
-    ctx = s.max_ctx
     block = drafter.block_size if drafter is not None else DEFAULT_BLOCK_SIZE
-    width = 1 if not s.speculative else (block if s.budget is None else s.budget + 1)
-    wide = max(width, min(PREFILL_CHUNK, ctx))
-    n_rec = sum(1 for r in cfg.recurrent_layers if r)
-    state = cfg.ssm_n_v_heads * cfg.ssm_head_k_dim * cfg.ssm_head_v_dim * 4
-    tree_rows = max(width, CUDA_TREE_ROWS) if be == "cuda" else width   # per-node rows a state holds
-    kv_slot = kv_cache_bytes(cfg, s.cache_type_k, s.cache_type_v, ctx, be)
-    kv_note = f"{s.cache_type_k}/{s.cache_type_v}"
-    if be == "cuda" and "f32" in (s.cache_type_k, s.cache_type_v):
-        kv_note += ", f32 kept as f16 on the GPU"
-    quantized_kv = s.cache_type_k != "f32" or s.cache_type_v != "f32"
-    budget_txt = "plain decoding" if not s.speculative else (
-        f"chain of {block}" if s.budget is None else f"budget {s.budget} + root")
-
-    t_items = [
-        Item("target weights", weights.resident(be),
-             "stored (quantized) bytes" if be == "cuda" else "float32 (NumPy dequantizes at load), token_embd packed"),
-        Item("KV cache", n * kv_slot, f"{n} slot(s) x {ctx} tokens x {kv_slot / ctx:g} B ({kv_note})"),
-        *((Item("recurrent state", n * n_rec * 2 * state,
-                f"{n_rec} DeltaNet layers x {state} B x 2 (committed, a chain step's final state)"),
-           Item("recurrent replay inputs", n * n_rec * tree_rows * (cfg.ssm_conv_dim + 2 * cfg.ssm_n_v_heads) * 4,
-                f"{tree_rows} nodes per layer x conv row + g, beta float32 (a commit replays the path; {budget_txt})"))
-          if be == "cuda" else
-          (Item("recurrent state", n * n_rec * state, f"{n_rec} DeltaNet layers x {state} B"),
-           Item("recurrent checkpoints", n * n_rec * width * state, f"{width} per layer ({budget_txt})"))),
-        Item("conv windows", n * n_rec * (cfg.ssm_conv_kernel - 1 + tree_rows) * cfg.ssm_conv_dim * 4,
-             f"{cfg.ssm_conv_kernel - 1} committed + {tree_rows} tree rows x {cfg.ssm_conv_dim} float32"),
-        Item("activations", n * wide * _activation_floats(cfg) * 4, f"widest pass {wide} tokens, float32"),
-        Item("attention scratch", n * _attention_scratch(be, cfg.n_head, cfg.head_dim, cfg.n_head_kv, wide, ctx,
-                                                         quantized_kv),
-             "split-K partials" if be == "cuda" else f"softmax over {ctx} keys x {wide} queries"),
-        Item("logits", n * 2 * width * cfg.n_vocab * 4, f"{width} rows x {cfg.n_vocab} x 2 float32"),
-    ]
+    width = serving_width(s.speculative, s.budget, block, be)
+    n_capture = 0
+    if s.speculative:
+        n_capture = drafter.n_features // cfg.n_embd if drafter is not None else DEFAULT_CAPTURE_LAYERS
+    if be == "cuda":
+        sms = sms or device_sms(tdev)
+        t_items = _gpu_target_items(cfg, weights, s, width, n_capture, drafter if ddev == tdev else None, sms)
+    else:
+        t_items = _cpu_target_items(cfg, weights, s, width, block, drafter)
     d_items: list[Item] = []
     if drafter is not None:
-        dbe = ddev.backend
-        t_items.append(Item("drafter features", n * wide * drafter.n_features * 4,
-                            f"captured target layers, {wide} tokens"))
-        dkv = 2 if dbe == "cuda" else 4
-        dact = 4 * drafter.n_embd + 3 * drafter.n_ff + 4 * drafter.n_head * drafter.head_dim + drafter.n_features
-        d_items = [
-            Item("drafter weights", drafter.weights.resident(dbe),
-                 "stored bytes" if dbe == "cuda" else "float32 (NumPy)"),
-            Item("drafter context cache", n * ctx * drafter.n_layer * 2 * drafter.n_head_kv * drafter.head_dim * dkv,
-                 f"{drafter.n_layer} layers x {ctx} rows, {'f16' if dkv == 2 else 'f32'}"),
-            Item("drafter activations", n * (wide * dact * 4 + _attention_scratch(
-                dbe, drafter.n_head, drafter.head_dim, drafter.n_head_kv, block, ctx, False)),
-                 f"context chunk {wide} / block {block}"),
-            Item("drafter logits", n * 2 * (block - 1) * cfg.n_vocab * 4, f"{block - 1} rows x 2 float32"),
-        ]
+        if ddev.backend == "cuda":
+            d_items = _gpu_drafter_items(cfg, drafter, s, width)
+            if ddev != tdev:    # its own device: its own arena and graphs
+                dsms = sms or device_sms(ddev)
+                d_items.append(Item("graph arena", graph_arena_bytes(cfg, 1, "f16", "f16", drafter, dsms),
+                                    "the drafter's captured passes"))
+        else:
+            d_items = _cpu_drafter_items(cfg, drafter, s, width, block)
         if ddev != tdev:
-            d_items.insert(1, Item("target embedding + head copy", weights.shared_head(dbe),
+            d_items.insert(1, Item("target embedding + head copy", weights.shared_head(ddev.backend),
                                    "the drafter borrows the target's token_embd and output"))
     t_items.append(Item("workspace reserve", RESERVE_BYTES[tdev.kind], _RESERVE_NOTE[tdev.kind]))
     if ddev == tdev:
@@ -437,7 +657,125 @@ def build_plan(cfg: ModelConfig, weights: WeightBytes, s: PlanSettings, drafter:
     return MemoryPlan(settings=s, devices=devices, width=width)
 
 
-_RESERVE_NOTE = {"cuda": "CUDA graphs, cuBLAS workspace, NVRTC modules, allocator slack",
+def _budget_text(s: PlanSettings, block: int) -> str:
+    if not s.speculative:
+        return "plain decoding"
+    return f"chain of {block}" if s.budget is None else f"budget {s.budget} + root, or a chain of {block}"
+
+
+def _cpu_target_items(cfg: ModelConfig, weights: WeightBytes, s: PlanSettings, width: int, block: int,
+                      drafter: DrafterShape | None) -> list[Item]:
+    """The NumPy engine: slots run side by side, so every per-request buffer is counted per slot."""
+    n, ctx = s.slots, s.max_ctx
+    wide = max(width, min(PREFILL_CHUNK, ctx))
+    n_rec = sum(1 for r in cfg.recurrent_layers if r)
+    state = cfg.ssm_n_v_heads * cfg.ssm_head_k_dim * cfg.ssm_head_v_dim * 4
+    kv_slot = kv_cache_bytes(cfg, s.cache_type_k, s.cache_type_v, ctx, "numpy")
+    quantized_kv = s.cache_type_k != "f32" or s.cache_type_v != "f32"
+    items = [
+        Item("target weights", weights.resident("numpy"), "float32 (NumPy dequantizes at load), token_embd packed"),
+        Item("KV cache", n * kv_slot, f"{n} slot(s) x {ctx} tokens x {kv_slot / ctx:g} B "
+                                      f"({s.cache_type_k}/{s.cache_type_v})"),
+        Item("recurrent state", n * n_rec * state, f"{n_rec} DeltaNet layers x {state} B"),
+        Item("recurrent checkpoints", n * n_rec * width * state, f"{width} per layer ({_budget_text(s, block)})"),
+        Item("conv windows", n * n_rec * (cfg.ssm_conv_kernel - 1 + width) * cfg.ssm_conv_dim * 4,
+             f"{cfg.ssm_conv_kernel - 1} committed + {width} tree rows x {cfg.ssm_conv_dim} float32"),
+        Item("activations", n * wide * _activation_floats(cfg) * 4, f"widest pass {wide} tokens, float32"),
+        Item("attention scratch", n * _attention_scratch("numpy", cfg.n_head, cfg.head_dim, cfg.n_head_kv, wide,
+                                                         ctx, quantized_kv),
+             f"softmax over {ctx} keys x {wide} queries"),
+        Item("logits", n * 2 * width * cfg.n_vocab * 4, f"{width} rows x {cfg.n_vocab} x 2 float32"),
+    ]
+    if drafter is not None:
+        items.append(Item("drafter features", n * wide * drafter.n_features * 4,
+                          f"captured target layers, {wide} tokens"))
+    return items
+
+
+def _cpu_drafter_items(cfg: ModelConfig, d: DrafterShape, s: PlanSettings, width: int, block: int) -> list[Item]:
+    n, ctx = s.slots, s.max_ctx
+    wide = max(width, min(PREFILL_CHUNK, ctx))
+    dact = 4 * d.n_embd + 3 * d.n_ff + 4 * d.n_head * d.head_dim + d.n_features
+    return [
+        Item("drafter weights", d.weights.resident("numpy"), "float32 (NumPy)"),
+        Item("drafter context cache", n * ctx * d.n_layer * 2 * d.n_head_kv * d.head_dim * 4,
+             f"{d.n_layer} layers x {ctx} rows, f32"),
+        Item("drafter activations", n * (wide * dact * 4 + _attention_scratch(
+            "numpy", d.n_head, d.head_dim, d.n_head_kv, block, ctx, False)), f"context chunk {wide} / block {block}"),
+        Item("drafter logits", n * 2 * (block - 1) * cfg.n_vocab * 4, f"{block - 1} rows x 2 float32"),
+    ]
+
+
+def _gpu_target_items(cfg: ModelConfig, weights: WeightBytes, s: PlanSettings, width: int, n_capture: int,
+                      drafter: DrafterShape | None, sms: int) -> list[Item]:
+    """The GPU engine: per slot what one pooled GpuSequenceState holds (the verifier makes them at start-up);
+    once per device what the steps share (they run one at a time under the verifier's engine lock): the graph
+    arena, the eager pass's temporaries, a request's copies; and the instantiated graphs of every slot."""
+    n, ctx = s.slots, s.max_ctx
+    kv_k, kv_v = gpu_kv(s.cache_type_k), gpu_kv(s.cache_type_v)
+    st = gpu_state_bytes(cfg, ctx, kv_k, kv_v, width, n_capture, weights.embd_on_host)
+    kv_note = f"{s.cache_type_k}/{s.cache_type_v}" + (
+        ", f32 kept as f16 on the GPU" if "f32" in (s.cache_type_k, s.cache_type_v) else "")
+    n_rec = sum(1 for r in cfg.recurrent_layers if r)
+    block = drafter.block_size if drafter is not None else DEFAULT_BLOCK_SIZE
+    arena = graph_arena_bytes(cfg, width, kv_k, kv_v, drafter, sms)
+    step_nodes, commit_nodes, _ = graph_nodes(cfg, None)
+    graphs = n * GPU_GRAPHS_PER_STATE * (step_nodes + commit_nodes) * GRAPH_NODE_BYTES
+    eager = max(gpu_eager_scratch(cfg, min(PREFILL_CHUNK, ctx), n_capture, sms),
+                arena,       # a new shape's warm-up runs eagerly, its temporaries from the pool
+                gpu_draft_append_scratch(drafter) if drafter is not None else 0)
+    # a result still held when its state's next graph step runs is copied (DeviceLogits / DeviceRows._detach);
+    # the accepted path's features are gathered, and features wait while --budget auto pauses the drafter
+    feat_rows = (64 + width) * n_capture * cfg.n_embd * 4
+    request = width * cfg.n_vocab * 4 + width * n_capture * cfg.n_embd * 4 + 2 * feat_rows
+    from kernels import quant_gemv
+
+    items = [
+        Item("target weights", weights.resident("cuda"),
+             "stored (quantized) bytes; F16 for matrix types the kernel lacks, vectors float32"),
+        Item("KV cache", n * st["KV cache"], f"{n} slot(s) x {ctx} tokens x {kv_bytes_per_token(cfg, kv_k, kv_v):g} B,"
+                                             f" whole 32-row tiles ({kv_note})"),
+        Item("recurrent state", n * st["recurrent state"], f"{n_rec} DeltaNet layers x 2 (committed, final)"),
+        Item("recurrent replay inputs", n * st["recurrent replay inputs"],
+             f"{width} nodes per layer x conv row + g, beta float32, no per-node states (a commit replays the "
+             f"accepted path; {_budget_text(s, block)}{', at most 64 on the GPU' if s.speculative else ''})"),
+        Item("conv windows", n * st["conv windows"],
+             f"{cfg.ssm_conv_kernel - 1} committed + {max(width, GPU_RAW_ROWS)} raw rows x {cfg.ssm_conv_dim} float32"),
+        Item("step outputs", n * (st["step outputs"] + st["step values"]),
+             f"{width} logits rows x {cfg.n_vocab}, {n_capture} captured layers, step values"),
+        Item("graph arena", arena, f"one for every captured graph (widest: {width}-token step"
+                                   f"{', drafter pass' if drafter is not None else ''}), {sms} SMs"),
+        Item("CUDA graphs", graphs, f"{n} slot(s) x {GPU_GRAPHS_PER_STATE} steps of ~{step_nodes} + "
+                                    f"{GPU_GRAPHS_PER_STATE} commits of ~{commit_nodes} nodes x "
+                                    f"{GRAPH_NODE_BYTES >> 10} KiB"),
+        Item("eager pass scratch", eager, f"a {min(PREFILL_CHUNK, ctx)}-token prefill chunk, or a new shape's warm-up"),
+        Item("request copies", request, "held results copied before a replay, the accepted path's features"),
+    ]
+    split = quant_gemv.split_scratch_bound(sms, 3)
+    if split:
+        items.append(Item("split-K scratch", split, "quant_gemv, 3 streams"))
+    return items
+
+
+def _gpu_drafter_items(cfg: ModelConfig, d: DrafterShape, s: PlanSettings, width: int) -> list[Item]:
+    """The GPU drafter: its weights, per slot one pooled GpuDraftSession of the serving context (the verifier makes
+    them at start-up) and its graphs; its passes' temporaries are in the target's graph arena."""
+    n, ctx = s.slots, s.max_ctx
+    rows = ctx + d.block_size
+    ses = gpu_session_bytes(d, rows)
+    _, _, draft_nodes = graph_nodes(cfg, d)
+    return [
+        Item("drafter weights", d.weights.resident("cuda"), "stored bytes"),
+        Item("drafter context cache", n * ses["drafter context cache"],
+             f"{n} slot(s) x {d.n_layer} layers x {rows} rows, f16"),
+        Item("drafter session buffers", n * ses["drafter session buffers"],
+             "pass values, appended features" + (", window scratch" if d.sliding_window else "")),
+        Item("drafter CUDA graphs", n * GPU_GRAPHS_PER_SESSION * draft_nodes * GRAPH_NODE_BYTES,
+             f"{n} slot(s) x {GPU_GRAPHS_PER_SESSION} passes of ~{draft_nodes} nodes"),
+    ]
+
+
+_RESERVE_NOTE = {"cuda": "CUDA context, NVRTC modules, allocator fragmentation",
                  "cpu": "interpreter, gRPC, NumPy temporaries"}
 _KV_ORDER = ("f32", "f16", "q8_0", "tq3_0")    # dearest first
 
@@ -460,21 +798,23 @@ def _largest(lo: int, hi: int, ok) -> int | None:
 
 
 def plan_memory(cfg: ModelConfig, weights: WeightBytes, s: PlanSettings, drafter: DrafterShape | None = None,
-                free: dict[str, tuple[int, int]] | None = None, shrink_ctx: bool = False) -> MemoryPlan:
+                free: dict[str, tuple[int, int]] | None = None, shrink_ctx: bool = False,
+                sms: int | None = None) -> MemoryPlan:
     """A plan that fits, or MemoryPlanError naming what to change.
 
     shrink_ctx: max_ctx was not asked for (the model's own length): shrink it to the largest multiple of
     CTX_STEP that fits (at least MIN_AUTO_CTX) instead of refusing; plan.shrunk_from says so.
     """
     free = dict(free or {})
-    plan = build_plan(cfg, weights, s, drafter, free)
+    sms = sms or (device_sms(s.device) if s.device.kind == "cuda" else None)
+    plan = build_plan(cfg, weights, s, drafter, free, sms)
     for d in plan.devices:
         free.setdefault(d.device, (d.free, d.total_memory))
     if plan.fits:
         return plan
 
     def fits(**kw) -> bool:
-        return build_plan(cfg, weights, replace(s, **kw), drafter, free).fits
+        return build_plan(cfg, weights, replace(s, **kw), drafter, free, sms).fits
 
     steps = s.max_ctx // CTX_STEP
     ctx_steps = _largest(1, steps, lambda k: fits(max_ctx=k * CTX_STEP)) if steps >= 1 else None
@@ -482,7 +822,7 @@ def plan_memory(cfg: ModelConfig, weights: WeightBytes, s: PlanSettings, drafter
     if ctx_fit is None and s.max_ctx > 1:
         ctx_fit = _largest(1, s.max_ctx - 1, lambda c: fits(max_ctx=c))
     if shrink_ctx and ctx_fit is not None and ctx_fit >= min(MIN_AUTO_CTX, s.max_ctx):
-        shrunk = build_plan(cfg, weights, replace(s, max_ctx=ctx_fit), drafter, free)
+        shrunk = build_plan(cfg, weights, replace(s, max_ctx=ctx_fit), drafter, free, sms)
         shrunk.shrunk_from = s.max_ctx
         return shrunk
 
@@ -511,7 +851,7 @@ def plan_memory(cfg: ModelConfig, weights: WeightBytes, s: PlanSettings, drafter
     if fixes:
         raise MemoryPlanError(f"{head}. Any one of these fits: {'; '.join(fixes)}")
     floor = build_plan(cfg, weights, replace(s, max_ctx=1, budget=1 if s.budget is not None else None,
-                                             cache_type_k="tq3_0", cache_type_v="tq3_0", slots=1), drafter, free)
+                                             cache_type_k="tq3_0", cache_type_v="tq3_0", slots=1), drafter, free, sms)
     fixed = "; ".join(f"{d.device} {_gib(d.total)} (weights {_gib(d.get('target weights') + d.get('drafter weights'))}"
                       f", reserve {_gib(d.get('workspace reserve'))})" for d in floor.devices if not d.fits)
     raise MemoryPlanError(f"{head}. No smaller context, budget or KV type fits: even at max_ctx 1 it needs {fixed}; "
@@ -668,9 +1008,16 @@ def drafter_shape(path: str, cfg: ModelConfig) -> DrafterShape:
                                       n_features=fc.shape[1] if fc is not None else None, path=path)
     else:
         dc = drafter_config_from_hf(meta, n_target_layer=cfg.n_layer, path=path)
+    return drafter_shape_of(dc, WeightBytes.of(tensors))
+
+
+def drafter_shape_of(dc: Any, weights: WeightBytes | None = None) -> DrafterShape:
+    """The planner's view of a models.dflash.DrafterConfig (weights: its files' bytes, when known)."""
+    n_causal = sum(1 for c in dc.layer_causal if c)
     return DrafterShape(n_layer=dc.n_layer, n_embd=dc.n_embd, n_ff=dc.n_ff, n_head=dc.n_head,
                         n_head_kv=dc.n_head_kv, head_dim=dc.head_dim, block_size=dc.block_size,
-                        n_features=dc.n_features, weights=WeightBytes.of(tensors))
+                        n_features=dc.n_features, weights=weights or WeightBytes(0, 0),
+                        sliding_window=dc.sliding_window if n_causal else None, n_causal=n_causal)
 
 
 def resolve_kv_types(cfg: ModelConfig, cache_type_k: str | None, cache_type_v: str | None,

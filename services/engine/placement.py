@@ -1,9 +1,11 @@
-"""Where the target and the drafter run: load them on the devices the flags name ('cpu', 'cuda:N').
+"""Where the target and the drafter run: load them on the devices the flags name ('cpu', 'cuda:N'), and take
+what serving them needs.
 
 One place for what `specsplit generate`, the verifier service and `serve` do alike: a GPU target is a
 Qwen35GpuModel (models/qwen35_gpu.py); its in-process drafter runs beside it on the same GPU
 (models/dflash_gpu.py, sharing the target's token table and LM head) or on the CPU (fed host copies of the
-target's features and its head); a CPU target keeps everything in NumPy.
+target's features and its head); a CPU target keeps everything in NumPy. reserve_serving takes, on a GPU, what the
+memory plan counts per slot and per device before the first request.
 """
 
 from __future__ import annotations
@@ -77,3 +79,41 @@ def load_drafter_on(path: str, target_model: Any, device: str) -> LoadedDrafter:
     else:
         dr = load_drafter(path, target_model)
     return LoadedDrafter(dr, "cpu", lambda: LocalProposer(dr))
+
+
+def reserve_serving(model: Any, drafter: Any, slots: int, max_ctx: int, budget: int | None, speculative: bool,
+                    n_capture: int, device: str) -> int:
+    """Set up `model` (and an in-process `drafter`, or None) to serve `slots` requests of up to max_ctx tokens
+    with verifies of the planned width (memory_plan.serving_width: budget None = chain), and return that width.
+
+    On a GPU everything the memory plan counts per slot and per device is taken now: `slots` pooled states of
+    max_ctx rows with room for n_capture captured layers, as many drafter sessions, and the graph arena; the
+    states' checkpoints, the graph steps' logits rows and the verify width are capped at the planned width. A
+    NumPy model only learns its pool sizes (it allocates per request, as the CPU plan counts)."""
+    from . import memory_plan as mp
+
+    block = getattr(drafter, "block_size", mp.DEFAULT_BLOCK_SIZE)
+    backend = getattr(getattr(model, "be", None), "name", "numpy")
+    width = mp.serving_width(speculative, budget, block, backend)
+    if hasattr(model, "state_pool_size"):
+        model.state_pool_size = slots
+    if drafter is not None and hasattr(drafter, "session_pool_size"):
+        drafter.session_pool_size = slots
+    if not hasattr(model, "reserve_states"):
+        return width
+    from .models.qwen35_gpu import graph_arena
+
+    model.max_tree = width
+    gpu_drafter = drafter if hasattr(drafter, "reserve_sessions") else None
+    if gpu_drafter is not None:
+        gpu_drafter.reserve_sessions(slots, max_ctx)
+    model.reserve_states(slots, max_ctx, n_capture)
+    kv_k, kv_v = model.kv_cache_types
+    arena = mp.graph_arena_bytes(model.cfg, width, kv_k, kv_v,
+                                 mp.drafter_shape_of(gpu_drafter.cfg) if gpu_drafter is not None else None,
+                                 mp.device_sms(parse_device(device)))
+    graph_arena(model.be.xp).reserve(arena, exact=True)
+    # what CuPy's pool cached meanwhile (the weights' upload temporaries, the arena the model reserved when it
+    # loaded): back to the device
+    model.release_cached_memory()
+    return width

@@ -280,11 +280,15 @@ def _spec_loop(target: TargetModel, proposer: Proposer | None, prompt_ids: Seque
     # `--budget auto` pauses a drafter that does not pay for plain steps, per request: PLAIN_PAUSE[0] steps,
     # doubling (up to PLAIN_PAUSE[1]) while the re-measuring draft after each pause still does not pay
     plain_left, pause = 0, PLAIN_PAUSE[0]
+    # a GPU state holds checkpoints for max_tree tokens (the verifier's planned width): no verify is wider
+    widest = getattr(state, "max_tree", None)
     while not done:
         room = state.max_ctx - state.n_past - 1            # tree nodes that still fit after the root
         if room < 0:
             res.finish_reason = "length"
             break
+        if widest is not None:
+            room = min(room, widest - 1)
         top = None
         drafting = proposer is not None and room > 0
         if drafting and plain_left > 0:

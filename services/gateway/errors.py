@@ -92,6 +92,8 @@ def from_grpc(err: grpc.aio.AioRpcError | grpc.RpcError) -> APIError:
     if code == grpc.StatusCode.NOT_FOUND:
         return APIError(404, details)
     if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+        if "out of memory" in details.lower():     # an allocation failed mid-request (the verifier goes on)
+            return APIError(429, f"server out of memory: {details}", retry_after=1.0)
         return APIError(429, f"server busy: {details}", retry_after=1.0)
     if code == grpc.StatusCode.UNAVAILABLE:
         return unavailable(f"verifier unavailable: {details}")

@@ -10,6 +10,11 @@ requests instead of capturing again).
 Admission: up to `slots` requests run, up to `max_queue` more wait for a slot; past that a request gets
 RESOURCE_EXHAUSTED at once (the gateway turns it into 429), so overload never turns into unbounded latency.
 
+Memory: the start-up plan (services/engine/memory_plan.py) counts `slots` of everything per request; on a GPU the
+verifier takes it all before serving (reserve_states / reserve_sessions / the graph arena) and caps each verify at
+the planned width (a request's budget is lowered to it). A request whose allocation fails anyway (another process
+took the memory) fails alone with RESOURCE_EXHAUSTED; its slot and state go back and the verifier keeps serving.
+
 Stopping: client cancellation, the RPC deadline and shutdown all set one flag per request that the worker
 checks between engine steps; the worker then closes the engine generator and the proposer, and the slot
 is released when the worker thread returns (a done-callback on its future), never before: a slot freed
@@ -49,8 +54,15 @@ from opentelemetry import context as otel_context
 from opentelemetry import trace
 
 from services.cliargs import MAX_BUDGET
+from services.engine import faults
 from services.engine.budget import BudgetTuner
-from services.engine.errors import ContextOverflowError, InvalidRequestError, SpecsplitError
+from services.engine.errors import (
+    ContextOverflowError,
+    DeviceMemoryError,
+    InvalidRequestError,
+    SpecsplitError,
+    is_out_of_memory,
+)
 from services.engine.generate import GenerationResult, check_request
 from services.engine.kvcache import kv_info
 from services.engine.sampling import SamplingParams
@@ -134,6 +146,7 @@ class Counters:
     rejected: int = 0                 # RESOURCE_EXHAUSTED
     invalid: int = 0                  # INVALID_ARGUMENT
     failed: int = 0                   # INTERNAL
+    out_of_memory: int = 0            # RESOURCE_EXHAUSTED: an allocation failed mid-request
     fallbacks: int = 0                # requests that lost their drafter and finished with plain decoding
 
 
@@ -259,6 +272,7 @@ class VerifierServicer(pb_grpc.VerifierServicer):
         self.tuner: BudgetTuner | None = None   # --budget auto (shared by all requests)
         self.max_ctx = 0
         self.kv: dict | None = None             # KV memory accounting (kvcache.kv_info) once loaded
+        self.width = 0                          # the widest verify pass (memory_plan.serving_width) once loaded
         self.created = int(time.time())
         self._tracer = tracer or trace.get_tracer("specsplit.verifier")
         self._pool = ThreadPoolExecutor(max_workers=cfg.slots, thread_name_prefix="verifier-slot")
@@ -301,16 +315,11 @@ class VerifierServicer(pb_grpc.VerifierServicer):
             self._engine_lock = threading.Lock()
         if self.cfg.draft:
             self.drafter = load_drafter_on(self.cfg.draft, self.target.model, self.cfg.draft_device)
-        # GPU engines keep finished requests' states and drafter sessions (with their captured CUDA graphs)
-        # for the next requests: one per slot at most, which is what the memory plan counts per slot
-        if hasattr(self.target.model, "state_pool_size"):
-            self.target.model.state_pool_size = self.cfg.slots
-        if self.drafter is not None and hasattr(self.drafter.drafter, "session_pool_size"):
-            self.drafter.drafter.session_pool_size = self.cfg.slots
+        self._reserve_memory()
         load_ms = (time.perf_counter() - t0) * 1e3
         if self.cfg.budget == "auto" and (self.cfg.draft or self.cfg.drafter_address):
             # the verify-cost curve of this machine, measured once; acceptance is learnt while serving
-            self.tuner = BudgetTuner.measure(self.target.model, AUTO_MAX_BUDGET)
+            self.tuner = BudgetTuner.measure(self.target.model, min(AUTO_MAX_BUDGET, self.width - 1))
             log.info("verifier: --budget auto, verify ms by width %s", self.tuner.snapshot()["verify_ms"])
         # Warm-up: the first forward pays one-off costs (lazy dequantisation, allocator growth); a
         # readiness probe should only pass once a request would not pay them.
@@ -326,6 +335,30 @@ class VerifierServicer(pb_grpc.VerifierServicer):
         log.info("verifier: KV cache K=%s V=%s, %d bytes per token (f16: %d), %.1f MiB per slot at context %d",
                  self.kv["cache_type_k"], self.kv["cache_type_v"], self.kv["kv_bytes_per_token"],
                  self.kv["kv_bytes_per_token_f16"], self.kv["kv_bytes"] / 2**20, self.max_ctx)
+        armed = faults.arm()
+        if armed:
+            log.warning("verifier: %s=%s: an allocation failure will be injected", faults.ENV, armed)
+
+    def _reserve_memory(self) -> None:
+        """The widest verify the plan counted, and on a GPU everything it counts per slot and per device, taken
+        now (placement.reserve_serving): `slots` states and drafter sessions of the serving context (pooled:
+        finished requests' states and captured graphs serve the next ones) and the graph arena."""
+        from services.engine import memory_plan as mp
+        from services.engine.placement import reserve_serving
+
+        dr = self.drafter.drafter if self.drafter is not None else None
+        has_drafter = bool(self.cfg.draft or self.cfg.drafter_address)
+        n_capture = len(dr.target_layer_ids) if dr is not None else (
+            mp.DEFAULT_CAPTURE_LAYERS if self.cfg.drafter_address else 0)
+        budget = AUTO_MAX_BUDGET if self.cfg.budget == "auto" else self.cfg.budget
+        model = self.target.model
+        self.width = reserve_serving(model, dr, self.cfg.slots, self.max_ctx, budget, has_drafter, n_capture,
+                                     self.cfg.device)
+        if hasattr(model, "memory_in_use"):
+            used = model.memory_in_use()
+            log.info("verifier: %d slot(s) on %s, verify width %d: states %.1f MiB, graph arena %.1f MiB, "
+                     "CuPy pool %.1f MiB", self.cfg.slots, self.cfg.device, self.width,
+                     used["pooled_states"] / 2**20, used["arena"] / 2**20, used["pool_total"] / 2**20)
 
     def drafter_description(self) -> str:
         if self.cfg.drafter_address:
@@ -390,6 +423,8 @@ class VerifierServicer(pb_grpc.VerifierServicer):
                 raise InvalidRequestError(f"budget must be in 0..{MAX_BUDGET} (0 = chain), got {request.budget}",
                                           param="budget")
             budget = request.budget or None
+            if budget is not None and self.width > 1:
+                budget = min(budget, self.width - 1)     # the widest verify the memory plan counted
         return params, speculative and has_drafter, self._spec_config(budget)
 
     def _spec_config(self, budget: int | str | None) -> SpecConfig:
@@ -491,6 +526,10 @@ class VerifierServicer(pb_grpc.VerifierServicer):
         except (asyncio.CancelledError, GeneratorExit):   # client went away / deadline / server stop
             status = "cancelled"
             raise
+        except DeviceMemoryError as e:    # an allocation failed mid-request: this request only
+            status = "out_of_memory"
+            span.record_exception(e)
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
         except SpecsplitError as e:       # the engine rejected something validation did not catch
             status = "invalid"
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
@@ -677,7 +716,7 @@ class VerifierServicer(pb_grpc.VerifierServicer):
                     return
                 job.put("chunk", chunk)
         except BaseException as e:          # noqa: BLE001 - handed to the event loop, which reports it
-            job.put("error", e)
+            job.put("error", self._out_of_memory(job, e) if is_out_of_memory(e) else e)
         finally:
             if gen is not None:
                 with self._engine_lock:
@@ -685,6 +724,26 @@ class VerifierServicer(pb_grpc.VerifierServicer):
             if proposer is not None:
                 proposer.close()
             otel_context.detach(token)
+
+    def _out_of_memory(self, job: _Job, e: BaseException) -> DeviceMemoryError:
+        """A failed allocation during a request: log it, give cached device memory back, and say what to change
+        (the state and the slot are released on the way out, as for any ending)."""
+        device = self.cfg.device
+        log.error("verifier: request %s ran out of memory on %s after %d tokens: %s: %s", job.request_id, device,
+                  len(job.result.token_ids), type(e).__name__, e)
+        release = getattr(self.target.model, "release_cached_memory", None)
+        if release is not None:
+            with self._engine_lock:
+                release()
+        job.loop.call_soon_threadsafe(self._count_oom)
+        return DeviceMemoryError(
+            f"out of memory on {device} after {len(job.result.token_ids)} generated tokens ({type(e).__name__}: "
+            f"{e}); the request was stopped and the verifier goes on serving. If this repeats, restart it with a "
+            f"smaller --max-ctx, --slots or --budget, or a cheaper --cache-type-k/-v (--plan-only shows the plan)",
+            device=device)
+
+    def _count_oom(self) -> None:
+        self.counters.out_of_memory += 1
 
     def _step_spans(self, job: _Job, info: StepInfo) -> None:
         """spec.draft / spec.verify / spec.accept spans for one round, laid end to end ending now.
@@ -770,8 +829,8 @@ class VerifierServer:
         self.servicer.close()
         c = self.servicer.counters
         log.info("verifier stopped: %d requests, %d completed, %d cancelled, %d rejected (queue full), "
-                 "%d invalid, %d failed, %d drafter fallbacks", c.requests, c.completed, c.cancelled,
-                 c.rejected, c.invalid, c.failed, c.fallbacks)
+                 "%d invalid, %d failed, %d out of memory, %d drafter fallbacks", c.requests, c.completed,
+                 c.cancelled, c.rejected, c.invalid, c.failed, c.out_of_memory, c.fallbacks)
 
     async def wait_for_termination(self) -> None:
         await self.running.wait_for_termination()

@@ -13,6 +13,7 @@ from typing import Any
 
 import numpy as np
 
+from .. import faults
 from ..backend import NumpyBackend, default_backend
 from ..config import ModelConfig
 from ..errors import ModelFormatError
@@ -120,6 +121,7 @@ class TargetModel(ABC):
         logits: "all", "last" or "none".
         """
         tokens, par, is_chain = check_step(tokens, parents, self.cfg.n_vocab)
+        faults.check("forward")
         T = len(tokens)
         state.check_room(T)
         depth = np.zeros(T, dtype=np.int64)

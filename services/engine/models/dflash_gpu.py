@@ -17,8 +17,11 @@ the window's edge as extra "new tokens" under a per-step mask (_window_attention
 
 Sessions outlive a request: GpuProposer takes one from the drafter's pool (acquire_session) and returns it on
 close, so a request replays the graphs an earlier one captured (session_pool_size of them kept; the verifier sets
-its slots). A pass's values and the first embedded row go up in one copy from pinned memory; its top-k ids and
-log-probabilities come back in one copy.
+its slots and makes them at start-up with reserve_sessions, at the serving context: GpuDraftSession.nbytes is what
+the memory plan counts per slot). A pass's values and the first embedded row go up in one copy from pinned memory;
+its top-k ids and log-probabilities come back in one copy. Captured passes take their temporaries from the
+device's one graph arena (qwen35_gpu.GraphArena), shared with the target's graphs: a pass's outputs live there
+until the next replay, so draft() and draft_topk() copy them out at once.
 """
 
 from __future__ import annotations
@@ -37,7 +40,7 @@ from kernels import quant_matmul as qm
 from kernels import sampling as smp
 
 from ..backend import CupyBackend
-from ..errors import DrafterMismatchError, ModelFormatError
+from ..errors import DrafterMismatchError, ModelFormatError, is_out_of_memory
 from ..formats import RawTensor
 from . import qwen35_gpu as QG
 from .dflash import _LAYER_TENSORS, DFlashDrafter, DrafterConfig, _expected_shapes, read_drafter
@@ -52,8 +55,7 @@ _ARANGE_APPEND = np.arange(MAX_APPEND, dtype=np.int32)
 @dataclass
 class _DraftGraph:
     graph: Any
-    heap: Any          # QG._GraphHeap: the arena whose addresses the graph replays
-    outputs: Any       # _head's (logits, ids, log-probs, packed) inside the arena, rewritten by every replay
+    outputs: Any       # _head's (logits, ids, log-probs, packed) inside the graph arena, valid until the next replay
     replays: int = 0
 
 
@@ -98,6 +100,19 @@ class GpuDraftSession:
         self.win_len: dict[int, Any] = {}
         self.win_mask: dict[int, Any] = {}
         self.graphs: dict[tuple, _DraftGraph] = {}
+        QG.graph_arena(cp).register(self)
+
+    def drop_graphs(self) -> None:
+        self.graphs.clear()
+
+    @property
+    def nbytes(self) -> int:
+        """Device bytes this session holds (what memory_plan.gpu_session_bytes counts per slot)."""
+        arrays = [c.k for c in self.kv] + [c.v for c in self.kv] + [self.stage, self.feats]
+        if self.win is not None:
+            arrays += [self.win.k, self.win.v]
+        arrays += list(self.win_len.values()) + list(self.win_mask.values())
+        return sum(int(a.nbytes) for a in arrays)
 
     # views into vals (kernel arguments point into the one buffer)
     @property
@@ -237,6 +252,11 @@ class DFlashGpuDrafter:
         self._pool: list[GpuDraftSession] = []
         self._pool_lock = threading.Lock()
         self.pool_stats = {"new": 0, "reused": 0}
+        # context rows a session may grow to (None: the target's context length + a block); the verifier sets
+        # its serving context + a block (reserve_sessions)
+        self.max_rows: int | None = None
+        if self.use_graphs and hasattr(target, "arena_bound"):   # its passes' share of the shared graph arena
+            QG.graph_arena(cp).reserve(target.arena_bound(cfg))
 
     @property
     def n_vocab(self) -> int:
@@ -250,9 +270,10 @@ class DFlashGpuDrafter:
         return sum(m.nbytes for m in mats)
 
     # -- context -------------------------------------------------------------------------------------
-    def new_session(self) -> GpuDraftSession:
+    def new_session(self, capacity: int = INITIAL_ROWS) -> GpuDraftSession:
         ctx = getattr(getattr(self.target, "cfg", None), "context_length", None)
-        s = GpuDraftSession(self.cfg, max_rows=ctx + self.block_size if ctx else None, host_rows=self._host_table)
+        rows = self.max_rows if self.max_rows is not None else (ctx + self.block_size if ctx else None)
+        s = GpuDraftSession(self.cfg, capacity, max_rows=rows, host_rows=self._host_table)
         B = self.block_size
         s.h_vals[2 + MAX_APPEND + B:] = self.mask_token_id
         if self._host_table:
@@ -273,6 +294,23 @@ class DFlashGpuDrafter:
                 return s
         self.pool_stats["new"] += 1
         return self.new_session()
+
+    def reserve_sessions(self, n: int, max_ctx: int) -> None:
+        """Make the pool `n` sessions holding max_ctx context rows and a block (and the sliding layers' window
+        scratch) now, at start-up: a request of up to max_ctx tokens then grows none, and every byte the memory
+        plan counts per slot for the drafter is taken before the first request."""
+        self.max_rows = int(max_ctx) + self.block_size
+        with self._pool_lock:
+            self.session_pool_size = int(n)
+            self._pool.clear()
+        made = []
+        for _ in range(int(n)):
+            s = self.new_session(self.max_rows)
+            if self.cfg.sliding_window is not None and any(self.cfg.layer_causal):
+                self._window_scratch(s, self.block_size)
+            made.append(s)
+        with self._pool_lock:
+            self._pool.extend(made)
 
     def release_session(self, session: GpuDraftSession) -> None:
         """Keep a finished request's session for the next one; at most `session_pool_size` are kept (those of
@@ -391,12 +429,7 @@ class DFlashGpuDrafter:
         W = c.sliding_window
         n_all, n_edge = self._window_shape(T)
         Tq = T + n_edge
-        if s.win is None or s.win.max_ctx < n_all + Tq:
-            s.win = att.KVCacheLayer(c.n_head_kv, c.head_dim, n_all + Tq, "f16")
-            s.graphs.clear()
-        if s.win_len.get(T) is None:
-            s.win_len[T] = cp.full(1, n_all, cp.int32)
-            s.win_mask[T] = cp.zeros(Tq, cp.uint64)
+        self._window_scratch(s, T)
         t = np.arange(T)[:, None]
         j = np.arange(n_edge)[None, :]
         edge = ((j >= t) & (start - (W - 1) + j >= 0)).astype(np.uint64) << (T + j).astype(np.uint64)
@@ -406,6 +439,18 @@ class DFlashGpuDrafter:
         m[T:] = np.uint64(1) << np.arange(T, Tq).astype(np.uint64)     # padding queries: themselves only
         s.win_mask[T][...] = cp.asarray(m)
         return s.win_mask[T]
+
+    def _window_scratch(self, s: GpuDraftSession, T: int) -> None:
+        """The session's scratch cache of a windowed pass of T tokens and its per-width S and mask buffers."""
+        cp, c = self.xp, self.cfg
+        n_all, n_edge = self._window_shape(T)
+        Tq = T + n_edge
+        if s.win is None or s.win.max_ctx < n_all + Tq:
+            s.win = att.KVCacheLayer(c.n_head_kv, c.head_dim, n_all + Tq, "f16")
+            s.graphs.clear()
+        if s.win_len.get(T) is None:
+            s.win_len[T] = cp.full(1, n_all, cp.int32)
+            s.win_mask[T] = cp.zeros(Tq, cp.uint64)
 
     def _window_attention(self, q: Any, cache: att.KVCacheLayer, s: GpuDraftSession, T: int, mask: Any) -> Any:
         """A sliding layer's attention when its window cuts the context (SpecForge's per-query window: context
@@ -530,11 +575,13 @@ class DFlashGpuDrafter:
         with cp.cuda.using_allocator(probe.malloc):
             out = launches()
         try:
-            heap = QG._GraphHeap(cp, cp.empty(probe.peak + probe.peak // 8 + (4 << 20), cp.uint8))
+            heap = QG.graph_arena(cp).heap_for(probe.peak)
             if self._stream is None:
                 self._stream = cp.cuda.Stream(non_blocking=True)
             graph, res = QG._record(self._stream, heap, launches)
         except Exception as e:  # noqa: BLE001 - any capture failure: eager from here on, and say why
+            if is_out_of_memory(e):   # no memory for the arena: this request fails, graphs stay on
+                raise
             self.use_graphs = False
             self.graph_blocker = f"capture failed: {type(e).__name__}: {e}"
             self.graph_stats["failed"] += 1
@@ -542,7 +589,7 @@ class DFlashGpuDrafter:
             return out
         while len(s.graphs) >= GRAPHS_PER_SESSION:
             s.graphs.pop(next(iter(s.graphs)))
-        s.graphs[key] = _DraftGraph(graph=graph, heap=heap, outputs=res)
+        s.graphs[key] = _DraftGraph(graph=graph, outputs=res)
         self.graph_stats["captures"] += 1
         return out
 

@@ -18,16 +18,20 @@ KV types: f16, q8_0 or tq3_0, K and V chosen independently (f32 is kept as f16, 
 CUDA graphs (default on; SPECSPLIT_CUDA_GRAPHS=0 or `model.use_graphs = False`: eager launches): the first
 step of a shape on a state (width T <= 64, chain or tree, checkpoints, logits rows, captured layers, and a
 power-of-two bucket of S that fixes the attention's K splits) runs eagerly while its allocations are measured,
-then the same launches are captured on a side stream with every allocation taken from an arena owned by the
-graph (_GraphHeap); later steps of that shape write their values (token ids, positions, parents, mask, S)
-into the state's device buffers and replay. Nothing in the captured launches reads the host or syncs.
+then the same launches are captured on a side stream with every temporary taken from the device's one graph
+arena (GraphArena, shared by every captured graph: steps and commits of all states, the GPU drafter's passes);
+later steps of that shape write their values (token ids, positions, parents, mask, S) into the state's device
+buffers and replay. Nothing in the captured launches reads the host or syncs. What outlives a replay (logits
+rows, argmax ids, captured layers) is written into the state's own output buffers, never into the arena.
 
 Host work per step is kept to what must run there (the speculative loop's time outside the graph replays):
 the per-step values go up in one copy from pinned memory (_StepValues), the captured layers stay on the
 device (DeviceRows: the GPU drafter reads them there), a Q4_K token table is decoded on the device inside the
 step (_embed_q4_k; other host-only tables go through host_head_embed's row cache), and a commit (accepted node,
 KV rows to move: one upload) replays a captured graph per shape. States outlive a request: acquire_state /
-release_state keep up to state_pool_size of them (buffers and captured graphs) for the next requests.
+release_state keep up to state_pool_size of them (buffers and captured graphs) for the next requests;
+reserve_states makes them at start-up, so that serving allocates no state (what services/engine/memory_plan.py
+counts per slot: GpuSequenceState.nbytes).
 
 Pieces done with plain CuPy ops instead of a kernel (each marked FALLBACK below): attention of a tree wider
 than 64 tokens (the attention kernel's mask is one uint64 per token; it decodes Q8_0 / TQ3_0 rows with CuPy),
@@ -56,10 +60,11 @@ from kernels import norm_rope as nr
 from kernels import quant_matmul as qm
 from kernels import sampling as smp
 
+from .. import faults
 from ..backend import CupyBackend
 from ..config import ModelConfig
 from ..device_sampling import draw_rows
-from ..errors import ContextOverflowError
+from ..errors import ContextOverflowError, is_out_of_memory
 from ..formats import RawTensor
 from ..kvcache import resolve_cache_types
 from ..quants import tq3
@@ -73,7 +78,10 @@ ATTN_TOKENS = att.MAX_TOKENS
 
 HOST_ROW_CACHE_BYTES = 64 << 20   # host_head_embed's cache of dequantized token rows (27B: ~3300 rows)
 GRAPH_MIN_BUCKET = 512   # smallest S bucket of a graph (K splits chosen for S + T up to it)
-GRAPHS_PER_STATE = 64    # captured shapes kept per state (oldest dropped first: each holds an arena)
+GRAPHS_PER_STATE = 64    # captured shapes kept per state, steps and commits each (oldest dropped first: an
+                         # instantiated graph keeps device memory per node; memory_plan counts them)
+RAW_ROWS = 512           # pre-conv rows a state keeps: a prefill chunk's (generate.PREFILL_CHUNK), or the tree's
+ARENA_SLACK = 4 << 20    # an arena holds a capture's measured peak + 1/8 + this (the capture repeats the warm-up)
 
 
 def graphs_default() -> bool:
@@ -180,7 +188,7 @@ class GpuSequenceState:
     commit of any node of the last step needs (KV rows in place, conv rows, the nodes' replay inputs)."""
 
     def __init__(self, cfg: ModelConfig, max_ctx: int, kv_k: str, kv_v: str, max_tree: int = MAX_TREE,
-                 host_rows: bool = False):
+                 host_rows: bool = False, n_capture: int = 0):
         cp = nr.loader.require()
         self.cfg, self.max_ctx, self.max_tree = cfg, int(max_ctx), int(max_tree)
         self.n_past = 0
@@ -203,7 +211,8 @@ class GpuSequenceState:
             self.gates = cp.zeros((L, 2, max_tree, hv), cp.float32)
             self.plan = cp.zeros(max_tree, cp.int32)    # the tree walk of the step (dn.tree_plan), all layers'
             self.conv = cp.zeros((L, cfg.ssm_conv_kernel - 1, cd), cp.float32)
-            self.raw = cp.zeros((L, max_tree, cd), cp.float32)
+            # pre-conv rows of a step (what commit() gathers): a whole prefill chunk's, so that no prompt grows it
+            self.raw = cp.zeros((L, max(max_tree, RAW_ROWS), cd), cp.float32)
         # per-step values in device buffers (what a captured graph will read): views into one staging buffer
         # (_StepValues) that a step fills from pinned host memory with a single copy
         self.stage = _StepValues(cp, self.max_tree, cfg.n_embd, host_rows)
@@ -213,15 +222,63 @@ class GpuSequenceState:
         self.commit_stage = _CommitValues(cp, self.max_tree)
         self.accepted = self.commit_stage.accepted
         self.commit_graphs: dict[tuple, Any] = {}
-        self._commit_heaps: dict[tuple, _GraphHeap] = {}
         self._commit_stream = None
         self.graph_commits = graphs_default()   # off after a failed commit capture
         self.graphs_on = True                    # the model's choice, set by each forward
         # argmax ids of a step's rows land here (pinned: the copy is asynchronous); forward copies them out
         self.argmax_host = _pinned(cp, max_tree, np.int32)
+        # a graph step's results (what outlives its replay; the device's graph arena holds only temporaries):
+        # logits rows, their argmax ids and maxima, the captured layers (made for the first capture list)
+        self.out_logits = cp.empty((max_tree, cfg.n_vocab), cp.float32)
+        self.out_ids = cp.empty(max_tree, cp.int32)
+        self.out_max = cp.empty(max_tree, cp.float32)
+        self.out_captured = None
+        self.handed: list[Any] = []   # weakrefs to the DeviceLogits / DeviceRows last returned over out_*
         # captured steps of this state by shape (see Qwen35GpuModel.forward); they hold the addresses of the
-        # buffers above, so replacing a buffer drops them
+        # buffers above, so replacing a buffer drops them; the graph arena drops them when it grows
         self.graphs: dict[tuple, _StepGraph | None] = {}
+        if n_capture:
+            self.ensure_capture(n_capture)
+        graph_arena(cp).register(self)
+
+    def drop_graphs(self) -> None:
+        """Forget every captured step and commit (their addresses are no longer valid)."""
+        self.graphs.clear()
+        self.commit_graphs.clear()
+
+    def ensure_capture(self, n_capture: int) -> Any:
+        """The (max_tree, n_capture, n_embd) buffer of a graph step's captured layers (remade, and the graphs
+        dropped, for another number of layers)."""
+        buf = self.out_captured
+        if buf is None or int(buf.shape[1]) != int(n_capture):
+            cp = nr.loader.require()
+            self.detach_results()
+            self.graphs.clear()
+            self.out_captured = buf = cp.empty((self.max_tree, int(n_capture), self.cfg.n_embd), cp.float32)
+        return buf
+
+    def detach_results(self) -> int:
+        """Give the results still held over the output buffers their own copies (the next graph step rewrites
+        the buffers); returns how many were copied."""
+        n = 0
+        for ref in self.handed:
+            res = ref()
+            if res is not None:
+                res._detach()
+                n += 1
+        self.handed = []
+        return n
+
+    @property
+    def nbytes(self) -> int:
+        """Device bytes this state holds (what memory_plan.gpu_state_bytes counts per slot)."""
+        arrays = [c.k for c in self.kv.values()] + [c.v for c in self.kv.values()]
+        arrays += [self.stage.dev, self.commit_stage.dev, self.out_logits, self.out_ids, self.out_max]
+        if self.rec_layers:
+            arrays += [self.ssm, self.ssm_final, self.mixed, self.gates, self.plan, self.conv, self.raw]
+        if self.out_captured is not None:
+            arrays.append(self.out_captured)
+        return sum(int(a.nbytes) for a in arrays)
 
     @property
     def x_in(self):
@@ -245,12 +302,11 @@ class GpuSequenceState:
             raise ContextOverflowError(self.n_past + n_new, self.max_ctx)
 
     def raw_rows(self, T: int):
-        """(L, >= T, conv_dim) buffer for this step's pre-conv rows (grown for a long prefill chunk)."""
+        """(L, >= T, conv_dim) buffer for this step's pre-conv rows (grown for a chunk longer than RAW_ROWS: a
+        direct forward() of a long prompt; generate.prefill's chunks fit)."""
         if T > self.raw.shape[1]:
             cp = nr.loader.require()
-            self.graphs.clear()
-            self.commit_graphs.clear()
-            self._commit_heaps.clear()
+            self.drop_graphs()
             self.raw = cp.zeros((self.raw.shape[0], T, self.raw.shape[2]), cp.float32)
         return self.raw
 
@@ -320,20 +376,19 @@ class GpuSequenceState:
         with cp.cuda.using_allocator(probe.malloc):
             launches()
         try:
-            heap = _GraphHeap(cp, cp.empty(probe.peak + probe.peak // 8 + (1 << 16), cp.uint8))
+            heap = graph_arena(cp).heap_for(probe.peak)
             if self._commit_stream is None:
                 self._commit_stream = cp.cuda.Stream(non_blocking=True)
             graph, _ = _record(self._commit_stream, heap, launches)
         except Exception as e:  # noqa: BLE001 - any capture failure: eager commits, and say why
+            if is_out_of_memory(e):   # no memory for the arena: this request fails, commit graphs stay on
+                raise
             self.graph_commits = False
             warnings.warn(f"commit graphs off for this state: {type(e).__name__}: {e}", RuntimeWarning, stacklevel=3)
             return
         while len(self.commit_graphs) >= GRAPHS_PER_STATE:
-            old = next(iter(self.commit_graphs))
-            del self.commit_graphs[old]
-            self._commit_heaps.pop(old, None)
+            del self.commit_graphs[next(iter(self.commit_graphs))]
         self.commit_graphs[key] = graph
-        self._commit_heaps[key] = heap
 
 
 class _CommitValues:
@@ -547,6 +602,19 @@ class Qwen35GpuModel(TargetModel):
         self._pool_lock = threading.Lock()
         self._states_out = 0         # acquired and not yet released
         self.pool_stats = {"new": 0, "reused": 0}
+        # tree nodes (with recurrent checkpoints) a new state holds: the widest verify; the verifier sets its
+        # planned width (memory_plan.serving_width), which also bounds the graph steps' logits rows
+        self.max_tree = MAX_TREE
+        if self.use_graphs:   # the arena this model's captures can need (memory_plan): none of them grows it
+            graph_arena(be.xp).reserve(self.arena_bound())
+
+    def arena_bound(self, drafter: Any = None) -> int:
+        """The planned graph arena for this model's steps up to max_tree tokens (and a drafter's passes)."""
+        from .. import memory_plan as mp
+
+        shape = mp.drafter_shape_of(drafter) if drafter is not None else None
+        return mp.graph_arena_bytes(self.cfg, self.max_tree, "f16", "f16", shape, mp.device_sms(
+            mp.Device("cuda", self.be.device)))
 
     def _load_layer(self, i: int) -> dict:
         p, c, be = f"blk.{i}.", self.cfg, self.be
@@ -581,7 +649,23 @@ class Qwen35GpuModel(TargetModel):
         k, v = resolve_cache_types(self.cfg, cache_type_k or self.kv_cache_types[0],
                                    cache_type_v or self.kv_cache_types[1])
         return GpuSequenceState(self.cfg, max_ctx or self.cfg.context_length, gpu_kv_type(k), gpu_kv_type(v),
-                                host_rows=self._host_table)
+                                max_tree=self.max_tree, host_rows=self._host_table)
+
+    def reserve_states(self, n: int, max_ctx: int, n_capture: int = 0) -> None:
+        """Make the pool `n` states of max_ctx rows (with room for n_capture captured layers) now, at start-up,
+        so that requests of up to max_ctx tokens take a pooled state and allocate none: the bytes the memory
+        plan counts per slot are all taken before the first request."""
+        with self._pool_lock:
+            self.state_pool_size = int(n)
+            self._state_pool.clear()
+        made = []
+        for _ in range(int(n)):
+            st = self.new_state(max_ctx)
+            if n_capture:
+                st.ensure_capture(n_capture)
+            made.append(st)
+        with self._pool_lock:
+            self._state_pool.extend(made)
 
     def acquire_state(self, n_ctx: int, limit: int | None = None) -> GpuSequenceState:
         """A state for a request of up to n_ctx tokens, from the pool when one fits (its captured graphs come
@@ -624,9 +708,30 @@ class Qwen35GpuModel(TargetModel):
             del self._state_pool[max(0, int(self.state_pool_size)):]
 
     def clear_pools(self) -> None:
-        """Free the pooled states (their buffers and graph arenas)."""
+        """Free the pooled states (their buffers and captured graphs)."""
         with self._pool_lock:
             self._state_pool.clear()
+
+    def memory_in_use(self) -> dict[str, int]:
+        """Device bytes by holder (tests and bench/memory_check.py compare them with the memory plan): the CuPy
+        pool (everything but the split-K scratch; `pool_total` counts its cached free blocks too), the graph arena
+        inside it, the pooled states, and quant_gemv's split-K scratch (allocated beside the pool)."""
+        from kernels import quant_gemv
+
+        cp = self.be.xp
+        pool = cp.get_default_memory_pool()
+        with self._pool_lock:
+            states = sum(st.nbytes for st in self._state_pool)
+            graphs = sum(len(st.graphs) for st in self._state_pool)
+            commits = sum(len(st.commit_graphs) for st in self._state_pool)
+        arena = graph_arena(cp)
+        return {"pool_used": int(pool.used_bytes()), "pool_total": int(pool.total_bytes()),
+                "arena": arena.nbytes, "arena_need": arena.need, "pooled_states": states,
+                "step_graphs": graphs, "commit_graphs": commits, "split_scratch": quant_gemv.split_scratch_bytes()}
+
+    def release_cached_memory(self) -> None:
+        """Return the CuPy pool's cached free blocks to the device (after a failed allocation)."""
+        self.be.xp.get_default_memory_pool().free_all_blocks()
 
     @property
     def embeds_on_device(self) -> bool:
@@ -683,6 +788,7 @@ class Qwen35GpuModel(TargetModel):
         read the result next, and their timings stay honest)."""
         cp = self.be.xp
         tokens, par, is_chain = check_step(tokens, parents, self.cfg.n_vocab)
+        faults.check("forward")
         T = len(tokens)
         if logits not in ("all", "last", "none"):
             raise ValueError(f"logits must be 'all', 'last' or 'none', not {logits!r}")
@@ -728,11 +834,16 @@ class Qwen35GpuModel(TargetModel):
         step = _Step(T=T, S=S, parents=par, is_chain=is_chain, per_token=per_token, positions=positions,
                      s_hint=s_hint)
         if graph:
+            # this step writes its results into the state's output buffers: results of an earlier step still
+            # held over them get their own copies first
+            self.graph_stats["detached"] += state.detach_results()
+            if capture:   # made (or remade) here, outside any measured or captured allocation
+                state.ensure_capture(len(capture))
             key = (T, is_chain, per_token, logits, tuple(capture), s_hint)
-            lg, amax, cap, g = self._graph_step(state, step, key, logits, capture)
+            lg, amax, cap = self._graph_step(state, step, key, logits, capture)
         else:
             self.graph_stats["eager"] += 1
-            (lg, amax, cap), g = self._launches(state, step, logits, capture, x0), None
+            lg, amax, cap = self._launches(state, step, logits, capture, x0)
         state.pending = GpuPending(n_tokens=T, parents=par, per_token=per_token, is_chain=is_chain)
         state.graphs_on = self.use_graphs and self.graph_blocker is None
         rows_idx = {"all": np.arange(T), "last": np.array([T - 1]), "none": np.array([], dtype=np.int64)}[logits]
@@ -747,20 +858,23 @@ class Qwen35GpuModel(TargetModel):
         cp.cuda.get_current_stream().synchronize()
         if lg is not None:
             out = DeviceLogits(lg, ids.copy())           # the pinned buffer is the next step's
-            if g is not None:  # the graph's next replay rewrites these rows: the results copy them first
-                g.handed = weakref.ref(out)
-        if g is not None and captured is not None:
-            g.handed_cap = weakref.ref(captured)
+        if graph:   # over the state's output buffers, which the next graph step rewrites: it copies them first
+            state.handed = [weakref.ref(r) for r in (out, captured) if r is not None]
         return ForwardResult(logits=out, logit_rows=rows_idx, captured=captured)
 
     def _launches(self, state: GpuSequenceState, step: _Step, logits: str, capture: list[int],
-                  x0: Any = None) -> tuple[Any, Any, Any]:
+                  x0: Any = None, into_state: bool = False) -> tuple[Any, Any, Any]:
         """Every launch of a step; without x0 (the embedded rows, given for long chunks) it reads the step's
-        values only from the state's device buffers (what a graph captures). Returns (logits, captured) as device
-        arrays (or None): the logits rows, each row's argmax (int32) and the captured layers."""
+        values only from the state's device buffers (what a graph captures). Returns (logits, argmax, captured)
+        as device arrays (or None): the logits rows, each row's argmax (int32) and the captured layers; written
+        into the state's output buffers with into_state (a graph step: its arena holds only temporaries), else
+        fresh arrays."""
         cp = self.be.xp
         T = step.T
-        captured = cp.empty((T, len(capture), self.cfg.n_embd), cp.float32) if capture else None
+        captured = None
+        if capture:
+            captured = (state.ensure_capture(len(capture))[:T] if into_state
+                        else cp.empty((T, len(capture), self.cfg.n_embd), cp.float32))
         if x0 is not None:
             x = x0
         elif self._host_table:
@@ -776,51 +890,55 @@ class Qwen35GpuModel(TargetModel):
         out = amax = None
         if logits != "none":
             xr = x if logits == "all" else x[T - 1:]
-            out = self.output.matmul(nr.rms_norm(xr, self.output_norm, self.cfg.rms_eps))
-            amax, _ = smp.argmax(out)     # greedy acceptance reads only these (lowest id on ties, as np.argmax)
+            n = int(xr.shape[0])
+            h = nr.rms_norm(xr, self.output_norm, self.cfg.rms_eps)
+            if into_state:
+                out = self.output.matmul(h, out=state.out_logits[:n])
+                # greedy acceptance reads only these (lowest id on ties, as np.argmax)
+                amax, _ = smp.argmax(out, out=(state.out_ids[:n], state.out_max[:n]))
+            else:
+                out = self.output.matmul(h)
+                amax, _ = smp.argmax(out)
         return out, amax, captured
 
     def _graph_step(self, state: GpuSequenceState, step: _Step, key: tuple, logits: str,
-                    capture: list[int]) -> tuple[Any, Any, Any, _StepGraph | None]:
+                    capture: list[int]) -> tuple[Any, Any, Any]:
         """Replay the state's graph for this shape; without one: eager warm-up (this step's results), then
-        capture. A failed capture turns graphs off for the model (with a warning) and keeps the eager result.
-        Returns (logits, argmax, captured, the graph whose buffers they are or None)."""
+        capture over the device's graph arena. A failed capture turns graphs off for the model (with a warning)
+        and keeps the eager result; a failed allocation is raised (the request fails, graphs stay on). Returns
+        (logits, argmax, captured), views of the state's output buffers."""
         cp = self.be.xp
         g = state.graphs.get(key)
         if g is not None:
-            for ref in (g.handed, g.handed_cap):
-                last = ref() if ref is not None else None
-                if last is not None:   # a result of this graph is still held: give it its own rows first
-                    last._detach()
-                    self.graph_stats["detached"] += 1
-            g.handed = g.handed_cap = None
+            state.graphs[key] = state.graphs.pop(key)      # most recently used last (the LRU drops the first)
             g.graph.launch(cp.cuda.get_current_stream())
             g.replays += 1
             self.graph_stats["replays"] += 1
-            return g.logits, g.argmax, g.captured, g
+            return g.logits, g.argmax, g.captured
         # warm-up: builds every kernel, fills every cache (nothing may load or upload while capturing) and
         # measures the arena the capture needs (the capture makes the same allocations in the same order)
+        launches = lambda: self._launches(state, step, logits, capture, into_state=True)  # noqa: E731
         probe = _GraphHeap(cp, None)
         with cp.cuda.using_allocator(probe.malloc):
-            out = self._launches(state, step, logits, capture)
+            out = launches()
         try:
-            # the graph's own arena: its addresses stay reserved while the graph lives
-            heap = _GraphHeap(cp, cp.empty(probe.peak + probe.peak // 8 + (4 << 20), cp.uint8))
+            heap = graph_arena(cp).heap_for(probe.peak)
             if self._capture_stream is None:
                 self._capture_stream = cp.cuda.Stream(non_blocking=True)
-            graph, (lg, amax, cap) = _record(self._capture_stream, heap,
-                                             lambda: self._launches(state, step, logits, capture))
+            graph, (lg, amax, cap) = _record(self._capture_stream, heap, launches)
         except Exception as e:  # noqa: BLE001 - any capture failure: eager from here on, and say why
+            if is_out_of_memory(e):
+                raise
             self.use_graphs = False
             self.graph_blocker = f"capture failed: {type(e).__name__}: {e}"
             self.graph_stats["failed"] += 1
             warnings.warn(f"CUDA graphs off for this model: {self.graph_blocker}", RuntimeWarning, stacklevel=3)
-            return (*out, None)
+            return out
         while len(state.graphs) >= GRAPHS_PER_STATE:
             state.graphs.pop(next(iter(state.graphs)))
-        state.graphs[key] = _StepGraph(graph=graph, heap=heap, logits=lg, argmax=amax, captured=cap)
+        state.graphs[key] = _StepGraph(graph=graph, logits=lg, argmax=amax, captured=cap)
         self.graph_stats["captures"] += 1
-        return (*out, None)
+        return out
 
     def _block(self, i: int, w: dict, x, state: GpuSequenceState, step: _Step):
         eps = self.cfg.rms_eps
@@ -933,13 +1051,10 @@ def _s_bucket(n: int, max_ctx: int) -> int:
 @dataclass
 class _StepGraph:
     graph: Any
-    heap: _GraphHeap
-    logits: Any        # device outputs inside the arena, rewritten by every replay
+    logits: Any        # views of the state's output buffers, rewritten by every replay (and every graph step)
     argmax: Any
     captured: Any
     replays: int = 0
-    handed: Any = None  # weakref to the DeviceLogits last returned over `logits`
-    handed_cap: Any = None  # weakref to the DeviceRows last returned over `captured`
 
 
 def _record(stream: Any, heap: _GraphHeap, launches: Any) -> tuple[Any, Any]:
@@ -957,8 +1072,83 @@ def _record(stream: Any, heap: _GraphHeap, launches: Any) -> tuple[Any, Any]:
     return graph, out
 
 
+class GraphArenaOverflow(RuntimeError):
+    """A capture allocated more than its warm-up measured (a bug: the launches must allocate alike)."""
+
+
+class GraphArena:
+    """The one arena a device's captured graphs take their temporaries from: every state's steps and commits,
+    every GPU drafter session's passes.
+
+    Graphs on a device replay one at a time, in stream order on one stream (the verifier runs steps under one
+    engine lock, and a forward waits for its step before it returns), and a step's temporaries are dead when it
+    ends: what outlives a replay (a step's logits rows, argmax ids, captured layers) is written into its state's
+    output buffers, and a drafter pass's top-k is copied out before anything else runs. So one arena sized for the
+    largest capture serves them all (memory_plan.graph_arena_bytes plans it), instead of an arena per graph.
+
+    Each capture places its allocations from the start of the arena (a fresh _GraphHeap over it). A capture that
+    needs more than the arena holds grows it: the graphs captured over the old one are dropped (their owners
+    register here) and are captured again when next used. The verifier reserves the planned size at start-up, so
+    that serving never grows it."""
+
+    def __init__(self, cp: Any):
+        self.cp = cp
+        self.base: Any = None
+        self.need = 0            # the largest size a capture asked for (measured peak + slack)
+        self.grown = 0           # times the arena was remade larger
+        self._owners: weakref.WeakSet = weakref.WeakSet()
+
+    @property
+    def nbytes(self) -> int:
+        return 0 if self.base is None else int(self.base.nbytes)
+
+    def register(self, owner: Any) -> None:
+        """An object holding graphs over this arena; owner.drop_graphs() is called when it grows."""
+        self._owners.add(owner)
+
+    def reserve(self, nbytes: int, exact: bool = False) -> None:
+        """Hold at least nbytes now (a model's planned bound when it loads), or exactly nbytes (the verifier's
+        planned size at start-up: graphs captured before are dropped)."""
+        nbytes = _round_mib(nbytes)
+        if nbytes > self.nbytes or (exact and nbytes != self.nbytes):
+            self._grow(nbytes)
+
+    def heap_for(self, peak: int) -> _GraphHeap:
+        """A heap over the arena for a capture whose warm-up peaked at `peak` bytes (grown first if needed)."""
+        need = int(peak) + int(peak) // 8 + ARENA_SLACK
+        self.need = max(self.need, need)
+        if need > self.nbytes:
+            self._grow(need)
+        return _GraphHeap(self.cp, self.base)
+
+    def _grow(self, nbytes: int) -> None:
+        for owner in list(self._owners):
+            owner.drop_graphs()
+        self.base = None            # freed before the new one is taken
+        self.base = self.cp.empty(_round_mib(nbytes), self.cp.uint8)
+        self.grown += 1
+
+
+def _round_mib(n: int) -> int:
+    return -(-int(n) // (1 << 20)) << 20
+
+
+_arenas: dict[int, GraphArena] = {}
+_arenas_lock = threading.Lock()
+
+
+def graph_arena(cp: Any) -> GraphArena:
+    """The graph arena of the current device."""
+    dev = int(cp.cuda.Device().id)
+    with _arenas_lock:
+        arena = _arenas.get(dev)
+        if arena is None:
+            arena = _arenas[dev] = GraphArena(cp)
+        return arena
+
+
 class _GraphHeap:
-    """First-fit allocator over one arena for the allocations of a captured step.
+    """First-fit allocator over the graph arena for the allocations of one capture.
 
     A graph replays fixed addresses, so its temporaries may not come from CuPy's pool (the pool would hand
     them to later eager code while the graph still writes there). Freed blocks are reused within the capture:
@@ -979,8 +1169,8 @@ class _GraphHeap:
         n = max(self.ALIGN, -(-int(nbytes) // self.ALIGN) * self.ALIGN)
         j = next((i for i, (_, size) in enumerate(self.free) if size >= n), None)
         if j is None:
-            raise MemoryError(f"graph arena of {self.base.nbytes} bytes has no {n} bytes free (the capture "
-                              f"allocated differently from its warm-up)")
+            raise GraphArenaOverflow(f"graph arena of {self.base.nbytes} bytes has no {n} bytes free (the capture "
+                                     f"allocated differently from its warm-up)")
         off, size = self.free[j]
         if size == n:
             del self.free[j]

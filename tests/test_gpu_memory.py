@@ -1,0 +1,270 @@
+"""The GPU engine's memory against the memory plan (services/engine/memory_plan.py).
+
+On the CPU (a NumPy stand-in for CuPy's allocation calls): a GpuSequenceState and a GpuDraftSession hold exactly the
+bytes the plan counts per slot, the shared graph arena grows and drops the graphs over it, allocation failures are
+recognised, the constants the planner mirrors match the engine's. With a GPU (skipped otherwise): after requests of
+many widths and lengths the CuPy pool, the arena and the states stay within the plan (bench/memory_check.py in a
+fresh process), and a real CuPy allocation failure mid-request fails that request alone.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import types
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from kernels import loader
+from services.engine import faults
+from services.engine import memory_plan as M
+from services.engine import synthetic as S
+from services.engine.errors import DeviceMemoryError, is_out_of_memory
+
+ROOT = Path(__file__).resolve().parents[1]
+_REASON = loader.unavailable_reason()
+needs_gpu = pytest.mark.skipif(_REASON is not None, reason=f"GPU memory tests skipped: {_REASON}")
+
+
+def _fake_cupy() -> types.SimpleNamespace:
+    """The CuPy calls the engine's buffers are made with, on NumPy (nothing launches)."""
+    cuda = types.SimpleNamespace(alloc_pinned_memory=lambda n: bytearray(n),
+                                 Device=lambda *a: types.SimpleNamespace(id=0))
+    return types.SimpleNamespace(zeros=np.zeros, empty=np.empty, full=np.full, float32=np.float32,
+                                 float16=np.float16, int32=np.int32, int64=np.int64, uint8=np.uint8,
+                                 uint64=np.uint64, cuda=cuda)
+
+
+@pytest.fixture
+def fake_cp(monkeypatch):
+    from services.engine.models import qwen35_gpu as QG
+
+    cp = _fake_cupy()
+    monkeypatch.setattr(loader, "require", lambda: cp)
+    monkeypatch.setattr(QG, "_arenas", {})
+    return cp
+
+
+def _configs():
+    """The tiny synthetic shape and a 4-layer Qwen3.6-27B (3 DeltaNet layers, 1 attention layer)."""
+    return [S.get_shape("tiny"), S.get_shape("qwen3.6-27b", layers=4)]
+
+
+@pytest.mark.parametrize("max_ctx, kinds, max_tree, n_capture, host_rows", [
+    (100, ("f16", "f16"), 65, 0, False),
+    (1000, ("q8_0", "tq3_0"), 23, 5, False),
+    (4096, ("tq3_0", "f16"), 16, 2, True),
+    (513, ("f32", "q8_0"), 1, 0, True),
+])
+def test_gpu_state_holds_what_the_plan_counts(fake_cp, max_ctx, kinds, max_tree, n_capture, host_rows):
+    from services.engine.models.qwen35_gpu import GpuSequenceState, gpu_kv_type
+
+    for shape in _configs():
+        cfg = shape.target
+        k, v = (gpu_kv_type(t) for t in kinds)
+        st = GpuSequenceState(cfg, max_ctx, k, v, max_tree=max_tree, host_rows=host_rows, n_capture=n_capture)
+        planned = M.gpu_state_bytes(cfg, max_ctx, *kinds, max_tree, n_capture, host_rows)
+        assert st.nbytes == sum(planned.values()), (cfg.name, planned)
+        assert sum(c.nbytes for c in st.kv.values()) == planned["KV cache"]
+        assert st.raw.shape[1] == max(max_tree, M.GPU_RAW_ROWS)
+        if not n_capture:      # the captured layers' buffer comes with the first capture list
+            st.ensure_capture(3)
+            assert st.nbytes == sum(M.gpu_state_bytes(cfg, max_ctx, *kinds, max_tree, 3, host_rows).values())
+
+
+@pytest.mark.parametrize("rows, host_rows", [(4096 + 16, False), (1000, True), (40, False)])
+def test_gpu_draft_session_holds_what_the_plan_counts(fake_cp, rows, host_rows):
+    from services.engine.models.dflash_gpu import DFlashGpuDrafter, GpuDraftSession
+
+    for shape in _configs():
+        dc = shape.drafter
+        s = GpuDraftSession(dc, rows, max_rows=rows, host_rows=host_rows)
+        # the window scratch the verifier's reserve_sessions makes for the sliding layers
+        view = types.SimpleNamespace(xp=fake_cp, cfg=dc)
+        view._window_shape = lambda T, v=view: DFlashGpuDrafter._window_shape(v, T)
+        DFlashGpuDrafter._window_scratch(view, s, dc.block_size)
+        planned = M.gpu_session_bytes(M.drafter_shape_of(dc), rows, host_rows)
+        assert s.nbytes == sum(planned.values()), (shape.size_label, planned)
+        assert s.capacity == rows
+
+
+def test_graph_arena_is_shared_and_drops_graphs_when_it_grows(fake_cp):
+    from services.engine.models import qwen35_gpu as QG
+
+    class Owner:
+        def __init__(self):
+            self.dropped = 0
+
+        def drop_graphs(self):
+            self.dropped += 1
+
+    arena = QG.graph_arena(fake_cp)
+    assert QG.graph_arena(fake_cp) is arena and arena.nbytes == 0
+    a, b = Owner(), Owner()
+    arena.register(a)
+    arena.register(b)
+    heap = arena.heap_for(10 << 20)                       # the first capture: the arena is made
+    need = (10 << 20) + (10 << 20) // 8 + QG.ARENA_SLACK
+    assert arena.need == need and arena.nbytes == -(-need // (1 << 20)) << 20 and arena.grown == 1
+    assert heap.base is arena.base and (a.dropped, b.dropped) == (1, 1)
+    arena.heap_for(1 << 20)                               # a smaller capture fits: nothing is dropped
+    assert arena.grown == 1 and (a.dropped, b.dropped) == (1, 1)
+    del b                                                 # owners are held weakly
+    arena.reserve(64 << 20)                               # the verifier's planned size, at start-up
+    assert arena.nbytes == 64 << 20 and arena.grown == 2 and a.dropped == 2
+    arena.reserve(32 << 20)
+    assert arena.nbytes == 64 << 20 and arena.grown == 2
+    arena.reserve(30 << 20, exact=True)                   # the verifier's planned size, exactly
+    assert arena.nbytes == 30 << 20 and arena.grown == 3 and a.dropped == 3
+
+
+def test_state_output_buffers_and_detach(fake_cp):
+    """A graph step's results live in the state's output buffers; before the next graph step the results still held
+    are given their own copies (and ones let go are not copied)."""
+    from services.engine.models.qwen35_gpu import DeviceLogits, DeviceRows, GpuSequenceState
+
+    cfg = S.get_shape("tiny").target
+    st = GpuSequenceState(cfg, 64, "f16", "f16", max_tree=8, n_capture=2)
+    st.out_logits[:3] = 1.0
+    held = DeviceLogits(st.out_logits[:3], np.zeros(3, np.int32))
+    rows = DeviceRows(st.out_captured[:3])
+    gone = DeviceLogits(st.out_logits[:1], np.zeros(1, np.int32))
+    import weakref
+
+    st.handed = [weakref.ref(held), weakref.ref(rows), weakref.ref(gone)]
+    del gone
+    assert st.detach_results() == 2 and st.handed == []
+    st.out_logits[:3] = 2.0
+    assert float(held._rows[0, 0]) == 1.0 and not np.shares_memory(held._rows, st.out_logits)
+    assert not np.shares_memory(rows.rows, st.out_captured)
+
+
+def test_planner_constants_mirror_the_engine():
+    from kernels import attention as att
+    from services.engine import generate
+    from services.engine.models import dflash_gpu as DG
+    from services.engine.models import qwen35_gpu as QG
+
+    assert QG.RAW_ROWS == M.GPU_RAW_ROWS == generate.PREFILL_CHUNK == M.PREFILL_CHUNK
+    assert QG.GRAPHS_PER_STATE == M.GPU_GRAPHS_PER_STATE and DG.GRAPHS_PER_SESSION == M.GPU_GRAPHS_PER_SESSION
+    assert QG.ARENA_SLACK == M.GPU_ARENA_SLACK and QG.ATTN_TOKENS == M.GPU_ATTN_TOKENS == M.GPU_MAX_WIDTH
+    assert DG.MAX_APPEND == M.GPU_MAX_APPEND and DG.TOPK == M.GPU_TOPK and att.KT == M.CUDA_KV_TILE
+    assert M.serving_width(True, 22, 16, "cuda") == 23 and M.serving_width(True, 64, 16, "cuda") == 64
+    assert M.serving_width(True, 64, 16, "numpy") == 65 and M.serving_width(True, None, 16, "cuda") == 16
+    assert M.serving_width(True, 3, 16, "numpy") == 16 and M.serving_width(False, 22, 16, "cuda") == 1
+
+
+def test_out_of_memory_errors_are_recognised():
+    def raised(module: str, name: str, **attrs) -> Exception:
+        cls = type(name, (Exception,), {"__module__": module})
+        e = cls("cudaErrorMemoryAllocation: out of memory")
+        for k, v in attrs.items():
+            setattr(e, k, v)
+        return e
+
+    assert is_out_of_memory(raised("cupy.cuda.memory", "OutOfMemoryError"))
+    assert is_out_of_memory(raised("cupy_backends.cuda.api.runtime", "CUDARuntimeError", status=2))
+    assert is_out_of_memory(raised("cupy_backends.cuda.api.driver", "CUDADriverError", status=2))
+    assert not is_out_of_memory(raised("cupy_backends.cuda.api.driver", "CUDADriverError", status=700))
+    assert is_out_of_memory(MemoryError("numpy"))
+    assert is_out_of_memory(DeviceMemoryError("x"))
+    assert not is_out_of_memory(ValueError("out of memory"))            # only allocation errors count
+    assert not is_out_of_memory(raised("cupy.cuda.compiler", "CompileException"))
+    from services.engine.models.qwen35_gpu import GraphArenaOverflow
+
+    assert not is_out_of_memory(GraphArenaOverflow("a capture that differs from its warm-up is a bug"))
+
+
+def test_fault_injection_fires_once_at_the_nth_call(monkeypatch):
+    with pytest.raises(ValueError, match="SPECSPLIT_INJECT_OOM"):
+        faults.parse("forward:0")
+    with pytest.raises(ValueError):
+        faults.parse("commit:2")
+    monkeypatch.delenv(faults.ENV, raising=False)
+    assert faults.arm() is None
+    try:
+        assert faults.arm("forward:2") == "forward:2"
+        faults.check("forward")
+        with pytest.raises(MemoryError, match="injected allocation failure"):
+            faults.check("forward")
+        faults.check("forward")           # once only
+    finally:
+        faults.disarm()
+
+
+def test_gateway_answers_429_out_of_memory():
+    import grpc
+
+    from services.gateway.errors import from_grpc
+
+    class Err(grpc.RpcError):
+        def code(self):
+            return grpc.StatusCode.RESOURCE_EXHAUSTED
+
+        def details(self):
+            return "out of memory on cuda:0 after 3 generated tokens (...)"
+
+    e = from_grpc(Err())
+    assert e.status == 429 and e.message.startswith("server out of memory") and e.retry_after
+
+
+# ------------------------------------------------------------------------------------------------ on a GPU
+
+
+@needs_gpu
+def test_memory_stays_within_the_plan_over_many_requests(tmp_path):
+    """bench/memory_check.py on the embedded default pair, in a fresh process (the CuPy pool holds only its
+    model): two slots, every step shape a request can bring (plain, chains, trees of 1..22 nodes, prompts up to a
+    prefill chunk and a half), then verify steps of every width 1..23. Measured: the pool (weights, states,
+    sessions, arena, transients) within the planned bytes it holds; the arena reserved once at its planned size
+    and never grown; each pooled state and session exactly its planned bytes; no more graphs than counted."""
+    out = tmp_path / "memory.json"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)}
+    done = subprocess.run([sys.executable, str(ROOT / "bench" / "memory_check.py"), "--default-model",
+                           "--max-ctx", "1024", "--slots", "2", "--budget", "22", "--requests", "12",
+                           "--widths", "1-23", "--json", str(out)], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=900)
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
+    r = json.loads(out.read_text())
+    print(done.stdout[-3000:])
+    assert r["arena"]["grown_while_serving"] == 0 and r["arena"]["bytes"] == r["planned"]["graph arena"]
+    assert r["arena"]["need"] <= r["planned"]["graph arena"]
+    assert r["states"]["bytes_each"] == r["states"]["planned_each"] and r["states"]["count"] == 2
+    assert r["sessions"]["bytes_each"] == r["sessions"]["planned_each"] and r["sessions"]["count"] == 2
+    assert r["pool"]["max_total"] <= r["planned"]["pool_resident"], r["pool"]
+    assert r["graphs"]["step_max_per_state"] <= M.GPU_GRAPHS_PER_STATE
+    assert r["graph_stats"]["failed"] == 0 and r["graph_stats"]["replays"] > 0
+
+
+@needs_gpu
+def test_cuda_allocation_failure_fails_the_request_alone():
+    """A real CuPy allocation failure mid-request (the pool limited to what it holds, then a long prompt whose eager
+    prefill needs more): the request raises an error the verifier maps to RESOURCE_EXHAUSTED, CUDA graphs stay on,
+    the state goes back to the pool, and with the limit lifted the same request succeeds."""
+    import cupy
+
+    from services.engine.default_model import default_model_paths
+    from services.engine.generate import generate
+    from services.engine.placement import load_target_on, reserve_serving
+
+    target = load_target_on(default_model_paths()[0], "cuda:0", with_tokenizer=False)
+    model = target.model
+    reserve_serving(model, None, 1, 1024, None, False, 0, "cuda:0")
+    ids = [int(i) % model.cfg.n_vocab for i in range(3, 3 + 700)]
+    short = generate(model, ids[:5], 4).token_ids        # graphs captured, the pool warmed for short prompts
+    pool = cupy.get_default_memory_pool()
+    pool.free_all_blocks()
+    pool.set_limit(size=pool.total_bytes() + (1 << 20))
+    try:
+        with pytest.raises(Exception) as e:
+            generate(model, ids, 4)
+        assert is_out_of_memory(e.value), repr(e.value)
+    finally:
+        pool.set_limit(size=0)
+    assert model.graph_blocker is None and model._states_out == 0 and len(model._state_pool) == 1
+    assert generate(model, ids[:5], 4).token_ids == short
+    assert len(generate(model, ids, 4).token_ids) == 4
