@@ -1679,10 +1679,14 @@ __global__ void SS_BOUNDS(256, 1) qmw_kernel(const u8* __restrict__ W, long long
     const int ntiles = (N + 15) / 16;
     const int nrb = (ntiles + RT - 1) / RT;
     const i64 total = (i64)nrb * nch;
-    const i64 P = (i64)gridDim.x, b = (i64)blockIdx.x;
-    const i64 i0 = b * total / P, i1 = (b + 1) * total / P;  // this block's items
+    // The items are split over P = min(grid, items) blocks, so every block of the split has at least one item: a
+    // row block's sharers fb..lb below are then exactly the blocks that arrive on its counter. (Split over the whole
+    // grid, a block with an empty range could sit between two sharers: counted in lb - fb, it never arrived, so no
+    // warp became the writer and the counter was left nonzero for the next launch.)
+    const i64 P = total < (i64)gridDim.x ? total : (i64)gridDim.x, b = (i64)blockIdx.x;
+    if (b >= P) return;  // the whole block (more blocks than items)
+    const i64 i0 = b * total / P, i1 = (b + 1) * total / P;  // this block's items, >= 1 of them
     const int n_items = (int)(i1 - i0);
-    if (n_items <= 0) return;  // the whole block (more blocks than items)
     const int SB = XB + RT * BLK;  // bytes of one stage: x, then the RT tile blocks
     u8* const smem = (u8*)ss_smem;
     const i64 tile_stride = 16 * row_bytes;

@@ -53,26 +53,42 @@ static unsigned int shfl(unsigned int v, int src) {
 #define __shfl_sync(mask, v, src) sim::shfl((v), (src))
 static inline float __uint_as_float(unsigned int u) { float f; std::memcpy(&f, &u, 4); return f; }
 static inline unsigned int __float_as_uint(float f) { unsigned int u; std::memcpy(&u, &f, 4); return u; }
-static inline float atomicAdd(float* p, float v) { const float o = *p; *p = o + v; return o; }
-// Blocks run one after another (or one fiber at a time), so an atomic is a plain read-modify-write and a memory
-// fence has nothing to order; harnesses that test inter-block protocols (last block of a tile to arrive) vary the
-// order in which they run the blocks instead.
+namespace sim {
+// Called before every atomic and fence: null (blocks one after another), or simb::run_grid's switch point, where
+// another resident block may run before the operation (a block paused mid-protocol).
+static void (*preempt)() = nullptr;
+static inline void switch_point() {
+    if (preempt) preempt();
+}
+}  // namespace sim
+// Fibers run one at a time, so an atomic is a plain read-modify-write and a memory fence has nothing to order (the
+// simulation has no caches); harnesses that test inter-block protocols (last block of a tile to arrive) vary the
+// order in which blocks run, or interleave resident blocks at these switch points (simb::run_grid).
+static inline float atomicAdd(float* p, float v) {
+    sim::switch_point();
+    const float o = *p;
+    *p = o + v;
+    return o;
+}
 static inline unsigned int atomicAdd(unsigned int* p, unsigned int v) {
+    sim::switch_point();
     const unsigned int o = *p;
     *p = o + v;
     return o;
 }
 static inline unsigned long long atomicAdd(unsigned long long* p, unsigned long long v) {
+    sim::switch_point();
     const unsigned long long o = *p;
     *p = o + v;
     return o;
 }
 static inline unsigned int atomicMax(unsigned int* p, unsigned int v) {
+    sim::switch_point();
     const unsigned int o = *p;
     if (v > o) *p = v;
     return o;
 }
-static inline void __threadfence() {}
+static inline void __threadfence() { sim::switch_point(); }
 
 namespace sim {
 typedef void (*LaneFn)();
@@ -126,18 +142,24 @@ static void run_warp(unsigned int base) {
 // Shuffles carry any trivially copyable value of up to 8 bytes (float, int, u64); __shfl_xor_sync too.
 // `static __shared__` arrays become function statics (one copy: blocks run one after another).
 // Run a block with simb::run_block(n_threads, fn); it returns the number of simulation errors
-// (divergent warps, deadlocks). Warp mode above is unchanged for harnesses that do not define SIM_BLOCK.
+// (divergent warps, deadlocks). simb::run_grid runs a launch's blocks several at a time, interleaved (inter-block
+// protocols: arrival counters, pieces read back); its harness gives each resident block its own shared memory and
+// kernels under it must not use `static __shared__`. Warp mode above is unchanged for harnesses that do not define
+// SIM_BLOCK.
 #ifdef SIM_BLOCK
+#include <sys/mman.h>
 #include <type_traits>
 namespace simb {
-constexpr int MAX_THREADS = 1024;
+constexpr int MAX_THREADS = 1024;                  // per block
+constexpr int MAX_FIBERS = 2048;                   // all resident blocks together (run_grid)
 constexpr size_t STACK = 128 * 1024;
 enum : unsigned char { RUN = 0, WARP_BAR = 1, BLOCK_BAR = 2, DONE = 3 };
-static int n = 0, cur = 0;
-static ucontext_t sched, ctx[MAX_THREADS];
-static unsigned char state[MAX_THREADS];
-static sim_dim3 tids[MAX_THREADS];
-static unsigned long long slots[MAX_THREADS];
+static int n = 0, cur = 0;                         // threads per block, fiber running now
+static ucontext_t sched, ctx[MAX_FIBERS];
+static unsigned char state[MAX_FIBERS];
+static sim_dim3 tids[MAX_FIBERS];
+static int base[MAX_FIBERS];                       // first fiber of the fiber's block
+static unsigned long long slots[MAX_FIBERS];
 static void (*fn)() = nullptr;
 
 static inline sim_dim3& tid() { return tids[cur]; }
@@ -155,7 +177,7 @@ static T shfl(T v, int src) {
     yield(WARP_BAR);
     const int idx = (me & ~31) + (src & 31);
     T r;
-    std::memcpy(&r, &slots[idx < n ? idx : me], sizeof(T));
+    std::memcpy(&r, &slots[idx < base[me] + n ? idx : me], sizeof(T));
     yield(WARP_BAR);
     return r;
 }
@@ -164,58 +186,167 @@ static void entry(int i) {
     fn();
     state[i] = DONE;
 }
-// Runs fn on n_threads fibers (threadIdx.x = 0..n-1, set sim::bid / gdim / bdim first); returns errors.
-static int run_block(int n_threads, void (*f)()) {
-    static std::vector<char> stacks;
-    if (n_threads < 1 || n_threads > MAX_THREADS) return 1;
-    if (stacks.size() < (size_t)n_threads * STACK) stacks.resize((size_t)n_threads * STACK);
-    n = n_threads;
-    fn = f;
-    for (int i = 0; i < n; ++i) {
+// Stacks for MAX_FIBERS fibers, reserved once, touched (committed) only as deep as the fibers go.
+static char* stacks() {
+    static char* mem = nullptr;
+    if (!mem) {
+        void* p = mmap(nullptr, (size_t)MAX_FIBERS * STACK, PROT_READ | PROT_WRITE,
+                       MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+        mem = p == MAP_FAILED ? nullptr : (char*)p;
+    }
+    return mem;
+}
+// Fibers f0 .. f0 + n - 1 start the block (threadIdx.x = 0..n-1); f0 is a multiple of 32, so a warp's lanes share one
+// 32-aligned run of fibers.
+static void start_block(int f0) {
+    for (int i = f0; i < f0 + n; ++i) {
         state[i] = RUN;
-        tids[i] = {(unsigned)i, 0, 0};
+        tids[i] = {(unsigned)(i - f0), 0, 0};
+        base[i] = f0;
         getcontext(&ctx[i]);
-        ctx[i].uc_stack.ss_sp = stacks.data() + (size_t)i * STACK;
+        ctx[i].uc_stack.ss_sp = stacks() + (size_t)i * STACK;
         ctx[i].uc_stack.ss_size = STACK;
         ctx[i].uc_link = &sched;
         makecontext(&ctx[i], (void (*)())entry, 1, i);
     }
+}
+// After every fiber of the block at f0 ran once: releases warps whose live lanes all wait at a warp barrier, then (if
+// nothing else can move) a block barrier every live thread reached. Returns 1 when the block is done, 0 when it can go
+// on, -1 on a simulation error (divergent warp, deadlock).
+static int settle(int f0) {
+    bool progress = false, all_done = true, all_block = true;
+    for (int w = 0; w * 32 < n; ++w) {
+        int at = 0, done = 0, lanes = 0;
+        for (int i = f0 + 32 * w; i < f0 + n && i < f0 + 32 * w + 32; ++i, ++lanes) {
+            at += state[i] == WARP_BAR;
+            done += state[i] == DONE;
+        }
+        if (at && at + done == lanes) {
+            if (done) {
+                std::fprintf(stderr, "cuda_sim: divergent warp %d (%d lanes returned, %d wait)\n", w, done, at);
+                return -1;
+            }
+            for (int i = f0 + 32 * w; i < f0 + n && i < f0 + 32 * w + 32; ++i) state[i] = RUN;
+            progress = true;
+        }
+    }
+    for (int i = f0; i < f0 + n; ++i) {
+        all_done &= state[i] == DONE;
+        all_block &= state[i] == DONE || state[i] == BLOCK_BAR;
+        progress |= state[i] == RUN;  // paused at a switch point (run_grid)
+    }
+    if (all_done) return 1;
+    if (progress) return 0;
+    if (all_block) {
+        for (int i = f0; i < f0 + n; ++i)
+            if (state[i] == BLOCK_BAR) state[i] = RUN;
+        return 0;
+    }
+    std::fprintf(stderr, "cuda_sim: deadlock (threads wait at different barriers)\n");
+    return -1;
+}
+// Runs fn on n_threads fibers (threadIdx.x = 0..n-1, set sim::bid / gdim / bdim first); returns errors.
+static int run_block(int n_threads, void (*f)()) {
+    if (n_threads < 1 || n_threads > MAX_THREADS || !stacks()) return 1;
+    n = n_threads;
+    fn = f;
+    start_block(0);
     for (;;) {
         for (int i = 0; i < n; ++i) {
             if (state[i] != RUN) continue;
             cur = i;
             swapcontext(&sched, &ctx[i]);
         }
-        bool progress = false, all_done = true, all_block = true;
-        for (int w = 0; w * 32 < n; ++w) {
-            int at = 0, done = 0, lanes = 0;
-            for (int i = 32 * w; i < n && i < 32 * w + 32; ++i, ++lanes) {
-                at += state[i] == WARP_BAR;
-                done += state[i] == DONE;
-            }
-            if (at && at + done == lanes) {
-                if (done) {
-                    std::fprintf(stderr, "cuda_sim: divergent warp %d (%d lanes returned, %d wait)\n", w, done, at);
-                    return 1;
-                }
-                for (int i = 32 * w; i < n && i < 32 * w + 32; ++i) state[i] = RUN;
-                progress = true;
-            }
-        }
-        for (int i = 0; i < n; ++i) {
-            all_done &= state[i] == DONE;
-            all_block &= state[i] == DONE || state[i] == BLOCK_BAR;
-        }
-        if (all_done) return 0;
-        if (progress) continue;
-        if (all_block) {
-            for (int i = 0; i < n; ++i)
-                if (state[i] == BLOCK_BAR) state[i] = RUN;
-            continue;
-        }
-        std::fprintf(stderr, "cuda_sim: deadlock (threads wait at different barriers)\n");
-        return 1;
+        const int r = settle(0);
+        if (r) return r < 0 ? 1 : 0;
     }
+}
+
+// Grid mode: the blocks of a launch, `order` (block indices, in the order they start), with up to `resident` blocks in
+// flight at once like the blocks of one wave on a GPU. Each round runs every runnable fiber of some resident blocks
+// once (each block with probability 1/2, at least one, in a shuffled order; 64-bit LCG seeded with seed), so blocks
+// drift apart. Atomics and __threadfence are switch points (sim::preempt): the thread stops there until its block's
+// next turn, and half the time the block is then held until the other blocks have had 1..8 events (a turn that
+// stopped at a switch point, or the end of a block): another block can store, count itself in, add up, reset, or
+// finish in between. (A kernel whose blocks wait for each other would need a switch point in its wait loop; when every
+// resident block is held, a random one is let go.) A block that finishes
+// frees its place for the next in `order`. enter(slot, block) runs whenever the fibers of another place are about to
+// run (sim::bid is set already): the harness points shared memory at the place's own copy there. Returns the
+// simulation errors.
+static int run_grid(int n_threads, const unsigned* order, int n_blocks, int resident, unsigned long long seed,
+                    void (*f)(), void (*enter)(int slot, unsigned block)) {
+    const int stride = (n_threads + 31) & ~31;
+    if (n_threads < 1 || n_threads > MAX_THREADS || resident < 1 || resident * stride > MAX_FIBERS || !stacks())
+        return 1;
+    n = n_threads;
+    fn = f;
+    std::vector<int> block_of(resident, -1), places(resident), runnable(resident);
+    std::vector<unsigned> hold(resident, 0u);
+    static bool switched;  // a fiber of the block on its turn stopped at a switch point
+    int next = 0, loaded = -1, errors = 0;
+    unsigned long long rng = seed * 2862933555777941757ull + 3037000493ull;
+    auto draw = [&rng](unsigned m) {
+        rng = rng * 6364136223846793005ull + 1442695040888963407ull;
+        return (unsigned)((rng >> 33) % m);
+    };
+    sim::preempt = [] {
+        switched = true;
+        yield(RUN);
+    };
+    for (;;) {
+        int live = 0;
+        for (int sl = 0; sl < resident; ++sl) {
+            if (block_of[sl] < 0 && next < n_blocks) {
+                block_of[sl] = (int)order[next++];
+                start_block(sl * stride);
+                if (loaded == sl) loaded = -1;  // a new block: enter() again
+            }
+            if (block_of[sl] >= 0) places[live++] = sl;
+        }
+        if (live == 0) break;
+        int n_run = 0;
+        for (int k = 0; k < live; ++k)
+            if (!hold[places[k]]) runnable[n_run++] = places[k];
+        if (n_run == 0) {  // every resident block is held
+            runnable[n_run++] = places[draw((unsigned)live)];
+            hold[runnable[0]] = 0;
+        }
+        for (int i = n_run; i > 1; --i) std::swap(runnable[i - 1], runnable[draw((unsigned)i)]);
+        const int must = (int)draw((unsigned)n_run);
+        for (int k = 0; k < n_run; ++k) {
+            const int sl = runnable[k], f0 = sl * stride;
+            if (k != must && draw(2u)) continue;  // this block waits a round
+            switched = false;
+            for (int i = f0; i < f0 + n; ++i) {
+                if (state[i] != RUN) continue;
+                if (loaded != sl) {
+                    loaded = sl;
+                    sim::bid = {(unsigned)block_of[sl], 0, 0};
+                    if (enter) enter(sl, (unsigned)block_of[sl]);
+                }
+                cur = i;
+                swapcontext(&sched, &ctx[i]);
+            }
+            const int r = settle(f0);
+            if (r < 0) {
+                ++errors;
+                sim::preempt = nullptr;
+                return errors;  // the stuck fibers are abandoned (their stacks are reused by the next launch)
+            }
+            if (r > 0 || switched) {  // an event: the blocks held count it
+                for (int o = 0; o < resident; ++o)
+                    if (o != sl && hold[o]) --hold[o];
+            }
+            if (r > 0) {
+                block_of[sl] = -1;
+                hold[sl] = 0;
+            } else if (switched && draw(2u)) {
+                hold[sl] = 1u + draw(8u);
+            }
+        }
+    }
+    sim::preempt = nullptr;
+    return errors;
 }
 }  // namespace simb
 

@@ -4,18 +4,27 @@
 // g++ -std=c++17 -DQMM_SOURCE='"path"': the .cu file compiles as plain C++ (no __CUDA_ARCH__, so it takes its portable
 // path: software fp16, shuffle mma emulation, synchronous copies standing in for cp.async, __syncthreads pipeline).
 // Every thread of a block is a fiber (tests/cuda_sim.h block mode): the kernel's __syncthreads and shuffles run for
-// real. Blocks run one at a time, so the stream-K protocol (per-warp arrival counters, the last warp adding the pieces)
-// is exercised by running a launch's blocks in grid order and in seeded permutations: any piece of a row block can be
-// the last to arrive. qmv_kernel (v2) runs here too, as the bitwise reference for row blocks one block covers.
+// real. The stream-K protocol (per-warp arrival counters, the last warp adding the pieces) is exercised by running a
+// launch's blocks one at a time in grid order and in seeded permutations (any piece of a row block can be the last to
+// arrive), and several at a time interleaved (simb::run_grid: a block paused between storing its piece and counting
+// itself in, or between counting and reading the others', while others run). qmv_kernel (v2) runs here too, as the
+// bitwise reference for row blocks one block covers.
 #define SIM_BLOCK
 #include <utility>
 #include <vector>
 
 #include "cuda_sim.h"
 
-alignas(16) uint4 ss_smem[(232 * 1024) / 16];
-
+constexpr int SMEM_WORDS = (232 * 1024) / 16;
+constexpr int MAX_RESIDENT = 8;
+alignas(16) uint4 ss_smem[SMEM_WORDS];                      // shared memory of the block running (sequential mode)
+alignas(16) static uint4 resident_smem[MAX_RESIDENT - 1][SMEM_WORDS];  // places 1.. of grid mode (place 0: ss_smem)
+// The kernels' `extern __shared__ uint4 ss_smem[]` is this pointer's target: ss_smem itself, or in grid mode the
+// shared memory of the resident block about to run.
+static uint4 (*sim_smem)[] = reinterpret_cast<uint4 (*)[]>(&ss_smem);
+#define ss_smem (*sim_smem)
 #include QMM_SOURCE
+#undef ss_smem
 
 static struct {
     const u8* W;
@@ -69,9 +78,13 @@ static void (*pick(int qt, int nt, int mt))() {
     return nullptr;
 }
 
-// Runs g_body as `blocks` blocks of `threads` threads: in grid order (order_seed 0) or a pseudo-random permutation
-// (Fisher-Yates on a 64-bit LCG seeded with order_seed). Returns the simulation errors.
-static int launch(unsigned blocks, unsigned threads, unsigned long long order_seed) {
+static uint4* place_smem(int slot) { return slot == 0 ? ss_smem : resident_smem[slot - 1]; }
+
+// Runs g_body as `blocks` blocks of `threads` threads in grid order (order_seed 0) or a pseudo-random permutation
+// (Fisher-Yates on a 64-bit LCG seeded with order_seed): one after another (resident 1), or up to `resident` at a time
+// interleaved at barriers, atomics and fences (simb::run_grid, seeded with order_seed too), each with its own shared
+// memory. Every block starts on shared memory filled with the canary 0xA5. Returns the simulation errors.
+static int launch(unsigned blocks, unsigned threads, unsigned long long order_seed, int resident) {
     std::vector<unsigned> order(blocks);
     for (unsigned b = 0; b < blocks; ++b) order[b] = b;
     unsigned long long state = order_seed;
@@ -82,6 +95,20 @@ static int launch(unsigned blocks, unsigned threads, unsigned long long order_se
     int errors = 0;
     sim::gdim = {blocks, 1, 1};
     sim::bdim = {threads, 1, 1};
+    if (resident > 1) {
+        static unsigned started[MAX_RESIDENT];  // the block each place last held (a new one gets fresh canaries)
+        for (int sl = 0; sl < MAX_RESIDENT; ++sl) started[sl] = ~0u;
+        errors = simb::run_grid((int)threads, order.data(), (int)blocks, resident, order_seed, g_body,
+                                [](int slot, unsigned block) {
+                                    if (started[slot] != block) {
+                                        started[slot] = block;
+                                        std::memset(place_smem(slot), 0xA5, sizeof(ss_smem));
+                                    }
+                                    sim_smem = reinterpret_cast<uint4 (*)[]>(place_smem(slot));
+                                });
+        sim_smem = reinterpret_cast<uint4 (*)[]>(&ss_smem);
+        return errors;
+    }
     for (unsigned b : order) {
         sim::bid = {b, 0, 0};
         std::memset(ss_smem, 0xA5, sizeof(ss_smem));  // stale shared memory must not matter
@@ -90,14 +117,17 @@ static int launch(unsigned blocks, unsigned threads, unsigned long long order_se
     return errors;
 }
 
-// qmw_kernel: `blocks` blocks of 32 warps threads; part / counters: the scratch (counters zero, left zero).
+// qmw_kernel: `blocks` blocks of 32 warps threads, `resident` of them at a time (1: one after another); part /
+// counters: the scratch (counters zero, left zero).
 extern "C" int sim_qmw(int qt, int nt, int mt, int warps, int stages, const unsigned char* W, long long row_bytes, int N,
                        int K, const void* xp, int T, float* y, int accumulate, long long ldy, float* part,
-                       unsigned int* counters, int blocks, unsigned long long order_seed) {
+                       unsigned int* counters, int blocks, unsigned long long order_seed, int resident) {
     g_body = pick<true>(qt, nt, mt);
-    if (!g_body || warps < 1 || warps > 8 || blocks < 1 || stages < 2 || stages > 4) return -1;
+    if (!g_body || warps < 1 || warps > 8 || blocks < 1 || stages < 2 || stages > 4 || resident < 1 ||
+        resident > MAX_RESIDENT)
+        return -1;
     wa = {W, row_bytes, N, K, (const uint4*)xp, T, y, stages, accumulate, ldy, part, counters};
-    return launch((unsigned)blocks, 32u * (unsigned)warps, order_seed);
+    return launch((unsigned)blocks, 32u * (unsigned)warps, order_seed, resident);
 }
 
 // qmv_kernel (v2) with kw K-warps, grid_x persistent blocks, no K split across blocks.
@@ -106,7 +136,7 @@ extern "C" int sim_qmv(int qt, int nt, int mt, int kw, int stages, const unsigne
     g_body = pick<false>(qt, nt, mt);
     if (!g_body || kw < 1 || kw > 8 || grid_x < 1) return -1;
     wa = {W, row_bytes, N, K, (const uint4*)xp, T, y, stages, accumulate, ldy, nullptr, nullptr};
-    return launch((unsigned)grid_x, 32u * (unsigned)kw, 0ull);
+    return launch((unsigned)grid_x, 32u * (unsigned)kw, 0ull, 1);
 }
 
 extern "C" void sim_pack(int in_f32, const void* x, long long ldx, int T, int K, int tpad, void* xp) {

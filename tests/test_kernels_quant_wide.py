@@ -100,6 +100,9 @@ def test_launch_shapes_agree(qtype: int) -> None:
             full = qw.choose_config(qtype, *shape, tokens, cfg)
             if qw.smem_bytes(qtype, (tokens + 7) // 8, full.m_tiles, full.warps, full.stages) <= qw.SMEM_LIMIT:
                 check(W, w64, tokens, rng, f"{W.name} {cfg}", config=cfg)
+                # a launch that left a counter nonzero would break the next one on this stream (first seen as the
+                # next test's failure): name the launch that did it
+                assert not qg.split_scratch(0, 0)[1].any(), f"{W.name} {cfg} T={tokens}: counters left nonzero"
 
 
 @pytest.mark.parametrize("qtype,shape,mt,warps", [(qm.Q4_K, (1000, 2048), 2, 4), (qm.Q6_K, (300, 1536), 1, 8),

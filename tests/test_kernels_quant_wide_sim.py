@@ -56,7 +56,7 @@ def sim(tmp_path_factory) -> ctypes.CDLL:
     lib = ctypes.CDLL(str(lib_path))
     I, LL, P, ULL = ctypes.c_int, ctypes.c_longlong, ctypes.c_void_p, ctypes.c_ulonglong
     lib.sim_qmw.restype = I
-    lib.sim_qmw.argtypes = [I, I, I, I, I, P, LL, I, I, P, I, P, I, LL, P, P, I, ULL]
+    lib.sim_qmw.argtypes = [I, I, I, I, I, P, LL, I, I, P, I, P, I, LL, P, P, I, ULL, I]
     lib.sim_qmv.restype = I
     lib.sim_qmv.argtypes = [I, I, I, I, I, P, LL, I, I, P, I, P, I, LL, I]
     lib.sim_pack.restype = None
@@ -94,8 +94,9 @@ class Problem:
         return self.x.astype(np.float16).astype(np.float64) @ w64.T
 
     def wide(self, mt: int, warps: int, stages: int, blocks: int, *, seed: int = 0, y=None, accumulate: bool = False,
-             ld: int = 0, scratch=None) -> tuple[np.ndarray, tuple]:  # fmt: skip
-        """One simulated launch; returns y and the scratch (part, counters) it used (counters checked zero after)."""
+             ld: int = 0, scratch=None, resident: int = 1) -> tuple[np.ndarray, tuple]:  # fmt: skip
+        """One simulated launch; returns y and the scratch (part, counters) it used (counters checked zero after).
+        resident > 1: that many blocks in flight at once, interleaved (seeded by seed)."""
         if y is None:
             y = np.full((self.tokens, self.n_out), np.nan, np.float32)  # poison: unwritten elements stay NaN
         if scratch is None:
@@ -106,7 +107,7 @@ class Problem:
         smem = qw.smem_bytes(self.qtype, self.nt, mt, warps, stages)
         err = self.lib.sim_qmw(self.qtype, self.nt, mt, warps, stages, self.w.ctypes.data, self.raw.shape[1],
                                self.n_out, self.k, self.xp.ctypes.data, self.tokens, y.ctypes.data, int(accumulate),
-                               ld, part.ctypes.data, counters.ctypes.data, blocks, seed)  # fmt: skip
+                               ld, part.ctypes.data, counters.ctypes.data, blocks, seed, resident)  # fmt: skip
         assert err == 0, "simulation error (divergent warp or deadlock)"
         assert not counters.any(), "the arrival counters must be left zero"
         # the kernel stays inside the shared memory the launcher reserves (last block run)
@@ -153,6 +154,10 @@ CASES = [
     (Q8_0, 20, 32, 12, (2, 1, 2, 1)),  # only a tail chunk
     (F16, 50, 800, 27, (2, 2, 2, 3)),  # tail of 32 values
     (F16, 40, 256, 2, (1, 2, 3, 7)),  # 2 items over 7 blocks: five blocks have nothing to do
+    # more blocks than items, row blocks of 9 chunks: the split is over the first 63 blocks only, so no block without
+    # items sits between the sharers of a row block (H100, 2026-11-26: before the fix no warp became the writer, the
+    # output stayed unwritten and the counters nonzero for the next launch)
+    (Q4_K, 200, 2304, 9, (1, 2, 2, 1000)),
 ]
 
 
@@ -198,6 +203,30 @@ def test_split_row_blocks_are_deterministic_on_cpu(sim, qtype, n_out, k, tokens,
         assert np.array_equal(y, y0), f"block order {seed}"
     # the same sum in float64 terms: pieces added in block order (within rounding of the v2 single-warp sum)
     np.testing.assert_allclose(y0, p.v2(mt), rtol=1e-4, atol=1e-4)
+
+
+@needs_gxx
+@pytest.mark.parametrize("qtype,n_out,k,tokens,cfg,resident", [(Q4_K, 100, 2048, 23, (2, 2, 3, 7), 4),
+                                                               (Q6_K, 40, 1280, 33, (1, 3, 2, 4), 4),
+                                                               (Q8_0, 45, 1248, 9, (1, 2, 2, 11), 3),
+                                                               (F16, 64, 800, 9, (2, 1, 2, 5), 5),
+                                                               (Q4_K, 200, 2304, 9, (1, 2, 2, 1000), 8)])
+def test_interleaved_blocks_on_cpu(sim, qtype, n_out, k, tokens, cfg, resident) -> None:
+    """Blocks in flight together as on the GPU, interleaved at every barrier, atomic and fence (simb::run_grid): a
+    block paused between storing its piece and counting itself in, or between counting in and reading the others'
+    pieces, while other blocks store, count, add up and reset the counter. The output is bitwise the one-at-a-time
+    output whatever the interleaving, and every launch leaves the counters zero for the next on the same scratch. The
+    pieces are poisoned before each launch (a stale piece of the previous launch would hide a read before its store;
+    storing after counting in, for one, fails here and passes one block at a time)."""
+    mt, warps, stages, blocks = cfg
+    assert max(pieces(n_out, k, mt, warps, min(blocks, qw.row_blocks(n_out, mt, warps) * -(-k // 256)))) >= 2
+    p = Problem(sim, qtype, n_out, k, tokens, seed=3 * k + tokens)
+    y0, (part, counters) = p.wide(*cfg)
+    check_twin(p, y0)
+    for seed in (1, 2, 3, 0xC0FFEE):
+        part[:] = np.nan
+        y, _ = p.wide(*cfg, seed=seed, scratch=(part, counters), resident=resident)
+        assert np.array_equal(y, y0), f"interleaving {seed}"
 
 
 @needs_gxx
@@ -301,7 +330,7 @@ class _SimKernel:
         assert threads % 32 == 0 and shared_mem <= qw.SMEM_LIMIT
         err = self.lib.sim_qmw(self.qt, self.nt, self.mt, threads // 32, int(stages), W.ctypes.data, int(row_bytes),
                                int(n), int(k), xp.ctypes.data, int(tokens), y.ctypes.data, int(accumulate), int(ldy),
-                               part.ctypes.data, counters.ctypes.data, blocks, 11)  # fmt: skip
+                               part.ctypes.data, counters.ctypes.data, blocks, 11, 1)  # fmt: skip
         assert err == 0
         assert (self.lib.smem[shared_mem:] == SMEM_CANARY).all(), "the launch reserves too little shared memory"
 
