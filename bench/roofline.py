@@ -27,9 +27,9 @@ of 30 replays each; "off" first and last, to see drift).
 dispatch off (v2 above gemv's widths) and on (median of 20 replays each): issue 5's step ratios.
 --sweep: v2 launch shapes (m16 tiles per warp x warps per block x stages) at a few widths, per matrix.
 --wide-sweep: wide launch shapes (m16 tiles per warp 1, 2 x warps per block 4, 8 x stages 2, 3, 4 x blocks per SM 1,
-2, all that fit) at T = 16, 23, 41, 64 on the Q4_K / Q6_K 27B matrices, next to the default shape. With gemv and wide
-timed, a last table gives each matrix's wide time at 16, 23, 41, 64 tokens over the gemv time at T=1 (issue 5's
-targets: T=23 <= 1.15x, T=41 <= 1.4x, T=64 <= 2x), with v2's and the best swept shape's beside it.
+2, all that fit) at T = 16, 23, 32, 41, 64 on the 27B matrices (WIDE_SWEEP_SHAPES), next to the default shape.
+With gemv and wide timed, a last table gives each matrix's wide time at 16, 23, 41, 64 tokens over the gemv time at
+T=1 (issue 5's targets: T=23 <= 1.15x, T=41 <= 1.4x, T=64 <= 2x), with v2's and the best swept shape's beside it.
 --launch: launch overhead: 200 back-to-back calls timed with events, eager vs one CUDA-graph replay.
 --precompile N: compile the kernels in N processes first (NVRTC builds one kernel at a time; CuPy's disk
 cache then serves the later loads, also those of the GPU tests run after this in bench/gpu_check.sh).
@@ -76,9 +76,10 @@ SPLIT_PORTABLE_WIDTHS = (1, 2)
 SWEEP_WIDTHS = (1, 23, 41)
 WIDE_TEST_TILES = tuple(range(1, 9))  # tests/test_kernels_quant_wide.py runs every token-tile count
 WIDE_PORTABLE_TILES = (2, 3)
-WIDE_SWEEP_WIDTHS = (16, 23, 41, 64)
+WIDE_SWEEP_WIDTHS = (16, 23, 32, 41, 64)
 WIDE_SWEEP_SHAPES = (("Q4_K", "ffn_up"), ("Q4_K", "ffn_down"), ("Q4_K", "ssm_out"), ("Q6_K", "ffn_up"),
-                     ("Q6_K", "ffn_down"), ("Q6_K", "output"))  # fmt: skip
+                     ("Q6_K", "ffn_down"), ("Q6_K", "output"), ("Q6_K", "ssm_out"), ("Q8_0", "ffn_up"),
+                     ("Q8_0", "ffn_down"), ("F16", "ffn_up"), ("F16", "ffn_down"))  # fmt: skip
 WIDE_TARGETS = {23: 1.15, 41: 1.4, 64: 2.0}  # issue 5: wide time / gemv time at T=1, per matrix
 SWEEP_SHAPES = (("Q4_K", "ffn_up"), ("Q4_K", "ffn_down"), ("Q6_K", "ffn_down"), ("Q6_K", "output"), ("Q8_0", "ffn_up"))
 SHAPES = {"ffn_up": (17408, 5120), "ffn_down": (5120, 17408), "output": (248320, 5120), "ssm_out": (5120, 6144),
@@ -731,6 +732,8 @@ def main(argv: list[str]) -> int:
         (qm.F16, "ffn_down"),
         (qm.Q4_K, "ssm_out"),
         (qm.Q6_K, "ssm_out"),
+        (qm.Q4_K, "attn_v"),  # deep (k >= 2 n_out) and small: the wide kernel's DEEP_CROSSOVER applies
+        (qm.Q6_K, "attn_v"),
     ]
     if "--types" in argv:
         keep = set(_arg(argv, "--types").split(","))
@@ -771,7 +774,7 @@ def main(argv: list[str]) -> int:
                 gbs = nbytes / (us * 1e-6) / 1e9
                 ran = kernel
                 if kernel == "auto":
-                    ran = "wide" if qw.prefer_wide(qtype, tokens) else "v2"
+                    ran = "wide" if qw.prefer_wide(qtype, tokens, n_out, k) else "v2"
                     ran = "gemv" if qg.prefer_gemv(qtype, k, tokens) else ran
                     if ran == "gemv" and qg.prefer_persistent(qtype, tokens):
                         ran = "gemvp"

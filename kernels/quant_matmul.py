@@ -662,7 +662,7 @@ class QuantMatrix:
             elif self.kernel == "v2" and config is None and splits is None:
                 if quant_gemv.prefer_gemv(self.qtype, self.in_features, tokens):
                     kernel = "gemv"
-                elif quant_wide.prefer_wide(self.qtype, tokens):
+                elif quant_wide.prefer_wide(self.qtype, tokens, *self.shape):
                     kernel = "wide"
                 else:
                     kernel = "v2"

@@ -6,7 +6,8 @@ different row tiles and walk the same K chunks; per chunk the block stages x for
 next to the weight tiles, so x is read from L2 once per block instead of once per warp; the (row block, chunk) work
 is split evenly over the blocks (stream-K), and row blocks shared by several blocks are added up in a fixed order
 through the split scratch of kernels/quant_gemv.py: deterministic. `QuantMatrix.matmul` takes this kernel from
-`CROSSOVER[qtype]` tokens. Design and numbers: docs/gpu_quant_matmul.md ("wide").
+`CROSSOVER[qtype]` tokens (`DEEP_CROSSOVER` on deep or very tall matrices: prefer_wide). Design and numbers:
+docs/gpu_quant_matmul.md ("wide").
 """
 
 from __future__ import annotations
@@ -28,18 +29,41 @@ SMEM_LIMIT = 227 * 1024
 SMEM_PER_SM = 228 * 1024
 BARRIER_BYTES = 16  # per stage: the full and empty mbarriers
 
-# Narrowest width for which QuantMatrix.matmul takes this kernel instead of v2, per storage type (gemv keeps the
-# widths up to quant_gemv.CROSSOVER). H100, 2026-11-26 (bench/gpu_wide_check.sh, default launch shape): on the 27B
-# ffn matrices v2 is as fast or faster up to 23 tokens (Q4_K ffn_up 34.4 vs 37.9 us at 23) and the wide kernel
-# wins from 32 (41 vs 54 us; 41 tokens 47 vs 83, 64 tokens 56 vs 145); 5120x6144 matrices keep v2 at 23 too.
-CROSSOVER = {1: 25, 8: 25, 12: 25, 14: 25}  # F16, Q8_0, Q4_K, Q6_K  # F16, Q8_0, Q4_K, Q6_K
-# Default launch shape (choose_config): m16 tiles per warp, warps per block, copy stages; the first that fits in
-# shared memory of (M_TILES, warps in WARP_CHOICES, stages in STAGE_CHOICES). ESTIMATE until the sweep: 8 warps x 2
-# tiles = 256 rows per block keeps x's L2 reads below the weight bytes up to 64 tokens (2 TPAD / (256 bytes per
-# weight): 0.9x at 64 tokens of Q4_K), and 3 stages keep two chunks of copies in flight.
-M_TILES = 2
-WARP_CHOICES = (8, 4, 2, 1)
-STAGE_CHOICES = (3, 2)
+# Dispatch and default launch shape, from the first H100 run (2026-11-26, commit d4f48fc, bench/gpu_wide_check.sh
+# kernels: gemv / v2 / wide at widths 1..64 and the wide launch-shape sweep at 16 / 23 / 41 / 64 tokens on the 27B
+# matrices; us, v2 vs the best swept wide shape). A kernel's time depends on the token tiles (TPAD = 8 ceil(T / 8)),
+# so 16 stands for 9..16 and 23 for 17..24.
+#   Q4_K ffn_up   17408x5120   16: 30.3 vs 30.6   23: 34.4 vs 33.6   41: 83.7 vs 41.8
+#   Q4_K ssm_out   5120x6144   16: 14.7 vs 16.9   23: 16.6 vs 17.3   41: 32.0 vs 21.1
+#   Q6_K ffn_up   17408x5120   16: 37.0 vs 41.5   23: 42.1 vs 43.4   41: 104  vs 47.4
+#   Q4_K ffn_down  5120x17408  16: 34.9 vs 31.4   23: 36.8 vs 34.1   41: 80.8 vs 42.6
+#   Q6_K ffn_down  5120x17408  16: 46.5 vs 41.3   23: 47.2 vs 43.6   41: 92.2 vs 47.3
+#   Q6_K output  248320x5120   16: 538  vs 408    23: 609  vs 468    41: 761  vs 583
+# (F16 / Q8_0, default shape (2, 8, 3) only: F16 ffn_up / ffn_down at 23 77.0 / 90.5 vs 70.9 / 72.2, at 16 67.4 /
+# 73.2 vs 70.2 / 72.9; Q8_0 at 23 45.7 / 50.0 vs 47.7 / 50.9, at 32 68.4 / 61.8 vs 49.1 / 52.1.)
+# v2 holds its own up to 24 tokens on matrices of moderate height and depth (ffn_up, the 5120x6144 projections), and
+# falls behind from the first width of 4 token tiles everywhere; on deep matrices (k >= 2 n_out: ffn_down, whose 320
+# row tiles leave v2 a few row groups per SM walking 68 chunks each) and very tall ones (the output matrix) the
+# stream-K split wins from 9 tokens. So: the wide kernel from CROSSOVER[qtype] tokens, from DEEP_CROSSOVER[qtype] on
+# deep or tall matrices (a type missing there: CROSSOVER); gemv keeps the widths up to quant_gemv.CROSSOVER.
+CROSSOVER = {1: 17, 8: 25, 12: 25, 14: 25}  # F16, Q8_0, Q4_K, Q6_K
+DEEP_CROSSOVER = {12: 9, 14: 9}  # Q4_K, Q6_K (F16 / Q8_0: no sweep yet)
+TALL_ROWS = 65536  # a matrix of this many rows or more is "tall"
+# Default launch shape (choose_config): m16 tiles per warp, warps per block, copy stages by token tiles, with as
+# many blocks per SM as fit. The sweep's best shapes were nearly all 1 tile x 4 warps (64 rows per block): more,
+# smaller blocks per SM hide the dequantization of one behind another's copies better than 8 warps x 2 tiles (the
+# first estimate, 5-20% slower: Q4_K ffn_up 37.9 / 47.9 us at 23 / 41 tokens vs 33.9 / 41.8). Stages (each setting
+# with all blocks that fit: fewer, deeper blocks at 3): 3 at 3 token tiles (Q4_K ffn_down 34.1 vs 37.8 us, ssm_out
+# 17.3 vs 18.9, ffn_up 34.6 vs 33.9; Q6_K 43.4-43.6 either way), and for Q6_K at 2 tiles too (ffn_down 42.1 vs 47.8,
+# ffn_up 42.1 vs 42.6; Q4_K there: ffn_up / ffn_down 32.5 / 32.5 vs 30.6 / 31.4 with 2); 2 from 4 tiles (Q4_K
+# ffn_up at 41: 41.8 with 2, 45.2 with 3 at 2 blocks per SM). Tall matrices: 8 warps, 2 stages (Q6_K output 468 / 583
+# us at 23 / 41 vs 492 / 620 with 4 warps; 3 stages are not among its best three at any width).
+M_TILES = 1
+WARPS = 4
+STAGES3_TILES = {14: (2, 3)}  # token tiles at which a type takes 3 stages (2 at the others); the rest: (3,)
+TALL_WARPS, TALL_STAGES = 8, 2
+WARP_CHOICES = (8, 4, 2, 1)  # what choose_config falls back through when a shape does not fit (or a small matrix)
+STAGE_CHOICES = (4, 3, 2)
 
 _configured: dict[tuple, int] = {}
 
@@ -80,9 +104,15 @@ def scratch_floats(blocks: int, n_tiles: int, m_tiles: int, warps: int) -> int:
     return 2 * blocks * warps * m_tiles * TILE_ROWS * 8 * n_tiles
 
 
-def prefer_wide(qtype: int, tokens: int) -> bool:
-    """matmul()'s choice for a matrix in the v2 layout above gemv's widths: this kernel from CROSSOVER[qtype]."""
-    return CROSSOVER.get(int(qtype), MAX_TOKENS + 1) <= tokens <= MAX_TOKENS
+def prefer_wide(qtype: int, tokens: int, n_out: int = 0, k: int = 0) -> bool:
+    """matmul()'s choice for an n_out x k matrix in the v2 layout above gemv's widths: this kernel from
+    CROSSOVER[qtype] tokens, from DEEP_CROSSOVER[qtype] on a deep (k >= 2 n_out) or tall (n_out >= TALL_ROWS)
+    matrix (shape unknown, 0: the CROSSOVER)."""
+    qtype = int(qtype)
+    first = CROSSOVER.get(qtype, MAX_TOKENS + 1)
+    if n_out > 0 and (k >= 2 * n_out or n_out >= TALL_ROWS):
+        first = DEEP_CROSSOVER.get(qtype, first)
+    return first <= tokens <= MAX_TOKENS
 
 
 def _defines(portable: bool) -> tuple[str, ...]:
@@ -117,15 +147,20 @@ def warmup(qtypes=tuple(CROSSOVER), n_tiles=range(1, MAX_TOKENS // 8 + 1), m_til
 
 
 def choose_config(qtype: int, n_out: int, k: int, tokens: int, config: WideConfig | None = None) -> WideConfig:
-    """The launch shape for a width with every 0 of `config` filled in: M_TILES tiles per warp, then the first
-    (warps, stages) of WARP_CHOICES x STAGE_CHOICES that fits in shared memory, with no more warps than the matrix
-    has tile groups (a small matrix keeps its blocks' warps busy)."""
+    """The launch shape for a width with every 0 of `config` filled in: M_TILES tiles per warp, WARPS warps, 3 stages
+    at STAGES3_TILES token tiles and 2 at the others (a tall matrix: TALL_WARPS, TALL_STAGES), as many blocks per SM
+    as fit; falling back through fewer warps (never more than the matrix has tile groups: a small matrix keeps its
+    blocks' warps busy) and then fewer stages until the shape fits in shared memory."""
     cfg = config or WideConfig()
     n_tiles = (min(max(tokens, 1), MAX_TOKENS) + 7) // 8
     mt = cfg.m_tiles or M_TILES
     tiles = -(-n_out // TILE_ROWS)
-    warp_choices = (cfg.warps,) if cfg.warps else tuple(w for w in WARP_CHOICES if w * mt <= max(tiles, mt)) or (1,)
-    stage_choices = (cfg.stages,) if cfg.stages else STAGE_CHOICES
+    tall = n_out >= TALL_ROWS
+    want_w = TALL_WARPS if tall else WARPS
+    want_s = TALL_STAGES if tall else 3 if n_tiles in STAGES3_TILES.get(int(qtype), (3,)) else 2
+    fits_rows = [w for w in WARP_CHOICES if w <= want_w and w * mt <= max(tiles, mt)] or [1]
+    warp_choices = (cfg.warps,) if cfg.warps else tuple(fits_rows)
+    stage_choices = (cfg.stages,) if cfg.stages else tuple(st for st in STAGE_CHOICES if st <= want_s)
     for w in warp_choices:
         for st in stage_choices:
             if smem_bytes(qtype, n_tiles, mt, w, st) <= SMEM_LIMIT:

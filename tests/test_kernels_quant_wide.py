@@ -79,6 +79,7 @@ def test_matches_twin_at_every_width(qtype: int, shape: tuple[int, int]) -> None
 
 
 SHAPES = [
+    qw.WideConfig(),  # the default for the width
     qw.WideConfig(2, 8, 3),
     qw.WideConfig(1, 4, 2),
     qw.WideConfig(2, 2, 4),
@@ -223,18 +224,23 @@ def test_portable_fallback_path(qtype: int) -> None:
 
 def test_float32_input_and_dispatch() -> None:
     rng = np.random.default_rng(12)
-    shape = (384, 1024)
+    shape = (640, 1024)
     W, w64 = _matrix(qm.Q4_K, shape, rng)
     x = rng.standard_normal((29, shape[1])).astype(np.float32)
     y = run(W, x, kernel="wide")
     assert rel_error(y, x.astype(np.float16).astype(np.float64) @ w64.T) < TOL  # fp32 input is rounded to fp16
-    # matmul() picks the wide kernel from its crossover width, v2 below it (above gemv's widths)
+    # matmul() picks the wide kernel from its crossover width, v2 below it (above gemv's widths); a deep matrix
+    # (k >= 2 n_out) from DEEP_CROSSOVER
     px = qm.pack_activations(cupy.asarray(x))
     assert np.array_equal(run(W, px), run(W, px, kernel="wide"))
-    narrow = qw.CROSSOVER[qm.Q4_K] - 1
-    if narrow > qg.CROSSOVER[qm.Q4_K]:
-        pn = qm.pack_activations(cupy.asarray(x[:narrow]))
-        assert np.array_equal(run(W, pn), run(W, pn, kernel="v2"))
+    deep, _ = _matrix(qm.Q4_K, (384, 1024), rng)
+    for M, first in ((W, qw.CROSSOVER[qm.Q4_K]), (deep, qw.DEEP_CROSSOVER[qm.Q4_K])):
+        assert qw.prefer_wide(qm.Q4_K, first, *M.shape) and not qw.prefer_wide(qm.Q4_K, first - 1, *M.shape)
+        pf = qm.pack_activations(cupy.asarray(x[:first]))
+        assert np.array_equal(run(M, pf), run(M, pf, kernel="wide"))
+        if first - 1 > qg.CROSSOVER[qm.Q4_K]:
+            pn = qm.pack_activations(cupy.asarray(x[: first - 1]))
+            assert np.array_equal(run(M, pn), run(M, pn, kernel="v2"))
     with pytest.raises(ValueError):
         W.matmul(px, kernel="wide", splits=2)
     with pytest.raises(ValueError):

@@ -274,12 +274,25 @@ def test_default_config_fits(qtype, tokens) -> None:
     for shape in ((17408, 5120), (5120, 17408), (248320, 5120), (48, 5120)):
         cfg = qw.choose_config(qtype, *shape, tokens)
         qw.check(qtype, (tokens + 7) // 8, cfg)
-        assert cfg.m_tiles == qw.M_TILES
+        assert cfg.m_tiles == qw.M_TILES and cfg.blocks_per_sm == 0 and cfg.blocks == 0
         assert cfg.warps * cfg.m_tiles <= max(cfg.m_tiles, -(-shape[0] // 16))  # no block of mostly idle warps
-    # Q4_K keeps 8 warps and 3 stages up to 64 tokens; Q6_K's bigger tiles drop to 2 stages at 64
-    assert qw.choose_config(Q4_K, 17408, 5120, 64) == qw.WideConfig(2, 8, 3)
-    assert qw.choose_config(Q6_K, 17408, 5120, 64) == qw.WideConfig(2, 8, 2)
-    assert qw.choose_config(Q4_K, 17408, 5120, 64, qw.WideConfig(warps=4, stages=4)) == qw.WideConfig(2, 4, 4)
+
+
+def test_default_config_rules() -> None:
+    # the swept H100 defaults: 1 tile x 4 warps, 3 stages at 3 token tiles (17..24 tokens; Q6_K from 9), 2 otherwise;
+    # tall matrices 8 warps, 2 stages
+    for q in (F16, Q8_0, Q4_K, Q6_K):
+        s2 = 3 if q == Q6_K else 2
+        for tokens, stages in ((8, 2), (9, s2), (16, s2), (17, 3), (23, 3), (24, 3), (25, 2), (41, 2), (64, 2)):
+            assert qw.choose_config(q, 17408, 5120, tokens) == qw.WideConfig(1, 4, stages)
+            assert qw.choose_config(q, 5120, 17408, tokens) == qw.WideConfig(1, 4, stages)
+            assert qw.choose_config(q, 248320, 5120, tokens) == qw.WideConfig(1, 8, 2)
+    # a small matrix: no more warps than it has row tiles; overrides kept, the rest filled in
+    assert qw.choose_config(Q4_K, 40, 512, 23) == qw.WideConfig(1, 2, 3)
+    assert qw.choose_config(Q4_K, 17408, 5120, 64, qw.WideConfig(warps=8, stages=4)) == qw.WideConfig(1, 8, 4)
+    assert qw.choose_config(Q4_K, 17408, 5120, 23, qw.WideConfig(2, blocks=9)) == qw.WideConfig(2, 4, 3, 0, 9)
+    # an explicit warp count that does not fit at 4 stages falls back through fewer stages
+    assert qw.choose_config(F16, 17408, 5120, 64, qw.WideConfig(2, 8)) == qw.WideConfig(2, 8, 2)
 
 
 def test_grid_and_residency() -> None:
@@ -291,6 +304,8 @@ def test_grid_and_residency() -> None:
     assert qw.grid(256, 512, cfg, 187, 200_000, 132) == 2  # at most one block per item
     assert qw.grid(17408, 5120, qw.WideConfig(2, 4, 2, blocks_per_sm=2), 121, 60_000, 132) == 264
     assert qw.grid(17408, 5120, qw.WideConfig(2, 4, 2, blocks=77), 121, 60_000, 132) == 77
+    # the default at 23 tokens of Q4_K: 4 warps of 81 registers, 3 stages of 21.5 KB: three blocks per SM
+    assert qw.blocks_per_sm(4, 81, qw.smem_bytes(Q4_K, 3, 1, 4, 3)) == 3
 
 
 def test_dispatch_widths() -> None:
@@ -298,6 +313,15 @@ def test_dispatch_widths() -> None:
         assert qw.CROSSOVER[q] > qg.CROSSOVER[q]  # gemv keeps its widths
         assert not qw.prefer_wide(q, qw.CROSSOVER[q] - 1) and qw.prefer_wide(q, qw.CROSSOVER[q])
         assert qw.prefer_wide(q, 64) and not qw.prefer_wide(q, 65)
+        for shape in ((5120, 17408), (248320, 5120)):  # deep, tall: from DEEP_CROSSOVER
+            first = qw.DEEP_CROSSOVER.get(q, qw.CROSSOVER[q])
+            assert qg.CROSSOVER[q] < first <= qw.CROSSOVER[q]
+            assert not qw.prefer_wide(q, first - 1, *shape) and qw.prefer_wide(q, first, *shape)
+        for shape in ((17408, 5120), (5120, 6144), (8192, 16383)):  # ffn_up, the projections: CROSSOVER
+            assert not qw.prefer_wide(q, qw.CROSSOVER[q] - 1, *shape) and qw.prefer_wide(q, qw.CROSSOVER[q], *shape)
+    # H100 2026-11-26: v2 up to 24 tokens on ffn_up / ssm_out; the wide kernel from 9 on the K-quants' ffn_down and
+    # output matrices; F16 from 17
+    assert qw.CROSSOVER[Q4_K] == qw.CROSSOVER[Q6_K] == 25 and qw.DEEP_CROSSOVER[Q4_K] == qw.DEEP_CROSSOVER[Q6_K] == 9
 
 
 def test_stream_k_split_restatement() -> None:
