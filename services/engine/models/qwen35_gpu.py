@@ -247,13 +247,16 @@ class GpuSequenceState:
         self.commit_graphs.clear()
 
     def ensure_capture(self, n_capture: int) -> Any:
-        """The (max_tree, n_capture, n_embd) buffer of a graph step's captured layers (remade, and the graphs
-        dropped, for another number of layers)."""
+        """The (max_tree, n_capture, n_embd) buffer of a graph step's captured layers, made for the first capture
+        list; remade for another number of layers, dropping only the graphs that write into the old one (graphs
+        without captured layers never held its address)."""
         buf = self.out_captured
         if buf is None or int(buf.shape[1]) != int(n_capture):
             cp = nr.loader.require()
-            self.detach_results()
-            self.graphs.clear()
+            if buf is not None:
+                self.detach_results()
+                self.graphs = {k: g for k, g in self.graphs.items() if g is None or g.captured is None}
+                self.out_captured = buf = None     # freed before the new one is taken
             self.out_captured = buf = cp.empty((self.max_tree, int(n_capture), self.cfg.n_embd), cp.float32)
         return buf
 
@@ -807,13 +810,16 @@ class Qwen35GpuModel(TargetModel):
         depth, mask = _tree_shape(par, is_chain, T)
         st.h_s_len[0] = S
         positions = None
+        if mask is not None:
+            # every step of up to ATTN_TOKENS reads its ancestor mask from the state, an eager chunk wider than the
+            # state's planned width too (a prompt of width + 1 .. 64 tokens): a mask left by an earlier step would
+            # hide the chunk's own tokens from each other
+            st.h_mask[:T] = mask
         if small:
             st.h_positions[:T] = S + depth
             st.h_tokens[:T] = tokens
             if not is_chain:
                 st.h_parents[:T] = par
-            if mask is not None:
-                st.h_mask[:T] = mask
             positions = state.positions[:T]
         else:   # a long prefill chunk (a chain): its positions apart, eager launches
             positions = cp.arange(S, S + T, dtype=cp.int32)
