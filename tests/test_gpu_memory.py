@@ -198,6 +198,8 @@ def test_planner_constants_mirror_the_engine():
     assert QG.GRAPHS_PER_STATE == M.GPU_GRAPHS_PER_STATE and DG.GRAPHS_PER_SESSION == M.GPU_GRAPHS_PER_SESSION
     assert QG.ARENA_SLACK == M.GPU_ARENA_SLACK and QG.ATTN_TOKENS == M.GPU_ATTN_TOKENS == M.GPU_MAX_WIDTH
     assert DG.MAX_APPEND == M.GPU_MAX_APPEND and DG.TOPK == M.GPU_TOPK and att.KT == M.CUDA_KV_TILE
+    assert sorted(QG.STACKS.values()) == sorted(M.GPU_TARGET_STACKS)
+    assert sorted(DG.STACKS.values()) == sorted(M.GPU_DRAFTER_STACKS)
     assert M.serving_width(True, 22, 16, "cuda") == 23 and M.serving_width(True, 64, 16, "cuda") == 64
     assert M.serving_width(True, 64, 16, "numpy") == 65 and M.serving_width(True, None, 16, "cuda") == 16
     assert M.serving_width(True, 3, 16, "numpy") == 16 and M.serving_width(False, 22, 16, "cuda") == 1
@@ -283,6 +285,23 @@ def test_memory_stays_within_the_plan_over_many_requests(tmp_path):
     assert r["pool"]["max_total"] <= r["planned"]["pool_resident"], r["pool"]
     assert r["graphs"]["step_max_per_state"] <= M.GPU_GRAPHS_PER_STATE
     assert r["graph_stats"]["failed"] == 0 and r["graph_stats"]["replays"] > 0
+
+
+@needs_gpu
+def test_gpu_matrices_are_the_planned_ones():
+    """The matrices the GPU models hold (placement.gpu_matrices: what the split scratch is reserved for; stacks
+    uploaded as one matrix per run of a storage type) are the ones memory_plan.WeightBytes counts from the files."""
+    from services.engine.default_model import default_model_paths
+    from services.engine.models.dflash import canonical_tensor_names
+    from services.engine.placement import gpu_matrices, load_drafter_on, load_target_on
+
+    target_path, draft_path = default_model_paths()
+    model = load_target_on(target_path, "cuda:0", with_tokenizer=False).model
+    drafter = load_drafter_on(draft_path, model, "cuda:0").drafter
+    wt = M.WeightBytes.of(M.read_model_header(target_path)[1])
+    wd = M.WeightBytes.of(canonical_tensor_names(M.read_model_header(draft_path)[1]))
+    assert gpu_matrices(model) == wt.mats
+    assert gpu_matrices(drafter) == wd.mats | wt.head_mats()     # the drafter multiplies by the target's head
 
 
 @needs_gpu
