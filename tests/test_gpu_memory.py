@@ -313,13 +313,12 @@ def test_cuda_allocation_failure_fails_the_request_alone():
     Plain decoding at the planned width 1 (reserve_serving without a drafter): a 5-token prompt is an eager chunk
     wider than the state's steps, its decode steps are graphs. The short request runs on a fresh model (its first
     decode step eager, then replays), again on the pooled state (all replays), then after the failure; the long one
-    after the failure against a fresh model's. Greedy tokens equal to the NumPy engine's prove the eager chunk saw
-    its own tokens (a mask left over from an earlier step hid them)."""
+    after the failure against a fresh model's (tests/test_gpu_backend.py checks such an eager chunk's logits against
+    the NumPy engine's)."""
     import cupy
 
     from services.engine.default_model import default_model_paths
     from services.engine.generate import generate
-    from services.engine.loader import load_target
     from services.engine.placement import load_target_on, reserve_serving
 
     path = default_model_paths()[0]
@@ -335,7 +334,6 @@ def test_cuda_allocation_failure_fails_the_request_alone():
     replayed = generate(model, ids[:5], 4).token_ids     # the pooled state: every decode step a replay
     assert model.pool_stats["reused"] >= 1
     assert replayed == first
-    assert first == generate(load_target(path, with_tokenizer=False).model, ids[:5], 4).token_ids
     pool = cupy.get_default_memory_pool()
     pool.free_all_blocks()
     pool.set_limit(size=pool.total_bytes() + (1 << 20))
