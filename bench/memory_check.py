@@ -6,16 +6,19 @@
 Loads the target (and a GPU drafter) on cuda:0 as the verifier does, plans with the verifier's settings, takes
 what serving needs (placement.reserve_serving: pooled states and drafter sessions of the serving context, the graph
 arena at its planned size), then runs (1) requests of many shapes - plain, chains, trees of several budgets, prompts
-of 1..700 tokens (a prefill chunk and a half), two at a time when there are two slots - and (2) on one pooled
-state, a decode step and a verify step (a random tree with checkpoints, captured layers, all logits, committed)
-at every width of --widths. After each request or step it reads the CuPy pool (used and held bytes), the graph
-arena, quant_gemv's split-K scratch and the device's memGetInfo.
+of 1..700 tokens (a prefill chunk and a half), every other one sampled with repetition penalties (the device
+sampler), two at a time when there are two slots - and (2) on one pooled state, a decode step and a verify step (a
+random tree with checkpoints, captured layers, all logits, committed) at every width of --widths. After each
+request or step it reads the CuPy pool (used and held bytes), the graph arena, quant_gemv's split scratch (the wide
+kernel's partials) and the device's memGetInfo.
 
-Compared with the plan: the pool's largest holding against the planned bytes that live in it (every item but the
-CUDA graphs and the reserve); each pooled state and session against its planned bytes (exact); the arena against its
-planned size (reserved once, never grown while serving) and the largest capture's need; what the device holds
-outside the pool (instantiated graphs, kernel modules) against the planned graphs plus the reserve, with the bytes
-per captured graph it implies. Prints a table last; --json writes everything.
+Compared with the plan: the weights (the pool right after loading: the bytes it holds, so blocks it cannot give
+back count too); the split scratch of all streams; the pool's largest holding against the planned bytes that live
+in it (every item but the CUDA graphs, the split scratch and the reserve); each pooled state and session against
+its planned bytes (exact); the arena against its planned size (reserved once, never grown while serving) and the
+largest capture's need; what the device holds outside the pool (instantiated graphs, kernel modules) against the
+planned graphs plus the reserve, with the bytes per kernel node it implies; the matrices the models hold against
+the planned ones. Prints a table last ("within the plan" when every row is); --json writes everything.
 """
 
 from __future__ import annotations
@@ -91,23 +94,28 @@ def _requests(model: Any, drafter: Any, new_proposer: Any, slots: int, max_ctx: 
     """n requests of assorted shapes through speculative_stream / generate_stream, `slots` at a time (their steps
     interleaved, as the verifier's slots take turns under its engine lock)."""
     from services.engine.generate import generate_stream
+    from services.engine.sampling import SamplingParams
     from services.engine.speculative import SpecConfig, speculative_stream
 
     lengths = [1, 5, 19, 64, 65, 200, 512, 513, 700]
     modes = ["plain", "chain", 22, 5, 1, 12, 63]
+    # every other request draws sampled tokens with repetition penalties (the device sampler's workspace and its
+    # float32 copy of the penalised rows), the others greedy
+    sampled = SamplingParams(temperature=0.8, top_p=0.95, repetition_penalty=1.1, seed=7)
     tokens = 0
     queue = []
     for i in range(n):
         length = min(lengths[i % len(lengths)], max_ctx - 48)
         mode = modes[i % len(modes)] if new_proposer is not None else "plain"
+        params = sampled if i % 2 else SamplingParams()
         prompt = rng.integers(0, model.cfg.n_vocab, size=length).tolist()
         max_tokens = int(rng.integers(8, 40))
         if mode == "plain":
-            gen = generate_stream(model, prompt, max_tokens, max_ctx=max_ctx)
+            gen = generate_stream(model, prompt, max_tokens, params, max_ctx=max_ctx)
         else:
             spec = SpecConfig(budget=None if mode == "chain" else int(mode))
-            gen = speculative_stream(model, new_proposer(), prompt, max_tokens, spec=spec, max_ctx=max_ctx)
-        queue.append((f"request {i}: prompt {length}, {mode}", gen))
+            gen = speculative_stream(model, new_proposer(), prompt, max_tokens, params, spec=spec, max_ctx=max_ctx)
+        queue.append((f"request {i}: prompt {length}, {mode}{', sampled' if i % 2 else ''}", gen))
     while queue:
         batch, queue = queue[:slots], queue[slots:]
         live = list(batch)
@@ -193,7 +201,7 @@ def main(argv: list[str] | None = None) -> int:
     import cupy as cp
 
     from services.engine import memory_plan as mp
-    from services.engine.placement import load_drafter_on, load_target_on, reserve_serving
+    from services.engine.placement import gpu_matrices, load_drafter_on, load_target_on, reserve_serving
     from services.engine.speculative import AUTO_MAX_BUDGET
 
     t_start = time.perf_counter()
@@ -255,6 +263,11 @@ def main(argv: list[str] | None = None) -> int:
 
     states = list(model._state_pool)
     sessions = list(getattr(drafter, "_pool", []) or [])
+    held_mats = gpu_matrices(model, drafter if hasattr(drafter, "_pool") else None)
+    planned_mats = mp.WeightBytes.of(mp.read_model_header(target_path)[1]).mats
+    if hasattr(drafter, "_pool"):
+        planned_mats |= mp.drafter_shape(draft_path, cfg).weights.mats
+    mats_ok = held_mats == planned_mats
     nodes = _node_counts(states, sessions)
     graphs_new = (end["step_graphs"] + end["commit_graphs"] + end.get("draft_graphs", 0)
                   - reserved["step_graphs"] - reserved["commit_graphs"] - reserved.get("draft_graphs", 0))
@@ -267,9 +280,12 @@ def main(argv: list[str] | None = None) -> int:
         "planned_total": plan.devices[0].total,
         "pool_resident_items": [n for n in planned if n not in OUTSIDE_POOL],
         # the pool right after loading, less the graph arena the models reserve when they load
+        # (pool_total: what the device holds for the pool; pool_used less: blocks CuPy keeps and cannot give back)
         "weights": {"measured": weights["pool_total"] - weights["arena"],
                     "planned": planned.get("target weights", 0) + planned.get("drafter weights", 0),
+                    "used": weights["pool_used"] - weights["arena"],
                     "target_only": loaded["pool_total"] - loaded["arena"]},
+        "matrices": {"as_planned": mats_ok, "held": sorted(held_mats), "planned": sorted(planned_mats)},
         "states": {"count": len(states), "bytes_each": [s.nbytes for s in states][0] if states else 0,
                    "planned_each": st_planned},
         "sessions": {"count": len(sessions), "bytes_each": sessions[0].nbytes if sessions else 0,
@@ -306,6 +322,7 @@ def main(argv: list[str] | None = None) -> int:
           f"{model.graph_stats}")
     rows = [
         ("weights (target + drafter)", rep["weights"]["planned"], rep["weights"]["measured"]),
+        ("split scratch (wide kernel), all streams", planned.get("split-K scratch", 0), meter.max["split_scratch"]),
         ("state, each (exact)", st_planned, rep["states"]["bytes_each"]),
         ("drafter session, each (exact)", ses_planned, rep["sessions"]["bytes_each"]),
         ("graph arena (reserved)", planned.get("graph arena", 0), rep["arena"]["bytes"]),
@@ -323,8 +340,9 @@ def main(argv: list[str] | None = None) -> int:
           f"outside-pool growth per graph {_gib(per) if per is not None else '-'}, per node "
           f"{f'{per_node / 1024:.1f} KiB' if per_node is not None else '-'} (planned {mp.GRAPH_NODE_BYTES >> 10} KiB); "
           f"arena grown while serving: {rep['arena']['grown_while_serving']}")
+    print(f"matrices on the GPU as planned (split scratch sized by them): {'yes' if mats_ok else 'NO'}")
     ok = (rep["states"]["bytes_each"] == st_planned and rep["sessions"]["bytes_each"] == ses_planned
-          and rep["arena"]["grown_while_serving"] == 0 and rep["pool"]["max_total"] <= pool_resident)
+          and rep["arena"]["grown_while_serving"] == 0 and all(m <= p for _, p, m in rows) and mats_ok)
     print("within the plan" if ok else "NOT within the plan")
     return 0 if ok else 1
 

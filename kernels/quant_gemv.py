@@ -366,22 +366,33 @@ _side_streams: dict[int, Any] = {}
 
 _scratch: dict[tuple[int, int], _Scratch] = {}
 _retired: list[_Scratch] = []  # outgrown buffers: graphs captured earlier still hold their addresses
+SCRATCH_FIRST = (1 << 19, 1 << 14)  # (partial floats, counters) a stream's scratch holds at least
+_reserved = [0, 0]                  # (partial floats, counters) a new scratch is made with (reserve_split_scratch)
+
+
+def reserve_split_scratch(part_floats: int, counters: int) -> None:
+    """Make every stream's scratch big enough, when it is first made, for launches of up to these needs (the memory
+    plan's bound, set at start-up): then no scratch grows while serving and a stream holds exactly one buffer."""
+    _reserved[0] = max(_reserved[0], int(part_floats))
+    _reserved[1] = max(_reserved[1], int(counters))
 
 
 def split_scratch(tiles: int, part_floats: int) -> tuple[Any, Any]:
-    """(partial sums, counters) for a split-K launch on the current stream of the current device: cached per
-    (device, stream), grown (never freed) when a launch needs more. Launches on one stream run one after another, so
-    they share it safely; a CUDA graph keeps the buffer of the stream it was captured on (replay graphs captured on
-    one stream one at a time)."""
+    """(partial sums, counters) for a split-K (or wide) launch on the current stream of the current device: cached
+    per (device, stream), made at least SCRATCH_FIRST and the reserved size, grown (never freed) when a launch needs
+    more. Launches on one stream run one after another, so they share it safely; a CUDA graph keeps the buffer of
+    the stream it was captured on (replay graphs captured on one stream one at a time)."""
     cupy = loader.require()
     key = (qm._device_id(), int(cupy.cuda.get_current_stream().ptr))
     sc = _scratch.get(key)
     if sc is None or sc.part.size < part_floats or sc.counters.size < tiles:
         if sc is not None:
             _retired.append(sc)
-        old_p, old_c = (sc.part.size, sc.counters.size) if sc is not None else (1 << 19, 1 << 14)
-        sc = _Scratch(cupy, max(part_floats, old_p, 2 * old_p if sc is not None else 0),
-                      max(tiles, old_c, 2 * old_c if sc is not None else 0))
+            old_p, old_c = sc.part.size, sc.counters.size
+            sc = _Scratch(cupy, max(part_floats, 2 * old_p), max(tiles, 2 * old_c))
+        else:
+            sc = _Scratch(cupy, max(part_floats, SCRATCH_FIRST[0], _reserved[0]),
+                          max(tiles, SCRATCH_FIRST[1], _reserved[1]))
         _scratch[key] = sc
     return sc.part, sc.counters
 
@@ -391,18 +402,15 @@ def split_scratch_bytes() -> int:
     return sum(4 * (sc.part.size + sc.counters.size) for sc in (*_scratch.values(), *_retired))
 
 
-def split_scratch_bound(sms: int, streams: int) -> int:
-    """Most device bytes split-K scratch can take on one device whose launches go to `streams` streams: 0 while
+def split_scratch_need(sms: int) -> tuple[int, int]:
+    """(partial floats, counters) the split-K gemv launches gemv() dispatches can take at most: (0, 0) while
     SPLIT_UP_TO dispatches no type. choose_split keeps tiles x splits within SPLIT_WAVES waves of at most 32 blocks
     per SM, with at most max(SPLIT_WARPS) warps of TILE_ROWS rows each per block; a launch takes at most the widest
-    SPLIT_UP_TO tokens; counters are one per tile. Growth doubles, and outgrown buffers are kept (graphs hold their
-    addresses), so a stream holds under 4x the largest launch's need."""
+    SPLIT_UP_TO tokens; counters are one per tile."""
     if not SPLIT_UP_TO:
-        return 0
+        return 0, 0
     blocks = int(SPLIT_WAVES * sms * 32)
-    part = blocks * max(SPLIT_WARPS) * TILE_ROWS * max(SPLIT_UP_TO.values())
-    first = (1 << 19) + (1 << 14)        # split_scratch's first allocation (floats + counters)
-    return streams * 4 * 4 * max(part + blocks, first)
+    return blocks * max(SPLIT_WARPS) * TILE_ROWS * max(SPLIT_UP_TO.values()), blocks
 
 
 def _launch_split(W: Any, packed: Any, out: Any, accumulate: bool, splits: int, kw: int, portable: bool) -> Any:

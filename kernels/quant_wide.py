@@ -199,6 +199,18 @@ def grid(n_out: int, k: int, cfg: WideConfig, regs: int, smem: int, sms: int) ->
     return max(1, min(items, per_sm * sms))
 
 
+def scratch_need(qtype: int, n_out: int, k: int, tokens: int, sms: int) -> tuple[int, int]:
+    """(partial-sum floats, counters) of quant_gemv.split_scratch that a default launch at this width takes at most,
+    without the compiled kernel: its grid with the register limit left out (registers only lower the blocks that fit;
+    from 25 tokens shared memory already keeps one block per SM). What the memory plan sizes the scratch by."""
+    n_tiles = (min(max(tokens, 1), MAX_TOKENS) + 7) // 8
+    cfg = choose_config(qtype, n_out, k, tokens)
+    smem = smem_bytes(qtype, n_tiles, cfg.m_tiles, cfg.warps, cfg.stages)
+    blocks = grid(n_out, k, cfg, 1, smem, sms)
+    counters = row_blocks(n_out, cfg.m_tiles, cfg.warps) * cfg.warps
+    return scratch_floats(blocks, n_tiles, cfg.m_tiles, cfg.warps), counters
+
+
 def launch_shape(W: Any, tokens: int, config: WideConfig | None = None, portable: bool = False) -> dict:
     """What a launch of W at this width runs as: the resolved config, registers, shared memory, grid, row blocks."""
     n_out, k = W.shape

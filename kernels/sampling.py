@@ -254,6 +254,13 @@ class SampleWorkspace:
 
 _NULL = np.uint64(0)
 _local = threading.local()
+_reserved_rows = [0]   # draws a new workspace holds at least (reserve_rows)
+
+
+def reserve_rows(rows: int) -> None:
+    """Make every workspace, when first made, for at least `rows` draws (the verifier's planned width, set at
+    start-up): a workspace then never grows while serving (memory_plan counts one of that size per slot)."""
+    _reserved_rows[0] = max(_reserved_rows[0], int(rows))
 
 
 def _pinned(cupy: Any, n: int, dtype: Any) -> np.ndarray:
@@ -270,7 +277,9 @@ def workspace_for(rows: int, n: int) -> SampleWorkspace:
         cache = _local.ws = {}
     ws = cache.get(dev)
     if ws is None or not ws.fits(rows, n):
-        ws = cache[dev] = SampleWorkspace(max(rows, ws.rows if ws is not None and ws.n == n else 0), n)
+        keep = ws.rows if ws is not None and ws.n == n else 0
+        cache[dev] = ws = None     # the old buffers go back to the pool before the new ones are taken
+        ws = cache[dev] = SampleWorkspace(max(rows, keep, _reserved_rows[0]), n)
     return ws
 
 

@@ -105,6 +105,31 @@ def test_plain_requests_reuse_pooled_states():
 
 
 @needs_gpu
+def test_chunk_wider_than_the_planned_width_matches_numpy():
+    """A prompt chunk wider than a state's planned width (plain decoding plans 1 token, budget 22 plans 23) but of at
+    most 64 tokens runs eagerly, outside the graphs, and reads its ancestor mask from the state like every step the
+    attention kernel takes: the mask must be this chunk's, not zeros (a new state) nor what an earlier step left
+    there (a pooled state: reset() keeps the buffers). Same logits as the NumPy engine, and bit for bit the same
+    again on the reset state after a graph decode step wrote its one-token mask."""
+    from services.engine.models.qwen35_gpu import GpuSequenceState
+
+    cpu, gpu, ids, _ = models()
+    assert 1 < len(ids) <= 64
+    st = GpuSequenceState(gpu.cfg, 256, "f16", "f16", max_tree=1, host_rows=gpu._host_table)
+    want = cpu.forward(cpu.new_state(256), ids, logits="all").logits
+    got = np.asarray(gpu.forward(st, ids, logits="all").logits)
+    st.commit(range(len(ids)))
+    gpu.forward(st, [5], logits="last")
+    st.commit([0])
+    st.reset()
+    again = np.asarray(gpu.forward(st, ids, logits="all").logits)
+    worst = _max_diff(want, got)
+    print(f"eager chunk of {len(ids)} tokens on a width-1 state: max |GPU - NumPy| {worst:.4g}")
+    assert worst <= LOGIT_TOL, f"{worst:.4g} > {LOGIT_TOL}"
+    assert np.array_equal(again, got), _max_diff(again, got)
+
+
+@needs_gpu
 @pytest.mark.parametrize("parents, path", [
     ([-1, 0, 0, 1, 2, 3, 3, 5, 2], [0, 2, 4]),
     ([-1, 0, 1, 2, 0, 4, 5, 6, 7], [0, 4, 5, 6, 7, 8]),       # a deep second branch: KV rows move, conv gathers

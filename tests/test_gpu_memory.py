@@ -33,10 +33,11 @@ needs_gpu = pytest.mark.skipif(_REASON is not None, reason=f"GPU memory tests sk
 def _fake_cupy() -> types.SimpleNamespace:
     """The CuPy calls the engine's buffers are made with, on NumPy (nothing launches)."""
     cuda = types.SimpleNamespace(alloc_pinned_memory=lambda n: bytearray(n),
-                                 Device=lambda *a: types.SimpleNamespace(id=0))
-    return types.SimpleNamespace(zeros=np.zeros, empty=np.empty, full=np.full, float32=np.float32,
-                                 float16=np.float16, int32=np.int32, int64=np.int64, uint8=np.uint8,
-                                 uint64=np.uint64, cuda=cuda)
+                                 Device=lambda *a: types.SimpleNamespace(id=0),
+                                 get_current_stream=lambda: types.SimpleNamespace(synchronize=lambda: None))
+    return types.SimpleNamespace(zeros=np.zeros, empty=np.empty, full=np.full, asarray=np.asarray, arange=np.arange,
+                                 float32=np.float32, float16=np.float16, int32=np.int32, int64=np.int64,
+                                 uint8=np.uint8, uint64=np.uint64, cuda=cuda)
 
 
 @pytest.fixture
@@ -143,6 +144,50 @@ def test_state_output_buffers_and_detach(fake_cp):
     assert not np.shares_memory(rows.rows, st.out_captured)
 
 
+def test_captured_layers_buffer_drops_only_the_graphs_over_it(fake_cp):
+    """The captured layers' output buffer is made with the first capture list without dropping a graph (graphs without
+    captured layers never held its address); remade for another number of layers, it drops only the graphs that
+    write into the old one."""
+    from services.engine.models.qwen35_gpu import GpuSequenceState
+
+    cfg = S.get_shape("tiny").target
+    st = GpuSequenceState(cfg, 64, "f16", "f16", max_tree=8)
+    plain, two = types.SimpleNamespace(captured=None), types.SimpleNamespace(captured="rows")
+    st.graphs = {"decode": plain, "failed": None}
+    buf = st.ensure_capture(2)
+    assert buf.shape == (8, 2, cfg.n_embd) and st.graphs == {"decode": plain, "failed": None}
+    st.graphs["chain"] = two
+    assert st.ensure_capture(2) is buf and "chain" in st.graphs
+    assert st.ensure_capture(3).shape == (8, 3, cfg.n_embd)
+    assert st.graphs == {"decode": plain, "failed": None}
+
+
+def test_an_eager_chunk_wider_than_the_state_reads_its_own_mask(fake_cp):
+    """forward() writes the ancestor mask of every step the attention kernel takes (up to 64 tokens) into the state's
+    step values, also for an eager chunk wider than the state's planned width (a prompt of width + 1 .. 64 tokens),
+    which reads it there like a graph step: not the mask an earlier step left in a pooled state."""
+    from services.engine.models.qwen35_gpu import CHAIN_MASKS, GpuSequenceState, Qwen35GpuModel
+
+    cfg = S.get_shape("tiny").target
+    seen = []
+
+    def launches(state, step, logits, capture, x0=None, into_state=False):
+        seen.append(np.array(state.mask[:step.T]))
+        return None, None, None
+
+    model = types.SimpleNamespace(be=types.SimpleNamespace(xp=fake_cp), cfg=cfg, _host_table=False, use_graphs=False,
+                                  graph_blocker=None, graph_stats={"eager": 0}, device_embed=lambda ids: ids,
+                                  _launches=launches)
+    st = GpuSequenceState(cfg, 256, "f16", "f16", max_tree=1)
+    Qwen35GpuModel.forward(model, st, [3], logits="none")          # a decode step: its one-token mask
+    st.pending, st.n_past = None, 1
+    Qwen35GpuModel.forward(model, st, [1, 2, 3, 4, 5], logits="none")
+    Qwen35GpuModel.forward(model, st, list(range(64)), logits="none")
+    assert [m.tolist() for m in seen] == [CHAIN_MASKS[:1].tolist(), CHAIN_MASKS[:5].tolist(),
+                                          CHAIN_MASKS[:64].tolist()]
+    assert model.graph_stats["eager"] == 3
+
+
 def test_planner_constants_mirror_the_engine():
     from kernels import attention as att
     from services.engine import generate
@@ -153,6 +198,8 @@ def test_planner_constants_mirror_the_engine():
     assert QG.GRAPHS_PER_STATE == M.GPU_GRAPHS_PER_STATE and DG.GRAPHS_PER_SESSION == M.GPU_GRAPHS_PER_SESSION
     assert QG.ARENA_SLACK == M.GPU_ARENA_SLACK and QG.ATTN_TOKENS == M.GPU_ATTN_TOKENS == M.GPU_MAX_WIDTH
     assert DG.MAX_APPEND == M.GPU_MAX_APPEND and DG.TOPK == M.GPU_TOPK and att.KT == M.CUDA_KV_TILE
+    assert sorted(QG.STACKS.values()) == sorted(M.GPU_TARGET_STACKS)
+    assert sorted(DG.STACKS.values()) == sorted(M.GPU_DRAFTER_STACKS)
     assert M.serving_width(True, 22, 16, "cuda") == 23 and M.serving_width(True, 64, 16, "cuda") == 64
     assert M.serving_width(True, 64, 16, "numpy") == 65 and M.serving_width(True, None, 16, "cuda") == 16
     assert M.serving_width(True, 3, 16, "numpy") == 16 and M.serving_width(False, 22, 16, "cuda") == 1
@@ -241,21 +288,52 @@ def test_memory_stays_within_the_plan_over_many_requests(tmp_path):
 
 
 @needs_gpu
+def test_gpu_matrices_are_the_planned_ones():
+    """The matrices the GPU models hold (placement.gpu_matrices: what the split scratch is reserved for; stacks
+    uploaded as one matrix per run of a storage type) are the ones memory_plan.WeightBytes counts from the files."""
+    from services.engine.default_model import default_model_paths
+    from services.engine.models.dflash import canonical_tensor_names
+    from services.engine.placement import gpu_matrices, load_drafter_on, load_target_on
+
+    target_path, draft_path = default_model_paths()
+    model = load_target_on(target_path, "cuda:0", with_tokenizer=False).model
+    drafter = load_drafter_on(draft_path, model, "cuda:0").drafter
+    wt = M.WeightBytes.of(M.read_model_header(target_path)[1])
+    wd = M.WeightBytes.of(canonical_tensor_names(M.read_model_header(draft_path)[1]))
+    assert gpu_matrices(model) == wt.mats
+    assert gpu_matrices(drafter) == wd.mats | wt.head_mats()     # the drafter multiplies by the target's head
+
+
+@needs_gpu
 def test_cuda_allocation_failure_fails_the_request_alone():
     """A real CuPy allocation failure mid-request (the pool limited to what it holds, then a long prompt whose eager
     prefill needs more): the request raises an error the verifier maps to RESOURCE_EXHAUSTED, CUDA graphs stay on,
-    the state goes back to the pool, and with the limit lifted the same request succeeds."""
+    the state goes back to the pool, and with the limit lifted the pooled state behaves exactly like a new one.
+
+    Plain decoding at the planned width 1 (reserve_serving without a drafter): a 5-token prompt is an eager chunk
+    wider than the state's steps, its decode steps are graphs. The short request runs on a fresh model (its first
+    decode step eager, then replays), again on the pooled state (all replays), then after the failure; the long one
+    after the failure against a fresh model's (tests/test_gpu_backend.py checks such an eager chunk's logits against
+    the NumPy engine's)."""
     import cupy
 
     from services.engine.default_model import default_model_paths
     from services.engine.generate import generate
     from services.engine.placement import load_target_on, reserve_serving
 
-    target = load_target_on(default_model_paths()[0], "cuda:0", with_tokenizer=False)
-    model = target.model
-    reserve_serving(model, None, 1, 1024, None, False, 0, "cuda:0")
+    path = default_model_paths()[0]
+
+    def fresh():
+        m = load_target_on(path, "cuda:0", with_tokenizer=False).model
+        reserve_serving(m, None, 1, 1024, None, False, 0, "cuda:0")
+        return m
+
+    model = fresh()
     ids = [int(i) % model.cfg.n_vocab for i in range(3, 3 + 700)]
-    short = generate(model, ids[:5], 4).token_ids        # graphs captured, the pool warmed for short prompts
+    first = generate(model, ids[:5], 4).token_ids        # a new state: graphs captured, the pool warmed
+    replayed = generate(model, ids[:5], 4).token_ids     # the pooled state: every decode step a replay
+    assert model.pool_stats["reused"] >= 1
+    assert replayed == first
     pool = cupy.get_default_memory_pool()
     pool.free_all_blocks()
     pool.set_limit(size=pool.total_bytes() + (1 << 20))
@@ -266,5 +344,7 @@ def test_cuda_allocation_failure_fails_the_request_alone():
     finally:
         pool.set_limit(size=0)
     assert model.graph_blocker is None and model._states_out == 0 and len(model._state_pool) == 1
-    assert generate(model, ids[:5], 4).token_ids == short
-    assert len(generate(model, ids, 4).token_ids) == 4
+    assert generate(model, ids[:5], 4).token_ids == replayed
+    long = generate(model, ids, 4).token_ids
+    other = fresh()
+    assert len(long) == 4 and long == generate(other, ids, 4).token_ids

@@ -58,9 +58,12 @@ def test_27b_items_by_hand(q27):
     plan = _plan(q27, budget=22, cache_type_k="q8_0", cache_type_v="tq3_0")
     d = plan.devices[0]
     assert plan.width == 23
-    # stored Q4_K_M bytes on the GPU, plus the matmul kernel's 1 KiB read slack after each of the 497 matrices
-    # (token_embd and the vectors / conv taps are not matrices; no row count needs padding to 16)
-    assert d.get("target weights") == 16_536_406_016 + 497 * 1024
+    # stored Q4_K_M bytes on the GPU, plus the matmul kernel's 1 KiB read slack after each of the 289 device
+    # matrices (the file's 497 stacked as the engine uploads them: 4 per DeltaNet layer, qkv|gate|beta|alpha,
+    # gate|up, ssm_out, ffn_down; 4 per attention layer, q|k|v, output, gate|up, down; one more on each of the 32
+    # more-bits layers, whose Q6_K qkv or v is a run of its own; the head), and CuPy's 512-byte units around
+    # ssm_a and ssm_dt (48 floats each); no row count needs padding to 16
+    assert d.get("target weights") == 16_536_406_016 + 289 * 1024 + 48 * 2 * (512 - 192)
     assert d.get("KV cache") == 262144 * 16 * 4 * (272 + 112)        # q8_0 / tq3_0 rows of 256 values
     assert d.get("recurrent state") == 2 * 48 * STATE_27B            # committed + a chain's final state
     # no per-node states on the GPU (a commit replays the accepted path): per node its conv output row + g, beta
@@ -72,8 +75,9 @@ def test_27b_items_by_hand(q27):
         16 + 2 * 8 * 23)
     assert d.get("graph arena") == M.graph_arena_bytes(q27[0], 23, "q8_0", "tq3_0", q27[2], 132)
     assert 40 * M.MiB < d.get("graph arena") < 128 * M.MiB
-    assert d.get("CUDA graphs") == 64 * (16 * 64 + 40 + 4 * 16 + 4) * 10240
-    assert d.get("drafter weights") == 1_838_535_680 + 36 * 1024      # 36 matrices
+    assert d.get("CUDA graphs") == 64 * (16 * 64 + 40 + 4 * 16 + 4) * 8192
+    # 26 device matrices (per layer q, k|v, output, gate|up, down; fc) and the block's two attention masks
+    assert d.get("drafter weights") == 1_838_535_680 + 26 * 1024 + 2 * 512
     # 262144 + 16 rows in whole 32-row tiles, f16 K and V, every layer (also the sliding ones)
     assert d.get("drafter context cache") == 262176 * 5 * 2 * 8 * 128 * 2
     # pass values, 64 appended feature rows, the window scratch (2032 + 16 + 15 rows -> 2080) with its S and mask
@@ -122,12 +126,93 @@ def test_gpu_scratch_grows_with_width_and_splits(q27):
     assert p.devices[0].get("drafter weights") == 0
 
 
+def test_attention_split_bound_holds_for_the_kernel_policy(monkeypatch):
+    """The arena's attention partials are planned at attention_splits_bound: never below what
+    kernels.attention.choose_splits picks for any context (the graph's s_hint is a bucket up to the context), and
+    equal to it once the context is long."""
+    from kernels import attention as att
+
+    for sms in (78, 132):
+        monkeypatch.setattr(att, "_sm_count_now", lambda sms=sms: sms)
+        for H, Hkv, D in ((24, 4, 256), (4, 2, 64), (32, 8, 128), (16, 16, 128)):
+            for T in (1, 2, 5, 16, 23, 33, 64):
+                bound = M.attention_splits_bound(H, Hkv, T, sms, D)
+                picks = [att.choose_splits(H, Hkv, D, T, s) for s in (0, 31, 100, 511, 4096, 65536, 1 << 20)]
+                assert max(picks) <= bound == picks[-1], (H, Hkv, D, T, sms, picks, bound)
+                assert bound * H * T * (D + 2) * 4 <= max(att.WS_CAP_BYTES, H * T * (D + 2) * 4)
+
+
+def test_wide_kernel_split_scratch_is_planned(q27):
+    """The wide kernel's stream-K partials (kernels/quant_gemv.split_scratch, dispatched from quant_wide.CROSSOVER
+    tokens): quant_wide.scratch_need bounds what a launch takes whatever its registers, and the plan holds one buffer
+    of the largest need per stream (27B: the 64-token products, 132 blocks of 8 warps x 2 m16 tiles x 64 tokens,
+    twice: 34,734,080 bytes, what an H100 held)."""
+    from kernels import quant_gemv as qg
+    from kernels import quant_wide as qw
+
+    cfg, w, ds = q27
+    for qtype, n_out, k in sorted(w.mats | ds.weights.mats):
+        for tokens in (qw.CROSSOVER[qtype], 32, 41, 64):
+            part, counters = qw.scratch_need(qtype, n_out, k, tokens, 132)
+            c = qw.choose_config(qtype, n_out, k, tokens)
+            smem = qw.smem_bytes(qtype, (tokens + 7) // 8, c.m_tiles, c.warps, c.stages)
+            for regs in (64, 128, 168, 255):
+                blocks = qw.grid(n_out, k, c, regs, smem, 132)
+                assert qw.scratch_floats(blocks, (tokens + 7) // 8, c.m_tiles, c.warps) <= part
+            assert counters == qw.row_blocks(n_out, c.m_tiles, c.warps) * c.warps
+    assert M.split_scratch_need(w.mats, 132) == (2 * 132 * 8 * 2 * 16 * 8 * 8, 7760)
+    assert M.split_scratch_bytes(w.mats, 2, 132) == 2 * 4 * (4_325_376 + qg.SCRATCH_FIRST[1]) == 34_734_080
+    remote = M.build_plan(cfg, w, M.PlanSettings(max_ctx=8192, budget=63, device=GPU), None,
+                          free={"cuda:0": (80 * GiB, 80 * GiB)}, sms=132).devices[0]
+    assert remote.get("split-K scratch") == 34_734_080
+    local = _plan(q27, max_ctx=8192).devices[0]
+    assert local.get("split-K scratch") == M.split_scratch_bytes(w.mats | ds.weights.mats, 3, 132)
+
+
+def test_device_sampler_is_planned_per_slot(q27, monkeypatch):
+    """kernels/sampling.SampleWorkspace, made for the planned width with its penalised rows and the upload of the
+    longest penalty window, allocates exactly gpu_sampler_bytes (every array in CuPy's 512-byte units)."""
+    import types
+
+    import numpy as np
+
+    from kernels import loader
+    from kernels import sampling as smp
+
+    made = []
+
+    def alloc(fn):
+        def make(*a, **k):
+            arr = fn(*a, **k)
+            made.append(arr.nbytes)
+            return arr
+        return make
+
+    stream = types.SimpleNamespace(record=lambda: types.SimpleNamespace(synchronize=lambda: None))
+    cuda = types.SimpleNamespace(alloc_pinned_memory=lambda n: bytearray(n), get_current_stream=lambda: stream,
+                                 runtime=types.SimpleNamespace(getDevice=lambda: 0))
+    cp = types.SimpleNamespace(zeros=alloc(np.zeros), empty=alloc(np.empty), uint8=np.uint8, uint32=np.uint32,
+                               uint64=np.uint64, int32=np.int32, float32=np.float32, float64=np.float64, cuda=cuda)
+    monkeypatch.setattr(loader, "require", lambda: cp)
+    rows, vocab, window = 23, 5000, 300
+    ws = smp.SampleWorkspace(rows, vocab)
+    ws.penalised_rows()
+    rin, tok = smp.penalty_windows(np.arange(rows), list(range(window)), [list(range(rows))] * rows, -1)
+    ws.upload(np.zeros(rows), rin, tok)
+    assert sum(M._pool(n) for n in made) == M.gpu_sampler_bytes(rows, vocab, window)
+    cfg, w, ds = q27
+    p = _plan(q27, max_ctx=8192, budget=22, slots=2).devices[0]
+    assert p.get("device sampler") == 2 * M.gpu_sampler_bytes(23, cfg.n_vocab, 8192)
+    assert 2 * 23 * cfg.n_vocab * 4 < p.get("device sampler") < 2 * 23 * cfg.n_vocab * 4 + 4 * M.MiB
+
+
 def test_gpu_weights_count_matrices_vectors_and_fallbacks(q27):
     cfg, w, _ = q27
     sh = S.get_shape("qwen3.6-27b")
     specs = S.target_tensors(sh.target)
     mats = [t for t in specs if len(t.shape) == 2 and t.name != "token_embd.weight" and "conv1d" not in t.name]
-    assert len(mats) == 497 and w.gpu == w.stored + 497 * 1024 and not w.embd_on_host
+    assert len(mats) == 497 and w.gpu == w.stored + 289 * 1024 + 48 * 2 * 320 and not w.embd_on_host
+    assert len(w.mats) == 11 and w.head == (S.Q.Q6_K, 248320, 5120)
     # a matrix type the kernel lacks goes up as F16; a token table it cannot decode stays on the host
     Q = S.Q
     odd = {t.name: t for t in specs}
@@ -154,7 +239,7 @@ def test_separate_draft_device(q27):
     plan = M.build_plan(cfg, w, s, ds, free={"cuda:0": (80 * GiB, 80 * GiB), "cuda:1": (80 * GiB, 80 * GiB)})
     t, d = plan.devices
     assert (t.device, d.device) == ("cuda:0", "cuda:1")
-    assert t.get("drafter weights") == 0 and d.get("drafter weights") == 1_838_535_680 + 36 * 1024
+    assert t.get("drafter weights") == 0 and d.get("drafter weights") == 1_838_535_680 + 26 * 1024 + 2 * 512
     # the drafter needs its own copy of token_embd (Q4_K) and output (Q6_K)
     assert d.get("target embedding + head copy") == 248320 * 5120 // 256 * (144 + 210)
     assert d.get("workspace reserve") == t.get("workspace reserve") == M.RESERVE_BYTES["cuda"]

@@ -12,19 +12,25 @@ conv windows; activations, softmax scratch over the whole context and logits of 
 prefill chunk or the verify); the drafter's float32 weights, context cache, activations and logits.
 
 GPU backend, mirroring what the engine allocates (services/engine/models/qwen35_gpu.py, dflash_gpu.py):
-* weights as held: stored (quantized) rows for the types the matmul kernel reads, F16 for the others, vectors as
-  float32, the token table on the device when it can be decoded there;
+* weights as held, byte for byte (WeightBytes.of): stored (quantized) rows for the types the matmul kernel reads,
+  F16 for the others, a layer's stacked matrices one per run of a storage type, rows in whole 16-row tiles and the
+  kernels' read slack, vectors as float32, the token table on the device when it can be decoded there, each array
+  in CuPy's 512-byte units (kernels/quant_matmul.QuantMatrix takes its upload temporaries from a pool of its own,
+  so the default pool holds exactly these);
 * per slot, one pooled GpuSequenceState (gpu_state_bytes: KV in whole 32-row tiles, f32 kept as f16; committed and
   final recurrent state; width checkpoints; conv windows with a prefill chunk's raw rows; the graph steps' output
   buffers: logits rows, argmax, captured layers) and one GpuDraftSession of max_ctx + a block rows
   (gpu_session_bytes). The verifier makes them at start-up (reserve_states / reserve_sessions), so a request
   allocates no state;
 * per slot, the instantiated CUDA graphs: up to GRAPHS_PER_STATE step and commit graphs per state and
-  GRAPHS_PER_SESSION drafter passes per session, at GRAPH_NODE_BYTES per kernel node;
+  GRAPHS_PER_SESSION drafter passes per session, at GRAPH_NODE_BYTES per kernel node; and the device sampler's
+  workspace (kernels/sampling.SampleWorkspace, one per slot's thread, made for the serving width: gpu_sampler_bytes);
 * once per device (steps run one at a time under the verifier's engine lock): the graph arena that every
-  captured graph takes its temporaries from (graph_arena_bytes: the widest step, commit or drafter pass; reserved
-  at start-up), the eager scratch of a prefill chunk or of a new shape's warm-up (CuPy's pool), a request's
-  copies of held results, and quant_gemv's split-K scratch when it is dispatched;
+  captured graph takes its temporaries from (graph_arena_bytes: the widest step, commit or drafter pass, the
+  attention's split-K partials as kernels/attention.choose_splits sizes them; reserved at start-up), the eager
+  scratch of a prefill chunk or of a new shape's warm-up (CuPy's pool), a request's copies of held results, and
+  quant_gemv's split scratch (the wide kernel's stream-K partials: split_scratch_bytes, one buffer per stream,
+  sized at start-up);
 * a fixed reserve per device: RESERVE_BYTES below (CUDA context, cuBLAS workspace, NVRTC modules and allocator
   fragmentation on a GPU; interpreter, gRPC and NumPy temporaries on the CPU).
 
@@ -34,11 +40,12 @@ compares the plan with what a GPU run holds.
 
 from __future__ import annotations
 
+import functools
 import math
 import mmap
 import os
 import struct
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -47,6 +54,7 @@ from .errors import SpecsplitError
 
 GiB = 1 << 30
 MiB = 1 << 20
+POOL_UNIT = 512                # CuPy's memory pool hands out whole units of this many bytes
 GPU_TABLE_TYPES = (0, 1, 8, 12)   # F32, F16, Q8_0, Q4_K: token tables the GPU engine keeps (and decodes) on the device
 
 # bytes per cached K or V value
@@ -61,6 +69,17 @@ CUDA_KV_TILE = 32              # kernels/attention.py KT: a GPU KV cache holds w
 DEFAULT_BLOCK_SIZE = 16
 DEFAULT_CAPTURE_LAYERS = 5     # target layers a remote (unseen) drafter reads: the DFlash drafters' 5
 DEFAULT_BUDGET = "auto"        # the verifier's default; planned as its largest tree (AUTO_MAX_BUDGET)
+
+
+# a layer's matrices the GPU engine uploads as one (models/qwen35_gpu.py STACKS, models/dflash_gpu.py STACKS)
+GPU_TARGET_STACKS = (("ffn_gate", "ffn_up"), ("attn_qkv", "attn_gate", "ssm_beta", "ssm_alpha"),
+                     ("attn_q", "attn_k", "attn_v"))
+GPU_DRAFTER_STACKS = (("attn_k", "attn_v"), ("ffn_gate", "ffn_up"))
+
+
+def _pool(n: int) -> int:
+    """Bytes CuPy's pool takes for an array of n bytes."""
+    return -(-int(n) // POOL_UNIT) * POOL_UNIT
 
 
 class MemoryPlanError(SpecsplitError):
@@ -174,19 +193,48 @@ class WeightBytes:
     gpu: int | None = None          # bytes on the GPU backend (None: the stored bytes)
     embd_gpu: int = 0               # the token table's share of them
     embd_on_host: bool = False      # the GPU keeps the token table on the host (a type it cannot decode)
+    mats: set[tuple[int, int, int]] = field(default_factory=set)   # the GPU's matrices: (storage type, rows, in)
+    head: tuple[int, int, int] | None = None                          # the LM head's among them
 
     @classmethod
-    def of(cls, tensors: dict[str, Any]) -> WeightBytes:
+    def of(cls, tensors: dict[str, Any], stacks: Sequence[Sequence[str]] | None = None) -> WeightBytes:
+        """The bytes of a model file's tensors; `gpu`: what the GPU engine allocates for them, byte for byte, in CuPy's
+        pool: every array in whole POOL_UNIT units; the layers' stacked matrices (stacks: groups of a layer's tensor
+        names, the ones models/qwen35_gpu.py and dflash_gpu.py upload as one; default: the drafter's when the file
+        is a DFlash drafter, else the target's) one matrix per run of a storage type and in-width."""
         from kernels.quant_matmul import PAD_BYTES, SUPPORTED_QTYPES, TILE_ROWS
 
-        def matrix(t: Any) -> int:
-            """backend.GpuMatrix's device bytes: stored rows (F16 for a type the kernel lacks), the rows padded to
-            whole 16-row tiles, and the kernel's read slack after them (kernels.quant_matmul.QuantMatrix)."""
-            rows = int(t.shape[0])
-            size = int(t.nbytes) if int(getattr(t, "qtype", 0)) in SUPPORTED_QTYPES else 2 * math.prod(t.shape)
-            return size // rows * _round_up(rows, TILE_ROWS) + PAD_BYTES
+        if stacks is None:
+            stacks = GPU_DRAFTER_STACKS if "dflash_fc.weight" in tensors else GPU_TARGET_STACKS
+
+        def kind(t: Any) -> tuple[int, int, int]:
+            """(device storage type, row bytes, in-width) of backend.GpuMatrix.of: a type the kernel lacks as F16."""
+            q = int(getattr(t, "qtype", 0))
+            rows, k = int(t.shape[0]), int(t.shape[1])
+            return (q, int(t.nbytes) // rows, k) if q in SUPPORTED_QTYPES else (1, 2 * k, k)
+
+        def matrix(members: list[Any]) -> int:
+            """One kernels.quant_matmul.QuantMatrix of the members' rows: whole 16-row tiles, then PAD_BYTES."""
+            qtype, row_bytes, k = kind(members[0])
+            rows = sum(int(t.shape[0]) for t in members)
+            wb.mats.add((qtype, rows, k))
+            return _pool(row_bytes * _round_up(rows, TILE_ROWS) + PAD_BYTES)
 
         wb = cls(stored=0, f32=0, gpu=0)
+        runs: dict[str, list[Any]] = {}       # a stacked tensor's name -> the run it belongs to
+        for layer in {n.split(".")[1] for n in tensors if n.startswith("blk.")}:
+            for group in stacks:
+                run: list[Any] = []
+                for short in group:
+                    name = f"blk.{layer}.{short}.weight"
+                    t = tensors.get(name)
+                    if t is None:
+                        continue
+                    if run and kind(run[0])[::2] != kind(t)[::2]:
+                        run = []
+                    run.append(t)
+                    runs[name] = run
+        counted: set[int] = set()
         for name, t in tensors.items():
             n32 = 4 * math.prod(t.shape)
             wb.stored += int(t.nbytes)
@@ -195,19 +243,30 @@ class WeightBytes:
                 wb.embd_stored, wb.embd_f32 = int(t.nbytes), n32
                 # backend.GpuEmbedding keeps F32 / F16 / Q8_0 on the device, qwen35_gpu a Q4_K table too
                 wb.embd_on_host = int(getattr(t, "qtype", 0)) not in GPU_TABLE_TYPES
-                wb.embd_gpu = 0 if wb.embd_on_host else int(t.nbytes)
+                wb.embd_gpu = 0 if wb.embd_on_host else _pool(int(t.nbytes))
                 wb.gpu += wb.embd_gpu
             elif name == "output.weight":
                 wb.output_stored, wb.output_f32 = int(t.nbytes), n32
-                wb.gpu += matrix(t)
+                wb.gpu += matrix([t])
+                wb.head = kind(t)[0], int(t.shape[0]), int(t.shape[1])
+            elif name in runs:
+                if id(runs[name]) not in counted:
+                    counted.add(id(runs[name]))
+                    wb.gpu += matrix(runs[name])
             elif len(t.shape) == 2 and "conv1d" not in name:
-                wb.gpu += matrix(t)
+                wb.gpu += matrix([t])
             else:                          # vectors (and conv taps): float32 device arrays
-                wb.gpu += n32
+                wb.gpu += _pool(n32)
         wb.tied = wb.output_stored == 0
         if wb.tied and "token_embd.weight" in tensors:
-            wb.gpu += matrix(tensors["token_embd.weight"])     # the LM head: the table again, as a matrix
+            t = tensors["token_embd.weight"]
+            wb.gpu += matrix([t])     # the LM head: the table again, as a matrix
+            wb.head = kind(t)[0], int(t.shape[0]), int(t.shape[1])
         return wb
+
+    def head_mats(self) -> set[tuple[int, int, int]]:
+        """The LM head's matrix (what a drafter on another GPU multiplies by too), as a set of `mats`."""
+        return {self.head} if self.head is not None else set()
 
     def resident(self, backend: str) -> int:
         """Bytes the backend keeps for the whole model."""
@@ -398,10 +457,13 @@ GPU_MAX_APPEND = 64            # dflash_gpu.MAX_APPEND: feature rows a captured 
 GPU_APPEND_CHUNK = 256         # dflash_gpu.append_context: a prompt's features are appended this many rows at once
 GPU_TOPK = 8                   # dflash_gpu.TOPK
 DEFAULT_SMS = 132              # SMs assumed when the GPU cannot be asked (an H100 SXM / H200 has 132)
-# Device memory an instantiated CUDA graph keeps per kernel node: ~10 KB measured by NVIDIA's CCCL
-# (github.com/NVIDIA/cccl pull 3768); bench/memory_check.py measures it here (bytes per captured graph). Node
-# counts: qwen35_gpu's fused block is ~15 launches (docs: 933 nodes in a 64-layer width-1 step).
-GRAPH_NODE_BYTES = 10 << 10
+# Device memory an instantiated CUDA graph keeps per kernel node (CUDA allocates it outside CuPy's pool, in 2 MiB
+# pages). bench/memory_check.py on an H100 (2026-11-26): 3.2-3.8 KiB per node while a state captures a step and a
+# commit graph of each new width (27B: ~870 nodes per width, the embedded pair: ~120), 6.5 KiB over a whole run of
+# the embedded pair (small graphs, and the kernel modules first loaded while serving counted in). 8 KiB: 1.25x the
+# largest measured figure, 2x the steady one. Node counts: qwen35_gpu's fused block is ~13 launches (27B width-1
+# step: 809 nodes measured, planned 1064).
+GRAPH_NODE_BYTES = 8 << 10
 STEP_NODES_PER_LAYER, STEP_NODES_EXTRA = 16, 40
 COMMIT_NODES_PER_ATTN_LAYER, COMMIT_NODES_EXTRA = 4, 4
 DRAFT_NODES_PER_LAYER, DRAFT_NODES_PER_WINDOWED_LAYER, DRAFT_NODES_EXTRA = 20, 10, 40
@@ -437,18 +499,23 @@ def _round_up(n: int, unit: int) -> int:
     return -(-int(n) // unit) * unit
 
 
-def attention_splits_bound(n_head: int, n_kv_head: int, tokens: int, sms: int) -> int:
-    """Most K splits kernels.attention.choose_splits gives `tokens` queries at any context (its `want`)."""
+def attention_splits_bound(n_head: int, n_kv_head: int, tokens: int, sms: int, head_dim: int = 0) -> int:
+    """Most K splits kernels.attention.choose_splits gives `tokens` queries at any context: its `want` (blocks per
+    SM over the grid), within MAX_SPLITS and (head_dim given) the WS_CAP_BYTES workspace cap; only its cap of half
+    the key tiles, which depends on the context, is left out."""
     from kernels import attention as att
 
     gx, kw = att.grid_rows(n_head, n_kv_head, tokens)
     want = math.ceil((3 if kw == 4 else 2) * sms / (gx * n_kv_head))
-    return max(1, min(want, att.MAX_SPLITS))
+    cap = att.MAX_SPLITS
+    if head_dim:
+        cap = min(cap, max(1, att.WS_CAP_BYTES // (n_head * tokens * (head_dim + 2) * 4)))
+    return max(1, min(want, cap))
 
 
 def _attn_workspace(n_head: int, n_kv_head: int, head_dim: int, tokens: int, sms: int) -> int:
     """kernels.attention.make_workspace: the splits' partial outputs and (max, sum) pairs, float32."""
-    return attention_splits_bound(n_head, n_kv_head, tokens, sms) * n_head * tokens * (head_dim + 2) * 4
+    return attention_splits_bound(n_head, n_kv_head, tokens, sms, head_dim) * n_head * tokens * (head_dim + 2) * 4
 
 
 def _embed_scratch(cfg: ModelConfig, T: int) -> int:
@@ -517,6 +584,39 @@ def gpu_draft_scratch(cfg: ModelConfig, d: DrafterShape, sms: int, rows: int = G
     return append + 2 * B * E * 4 + _embed_scratch(cfg, B) + layer + head
 
 
+def split_scratch_need(shapes: Iterable[tuple[int, int, int]], sms: int) -> tuple[int, int]:
+    """(partial floats, counters) of kernels/quant_gemv.split_scratch that one launch on these matrices ((storage
+    type, rows, in) as the GPU holds them) takes at most: the wide kernel's stream-K partials at every width it is
+    dispatched at (quant_wide.CROSSOVER .. 64 tokens: verify steps, drafter appends, and the 64-token slices of every
+    prefill chunk), split-K gemv's where SPLIT_UP_TO dispatches it."""
+    return _split_need(frozenset(shapes), int(sms))
+
+
+@functools.lru_cache(maxsize=32)
+def _split_need(shapes: frozenset[tuple[int, int, int]], sms: int) -> tuple[int, int]:
+    from kernels import quant_gemv, quant_wide
+
+    part, counters = quant_gemv.split_scratch_need(sms)
+    for qtype, n_out, k in shapes:
+        for tokens in range(quant_wide.CROSSOVER.get(qtype, quant_wide.MAX_TOKENS + 1), quant_wide.MAX_TOKENS + 1):
+            p, c = quant_wide.scratch_need(qtype, n_out, k, tokens, sms)
+            part, counters = max(part, p), max(counters, c)
+    return part, counters
+
+
+def split_scratch_bytes(shapes: Iterable[tuple[int, int, int]], streams: int, sms: int) -> int:
+    """What quant_gemv's split scratch holds on a device once the verifier reserved split_scratch_need
+    (quant_gemv.reserve_split_scratch): one buffer per stream that launches products (the eager one, the target's
+    capture stream, a GPU drafter's), each at least quant_gemv.SCRATCH_FIRST, never grown."""
+    from kernels import quant_gemv
+
+    part, counters = split_scratch_need(shapes, sms)
+    if not part and not counters:
+        return 0
+    first_p, first_c = quant_gemv.SCRATCH_FIRST
+    return streams * 4 * (max(part, first_p) + max(counters, first_c))
+
+
 def graph_arena_bytes(cfg: ModelConfig, width: int, kv_k: str, kv_v: str, drafter: DrafterShape | None,
                       sms: int) -> int:
     """The device's one graph arena (qwen35_gpu.GraphArena): the largest capture's need - a target step of up to
@@ -582,6 +682,21 @@ def gpu_state_bytes(cfg: ModelConfig, max_ctx: int, kv_k: str, kv_v: str, max_tr
     }
 
 
+def gpu_sampler_bytes(rows: int, n_vocab: int, window: int) -> int:
+    """What one kernels/sampling.SampleWorkspace holds (a slot's thread keeps one: sampled draws of a request), made
+    for `rows` draws (the verify width: every node of a tree is drawn at once) over n_vocab values, each array in
+    whole pool units: histograms, per-chunk masses, a float32 copy of every row when penalties apply, and the
+    upload buffer of a penalty window of `window` tokens plus each row's path (at most `rows` tokens)."""
+    from kernels import sampling as smp
+
+    r, n = int(rows), int(n_vocab)
+    nch = -(-n // smp.CHUNK)
+    arrays = (r * 2 * nch * 4, r * smp.STATE_BYTES, r * smp.NB * 4, r * smp.NB * 8, r * smp.NB * 8, r * 4,
+              r * nch * 8, r * nch * 4, r * 4, r * n * 4)
+    upload = 8 * r + _round_up(r * smp.RIN * 4, 8) + 4 * (window + r * r)
+    return sum(_pool(a) for a in arrays) + _pool(max(4096, 2 * upload))
+
+
 def gpu_session_bytes(d: DrafterShape, rows: int, host_rows: bool = False) -> dict[str, int]:
     """What one dflash_gpu.GpuDraftSession of `rows` context rows holds (GpuDraftSession.nbytes is the sum)."""
     B = d.block_size
@@ -632,10 +747,14 @@ def build_plan(cfg: ModelConfig, weights: WeightBytes, s: PlanSettings, drafter:
     if drafter is not None:
         if ddev.backend == "cuda":
             d_items = _gpu_drafter_items(cfg, drafter, s, width)
-            if ddev != tdev:    # its own device: its own arena and graphs
+            if ddev != tdev:    # its own device: its own arena, graphs and split scratch
                 dsms = sms or device_sms(ddev)
                 d_items.append(Item("graph arena", graph_arena_bytes(cfg, 1, "f16", "f16", drafter, dsms),
                                     "the drafter's captured passes"))
+                split = split_scratch_bytes(drafter.weights.mats | weights.head_mats(), 2, dsms)
+                if split:
+                    d_items.append(Item("split-K scratch", split, "wide kernel partials, 2 streams (eager, drafter "
+                                                                  "graphs)"))
         else:
             d_items = _cpu_drafter_items(cfg, drafter, s, width, block)
         if ddev != tdev:
@@ -728,8 +847,6 @@ def _gpu_target_items(cfg: ModelConfig, weights: WeightBytes, s: PlanSettings, w
     # the accepted path's features are gathered, and features wait while --budget auto pauses the drafter
     feat_rows = (64 + width) * n_capture * cfg.n_embd * 4
     request = width * cfg.n_vocab * 4 + width * n_capture * cfg.n_embd * 4 + 2 * feat_rows
-    from kernels import quant_gemv
-
     items = [
         Item("target weights", weights.resident("cuda"),
              "stored (quantized) bytes; F16 for matrix types the kernel lacks, vectors float32"),
@@ -750,10 +867,14 @@ def _gpu_target_items(cfg: ModelConfig, weights: WeightBytes, s: PlanSettings, w
                                     f"{GRAPH_NODE_BYTES >> 10} KiB"),
         Item("eager pass scratch", eager, f"a {min(PREFILL_CHUNK, ctx)}-token prefill chunk, or a new shape's warm-up"),
         Item("request copies", request, "held results copied before a replay, the accepted path's features"),
+        Item("device sampler", n * gpu_sampler_bytes(width, cfg.n_vocab, ctx),
+             f"{n} slot(s) x sampled draws of {width} rows: histograms, penalised float32 rows"),
     ]
-    split = quant_gemv.split_scratch_bound(sms, 3)
+    streams = 3 if drafter is not None else 2
+    split = split_scratch_bytes(weights.mats | (drafter.weights.mats if drafter is not None else set()), streams, sms)
     if split:
-        items.append(Item("split-K scratch", split, "quant_gemv, 3 streams"))
+        items.append(Item("split-K scratch", split, f"wide kernel partials, {streams} streams (eager, target graphs"
+                                                     f"{', drafter graphs' if drafter is not None else ''})"))
     return items
 
 
@@ -765,7 +886,8 @@ def _gpu_drafter_items(cfg: ModelConfig, d: DrafterShape, s: PlanSettings, width
     ses = gpu_session_bytes(d, rows)
     _, _, draft_nodes = graph_nodes(cfg, d)
     return [
-        Item("drafter weights", d.weights.resident("cuda"), "stored bytes"),
+        Item("drafter weights", d.weights.resident("cuda") + 2 * _pool(8 * d.block_size),
+             "stored bytes (F16 for BF16 / F32 matrices), vectors float32, the block's two attention masks"),
         Item("drafter context cache", n * ses["drafter context cache"],
              f"{n} slot(s) x {d.n_layer} layers x {rows} rows, f16"),
         Item("drafter session buffers", n * ses["drafter session buffers"],

@@ -81,15 +81,34 @@ def load_drafter_on(path: str, target_model: Any, device: str) -> LoadedDrafter:
     return LoadedDrafter(dr, "cpu", lambda: LocalProposer(dr))
 
 
+def gpu_matrices(*models: Any) -> set[tuple[int, int, int]]:
+    """(storage type, rows, in) of every matrix the GPU models hold (memory_plan.WeightBytes.mats counts the same
+    from the files): LM head, a drafter's fc, the layers' matrices (a stack's runs each)."""
+    from .backend import GpuMatrix, GpuStack
+
+    out: set[tuple[int, int, int]] = set()
+    for m in models:
+        if m is None:
+            continue
+        held = [getattr(m, "output", None), getattr(m, "fc", None)]
+        held += [v for w in getattr(m, "layers", []) for v in w.values()]
+        for v in held:
+            for g in (v.mats if isinstance(v, GpuStack) else [v]):
+                if isinstance(g, GpuMatrix):
+                    out.add((g.qtype, int(g.shape[0]), int(g.shape[1])))
+    return out
+
+
 def reserve_serving(model: Any, drafter: Any, slots: int, max_ctx: int, budget: int | None, speculative: bool,
                     n_capture: int, device: str) -> int:
     """Set up `model` (and an in-process `drafter`, or None) to serve `slots` requests of up to max_ctx tokens
     with verifies of the planned width (memory_plan.serving_width: budget None = chain), and return that width.
 
     On a GPU everything the memory plan counts per slot and per device is taken now: `slots` pooled states of
-    max_ctx rows with room for n_capture captured layers, as many drafter sessions, and the graph arena; the
-    states' checkpoints, the graph steps' logits rows and the verify width are capped at the planned width. A
-    NumPy model only learns its pool sizes (it allocates per request, as the CPU plan counts)."""
+    max_ctx rows with room for n_capture captured layers, as many drafter sessions, and the graph arena; the split
+    scratch's size is fixed; the states' checkpoints, the graph steps' logits rows and the verify width are capped
+    at the planned width. A NumPy model only learns its pool sizes (it allocates per request, as the CPU plan
+    counts)."""
     from . import memory_plan as mp
 
     block = getattr(drafter, "block_size", mp.DEFAULT_BLOCK_SIZE)
@@ -104,6 +123,9 @@ def reserve_serving(model: Any, drafter: Any, slots: int, max_ctx: int, budget: 
     from .models.qwen35_gpu import graph_arena
 
     model.max_tree = width
+    # what CuPy's pool caches from loading goes back first, so that no state is carved out of a cached block (the
+    # rest of that block would stay held)
+    model.release_cached_memory()
     gpu_drafter = drafter if hasattr(drafter, "reserve_sessions") else None
     if gpu_drafter is not None:
         gpu_drafter.reserve_sessions(slots, max_ctx)
@@ -113,6 +135,14 @@ def reserve_serving(model: Any, drafter: Any, slots: int, max_ctx: int, budget: 
                                  mp.drafter_shape_of(gpu_drafter.cfg) if gpu_drafter is not None else None,
                                  mp.device_sms(parse_device(device)))
     graph_arena(model.be.xp).reserve(arena, exact=True)
+    # the wide kernel's split scratch (one buffer per stream) and a slot's sampler workspace are made at their
+    # planned sizes when first used: neither grows
+    from kernels import quant_gemv
+    from kernels import sampling as smp
+
+    quant_gemv.reserve_split_scratch(*mp.split_scratch_need(gpu_matrices(model, gpu_drafter),
+                                                            mp.device_sms(parse_device(device))))
+    smp.reserve_rows(width)
     # what CuPy's pool cached meanwhile (the weights' upload temporaries, the arena the model reserved when it
     # loaded): back to the device
     model.release_cached_memory()

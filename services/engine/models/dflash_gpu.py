@@ -49,6 +49,8 @@ TOPK = smp.MAX_K              # top-k computed on the device per drafted positio
 MAX_APPEND = 64               # feature rows a captured pass appends; longer appends (a prompt) run eagerly first
 INITIAL_ROWS = 512            # first context capacity of a session; doubled (graphs dropped) when outgrown
 GRAPHS_PER_SESSION = 64
+# matrices of a layer uploaded as one (q stays apart: the context rows need only k | v); memory_plan.GPU_DRAFTER_STACKS
+STACKS = {"attn_kv": ("attn_k", "attn_v"), "ffn_gate_up": ("ffn_gate", "ffn_up")}
 _ARANGE_APPEND = np.arange(MAX_APPEND, dtype=np.int32)
 
 
@@ -228,12 +230,13 @@ class DFlashGpuDrafter:
             # q apart from k|v: the context rows need only k|v, and one k|v copy serves both (dflash.py stacks
             # q|k|v as well, which on the device would hold k and v twice)
             w["attn_q"] = mat("attn_q").upload()
-            w["attn_kv"] = be.stack([mat("attn_k"), mat("attn_v")]).upload()
+            w["attn_kv"] = be.stack([mat(n) for n in STACKS["attn_kv"]]).upload()
             w["attn_output"] = mat("attn_output").upload()
-            w["ffn_gate_up"] = be.stack([mat("ffn_gate"), mat("ffn_up")]).upload()
+            w["ffn_gate_up"] = be.stack([mat(n) for n in STACKS["ffn_gate_up"]]).upload()
             w["ffn_down"] = mat("ffn_down").upload()
             self.layers.append(w)
         cp = self.xp
+        # (memory_plan counts these two with the drafter's weights)
         self._mask_full = cp.full(B, (1 << B) - 1, dtype=cp.uint64)     # every block key visible to every query
         self._mask_causal = cp.asarray(att.tree_mask(np.arange(-1, B - 1)))
         # a table the device cannot decode: the block's rows are embedded on the host, unless the target (whose

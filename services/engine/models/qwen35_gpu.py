@@ -80,6 +80,10 @@ HOST_ROW_CACHE_BYTES = 64 << 20   # host_head_embed's cache of dequantized token
 GRAPH_MIN_BUCKET = 512   # smallest S bucket of a graph (K splits chosen for S + T up to it)
 GRAPHS_PER_STATE = 64    # captured shapes kept per state, steps and commits each (oldest dropped first: an
                          # instantiated graph keeps device memory per node; memory_plan counts them)
+# matrices of a layer that read the same input, uploaded as one (CupyBackend.stack: one product per run of a storage
+# type); memory_plan.GPU_TARGET_STACKS counts their bytes so
+STACKS = {"ffn_gate_up": ("ffn_gate", "ffn_up"), "ssm_in": ("attn_qkv", "attn_gate", "ssm_beta", "ssm_alpha"),
+          "attn_qkv": ("attn_q", "attn_k", "attn_v")}
 RAW_ROWS = 512           # pre-conv rows a state keeps: a prefill chunk's (generate.PREFILL_CHUNK), or the tree's
 ARENA_SLACK = 4 << 20    # an arena holds a capture's measured peak + 1/8 + this (the capture repeats the warm-up)
 
@@ -247,13 +251,16 @@ class GpuSequenceState:
         self.commit_graphs.clear()
 
     def ensure_capture(self, n_capture: int) -> Any:
-        """The (max_tree, n_capture, n_embd) buffer of a graph step's captured layers (remade, and the graphs
-        dropped, for another number of layers)."""
+        """The (max_tree, n_capture, n_embd) buffer of a graph step's captured layers, made for the first capture
+        list; remade for another number of layers, dropping only the graphs that write into the old one (graphs
+        without captured layers never held its address)."""
         buf = self.out_captured
         if buf is None or int(buf.shape[1]) != int(n_capture):
             cp = nr.loader.require()
-            self.detach_results()
-            self.graphs.clear()
+            if buf is not None:
+                self.detach_results()
+                self.graphs = {k: g for k, g in self.graphs.items() if g is None or g.captured is None}
+                self.out_captured = buf = None     # freed before the new one is taken
             self.out_captured = buf = cp.empty((self.max_tree, int(n_capture), self.cfg.n_embd), cp.float32)
         return buf
 
@@ -621,16 +628,16 @@ class Qwen35GpuModel(TargetModel):
         arr = lambda n: be.array(self._need(p + n))  # noqa: E731
         mat = lambda n: be.weight(self._need(p + n + ".weight"))  # noqa: E731
         w = {"attn_norm": arr("attn_norm.weight"), "post_attention_norm": arr("post_attention_norm.weight"),
-             "ffn_gate_up": be.stack([mat("ffn_gate"), mat("ffn_up")]), "ffn_down": mat("ffn_down")}
+             "ffn_gate_up": be.stack([mat(n) for n in STACKS["ffn_gate_up"]]), "ffn_down": mat("ffn_down")}
         if c.recurrent_layers[i]:
-            w["ssm_in"] = be.stack([mat(n) for n in ("attn_qkv", "attn_gate", "ssm_beta", "ssm_alpha")])
+            w["ssm_in"] = be.stack([mat(n) for n in STACKS["ssm_in"]])
             w["ssm_out"] = mat("ssm_out")
             w["ssm_conv1d"] = arr("ssm_conv1d.weight")
             w["ssm_norm"] = arr("ssm_norm.weight")
             w["ssm_a"] = arr("ssm_a")
             w["ssm_dt"] = arr("ssm_dt.bias")
         else:
-            w["attn_qkv"] = be.stack([mat(n) for n in ("attn_q", "attn_k", "attn_v")])
+            w["attn_qkv"] = be.stack([mat(n) for n in STACKS["attn_qkv"]])
             w["attn_output"] = mat("attn_output")
             w["attn_q_norm"] = arr("attn_q_norm.weight")
             w["attn_k_norm"] = arr("attn_k_norm.weight")
@@ -807,13 +814,16 @@ class Qwen35GpuModel(TargetModel):
         depth, mask = _tree_shape(par, is_chain, T)
         st.h_s_len[0] = S
         positions = None
+        if mask is not None:
+            # every step of up to ATTN_TOKENS reads its ancestor mask from the state, an eager chunk wider than the
+            # state's planned width too (a prompt of width + 1 .. 64 tokens): a mask left by an earlier step would
+            # hide the chunk's own tokens from each other
+            st.h_mask[:T] = mask
         if small:
             st.h_positions[:T] = S + depth
             st.h_tokens[:T] = tokens
             if not is_chain:
                 st.h_parents[:T] = par
-            if mask is not None:
-                st.h_mask[:T] = mask
             positions = state.positions[:T]
         else:   # a long prefill chunk (a chain): its positions apart, eager launches
             positions = cp.arange(S, S + T, dtype=cp.int32)
@@ -1124,7 +1134,13 @@ class GraphArena:
     def _grow(self, nbytes: int) -> None:
         for owner in list(self._owners):
             owner.drop_graphs()
-        self.base = None            # freed before the new one is taken
+        if self.base is not None:
+            # the old arena goes back to the device before the new one is taken: left cached in CuPy's pool, a
+            # smaller new arena would be carved out of it and the rest of its block held for good
+            self.base = None
+            pool = getattr(self.cp, "get_default_memory_pool", None)
+            if pool is not None:
+                pool().free_all_blocks()
         self.base = self.cp.empty(_round_mib(nbytes), self.cp.uint8)
         self.grown += 1
 
