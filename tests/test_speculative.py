@@ -110,6 +110,28 @@ def test_topk_breaks_ties_by_lower_id_even_at_the_cut():
     np.testing.assert_allclose(np.exp(logp[1]), [0.1, 0.1])
 
 
+def test_topk_matches_a_full_sort_per_row():
+    """The vectorised path (no ties at the cut) and the per-row path (ties there) both give, per row, the first k
+    of all ids sorted by (log-prob descending, id ascending), with the log-softmax at the temperature."""
+    rng = np.random.default_rng(3)
+    for trial in range(300):
+        rows, n, k = int(rng.integers(1, 17)), int(rng.integers(1, 200)), int(rng.integers(1, 10))
+        x = rng.standard_normal((rows, n)).astype(np.float32) * 3
+        if trial % 3 == 1:
+            x = rng.integers(-2, 2, (rows, n)).astype(np.float32)          # ties everywhere, at the cut too
+        temp = [1.0, 0.6, 1.7][trial % 3]
+        ids, logp = topk_logprobs(x, k, temp)
+        z = x.astype(np.float64) / temp
+        z -= z.max(axis=-1, keepdims=True)
+        ref_lp = z - np.log(np.exp(z).sum(axis=-1, keepdims=True))
+        kk = min(k, n)
+        assert ids.shape == logp.shape == (rows, kk) and ids.dtype == np.int64
+        for r in range(rows):
+            order = sorted(range(n), key=lambda i: (-ref_lp[r, i], i))[:kk]
+            assert ids[r].tolist() == order
+            np.testing.assert_array_equal(logp[r], ref_lp[r, order])
+
+
 def test_ddtree_shape():
     rng = np.random.default_rng(0)
     logits = rng.standard_normal((15, 50)) * 3
