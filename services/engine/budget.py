@@ -20,17 +20,24 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from .ddtree import DraftTree
-from .sampling import greedy_tokens
+from .sampling import SamplingParams, greedy_tokens, sample_row
 
 # 12 and 20 as well: on the CPU a verify's cost steps at multiples of 4 and 8 (layers.padded_rows), which
 # interpolating between 8, 16 and 24 alone would smooth over
 CALIBRATION_WIDTHS = (1, 2, 4, 8, 12, 16, 20, 24, 32, 48, 65)
 
 
+# Logits rows a greedy walk reads per verify, for calibration: the accepted tokens plus one (the embedded pair
+# accepts 2.4-3.3 drafted tokens a step); on the NumPy engine each read row is computed when read (RowLogits).
+CALIBRATION_ROWS_READ = 4
+GREEDY = SamplingParams()
+
+
 def measure_verify_costs(target, widths=CALIBRATION_WIDTHS, context: int = 64, reps: int = 3) -> dict[int, float]:
-    """Seconds per target pass at each verify width (a chain with checkpoints and logits on every row,
-    after `context` committed tokens), the best of `reps` rounds over all widths (rounds, so a burst of
-    load elsewhere hits every width alike); a scratch state, nothing is kept."""
+    """Seconds per verify at each width: a target pass over a chain with checkpoints (after `context` committed
+    tokens) and the greedy reads of its first CALIBRATION_ROWS_READ logits rows, as a step's walk does; the best
+    of `reps` rounds over all widths (rounds, so a burst of load elsewhere hits every width alike); a scratch
+    state, nothing is kept."""
     n_vocab = target.cfg.n_vocab
     ws = sorted(set(int(x) for x in widths))
     state = target.new_state(context + max(ws) + 1)
@@ -41,8 +48,9 @@ def measure_verify_costs(target, widths=CALIBRATION_WIDTHS, context: int = 64, r
     for r in range(reps + 1):                            # round 0 warms caches and allocations
         for w in ws:
             t0 = time.perf_counter()
-            res = target.forward(state, ids[context:context + w], checkpoints=True, logits="all")
-            greedy_tokens(res.logits)    # what a greedy step reads; on a GPU it also waits for the pass to end
+            res = target.forward(state, ids[context:context + w], checkpoints=True, logits="rows")
+            for row in range(min(w, CALIBRATION_ROWS_READ)):    # what a greedy walk reads
+                sample_row(res.logits, row, GREEDY, None)
             if r:
                 out[w] = min(out[w], time.perf_counter() - t0)
             state.pending = None
