@@ -28,7 +28,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from services.engine.budget import BudgetTuner  # noqa: E402
+from services.engine.budget import CALIBRATION_ROWS_READ, BudgetTuner  # noqa: E402
 from services.engine.ddtree import build_ddtree, topk_logprobs  # noqa: E402
 from services.engine.generate import generate, prefill  # noqa: E402
 from services.engine.placement import check_devices, load_drafter_on, load_target_on  # noqa: E402
@@ -36,8 +36,9 @@ from services.engine.speculative import TREE_TOPK, LocalProposer, SpecConfig, sp
 
 
 def piece_costs(model, drafter, prompt_ids: list[int], widths: list[int], rounds: int = 20) -> dict[str, float]:
-    """Seconds of process CPU time per piece (plain step, drafter pass, top-k, verify + commit at each width),
-    each the minimum over `rounds` interleaved rounds; the sequence state is restored after every piece."""
+    """Seconds of process CPU time per piece (plain step, drafter pass, top-k, verify + commit at each width, the
+    verify reading the logits rows a walk reads), each the minimum over `rounds` interleaved rounds; the sequence
+    state is restored after every piece."""
     state = model.new_state(len(prompt_ids) + max(widths) + 8)
     _, feats = prefill(model, state, prompt_ids, capture=drafter.target_layer_ids)
     proposer = LocalProposer(drafter)
@@ -45,10 +46,12 @@ def piece_costs(model, drafter, prompt_ids: list[int], widths: list[int], rounds
     top_ids, top_lp = proposer.propose(feats, root, state.n_past, TREE_TOPK)
     draft_logits = drafter.draft(proposer.session, None, root, state.n_past)
 
-    def step(tokens, parents, path, **kw):
+    def step(tokens, parents, path, read_rows=0, **kw):
         def run():
             ssm, conv, n_past = dict(state.ssm), dict(state.conv), state.n_past
-            model.forward(state, tokens, parents, **kw)
+            out = model.forward(state, tokens, parents, **kw)
+            for row in range(read_rows):            # the logits rows a walk reads (computed when read)
+                out.logits[row]
             state.commit(path)
             state.ssm, state.conv, state.n_past = ssm, conv, n_past
         return run
@@ -58,8 +61,8 @@ def piece_costs(model, drafter, prompt_ids: list[int], widths: list[int], rounds
               "topk": lambda: topk_logprobs(draft_logits, TREE_TOPK)}
     for w in widths:
         tokens, parents = build_ddtree(top_ids, top_lp, w - 1).verify_batch(root)
-        pieces[f"verify{w}"] = step(tokens, parents, [0, 1] if w > 1 else [0], capture=drafter.target_layer_ids,
-                                    checkpoints=True, logits="all")
+        pieces[f"verify{w}"] = step(tokens, parents, [0, 1] if w > 1 else [0], min(w, CALIBRATION_ROWS_READ),
+                                    capture=drafter.target_layer_ids, checkpoints=True, logits="rows")
     best = {k: float("inf") for k in pieces}
     for r in range(rounds + 1):                          # round 0 warms caches and allocations
         for k, fn in pieces.items():

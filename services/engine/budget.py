@@ -80,7 +80,11 @@ def measure_plain_step(target, context: int = 64, reps: int = 4) -> float:
 # burst of load) must not steer the next dozens of choices, as it did through an exponential average seeded by it.
 WINDOW = 16
 
-PLAIN_PAUSE = (8, 64)   # plain steps before the drafter is tried again: at first, at most (doubling meanwhile)
+# Plain steps before the drafter is tried again: at first, at most (doubling meanwhile). The cap trades the cost of
+# re-measuring drafts where the drafter never pays against how late a stretch where it does (a repeated block
+# of code) is noticed: replayed over 48 held-out prompts of the embedded pair at this CPU's measured costs
+# (docs/benchmarks.md), a cap of 16 gained ~6 % over 64 and 8 or 12 about as much.
+PLAIN_PAUSE = (8, 16)
 
 
 @dataclass
@@ -97,8 +101,10 @@ class BudgetTuner:
     # seconds of a plain decode step (measured, then tracked); 0 = unknown: always speculate
     plain_s: float = 0.0
     plain_steps: int = 0                    # steps decoded without the drafter because it did not pay (stats)
-    # whether the last chosen tree was expected to beat a plain step (False: the caller pauses the drafter)
+    # whether the last chosen tree was expected to beat a plain step, and whether the last observed step did (both
+    # False: the caller pauses the drafter)
     drafting_pays: bool = True
+    step_paid: bool = True
     _pred: float = 0.0
     _acc: float = 0.0
 
@@ -155,7 +161,9 @@ class BudgetTuner:
         return int(b[best])
 
     def observe(self, tree: DraftTree, kept: int, accepted: int, verify_s: float, draft_s: float) -> None:
-        """Fold one step in: accepted drafted tokens vs predicted, and the times it took."""
+        """Fold one step in: accepted drafted tokens vs predicted, and the times it took; `step_paid` says whether
+        this step committed its tokens faster than plain steps would have."""
+        self.step_paid = not (self.plain_s > 0 and (accepted + 1) * self.plain_s < verify_s + draft_s)
         predicted = float(np.exp(tree.logw[:kept]).sum()) if kept else 0.0
         a = self.ema
         self._pred = (1 - a) * self._pred + a * predicted
