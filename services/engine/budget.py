@@ -180,6 +180,14 @@ class BudgetTuner:
             self.scale = statistics.median_low(self._scale_obs)
         self.chosen[kept] = self.chosen.get(kept, 0) + 1
 
+    def pause_after_step(self, pause: int) -> tuple[int, int]:
+        """After a drafted step (choose, then observe): the plain steps to take now, and the pause to take after
+        the next drafted step that does not pay. `pause`: the one this step would take. A step pays when its tree
+        was expected to (drafter confidence) or it did (the tokens it committed)."""
+        if self.drafting_pays or self.step_paid:
+            return 0, PLAIN_PAUSE[0]
+        return pause, min(2 * pause, PLAIN_PAUSE[1])
+
     def snapshot(self) -> dict:
         return {"kappa": round(self.kappa, 4), "draft_ms": round(self.draft_s * 1e3, 3),
                 "verify_ms": {int(w): round(s * 1e3, 3) for w, s in sorted(self.verify_costs.items())},

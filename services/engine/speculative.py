@@ -250,8 +250,8 @@ def _spec_loop(target: TargetModel, proposer: Proposer | None, prompt_ids: Seque
     yield chunk
     step = 0
     # `--budget auto` pauses a drafter that does not pay for plain steps, per request: PLAIN_PAUSE[0] steps,
-    # doubling (up to PLAIN_PAUSE[1]) while the re-measuring draft after each pause still does not pay. A step
-    # pays when its tree was expected to (the drafter's confidence) or it did (the tokens it committed).
+    # doubling (up to PLAIN_PAUSE[1]) while the re-measuring draft after each pause still does not pay
+    # (BudgetTuner.pause_after_step)
     plain_left, pause = 0, PLAIN_PAUSE[0]
     while not done:
         room = state.max_ctx - state.n_past - 1            # tree nodes that still fit after the root
@@ -316,10 +316,7 @@ def _spec_loop(target: TargetModel, proposer: Proposer | None, prompt_ids: Seque
                         accepted=len(path) - 1, draft_ms=draft_ms, verify_ms=(ta - tv) * 1e3, accept_ms=accept_ms)
         if spec.tuner is not None:
             spec.tuner.observe(full, len(tree), info.accepted, verify_s=tw - tv, draft_s=draft_ms / 1e3)
-            if spec.tuner.drafting_pays or spec.tuner.step_paid:
-                pause = PLAIN_PAUSE[0]
-            else:
-                plain_left, pause = pause, min(2 * pause, PLAIN_PAUSE[1])
+            plain_left, pause = spec.tuner.pause_after_step(pause)
         stats.record(info)
         step += 1
         if on_step is not None:
