@@ -2,8 +2,8 @@
 
 Prints, per mode (chain, DDTree budgets), the wall-time ratio spec_tok/s / plain_tok/s (whole requests, the
 prompt's prefill included, and decode only) and the mean acceptance length over the same prompts; greedy, so the
-outputs are also checked to be identical. Plain and
-the modes run in turn prompt by prompt, so that a burst of load elsewhere does not land on one mode only.
+outputs are also checked to be identical. Plain and the modes run in turn prompt by prompt, so that a burst of
+load elsewhere does not land on one mode only.
 
     python bench/spec_cpu.py [--model target.gguf --draft drafter] [--prompts file.txt] [--max-tokens 64]
     python bench/spec_cpu.py --pair cycle        # the known-good pair (tests/data/cycle_pair)
