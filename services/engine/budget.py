@@ -82,8 +82,8 @@ WINDOW = 16
 
 # Plain steps before the drafter is tried again: at first, at most (doubling meanwhile). The cap trades the cost of
 # re-measuring drafts where the drafter never pays against how late a stretch where it does (a repeated block
-# of code) is noticed: replayed over 48 held-out prompts of the embedded pair at this CPU's measured costs
-# (docs/benchmarks.md), a cap of 16 gained ~6 % over 64 and 8 or 12 about as much.
+# of code) is noticed: replayed over the 32 held-out prompts of the embedded pair at this CPU's measured costs
+# (bench/spec_replay.py, docs/benchmarks.md), a cap of 16 gained ~6 % over 64, and 8 or 12 about as much.
 PLAIN_PAUSE = (8, 16)
 
 
