@@ -1,8 +1,9 @@
 """Speculative vs plain decoding on the CPU (NumPy backend) or a GPU (`--device cuda:N`), measured in one run.
 
-Prints, per mode (chain, DDTree budgets), the wall-time ratio spec_tok/s / plain_tok/s and the mean
-acceptance length over the same prompts; greedy, so the outputs are also checked to be identical. Plain and
-the modes run in turn prompt by prompt, so that a burst of load elsewhere does not land on one mode only.
+Prints, per mode (chain, DDTree budgets), the wall-time ratio spec_tok/s / plain_tok/s (whole requests, the
+prompt's prefill included, and decode only) and the mean acceptance length over the same prompts; greedy, so the
+outputs are also checked to be identical. Plain and the modes run in turn prompt by prompt, so that a burst of
+load elsewhere does not land on one mode only.
 
     python bench/spec_cpu.py [--model target.gguf --draft drafter] [--prompts file.txt] [--max-tokens 64]
     python bench/spec_cpu.py --pair cycle        # the known-good pair (tests/data/cycle_pair)
@@ -28,7 +29,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from services.engine.budget import BudgetTuner  # noqa: E402
+from services.engine.budget import CALIBRATION_ROWS_READ, BudgetTuner  # noqa: E402
 from services.engine.ddtree import build_ddtree, topk_logprobs  # noqa: E402
 from services.engine.generate import generate, prefill  # noqa: E402
 from services.engine.placement import check_devices, load_drafter_on, load_target_on  # noqa: E402
@@ -36,8 +37,9 @@ from services.engine.speculative import TREE_TOPK, LocalProposer, SpecConfig, sp
 
 
 def piece_costs(model, drafter, prompt_ids: list[int], widths: list[int], rounds: int = 20) -> dict[str, float]:
-    """Seconds of process CPU time per piece (plain step, drafter pass, top-k, verify + commit at each width),
-    each the minimum over `rounds` interleaved rounds; the sequence state is restored after every piece."""
+    """Seconds of process CPU time per piece (plain step, drafter pass, top-k, verify + commit at each width, the
+    verify reading the logits rows a walk reads), each the minimum over `rounds` interleaved rounds; the sequence
+    state is restored after every piece."""
     state = model.new_state(len(prompt_ids) + max(widths) + 8)
     _, feats = prefill(model, state, prompt_ids, capture=drafter.target_layer_ids)
     proposer = LocalProposer(drafter)
@@ -45,10 +47,12 @@ def piece_costs(model, drafter, prompt_ids: list[int], widths: list[int], rounds
     top_ids, top_lp = proposer.propose(feats, root, state.n_past, TREE_TOPK)
     draft_logits = drafter.draft(proposer.session, None, root, state.n_past)
 
-    def step(tokens, parents, path, **kw):
+    def step(tokens, parents, path, read_rows=0, **kw):
         def run():
             ssm, conv, n_past = dict(state.ssm), dict(state.conv), state.n_past
-            model.forward(state, tokens, parents, **kw)
+            out = model.forward(state, tokens, parents, **kw)
+            for row in range(read_rows):            # the logits rows a walk reads (computed when read)
+                out.logits[row]
             state.commit(path)
             state.ssm, state.conv, state.n_past = ssm, conv, n_past
         return run
@@ -58,8 +62,8 @@ def piece_costs(model, drafter, prompt_ids: list[int], widths: list[int], rounds
               "topk": lambda: topk_logprobs(draft_logits, TREE_TOPK)}
     for w in widths:
         tokens, parents = build_ddtree(top_ids, top_lp, w - 1).verify_batch(root)
-        pieces[f"verify{w}"] = step(tokens, parents, [0, 1] if w > 1 else [0], capture=drafter.target_layer_ids,
-                                    checkpoints=True, logits="all")
+        pieces[f"verify{w}"] = step(tokens, parents, [0, 1] if w > 1 else [0], min(w, CALIBRATION_ROWS_READ),
+                                    capture=drafter.target_layer_ids, checkpoints=True, logits="rows")
     best = {k: float("inf") for k in pieces}
     for r in range(rounds + 1):                          # round 0 warms caches and allocations
         for k, fn in pieces.items():
@@ -144,6 +148,7 @@ def main() -> int:
             out = speculative_generate(target.model, placed.new_proposer(), p, args.max_tokens, spec=spec)
             runs[b] = (runs[b][0] + [out], runs[b][1] + time.perf_counter() - t0)
     n_plain = sum(len(r.token_ids) for r in plain)
+    dec_plain = sum(r.decode_ms for r in plain)          # without the prompt's prefill, which both modes share
     rows = []
     for b in modes:
         outs, t = runs[b]
@@ -152,15 +157,18 @@ def main() -> int:
         acc = sum(o.spec["accepted"] for o in outs)
         n = sum(len(o.token_ids) for o in outs)
         nodes = sum(o.spec["draft_tokens"] for o in outs)
-        rows.append({"mode": b, "speedup": (n / t) / (n_plain / t_plain), "mean_acceptance_length":
+        dec = sum(o.decode_ms for o in outs)
+        rows.append({"mode": b, "speedup": (n / t) / (n_plain / t_plain),
+                     "decode_speedup": (n / dec) / (n_plain / dec_plain), "mean_acceptance_length":
                      (acc + steps) / max(steps, 1), "mean_tree_nodes": nodes / max(steps, 1),
                      "identical_to_plain": same})
     print(f"plain ({args.device}, drafter on {draft_device}): {n_plain} tokens over {len(ids)} prompts, "
           f"{n_plain / t_plain:.1f} tok/s (baseline, this run)")
-    print(f"{'mode':>8} {'spec/plain speed':>17} {'mean accept len':>16} {'tree nodes':>11} {'identical':>10}")
+    print(f"{'mode':>8} {'spec/plain speed':>17} {'decode only':>12} {'mean accept len':>16} {'tree nodes':>11} "
+          f"{'identical':>10}")
     for r in rows:
-        print(f"{r['mode']:>8} {r['speedup']:>16.2f}x {r['mean_acceptance_length']:>16.2f} "
-              f"{r['mean_tree_nodes']:>11.1f} {str(r['identical_to_plain']):>10}")
+        print(f"{r['mode']:>8} {r['speedup']:>16.2f}x {r['decode_speedup']:>11.2f}x "
+              f"{r['mean_acceptance_length']:>16.2f} {r['mean_tree_nodes']:>11.1f} {str(r['identical_to_plain']):>10}")
     if tuner is not None:
         print(f"auto: {json.dumps(tuner.snapshot())}")
     if args.json:

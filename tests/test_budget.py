@@ -99,6 +99,20 @@ def test_the_tuner_says_when_drafting_does_not_pay():
     assert t.plain_steps == 1 and t.plain_s == 0.5 and t.snapshot()["plain_steps"] == 1
 
 
+def test_the_tuner_says_whether_a_step_paid():
+    """A step pays when its committed tokens would have taken plain steps at least as long as it took."""
+    rng = np.random.default_rng(4)
+    tree = _tree(rng, sharp=0.5)
+    t = BudgetTuner({1: 1.0, 65: 1.1}, max_budget=64, plain_s=1.0)
+    t.observe(tree, 4, accepted=2, verify_s=2.0, draft_s=1.0)        # 3 tokens in 3 s: as fast as plain
+    assert t.step_paid
+    t.observe(tree, 4, accepted=1, verify_s=2.0, draft_s=1.0)        # 2 tokens in 3 s
+    assert not t.step_paid
+    unknown = BudgetTuner({1: 1.0, 65: 1.1})                          # plain step time unknown: it pays
+    unknown.observe(tree, 4, accepted=0, verify_s=2.0, draft_s=1.0)
+    assert unknown.step_paid
+
+
 def test_one_slow_step_does_not_steer_the_tuner():
     """A request's first draft may capture CUDA graphs (tens of times a replay); an average seeded by it kept the
     drafter looking too dear for dozens of steps. The running times are medians of recent steps: the next
@@ -129,13 +143,13 @@ def test_plain_pauses_stay_lossless_and_keep_the_drafter_context(tiny_pair):
     _, gguf, drafter_dir = tiny_pair
     lt = load_target(gguf)
     drafter = load_drafter(drafter_dir, lt.model)
-    tuner = BudgetTuner({1: 1.0, 65: 1.0}, draft_s=100.0, plain_s=1.0)   # every draft looks too dear
+    tuner = BudgetTuner({1: 1.0, 65: 1.0}, draft_s=100.0, plain_s=1e-6)   # every draft looks too dear, and is
     prompt = np.random.default_rng(5).integers(0, lt.cfg.n_vocab - 8, 9).tolist()
     plain = generate(lt.model, prompt, 40)
     spec = speculative_generate(lt.model, LocalProposer(drafter), prompt, 40, spec=SpecConfig.auto(tuner))
     assert spec.token_ids == plain.token_ids
     s = spec.spec
-    # drafted once, paused 8 plain steps, drafted again, paused 16, ... (every draft still too dear)
+    # drafted once, paused 8 plain steps, drafted again, paused 16, 16, ... (every draft still too dear)
     assert s["steps"] >= 2 and s["plain_steps"] >= 8 + 16 and s["tuner"]["plain_steps"] == s["plain_steps"]
     assert s["steps"] + s["plain_steps"] < len(plain.token_ids)        # and drafts still committed > 1 token
     # a second request starts by drafting again (its own pause), on the same tuner

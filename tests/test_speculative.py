@@ -101,6 +101,33 @@ def test_rollback_equals_plain_decode_state(target_path):
     assert p[0] == 0 and all(parents[b] == a for a, b in zip(p, p[1:]))
 
 
+def test_row_logits_are_computed_when_read(target_path):
+    """logits="rows": row i is that row alone through the final norm and the LM head (for a one-token pass, bitwise
+    what logits="last" gives); np.asarray and slices give every row in one product, as logits="all" does."""
+    target = load_target(target_path, with_tokenizer=False).model
+    state = target.new_state(64)
+    prefill(target, state, [5, 6, 7])
+    tokens, parents = [8, 9, 10, 11, 12], [-1, 0, 1, 0, 3]
+    full = target.forward(state, tokens, parents, checkpoints=True, logits="all").logits
+    state.pending = None
+    out = target.forward(state, tokens, parents, checkpoints=True, logits="rows")
+    rows = out.logits
+    assert rows.shape == full.shape and rows.ndim == 2 and len(rows) == 5 and out.logit_rows.tolist() == [0, 1, 2, 3, 4]
+    for i in (3, 0, -1):
+        np.testing.assert_allclose(rows[i], full[i], rtol=1e-5, atol=1e-5)
+    assert rows[1] is rows[1]                                    # computed once
+    np.testing.assert_array_equal(np.asarray(rows), full)
+    np.testing.assert_array_equal(rows[1:3], full[1:3])
+    with pytest.raises(IndexError):
+        rows[5]
+    state.commit([0, 3, 4])                                      # the pass is committed as any other
+    one = target.forward(state, [13], logits="last").logits
+    state.pending = None
+    np.testing.assert_array_equal(target.forward(state, [13], logits="rows").logits[0], one[0])
+    with pytest.raises(ValueError, match="logits must be"):
+        target.forward(state, [13], logits="some")
+
+
 def test_topk_breaks_ties_by_lower_id_even_at_the_cut():
     x = np.zeros((3, 10))
     x[0, [7, 2, 5]] = 1.0          # three tied best, k = 2: ids 2 and 5, not whichever partition picks
@@ -108,6 +135,28 @@ def test_topk_breaks_ties_by_lower_id_even_at_the_cut():
     ids, logp = topk_logprobs(x, 2)
     assert ids.tolist() == [[2, 5], [0, 1], [9, 0]]
     np.testing.assert_allclose(np.exp(logp[1]), [0.1, 0.1])
+
+
+def test_topk_matches_a_full_sort_per_row():
+    """The vectorised path (no ties at the cut) and the per-row path (ties there) both give, per row, the first k
+    of all ids sorted by (log-prob descending, id ascending), with the log-softmax at the temperature."""
+    rng = np.random.default_rng(3)
+    for trial in range(300):
+        rows, n, k = int(rng.integers(1, 17)), int(rng.integers(1, 200)), int(rng.integers(1, 10))
+        x = rng.standard_normal((rows, n)).astype(np.float32) * 3
+        if trial % 3 == 1:
+            x = rng.integers(-2, 2, (rows, n)).astype(np.float32)          # ties everywhere, at the cut too
+        temp = [1.0, 0.6, 1.7][trial % 3]
+        ids, logp = topk_logprobs(x, k, temp)
+        z = x.astype(np.float64) / temp
+        z -= z.max(axis=-1, keepdims=True)
+        ref_lp = z - np.log(np.exp(z).sum(axis=-1, keepdims=True))
+        kk = min(k, n)
+        assert ids.shape == logp.shape == (rows, kk) and ids.dtype == np.int64
+        for r in range(rows):
+            order = sorted(range(n), key=lambda i: (-ref_lp[r, i], i))[:kk]
+            assert ids[r].tolist() == order
+            np.testing.assert_array_equal(logp[r], ref_lp[r, order])
 
 
 def test_ddtree_shape():

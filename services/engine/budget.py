@@ -21,11 +21,17 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from .ddtree import DraftTree
-from .sampling import greedy_tokens
+from .sampling import SamplingParams, greedy_tokens, sample_row
 
 # 12 and 20 as well: on the CPU a verify's cost steps at multiples of 4 and 8 (layers.padded_rows), which
 # interpolating between 8, 16 and 24 alone would smooth over
 CALIBRATION_WIDTHS = (1, 2, 4, 8, 12, 16, 20, 24, 32, 48, 65)
+
+
+# Logits rows a greedy walk reads per verify, for calibration: the accepted tokens plus one (the embedded pair
+# accepts 2.4-3.3 drafted tokens a step); on the NumPy engine each read row is computed when read (RowLogits).
+CALIBRATION_ROWS_READ = 4
+GREEDY = SamplingParams()
 
 
 @contextmanager
@@ -44,9 +50,10 @@ def _scratch_state(target, n_ctx: int):
 
 
 def measure_verify_costs(target, widths=CALIBRATION_WIDTHS, context: int = 64, reps: int = 3) -> dict[int, float]:
-    """Seconds per target pass at each verify width (a chain with checkpoints and logits on every row,
-    after `context` committed tokens), the best of `reps` rounds over all widths (rounds, so a burst of
-    load elsewhere hits every width alike); a scratch state, nothing is kept."""
+    """Seconds per verify at each width: a target pass over a chain with checkpoints (after `context` committed
+    tokens) and the greedy reads of its first CALIBRATION_ROWS_READ logits rows, as a step's walk does; the best
+    of `reps` rounds over all widths (rounds, so a burst of load elsewhere hits every width alike); a scratch
+    state, nothing is kept."""
     ws = sorted(set(int(x) for x in widths))
     with _scratch_state(target, context + max(ws) + 1) as state:
         return _verify_costs(target, state, ws, context, reps)
@@ -61,8 +68,9 @@ def _verify_costs(target, state, ws: list[int], context: int, reps: int) -> dict
     for r in range(reps + 1):                            # round 0 warms caches and allocations
         for w in ws:
             t0 = time.perf_counter()
-            res = target.forward(state, ids[context:context + w], checkpoints=True, logits="all")
-            greedy_tokens(res.logits)    # what a greedy step reads; on a GPU it also waits for the pass to end
+            res = target.forward(state, ids[context:context + w], checkpoints=True, logits="rows")
+            for row in range(min(w, CALIBRATION_ROWS_READ)):    # what a greedy walk reads
+                sample_row(res.logits, row, GREEDY, None)
             if r:
                 out[w] = min(out[w], time.perf_counter() - t0)
             state.pending = None
@@ -96,7 +104,11 @@ def _plain_step(target, state, context: int, reps: int) -> float:
 # burst of load) must not steer the next dozens of choices, as it did through an exponential average seeded by it.
 WINDOW = 16
 
-PLAIN_PAUSE = (8, 64)   # plain steps before the drafter is tried again: at first, at most (doubling meanwhile)
+# Plain steps before the drafter is tried again: at first, at most (doubling meanwhile). The cap trades the cost of
+# re-measuring drafts where the drafter never pays against how late a stretch where it does (a repeated block
+# of code) is noticed: replayed over the 32 held-out prompts of the embedded pair at this CPU's measured costs
+# (bench/spec_replay.py, docs/benchmarks.md), a cap of 16 gained ~6 % over 64, and 8 or 12 about as much.
+PLAIN_PAUSE = (8, 16)
 
 
 @dataclass
@@ -113,8 +125,10 @@ class BudgetTuner:
     # seconds of a plain decode step (measured, then tracked); 0 = unknown: always speculate
     plain_s: float = 0.0
     plain_steps: int = 0                    # steps decoded without the drafter because it did not pay (stats)
-    # whether the last chosen tree was expected to beat a plain step (False: the caller pauses the drafter)
+    # whether the last chosen tree was expected to beat a plain step, and whether the last observed step did (both
+    # False: the caller pauses the drafter)
     drafting_pays: bool = True
+    step_paid: bool = True
     _pred: float = 0.0
     _acc: float = 0.0
 
@@ -171,7 +185,9 @@ class BudgetTuner:
         return int(b[best])
 
     def observe(self, tree: DraftTree, kept: int, accepted: int, verify_s: float, draft_s: float) -> None:
-        """Fold one step in: accepted drafted tokens vs predicted, and the times it took."""
+        """Fold one step in: accepted drafted tokens vs predicted, and the times it took; `step_paid` says whether
+        this step committed its tokens faster than plain steps would have."""
+        self.step_paid = not (self.plain_s > 0 and (accepted + 1) * self.plain_s < verify_s + draft_s)
         predicted = float(np.exp(tree.logw[:kept]).sum()) if kept else 0.0
         a = self.ema
         self._pred = (1 - a) * self._pred + a * predicted
@@ -187,6 +203,14 @@ class BudgetTuner:
             self._scale_obs.append(float(np.clip(verify_s / predicted_s, 0.1, 10.0)))
             self.scale = statistics.median_low(self._scale_obs)
         self.chosen[kept] = self.chosen.get(kept, 0) + 1
+
+    def pause_after_step(self, pause: int) -> tuple[int, int]:
+        """After a drafted step (choose, then observe): the plain steps to take now, and the pause to take after
+        the next drafted step that does not pay. `pause`: the one this step would take. A step pays when its tree
+        was expected to (drafter confidence) or it did (the tokens it committed)."""
+        if self.drafting_pays or self.step_paid:
+            return 0, PLAIN_PAUSE[0]
+        return pause, min(2 * pause, PLAIN_PAUSE[1])
 
     def snapshot(self) -> dict:
         return {"kappa": round(self.kappa, 4), "draft_ms": round(self.draft_s * 1e3, 3),

@@ -42,17 +42,31 @@ class DraftTree:
 
 
 def topk_logprobs(logits: np.ndarray, k: int, temperature: float = 1.0) -> tuple[np.ndarray, np.ndarray]:
-    """Per row: the k best token ids and their log-probabilities (log-softmax at `temperature`), best first."""
-    z = logits.astype(np.float64) / max(temperature, 1e-6)
-    z -= z.max(axis=-1, keepdims=True)
-    logp = z - np.log(np.exp(z).sum(axis=-1, keepdims=True))
-    k = min(k, logits.shape[-1])
-    kth = -np.partition(-logp, k - 1, axis=-1)[:, k - 1:k]                   # the k-th best value per row
-    out_ids = np.empty((logp.shape[0], k), np.int64)
-    out_lp = np.empty((logp.shape[0], k))
-    for r in range(logp.shape[0]):
-        # every id tied with the k-th value is a candidate, so "lower id on ties" holds at the cut too
-        cand = np.flatnonzero(logp[r] >= kth[r, 0])
+    """Per row: the k best token ids and their log-probabilities (log-softmax at `temperature`), best first.
+
+    Ties rank the lower id first, at the cut too (every id tied with the k-th value is a candidate).
+    """
+    logp = np.true_divide(logits, max(temperature, 1e-6), dtype=np.float64)
+    logp -= logp.max(axis=-1, keepdims=True)
+    logp -= np.log(np.exp(logp).sum(axis=-1, keepdims=True))
+    rows, n = logp.shape
+    k = min(k, n)
+    if k == 1:
+        ids = np.argmax(logp, axis=-1)[:, None].astype(np.int64)            # the lowest id among tied bests
+        return ids, np.take_along_axis(logp, ids, axis=-1)
+    # the k-th best value per row (selecting index n-k from below is cheaper than index k-1 of -logp)
+    kth = np.partition(logp, n - k, axis=-1)[:, n - k:n - k + 1]
+    keep = logp >= kth
+    flat = np.flatnonzero(keep)
+    if len(flat) == rows * k:                                                # no ties at the cut: k ids per row
+        cand = flat.reshape(rows, k) - (np.arange(rows) * n)[:, None]        # ascending ids within each row
+        vals = np.take_along_axis(logp, cand, axis=-1)
+        order = np.argsort(-vals, axis=-1, kind="stable")                    # higher first, lower id on ties
+        return np.take_along_axis(cand, order, axis=-1), np.take_along_axis(vals, order, axis=-1)
+    out_ids = np.empty((rows, k), np.int64)
+    out_lp = np.empty((rows, k))
+    for r in range(rows):
+        cand = np.flatnonzero(keep[r])
         order = np.lexsort((cand, -logp[r, cand]))[:k]    # higher log-prob first, lower id on ties
         out_ids[r], out_lp[r] = cand[order], logp[r, cand[order]]
     return out_ids, out_lp

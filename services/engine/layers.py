@@ -268,15 +268,17 @@ def gated_delta_rule_tree_wy(q, k, v, g, beta, s0, parents, anc: np.ndarray | No
 
     Along any root-to-node path the tree is a chain, and the chain's WY system only couples a token to its
     ancestors; so the strictly-lower-triangular masks of the chunked form become ancestor masks, and one
-    solve gives every node's "new value" u_t. Then o_t = e^{G_t} q_t S0 + sum_{j anc-or-self} e^{G_t-G_j}
-    (q_t.k_j) u_j, G_t the log-decay summed along t's path. Outputs (T, H, dv) equal the token loop's to
-    float32 rounding; the per-node states come as a `TreeStates` (evaluated per node on demand).
+    solve gives every node's "new value" u_t = (I + A)^-1 beta_t (v_t - e^{G_t} S0^T k_t). Then
+    o_t = e^{G_t} q_t S0 + sum_{j anc-or-self} e^{G_t-G_j} (q_t.k_j) u_j, G_t the log-decay summed along t's path.
+    Outputs (T, H, dv) equal the token loop's to float32 rounding; the per-node states come as a `TreeStates`
+    (evaluated per node on demand).
 
-    The solve: A is nilpotent (strict ancestors only), so (I + A)^-1 = (I - A)(I + A^2)(I + A^4)...; applied to
-    the right-hand side that is ceil(log2(longest path)) small batched products, measured ~3x cheaper here than
-    np.linalg.solve (whose per-call cost dominates at these sizes).
+    The solve: A is nilpotent (strict ancestors only), so (I + A)^-1 = (I - A)(I + A^2)(I + A^4)...; the factors
+    are multiplied out on the (T, T) matrices (ceil(log2(longest path)) squarings and products, each far
+    cheaper than one on the (T, dv) right-hand side), then applied once. Measured ~3x cheaper here than
+    np.linalg.solve (whose per-call cost dominates at these sizes), and ~2x cheaper than applying each factor
+    to the right-hand side in turn.
     """
-    dv = v.shape[-1]
     if anc is None:
         anc = ancestor_matrix(np.asarray(parents))
     anc64, strict, n_doublings = _wy_tree_consts(anc)
@@ -293,13 +295,14 @@ def gated_delta_rule_tree_wy(q, k, v, g, beta, s0, parents, anc: np.ndarray | No
     bh = beta.T[:, :, None]                                                  # (H, T, 1)
 
     # The solve runs in float64: powers of A reach far below float32's normal range (subnormals again).
-    neg_a = ((kh @ kh.transpose(0, 2, 1)) * strict * decay * -bh).astype(np.float64)         # -A
-    sol = (np.concatenate([v.transpose(1, 0, 2), kh * eg[:, :, None]], axis=-1) * bh).astype(np.float64)
-    for step in range(n_doublings):                                          # sol <- (I + A)^-1 [beta v, beta e^G k]
-        sol = sol + neg_a @ sol
-        if step + 1 < n_doublings:
-            neg_a = neg_a @ neg_a
-    u = (sol[..., :dv] - sol[..., dv:] @ s0).astype(np.float32)              # (H, T, dv): the new values
+    a = ((kh @ kh.transpose(0, 2, 1)) * strict * decay * bh).astype(np.float64)              # A
+    rhs = (v.transpose(1, 0, 2) * bh).astype(np.float64) - \
+        ((kh * eg[:, :, None]) * bh).astype(np.float64) @ s0.astype(np.float64)           # beta (v - e^G S0^T k)
+    inv = np.eye(a.shape[-1]) - a                                            # (I + A)^-1, one factor at a time
+    for _ in range(n_doublings - 1):
+        a = a @ a
+        inv = inv + inv @ a
+    u = (inv @ rhs).astype(np.float32)                                       # (H, T, dv): the new values
     out = (qh * eg[:, :, None]) @ s0 + ((qh @ kh.transpose(0, 2, 1)) * decay) @ u
     return out.transpose(1, 0, 2).astype(np.float32), TreeStates(s0, kh, u, decay, eg)
 

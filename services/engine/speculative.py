@@ -279,6 +279,7 @@ def _spec_loop(target: TargetModel, proposer: Proposer | None, prompt_ids: Seque
     step = 0
     # `--budget auto` pauses a drafter that does not pay for plain steps, per request: PLAIN_PAUSE[0] steps,
     # doubling (up to PLAIN_PAUSE[1]) while the re-measuring draft after each pause still does not pay
+    # (BudgetTuner.pause_after_step)
     plain_left, pause = 0, PLAIN_PAUSE[0]
     # a GPU state holds checkpoints for max_tree tokens (the verifier's planned width): no verify is wider
     widest = getattr(state, "max_tree", None)
@@ -332,15 +333,13 @@ def _spec_loop(target: TargetModel, proposer: Proposer | None, prompt_ids: Seque
             tree = build_ddtree(top_ids, top_logp, min(spec.budget, room), spec.chain_seed)
             if spec.tuner is not None:
                 full, tree = tree, tree.prefix(spec.tuner.choose(tree))
-                if spec.tuner.drafting_pays:
-                    pause = PLAIN_PAUSE[0]
-                else:
-                    plain_left, pause = pause, min(2 * pause, PLAIN_PAUSE[1])
         tokens, parents = tree.verify_batch(root)
         tv = time.perf_counter()
-        out = target.forward(state, tokens, parents, capture=layer_ids, checkpoints=True, logits="all")
+        # logits="rows": the walk reads the rows along its path only; on the NumPy engine each is computed then
+        out = target.forward(state, tokens, parents, capture=layer_ids, checkpoints=True, logits="rows")
         ta = time.perf_counter()
         path, bonus = walk_tree(tree, out.logits, params, rng, history)
+        tw = time.perf_counter()        # the walk computed the logits rows it read: part of the verify's cost
         state.commit(path)
         feats = out.captured[path] if out.captured is not None else None
         out = None
@@ -348,7 +347,8 @@ def _spec_loop(target: TargetModel, proposer: Proposer | None, prompt_ids: Seque
         info = StepInfo(index=step, budget=budget_cap if spec.tuner is None else len(tree), tree_size=len(tree),
                         accepted=len(path) - 1, draft_ms=draft_ms, verify_ms=(ta - tv) * 1e3, accept_ms=accept_ms)
         if spec.tuner is not None:
-            spec.tuner.observe(full, len(tree), info.accepted, verify_s=ta - tv, draft_s=draft_ms / 1e3)
+            spec.tuner.observe(full, len(tree), info.accepted, verify_s=tw - tv, draft_s=draft_ms / 1e3)
+            plain_left, pause = spec.tuner.pause_after_step(pause)
         stats.record(info)
         step += 1
         if on_step is not None:

@@ -33,6 +33,46 @@ class ForwardResult:
     captured: np.ndarray | None        # (T, len(capture), n_embd): outputs of the captured layers
 
 
+class RowLogits:
+    """Logits of a forward's T rows, each row computed when first read (`logits="rows"`): a verify's tree walk
+    reads only the rows along the path it takes (about the acceptance length of a tree's 16-24 rows), and one
+    row is a matrix-vector product with the LM head where all rows are a GEMM that repacks its 6 MB (the
+    embedded model) whatever the row count. Reads like the (T, n_vocab) float32 array of logits="all": `x[i]`
+    gives row i (the norm and product of that row alone, as a plain decode step computes its one row);
+    np.asarray(x) and any other index compute every row in one product, as logits="all" does."""
+
+    ndim = 2
+    dtype = np.dtype(np.float32)
+
+    def __init__(self, model: TargetModel, x: np.ndarray):
+        self._model, self._x = model, x
+        self._rows: dict[int, np.ndarray] = {}
+        self._all: np.ndarray | None = None
+        self.shape = (int(x.shape[0]), int(model.output.shape[0]))
+
+    def __len__(self) -> int:
+        return self.shape[0]
+
+    def __getitem__(self, key: Any) -> np.ndarray:
+        if isinstance(key, (int, np.integer)) and self._all is None:
+            i = int(key) + (self.shape[0] if key < 0 else 0)
+            if not 0 <= i < self.shape[0]:
+                raise IndexError(f"row {key} of {self.shape[0]}")
+            row = self._rows.get(i)
+            if row is None:
+                m = self._model
+                h = rms_norm(self._x[i:i + 1], m.output_norm, m.cfg.rms_eps)
+                row = self._rows[i] = m.be.linear(h, m.output)[0]
+            return row
+        return np.asarray(self)[key]
+
+    def __array__(self, dtype: Any = None, copy: bool | None = None) -> np.ndarray:
+        if self._all is None:
+            m = self._model
+            self._all = m.be.linear(rms_norm(self._x, m.output_norm, m.cfg.rms_eps), m.output)
+        return self._all if dtype is None else self._all.astype(dtype, copy=False)
+
+
 @dataclass
 class StepContext:
     """Per-forward values every block needs."""
@@ -118,8 +158,10 @@ class TargetModel(ABC):
         position n_past + depth(i) and attends to the committed context plus its own ancestors. With
         `checkpoints` every recurrent layer keeps its state after each token, so any root-to-node path can
         be committed; a chain without checkpoints can only be committed whole (prefill, plain decode).
-        logits: "all", "last" or "none".
+        logits: "all", "last", "none", or "rows": every row, each computed when read (RowLogits; a verify).
         """
+        if logits not in ("all", "last", "none", "rows"):
+            raise ValueError(f"logits must be 'all', 'last', 'none' or 'rows', not {logits!r}")
         tokens, par, is_chain = check_step(tokens, parents, self.cfg.n_vocab)
         faults.check("forward")
         T = len(tokens)
@@ -147,6 +189,8 @@ class TargetModel(ABC):
                     captured[:, slot] = x
         state.pending = pending
 
+        if logits == "rows":
+            return ForwardResult(logits=RowLogits(self, x), logit_rows=np.arange(T), captured=captured)
         rows = {"all": np.arange(T), "last": np.array([T - 1]), "none": np.array([], dtype=np.int64)}[logits]
         out = None
         if len(rows):

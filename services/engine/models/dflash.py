@@ -401,7 +401,8 @@ def _expected_shapes(cfg: DrafterConfig) -> dict[str, tuple[int, ...]]:
 class DraftSession:
     """One request's draft cache: per layer, K (after k_norm + RoPE) and V of every committed context row.
 
-    Rows [0, n_ctx) are valid; buffers grow by doubling so appending a few rows per step stays cheap.
+    Rows [0, n_ctx) are valid (the rows after them are scratch: a block's own K/V while it is drafted); buffers grow
+    by doubling so appending a few rows per step stays cheap.
     """
 
     k: list[np.ndarray]                # per layer (capacity, n_head_kv, head_dim)
@@ -568,6 +569,9 @@ class DFlashDrafter:
         T = len(ids)
         H, Hkv, D = c.n_head, c.n_head_kv, c.head_dim
         pos = start + np.arange(T)
+        # the block's own K/V go into the cache rows after the context (scratch: the next append overwrites them),
+        # so attention reads one slice instead of a copy of the whole context per layer
+        session._reserve(T)
         x = self.be.embed(self.target.tok_embd, ids)
         for i, w in enumerate(self.layers):
             h = rms_norm(x, w["attn_norm"], eps)
@@ -579,8 +583,9 @@ class DFlashDrafter:
             causal = c.layer_causal[i]
             # A sliding layer's earliest query (slot 0) sees nothing before start-(W-1): skip older rows.
             lo = max(0, start - (c.sliding_window - 1)) if causal and c.sliding_window is not None else 0
-            keys = np.concatenate([session.k[i][lo:start], k], axis=0)
-            vals = np.concatenate([session.v[i][lo:start], v], axis=0)
+            session.k[i][start:start + T] = k
+            session.v[i][start:start + T] = v
+            keys, vals = session.k[i][lo:start + T], session.v[i][lo:start + T]
             o = masked_attention(q, keys, vals, self._visible(causal, T, start, lo) if causal else None)
             x = x + lin(o.reshape(T, H * D), w["attn_output"])
             h = rms_norm(x, w["post_attention_norm"], eps)

@@ -797,8 +797,10 @@ class Qwen35GpuModel(TargetModel):
         tokens, par, is_chain = check_step(tokens, parents, self.cfg.n_vocab)
         faults.check("forward")
         T = len(tokens)
-        if logits not in ("all", "last", "none"):
-            raise ValueError(f"logits must be 'all', 'last' or 'none', not {logits!r}")
+        if logits not in ("all", "last", "none", "rows"):
+            raise ValueError(f"logits must be 'all', 'last', 'none' or 'rows', not {logits!r}")
+        if logits == "rows":    # DeviceLogits already copies a row to the host only when it is read
+            logits = "all"
         per_token = checkpoints or not is_chain
         if per_token and T > state.max_tree:
             raise ValueError(f"a tree or checkpointed forward takes at most {state.max_tree} tokens on the GPU")
