@@ -155,3 +155,28 @@ def test_plain_pauses_stay_lossless_and_keep_the_drafter_context(tiny_pair):
     # a second request starts by drafting again (its own pause), on the same tuner
     again = speculative_generate(lt.model, LocalProposer(drafter), prompt, 12, spec=SpecConfig.auto(tuner))
     assert again.token_ids == plain.token_ids[:12] and again.spec["steps"] >= 1
+
+
+def test_preferred_widths_limit_the_choice():
+    """A GPU target's graph buckets: the tuner verifies only prefixes whose width (nodes + root) is one of them, still
+    the best of those by expected tokens per second; a tree narrower than all of them is verified whole."""
+    rng = np.random.default_rng(3)
+    costs = {1: 1.0, 2: 1.0, 8: 1.02, 16: 1.05, 24: 1.08, 32: 1.2, 64: 1.5}
+    free = BudgetTuner(dict(costs), max_budget=63, draft_s=0.3)
+    bucketed = BudgetTuner(dict(costs), max_budget=63, draft_s=0.3, widths=(2, 8, 16, 24, 32, 64))
+    picked = set()
+    for _ in range(50):
+        tree = _tree(rng, sharp=float(rng.uniform(0.5, 6)))
+        n = min(len(tree), 63)
+        b = bucketed.choose(tree)
+        assert b + 1 in bucketed.widths or b == n
+        ok = [w - 1 for w in bucketed.widths if w - 1 < n] + [n]
+        p = np.minimum(1.0, np.exp(tree.logw[:n]))
+        rate = [(1 + p[:k].sum()) / (0.3 + float(bucketed.cost(k + 1))) for k in ok]
+        assert b == ok[int(np.argmax(rate))]
+        picked.add(b)
+        assert 1 <= free.choose(tree) <= n
+    assert len(picked) > 1                                  # the choice still follows the drafts
+    ids, lp = _random_top(rng)
+    small = build_ddtree(ids, lp, 5, True)                  # narrower than every width but 2: whole or one node
+    assert bucketed.choose(small) in (1, len(small))

@@ -129,6 +129,9 @@ class BudgetTuner:
     # False: the caller pauses the drafter)
     drafting_pays: bool = True
     step_paid: bool = True
+    # verify widths (nodes + root) the target prefers, e.g. a GPU model's graph buckets (each distinct width is a CUDA
+    # graph captured per pooled state); None: any width
+    widths: tuple[int, ...] | None = None
     _pred: float = 0.0
     _acc: float = 0.0
 
@@ -144,7 +147,9 @@ class BudgetTuner:
     @classmethod
     def measure(cls, target, max_budget: int = 64) -> BudgetTuner:
         widths = tuple(w for w in CALIBRATION_WIDTHS if w <= max_budget + 1) + (max_budget + 1,)
-        return cls(measure_verify_costs(target, widths), max_budget=max_budget, plain_s=measure_plain_step(target))
+        preferred = getattr(target, "verify_widths", None)
+        return cls(measure_verify_costs(target, widths), max_budget=max_budget, plain_s=measure_plain_step(target),
+                   widths=tuple(preferred) if preferred else None)
 
     def observe_plain(self, seconds: float) -> None:
         """Fold in the time of a plain step taken instead of a speculative one."""
@@ -177,6 +182,11 @@ class BudgetTuner:
         p = np.minimum(1.0, self.kappa * np.exp(tree.logw[:n]))
         gain = 1.0 + np.cumsum(p)                         # expected tokens committed with b = 1..n nodes
         b = np.arange(1, n + 1)
+        if self.widths:
+            # only the preferred widths (a prefix of the best-first tree stays a valid tree at any size); a tree
+            # narrower than every one of them is verified whole
+            ok = np.isin(b + 1, np.asarray(self.widths)) | (b == n)
+            gain, b = gain[ok], b[ok]
         rate = gain / (self.draft_s + self.cost(b + 1))
         best = int(np.argmax(rate))
         # A drafter not accepted for enough to pay for itself and the wider verify: the caller takes plain steps

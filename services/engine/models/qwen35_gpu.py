@@ -555,6 +555,10 @@ class Qwen35GpuModel(TargetModel):
 
     arch = "qwen35"
     kv_cache_types: tuple[str, str] = ("f16", "f16")
+    # verify widths `--budget auto` keeps to (budget.BudgetTuner.widths): every distinct width is a CUDA graph of its
+    # own in each pooled state, and a tuner free to pick any of 64 sizes made short requests pay a capture per new
+    # size (the embedded pair: auto 0.58x plain against DDTree-22's 1.08x, H100, 2026-11-26)
+    verify_widths: tuple[int, ...] = (2, 4, 8, 12, 16, 20, 24, 32, 48, 64)
 
     def __init__(self, cfg: ModelConfig, tensors: Mapping[str, RawTensor | np.ndarray],
                  backend: CupyBackend | None = None, source: str = "<model>"):
