@@ -22,6 +22,7 @@ tokens each verify width must commit per step for speculative decoding to reach 
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import os
 import sys
@@ -100,6 +101,10 @@ def main() -> int:
                     help="without --model: the embedded default pair, or the known-good cycle pair")
     ap.add_argument("--device", default="cpu", help="where the target runs: cpu or cuda:N (wall time either way)")
     ap.add_argument("--draft-device", default=None, help="the drafter's device (default: the target's)")
+    ap.add_argument("--warm-up", type=int, default=None,
+                    help="untimed prompts run through every mode first (other prompts than the timed ones where there "
+                         "are enough; default: 4 on a GPU, where each new step shape is a CUDA-graph capture that a "
+                         "serving process pays once, 0 on the CPU)")
     args = ap.parse_args()
     draft_device = check_devices(args.device, args.draft_device)
     if args.costs and args.device != "cpu":
@@ -124,6 +129,9 @@ def main() -> int:
         from services.engine.default_model import heldout_prompts
 
         prompts = heldout_prompts()
+    n_warm = args.warm_up if args.warm_up is not None else (0 if args.device == "cpu" else 4)
+    spare = prompts[args.n_prompts:]
+    warm = (spare if len(spare) >= n_warm else prompts)[:n_warm]
     prompts = prompts[: args.n_prompts]
     ids = [tok.encode(p) for p in prompts]
     if args.costs:
@@ -134,9 +142,19 @@ def main() -> int:
     # alike instead of on whichever mode happened to run during a busy minute.
     modes = args.budgets.split(",")
     tuner = BudgetTuner.measure(target.model) if "auto" in modes else None
-    specs = {b: SpecConfig.auto(tuner) if b == "auto" else SpecConfig(budget=None if b == "chain" else int(b))
-             for b in modes}
+    def make_specs(t):
+        return {b: SpecConfig.auto(t) if b == "auto" else SpecConfig(budget=None if b == "chain" else int(b))
+                for b in modes}
+
     generate(target.model, ids[0], 4)      # warm-up
+    if warm:
+        # the timed runs start from the tuner as calibrated (a copy): what it learns here is not carried over
+        specs = make_specs(copy.deepcopy(tuner))
+        for p in (tok.encode(w) for w in warm):
+            generate(target.model, p, args.max_tokens)
+            for spec in specs.values():
+                speculative_generate(target.model, placed.new_proposer(), p, args.max_tokens, spec=spec)
+    specs = make_specs(tuner)
     plain, t_plain = [], 0.0
     runs = {b: ([], 0.0) for b in modes}
     for p in ids:
