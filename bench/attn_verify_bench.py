@@ -4,8 +4,11 @@
     python3 bench/attn_verify_bench.py --no-tests --no-sweep
     python3 bench/attn_verify_bench.py --quick    # small shapes: a smoke run of the script itself
 
-"old" is the attention kernel and launcher of commit 1607152 (bench/attn_baseline/, loaded as a package of its
-own next to a copy of kernels/loader.py and norm_rope.py); "new" is kernels/attention.py. Both run on the same
+"old" is the attention kernel and launcher of another revision (ATTN_BASELINE_DIR: a folder holding its attention.py
+and attention.cu, e.g. written here by `git show REV:kernels/attention.py` and carried to the GPU machine; without it,
+`git show $ATTN_BASELINE_REV` (default 1607152, the kernel before the session-5 rewrite) where git history exists;
+neither: "new" alone), loaded as a package of its own next to a copy of kernels/loader.py and norm_rope.py; "new" is
+kernels/attention.py. Both run on the same
 caches (the cache layout did not change), Qwen3.6-27B shape (24 query heads, 4 KV heads, head dim 256, f16 q,
 f16 out, one layer), KV f16/f16 and the auto kinds K q8_0 / V tq3_0, S = 512, 2048, 4096, 32768 committed rows
 x T = 1, 16, 23, 41 new tokens (a chain mask: the kernels' cost does not depend on the tree's shape). Splits
@@ -46,14 +49,23 @@ BASE_COMMIT = "1607152"
 
 
 def load_baseline():
-    """bench/attn_baseline/attention.{py,cu} as package `attn_base` (its own loader, so its own module cache)."""
+    """The baseline's attention.{py,cu} as package `attn_base` (its own loader, so its own module cache), or None."""
     pkg = Path(tempfile.mkdtemp(prefix="attn_base_")) / "attn_base"
     pkg.mkdir()
     (pkg / "__init__.py").write_text("")
     for name in ("loader.py", "norm_rope.py"):
         shutil.copy(ROOT / "kernels" / name, pkg / name)
+    src = os.environ.get("ATTN_BASELINE_DIR")
+    rev = os.environ.get("ATTN_BASELINE_REV", BASE_COMMIT)
     for name in ("attention.py", "attention.cu"):
-        shutil.copy(ROOT / "bench" / "attn_baseline" / name, pkg / name)
+        if src:
+            shutil.copy(Path(src) / name, pkg / name)
+            continue
+        got = subprocess.run(["git", "show", f"{rev}:kernels/{name}"], cwd=ROOT, capture_output=True, text=True)
+        if got.returncode != 0:
+            print(f"attn_verify_bench: no baseline ({rev} not in git here, ATTN_BASELINE_DIR unset): new kernel only")
+            return None
+        (pkg / name).write_text(got.stdout)
     sys.path.insert(0, str(pkg.parent))
     return importlib.import_module("attn_base.attention")
 
@@ -145,7 +157,7 @@ def main(argv: list[str]) -> int:
         for T in widths:
             q = cupy.zeros((T, H, D), cupy.float16)
             m = new.tree_mask(list(range(-1, T - 1)))
-            for mod in (old, new):
+            for mod in (m for m in (old, new) if m is not None):
                 mod.attention(q, c, 100, m, out_dtype=cupy.float16)
                 mod.attention(q, c, 100, m)  # f32 out: check_same's
     cupy.cuda.Device().synchronize()
@@ -157,7 +169,9 @@ def main(argv: list[str]) -> int:
     props = cupy.cuda.runtime.getDeviceProperties(dev.id)
     name = props["name"].decode() if isinstance(props["name"], bytes) else str(props["name"])
     info = {"device": name, "sm_count": int(dev.attributes["MultiProcessorCount"]), "cupy": cupy.__version__,
-            "commit": os.environ.get("COMMIT", "?"), "baseline": BASE_COMMIT,
+            "commit": os.environ.get("COMMIT", "?"),
+            "baseline": None if old is None else os.environ.get("ATTN_BASELINE_DIR") or os.environ.get(
+                "ATTN_BASELINE_REV", BASE_COMMIT),
             "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}  # fmt: skip
     print("attn_verify_bench:", json.dumps(info), flush=True)
 
@@ -171,11 +185,14 @@ def main(argv: list[str]) -> int:
                 hint = s_hint_of(S, T)
                 r = {"kv": f"{kk}/{kv}", "S": S, "T": T, "s_hint": hint, "copies": len(caches)}
                 for tag, mod in (("old", old), ("new", new)):
+                    if mod is None:
+                        r["old_splits"], r["old_us"], r["old_best"] = 0, float("nan"), float("nan")
+                        continue
                     splits = mod.choose_splits(H, HKV, D, T, hint, kk, kv)
                     us, best = time_one(cupy, mod, caches, T, S, splits)
                     r[f"{tag}_splits"], r[f"{tag}_us"], r[f"{tag}_best"] = splits, round(us, 2), round(best, 2)
                 r["speedup"] = round(r["old_us"] / r["new_us"], 2)
-                r["rel_diff"] = round(check_same(cupy, old, new, caches, T, S), 6)
+                r["rel_diff"] = round(check_same(cupy, old, new, caches, T, S), 6) if old is not None else float("nan")
                 rows.append(r)
                 print(json.dumps(r), flush=True)
             if "--no-sweep" not in argv and S in ((512, 2048) if quick else (512, 4096)):

@@ -7,12 +7,7 @@
 set -o pipefail
 OUT=${OUT:-out}
 mkdir -p "$OUT"
-if [ -d .whl ]; then
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
-        .whl/*.whl || exit 1
-    export PYTHONPATH=/tmp/site:$PWD
-fi
-export PYTHONUNBUFFERED=1
+source bench/device_env.sh || exit 1
 nvidia-smi --query-gpu=name --format=csv,noheader
 t0=$(date +%s)
 (python3 -m services make-synthetic --shape qwen3.6-27b --quant q4_k_m --out /tmp/syn > $OUT/syn.log 2>&1) &

@@ -12,12 +12,7 @@ set -o pipefail
 OUT=${OUT:-out}
 export OUT
 mkdir -p "$OUT"
-if [ -d .whl ] && ! python3 -c "import gguf" 2>/dev/null; then
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
-        $(ls .whl/*.whl .whl_svc/*.whl 2>/dev/null) || exit 1
-    export PYTHONPATH=/tmp/site:$PWD
-fi
-export PYTHONUNBUFFERED=1
+source bench/device_env.sh || exit 1
 t0=$(date +%s)
 stamp() { echo "[$(( $(date +%s) - t0 )) s] $*"; }
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv,noheader

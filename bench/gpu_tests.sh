@@ -6,12 +6,7 @@
 set -o pipefail
 OUT=${OUT:-out}
 mkdir -p "$OUT"
-if [ -d .whl ]; then
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
-        .whl/*.whl || exit 1
-    export PYTHONPATH=/tmp/site:$PWD
-fi
-export PYTHONUNBUFFERED=1
+source bench/device_env.sh || exit 1
 t0=$(date +%s)
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
 python3 bench/roofline.py --precompile-only > "$OUT/precompile.log" 2>&1

@@ -1,4 +1,5 @@
-"""What the GPU matmul tests share: valid random GGUF-packed weights and their NumPy-twin dequantization.
+"""What the GPU matmul tests share: valid random GGUF-packed weights, their NumPy-twin dequantization, and the
+run-and-check of a product on the GPU against the float64 twin (`gpu_matmul`, `check_matmul`).
 
 The twins (services.engine.quants) are loaded by path when the package cannot import (no gguf on a GPU box).
 """
@@ -61,3 +62,28 @@ def dequantize(qtype: int, raw: np.ndarray, n_out: int, k: int) -> np.ndarray:
 
 def rel_error(y: np.ndarray, ref: np.ndarray) -> float:
     return float(np.linalg.norm(y.astype(np.float64) - ref) / np.linalg.norm(ref))
+
+
+def gpu_matmul(W: qm.QuantMatrix, x, y0: np.ndarray | None = None, **kw) -> np.ndarray:
+    """W.matmul on the GPU (x: host activations or a PackedX) into a NaN-poisoned output (or one holding y0, for
+    accumulate=True), so unwritten elements show; returns the output on the host."""
+    import cupy
+
+    tokens = x.tokens if isinstance(x, qm.PackedX) else x.shape[0]
+    out = cupy.array(y0) if y0 is not None else cupy.full((tokens, W.out_features), np.nan, dtype=cupy.float32)
+    y = W.matmul(x if isinstance(x, qm.PackedX) else cupy.asarray(x), out=out, **kw)
+    cupy.cuda.Device().synchronize()
+    return cupy.asnumpy(y)
+
+
+def check_matmul(W: qm.QuantMatrix, w64: np.ndarray, tokens: int, rng: np.random.Generator, label: str, tol: float,
+                 **kw) -> np.ndarray:
+    """x ~ N(0, 0.25) in fp16; every element written and finite, relative error against x @ w64.T below tol."""
+    x = (rng.standard_normal((tokens, W.in_features)) * 0.5).astype(np.float16)
+    y = gpu_matmul(W, x, **kw)
+    assert y.shape == (tokens, W.out_features)
+    bad = ~np.isfinite(y)
+    assert not bad.any(), f"{label} T={tokens} {kw}: {int(bad.sum())} elements unwritten or not finite"
+    err = rel_error(y, x.astype(np.float64) @ w64.T)
+    assert err < tol, f"{label} T={tokens} {kw}: relative error {err:.3e} >= {tol}"
+    return y

@@ -21,7 +21,7 @@ import cupy  # noqa: E402
 
 from kernels import quant_gemv as qg  # noqa: E402
 from kernels import quant_matmul as qm  # noqa: E402
-from tests.quant_twins import NAMES, dequantize, random_weights, rel_error  # noqa: E402
+from tests.quant_twins import NAMES, check_matmul, dequantize, gpu_matmul, random_weights, rel_error  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
@@ -29,23 +29,12 @@ TYPES = (qm.Q4_K, qm.Q6_K, qm.Q8_0, qm.F16)
 TOL = 2e-4
 
 
-def run(W: qm.QuantMatrix, x: np.ndarray, y0: np.ndarray | None = None, **kw) -> np.ndarray:
-    """W.matmul on the GPU into a NaN-poisoned (or y0-filled, for accumulate) output; returns it on the host."""
-    tokens, n_out = x.shape[0], W.out_features
-    out = cupy.array(y0) if y0 is not None else cupy.full((tokens, n_out), np.nan, dtype=cupy.float32)
-    y = W.matmul(cupy.asarray(x), out=out, **kw)
-    cupy.cuda.Device().synchronize()
-    return cupy.asnumpy(y)
+def run(W: qm.QuantMatrix, x, y0: np.ndarray | None = None, **kw) -> np.ndarray:
+    return gpu_matmul(W, x, y0, **kw)
 
 
 def check(W: qm.QuantMatrix, w64: np.ndarray, tokens: int, rng: np.random.Generator, label: str, **kw) -> np.ndarray:
-    x = (rng.standard_normal((tokens, W.in_features)) * 0.5).astype(np.float16)
-    y = run(W, x, **kw)
-    bad = ~np.isfinite(y)
-    assert not bad.any(), f"{label} T={tokens} {kw}: {int(bad.sum())} elements unwritten or not finite"
-    err = rel_error(y, x.astype(np.float64) @ w64.T)
-    assert err < TOL, f"{label} T={tokens} {kw}: relative error {err:.3e} >= {TOL}"
-    return y
+    return check_matmul(W, w64, tokens, rng, label, TOL, **kw)
 
 
 SHAPES = {

@@ -22,7 +22,7 @@ if _REASON is not None:
 import cupy  # noqa: E402
 
 from kernels import quant_matmul as qm  # noqa: E402
-from tests.quant_twins import NAMES, dequantize, legacy, random_weights, rel_error  # noqa: E402
+from tests.quant_twins import NAMES, check_matmul, dequantize, legacy, random_weights, rel_error  # noqa: E402
 from tests.test_kernels_cpu_sim import unpack_numpy  # noqa: E402  (the packed layout's NumPy inverse)
 
 pytestmark = pytest.mark.gpu
@@ -34,18 +34,7 @@ TOL = 2e-3
 
 
 def check(W: qm.QuantMatrix, w64: np.ndarray, tokens: int, rng: np.random.Generator, label: str, **kw) -> None:
-    n_out, k = W.shape
-    x = (rng.standard_normal((tokens, k)) * 0.5).astype(np.float16)
-    ref = x.astype(np.float64) @ w64.T
-    out = cupy.full((tokens, n_out), np.nan, dtype=cupy.float32)  # poison: unwritten elements stay NaN
-    y_gpu = W.matmul(cupy.asarray(x), out=out, **kw)
-    cupy.cuda.Device().synchronize()
-    y = cupy.asnumpy(y_gpu)
-    assert y.shape == (tokens, n_out)
-    bad = ~np.isfinite(y)
-    assert not bad.any(), f"{label} T={tokens} {kw}: {int(bad.sum())} elements unwritten or not finite"
-    err = rel_error(y, ref)
-    assert err < TOL, f"{label} T={tokens} {kw}: relative error {err:.3e} >= {TOL}"
+    check_matmul(W, w64, tokens, rng, label, TOL, **kw)
 
 
 CASES = [
