@@ -280,14 +280,7 @@ def gemv(
     out: float32 [T, W.out_features], rows contiguous and possibly strided (a column slice of a wider output:
     qm.check_out). accumulate=True adds into out (e.g. the residual stream)."""
     n_out, k = W.shape
-    if W.kernel == "v1":
-        raise ValueError(f"{W.name}: the gemv kernel reads the v2 device layout; this matrix holds GGUF rows (v1)")
-    if packed.in_features != k:
-        raise ValueError(f"{W.name}: activations have {packed.in_features} features, the matrix takes {k}")
-    tokens = packed.tokens
-    if not 1 <= tokens <= MAX_TOKENS:
-        raise ValueError(f"{W.name}: gemv takes 1..{MAX_TOKENS} tokens, not {tokens}")
-    qm.check_out(out, tokens, n_out, W.name)
+    tokens = qm.check_v2_product(W, packed, out, "gemv", MAX_TOKENS)
     cfg = config if config is not None else GemvConfig()
     persistent = cfg.persistent if cfg.persistent is not None else prefer_persistent(W.qtype, tokens)
     if persistent and int(W.qtype) not in PERSISTENT_TYPES:

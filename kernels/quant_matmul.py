@@ -780,6 +780,21 @@ class QuantMatrix:
         )
 
 
+def check_v2_product(W: Any, packed: Any, out: Any, kernel: str, max_tokens: int) -> int:
+    """The checks a kernel on the v2 device layout makes of its operands (gemv, wide): W holds that layout, x has
+    W's in-features and 1..max_tokens tokens, `out` fits (check_out). Returns the token count."""
+    n_out, k = W.shape
+    if W.kernel != "v2":
+        raise ValueError(f"{W.name}: the {kernel} kernel reads the v2 device layout; this matrix holds GGUF rows (v1)")
+    if packed.in_features != k:
+        raise ValueError(f"{W.name}: activations have {packed.in_features} features, the matrix takes {k}")
+    tokens = packed.tokens
+    if not 1 <= tokens <= max_tokens:
+        raise ValueError(f"{W.name}: the {kernel} kernel takes 1..{max_tokens} tokens, not {tokens}")
+    check_out(out, tokens, n_out, W.name)
+    return tokens
+
+
 def check_out(out: Any, tokens: int, n_out: int, name: str = "weight") -> None:
     """Raise unless `out` is a float32 [tokens, n_out] array with contiguous rows spaced >= n_out floats apart
     (what the kernels' row stride takes: a contiguous array or a column slice of a wider one)."""

@@ -239,14 +239,7 @@ def wide(
     out: float32 [T, W.out_features], rows contiguous and possibly strided (a column slice of a wider output:
     qm.check_out). accumulate=True adds into out (each value once, after its sum is complete)."""
     n_out, k = W.shape
-    if W.kernel != "v2":
-        raise ValueError(f"{W.name}: the wide kernel reads the v2 device layout; this matrix holds GGUF rows (v1)")
-    if packed.in_features != k:
-        raise ValueError(f"{W.name}: activations have {packed.in_features} features, the matrix takes {k}")
-    tokens = packed.tokens
-    if not 1 <= tokens <= MAX_TOKENS:
-        raise ValueError(f"{W.name}: the wide kernel takes 1..{MAX_TOKENS} tokens, not {tokens}")
-    qm.check_out(out, tokens, n_out, W.name)
+    tokens = qm.check_v2_product(W, packed, out, "wide", MAX_TOKENS)
     shape = launch_shape(W, tokens, config, portable)
     cfg, blocks = shape["config"], shape["blocks"]
     part, counters = quant_gemv.split_scratch(
