@@ -408,42 +408,26 @@ SS_DEV T ldcg(const T* p) {
 #endif
 }
 
-SS_DEV u32 block_max_u32(u32 v) {
-    static __shared__ u32 red[WARPS];
+// Block-wide max (MAX) or sum of v, the same value in every thread: a butterfly within each warp (every lane ends
+// with the same, order-fixed value), then the warps' values combined in warp order, so a float sum is deterministic.
+template <bool MAX, typename T>
+SS_DEV T block_reduce(T v) {
+    static __shared__ T red[WARPS];
     for (int m = 16; m >= 1; m >>= 1) {
-        const u32 o = SS_SHFL_XOR(v, m);
-        v = o > v ? o : v;
+        const T o = SS_SHFL_XOR(v, m);
+        v = MAX ? (o > v ? o : v) : v + o;
     }
     if ((threadIdx.x & 31u) == 0) red[threadIdx.x >> 5] = v;
     __syncthreads();
     v = red[0];
-    for (int w = 1; w < WARPS; ++w) v = red[w] > v ? red[w] : v;
+    for (int w = 1; w < WARPS; ++w) v = MAX ? (red[w] > v ? red[w] : v) : v + red[w];
     __syncthreads();
     return v;
 }
 
-SS_DEV u32 block_sum_u32(u32 v) {
-    static __shared__ u32 red[WARPS];
-    for (int m = 16; m >= 1; m >>= 1) v += SS_SHFL_XOR(v, m);
-    if ((threadIdx.x & 31u) == 0) red[threadIdx.x >> 5] = v;
-    __syncthreads();
-    v = 0u;
-    for (int w = 0; w < WARPS; ++w) v += red[w];
-    __syncthreads();
-    return v;
-}
-
-// Sum in a fixed order (a butterfly leaves every lane the same value: a + b == b + a), so deterministic.
-SS_DEV double block_sum_d(double v) {
-    static __shared__ double red[WARPS];
-    for (int m = 16; m >= 1; m >>= 1) v += SS_SHFL_XOR(v, m);
-    if ((threadIdx.x & 31u) == 0) red[threadIdx.x >> 5] = v;
-    __syncthreads();
-    v = red[0];
-    for (int w = 1; w < WARPS; ++w) v += red[w];
-    __syncthreads();
-    return v;
-}
+SS_DEV u32 block_max_u32(u32 v) { return block_reduce<true>(v); }
+SS_DEV u32 block_sum_u32(u32 v) { return block_reduce<false>(v); }
+SS_DEV double block_sum_d(double v) { return block_reduce<false>(v); }
 
 // Exclusive scans in thread order (fixed order of adds); `total`: the block's sum, in every thread.
 SS_DEV u32 block_excl_u32(u32 v, u32& total) {
