@@ -8,15 +8,15 @@ timing is a CUDA graph replayed under CUDA events (median): the tree steps are o
 with its own state, its own conv output rows and gates, as in the GPU model's state), so the L2 cache does not
 hold a layer's state from one replay to the next; commits are one launch for all 48 layers.
 
-The comparison this run exists for (issue 5, docs/gpu_deltanet.md): a verify step of T tokens on bench/step_profile's
-tree shape (a chain of half the nodes, one side branch off each of its first nodes) plus the commit of its deepest
-node, OLD = per-node checkpoints (gdr_tree_staged_kernel writing T states a layer, ssm_commit_kernel copying one
-back) against NEW = the tree walk (gdr_tree_plan_kernel once, gdr_tree_walk_kernel writing outputs only) and the
-commit by replay (gdr_commit_kernel over the accepted path), at T = 1, 16, 23, 41, 64. Then: walk and commit
-layouts, the commit against the path's length, decode and the 4096-token prefill (chains: old staged kernel vs the
-walk kernel, which should match), conv / norm, the plan kernel alone; --torch adds the chunked WY prefill as a
-torch program. Roofline: "floor" = the bytes a kernel must move (state read, states written, inputs read once,
-outputs written once) / the measured device-to-device copy bandwidth; "x floor" = time / floor.
+First (issue 5, docs/gpu_deltanet.md): a verify step of T tokens on bench/step_profile's tree shape (a chain of half
+the nodes, one side branch off each of its first nodes), the tree walk (gdr_tree_plan_kernel once,
+gdr_tree_walk_kernel writing outputs only), plus the commit of its deepest node by replay (gdr_commit_kernel over
+the accepted path), at T = 1, 16, 23, 41, 64. (The per-node checkpoint kernels it was measured against are gone;
+their numbers stay in docs/gpu_deltanet.md.) Then: walk and commit layouts, the commit against the path's length,
+decode and the 4096-token prefill (chains through the walk kernel), the plan kernel alone, conv / norm; --torch adds
+the chunked WY prefill as a torch program. Roofline: "floor" = the bytes a kernel must move (state read, state
+written, inputs read once, outputs written once) / the measured device-to-device copy bandwidth; "x floor" =
+time / floor.
 """
 
 from __future__ import annotations
@@ -39,10 +39,10 @@ sys.path.insert(0, str(ROOT))
 L, HK, HV, DK, DV, KW = 48, 16, 48, 128, 128, 4
 KD = HK * DK
 CONV_DIM = 2 * KD + HV * DV
-STATE = HV * DK * DV * 4  # bytes of one layer's state / one checkpoint slot
+STATE = HV * DK * DV * 4  # bytes of one layer's state
 PREFILL = 4096
 T_MAX = 64
-COMPARE_SIZES = (1, 16, 23, 41, 64)
+STEP_SIZES = (1, 16, 23, 41, 64)
 # (cols_per_warp, warps per block, depth = tokens in flight)
 WALK_VARIANTS = ((8, 2, 8), (8, 1, 8), (8, 4, 8), (4, 2, 8), (4, 4, 8), (8, 2, 4), (8, 2, 16))
 COMMIT_VARIANTS = ((8, 2, 8), (8, 1, 8), (8, 4, 8), (4, 2, 8), (4, 4, 8), (8, 2, 4), (8, 2, 16))
@@ -75,22 +75,18 @@ def kernel_names() -> list[tuple[str, tuple[str, ...]]]:
     portable = ("SPECSPLIT_PORTABLE",)
     for t in ("float", "unsigned short"):
         names = [f"conv_silu_kernel<{t}, 4>", f"conv_silu_rows_kernel<{t}, 4>", f"conv_commit_kernel<{t}, 4>",
-                 f"qk_norm_gate_kernel<{t}, 128>", f"qk_norm_gate_kernel<{t}, 64>", f"gdr_tree_kernel<{t}, 128, 8>",
-                 f"gdr_tree_kernel<{t}, 128, 4>", f"gdr_tree_kernel<{t}, 64, 8>",
-                 f"gdr_tree_staged_kernel<{t}, 128, 4, 8>", f"gdr_tree_staged_kernel<{t}, 64, 8, 8>",
+                 f"qk_norm_gate_kernel<{t}, 128>", f"qk_norm_gate_kernel<{t}, 64>",
                  f"gdr_tree_walk_kernel<{t}, 64, 8, 8>", f"gdr_commit_kernel<{t}, 64, 8, 8>"]  # fmt: skip
         for d in (2, 4, 8, 16):
-            names.append(f"gdr_tree_staged_kernel<{t}, 128, 8, {d}>")
             names += [f"gdr_tree_walk_kernel<{t}, 128, {cw}, {d}>" for cw in (4, 8)]
             names += [f"gdr_commit_kernel<{t}, 128, {cw}, {d}>" for cw in (4, 8)]
         jobs += [(n, ()) for n in names]
         both = [f"conv_silu_kernel<{t}, 4>", f"qk_norm_gate_kernel<{t}, 128>", f"qk_norm_gate_kernel<{t}, 64>",
-                f"gdr_tree_kernel<{t}, 128, 8>", f"gdr_tree_staged_kernel<{t}, 128, 8, 8>",
                 f"gdr_tree_walk_kernel<{t}, 128, 8, 8>", f"gdr_commit_kernel<{t}, 128, 8, 8>",
                 f"conv_commit_kernel<{t}, 4>"]  # fmt: skip
         jobs += [(n, portable) for n in both]
     for d in ((), portable):
-        jobs += [("ssm_commit_kernel", d), ("gdr_tree_plan_kernel", d)]
+        jobs.append(("gdr_tree_plan_kernel", d))
     return jobs
 
 
@@ -181,7 +177,7 @@ class Bench:
         self.cupy, self.dn = cupy, dn
         self.rng = np.random.default_rng(0)
         self.rows: list[dict] = []
-        self.compare_rows: list[dict] = []
+        self.step_rows: list[dict] = []
         self.bw = copy_bandwidth(cupy)
         log(f"== copy bandwidth {self.bw / 1e9:.0f} GB/s (device-to-device, 1 GiB, read + write)")
         rng = self.rng
@@ -219,52 +215,34 @@ class Bench:
     def reset_state(self) -> None:
         self.cupy.copyto(self.state, self.state0)
 
-    # ------------------------------------------------------------------ the comparison
-    def compare(self) -> None:
-        log("== old (per-node checkpoints + copy commit) vs new (tree walk + commit by replay), 48 layers, "
-            "step_profile's tree, commit of its deepest node")
+    # ------------------------------------------------------------------ verify step + commit
+    def tree_steps(self) -> None:
+        log("== tree walk + commit by replay, 48 layers, step_profile's tree, commit of its deepest node")
         cupy, dn = self.cupy, self.dn
-        ckpt = cupy.empty((L, T_MAX, HV, DK, DV), cupy.float32)  # the old path's buffer: 9.7 GB
         in_bytes = lambda T: T * (2 * KD + 2 * HV * DV + 2 * HV) * 4  # noqa: E731 - q, k, v, g, beta in; out
-        for T in COMPARE_SIZES:
+        for T in STEP_SIZES:
             par = tree_parents(T)
             node, d = deepest(par)
             par_d = cupy.asarray(np.array(par, np.int32))
             acc = cupy.asarray(np.array([node], np.int32))
             plan = cupy.empty(T, cupy.int32)
 
-            def old_step(T=T, par_d=par_d):
-                for i in range(L):
-                    dn.gated_delta_tree(*self.qkv(i, T), self.state[i], parents=par_d, checkpoints=ckpt[i],
-                                        out=self.out[:T])  # fmt: skip
-
-            def new_step(T=T, par_d=par_d, plan=plan):
+            def step(T=T, par_d=par_d, plan=plan):
                 dn.tree_plan(par_d, out=plan)
                 for i in range(L):
                     dn.gated_delta_tree(*self.qkv(i, T), self.state[i], plan=plan, out=self.out[:T])
 
-            def old_commit(acc=acc, T=T):
-                dn.commit_state(acc, ckpt[:, :T], self.state)
-
-            def new_commit(acc=acc, par_d=par_d, T=T):
+            def commit(acc=acc, par_d=par_d, T=T):
                 dn.commit_replay(acc, par_d, *self.replay_inputs(T), self.state)
 
-            t_os = graph_time(cupy, old_step)
-            t_ns = graph_time(cupy, new_step)
-            t_oc = graph_time(cupy, old_commit)
-            t_nc = graph_time(cupy, new_commit, before=self.reset_state)
-            self.record(f"old tree T={T} (+{T} ckpt) per layer", t_os / L, STATE * (1 + T) + in_bytes(T))
-            self.record(f"new walk T={T} (+plan) per layer", t_ns / L, STATE + in_bytes(T), "plan launch included")
-            self.record("old commit (copy), 48 layers", t_oc, 2 * STATE * L)
-            self.record(f"new commit (replay {d} tokens), 48 layers", t_nc, 2 * STATE * L + L * d * 4 * (KD + HV * DV))
-            row = dict(T=T, path=d, old_step_ms=t_os * 1e3, old_commit_ms=t_oc * 1e3, new_step_ms=t_ns * 1e3,
-                       new_commit_ms=t_nc * 1e3)  # fmt: skip
-            row["old_ms"] = row["old_step_ms"] + row["old_commit_ms"]
-            row["new_ms"] = row["new_step_ms"] + row["new_commit_ms"]
-            self.compare_rows.append(row)
-            log(f"   T={T}: old {row['old_ms']:.3f} ms (step {row['old_step_ms']:.3f} + commit "
-                f"{row['old_commit_ms']:.3f}), new {row['new_ms']:.3f} ms (step {row['new_step_ms']:.3f} + commit "
-                f"{row['new_commit_ms']:.3f}), new/old {row['new_ms'] / row['old_ms']:.2f}")  # fmt: skip
+            t_step = graph_time(cupy, step)
+            t_commit = graph_time(cupy, commit, before=self.reset_state)
+            self.record(f"walk T={T} (+plan) per layer", t_step / L, STATE + in_bytes(T), "plan launch included")
+            self.record(f"commit (replay {d} tokens), 48 layers", t_commit, 2 * STATE * L + L * d * 4 * (KD + HV * DV))
+            row = dict(T=T, path=d, step_ms=t_step * 1e3, commit_ms=t_commit * 1e3)
+            row["total_ms"] = row["step_ms"] + row["commit_ms"]
+            self.step_rows.append(row)
+            log(f"   T={T}: {row['total_ms']:.3f} ms (step {row['step_ms']:.3f} + commit {row['commit_ms']:.3f})")
 
     def walk_variants(self) -> None:
         log("== tree walk layouts (cols_per_warp, warps, depth), per layer, step_profile's tree")
@@ -295,16 +273,15 @@ class Bench:
                             2 * STATE * L + L * n * 4 * (KD + HV * DV))  # fmt: skip
 
     def chains(self) -> None:
-        log("== chains (decode T=1 in place, prefill 4096 tokens, one layer): old staged kernel vs the walk kernel")
+        log("== chains through the walk kernel (decode T=1 in place, prefill 4096 tokens), per layer")
         cupy, dn = self.cupy, self.dn
 
-        def decode():  # what the launcher runs for a chain now: gdr_tree_walk_kernel without a plan
+        def decode():  # gdr_tree_walk_kernel without a plan
             for i in range(L):
                 dn.gated_delta_tree(*self.qkv(i, 1), self.state[i], final_state=self.state[i], out=self.out[:1])
 
         nbytes = 2 * STATE + (2 * KD + 2 * HV * DV) * 4
-        self.record("decode T=1 in place (walk kernel)", graph_time(cupy, decode) / L, nbytes)
-        self.record("decode T=1 in place (staged kernel)", graph_time(cupy, lambda: self.staged_chain(1)) / L, nbytes)
+        self.record("decode T=1 in place", graph_time(cupy, decode) / L, nbytes)
         P = PREFILL
         pm = self.rnd((P, CONV_DIM))
         pg, pbeta = dn.qk_norm_gate(pm, self.rnd((P, HV)), self.rnd((P, HV)), self.ssm_a, self.dt_bias, n_k_heads=HK,
@@ -321,32 +298,7 @@ class Bench:
 
         nbytes = P * (2 * KD + 2 * HV * DV + 2 * HV) * 4 + 2 * STATE
         self.t_prefill = graph_time(cupy, run, reps=5)
-        self.record(f"prefill {P} recurrent (walk kernel)", self.t_prefill, nbytes, "state in place")
-        self.record(f"prefill {P} recurrent (staged kernel)", graph_time(cupy, lambda: self.staged_chain(P), reps=5),
-                    nbytes, "state in place")  # fmt: skip
-
-    def staged_chain(self, T: int) -> None:
-        """gdr_tree_staged_kernel (the checkpoint kernel, no checkpoint buffer) on a chain, launched directly:
-        the launcher now sends chains to the walk kernel."""
-        cupy, dn = self.cupy, self.dn
-        kern = dn._fn("gdr_tree_staged_kernel<float, 128, 8, 8>", False)
-        smem = 2 * 8 * dn.slot_bytes(DK, 4)
-        null = np.uint64(0)
-        if T == 1:
-            for i in range(L):
-                m = self.mixed[i]
-                kern((HV * DV // 16,), (64,), (m[:, :KD], m[:, KD:], np.int64(CONV_DIM), m[:, 2 * KD :],
-                                              np.int64(CONV_DIM), self.gates[i, 0], self.gates[i, 1], np.int64(HV),
-                                              np.int32(HK), np.int32(HV), np.int32(DV), self.state[i], null,
-                                              null, np.int32(1), null, self.state[i], self.out, np.int64(HV * DV)),
-                     shared_mem=smem)  # fmt: skip
-            return
-        pm, pg, pbeta, s_init, s_work, p_out = self.prefill_inputs
-        cupy.copyto(s_work, s_init)
-        kern((HV * DV // 16,), (64,), (pm[:, :KD], pm[:, KD:], np.int64(CONV_DIM), pm[:, 2 * KD :], np.int64(CONV_DIM),
-                                      pg, pbeta, np.int64(HV), np.int32(HK), np.int32(HV), np.int32(DV), s_work, null,
-                                      null, np.int32(T), null, s_work, p_out, np.int64(HV * DV)),
-             shared_mem=smem)  # fmt: skip
+        self.record(f"prefill {P} recurrent", self.t_prefill, nbytes, "state in place")
 
     def plan_alone(self) -> None:
         log("== gdr_tree_plan_kernel alone (once per verify step)")
@@ -425,7 +377,7 @@ def main() -> int:
 
     log(f"   cupy {cupy.__version__}, runtime {cupy.cuda.runtime.runtimeGetVersion()}")
     bench = Bench(cupy, dn)
-    sections = [bench.compare, bench.walk_variants, bench.commit_paths, bench.chains, bench.plan_alone,
+    sections = [bench.tree_steps, bench.walk_variants, bench.commit_paths, bench.chains, bench.plan_alone,
                 bench.conv_norm] + ([bench.torch_prefill] if args.torch else [])  # fmt: skip
     for section in sections:
         try:
@@ -441,17 +393,13 @@ def main() -> int:
     for r in rows:
         log(f"{r['kernel']:<46}{r['us']:>10.1f}{r['floor_us']:>10.1f}{r['x_floor']:>9.2f}{r['gbps']:>8.0f}  "
             f"{r['note']}")  # fmt: skip
-    result = dict(copy_gbps=bench.bw / 1e9, commit=commit, rows=rows, compare=bench.compare_rows, tests_exit=status)
+    result = dict(copy_gbps=bench.bw / 1e9, commit=commit, rows=rows, tree_steps=bench.step_rows, tests_exit=status)
     (OUT / "deltanet_bench.json").write_text(json.dumps(result, indent=1))
     log("")
-    log("48 DeltaNet layers per verify step + commit of the deepest node (ms): old = per-node checkpoints, "
-        "new = tree walk + replay")
-    log(f"{'T':>4}{'path':>6}{'old step':>10}{'old commit':>12}{'old total':>11}{'new step':>10}{'new commit':>12}"
-        f"{'new total':>11}{'new/old':>9}")  # fmt: skip
-    for r in bench.compare_rows:
-        ratio = r["new_ms"] / r["old_ms"]
-        log(f"{r['T']:>4}{r['path']:>6}{r['old_step_ms']:>10.3f}{r['old_commit_ms']:>12.3f}{r['old_ms']:>11.3f}"
-            f"{r['new_step_ms']:>10.3f}{r['new_commit_ms']:>12.3f}{r['new_ms']:>11.3f}{ratio:>9.2f}")
+    log("48 DeltaNet layers per verify step (tree walk + plan) + commit of the deepest node by replay (ms)")
+    log(f"{'T':>4}{'path':>6}{'step':>10}{'commit':>10}{'total':>10}")
+    for r in bench.step_rows:
+        log(f"{r['T']:>4}{r['path']:>6}{r['step_ms']:>10.3f}{r['commit_ms']:>10.3f}{r['total_ms']:>10.3f}")
     log(f"== exit status {status}")
     return status
 

@@ -2,21 +2,23 @@
 //
 // NumPy twins (services/engine): layers.conv_window_ids + layers.causal_conv (conv_silu_kernel),
 // models/qwen35._deltanet's l2-norm / scale / gate lines (qk_norm_gate_kernel), layers.gated_delta_rule_tree
-// (gdr_tree_kernel; a chain or a prompt is a tree whose parents are t - 1), state.SequenceState.commit
-// (ssm_commit_kernel + conv_commit_kernel). Launchers and layouts: kernels/deltanet.py.
+// (gdr_tree_walk_kernel's outputs; a chain or a prompt is a tree whose parents are t - 1), kernels/deltanet.py
+// walk_plan (gdr_tree_plan_kernel), state.SequenceState.commit (gdr_commit_kernel + conv_commit_kernel).
+// Launchers and layouts: kernels/deltanet.py.
 //
-// Graph replay: the token count and the parent list are read from device memory (n_tokens, parents), the
+// Graph replay: the token count, the parent list, the plan and the accepted node are read from device memory, the
 // grids are sized for T_max, so one captured launch serves every tree shape up to T_max.
 //
-// gdr_tree_kernel layout. Each column j of a head's state S (dk x dv) evolves on its own: with
+// Tree step and commit layout. Each column j of a head's state S (dk x dv) evolves on its own: with
 // a = exp(g), S_j <- a S_j + k (beta (v_j - a k.S_j)), out_j = q.S_j. So a warp owns CW columns of one
 // value head: lane = (row group rg = lane / CW, column c = lane % CW) keeps R = dk * CW / 32 consecutive rows
 // of its column in registers, the dot products over dk are a per-lane FMA chain plus log2(32 / CW) xor
-// shuffles, and no __syncthreads is needed (warps of a block are independent). CW = 8 makes each store of a
-// checkpoint row a full 32-byte sector. Later tokens' q/k/v/g/beta are loaded while token t computes
-// (gdr_tree_kernel: one token ahead in registers; gdr_tree_staged_kernel, the default: a cp.async ring of D token
-// slots per warp in shared memory); a token whose parent is not t-1 reloads that parent's checkpoint, which the
-// same thread wrote.
+// shuffles, and no __syncthreads is needed (warps of a block are independent). CW = 8 makes each load or store of
+// a state row a full 32-byte sector. Later tokens' q/k/v/g/beta are loaded while token t computes: a cp.async ring
+// of D token slots per warp in shared memory.
+//
+// The per-node checkpoint kernels (gdr_tree_kernel, gdr_tree_staged_kernel, ssm_commit_kernel) that the walk and
+// the commit by replay replaced are in git history (commit 3a971f3); docs/gpu_deltanet.md has the measurements.
 //
 // Includes no header: only what NVRTC (or hipRTC) provides built in. Inline PTX (fp16 conversion, cp.async) has
 // a portable fallback (SPECSPLIT_PORTABLE, HIP, pre-sm_80, the CPU simulation): software fp16, plain copies.
@@ -205,6 +207,107 @@ DN_DEV void cp_async_wait() {  // until at most N of this thread's groups are in
 #endif
 }
 
+// The lane layout of the tree step and the commit's replay (they must agree: the order of the sums is the
+// layout's). A block of nw warps owns nw * CW consecutive state columns of value head h; a lane holds rows
+// row0 .. row0 + R - 1 of column col. Blocks with h >= Hv have nothing to do.
+template <int DK, int CW>
+struct Lanes {
+    static_assert(32 % CW == 0 && CW >= 1, "CW must divide 32");
+    static constexpr int RG = 32 / CW;  // row groups per warp
+    static_assert(DK % (RG * 8) == 0, "rows per lane must be a multiple of 8");
+    static constexpr int R = DK / RG;  // rows per lane
+    int lane, warp, h, col, row0;
+    DN_MEM explicit Lanes(int DV) {
+        lane = threadIdx.x & 31;
+        warp = threadIdx.x >> 5;
+        const int cols_per_block = (blockDim.x >> 5) * CW;
+        const int blocks_per_head = DV / cols_per_block;
+        h = blockIdx.x / blocks_per_head;
+        col = (blockIdx.x % blocks_per_head) * cols_per_block + warp * CW + lane % CW;
+        row0 = (lane / CW) * R;
+    }
+};
+
+// R rows of a lane's state column, p[r * stride] (DV in global memory, 32 in a shared-memory stack slot).
+template <int R>
+DN_DEV void load_rows(float (&s)[R], const float* p, i64 stride) {
+#pragma unroll
+    for (int r = 0; r < R; ++r) s[r] = p[(i64)r * stride];
+}
+
+template <int R>
+DN_DEV void store_rows(float* p, i64 stride, const float (&s)[R]) {
+#pragma unroll
+    for (int r = 0; r < R; ++r) p[(i64)r * stride] = s[r];
+}
+
+// One token's inputs in a ring slot: the k row (then, with Q, the q row) of the warp's key head, each lane's
+// 4-byte v word (a half v element travels as the aligned pair holding it), g and beta (16 bytes: slots stay
+// 16-byte aligned).
+template <typename TIn, int DK, bool Q>
+struct Slot {
+    static constexpr int ROWS_BYTES = (Q ? 2 : 1) * DK * (int)sizeof(TIn);
+    static constexpr int CHUNKS = ROWS_BYTES / 16;
+    static constexpr int V_OFF = ROWS_BYTES;  // 32 u32: lane l's v word
+    static constexpr int GB_OFF = V_OFF + 128;
+    static constexpr int BYTES = GB_OFF + 16;
+    static_assert(ROWS_BYTES % 16 == 0, "k and q rows must be whole 16-byte chunks");
+
+    // The warp's copies of one token into `slot`; vrow: the token's v row of head h (v + t * ld_v + h * DV).
+    static DN_MEM void fill(char* slot, int lane, int col, const TIn* krow, const TIn* qrow, const TIn* vrow,
+                            const float* g, const float* beta) {
+        for (int c = lane; c < CHUNKS; c += 32) {
+            const char* src =
+                Q && c >= CHUNKS / 2 ? (const char*)qrow + 16 * (c - CHUNKS / 2) : (const char*)krow + 16 * c;
+            cp_async<16>(slot + 16 * c, src);
+        }
+        cp_async<4>(slot + V_OFF + 4 * lane, vrow + (sizeof(TIn) == 2 ? (col & ~1) : col));
+        if (lane == 0) cp_async<4>(slot + GB_OFF, g);
+        if (lane == 1) cp_async<4>(slot + GB_OFF + 4, beta);
+    }
+    template <int R>
+    static DN_MEM void k_row(const char* slot, int row0, float (&kk)[R]) {
+        Vec<TIn, R> x;
+        x.load((const TIn*)slot + row0);
+        x.get(kk);
+    }
+    template <int R>
+    static DN_MEM void q_row(const char* slot, int row0, float (&qq)[R]) {
+        static_assert(Q, "this slot holds no q row");
+        Vec<TIn, R> x;
+        x.load((const TIn*)slot + DK + row0);
+        x.get(qq);
+    }
+    static DN_MEM float v(const char* slot, int lane, int col) {
+        const u32 w = *(const u32*)(slot + V_OFF + 4 * lane);
+        return sizeof(TIn) == 2 ? h2f((col & 1) ? (w >> 16) : (w & 0xFFFFu)) : __uint_as_float(w);
+    }
+    static DN_MEM float g(const char* slot) { return *(const float*)(slot + GB_OFF); }
+    static DN_MEM float beta(const char* slot) { return *(const float*)(slot + GB_OFF + 4); }
+};
+
+// The ring protocol: slot i % D holds the i-th token a warp processes. ring_start issues tokens 0..D-2; before
+// token i computes, ring_next waits for its copies (at most D - 2 younger groups still in flight), syncs the warp
+// (every lane's copies have landed, every lane is done with slot (i - 1) % D) and issues token i + D - 1 into that
+// slot. issue(j) copies token j if there is one; each call is one commit group, empty or not, so the count the
+// wait relies on holds to the end.
+template <int D, typename Issue>
+DN_DEV void ring_start(Issue&& issue) {
+    static_assert(D >= 2, "the ring needs at least two slots");
+#pragma unroll
+    for (int j = 0; j < D - 1; ++j) {
+        issue(j);
+        cp_async_commit();
+    }
+}
+
+template <int D, typename Issue>
+DN_DEV void ring_next(int i, Issue&& issue) {
+    cp_async_wait<D - 2>();
+    DN_SYNCWARP();
+    issue(i + D - 1);
+    cp_async_commit();
+}
 }  // namespace dn
 
 // ---------------------------------------------------------------------------------------------
@@ -312,210 +415,7 @@ __global__ void qk_norm_gate_kernel(float* __restrict__ qk, i64 ld, int Hk, floa
 }
 
 // ---------------------------------------------------------------------------------------------
-// Gated delta rule over a tree of T = *n_tokens <= T_max tokens (parents == nullptr: a chain, e.g. decode or a
-// prompt). Token t starts from its parent's state (the committed s0 for a root), updates it, writes
-// out[t, h, :] and, when ckpt != nullptr, its state to ckpt[t] (T_max, Hv, DK, DV); s_final (may be s0 itself)
-// receives the last token's state. Without ckpt the parents must form a chain (no state to reload).
-// q, k: rows of Hk * DK values (row stride ld_qk), value head h reads key head h % Hk; v: rows of Hv * DV
-// (ld_v); g, beta: (T_max, Hv) f32 (ld_gb); s0: (Hv, DK, DV) f32; out: (T_max, Hv * DV) f32 (ld_out).
-// Block = NW warps = NW * CW columns of one head; grid = Hv * DV / (NW * CW).
-template <typename TIn, int DK, int CW>
-__global__ void __launch_bounds__(128) gdr_tree_kernel(
-    const TIn* __restrict__ q, const TIn* __restrict__ k, i64 ld_qk, const TIn* __restrict__ v, i64 ld_v,
-    const float* __restrict__ g, const float* __restrict__ beta, i64 ld_gb, int Hk, int Hv, int DV,
-    const float* s0, const int* __restrict__ parents, const int* __restrict__ n_tokens, int t_max, float* ckpt,
-    float* s_final, float* __restrict__ out, i64 ld_out) {
-    static_assert(32 % CW == 0 && CW >= 1, "CW must divide 32");
-    constexpr int RG = 32 / CW;  // row groups per warp
-    static_assert(DK % (RG * 8) == 0, "rows per lane must be a multiple of 8");
-    constexpr int R = DK / RG;  // rows per lane
-    const int lane = threadIdx.x & 31;
-    const int nw = blockDim.x >> 5;
-    const int cols_per_block = nw * CW;
-    const int blocks_per_head = DV / cols_per_block;
-    const int h = blockIdx.x / blocks_per_head;
-    if (h >= Hv) return;
-    const int col = (blockIdx.x % blocks_per_head) * cols_per_block + (threadIdx.x >> 5) * CW + lane % CW;
-    const int row0 = (lane / CW) * R;
-    const int hk = h % Hk;
-    const int T = dn::token_count(n_tokens, t_max);
-    const i64 head_elems = (i64)DK * DV;
-    const i64 own = (i64)h * head_elems + (i64)row0 * DV + col;  // this lane's first element in an (Hv, DK, DV)
-
-    float s[R];
-#pragma unroll
-    for (int r = 0; r < R; ++r) s[r] = s0[own + (i64)r * DV];
-
-    // token t's inputs, loaded one token ahead
-    dn::Vec<TIn, R> kc, qc, kn, qn;
-    float vc = 0.0f, gc = 0.0f, bc = 0.0f, vn = 0.0f, gn = 0.0f, bn = 0.0f;
-    if (T > 0) {
-        kc.load(k + hk * DK + row0);
-        qc.load(q + hk * DK + row0);
-        vc = dn::load1(v + (i64)h * DV + col);
-        gc = g[h];
-        bc = beta[h];
-    }
-    int held = -1;  // node whose state s holds (-1: s0)
-    int pc = T > 0 ? (ckpt ? dn::parent_of(parents, 0) : -1) : -1, pn = -1;
-    for (int t = 0; t < T; ++t) {
-        if (t + 1 < T) {
-            pn = ckpt ? dn::parent_of(parents, t + 1) : t;
-            kn.load(k + (i64)(t + 1) * ld_qk + hk * DK + row0);
-            qn.load(q + (i64)(t + 1) * ld_qk + hk * DK + row0);
-            vn = dn::load1(v + (i64)(t + 1) * ld_v + (i64)h * DV + col);
-            gn = g[(i64)(t + 1) * ld_gb + h];
-            bn = beta[(i64)(t + 1) * ld_gb + h];
-        }
-        const int p = pc;
-        if (p != held) {  // a branch: start from the parent's checkpoint (written by this thread) or s0
-            const float* src = p < 0 ? s0 + own : ckpt + (i64)p * Hv * head_elems + own;
-#pragma unroll
-            for (int r = 0; r < R; ++r) s[r] = src[(i64)r * DV];
-        }
-        float kk[R], qq[R];
-        kc.get(kk);
-        qc.get(qq);
-        const float ov = dn::token_update<R, CW>(s, kk, qq, vc, gc, bc);
-        if (ckpt) {
-            float* dst = ckpt + (i64)t * Hv * head_elems + own;
-#pragma unroll
-            for (int r = 0; r < R; ++r) dst[(i64)r * DV] = s[r];
-        }
-        if (lane < CW) out[(i64)t * ld_out + (i64)h * DV + col] = ov;
-        held = t;
-        pc = pn;
-        kc = kn;
-        qc = qn;
-        vc = vn;
-        gc = gn;
-        bc = bn;
-    }
-    if (s_final && T > 0) {
-#pragma unroll
-        for (int r = 0; r < R; ++r) s_final[own + (i64)r * DV] = s[r];
-    }
-}
-
-// ---------------------------------------------------------------------------------------------
-// The same tree step with the inputs of tokens t+1 .. t+D-1 in flight while token t computes: each warp keeps a
-// ring of D token slots in shared memory (k and q rows of its key head, its lanes' v words, g, beta, parent)
-// filled by cp.async, one commit group per token. gdr_tree_kernel prefetches one token ahead in registers, which
-// leaves a load latency (L2 or DRAM) on every token's critical path; here it is paid once per D - 1 tokens.
-// Arguments, layouts and results are those of gdr_tree_kernel; dynamic shared memory: warps * D * slot_bytes.
-template <typename TIn, int DK>
-struct Slot {
-    static constexpr int KQ_BYTES = 2 * DK * (int)sizeof(TIn);  // k row then q row
-    static constexpr int CHUNKS = KQ_BYTES / 16;
-    static constexpr int V_OFF = KQ_BYTES;                      // 32 u32: lane l's v word
-    static constexpr int GBP_OFF = V_OFF + 128;                 // g, beta, parent
-    static constexpr int BYTES = GBP_OFF + 16;
-};
-
-template <typename TIn, int DK, int CW, int D>
-__global__ void __launch_bounds__(128) gdr_tree_staged_kernel(
-    const TIn* __restrict__ q, const TIn* __restrict__ k, i64 ld_qk, const TIn* __restrict__ v, i64 ld_v,
-    const float* __restrict__ g, const float* __restrict__ beta, i64 ld_gb, int Hk, int Hv, int DV,
-    const float* s0, const int* __restrict__ parents, const int* __restrict__ n_tokens, int t_max, float* ckpt,
-    float* s_final, float* __restrict__ out, i64 ld_out) {
-    static_assert(32 % CW == 0 && CW >= 1, "CW must divide 32");
-    static_assert(D >= 2, "the ring needs at least two slots");
-    constexpr int RG = 32 / CW;
-    static_assert(DK % (RG * 8) == 0, "rows per lane must be a multiple of 8");
-    constexpr int R = DK / RG;
-    typedef Slot<TIn, DK> SL;
-    static_assert(SL::KQ_BYTES % 16 == 0, "k and q rows must be whole 16-byte chunks");
-    extern __shared__ uint4 dn_smem[];
-    const int lane = threadIdx.x & 31;
-    const int warp = threadIdx.x >> 5;
-    const int nw = blockDim.x >> 5;
-    const int cols_per_block = nw * CW;
-    const int blocks_per_head = DV / cols_per_block;
-    const int h = blockIdx.x / blocks_per_head;
-    if (h >= Hv) return;
-    const int col = (blockIdx.x % blocks_per_head) * cols_per_block + warp * CW + lane % CW;
-    const int row0 = (lane / CW) * R;
-    const int hk = h % Hk;
-    const int T = dn::token_count(n_tokens, t_max);
-    const i64 head_elems = (i64)DK * DV;
-    const i64 own = (i64)h * head_elems + (i64)row0 * DV + col;
-    char* ring = (char*)dn_smem + (i64)warp * D * SL::BYTES;
-    // a half v element is fetched as the aligned 4-byte pair holding it
-    const int vcol = sizeof(TIn) == 2 ? (col & ~1) : col;
-    const bool tree = parents != nullptr && ckpt != nullptr;
-
-    auto issue = [&](int t) {  // token t's inputs into slot t % D; always one commit group, empty past T
-        if (t < T) {
-            char* slot = ring + (t % D) * SL::BYTES;
-            const char* krow = (const char*)(k + (i64)t * ld_qk + hk * DK);
-            const char* qrow = (const char*)(q + (i64)t * ld_qk + hk * DK);
-            for (int c = lane; c < SL::CHUNKS; c += 32) {
-                const char* src = c < SL::CHUNKS / 2 ? krow + 16 * c : qrow + 16 * (c - SL::CHUNKS / 2);
-                dn::cp_async<16>(slot + 16 * c, src);
-            }
-            dn::cp_async<4>(slot + SL::V_OFF + 4 * lane, v + (i64)t * ld_v + (i64)h * DV + vcol);
-            if (lane == 0) dn::cp_async<4>(slot + SL::GBP_OFF, g + (i64)t * ld_gb + h);
-            if (lane == 1) dn::cp_async<4>(slot + SL::GBP_OFF + 4, beta + (i64)t * ld_gb + h);
-            if (lane == 2 && tree) dn::cp_async<4>(slot + SL::GBP_OFF + 8, parents + t);
-        }
-        dn::cp_async_commit();
-    };
-
-    float s[R];
-#pragma unroll
-    for (int r = 0; r < R; ++r) s[r] = s0[own + (i64)r * DV];
-#pragma unroll
-    for (int j = 0; j < D - 1; ++j) issue(j);
-
-    int held = -1;
-    for (int t = 0; t < T; ++t) {
-        dn::cp_async_wait<D - 2>();  // this lane's copies for token t have landed
-        DN_SYNCWARP();               // ... and every lane's; all lanes are done with slot (t - 1) % D
-        issue(t + D - 1);            // into slot (t - 1) % D
-        const char* slot = ring + (t % D) * SL::BYTES;
-        float kk[R], qq[R];
-        {
-            dn::Vec<TIn, R> kv_, qv_;
-            kv_.load((const TIn*)slot + row0);
-            qv_.load((const TIn*)slot + DK + row0);
-            kv_.get(kk);
-            qv_.get(qq);
-        }
-        const u32 vw = *(const u32*)(slot + SL::V_OFF + 4 * lane);
-        float vt;
-        if (sizeof(TIn) == 2)
-            vt = dn::h2f((col & 1) ? (vw >> 16) : (vw & 0xFFFFu));
-        else
-            vt = __uint_as_float(vw);
-        const float gt = *(const float*)(slot + SL::GBP_OFF);
-        const float bt = *(const float*)(slot + SL::GBP_OFF + 4);
-        int p = t - 1;
-        if (tree) {
-            p = *(const int*)(slot + SL::GBP_OFF + 8);
-            p = (p >= -1 && p < t) ? p : -1;
-        }
-        if (p != held) {
-            const float* src = p < 0 ? s0 + own : ckpt + (i64)p * Hv * head_elems + own;
-#pragma unroll
-            for (int r = 0; r < R; ++r) s[r] = src[(i64)r * DV];
-        }
-        const float ov = dn::token_update<R, CW>(s, kk, qq, vt, gt, bt);
-        if (ckpt) {
-            float* dst = ckpt + (i64)t * Hv * head_elems + own;
-#pragma unroll
-            for (int r = 0; r < R; ++r) dst[(i64)r * DV] = s[r];
-        }
-        if (lane < CW) out[(i64)t * ld_out + (i64)h * DV + col] = ov;
-        held = t;
-    }
-    if (s_final && T > 0) {
-#pragma unroll
-        for (int r = 0; r < R; ++r) s_final[own + (i64)r * DV] = s[r];
-    }
-}
-
-// ---------------------------------------------------------------------------------------------
-// Tree walk without per-node checkpoints (the default tree step; kernels/deltanet.py gated_delta_tree).
+// The tree step: a walk of the tree without per-node states (kernels/deltanet.py gated_delta_tree).
 //
 // The walk visits the nodes in depth-first order, each node's children light first and the heaviest (largest
 // subtree) last. A node's first visited child comes right after it and continues from the state in registers;
@@ -603,16 +503,19 @@ __global__ void __launch_bounds__(32) gdr_tree_plan_kernel(const int* __restrict
 // Per-warp shared memory of gdr_tree_walk_kernel: the token ring, the state stack, the plan.
 template <typename TIn, int DK, int CW, int D>
 struct WalkSmem {
-    static constexpr int RING = D * Slot<TIn, DK>::BYTES;
+    static constexpr int RING = D * dn::Slot<TIn, DK, true>::BYTES;
     static constexpr int STATE = DK * CW * 4;  // one saved state of the warp's columns
     static DN_MEM i64 bytes(int n_slots, int plan_ints) { return RING + (i64)n_slots * STATE + 16 * ((plan_ints + 3) / 4); }
 };
 
-// The tree step of gdr_tree_staged_kernel (same ring of D token slots filled by cp.async, same layout and
-// arithmetic) walking the tree in `plan` order with the state stack in shared memory (n_slots states per warp);
-// writes out[t] for every token and, with no plan (a chain: decode, prefill, a chain verify), s_final.
-// plan == nullptr: tokens 0..T-1 in order from s0. Plan entries are clamped (node < T, slots < n_slots, else the
-// reload reads s0 and the save is skipped), so a corrupt plan cannot make the kernel leave its buffers.
+// The tree step: walks the tree in `plan` order with the state stack in shared memory (n_slots states per warp);
+// writes out[t, h, :] for every token t < T = *n_tokens <= t_max and, with no plan (a chain: decode, prefill, a
+// chain verify), the last token's state to s_final (may be s0 itself). plan == nullptr: tokens 0..T-1 in order
+// from s0. Plan entries are clamped (node < T, slots < n_slots, else the reload reads s0 and the save is skipped),
+// so a corrupt plan cannot make the kernel leave its buffers.
+// q, k: rows of Hk * DK values (row stride ld_qk), value head h reads key head h % Hk; v: rows of Hv * DV
+// (ld_v); g, beta: (T_max, Hv) f32 (ld_gb); s0: (Hv, DK, DV) f32 committed state; out: (T_max, Hv * DV) f32
+// (ld_out). Block = NW warps = NW * CW columns of one head; grid = Hv * DV / (NW * CW).
 // Dynamic shared memory: warps * WalkSmem::bytes(n_slots, plan ? t_max : 0).
 template <typename TIn, int DK, int CW, int D>
 __global__ void __launch_bounds__(128) gdr_tree_walk_kernel(
@@ -620,36 +523,23 @@ __global__ void __launch_bounds__(128) gdr_tree_walk_kernel(
     const float* __restrict__ g, const float* __restrict__ beta, i64 ld_gb, int Hk, int Hv, int DV,
     const float* s0, const int* __restrict__ plan, const int* __restrict__ n_tokens, int t_max, int n_slots,
     float* s_final, float* __restrict__ out, i64 ld_out) {
-    static_assert(32 % CW == 0 && CW >= 1, "CW must divide 32");
-    static_assert(D >= 2, "the ring needs at least two slots");
-    constexpr int RG = 32 / CW;
-    static_assert(DK % (RG * 8) == 0, "rows per lane must be a multiple of 8");
-    constexpr int R = DK / RG;
-    typedef Slot<TIn, DK> SL;
+    typedef dn::Lanes<DK, CW> LN;
+    constexpr int R = LN::R;
+    typedef dn::Slot<TIn, DK, true> SL;
     typedef WalkSmem<TIn, DK, CW, D> WS;
-    static_assert(SL::KQ_BYTES % 16 == 0, "k and q rows must be whole 16-byte chunks");
     extern __shared__ uint4 dn_smem[];
-    const int lane = threadIdx.x & 31;
-    const int warp = threadIdx.x >> 5;
-    const int nw = blockDim.x >> 5;
-    const int cols_per_block = nw * CW;
-    const int blocks_per_head = DV / cols_per_block;
-    const int h = blockIdx.x / blocks_per_head;
+    const LN ln(DV);
+    const int lane = ln.lane, h = ln.h, col = ln.col, row0 = ln.row0;
     if (h >= Hv) return;
-    const int col = (blockIdx.x % blocks_per_head) * cols_per_block + warp * CW + lane % CW;
-    const int row0 = (lane / CW) * R;
     const int hk = h % Hk;
     const int T = dn::token_count(n_tokens, t_max);
-    const i64 head_elems = (i64)DK * DV;
-    const i64 own = (i64)h * head_elems + (i64)row0 * DV + col;
-    char* ring = (char*)dn_smem + (i64)warp * WS::bytes(n_slots, plan ? t_max : 0);
+    const i64 own = (i64)h * DK * DV + (i64)row0 * DV + col;  // this lane's first element in an (Hv, DK, DV)
+    char* ring = (char*)dn_smem + (i64)ln.warp * WS::bytes(n_slots, plan ? t_max : 0);
     float* stack = (float*)(ring + WS::RING);  // [slot][row][lane]: conflict-free
     int* pl = (int*)(ring + WS::RING + (i64)n_slots * WS::STATE);
-    const int vcol = sizeof(TIn) == 2 ? (col & ~1) : col;
 
     float s[R];
-#pragma unroll
-    for (int r = 0; r < R; ++r) s[r] = s0[own + (i64)r * DV];
+    dn::load_rows(s, s0 + own, DV);
     if (plan) {
         for (int i = lane; i < T; i += 32) pl[i] = plan[i];
         DN_SYNCWARP();
@@ -659,92 +549,48 @@ __global__ void __launch_bounds__(128) gdr_tree_walk_kernel(
         const int n = pl[i] & 0xFFFF;
         return n < T ? n : T - 1;
     };
-    auto issue = [&](int i) {  // the i-th visited token's inputs into slot i % D; always one commit group
+    auto issue = [&](int i) {  // the i-th visited token's inputs into slot i % D
         if (i < T) {
             const int t = node_at(i);
-            char* slot = ring + (i % D) * SL::BYTES;
-            const char* krow = (const char*)(k + (i64)t * ld_qk + hk * DK);
-            const char* qrow = (const char*)(q + (i64)t * ld_qk + hk * DK);
-            for (int c = lane; c < SL::CHUNKS; c += 32) {
-                const char* src = c < SL::CHUNKS / 2 ? krow + 16 * c : qrow + 16 * (c - SL::CHUNKS / 2);
-                dn::cp_async<16>(slot + 16 * c, src);
-            }
-            dn::cp_async<4>(slot + SL::V_OFF + 4 * lane, v + (i64)t * ld_v + (i64)h * DV + vcol);
-            if (lane == 0) dn::cp_async<4>(slot + SL::GBP_OFF, g + (i64)t * ld_gb + h);
-            if (lane == 1) dn::cp_async<4>(slot + SL::GBP_OFF + 4, beta + (i64)t * ld_gb + h);
+            SL::fill(ring + (i % D) * SL::BYTES, lane, col, k + (i64)t * ld_qk + hk * DK, q + (i64)t * ld_qk + hk * DK,
+                     v + (i64)t * ld_v + (i64)h * DV, g + (i64)t * ld_gb + h, beta + (i64)t * ld_gb + h);
         }
-        dn::cp_async_commit();
     };
-#pragma unroll
-    for (int j = 0; j < D - 1; ++j) issue(j);
-
+    dn::ring_start<D>(issue);
     for (int i = 0; i < T; ++i) {
-        dn::cp_async_wait<D - 2>();
-        DN_SYNCWARP();
-        issue(i + D - 1);
+        dn::ring_next<D>(i, issue);
         const char* slot = ring + (i % D) * SL::BYTES;
         float kk[R], qq[R];
-        {
-            dn::Vec<TIn, R> kv_, qv_;
-            kv_.load((const TIn*)slot + row0);
-            qv_.load((const TIn*)slot + DK + row0);
-            kv_.get(kk);
-            qv_.get(qq);
-        }
-        const u32 vw = *(const u32*)(slot + SL::V_OFF + 4 * lane);
-        float vt;
-        if (sizeof(TIn) == 2)
-            vt = dn::h2f((col & 1) ? (vw >> 16) : (vw & 0xFFFFu));
-        else
-            vt = __uint_as_float(vw);
-        const float gt = *(const float*)(slot + SL::GBP_OFF);
-        const float bt = *(const float*)(slot + SL::GBP_OFF + 4);
+        SL::k_row(slot, row0, kk);
+        SL::q_row(slot, row0, qq);
         const int code = plan ? pl[i] : 0;
         const int t = node_at(i);
         const int load = (code >> 16) & 0xFF, save = (code >> 24) & 0xFF;
         if (load != dn::PLAN_HELD) {  // one generic load path: a stack slot (shared) or s0 (global)
             const bool from_stack = load >= 2 && load - 2 < n_slots;
-            const float* src = from_stack ? stack + (i64)(load - 2) * R * 32 + lane : s0 + own;
-            const i64 stride = from_stack ? 32 : DV;
-#pragma unroll
-            for (int r = 0; r < R; ++r) s[r] = src[(i64)r * stride];
+            dn::load_rows(s, from_stack ? stack + (i64)(load - 2) * R * 32 + lane : s0 + own, from_stack ? 32 : DV);
         }
-        const float ov = dn::token_update<R, CW>(s, kk, qq, vt, gt, bt);
-        if (save >= 1 && save - 1 < n_slots) {
-            float* dst = stack + (i64)(save - 1) * R * 32 + lane;
-#pragma unroll
-            for (int r = 0; r < R; ++r) dst[r * 32] = s[r];
-        }
+        const float ov = dn::token_update<R, CW>(s, kk, qq, SL::v(slot, lane, col), SL::g(slot), SL::beta(slot));
+        if (save >= 1 && save - 1 < n_slots) dn::store_rows(stack + (i64)(save - 1) * R * 32 + lane, 32, s);
         if (lane < CW) out[(i64)t * ld_out + (i64)h * DV + col] = ov;
     }
-    if (s_final && T > 0 && !plan) {
-#pragma unroll
-        for (int r = 0; r < R; ++r) s_final[own + (i64)r * DV] = s[r];
-    }
+    if (s_final && T > 0 && !plan) dn::store_rows(s_final + own, DV, s);
 }
 
 // ---------------------------------------------------------------------------------------------
 // Commit by replay: state[l] <- the state after the root -> *accepted path of the last tree step, recomputed from
 // the committed state by state_update over the path's tokens (k, v, g, beta kept from the step; no q, no
-// output), for L layers (gridDim.y) in one launch, in place. Same lane layout as the tree step (CW must match
-// its), so the result equals the tree step's state for that node bit for bit. parents == nullptr: a chain
-// (path 0..*accepted). *accepted < 0 (nothing accepted) or >= t_max leaves the state as it is.
+// output), for L layers (gridDim.y) in one launch, in place. Same lane layout, ring and state update as the tree
+// step (CW must match its), so the result equals the tree step's state for that node bit for bit.
+// parents == nullptr: a chain (path 0..*accepted). *accepted < 0 (nothing accepted) or >= t_max leaves the state
+// as it is.
 // k: rows of Hk * DK, v: rows of Hv * DV, both views of one buffer's rows (row stride ld_kv, layer stride
 // ld_layer_kv, as the conv output rows the tree step read them from); g, beta:
 // (T_max, Hv) rows (ld_gb), layer stride ld_layer_gb; state: (Hv, DK, DV) per layer (ld_layer_state).
 // Dynamic shared memory: warps * CommitSmem::bytes(t_max) (a ring of D slots of k rows, the path, the parents).
-template <typename TIn, int DK>
-struct CSlot {
-    static constexpr int K_BYTES = DK * (int)sizeof(TIn);
-    static constexpr int CHUNKS = K_BYTES / 16;
-    static constexpr int V_OFF = K_BYTES;
-    static constexpr int GB_OFF = V_OFF + 128;
-    static constexpr int BYTES = GB_OFF + 16;
-};
-
 template <typename TIn, int DK, int D>
 struct CommitSmem {
-    static constexpr int RING = D * CSlot<TIn, DK>::BYTES;
+    static constexpr int RING = D * dn::Slot<TIn, DK, false>::BYTES;
     static DN_MEM i64 bytes(int t_max) { return RING + 2 * 16 * (i64)((t_max + 3) / 4); }
 };
 
@@ -754,25 +600,15 @@ __global__ void __launch_bounds__(128) gdr_commit_kernel(
     const float* __restrict__ g, const float* __restrict__ beta, i64 ld_gb, i64 ld_layer_gb, int Hk, int Hv, int DV,
     float* __restrict__ state, i64 ld_layer_state, const int* __restrict__ parents, const int* __restrict__ accepted,
     int t_max) {
-    static_assert(32 % CW == 0 && CW >= 1, "CW must divide 32");
-    static_assert(D >= 2, "the ring needs at least two slots");
-    constexpr int RG = 32 / CW;
-    static_assert(DK % (RG * 8) == 0, "rows per lane must be a multiple of 8");
-    constexpr int R = DK / RG;
-    typedef CSlot<TIn, DK> SL;
-    static_assert(SL::K_BYTES % 16 == 0, "k rows must be whole 16-byte chunks");
+    typedef dn::Lanes<DK, CW> LN;
+    constexpr int R = LN::R;
+    typedef dn::Slot<TIn, DK, false> SL;
     extern __shared__ uint4 dn_smem[];
     const int a = *accepted;
     if (a < 0 || a >= t_max) return;
-    const int lane = threadIdx.x & 31;
-    const int warp = threadIdx.x >> 5;
-    const int nw = blockDim.x >> 5;
-    const int cols_per_block = nw * CW;
-    const int blocks_per_head = DV / cols_per_block;
-    const int h = blockIdx.x / blocks_per_head;
+    const LN ln(DV);
+    const int lane = ln.lane, h = ln.h, col = ln.col, row0 = ln.row0;
     if (h >= Hv) return;
-    const int col = (blockIdx.x % blocks_per_head) * cols_per_block + warp * CW + lane % CW;
-    const int row0 = (lane / CW) * R;
     const int hk = h % Hk;
     const i64 layer = blockIdx.y;
     k += layer * ld_layer_kv;
@@ -780,14 +616,12 @@ __global__ void __launch_bounds__(128) gdr_commit_kernel(
     g += layer * ld_layer_gb;
     beta += layer * ld_layer_gb;
     float* st = state + layer * ld_layer_state + (i64)h * DK * DV + (i64)row0 * DV + col;
-    char* ring = (char*)dn_smem + (i64)warp * CommitSmem<TIn, DK, D>::bytes(t_max);
+    char* ring = (char*)dn_smem + (i64)ln.warp * CommitSmem<TIn, DK, D>::bytes(t_max);
     int* path = (int*)(ring + CommitSmem<TIn, DK, D>::RING);
     int* par = path + 4 * ((t_max + 3) / 4);
-    const int vcol = sizeof(TIn) == 2 ? (col & ~1) : col;
 
     float s[R];
-#pragma unroll
-    for (int r = 0; r < R; ++r) s[r] = st[(i64)r * DV];
+    dn::load_rows(s, st, DV);
     int n = a + 1;  // path length; a chain's path is 0..a
     if (parents) {
         for (int i = lane; i <= a; i += 32) par[i] = dn::parent_of(parents, i);
@@ -801,52 +635,25 @@ __global__ void __launch_bounds__(128) gdr_commit_kernel(
         }
         DN_SYNCWARP();
     }
-    auto issue = [&](int j) {  // the path's j-th token into slot j % D; always one commit group
+    auto issue = [&](int j) {  // the path's j-th token into slot j % D
         if (j < n) {
             const int t = parents ? path[j] : j;
-            char* slot = ring + (j % D) * SL::BYTES;
-            const char* krow = (const char*)(k + (i64)t * ld_kv + hk * DK);
-            for (int c = lane; c < SL::CHUNKS; c += 32) dn::cp_async<16>(slot + 16 * c, krow + 16 * c);
-            dn::cp_async<4>(slot + SL::V_OFF + 4 * lane, v + (i64)t * ld_kv + (i64)h * DV + vcol);
-            if (lane == 0) dn::cp_async<4>(slot + SL::GB_OFF, g + (i64)t * ld_gb + h);
-            if (lane == 1) dn::cp_async<4>(slot + SL::GB_OFF + 4, beta + (i64)t * ld_gb + h);
+            SL::fill(ring + (j % D) * SL::BYTES, lane, col, k + (i64)t * ld_kv + hk * DK, nullptr,
+                     v + (i64)t * ld_kv + (i64)h * DV, g + (i64)t * ld_gb + h, beta + (i64)t * ld_gb + h);
         }
-        dn::cp_async_commit();
     };
-#pragma unroll
-    for (int j = 0; j < D - 1; ++j) issue(j);
+    dn::ring_start<D>(issue);
     for (int j = 0; j < n; ++j) {
-        dn::cp_async_wait<D - 2>();
-        DN_SYNCWARP();
-        issue(j + D - 1);
+        dn::ring_next<D>(j, issue);
         const char* slot = ring + (j % D) * SL::BYTES;
         float kk[R];
-        {
-            dn::Vec<TIn, R> kv_;
-            kv_.load((const TIn*)slot + row0);
-            kv_.get(kk);
-        }
-        const u32 vw = *(const u32*)(slot + SL::V_OFF + 4 * lane);
-        const float vt = sizeof(TIn) == 2 ? dn::h2f((col & 1) ? (vw >> 16) : (vw & 0xFFFFu)) : __uint_as_float(vw);
-        dn::state_update<R, CW>(s, kk, vt, *(const float*)(slot + SL::GB_OFF), *(const float*)(slot + SL::GB_OFF + 4));
+        SL::k_row(slot, row0, kk);
+        dn::state_update<R, CW>(s, kk, SL::v(slot, lane, col), SL::g(slot), SL::beta(slot));
     }
-#pragma unroll
-    for (int r = 0; r < R; ++r) st[(i64)r * DV] = s[r];
+    dn::store_rows(st, DV, s);
 }
 
 // ---------------------------------------------------------------------------------------------
-// Commit, recurrent state: state[l] = ckpt[l][*accepted] for L layers (gridDim.y), n = Hv * DK * DV floats
-// (a multiple of 4, both 16-byte aligned). *accepted < 0 (nothing accepted) or >= t_max leaves it as it is.
-__global__ void ssm_commit_kernel(const float* __restrict__ ckpt, i64 ckpt_layer_stride, float* __restrict__ state,
-                                  i64 state_layer_stride, const int* __restrict__ accepted, int t_max, i64 n) {
-    const int a = *accepted;
-    if (a < 0 || a >= t_max) return;
-    const uint4* src = reinterpret_cast<const uint4*>(ckpt + blockIdx.y * ckpt_layer_stride + (i64)a * n);
-    uint4* dst = reinterpret_cast<uint4*>(state + blockIdx.y * state_layer_stride);
-    for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < n / 4; i += (i64)gridDim.x * blockDim.x)
-        dst[i] = src[i];
-}
-
 // Commit, conv window: the KW-1 newest rows of [window ; raw rows of the path root .. *accepted], per layer
 // (gridDim.y). window: (KW-1, C) f32 per layer, raw: (T_max, C) per layer (row stride ld_raw).
 template <typename TIn, int KW>

@@ -18,13 +18,14 @@ state.SequenceState.commit for the recurrent state and the conv window; `tree_pl
 The tree step writes no per-node states: it walks the tree depth first with the states it must come back to in
 shared memory, and the commit recomputes the accepted path's state from the committed one (`commit_replay`: the
 path's k / v / g / beta, kept from the step, through the same state update; docs/gpu_deltanet.md has the why
-and the numbers). The per-node checkpoint path (`checkpoints=` and `commit_state`) is kept for comparison.
+and the numbers). The per-node checkpoint path it replaced (`checkpoints=`, `commit_state`, the register-prefetch
+depth 1) was removed after commit 3a971f3, where it can be found.
 
-State and checkpoints are float32; raw rows, alpha / b projections and q / k / v may be float16 or float32
+The state is float32; raw rows, alpha / b projections and q / k / v may be float16 or float32
 (fp32 arithmetic throughout). A parent outside -1..t-1 in a device list is read as -1 (a root) so that a bad
 list cannot make a kernel read outside its buffers; lists given as NumPy arrays are checked here.
 
-Prefill uses the recurrent kernel (parents=None, no checkpoints), not the chunked WY form: on an H200 it was 1.9x
+Prefill uses the recurrent walk as a chain (parents=None), not the chunked WY form: on an H200 it was 1.9x
 faster than the chunked form as a torch program (docs/gpu_deltanet.md has the why and all measurements).
 """
 
@@ -38,16 +39,17 @@ from . import loader
 
 SOURCE = "deltanet.cu"
 MAX_GRID_Y = 65535  # tokens beyond this loop inside the kernels (grid-stride over t)
-DEFAULT_DEPTH = 8  # tokens in flight in the tree step (docs/gpu_deltanet.md has the measurements)
+DEFAULT_DEPTH = 8  # tokens in flight in the tree step and the commit (docs/gpu_deltanet.md has the measurements)
 DEFAULT_WARPS = 2
 DEFAULT_COLS = 8  # state columns a warp owns; the tree step and commit_replay must agree (their sums' order)
-PLAN_MAX = 1024  # nodes of a tree walked without checkpoints (gdr_tree_plan_kernel packs an index in 16 bits)
+PLAN_MAX = 1024  # nodes of a planned tree walk (gdr_tree_plan_kernel packs an index in 16 bits)
 SMEM_LIMIT = 227 * 1024  # dynamic shared memory a block may opt in to (sm_80 / sm_90)
 
 
-def slot_bytes(head_k_dim: int, itemsize: int) -> int:
-    """Shared-memory bytes of one token slot of gdr_tree_staged_kernel (k and q rows, v words, g / beta / parent)."""
-    return 2 * head_k_dim * itemsize + 128 + 16
+def slot_bytes(head_k_dim: int, itemsize: int, with_q: bool = True) -> int:
+    """Shared-memory bytes of one token slot of the ring (dn::Slot): the k row (and the q row: the tree step's, not the
+    commit's), each lane's v word, g / beta."""
+    return (2 if with_q else 1) * head_k_dim * itemsize + 128 + 16
 
 
 def walk_stack_slots(t_max: int) -> int:
@@ -65,7 +67,7 @@ def walk_smem_bytes(head_k_dim: int, itemsize: int, cols_per_warp: int, depth: i
 
 def commit_smem_bytes(head_k_dim: int, itemsize: int, depth: int, t_max: int) -> int:
     """Shared-memory bytes of one warp of gdr_commit_kernel (CommitSmem): ring of k rows, the path, the parents."""
-    return depth * (head_k_dim * itemsize + 128 + 16) + 2 * 16 * ((t_max + 3) // 4)
+    return depth * slot_bytes(head_k_dim, itemsize, with_q=False) + 2 * 16 * ((t_max + 3) // 4)
 
 
 def walk_plan(parents: Any) -> np.ndarray:
@@ -356,7 +358,6 @@ def gated_delta_tree(
     parents: Any = None,
     plan: Any = None,
     n_tokens: Any = None,
-    checkpoints: Any = None,
     final_state: Any = None,
     out: Any = None,
     cols_per_warp: int = DEFAULT_COLS,
@@ -370,16 +371,13 @@ def gated_delta_tree(
     rows (views of the conv output are fine); g, beta: (T_max, Hv) float32; s0: (Hv, dk, dv) float32 committed
     state (read only unless it is also final_state). Value head h reads key head h % Hk.
 
-    Default (gdr_tree_walk_kernel): a tree is walked depth first from `plan` (tree_plan's; built here from
-    `parents` when not given, one extra launch), the states it comes back to kept in shared memory; nothing
-    but `out` is written, and the commit recomputes the accepted node's state (commit_replay). No parents and no
-    plan: a chain (decode, prefill, a chain verify); final_state (Hv, dk, dv) float32, which may be s0 itself
-    (an in-place step), receives the last token's state.
-    checkpoints ((>= T_max, Hv, dk, dv) float32): the per-node checkpoint kernels instead (gdr_tree_staged_kernel,
-    or gdr_tree_kernel at depth 1), writing the state after every token there (commit_state copies one back).
+    gdr_tree_walk_kernel: a tree is walked depth first from `plan` (tree_plan's; built here from `parents` when
+    not given, one extra launch), the states it comes back to kept in shared memory; nothing but `out` is
+    written, and the commit recomputes the accepted node's state (commit_replay). No parents and no plan: a chain
+    (decode, prefill, a chain verify); final_state (Hv, dk, dv) float32, which may be s0 itself (an in-place
+    step), receives the last token's state.
     cols_per_warp (4, 8), warps (1..4 per block): the layout (see kernels/deltanet.cu); depth: tokens whose inputs
-    are in flight at once, 2..16 (a cp.async ring of `depth` token slots per warp in shared memory), 1 = the
-    checkpoint kernel that prefetches one token in registers (checkpoints or a chain only).
+    are in flight at once, 2..16 (a cp.async ring of `depth` token slots per warp in shared memory).
     """
     cupy = loader.require()
     if s0.ndim != 3:
@@ -390,8 +388,8 @@ def gated_delta_tree(
         raise ValueError("q, k and v must share one dtype")
     vec = 4 if q.dtype == np.float32 else 8
     depth = int(depth)
-    if not 1 <= depth <= 16:
-        raise ValueError(f"depth must be 1..16 tokens, not {depth}")
+    if not 2 <= depth <= 16:
+        raise ValueError(f"depth must be 2..16 tokens, not {depth}")
     q, ld_qk = _rows(q, "q", align=vec)
     k, ld_k = _rows(k, "k", width=int(q.shape[1]), align=vec)
     if ld_k != ld_qk:
@@ -412,24 +410,15 @@ def gated_delta_tree(
         raise ValueError(f"cols_per_warp in (4, 8), warps in 1..4 and dv = {dv} a multiple of their product")
     if dk % (32 // cw * 8):
         raise ValueError(f"dk = {dk} must be a multiple of {32 // cw * 8} for cols_per_warp = {cw}")
-    if checkpoints is not None:
-        if plan is not None:
-            raise ValueError("a plan is for the walk without checkpoints")
-        if (checkpoints.dtype != np.float32 or checkpoints.ndim != 4 or int(checkpoints.shape[0]) < t_max
-                or tuple(checkpoints.shape[1:]) != (hv, dk, dv) or not checkpoints.flags.c_contiguous):  # fmt: skip
-            raise ValueError(f"checkpoints must be contiguous float32 (>= {t_max}, {hv}, {dk}, {dv})")
-    else:
-        if (parents is not None or plan is not None) and depth == 1:
-            raise ValueError("depth 1 (gdr_tree_kernel) walks a tree only with a checkpoints buffer")
-        if parents is not None and plan is None:
+    if parents is not None or plan is not None:
+        if final_state is not None:
+            raise ValueError("final_state is a chain's last state (a tree walk ends on an arbitrary node)")
+        if t_max > PLAN_MAX:
+            raise ValueError(f"a planned tree walk takes at most {PLAN_MAX} tokens")
+        if plan is None:
             plan = tree_plan(parents, n_tokens=n_tokens, t_max=t_max, portable=portable)
-        if plan is not None:
-            if final_state is not None:
-                raise ValueError("final_state is a chain's last state (a tree walk ends on an arbitrary node)")
-            if plan.dtype != np.int32 or plan.ndim != 1 or int(plan.size) < t_max or not plan.flags.c_contiguous:
-                raise ValueError(f"plan must be a contiguous int32 vector of at least {t_max} entries (tree_plan)")
-            if t_max > PLAN_MAX:
-                raise ValueError(f"a planned tree walk takes at most {PLAN_MAX} tokens")
+        if plan.dtype != np.int32 or plan.ndim != 1 or int(plan.size) < t_max or not plan.flags.c_contiguous:
+            raise ValueError(f"plan must be a contiguous int32 vector of at least {t_max} entries (tree_plan)")
     if final_state is not None:
         _f32(final_state, (hv, dk, dv), "final_state")
     if out is None:
@@ -438,31 +427,15 @@ def gated_delta_tree(
     out, ld_out = _rows(out, "out", width=hv * dv, align=1)
     if out.dtype != np.float32 or int(out.shape[0]) < t_max:
         raise ValueError(f"out must be float32 with at least {t_max} rows")
-    ct = _ctype(q.dtype, "q")
-    grid = (hv * dv // (cw * nw),)
-    head = (q, k, np.int64(ld_qk), v, np.int64(ld_v), g, beta, np.int64(hv), np.int32(hk), np.int32(hv), np.int32(dv),
-            s0)  # fmt: skip
-    tail = (_null() if final_state is None else final_state, out, np.int64(ld_out))
-    if checkpoints is None and depth > 1:
-        n_slots = walk_stack_slots(t_max) if plan is not None else 0
-        name = f"gdr_tree_walk_kernel<{ct}, {dk}, {cw}, {depth}>"
-        kern = _fn(name, portable)
-        smem = nw * walk_smem_bytes(dk, q.dtype.itemsize, cw, depth, n_slots, t_max if plan is not None else 0)
-        _opt_in_smem(kern, name, smem)
-        kern(grid, (32 * nw,), (*head, _null() if plan is None else plan, _n_tokens(n_tokens, t_max), np.int32(t_max),
-                                np.int32(n_slots), *tail), shared_mem=smem)  # fmt: skip
-        return out.reshape(int(out.shape[0]), hv, dv)
-    smem = 0
-    if depth == 1:
-        name = f"gdr_tree_kernel<{ct}, {dk}, {cw}>"
-        kern = _fn(name, portable)
-    else:
-        name = f"gdr_tree_staged_kernel<{ct}, {dk}, {cw}, {depth}>"
-        kern = _fn(name, portable)
-        smem = nw * depth * slot_bytes(dk, q.dtype.itemsize)
-        _opt_in_smem(kern, name, smem)
-    kern(grid, (32 * nw,), (*head, _parents_arg(parents, t_max), _n_tokens(n_tokens, t_max), np.int32(t_max),
-                            _null() if checkpoints is None else checkpoints, *tail), shared_mem=smem)  # fmt: skip
+    n_slots = walk_stack_slots(t_max) if plan is not None else 0
+    name = f"gdr_tree_walk_kernel<{_ctype(q.dtype, 'q')}, {dk}, {cw}, {depth}>"
+    kern = _fn(name, portable)
+    smem = nw * walk_smem_bytes(dk, q.dtype.itemsize, cw, depth, n_slots, t_max if plan is not None else 0)
+    _opt_in_smem(kern, name, smem)
+    kern((hv * dv // (cw * nw),), (32 * nw,),
+         (q, k, np.int64(ld_qk), v, np.int64(ld_v), g, beta, np.int64(hv), np.int32(hk), np.int32(hv), np.int32(dv), s0,
+          _null() if plan is None else plan, _n_tokens(n_tokens, t_max), np.int32(t_max), np.int32(n_slots),
+          _null() if final_state is None else final_state, out, np.int64(ld_out)), shared_mem=smem)  # fmt: skip
     return out.reshape(int(out.shape[0]), hv, dv)
 
 
@@ -476,32 +449,6 @@ def _layered(a: Any, inner: int, what: str) -> tuple[Any, int, int]:
     if a.ndim != inner + 1:
         raise ValueError(f"{what} must have {inner} dims, or {inner + 1} with a leading layer axis")
     return a, int(a.shape[0]), int(a.strides[0] // a.dtype.itemsize)
-
-
-def commit_state(accepted: Any, checkpoints: Any, state: Any, *, portable: bool = False) -> None:
-    """state[l] = checkpoints[l][accepted] on the device (accepted: device int32 [1]; < 0 keeps the state).
-
-    checkpoints: ([L,] T_max, Hv, dk, dv) float32; state: ([L,] Hv, dk, dv) float32, each layer contiguous.
-    """
-    loader.require()  # a clear error without CuPy or a GPU
-    state, layers, s_stride = _layered(state, 3, "state")
-    checkpoints, c_layers, c_stride = _layered(checkpoints, 4, "checkpoints")
-    if layers != c_layers or tuple(checkpoints.shape[-3:]) != tuple(state.shape[-3:]):
-        raise ValueError(f"checkpoints {tuple(checkpoints.shape)} do not match state {tuple(state.shape)}")
-    if state.dtype != np.float32 or checkpoints.dtype != np.float32:
-        raise ValueError("state and checkpoints must be float32")
-    n = int(np.prod(state.shape[-3:]))
-    for a, what in ((state, "state"), (checkpoints, "checkpoints")):
-        inner = a[0] if a.ndim > (3 if a is state else 4) else a
-        if not inner.flags.c_contiguous or a.data.ptr % 16 or n % 4 or (s_stride % 4 if a is state else c_stride % 4):
-            raise ValueError(f"{what}: each layer must be contiguous and 16-byte aligned")
-    t_max = int(checkpoints.shape[-4])
-    acc = _accepted(accepted)
-    blocks = max(1, min((n // 4 + 255) // 256, 1024))
-    _fn("ssm_commit_kernel", portable)(
-        (blocks, layers), (256,),
-        (checkpoints, np.int64(c_stride), state, np.int64(s_stride), acc, np.int32(t_max), np.int64(n)),
-    )  # fmt: skip
 
 
 def commit_conv(accepted: Any, parents: Any, raw: Any, window: Any, *, portable: bool = False) -> None:
@@ -601,27 +548,12 @@ def commit_replay(
           _accepted(accepted), np.int32(t_max)), shared_mem=smem)  # fmt: skip
 
 
-def commit(
-    accepted: Any,
-    parents: Any,
-    k: Any,
-    v: Any,
-    g: Any,
-    beta: Any,
-    state: Any,
-    raw: Any,
-    window: Any,
-    *,
-    cols_per_warp: int = DEFAULT_COLS,
-    warps: int = DEFAULT_WARPS,
-    depth: int = DEFAULT_DEPTH,
-    portable: bool = False,
-) -> None:
-    """Keep the root -> `accepted` path of a verified tree: recurrent state replayed along it (commit_replay),
-    conv window gathered along it (commit_conv); state.SequenceState.commit without a host round trip (accepted
-    is a device int32 [1])."""
-    commit_replay(accepted, parents, k, v, g, beta, state, cols_per_warp=cols_per_warp, warps=warps, depth=depth,
-                  portable=portable)
+def commit(accepted: Any, parents: Any, k: Any, v: Any, g: Any, beta: Any, state: Any, raw: Any, window: Any, *,
+           portable: bool = False, **layout: int) -> None:
+    """Keep the root -> `accepted` path of a verified tree: recurrent state replayed along it (commit_replay, which
+    takes the layout keywords: cols_per_warp, warps, depth), conv window gathered along it (commit_conv);
+    state.SequenceState.commit without a host round trip (accepted is a device int32 [1])."""
+    commit_replay(accepted, parents, k, v, g, beta, state, portable=portable, **layout)
     commit_conv(accepted, parents, raw, window, portable=portable)
 
 
@@ -651,7 +583,6 @@ def deltanet_core(
     head_k_dim: int,
     parents: Any = None,
     n_tokens: Any = None,
-    checkpoints: Any = None,
     final_state: Any = None,
     portable: bool = False,
 ) -> tuple[Any, Any]:
@@ -662,8 +593,7 @@ def deltanet_core(
                            n_tokens=n_tokens, portable=portable)  # fmt: skip
     kd = n_k_heads * head_k_dim
     out = gated_delta_tree(mixed[:, :kd], mixed[:, kd : 2 * kd], mixed[:, 2 * kd :], g, beta, state,
-                           parents=parents, n_tokens=n_tokens, checkpoints=checkpoints, final_state=final_state,
-                           portable=portable)  # fmt: skip
+                           parents=parents, n_tokens=n_tokens, final_state=final_state, portable=portable)  # fmt: skip
     return out, mixed
 
 
@@ -672,18 +602,10 @@ def warmup(portable: bool = False) -> None:
     for t in ("float", "unsigned short"):
         _fn(f"conv_silu_kernel<{t}, 4>", portable)
         _fn(f"qk_norm_gate_kernel<{t}, 128>", portable)
-        _fn(f"gdr_tree_kernel<{t}, 128, 8>", portable)
-        _fn(f"gdr_tree_staged_kernel<{t}, 128, 8, {DEFAULT_DEPTH}>", portable)
         _fn(f"gdr_tree_walk_kernel<{t}, 128, 8, {DEFAULT_DEPTH}>", portable)
         _fn(f"gdr_commit_kernel<{t}, 128, 8, {DEFAULT_DEPTH}>", portable)
         _fn(f"conv_commit_kernel<{t}, 4>", portable)
-    _fn("ssm_commit_kernel", portable)
     _fn("gdr_tree_plan_kernel", portable)
-
-
-def state_bytes(n_v_heads: int, head_k_dim: int, head_v_dim: int) -> int:
-    """Bytes of one layer's recurrent state (one checkpoint slot of the checkpoint path)."""
-    return 4 * n_v_heads * head_k_dim * head_v_dim
 
 
 def replay_bytes_per_node(conv_dim: int, n_v_heads: int) -> int:

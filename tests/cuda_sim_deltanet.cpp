@@ -15,7 +15,7 @@ static inline float shfl_xor(float v, int m) { return __uint_as_float(shfl(__flo
 }  // namespace sim
 #define __shfl_xor_sync(mask, v, m) sim::shfl_xor((v), (m))
 
-// dynamic shared memory of the staged / walk / commit / plan kernels (warps of a block run one after another,
+// dynamic shared memory of the walk / commit / plan kernels (warps of a block run one after another,
 // each on its own part of it)
 constexpr size_t SIM_SMEM = 227 * 1024;
 alignas(16) uint4 dn_smem[SIM_SMEM / 16];
@@ -83,52 +83,6 @@ extern "C" int sim_norm(int f16, int dk, int gx, int gy, int block, float* qk, i
     return launch(g2(gx, gy), block, fn);
 }
 
-// ---- gated delta rule, tree
-struct TreeArgs { const void* q; const void* k; i64 ld_qk; const void* v; i64 ld_v; const float* g;
-                  const float* beta; i64 ld_gb; int Hk, Hv, DV; const float* s0; const int* parents;
-                  const int* n_tokens; int t_max; float* ckpt; float* s_final; float* out; i64 ld_out; };
-static TreeArgs ta;
-template <typename TIn, int DK, int CW>
-static void tree_lane() {
-    gdr_tree_kernel<TIn, DK, CW>((const TIn*)ta.q, (const TIn*)ta.k, ta.ld_qk, (const TIn*)ta.v, ta.ld_v, ta.g,
-                                 ta.beta, ta.ld_gb, ta.Hk, ta.Hv, ta.DV, ta.s0, ta.parents, ta.n_tokens, ta.t_max,
-                                 ta.ckpt, ta.s_final, ta.out, ta.ld_out);
-}
-extern "C" int sim_tree(int f16, int dk, int cw, int gx, int block, const void* q, const void* k, i64 ld_qk,
-                        const void* v, i64 ld_v, const float* g, const float* beta, i64 ld_gb, int Hk, int Hv, int DV,
-                        const float* s0, const int* parents, const int* n_tokens, int t_max, float* ckpt,
-                        float* s_final, float* out, i64 ld_out) {
-    ta = {q, k, ld_qk, v, ld_v, g, beta, ld_gb, Hk, Hv, DV, s0, parents, n_tokens, t_max, ckpt, s_final, out, ld_out};
-    Body fn = nullptr;
-    if (dk == 128 && cw == 8) fn = f16 ? tree_lane<u16, 128, 8> : tree_lane<float, 128, 8>;
-    if (dk == 128 && cw == 4) fn = f16 ? tree_lane<u16, 128, 4> : tree_lane<float, 128, 4>;
-    if (dk == 64 && cw == 8) fn = f16 ? tree_lane<u16, 64, 8> : tree_lane<float, 64, 8>;
-    if (!fn) return -1;
-    return launch(g2(gx, 1), block, fn);
-}
-
-template <typename TIn, int DK, int CW, int D>
-static void tree_staged_lane() {
-    gdr_tree_staged_kernel<TIn, DK, CW, D>((const TIn*)ta.q, (const TIn*)ta.k, ta.ld_qk, (const TIn*)ta.v, ta.ld_v,
-                                           ta.g, ta.beta, ta.ld_gb, ta.Hk, ta.Hv, ta.DV, ta.s0, ta.parents,
-                                           ta.n_tokens, ta.t_max, ta.ckpt, ta.s_final, ta.out, ta.ld_out);
-}
-extern "C" int sim_tree_staged(int f16, int dk, int cw, int depth, int gx, int block, const void* q, const void* k,
-                               i64 ld_qk, const void* v, i64 ld_v, const float* g, const float* beta, i64 ld_gb,
-                               int Hk, int Hv, int DV, const float* s0, const int* parents, const int* n_tokens,
-                               int t_max, float* ckpt, float* s_final, float* out, i64 ld_out) {
-    ta = {q, k, ld_qk, v, ld_v, g, beta, ld_gb, Hk, Hv, DV, s0, parents, n_tokens, t_max, ckpt, s_final, out, ld_out};
-    Body fn = nullptr;
-    if (dk == 128 && cw == 8 && depth == 8) fn = f16 ? tree_staged_lane<u16, 128, 8, 8> : tree_staged_lane<float, 128, 8, 8>;
-    if (dk == 128 && cw == 4 && depth == 8) fn = f16 ? tree_staged_lane<u16, 128, 4, 8> : tree_staged_lane<float, 128, 4, 8>;
-    if (dk == 64 && cw == 8 && depth == 8) fn = f16 ? tree_staged_lane<u16, 64, 8, 8> : tree_staged_lane<float, 64, 8, 8>;
-    if (dk == 128 && cw == 8 && depth == 2) fn = f16 ? tree_staged_lane<u16, 128, 8, 2> : tree_staged_lane<float, 128, 8, 2>;
-    if (dk == 128 && cw == 8 && depth == 16) fn = f16 ? tree_staged_lane<u16, 128, 8, 16> : tree_staged_lane<float, 128, 8, 16>;
-    if (!fn) return -1;
-    stale_smem();
-    return launch(g2(gx, 1), block, fn);
-}
-
 // ---- tree walk (plan + shared-memory state stack), its plan, the commit by replay
 struct PlanArgs { const int* parents; const int* n_tokens; int t_max; int* plan; };
 static PlanArgs pa;
@@ -194,17 +148,7 @@ extern "C" int sim_commit_replay(int f16, int dk, int cw, int depth, int gx, int
     return launch(g2(gx, gy), block, fn);
 }
 
-// ---- commit
-struct SsmCommitArgs { const float* ckpt; i64 ckpt_ls; float* state; i64 state_ls; const int* accepted; int t_max;
-                       i64 n; };
-static SsmCommitArgs sa;
-static void ssm_commit_lane() { ssm_commit_kernel(sa.ckpt, sa.ckpt_ls, sa.state, sa.state_ls, sa.accepted, sa.t_max, sa.n); }
-extern "C" int sim_ssm_commit(int gx, int gy, int block, const float* ckpt, i64 ckpt_ls, float* state, i64 state_ls,
-                              const int* accepted, int t_max, i64 n) {
-    sa = {ckpt, ckpt_ls, state, state_ls, accepted, t_max, n};
-    return launch(g2(gx, gy), block, ssm_commit_lane);
-}
-
+// ---- commit of the conv window
 struct ConvCommitArgs { float* window; i64 win_ls; const void* raw; i64 ld_raw; i64 raw_ls; const int* parents;
                         const int* accepted; int t_max, C; };
 static ConvCommitArgs cc;

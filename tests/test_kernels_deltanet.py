@@ -6,9 +6,9 @@ shapes, every tree size T in (1, 2, 7, 16, 23, 41, 64) on random parent lists pl
 complete binary trees (65 nodes: the GPU model's widest tree), the Qwen3.6-27B head layout (16 key heads, 48
 value heads, dk = dv = 128), fp16 and fp32 inputs, and the portable (no inline PTX) build. Tolerances, as stated
 there: max |error| / max |reference| < 1e-5 for conv / norm / gates, < 1e-4 for the delta rule (fp32 state);
-the tree walk's outputs and the replayed commit's state bit for bit the checkpoint kernel's, the checkpoint
-commit and the conv window bit-exact. Plus CUDA-graph replays whose token count, parents and accepted node
-change between replays.
+the tree walk's outputs and the replayed commit's state bit for bit those of each node's path run as a chain, the
+conv window commit bit-exact. Plus CUDA-graph replays whose token count, parents and accepted node change between
+replays.
 """
 
 from __future__ import annotations
@@ -57,35 +57,10 @@ def test_qk_norm_and_gates(f16: bool) -> None:
     cases.check_norm_gate(cupy, rng, 3, 2, 6, 64, f16, portable=True)
 
 
-@pytest.mark.parametrize("T", cases.TREE_SIZES)
-def test_tree_step_random_trees(T: int) -> None:
-    rng = np.random.default_rng(100 + T)
-    cases.check_tree(cupy, rng, T, 4, 12, DK, DV)  # 12 value heads over 4 key heads: h -> h % 4
-    cases.check_tree(cupy, rng, T, 4, 12, DK, DV, warps=2, depth=1)  # gdr_tree_kernel (register prefetch)
-    cases.check_tree(cupy, rng, T, 4, 12, DK, DV, f16=True, warps=1)
-
-
-def test_tree_step_qwen36_shape_and_variants() -> None:
-    rng = np.random.default_rng(5)
-    cases.check_tree(cupy, rng, 23, HK, HV, DK, DV)
-    cases.check_tree(cupy, rng, 16, 2, 4, DK, DV, cols_per_warp=4, warps=2)
-    cases.check_tree(cupy, rng, 16, 2, 4, DK, DV, cols_per_warp=4, warps=2, depth=1)
-    cases.check_tree(cupy, rng, 7, 2, 4, 64, 64, warps=1)
-    cases.check_tree(cupy, rng, 30, 2, 4, DK, DV, warps=4, depth=16)  # 75 KB of shared memory: the opt-in path
-    cases.check_tree(cupy, rng, 41, 2, 4, DK, DV, depth=2)
-    cases.check_tree(cupy, rng, 16, 2, 4, DK, DV, f16=True, portable=True)  # no inline PTX: plain copies
-    cases.check_tree(cupy, rng, 16, 2, 4, DK, DV, f16=True, depth=1, portable=True)
-
-
 @pytest.mark.parametrize("T", [1, 300])
-@pytest.mark.parametrize("depth", [1, 8])
+@pytest.mark.parametrize("depth", [2, 8])
 def test_chain_decode_and_recurrent_prefill(T: int, depth: int) -> None:
     cases.check_chain_in_place(cupy, np.random.default_rng(T), T, 4, 8, DK, DV, depth)
-
-
-@pytest.mark.parametrize("accepted,f16", [(0, False), (5, True), (9, False), (-1, False)])
-def test_checkpoint_commit_matches_sequence_state(accepted: int, f16: bool) -> None:
-    cases.check_commit_checkpoint(cupy, np.random.default_rng(50 + accepted), accepted, f16)
 
 
 @pytest.mark.parametrize("kind,n", cases.WALK_SHAPES + [("ddtree", 65), ("random", 65)])
@@ -108,7 +83,7 @@ WALK_TREES = [("random", T) for T in cases.TREE_SIZES] + [("ddtree", 23), ("ddtr
 
 
 @pytest.mark.parametrize("kind,n", WALK_TREES)
-def test_tree_walk_matches_token_loop_and_checkpoint_kernel(kind: str, n: int) -> None:
+def test_tree_walk_matches_token_loop_and_its_paths(kind: str, n: int) -> None:
     rng = np.random.default_rng(200 + n)
     parents = cases.tree_shape(kind, n, rng)
     cases.check_walk(cupy, rng, parents, 4, 12, DK, DV)  # 12 value heads over 4 key heads: h -> h % 4
@@ -121,6 +96,7 @@ def test_tree_walk_qwen36_shape_and_variants() -> None:
     cases.check_walk(cupy, rng, cases.ddtree_parents(65, rng), HK, HV, DK, DV)  # 5 stack slots: 60 KB a block
     cases.check_walk(cupy, rng, cases.random_tree(64, rng), 2, 4, DK, DV, cols_per_warp=4, warps=2)
     cases.check_walk(cupy, rng, cases.random_tree(41, rng), 2, 4, DK, DV, warps=4)  # the opt-in above 48 KB
+    cases.check_walk(cupy, rng, cases.random_tree(7, rng), 2, 4, 64, 64, warps=1)  # dk 64
     cases.check_walk(cupy, rng, cases.dfs_binary(5), 2, 4, DK, DV, warps=4, depth=16)  # 157 KB
     cases.check_walk(cupy, rng, cases.random_tree(30, rng), 2, 4, DK, DV, depth=2)
     cases.check_walk(cupy, rng, cases.random_tree(16, rng), 2, 4, DK, DV, f16=True, portable=True)
@@ -160,7 +136,7 @@ def test_bad_inputs_get_clear_errors() -> None:
 
 
 def test_graph_replay_follows_device_token_count_and_parents() -> None:
-    # One captured conv + tree step; each replay reads a new tree (T and parents) from device buffers.
+    # One captured conv + plan + tree walk; each replay reads a new tree (T and parents) from device buffers.
     rng = np.random.default_rng(11)
     t_max, hk, hv, C = 41, 4, 8, 2 * 4 * DK + 8 * DV
     q, k, v, g, beta, s0 = cases.tree_inputs(t_max, hk, hv, DK, DV, rng)
@@ -171,7 +147,7 @@ def test_graph_replay_follows_device_token_count_and_parents() -> None:
                                               conv_w=conv_w).items()}  # fmt: skip
     par_d = cupy.full(t_max, -1, dtype=cupy.int32)
     n_d = cupy.zeros(1, dtype=cupy.int32)
-    ckpt = cupy.empty((t_max, hv, DK, DV), dtype=cupy.float32)
+    plan = cupy.empty(t_max, cupy.int32)
     out = cupy.empty((t_max, hv * DV), dtype=cupy.float32)
     mixed = cupy.empty((t_max, C), dtype=cupy.float32)
     dn.warmup()
@@ -179,8 +155,9 @@ def test_graph_replay_follows_device_token_count_and_parents() -> None:
     with stream:
         stream.begin_capture()
         dn.conv_silu(dev["raw"], dev["window"], dev["conv_w"], parents=par_d, n_tokens=n_d, out=mixed)
-        dn.gated_delta_tree(dev["q"], dev["k"], dev["v"], dev["g"], dev["beta"], dev["s0"], parents=par_d,
-                            n_tokens=n_d, checkpoints=ckpt, out=out)  # fmt: skip
+        dn.tree_plan(par_d, n_tokens=n_d, out=plan)
+        dn.gated_delta_tree(dev["q"], dev["k"], dev["v"], dev["g"], dev["beta"], dev["s0"], plan=plan, n_tokens=n_d,
+                            out=out)  # fmt: skip
         graph = stream.end_capture()
     for T in (23, 1, 41, 7):
         parents = cases.random_tree(T, rng)
@@ -249,19 +226,18 @@ def test_graph_replay_of_plan_walk_and_commit() -> None:
             o.fill(np.nan)
         graphs[0].launch(stream)
         stream.synchronize()
-        ckpts = []
+        path = cases.path_to(parents, accepted)
+        chains = []  # per layer: the path run as a chain (outputs, final state), the tree step's bit for bit
         for i in range(L):
-            ref_out, _ = cases.tree_twin(mixed[i, :, :kd], mixed[i, :, kd : 2 * kd], mixed[i, :, 2 * kd :], gates[i, 0],
-                                         gates[i, 1], s0[i], parents, hk, DK)  # fmt: skip
+            inputs = (mixed[i, :, :kd], mixed[i, :, kd : 2 * kd], mixed[i, :, 2 * kd :], gates[i, 0], gates[i, 1])
+            ref_out, _ = cases.tree_twin(*inputs, s0[i], parents, hk, DK)
             got = cupy.asnumpy(outs[i])
             assert cases.rel_max(got[:T].reshape(T, hv, DV), ref_out) < cases.TOL_RULE
             assert np.isnan(got[T:]).all()
-            ck = cupy.empty((T, hv, DK, DV), cupy.float32)
-            dn.gated_delta_tree(m_d[i, :T, :kd], m_d[i, :T, kd : 2 * kd], m_d[i, :T, 2 * kd :], gb_d[i, 0, :T],
-                                gb_d[i, 1, :T], state[i], parents=parents, checkpoints=ck)  # fmt: skip
-            ckpts.append(cupy.asnumpy(ck[accepted]))
+            chains.append(cases.walk_path(cupy, inputs, s0[i], path))
+            assert np.array_equal(got[path], chains[i][0]), f"T={T}, layer {i}: the walk != its path as a chain"
         graphs[1].launch(stream)
         stream.synchronize()
         got = cupy.asnumpy(state)
         for i in range(L):
-            assert np.array_equal(got[i], ckpts[i]), f"T={T}, accepted {accepted}, layer {i}"
+            assert np.array_equal(got[i], chains[i][1]), f"T={T}, accepted {accepted}, layer {i}"
