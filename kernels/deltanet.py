@@ -606,9 +606,3 @@ def warmup(portable: bool = False) -> None:
         _fn(f"gdr_commit_kernel<{t}, 128, 8, {DEFAULT_DEPTH}>", portable)
         _fn(f"conv_commit_kernel<{t}, 4>", portable)
     _fn("gdr_tree_plan_kernel", portable)
-
-
-def replay_bytes_per_node(conv_dim: int, n_v_heads: int) -> int:
-    """Bytes a tree step keeps per node and layer for commit_replay: its conv output row (q | k | v, float32; q
-    rides along because the row is the tree step's input buffer) and its g, beta."""
-    return 4 * (conv_dim + 2 * n_v_heads)
