@@ -108,8 +108,22 @@ def compute_capability() -> int:
     return int(cupy.cuda.Device().compute_capability)
 
 
+_LOCAL_INCLUDE = re.compile(r'^[ \t]*#[ \t]*include[ \t]+"([A-Za-z0-9_.]+)"[ \t]*$', re.MULTILINE)
+
+
 def read_source(name: str) -> str:
-    return (SOURCE_DIR / name).read_text()
+    """A kernel source with its #include "x.cuh" of files in this folder pasted in (once each): what is compiled is
+    then all in the code string, so CuPy's compile cache (keyed on it) sees a change to a shared header too."""
+    seen: set[str] = set()
+
+    def paste(m: re.Match) -> str:
+        inc = m.group(1)
+        if inc in seen or not (SOURCE_DIR / inc).is_file():
+            return "" if inc in seen else m.group(0)
+        seen.add(inc)
+        return _LOCAL_INCLUDE.sub(paste, (SOURCE_DIR / inc).read_text())
+
+    return _LOCAL_INCLUDE.sub(paste, (SOURCE_DIR / name).read_text())
 
 
 def has_includes(code: str) -> bool:

@@ -15,7 +15,8 @@
 //  * Split-K variant (gemv_splitk_kernel, all types): S blocks per tile, each staging only its K range of x; the
 //    warps' sums go to a global scratch and the tile's last block to arrive (per-tile counter, self-resetting) adds
 //    them in warp order: bitwise gemv_kernel's output with S KW warps, graph-replayable with no memset.
-//  * x is staged once per block in shared memory, in natural value order (chunk, token, 16-byte unit of 8 values).
+//  * x is staged once per block in shared memory, in natural value order (chunk, token, 16-byte unit of 8 values):
+//    copied from the pack's own int16 staging when it wrote one (xq = PackedX.q16, kernels/xq16.cuh), else computed.
 //    F16 weights: x as fp16, products in fp32 FMAs. Quantized weights (Q8_0, Q4_K, Q6_K): x as int16 with one
 //    fp32 scale per 16 values (s = max |x| / 32767 of the group), plus (Q4_K, Q6_K) the group's fp32 sum X; the
 //    dot products are integer dp2a (two int16 x times two 8-bit quants per instruction, exact int32 sums per
@@ -32,7 +33,8 @@
 //    maximum). Weights are exact (no fp16 rounding of d sc q as in v2), sums exact in int32, the rest fp32.
 //
 // Portable: every inline PTX has a plain C++ fallback (SS_PTX == 0: HIP, pre-sm_80, -DSPECSPLIT_PORTABLE, and the
-// CPU simulation in tests/cuda_sim_gemv.cpp). Includes no header: only what NVRTC / hipRTC provide built in.
+// CPU simulation in tests/cuda_sim_gemv.cpp). Includes only xq16.cuh of this folder (kernels/loader.py pastes it in),
+// nothing that NVRTC / hipRTC do not provide built in.
 
 typedef unsigned int u32;
 typedef unsigned short u16;
@@ -55,9 +57,11 @@ typedef long long i64;
 #define GV_DEV static __device__ __forceinline__
 #if defined(__CUDACC__) || SS_HIP
 #define GV_BOUNDS(threads) __launch_bounds__(threads)
+#define GV_BOUNDS_MIN(threads, blocks) __launch_bounds__(threads, blocks)
 #define GV_LDG(p) __ldg(p)
 #else
 #define GV_BOUNDS(threads)  // CPU simulation
+#define GV_BOUNDS_MIN(threads, blocks)
 #define GV_LDG(p) (*(p))
 #endif
 
@@ -66,6 +70,8 @@ typedef long long i64;
 #else
 #define GV_SHFL_XOR(v, m) __shfl_xor_sync(0xffffffffu, (v), (m))
 #endif
+
+#include "xq16.cuh"
 
 namespace gv {
 
@@ -140,8 +146,6 @@ GV_DEV float ld_partial(const float* p) {
 #endif
 }
 
-// round to the nearest int (ties to even) for |v| < 2^22: the add of 1.5 * 2^23 leaves it in the low mantissa bits
-GV_DEV int rint_small(float v) { return (int)(as_u32(v + 12582912.0f) - 0x4B400000u); }
 
 // ---------------------------------------------------------------------------------------------
 // Per type: bytes per row of a full chunk (quants MAIN + side data SIDE); whether x is staged as int16 with group
@@ -336,29 +340,14 @@ GV_DEV void unit_f(uint4 u, float* f) {
     f[7] = h2f(u.w >> 16);
 }
 
-// A 16-value group of x (two packed units) as staged for the quantized types: int16 pairs in natural order
-// (q = round(x / s), s = max |x| / 32767, 0 for an all-zero group), its scale s and its sum X (fp32, fixed order).
+// A 16-value group of x (two packed units) as staged for the quantized types (xq16.cuh): int16 pairs in natural
+// order, its scale and its sum.
 GV_DEV void quant_group(uint4 u0, uint4 u1, uint4& o0, uint4& o1, float& scale, float& sum) {
     float f[16];
     unit_f(u0, f);
     unit_f(u1, f + 8);
-    float amax = 0.f, x = 0.f;
-#pragma unroll
-    for (int e = 0; e < 16; ++e) {
-        amax = fmaxf(amax, fabsf(f[e]));
-        x += f[e];
-    }
-    const float inv = amax > 0.f ? 32767.0f / amax : 0.f;
-    u32 w[8];
-#pragma unroll
-    for (int p = 0; p < 8; ++p)
-        w[p] = ((u32)rint_small(f[2 * p] * inv) & 0xFFFFu) | ((u32)rint_small(f[2 * p + 1] * inv) << 16);
-    o0.x = w[0], o0.y = w[1], o0.z = w[2], o0.w = w[3];
-    o1.x = w[4], o1.y = w[5], o1.z = w[6], o1.w = w[7];
-    scale = amax * (1.0f / 32767.0f);
-    sum = x;
+    xq::group16(f, o0, o1, scale, sum);
 }
-
 
 // ---------------------------------------------------------------------------------------------
 // Pieces of both kernels
@@ -412,6 +401,44 @@ GV_DEV void stage_x(const uint4* __restrict__ xp, int tpad, int K, int cb0, int 
             }
         }
     }
+}
+
+// Stage x chunks [cb0, cb0 + ncb) as stage_x does, but from xq when given (quantized types: PackedX.q16, the pack
+// kernel's copy of exactly what stage_x computes, for nch chunks of NT tokens): a plain copy, 16-byte loads all
+// issued before the stores. Caller syncs.
+template <int QT, int NT>
+GV_DEV void stage(const uint4* __restrict__ xq, const uint4* __restrict__ xp, int tpad, int K, int cb0, int ncb,
+                  uint4* sx, float* sxq, float* sxs) {
+    using L = Lay<QT>;
+    if constexpr (L::INT) {
+        if (xq != nullptr) {
+            constexpr int SB = 8;
+            const int nch = (K + CHUNK - 1) / CHUNK;
+            const int nu = ncb * NT * 32, ns = ncb * NT * 4;  // 16-byte units of x, of scales (and of sums)
+            const int total = nu + (L::SUMS ? 2 : 1) * ns;
+            const uint4* const qu = xq + (i64)cb0 * NT * 32;
+            const uint4* const qs = xq + (i64)nch * NT * 32 + (i64)cb0 * NT * 4;
+            const uint4* const qm = qs + (i64)nch * NT * 4;
+            const int nthreads = (int)blockDim.x;
+            for (int i0 = (int)threadIdx.x; i0 < total; i0 += SB * nthreads) {
+                uint4 v[SB];
+#pragma unroll
+                for (int b = 0; b < SB; ++b) {
+                    const int i = i0 + b * nthreads;
+                    if (i < total) v[b] = GV_LDG(i < nu ? qu + i : i < nu + ns ? qs + (i - nu) : qm + (i - nu - ns));
+                }
+#pragma unroll
+                for (int b = 0; b < SB; ++b) {
+                    const int i = i0 + b * nthreads;
+                    if (i < nu) sx[i] = v[b];
+                    else if (i < nu + ns) ((uint4*)sxq)[i - nu] = v[b];
+                    else if (i < total) ((uint4*)sxs)[i - nu - ns] = v[b];
+                }
+            }
+            return;
+        }
+    }
+    stage_x<QT, NT>(xp, tpad, K, cb0, ncb, sx, sxq, sxs);
 }
 
 // One full chunk c of a quantized type (the raw words in w): acc[i][n] += row i of the lane . token n.
@@ -648,11 +675,19 @@ GV_DEV void warp_chunks(Raw<QT>& cur, const u8* wt, int c0, int c1, int K, int c
 // floats (a column slice of a wider output: the stacked projections write in place); accumulate != 0: y +=.
 // Grid: ceil(N / 16) blocks of 32 KW threads (KW <= 8). Dynamic shared memory (smem_bytes in kernels/quant_gemv.py):
 // nch * NT * 512 bytes of staged x, nch * NT * 64 of group scales (Q8_0, Q4_K, Q6_K) and as much of group sums
-// (Q4_K, Q6_K), and KW * 16 * NT * 4 of partial sums when KW > 1; nch = ceil(K / 256).
+// (Q4_K, Q6_K), and KW * 16 * NT * 4 of partial sums when KW > 1; nch = ceil(K / 256). xq: PackedX.q16 (the staging
+// of the quantized types, copied) or null (computed here from xp); every variant below takes it last.
 template <int QT, int NT>
-__global__ void GV_BOUNDS(256) gemv_kernel(const u8* __restrict__ W, long long row_bytes, int N, int K,
+// Launch bound: 256 threads, or with GV_THREADS / GV_MIN_BLOCKS defined (quant_gemv.gemv_function's `occupancy`)
+// at most GV_THREADS per block and registers for GV_MIN_BLOCKS such blocks per SM (more warps in flight).
+#if defined(GV_THREADS) && defined(GV_MIN_BLOCKS)
+#define GV_TILE_BOUNDS GV_BOUNDS_MIN(GV_THREADS, GV_MIN_BLOCKS)
+#else
+#define GV_TILE_BOUNDS GV_BOUNDS(256)
+#endif
+__global__ void GV_TILE_BOUNDS gemv_kernel(const u8* __restrict__ W, long long row_bytes, int N, int K,
                                            const uint4* __restrict__ xp, int tpad, float* __restrict__ y,
-                                           int accumulate, long long ldy) {
+                                           int accumulate, long long ldy, const uint4* __restrict__ xq) {
     using namespace gv;
     using L = Lay<QT>;
     constexpr int BLK = 16 * (L::MAIN + L::SIDE);  // bytes of one full tile block
@@ -678,7 +713,7 @@ __global__ void GV_BOUNDS(256) gemv_kernel(const u8* __restrict__ W, long long r
     // the first chunk's weights are requested before x is staged, so the two latencies overlap
     Raw<QT> cur;
     if (c0 < c1f) load_raw<QT>(cur, wt + (i64)c0 * BLK, r4, j);
-    stage_x<QT, NT>(xp, tpad, K, 0, nch, sx, sxq, sxs);
+    stage<QT, NT>(xq, xp, tpad, K, 0, nch, sx, sxq, sxs);
     __syncthreads();
 
     float acc[4][NT];
@@ -696,7 +731,7 @@ __global__ void GV_BOUNDS(256) gemv_kernel(const u8* __restrict__ W, long long r
 template <int QT, int NT, int PD>
 __global__ void GV_BOUNDS(256) gemv_persist_kernel(const u8* __restrict__ W, long long row_bytes, int N, int K,
                                                    const uint4* __restrict__ xp, int tpad, float* __restrict__ y,
-                                                   int accumulate, long long ldy) {
+                                                   int accumulate, long long ldy, const uint4* __restrict__ xq) {
     using namespace gv;
     using L = Lay<QT>;
     static_assert(L::INT, "F16 keeps the per-tile kernel");
@@ -734,7 +769,7 @@ __global__ void GV_BOUNDS(256) gemv_persist_kernel(const u8* __restrict__ W, lon
     if (items > 0) request(b0);  // the first items before x is staged: the latencies overlap
     if (items > 1) request(b1);
     if (PD == 2 && items > 2) request(b2);
-    stage_x<QT, NT>(xp, tpad, K, 0, nch, sx, sxq, sxs);
+    stage<QT, NT>(xq, xp, tpad, K, 0, nch, sx, sxq, sxs);
     __syncthreads();
 
     int xu[4];
@@ -788,7 +823,7 @@ template <int QT, int NT>
 __global__ void GV_BOUNDS(256) gemv_splitk_kernel(const u8* __restrict__ W, long long row_bytes, int N, int K,
                                                   const uint4* __restrict__ xp, int tpad, float* __restrict__ y,
                                                   int accumulate, long long ldy, int splits, float* part,
-                                                  unsigned int* counters) {
+                                                  unsigned int* counters, const uint4* __restrict__ xq) {
     using namespace gv;
     using L = Lay<QT>;
     constexpr int BLK = 16 * (L::MAIN + L::SIDE);
@@ -818,7 +853,7 @@ __global__ void GV_BOUNDS(256) gemv_splitk_kernel(const u8* __restrict__ W, long
 
     Raw<QT> cur;
     if (c0 < c1f) load_raw<QT>(cur, wt + (i64)c0 * BLK, r4, j);
-    stage_x<QT, NT>(xp, tpad, K, cb0, ncb, sx, sxq, sxs);
+    stage<QT, NT>(xq, xp, tpad, K, cb0, ncb, sx, sxq, sxs);
     __syncthreads();
 
     float acc[4][NT];

@@ -25,7 +25,8 @@
 //    fallback (SS_PTX == 0: HIP, pre-sm_80, or -DSPECSPLIT_PORTABLE): software fp16 conversion and a
 //    warp-shuffle emulation of the mma with the same fragment layout.
 //
-// Includes no header: only what NVRTC (or hipRTC) provides built in.
+// Includes no header but xq16.cuh of this folder (kernels/loader.py pastes it in): only what NVRTC (or hipRTC)
+// provides built in.
 
 typedef unsigned int u32;
 typedef unsigned short u16;
@@ -47,6 +48,7 @@ typedef long long i64;
 #endif
 
 #define SS_DEV static __device__ __forceinline__
+#include "xq16.cuh"
 #if defined(__CUDACC__) || SS_HIP
 #define SS_BOUNDS(threads, min_blocks) __launch_bounds__(threads, min_blocks)
 #else
@@ -76,6 +78,7 @@ constexpr int CHUNK = 256;      // k values per chunk
 constexpr int STAGES = 2;       // shared-memory stages per warp
 
 SS_DEV int imin(int a, int b) { return a < b ? a : b; }
+SS_DEV int imax(int a, int b) { return a > b ? a : b; }
 
 // ---------------------------------------------------------------------------------------------
 // fp16 helpers. Half values travel as raw bits (u32 low 16 bits, or two halves packed in a u32:
@@ -495,48 +498,6 @@ SS_DEV void mma_pair(float (&acc)[MT][NT][4], const u32 (&f)[MT][2][4], const ui
 
 }  // namespace ss
 
-// x re-layout: xp[(k0*TPAD)/8 + (p*TPAD + n)*4 + t] (16 bytes) holds x[n][k0 + t*(C/4) + 8p + perm]
-// with perm = {0,2,1,3,4,6,5,7}, C = the chunk's length (256, or K % 256 for the last chunk) and
-// zeros for tokens n >= T. IN_F32 = 1: x is float32, else fp16 bits. One thread per 16-byte unit.
-template <int IN_F32>
-__global__ void pack_x_kernel(const void* __restrict__ xin, long long ldx, int T, int K, int TPAD,
-                              uint4* __restrict__ xp) {
-    const long long total = (long long)(K >> 3) * TPAD;
-    const long long per_full = 32LL * TPAD;
-    for (long long u = (long long)blockIdx.x * blockDim.x + threadIdx.x; u < total;
-         u += (long long)gridDim.x * blockDim.x) {
-        const int ch = (int)(u / per_full);
-        const int rem = (int)(u - (long long)ch * per_full);
-        const int k0 = ch * ss::CHUNK;
-        const int C = ss::imin(ss::CHUNK, K - k0);
-        const int p = rem / (4 * TPAD);
-        const int r2 = rem - p * 4 * TPAD;
-        const int n = r2 >> 2, t = r2 & 3;
-        const long long k = (long long)k0 + t * (C >> 2) + 8 * p;
-        u32 h[8];
-        if (n < T) {
-            const long long base = (long long)n * ldx + k;
-#pragma unroll
-            for (int e = 0; e < 8; ++e) {
-                if (IN_F32) {
-                    h[e] = ss::f2h(((const float*)xin)[base + e]);
-                } else {
-                    h[e] = (u32)((const u16*)xin)[base + e];
-                }
-            }
-        } else {
-#pragma unroll
-            for (int e = 0; e < 8; ++e) h[e] = 0u;
-        }
-        uint4 out;
-        out.x = h[0] | (h[2] << 16);
-        out.y = h[1] | (h[3] << 16);
-        out.z = h[4] | (h[6] << 16);
-        out.w = h[5] | (h[7] << 16);
-        xp[u] = out;
-    }
-}
-
 // Fused prologues of pack_x_kernel: the same packed layout, written straight from what the matmul's input is
 // computed from, so the separate elementwise launch (and its fp32 round trip through memory) goes away.
 // Arithmetic and reduction order are those of kernels/norm_rope.cu (rms_norm_kernel, silu_mul_kernel,
@@ -592,7 +553,74 @@ SS_DEV void pack_unit(int j, int n, int K, int TPAD, int& k, long long& u) {
     u = (long long)ch * 32 * TPAD + (long long)p * 4 * TPAD + 4 * n + t;
 }
 
+// Unit v of a pack in natural order: v = (ch TPAD + n) 32 + uu, natural unit uu of chunk ch (values 8 uu .. 8 uu + 7)
+// of token row n; m = 32-value pairs per packed lane t in the chunk (8 in a full chunk), so the unit holds values while
+// uu < 4 m; it is packed lane t = uu / m, pair p = uu % m. Returns its index in xp.
+SS_DEV long long natural_unit(long long v, int K, int TPAD, int& ch, int& n, int& uu, int& m) {
+    ch = (int)(v / (32LL * TPAD));
+    const int rem = (int)(v - (long long)ch * 32 * TPAD);
+    n = rem >> 5, uu = rem & 31;
+    m = imin(CHUNK, K - ch * CHUNK) >> 5;
+    const int t = uu / imax(m, 1), p = uu - t * m;
+    return (long long)ch * 32 * TPAD + (long long)p * 4 * TPAD + 4 * n + t;
+}
+
+// The gemv kernel's int16 staging (PackedX.q16, xq16.cuh) of natural unit uu of token n in chunk ch, from its fp16
+// values h[0..7] (zeros past a tail chunk's values). Warp-collective: units uu and uu ^ 1 (one 16-value group) are
+// lanes l and l ^ 1, whose halves' maxima and sums meet by shuffle; every lane of the warp must call it.
+SS_DEV void put_q16(uint4* q16, int nch, int T, int ch, int n, int uu, const u32* h) {
+    float f[8];
+#pragma unroll
+    for (int e = 0; e < 8; ++e) f[e] = h2f(h[e]);
+    float amax, sum;
+    xq::stats8(f, amax, sum);
+    const int lane = (int)(threadIdx.x & 31u);
+    const float pa = SS_SHFL(amax, lane ^ 1), ps = SS_SHFL(sum, lane ^ 1);
+    if (n >= T) return;
+    const bool lo = (uu & 1) == 0;
+    amax = xq::fmax2(amax, pa);
+    const long long cn = (long long)ch * T + n;
+    q16[cn * 32 + uu] = xq::quant8(f, xq::inv_scale(amax));
+    if (lo) {
+        float* const sc = xq::q16_scales(q16, nch, T);
+        sc[cn * 16 + (uu >> 1)] = xq::scale_of(amax);
+        sc[(long long)nch * T * 16 + cn * 16 + (uu >> 1)] = sum + ps;  // the low half's sum plus the high half's
+    }
+}
+
 }  // namespace ss
+
+// x re-layout: xp[(k0*TPAD)/8 + (p*TPAD + n)*4 + t] (16 bytes) holds x[n][k0 + t*(C/4) + 8p + perm]
+// with perm = {0,2,1,3,4,6,5,7}, C = the chunk's length (256, or K % 256 for the last chunk) and
+// zeros for tokens n >= T. IN_F32 = 1: x is float32, else fp16 bits. With q16 (PackedX.q16; T tokens) also the gemv
+// kernel's int16 staging of the fp16 values (xq16.cuh). Grid-stride, one thread per 16-byte unit in natural order
+// (natural_unit: 32 per chunk and token row, a tail chunk's units past its values write only the staging's zeros).
+template <int IN_F32>
+__global__ void pack_x_kernel(const void* __restrict__ xin, long long ldx, int T, int K, int TPAD,
+                              uint4* __restrict__ xp, uint4* __restrict__ q16) {
+    const int nch = (K + ss::CHUNK - 1) / ss::CHUNK;
+    const long long total = (long long)nch * TPAD * 32;  // a multiple of 32: warps are whole (put_q16 shuffles)
+    for (long long v = (long long)blockIdx.x * blockDim.x + threadIdx.x; v < total;
+         v += (long long)gridDim.x * blockDim.x) {
+        int ch, n, uu, m;
+        const long long u = ss::natural_unit(v, K, TPAD, ch, n, uu, m);
+        u32 h[8];
+        const bool has = uu < 4 * m;
+        const long long base = (long long)n * ldx + ch * ss::CHUNK + 8 * uu;
+#pragma unroll
+        for (int e = 0; e < 8; ++e) {
+            if (!has || n >= T) {
+                h[e] = 0u;
+            } else if (IN_F32) {
+                h[e] = ss::f2h(((const float*)xin)[base + e]);
+            } else {
+                h[e] = (u32)((const u16*)xin)[base + e];
+            }
+        }
+        if (has) xp[u] = ss::pack8(h);
+        if (q16 != nullptr) ss::put_q16(q16, nch, T, ch, n, uu, h);
+    }
+}
 
 namespace ss {
 
@@ -669,7 +697,7 @@ __global__ void __launch_bounds__(256) pack_rms_kernel(const void* __restrict__ 
                                                        const void* __restrict__ z, long long ldz,
                                                        const float* __restrict__ w,
                                                        int group, float eps, int T, int K, int TPAD,
-                                                       uint4* __restrict__ xp, int slices) {
+                                                       uint4* __restrict__ xp, int slices, uint4* __restrict__ q16) {
     using namespace ss;
     extern __shared__ uint4 ss_smem[];
     static __shared__ float red[8];
@@ -774,13 +802,16 @@ __global__ void __launch_bounds__(256) pack_rms_kernel(const void* __restrict__ 
         }
     }
     __syncthreads();
-    const int j_hi = imin(32 * c_hi, K >> 3);
-    for (int j = 32 * c_lo + tid; j < j_hi; j += 256) {
-        int k;
-        long long u;
-        pack_unit(j, n, K, TPAD, k, u);
+    const int nch_all = (K + CHUNK - 1) / CHUNK;
+    for (int j = 32 * c_lo + tid; j < 32 * c_hi; j += 256) {  // natural units of this block's chunks (whole warps)
+        int ch, nn, uu, m;
+        const long long u = natural_unit((long long)(j >> 5) * 32 * TPAD + 32 * n + (j & 31), K, TPAD, ch, nn, uu, m);
+        const int k = ch * CHUNK + 8 * uu;
         u32 h[8];
-        if (whole || (group & 7) == 0) {  // the unit's 8 values share one norm (and one head's weights)
+        if (uu >= 4 * m) {  // past a tail chunk's values
+#pragma unroll
+            for (int e = 0; e < 8; ++e) h[e] = 0u;
+        } else if (whole || (group & 7) == 0) {  // the unit's 8 values share one norm (and one head's weights)
             const int head = whole ? 0 : k / group, wk = whole ? k : k - head * group;
             const float inv = inv_g[head];
 #pragma unroll
@@ -804,31 +835,32 @@ __global__ void __launch_bounds__(256) pack_rms_kernel(const void* __restrict__ 
                 h[e] = f2h(v);
             }
         }
-        xp[u] = pack8(h);
+        if (uu < 4 * m) xp[u] = pack8(h);
+        if (q16 != nullptr) put_q16(q16, nch_all, T, ch, n, uu, h);
     }
 }
 
 // xp = fp16(silu(g) * u) in pack_x_kernel's layout (SwiGLU into ffn_down); g, u rows with strides ldg, ldu (the
-// halves of one [T, 2K] gate|up product). Grid-stride over the 16-byte units, one thread per unit; each reads its
-// 8 values of g and u as 16-byte vectors when both are 16-byte aligned (rows and strides), else one by one.
+// halves of one [T, 2K] gate|up product); with q16 also the gemv staging. Grid-stride over the units in natural
+// order (pack_x_kernel's); each reads its 8 values of g and u as 16-byte vectors when both are 16-byte aligned (rows
+// and strides), else one by one.
 template <int IN_F32>
 __global__ void pack_silu_kernel(const void* __restrict__ g, long long ldg, const void* __restrict__ up,
-                                 long long ldu, int T, int K, int TPAD, uint4* __restrict__ xp) {
+                                 long long ldu, int T, int K, int TPAD, uint4* __restrict__ xp,
+                                 uint4* __restrict__ q16) {
     using namespace ss;
     constexpr int IS = IN_F32 ? 4 : 2;
     const bool vec = aligned16(g, ldg * IS) && aligned16(up, ldu * IS);
-    const long long total = (long long)(K >> 3) * TPAD;
+    const int nch = (K + CHUNK - 1) / CHUNK;
+    const long long total = (long long)nch * TPAD * 32;
     for (long long v = (long long)blockIdx.x * blockDim.x + threadIdx.x; v < total;
          v += (long long)gridDim.x * blockDim.x) {
-        // invert pack_unit: v = ch * 32 TPAD + p * 4 TPAD + 4 n + t
-        const int ch = (int)(v / (32LL * TPAD));
-        const int rem = (int)(v - (long long)ch * 32 * TPAD);
-        const int p = rem / (4 * TPAD), r2 = rem - p * 4 * TPAD;
-        const int n = r2 >> 2, t = r2 & 3;
-        const int k0 = ch * CHUNK, C = imin(CHUNK, K - k0);
-        const int k = k0 + t * (C >> 2) + 8 * p;
+        int ch, n, uu, m;
+        const long long u = natural_unit(v, K, TPAD, ch, n, uu, m);
+        const int k = ch * CHUNK + 8 * uu;
+        const bool has = uu < 4 * m;
         u32 h[8];
-        if (n >= T) {
+        if (n >= T || !has) {
 #pragma unroll
             for (int e = 0; e < 8; ++e) h[e] = 0u;
         } else if (vec) {
@@ -847,9 +879,11 @@ __global__ void pack_silu_kernel(const void* __restrict__ g, long long ldg, cons
         } else {
 #pragma unroll
             for (int e = 0; e < 8; ++e)
-                h[e] = f2h(silu_f(ld_act<IN_F32>(g, (long long)n * ldg + k + e)) * ld_act<IN_F32>(up, (long long)n * ldu + k + e));
+                h[e] = f2h(silu_f(ld_act<IN_F32>(g, (long long)n * ldg + k + e)) *
+                           ld_act<IN_F32>(up, (long long)n * ldu + k + e));
         }
-        xp[v] = pack8(h);
+        if (has) xp[u] = pack8(h);
+        if (q16 != nullptr) put_q16(q16, nch, T, ch, n, uu, h);
     }
 }
 

@@ -272,6 +272,9 @@ class PackedX:
     tokens: int
     in_features: int
     residual: Any = None
+    # the gemv kernel's int16 staging of the same fp16 values (kernels/xq16.cuh), written by the same pack launch for
+    # narrow inputs (Q16_TOKENS) so that no gemv block quantizes x itself: cupy uint32 [q16_words(K, T)] or None
+    q16: Any = None
 
     @property
     def n_tiles(self) -> int:
@@ -280,6 +283,18 @@ class PackedX:
     @property
     def padded_tokens(self) -> int:
         return 8 * self.n_tiles
+
+
+# Widths whose packs also write PackedX.q16 unless told (pack_activations(q16=)): one token, where every quantized
+# matrix goes to the gemv kernel (quant_gemv.CROSSOVER). At two only Q8_0 does; writing it there cost the 27B Q4_K_M's
+# two-token step 0.7 % (H100, docs/gpu_quant_matmul.md "gemv: x staged once by the pack") for nothing.
+Q16_TOKENS = 1
+
+
+def q16_words(k: int, tokens: int) -> int:
+    """32-bit words of a PackedX.q16 buffer: per 256-value chunk and token 32 int16 units of 16 bytes, 16 scales
+    and 16 sums."""
+    return -(-k // 256) * tokens * (32 * 4 + 16 + 16)
 
 
 PACK_RMS_STATIC_SMEM = 2048  # pack_rms_kernel's static shared memory (1056 bytes: red[8], inv_g[256]), rounded up
@@ -329,6 +344,7 @@ def pack_activations(
     silu_up: Any = None,
     portable: bool = False,
     out: Any = None,
+    q16: bool | None = None,
 ) -> PackedX:
     """x: cupy (or numpy) [T, K] or [K] float16/float32, T <= 64, K a multiple of 32 -> PackedX (one launch).
 
@@ -340,6 +356,7 @@ def pack_activations(
         (allocated when None; may be `residual` itself) and returned as PackedX.residual (nr.rms_norm(residual=));
       * silu_up (like x): silu(x) * silu_up (SwiGLU: x the gate half, silu_up the up half; row strides free).
     Arithmetic matches kernels/norm_rope.cu, so the result equals packing that module's output bit for bit.
+    q16: also write the gemv kernel's int16 staging (PackedX.q16); None: for up to Q16_TOKENS tokens.
     """
     cupy = loader.require()
     x = _rows_2d(x, "activations")
@@ -361,8 +378,12 @@ def pack_activations(
         out = cupy.empty(size, dtype=cupy.uint16)
     elif out.dtype != cupy.uint16 or out.size != size or not out.flags.c_contiguous:
         raise ValueError(f"out must be a contiguous uint16 array of {size} elements")
-    units = (k // 8) * padded
+    units = -(-k // 256) * padded * 32  # pack_x / pack_silu: one thread per 16-byte unit (tail chunks padded to 32)
     blocks = max(1, min((units + 255) // 256, 8192))
+    if q16 is None:
+        q16 = tokens <= Q16_TOKENS
+    xq = cupy.empty(q16_words(k, tokens), dtype=cupy.uint32) if q16 else None
+    xq_arg = xq if xq is not None else np.uint64(0)
 
     def like_x(a: Any, name: str, contiguous: bool = True) -> Any:
         a = _rows_2d(a, name)
@@ -374,12 +395,12 @@ def pack_activations(
         up = like_x(silu_up, "silu_up", contiguous=False)
         ldu = up.strides[0] // item if tokens > 1 else k
         pack_silu_function(f32, portable)((blocks,), (256,), (x, np.int64(ldx), up, np.int64(ldu), np.int32(tokens),
-                                                             np.int32(k), np.int32(padded), out))  # fmt: skip
-        return PackedX(out, tokens, k)
+                                                             np.int32(k), np.int32(padded), out, xq_arg))  # fmt: skip
+        return PackedX(out, tokens, k, q16=xq)
     if rms_weight is None:
         pack_function(f32, portable)((blocks,), (256,), (x, np.int64(ldx), np.int32(tokens), np.int32(k),
-                                                         np.int32(padded), out))  # fmt: skip
-        return PackedX(out, tokens, k)
+                                                         np.int32(padded), out, xq_arg))  # fmt: skip
+        return PackedX(out, tokens, k, q16=xq)
 
     w = cupy.asarray(rms_weight, dtype=cupy.float32).reshape(-1)
     group = int(w.size)
@@ -413,8 +434,8 @@ def pack_activations(
     slices = pack_rms_slices(k, group)
     kern((pack_rms_grid(tokens, k, padded, slices),), (256,),
          (x, np.int64(ldx), r, s, z, np.int64(ldz), w, np.int32(group), np.float32(eps), np.int32(tokens),
-          np.int32(k), np.int32(padded), out, np.int32(slices)), shared_mem=smem)  # fmt: skip
-    return PackedX(out, tokens, k, residual_out if residual is not None else None)
+          np.int32(k), np.int32(padded), out, np.int32(slices), xq_arg), shared_mem=smem)  # fmt: skip
+    return PackedX(out, tokens, k, residual_out if residual is not None else None, q16=xq)
 
 
 def pack_rms_smem_bytes(k: int, group: int, gate: bool) -> int:

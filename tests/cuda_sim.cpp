@@ -109,7 +109,7 @@ extern "C" void sim_pack(int in_f32, const void* x, long long ldx, int T, int K,
     simb::cur = 0;
     simb::tids[0] = {0, 0, 0};
     if (in_f32)
-        pack_x_kernel<1>(x, ldx, T, K, tpad, (uint4*)xp);
+        pack_x_kernel<1>(x, ldx, T, K, tpad, (uint4*)xp, nullptr);
     else
-        pack_x_kernel<0>(x, ldx, T, K, tpad, (uint4*)xp);
+        pack_x_kernel<0>(x, ldx, T, K, tpad, (uint4*)xp, nullptr);
 }

@@ -26,6 +26,7 @@ struct Args {
     float* y;
     int accumulate;
     long long ldy;
+    const uint4* xq;  // PackedX.q16 or null
 };
 static Args ga;
 static void (*g_body)() = nullptr;
@@ -34,10 +35,10 @@ static void (*g_body)() = nullptr;
 template <int QT, int NT, int PD>
 static void body() {
     if constexpr (PD == 0 || QT == 1)
-        gemv_kernel<QT, NT>(ga.W, ga.row_bytes, ga.N, ga.K, ga.xp, ga.tpad, ga.y, ga.accumulate, ga.ldy);
+        gemv_kernel<QT, NT>(ga.W, ga.row_bytes, ga.N, ga.K, ga.xp, ga.tpad, ga.y, ga.accumulate, ga.ldy, ga.xq);
     else
         gemv_persist_kernel<QT, NT, PD>(ga.W, ga.row_bytes, ga.N, ga.K, ga.xp, ga.tpad, ga.y, ga.accumulate,
-                                        ga.ldy);
+                                        ga.ldy, ga.xq);
 }
 
 template <int QT, int PD>
@@ -74,9 +75,10 @@ static void (*pick(int nt, int pd))() {
 
 // One launch of `grid` blocks (0: ceil(N / 16), one per tile) of 32 kw threads, one after another; pd = 0: the
 // per-tile kernel, 1 / 2: the persistent one with that prefetch depth (F16 has none: pd must be 0). Returns the
-// simulation errors, or -1 for an instantiation this harness does not hold. ldy: y's row stride in floats.
+// simulation errors, or -1 for an instantiation this harness does not hold. ldy: y's row stride in floats. xq: the
+// pack's int16 staging (PackedX.q16) or null.
 extern "C" int sim_gemv(int qt, int nt, const unsigned char* W, long long row_bytes, int N, int K, const void* xp,
-                        int tpad, float* y, int accumulate, int kw, int pd, int grid, long long ldy) {
+                        int tpad, float* y, int accumulate, int kw, int pd, int grid, long long ldy, const void* xq) {
     switch (qt) {
         case 1: g_body = pd == 0 ? pick<1>(nt, 0) : nullptr; break;
         case 8: g_body = pick<8>(nt, pd); break;
@@ -85,7 +87,7 @@ extern "C" int sim_gemv(int qt, int nt, const unsigned char* W, long long row_by
         default: g_body = nullptr;
     }
     if (!g_body || kw < 1 || kw > gv::MAX_KW) return -1;
-    ga = {W, row_bytes, N, K, (const uint4*)xp, tpad, y, accumulate, ldy};
+    ga = {W, row_bytes, N, K, (const uint4*)xp, tpad, y, accumulate, ldy, (const uint4*)xq};
     const unsigned blocks = grid > 0 ? (unsigned)grid : (unsigned)((N + 15) / 16);
     int errors = 0;
     sim::gdim = {blocks, 1, 1};
@@ -111,7 +113,7 @@ static struct {
 template <int QT, int NT>
 static void split_body() {
     gemv_splitk_kernel<QT, NT>(ga.W, ga.row_bytes, ga.N, ga.K, ga.xp, ga.tpad, ga.y, ga.accumulate, ga.ldy, sa.splits,
-                               sa.part, sa.counters);
+                               sa.part, sa.counters, ga.xq);
 }
 
 template <int QT>
@@ -127,7 +129,7 @@ static void (*pick_split(int nt))() {
 
 extern "C" int sim_gemv_split(int qt, int nt, const unsigned char* W, long long row_bytes, int N, int K,
                               const void* xp, int tpad, float* y, int accumulate, int kw, int splits, long long ldy,
-                              float* part, unsigned int* counters, unsigned long long order_seed) {
+                              float* part, unsigned int* counters, unsigned long long order_seed, const void* xq) {
     switch (qt) {
         case 1: g_body = pick_split<1>(nt); break;
         case 8: g_body = pick_split<8>(nt); break;
@@ -136,7 +138,7 @@ extern "C" int sim_gemv_split(int qt, int nt, const unsigned char* W, long long 
         default: g_body = nullptr;
     }
     if (!g_body || kw < 1 || kw > gv::MAX_KW || splits < 1) return -1;
-    ga = {W, row_bytes, N, K, (const uint4*)xp, tpad, y, accumulate, ldy};
+    ga = {W, row_bytes, N, K, (const uint4*)xp, tpad, y, accumulate, ldy, (const uint4*)xq};
     sa = {splits, part, counters};
     const unsigned blocks = (unsigned)((N + 15) / 16) * (unsigned)splits;
     std::vector<unsigned> order(blocks);
@@ -157,11 +159,23 @@ extern "C" int sim_gemv_split(int qt, int nt, const unsigned char* W, long long 
     return errors;
 }
 
-extern "C" void sim_pack(const void* x, int T, int K, int tpad, void* xp) {
-    sim::gdim = {1, 1, 1};
-    sim::bdim = {1, 1, 1};
-    sim::bid = {0, 0, 0};
-    simb::cur = 0;
-    simb::tids[0] = {0, 0, 0};
-    pack_x_kernel<0>(x, (long long)K, T, K, tpad, (uint4*)xp);
+// pack_x_kernel: blocks of 64 threads (fibers: put_q16 shuffles between unit partners); q16: also the gemv staging
+// (PackedX.q16), or null
+static struct {
+    const void* x;
+    int T, K, tpad;
+    void *xp, *q16;
+} pa;
+
+static void pack_body() { pack_x_kernel<0>(pa.x, (long long)pa.K, pa.T, pa.K, pa.tpad, (uint4*)pa.xp, (uint4*)pa.q16); }
+
+extern "C" void sim_pack(const void* x, int T, int K, int tpad, void* xp, void* q16) {
+    pa = {x, T, K, tpad, xp, q16};
+    const unsigned blocks = 3;  // fewer than the units: the grid-stride loop runs several rounds
+    sim::gdim = {blocks, 1, 1};
+    sim::bdim = {64, 1, 1};
+    for (unsigned b = 0; b < blocks; ++b) {
+        sim::bid = {b, 0, 0};
+        simb::run_block(64, pack_body);
+    }
 }

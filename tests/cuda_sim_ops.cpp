@@ -296,14 +296,16 @@ extern "C" int sim_sample_state_bytes() { return (int)sizeof(sxs::RowState); }
 
 #if OPS_FAMILY == 4
 // pack_rms_kernel (mode 0) or pack_silu_kernel (mode 1) into xp (K * tpad halves); silu: r = the up rows.
-// mode 0: blocks = T * slices row blocks + the padding blocks (0: one padding block when T < tpad).
+// mode 0: blocks = T * slices row blocks + the padding blocks (0: one padding block when T < tpad). q16: also the
+// gemv staging (PackedX.q16), or null.
 extern "C" int sim_pack_fused(int mode, int in_f32, int res, int gate, const void* x, long long ldx, const void* r,
                               void* s, const void* z, long long ldz, const float* w, int group, float eps, int T, int K,
-                              int tpad, void* xp, int blocks, int slices) {
+                              int tpad, void* xp, int blocks, int slices, void* q16) {
     g_body = nullptr;
 #define PR(F, R, G)                                                                                         \
     if (mode == 0 && in_f32 == F && res == R && gate == G)                                                  \
-        g_body = [=] { pack_rms_kernel<F, R, G>(x, ldx, r, s, z, ldz, w, group, eps, T, K, tpad, (uint4*)xp, slices); };
+        g_body = [=] { pack_rms_kernel<F, R, G>(x, ldx, r, s, z, ldz, w, group, eps, T, K, tpad, (uint4*)xp, slices, \
+                                                 (uint4*)q16); };
     PR(1, 0, 0)
     PR(1, 1, 0)
     PR(0, 1, 0)
@@ -312,8 +314,8 @@ extern "C" int sim_pack_fused(int mode, int in_f32, int res, int gate, const voi
     PR(0, 1, 1)
     PR(1, 1, 1)
 #undef PR
-    if (mode == 1 && in_f32) g_body = [=] { pack_silu_kernel<1>(x, ldx, r, ldz, T, K, tpad, (uint4*)xp); };
-    if (mode == 1 && !in_f32) g_body = [=] { pack_silu_kernel<0>(x, ldx, r, ldz, T, K, tpad, (uint4*)xp); };
+    if (mode == 1 && in_f32) g_body = [=] { pack_silu_kernel<1>(x, ldx, r, ldz, T, K, tpad, (uint4*)xp, (uint4*)q16); };
+    if (mode == 1 && !in_f32) g_body = [=] { pack_silu_kernel<0>(x, ldx, r, ldz, T, K, tpad, (uint4*)xp, (uint4*)q16); };
     if (!g_body) return -1;
     if (mode == 0 && blocks == 0) blocks = T * slices + (T < tpad ? 1 : 0);
     return mode == 0 ? launch(blocks, 1, 1, 256) : launch(blocks, 1, 1, 64);

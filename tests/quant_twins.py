@@ -87,3 +87,30 @@ def check_matmul(W: qm.QuantMatrix, w64: np.ndarray, tokens: int, rng: np.random
     err = rel_error(y, x.astype(np.float64) @ w64.T)
     assert err < tol, f"{label} T={tokens} {kw}: relative error {err:.3e} >= {tol}"
     return y
+
+
+def q16_twin(x: np.ndarray) -> np.ndarray:
+    """NumPy twin of PackedX.q16 (kernels/xq16.cuh) for fp16 x [T, K] (K a multiple of 32): per 256-value chunk and
+    token, per 16-value group (a tail chunk's missing groups zero) int16 q = round-half-even of the exact product
+    f * inv, inv = 32767 / max|f| in fp32; scale max|f| / 32767 and the group's fp32 sum (each half of 8 added in
+    value order, then low + high); as the uint32 words of the buffer (units [nch][T][32] of 8 int16, then scales
+    and sums [nch][T][16])."""
+    t, k = x.shape
+    nch = -(-k // 256)
+    f = np.zeros((t, nch * 256), np.float32)
+    f[:, :k] = x.astype(np.float32)
+    g = f.reshape(t, nch, 16, 16).transpose(1, 0, 2, 3)  # [nch, T, group, value]
+    amax = np.abs(g).max(axis=3)
+    halves = []
+    for h in range(2):  # each half of 8 values added in order, then low + high (the kernels' order)
+        part = np.zeros(amax.shape, np.float32)
+        for e in range(8 * h, 8 * h + 8):
+            part = (part + g[..., e]).astype(np.float32)
+        halves.append(part)
+    total = (halves[0] + halves[1]).astype(np.float32)
+    with np.errstate(divide="ignore"):
+        inv = np.where(amax > 0, np.float32(32767.0) / amax, np.float32(0)).astype(np.float32)
+    q = np.rint(g.astype(np.float64) * inv[..., None].astype(np.float64)).astype(np.int16)  # of the exact product
+    scale = (amax * np.float32(1.0 / 32767.0)).astype(np.float32)
+    return np.concatenate([q.reshape(-1).view(np.uint32), scale.reshape(-1).view(np.uint32),
+                           total.reshape(-1).view(np.uint32)])

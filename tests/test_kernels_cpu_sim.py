@@ -21,6 +21,7 @@ import pytest
 
 from kernels import quant_matmul as qm
 from services.engine import quants
+from tests.quant_twins import q16_twin
 
 ROOT = Path(__file__).resolve().parents[1]
 SOURCE = ROOT / "kernels" / "quant_matmul.cu"
@@ -235,7 +236,7 @@ def fused_sim(tmp_path_factory):
     C, P, I, LL, F = ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_longlong, ctypes.c_float
     lib = build_family("quant_matmul", tmp_path_factory.mktemp("cuda_sim_fused"))
     lib.sim_pack_fused.restype = C
-    lib.sim_pack_fused.argtypes = [I, I, I, I, P, LL, P, P, P, LL, P, I, F, I, I, I, P, I, I]
+    lib.sim_pack_fused.argtypes = [I, I, I, I, P, LL, P, P, P, LL, P, I, F, I, I, I, P, I, I, P]
     lib.sim_qmv_acc.restype = C
     lib.sim_qmv_acc.argtypes = [I, I, I, I, P, LL, I, I, P, I, P, I, I, I, LL]
     return lib
@@ -299,12 +300,16 @@ def test_fused_norm_pack_matches_twin_on_cpu(fused_sim, dtype, tokens, k, group,
     s[...] = np.nan
     xp = aligned_zeros(k * tpad * 2)
     xp.view(np.uint16)[:] = 0x7E00  # NaN poison: every unit, padding included, must be written
+    xq = aligned_zeros(4 * qm.q16_words(k, tokens)).view(np.uint32)
+    xq[:] = 0xDEADBEEF
     err = fused_sim.sim_pack_fused(0, int(dtype == np.float32), res, gate, x.ctypes.data, k, r.ctypes.data,
                                    s.ctypes.data, zs[:, k:].ctypes.data, 2 * k, w.ctypes.data, group, 1e-6, tokens,
-                                   k, tpad, xp.ctypes.data, tokens * slices + pad_blocks, slices)  # fmt: skip
+                                   k, tpad, xp.ctypes.data, tokens * slices + pad_blocks, slices,
+                                   xq.ctypes.data)  # fmt: skip
     assert err == 0
     got = unpack_numpy(xp, k, tpad)
     assert not got[tokens:].any(), "padding tokens must be zero"
+    assert np.array_equal(xq, q16_twin(got[:tokens])), "the gemv staging (PackedX.q16) of the packed values"
     v = x.astype(np.float64) + (r if res else 0)
     if res:  # the new residual stream: x + r rounded once to the stream's type
         assert np.array_equal(s, v.astype(dtype))
@@ -342,7 +347,7 @@ def test_fused_norm_pack_equals_rms_norm_kernel_then_pack_on_cpu(fused_sim, sim,
         s_f[...] = np.nan
         assert fused_sim.sim_pack_fused(0, int(dtype == np.float32), res, 0, x.ctypes.data, k, r.ctypes.data,
                                         s_f.ctypes.data, None, k, w.ctypes.data, k, 1e-6, tokens, k, tpad,
-                                        fused.ctypes.data, 0, slices) == 0  # fmt: skip
+                                        fused.ctypes.data, 0, slices, None) == 0  # fmt: skip
         assert np.array_equal(fused, unfused), f"{slices} slices"
         if res:
             assert np.array_equal(s_f.view(np.uint8), s_u.view(np.uint8))
@@ -359,11 +364,15 @@ def test_fused_silu_pack_matches_twin_on_cpu(fused_sim, dtype, tokens, k, shift)
     gu[...] = rng.standard_normal((tokens, 2 * k)) * 2
     xp = aligned_zeros(k * tpad * 2)
     xp.view(np.uint16)[:] = 0x7E00
+    xq = aligned_zeros(4 * qm.q16_words(k, tokens)).view(np.uint32)
+    xq[:] = 0xDEADBEEF
     err = fused_sim.sim_pack_fused(1, int(dtype == np.float32), 0, 0, gu.ctypes.data, 2 * k, gu[:, k:].ctypes.data,
-                                   None, None, 2 * k, None, 0, 0.0, tokens, k, tpad, xp.ctypes.data, 3, 1)  # fmt: skip
+                                   None, None, 2 * k, None, 0, 0.0, tokens, k, tpad, xp.ctypes.data, 3, 1,
+                                   xq.ctypes.data)  # fmt: skip
     assert err == 0
     got = unpack_numpy(xp, k, tpad)
     assert not got[tokens:].any()
+    assert np.array_equal(xq, q16_twin(got[:tokens]))
     g, u = gu[:, :k].astype(np.float64), gu[:, k:].astype(np.float64)
     np.testing.assert_allclose(got[:tokens].astype(np.float64), silu64(g) * u, rtol=2e-3, atol=2e-3)
 

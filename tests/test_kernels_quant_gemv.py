@@ -348,3 +348,45 @@ def test_split_k_auto_at_27b_shapes(qtype: int, shape: tuple[int, int], monkeypa
         assert np.array_equal(auto, run(W, x, kernel="gemv"))
     with pytest.raises(ValueError, match="exclusive"):
         W.matmul(cupy.asarray(x), kernel="gemv", config=qg.GemvConfig(persistent=True, splits=2))
+
+
+@pytest.mark.parametrize("qtype", (qm.Q4_K, qm.Q6_K, qm.Q8_0), ids=NAMES.get)
+@pytest.mark.parametrize("tokens", (1, 2))
+def test_pack_staging_is_bitwise_and_matches_twin(qtype: int, tokens: int) -> None:
+    """Every pack kind writes PackedX.q16 for one token and when asked (the NumPy twin of the int16 staging, of the
+    fp16 values it packed); the per-tile, persistent and split-K kernels that copy it give bitwise what staging x in
+    every block gives; and a product fed from it through the auto dispatch stays within the twin's bound."""
+    from tests.quant_twins import q16_twin
+    from tests.test_kernels_cpu_sim import unpack_numpy
+
+    rng = np.random.default_rng(qtype * 11 + tokens)
+    n_out, k = 200, 2048 if qtype != qm.Q8_0 else 1248
+    raw = random_weights(qtype, n_out, k, rng)
+    W = qm.QuantMatrix(qtype, cupy.asarray(raw), (n_out, k))
+    w64 = dequantize(qtype, raw, n_out, k)
+    x = cupy.asarray((rng.standard_normal((tokens, k)) * 2).astype(np.float32))
+    gu = cupy.asarray(rng.standard_normal((tokens, 2 * k)).astype(np.float32))
+    w = cupy.asarray((1 + 0.1 * rng.standard_normal(k)).astype(np.float32))
+    q16 = True if tokens > qm.Q16_TOKENS else None  # None: the default for narrow inputs
+    packs = {
+        "x f32": qm.pack_activations(x, q16=q16),
+        "x f16": qm.pack_activations(x.astype(cupy.float16), q16=q16),
+        "rms+residual": qm.pack_activations(x, rms_weight=w, residual=gu[:, k:].copy(), q16=q16),
+        "head norm gate": qm.pack_activations(x, rms_weight=w[:32], gate=gu[:, k:], q16=q16),
+        "silu": qm.pack_activations(gu[:, :k], silu_up=gu[:, k:], q16=q16),
+    }
+    for name, px in packs.items():
+        assert px.q16 is not None, name
+        xh = unpack_numpy(cupy.asnumpy(px.data), k, px.padded_tokens)[:tokens]
+        assert np.array_equal(cupy.asnumpy(px.q16), q16_twin(xh)), f"{name}: q16 differs from its twin"
+        plain = qm.PackedX(px.data, tokens, k)  # the same fp16 pack, no staging copy
+        for cfg in (qg.GemvConfig(k_warps=4), qg.GemvConfig(k_warps=2, persistent=True), qg.GemvConfig(splits=3)):
+            a = cupy.full((tokens, n_out), np.nan, cupy.float32)
+            b = cupy.full((tokens, n_out), np.nan, cupy.float32)
+            qg.gemv(W, px, a, config=cfg)
+            qg.gemv(W, plain, b, config=cfg)
+            assert cupy.array_equal(a, b), f"{name} {cfg}: copying q16 changed the product"
+        y = cupy.asnumpy(W.matmul(px))
+        assert rel_error(y, xh.astype(np.float64) @ w64.T) < (TOL if tokens <= qg.CROSSOVER[qtype] else 2e-3), name
+    assert qm.pack_activations(x, q16=False).q16 is None
+    assert qm.pack_activations(cupy.zeros((qm.Q16_TOKENS + 1, k), cupy.float32)).q16 is None

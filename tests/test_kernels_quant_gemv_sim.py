@@ -24,7 +24,7 @@ import pytest
 from kernels import quant_gemv as qg
 from kernels import quant_matmul as qm
 from services.engine import quants
-from tests.quant_twins import random_weights
+from tests.quant_twins import q16_twin, random_weights
 
 ROOT = Path(__file__).resolve().parents[1]
 SOURCE = ROOT / "kernels" / "quant_gemv.cu"
@@ -57,9 +57,11 @@ def sim(tmp_path_factory) -> ctypes.CDLL:
     lib.sim_gemv.argtypes = [
         ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_longlong, ctypes.c_int, ctypes.c_int, ctypes.c_void_p,
         ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_longlong,
+        ctypes.c_void_p,
     ]  # fmt: skip
     lib.sim_pack.restype = None
-    lib.sim_pack.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_void_p]
+    lib.sim_pack.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_void_p,
+                             ctypes.c_void_p]
     return lib
 
 
@@ -72,29 +74,42 @@ def aligned_zeros(nbytes: int) -> np.ndarray:
 SENTINEL = np.float32(7.25)  # columns of a wider output beside the product's slice must keep it
 
 
+def sim_pack(lib, x: np.ndarray, q16: bool = False) -> tuple[np.ndarray, np.ndarray | None]:
+    """pack_x_kernel on the CPU: (packed fp16 x, and with q16 the gemv staging buffer PackedX.q16, else None)."""
+    tokens, k = x.shape
+    tpad = 8 * ((tokens + 7) // 8)
+    xp = aligned_zeros(k * tpad * 2)
+    xq = aligned_zeros(4 * qm.q16_words(k, tokens)).view(np.uint32) if q16 else None
+    if xq is not None:
+        xq[...] = 0xDEADBEEF  # every word must be written
+    x = np.ascontiguousarray(x, dtype=np.float16)
+    lib.sim_pack(x.ctypes.data, tokens, k, tpad, xp.ctypes.data, None if xq is None else xq.ctypes.data)
+    return xp, xq
+
+
 def run_sim(
     lib, qtype: int, raw: np.ndarray, n_out: int, k: int, x: np.ndarray, kw: int, y0=None, pd: int = 0, grid: int = 0,
-    ld: int = 0,
+    ld: int = 0, q16: bool = False, xq_edit=None,
 ) -> np.ndarray:
     """One simulated launch; y0 given: accumulate into a copy of it, else into a NaN-poisoned output. pd = 0: the
     per-tile kernel; 1 / 2: the persistent one with that prefetch depth and `grid` blocks (0: one per tile).
     ld > n_out: the output is the last n_out columns of [T, ld] rows (a stacked projection's slice); the others
-    must be left alone."""
+    must be left alone. q16: x staged from the pack's int16 copy (PackedX.q16) instead of quantized by the kernel."""
     tokens = x.shape[0]
     tpad = 8 * ((tokens + 7) // 8)
     laid = qm.device_layout(qtype, raw)
     w = aligned_zeros(laid.nbytes + PAD)  # 16-byte aligned, with the slack the launcher adds
     w[: laid.nbytes] = laid
-    xp = aligned_zeros(k * tpad * 2)
-    x = np.ascontiguousarray(x, dtype=np.float16)
-    lib.sim_pack(x.ctypes.data, tokens, k, tpad, xp.ctypes.data)
+    xp, xq = sim_pack(lib, x, q16)
+    if xq_edit is not None:
+        xq_edit(xq)
     ld = ld or n_out
     full = np.full((tokens, ld), SENTINEL, np.float32)
     y = full[:, ld - n_out :]
     y[...] = np.nan if y0 is None else y0
     err = lib.sim_gemv(
         qtype, tokens, w.ctypes.data, raw.shape[1], n_out, k, xp.ctypes.data, tpad, y.ctypes.data, int(y0 is not None),
-        kw, pd, grid, ld,
+        kw, pd, grid, ld, None if xq is None else xq.ctypes.data,
     )  # fmt: skip
     assert err == 0, "the simulation reported a divergent warp or a deadlock"
     assert (full[:, : ld - n_out] == SENTINEL).all(), "a column outside the output slice was written"
@@ -135,6 +150,45 @@ def test_gemv_matches_twin_on_cpu(sim, qtype: int, n_out: int, k: int, tokens: i
     x = (rng.standard_normal((tokens, k)) * 0.5).astype(np.float16)
     y = run_sim(sim, qtype, raw, n_out, k, x, kw)
     check_twin(y, x, raw, qtype, n_out, k)
+
+
+@needs_gxx
+@pytest.mark.parametrize("k,tokens", [(256, 1), (1248, 2), (544, 3), (32, 1), (800, 2)])
+def test_pack_writes_the_gemv_staging(sim, k: int, tokens: int) -> None:
+    """pack_x_kernel's PackedX.q16 (every word written) equals the NumPy twin of the gemv kernel's own int16 staging,
+    tail chunks (224 / 32 / 64 values: missing groups zero) and all-zero groups included; the fp16 pack is unchanged."""
+    rng = np.random.default_rng(k + tokens)
+    x = (rng.standard_normal((tokens, k)) * 3).astype(np.float16)
+    x[0, :16] = 0  # an all-zero group: scale 0
+    x[-1, 16:32] = np.float16(-2.5)  # ties of the int16 rounding at the group maximum
+    xp, xq = sim_pack(sim, x, q16=True)
+    assert np.array_equal(xq, q16_twin(x))
+    assert np.array_equal(xp, sim_pack(sim, x)[0])
+
+
+Q16_CASES = [case for case in CASES if case[0] != F16]
+
+
+@needs_gxx
+@pytest.mark.parametrize("qtype,n_out,k,tokens,kw", Q16_CASES)
+def test_gemv_from_the_pack_staging_is_bitwise(sim, qtype: int, n_out: int, k: int, tokens: int, kw: int) -> None:
+    """x copied from PackedX.q16 instead of quantized in every block: the same output bit for bit, per-tile and
+    persistent (quantized types; F16 ignores it)."""
+    rng = np.random.default_rng(qtype * 31 + n_out + k + tokens)
+    raw = random_weights(qtype, n_out, k, rng)
+    x = (rng.standard_normal((tokens, k)) * 0.5).astype(np.float16)
+    y = run_sim(sim, qtype, raw, n_out, k, x, kw)
+    assert np.array_equal(y, run_sim(sim, qtype, raw, n_out, k, x, kw, q16=True))
+
+    def doubled(xq: np.ndarray) -> None:  # scales and sums x 2: every term doubles exactly, so must y
+        units = -(-k // 256) * tokens * 32 * 4
+        xq[units:] = (xq[units:].view(np.float32) * 2).view(np.uint32)
+
+    assert np.array_equal(2 * y, run_sim(sim, qtype, raw, n_out, k, x, kw, q16=True, xq_edit=doubled))
+    y0 = rng.standard_normal((tokens, n_out)).astype(np.float32)
+    grid = max(1, -(-n_out // 32))
+    assert np.array_equal(run_sim(sim, qtype, raw, n_out, k, x, kw, y0, pd=1, grid=grid),
+                          run_sim(sim, qtype, raw, n_out, k, x, kw, y0, pd=1, grid=grid, q16=True))
 
 
 @needs_gxx
@@ -244,7 +298,7 @@ def test_k_warps_choice() -> None:
 
 def run_split(
     lib, qtype: int, raw: np.ndarray, n_out: int, k: int, x: np.ndarray, kw: int, splits: int, y0=None, ld: int = 0,
-    seed: int = 0, scratch=None,
+    seed: int = 0, scratch=None, q16: bool = False,
 ) -> np.ndarray:
     """One simulated split-K launch (blocks in grid order, seed = 0, or a permutation seeded with it), into a
     NaN-poisoned output or accumulating into y0, optionally a column slice of [T, ld] rows. scratch: (partial sums,
@@ -255,9 +309,7 @@ def run_split(
     laid = qm.device_layout(qtype, raw)
     w = aligned_zeros(laid.nbytes + PAD)
     w[: laid.nbytes] = laid
-    xp = aligned_zeros(k * tpad * 2)
-    x = np.ascontiguousarray(x, dtype=np.float16)
-    lib.sim_pack(x.ctypes.data, tokens, k, tpad, xp.ctypes.data)
+    xp, xq = sim_pack(lib, x, q16)
     tiles = -(-n_out // 16)
     if scratch is None:
         scratch = (np.full(tiles * splits * kw * 16 * tokens, np.nan, np.float32), np.zeros(tiles, np.uint32))
@@ -269,7 +321,7 @@ def run_split(
     y[...] = np.nan if y0 is None else y0
     err = lib.sim_gemv_split(
         qtype, tokens, w.ctypes.data, raw.shape[1], n_out, k, xp.ctypes.data, tpad, y.ctypes.data, int(y0 is not None),
-        kw, splits, ld, part.ctypes.data, counters.ctypes.data, seed,
+        kw, splits, ld, part.ctypes.data, counters.ctypes.data, seed, None if xq is None else xq.ctypes.data,
     )  # fmt: skip
     assert err == 0, "the simulation reported a divergent warp or a deadlock"
     assert not counters.any(), "the arrival counters were not reset for the next launch"
@@ -283,7 +335,7 @@ def split_lib(sim) -> ctypes.CDLL:
     sim.sim_gemv_split.argtypes = [
         ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_longlong, ctypes.c_int, ctypes.c_int, ctypes.c_void_p,
         ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_longlong, ctypes.c_void_p,
-        ctypes.c_void_p, ctypes.c_ulonglong,
+        ctypes.c_void_p, ctypes.c_ulonglong, ctypes.c_void_p,
     ]  # fmt: skip
     return sim
 
@@ -325,6 +377,19 @@ def test_split_k_matches_twin_and_per_tile_kernel(
     for launch in range(2):  # the counters the first launch leaves behind serve the second
         acc = run_split(lib, qtype, raw, n_out, k, x, kw, splits, y0, ld=n_out + 13, seed=launch * 7, scratch=scratch)
         assert np.array_equal(acc, y0 + y)
+
+
+@needs_gxx
+@pytest.mark.parametrize("qtype,n_out,k,tokens,kw,splits", [c for c in SPLIT_CASES if c[0] != F16][::2])
+def test_split_k_from_the_pack_staging_is_bitwise(
+    split_lib, qtype: int, n_out: int, k: int, tokens: int, kw: int, splits: int
+) -> None:
+    """The split-K kernel's blocks copy their chunks of PackedX.q16: bitwise what staging x itself gives."""
+    rng = np.random.default_rng(qtype * 17 + n_out + k + tokens + splits)
+    raw = random_weights(qtype, n_out, k, rng)
+    x = (rng.standard_normal((tokens, k)) * 0.5).astype(np.float16)
+    y = run_split(split_lib, qtype, raw, n_out, k, x, kw, splits)
+    assert np.array_equal(y, run_split(split_lib, qtype, raw, n_out, k, x, kw, splits, seed=3, q16=True))
 
 
 def test_split_choice(monkeypatch) -> None:

@@ -1,0 +1,219 @@
+"""The gemv kernel fed from the pack's int16 staging (PackedX.q16) against quantizing x in every block, in one run:
+per matrix (27B shapes, T = 1 and 2, graph-replayed calls rotating over weight copies) and in the synthetic model's
+decode step (width 1 and 2, graph replay, off / on interleaved). Prints ratios on / off.
+
+    python3 bench/gemv_q16_ab.py [--no-matrices] [--model PATH] [--context 512] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+MATRICES = [  # (type, rows, cols, name): the 27B Q4_K_M decode step's largest gemv launches
+    ("Q4_K", 34816, 5120, "ffn_gate+up"),
+    ("Q4_K", 5120, 17408, "ffn_down Q4_K"),
+    ("Q6_K", 5120, 17408, "ffn_down Q6_K"),
+    ("Q4_K", 5120, 6144, "ssm_out"),
+    ("Q4_K", 12288, 5120, "attn_qkv"),
+    ("Q6_K", 248320, 5120, "output"),
+]
+
+
+def per_matrix(cupy, qm, tokens: int) -> list[dict]:
+    import roofline
+
+    names = {"Q4_K": qm.Q4_K, "Q6_K": qm.Q6_K, "Q8_0": qm.Q8_0}
+    rows = []
+    for tname, n_out, k, label in MATRICES:
+        qtype = names[tname]
+        nbytes = n_out * k * (144 if qtype == qm.Q4_K else 210) // 256
+        copies = max(1, min(8, (600 << 20) // nbytes + 1))
+        mats = [roofline.random_matrix(cupy, qm, qtype, (n_out, k)) for _ in range(copies)]
+        x = cupy.random.standard_normal((tokens, k), dtype=cupy.float32)
+        on = qm.pack_activations(x, q16=True)
+        off = qm.PackedX(on.data, tokens, k)
+        out = cupy.empty((tokens, n_out), cupy.float32)
+        res = {}
+        for _rep in range(2):
+            for how, px in (("off", off), ("on", on)):
+                calls = [lambda W=W, px=px, o=out: W.matmul(px, out=o, kernel="gemv") for W in mats]
+                calls *= max(1, 8 // copies)
+                us, _, _ = roofline.time_calls(cupy, calls)
+                res.setdefault(how, []).append(us)
+        row = {"matrix": label, "tokens": tokens, "off_us": round(min(res["off"]), 2),
+               "on_us": round(min(res["on"]), 2)}
+        row["ratio"] = round(row["on_us"] / row["off_us"], 3)
+        rows.append(row)
+        print(f"gemv {label:14s} T={tokens}: staged in-kernel {row['off_us']:8.2f} us, from q16 {row['on_us']:8.2f} us"
+              f"  on/off {row['ratio']:.3f}", flush=True)
+        del mats
+        cupy.get_default_memory_pool().free_all_blocks()
+    return rows
+
+
+OCCUPANCY = [(4, 1), (4, 5), (4, 6), (4, 8), (2, 10), (2, 12)]  # (k_warps, min_blocks)
+
+
+def per_matrix_occupancy(cupy, qm, qg) -> list[dict]:
+    import roofline
+
+    names = {"Q4_K": qm.Q4_K, "Q6_K": qm.Q6_K}
+    rows = []
+    for tname, n_out, k, label in MATRICES:
+        qtype = names[tname]
+        nbytes = n_out * k * (144 if qtype == qm.Q4_K else 210) // 256
+        copies = max(1, min(8, (600 << 20) // nbytes + 1))
+        mats = [roofline.random_matrix(cupy, qm, qtype, (n_out, k)) for _ in range(copies)]
+        px = qm.pack_activations(cupy.random.standard_normal((1, k), dtype=cupy.float32), q16=True)
+        out = cupy.empty((1, n_out), cupy.float32)
+        res = {}
+        for _rep in range(2):
+            for kw, mb in OCCUPANCY:
+                cfg = qg.GemvConfig(k_warps=kw, min_blocks=mb)
+                calls = [lambda W=W, c=cfg, o=out, p=px: W.matmul(p, out=o, kernel="gemv", config=c) for W in mats]
+                calls *= max(1, 8 // copies)
+                us, _, _ = roofline.time_calls(cupy, calls)
+                res.setdefault((kw, mb), []).append(us)
+        best = {key: min(v) for key, v in res.items()}
+        base = best[(4, 1)]
+        regs = {f"{kw}x{mb}": int(getattr(qg.gemv_function(qtype, 1, occupancy=(32 * kw, mb) if mb > 1 else None),
+                                          "num_regs", 0)) for kw, mb in OCCUPANCY}  # fmt: skip
+        row = {"matrix": label, "us": {f"{kw}x{mb}": round(v, 2) for (kw, mb), v in best.items()}, "regs": regs}
+        rows.append(row)
+        print(f"occupancy {label:14s}: " + "  ".join(f"{kw}x{mb} {v:7.2f} ({v / base:.3f}, {regs[f'{kw}x{mb}']}r)"
+                                                     for (kw, mb), v in best.items()), flush=True)  # fmt: skip
+        del mats
+        cupy.get_default_memory_pool().free_all_blocks()
+    return rows
+
+
+def step_presets(cupy, qg, path: str, context: int, presets: list[dict]) -> list[dict]:
+    """Decode step (width 1) replay under each MIN_BLOCKS preset (the first: as shipped), interleaved 3 times."""
+    import numpy as np
+    from gpu_bench import load_gpu_model
+    from step_profile import replay_us
+
+    model, _, _ = load_gpu_model(path)
+    rng = np.random.default_rng(0)
+    state = model.new_state(context + 64)
+    ids = rng.integers(0, model.cfg.n_vocab, size=context)
+    model.forward(state, ids, logits="none")
+    state.commit(list(range(len(ids))))
+    shipped = dict(qg.MIN_BLOCKS)
+    tok = [int(rng.integers(0, model.cfg.n_vocab))]
+    res: dict[str, list[float]] = {}
+    try:
+        for _rep in range(3):
+            for preset in [shipped] + presets:
+                qg.MIN_BLOCKS.clear()
+                qg.MIN_BLOCKS.update(preset)
+                model.use_graphs = True
+                state.graphs.clear()
+                for _ in range(2):
+                    model.forward(state, tok, parents=None, checkpoints=False, logits="all")
+                    state.pending = None
+                g = next(iter(state.graphs.values()))
+                res.setdefault(str(preset), []).append(replay_us(cupy, g.graph))
+    finally:
+        qg.MIN_BLOCKS.clear()
+        qg.MIN_BLOCKS.update(shipped)
+        state.graphs.clear()
+    base = statistics.median(res[str(shipped)])
+    rows = []
+    for key, v in res.items():
+        med = statistics.median(v)
+        rows.append({"preset": key, "us": round(med, 1), "ratio": round(med / base, 4)})
+        print(f"step width 1, MIN_BLOCKS {key}: {med:.1f} us ({med / base:.4f}; runs {[round(t) for t in v]})",
+              flush=True)
+    return rows
+
+
+def step(cupy, qm, path: str, context: int) -> list[dict]:
+    import numpy as np
+    from gpu_bench import load_gpu_model
+    from step_profile import replay_us
+
+    t0 = time.time()
+    model, _, _ = load_gpu_model(path)
+    print(f"step: loaded {path} in {time.time() - t0:.0f} s", flush=True)
+    rng = np.random.default_rng(0)
+    state = model.new_state(context + 64)
+    ids = rng.integers(0, model.cfg.n_vocab, size=context)
+    model.forward(state, ids, logits="none")
+    state.commit(list(range(len(ids))))
+    shipped = getattr(qm, "Q16_TOKENS", None)  # None: a tree from before PackedX.q16 (timed as it is, "off")
+    modes = (("off", 0), ("on", shipped)) if shipped is not None else (("off", None),)
+    rows = []
+    try:
+        for width in (1, 2):
+            toks = [int(t) for t in rng.integers(0, model.cfg.n_vocab, size=width)]
+            par = [-1] + list(range(width - 1)) if width > 1 else None
+            res: dict[str, list[float]] = {}
+            for _rep in range(3):
+                for how, q in modes:
+                    if q is not None:
+                        qm.Q16_TOKENS = q
+                    model.use_graphs = True
+                    state.graphs.clear()
+                    for _ in range(2):  # warm-up + capture
+                        model.forward(state, toks, parents=par, checkpoints=par is not None, logits="all")
+                        state.pending = None
+                    g = next(iter(state.graphs.values()), None)
+                    if g is None:
+                        raise RuntimeError(f"no graph: {model.graph_blocker}")
+                    res.setdefault(how, []).append(replay_us(cupy, g.graph))
+            row = {"width": width, "runs": res}
+            for how in res:
+                row[f"{how}_us"] = round(statistics.median(res[how]), 1)
+            if "on" in res:
+                row["ratio"] = round(row["on_us"] / row["off_us"], 4)
+            rows.append(row)
+            parts = [f"{how} {row[how + '_us']} us (runs {[round(v) for v in res[how]]})" for how in res]
+            print(f"step width {width}: {', '.join(parts)}; on/off {row.get('ratio')}", flush=True)
+    finally:
+        if shipped is not None:
+            qm.Q16_TOKENS = shipped
+        state.graphs.clear()
+    return rows
+
+
+def main(argv: list[str]) -> int:
+    from kernels import loader
+
+    reason = loader.unavailable_reason()
+    if reason is not None:
+        print(f"gemv_q16_ab: skipped: {reason}")
+        return 0
+    cupy = loader.require()
+    from kernels import quant_matmul as qm
+
+    model = argv[argv.index("--model") + 1] if "--model" in argv else None
+    context = int(argv[argv.index("--context") + 1]) if "--context" in argv else 512
+    from kernels import quant_gemv as qg
+
+    out = {}
+    if "--occupancy" in argv:
+        if "--no-matrices" not in argv:
+            out["occupancy"] = per_matrix_occupancy(cupy, qm, qg)
+        if model:
+            presets = [{int(a): int(b) for a, b in (kv.split(":") for kv in p.split(","))}
+                       for p in (argv[argv.index("--presets") + 1] if "--presets" in argv else "12:5,14:5").split(";")]
+            out["step_occupancy"] = step_presets(cupy, qg, model, context, presets)
+    else:
+        if "--no-matrices" not in argv:
+            out["matrices"] = per_matrix(cupy, qm, 1) + per_matrix(cupy, qm, 2)
+        if model:
+            out["step"] = step(cupy, qm, model, context)
+    if "--json" in argv:
+        Path(argv[argv.index("--json") + 1]).write_text(json.dumps(out, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

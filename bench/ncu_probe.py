@@ -1,0 +1,50 @@
+"""Launch a few quantized products once each (after a warm-up) so that Nsight Compute can profile them:
+`bash bench/ncu_run.sh` runs this under `ncu` (hardware counters: DRAM throughput, occupancy, warp stalls).
+
+Cases are `TYPE:ROWS:COLS:TOKENS[:KERNEL]`, e.g. `Q4_K:17408:5120:1:gemv`; KERNEL as QuantMatrix.matmul takes it
+(default: its automatic choice). Random weights (bench/roofline.random_matrix), random fp16 x.
+"""
+
+from __future__ import annotations
+
+import sys
+
+DEFAULT = [
+    "Q4_K:34816:5120:1",    # ffn_gate+ffn_up stacked, plain decode
+    "Q4_K:5120:17408:1",    # ffn_down (Q4_K layers)
+    "Q6_K:5120:17408:1",    # ffn_down (Q6_K layers)
+    "Q4_K:5120:6144:1",     # ssm_out / attn_output
+    "Q4_K:34816:5120:23",   # the same at a width-23 verify
+    "Q4_K:5120:17408:23",
+]
+
+
+def main(argv: list[str]) -> int:
+    from kernels import loader
+
+    cupy = loader.require()
+    import roofline
+
+    from kernels import quant_matmul as qm
+
+    cases = argv or DEFAULT
+    names = {"F16": qm.F16, "Q8_0": qm.Q8_0, "Q4_K": qm.Q4_K, "Q6_K": qm.Q6_K}
+    for case in cases:
+        parts = case.split(":")
+        qtype, rows, cols, tokens = names[parts[0]], int(parts[1]), int(parts[2]), int(parts[3])
+        kernel = parts[4] if len(parts) > 4 else None
+        W = roofline.random_matrix(cupy, qm, qtype, (rows, cols))
+        x = (cupy.random.standard_normal((tokens, cols), dtype=cupy.float32)).astype(cupy.float16)
+        px = qm.pack_activations(x)
+        out = cupy.empty((tokens, rows), cupy.float32)
+        W.matmul(px, out=out, kernel=kernel)  # one launch: ncu replays it with caches flushed
+        cupy.cuda.Device().synchronize()
+        print(f"case {case}: launched", flush=True)
+        del W
+        cupy.get_default_memory_pool().free_all_blocks()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, __file__.rsplit("/", 1)[0])
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,72 @@
+// x as the gemv kernel (quant_gemv.cu) multiplies it with quantized weights: per 16-value group, int16 values with one
+// fp32 scale and the group's fp32 sum. Shared by the gemv kernel (which can quantize x itself) and the pack kernels of
+// quant_matmul.cu (which write it once per launch for every gemv block to copy: PackedX.q16, one thread per 8 values
+// with its group partner a shuffle away), so both give the same bits. A group is two halves of 8 values: its maximum
+// |x| is the larger of theirs, its sum the low half's plus the high half's (each added in value order).
+// kernels/loader.py pastes this file in place of its #include; the CPU simulations include it as a file.
+#ifndef SPECSPLIT_XQ16_CUH
+#define SPECSPLIT_XQ16_CUH
+
+#if defined(__CUDACC__) || defined(__CUDACC_RTC__) || defined(__CUDA_ARCH__) || defined(__HIPCC__) || \
+    defined(__HIPCC_RTC__)
+#define XQ_FMA(a, b, c) __fmaf_rn((a), (b), (c))
+#else
+#define XQ_FMA(a, b, c) __builtin_fmaf((a), (b), (c))  // CPU simulation: the same single rounding
+#endif
+
+namespace xq {
+
+// round(a b) to the nearest int (ties to even) of the exact product, for |a b| < 2^22: one fma adding 1.5 * 2^23
+// leaves it in the low mantissa bits (one rounding, whether or not a compiler would have fused a multiply and add)
+static __device__ __forceinline__ int rint_mul(float a, float b) {
+    return (int)(__float_as_uint(XQ_FMA(a, b, 12582912.0f)) - 0x4B400000u);
+}
+
+// max |f| and the sum of f[0..7] (in order). (No fmaxf / fabsf: the CPU simulations include no math header first.)
+static __device__ __forceinline__ void stats8(const float* f, float& amax, float& sum) {
+    amax = 0.f, sum = 0.f;
+#pragma unroll
+    for (int e = 0; e < 8; ++e) {
+        const float a = f[e] < 0.f ? -f[e] : f[e];
+        amax = a > amax ? a : amax;
+        sum += f[e];
+    }
+}
+
+static __device__ __forceinline__ float fmax2(float a, float b) { return a > b ? a : b; }
+
+// 1 / the group's scale (0 for an all-zero group), and the scale max |x| / 32767
+static __device__ __forceinline__ float inv_scale(float amax) { return amax > 0.f ? 32767.0f / amax : 0.f; }
+static __device__ __forceinline__ float scale_of(float amax) { return amax * (1.0f / 32767.0f); }
+
+// f[0..7] as int16 pairs round(f * inv) (values 2p, 2p + 1 in word p)
+static __device__ __forceinline__ uint4 quant8(const float* f, float inv) {
+    unsigned int w[4];
+#pragma unroll
+    for (int p = 0; p < 4; ++p)
+        w[p] = ((unsigned int)rint_mul(f[2 * p], inv) & 0xFFFFu) | ((unsigned int)rint_mul(f[2 * p + 1], inv) << 16);
+    return uint4{w[0], w[1], w[2], w[3]};
+}
+
+// One whole group f[0..15]: its two int16 units, scale and sum
+static __device__ __forceinline__ void group16(const float* f, uint4& o0, uint4& o1, float& scale, float& sum) {
+    float a0, s0, a1, s1;
+    stats8(f, a0, s0);
+    stats8(f + 8, a1, s1);
+    const float amax = fmax2(a0, a1), inv = inv_scale(amax);
+    o0 = quant8(f, inv);
+    o1 = quant8(f + 8, inv);
+    scale = scale_of(amax);
+    sum = s0 + s1;
+}
+
+// PackedX.q16 for T tokens and nch chunks of 256 values: group g of token n in chunk ch has its two int16 units at
+// [(ch T + n) 32 + 2g (+1)] (16-byte units), then scales [nch T 16] and sums [nch T 16] (fp32) after all nch T 32
+// units, both at (ch T + n) 16 + g: the order the gemv kernel stages them in shared memory.
+static __device__ __forceinline__ float* q16_scales(uint4* q16, int nch, int T) {
+    return (float*)(q16 + (long long)nch * T * 32);
+}
+
+}  // namespace xq
+
+#endif  // SPECSPLIT_XQ16_CUH
