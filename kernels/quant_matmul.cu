@@ -1125,15 +1125,18 @@ SS_DEV u32 smem_addr(const void* p) {
 }
 
 #if SS_BULK
+// mbarrier and bulk-copy helpers on 32-bit shared-memory addresses (a kernel converts its base pointers once and
+// steps through its stages by adding: a generic pointer would be converted again for every use), and the same on
+// pointers
 SS_DEV void mbar_init(u64* bar, u32 count) {
     asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(smem_addr(bar)), "r"(count) : "memory");
 }
 SS_DEV void mbar_fence_init() { asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory"); }
-SS_DEV void mbar_expect_tx(u64* bar, u32 bytes) {
-    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(smem_addr(bar)), "r"(bytes)
-                 : "memory");
+SS_DEV void mbar_expect_tx_s(u32 bar, u32 bytes) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
 }
-SS_DEV void mbar_wait(u64* bar, u32 parity) {
+SS_DEV void mbar_expect_tx(u64* bar, u32 bytes) { mbar_expect_tx_s(smem_addr(bar), bytes); }
+SS_DEV void mbar_wait_s(u32 bar, u32 parity) {
     asm volatile(
         "{\n"
         ".reg .pred P1;\n"
@@ -1142,15 +1145,19 @@ SS_DEV void mbar_wait(u64* bar, u32 parity) {
         "@P1 bra DONE;\n"
         "bra LAB_WAIT;\n"
         "DONE:\n"
-        "}\n" ::"r"(smem_addr(bar)),
+        "}\n" ::"r"(bar),
         "r"(parity)
         : "memory");
 }
-SS_DEV void bulk_g2s(void* dst, const void* src, u32 bytes, u64* bar) {
+SS_DEV void mbar_wait(u64* bar, u32 parity) { mbar_wait_s(smem_addr(bar), parity); }
+SS_DEV void bulk_g2s_s(u32 dst, const void* src, u32 bytes, u32 bar) {
     asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::"r"(
-                     smem_addr(dst)),
-                 "l"(src), "r"(bytes), "r"(smem_addr(bar))
+                     dst),
+                 "l"(src), "r"(bytes), "r"(bar)
                  : "memory");
+}
+SS_DEV void bulk_g2s(void* dst, const void* src, u32 bytes, u64* bar) {
+    bulk_g2s_s(smem_addr(dst), src, bytes, smem_addr(bar));
 }
 SS_DEV void mbar_arrive(u64* bar) {  // one arrival (release: this thread's earlier shared-memory reads are done)
     asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(smem_addr(bar)) : "memory");
@@ -1171,17 +1178,20 @@ SS_DEV void cp_async_wait_keep(int keep) {  // wait until at most `keep` (0..3) 
 }
 
 // Start copying the MT tile blocks of chunk ch (each `bytes` long, tiles `tile_stride` apart in global
-// memory, `blk_stride` apart in the stage buffer).
+// memory, `blk_stride` apart in the stage buffer). stage_s / bar_s: the same stage and mbarrier as shared-memory
+// addresses (the bulk copy uses those; the other paths the pointers).
 template <int MT>
-SS_DEV void issue_blocks(u8* stage, u64* bar, const u8* src, i64 tile_stride, int bytes, int blk_stride, int lane) {
+SS_DEV void issue_blocks(u8* stage, u32 stage_s, u32 bar_s, const u8* src, i64 tile_stride, int bytes, int blk_stride,
+                         int lane) {
 #if SS_BULK
+    (void)stage;
     if (lane == 0) {
-        mbar_expect_tx(bar, (u32)(MT * bytes));
+        mbar_expect_tx_s(bar_s, (u32)(MT * bytes));
 #pragma unroll
-        for (int m = 0; m < MT; ++m) bulk_g2s(stage + m * blk_stride, src + m * tile_stride, (u32)bytes, bar);
+        for (int m = 0; m < MT; ++m) bulk_g2s_s(stage_s + (u32)(m * blk_stride), src + m * tile_stride, (u32)bytes, bar_s);
     }
 #else
-    (void)bar;
+    (void)stage_s, (void)bar_s;
 #pragma unroll
     for (int m = 0; m < MT; ++m)
         for (int u = lane; u < (bytes >> 4); u += 32) cp_async16(stage + m * blk_stride + 16 * u, src + m * tile_stride + 16 * u);
@@ -1406,18 +1416,24 @@ __global__ void SS_BOUNDS(256, (MT == 1 && NT == 1 && QT != 14) ? 4 : 1) qmv_ker
     }
     u32 phases = 0u;  // bit i: parity of the next phase of stage i
 #endif
-    // issue pointer: the next item to copy, as (group iteration, chunk), and its stage
-    int ig = 0, ic = 0, sx = 0;
+    const u32 wsm_s = smem_addr(wsm), bars_s = smem_addr(bars);  // the same as shared-memory addresses
+    // issue pointer: the next item to copy, as (chunk ic of the current group), its first tile block in global
+    // memory (advanced by additions: the 64-bit index math would otherwise be redone by every lane for every item)
+    // and its stage
+    int ic = 0, sx = 0;
+    const u8* src = W + (i64)blockIdx.x * MT * tile_stride + (i64)c0 * BLK;
+    const i64 next_group = (i64)gridDim.x * MT * tile_stride - (i64)n * BLK;  // past a group's last chunk -> the next
     auto issue_next = [&](int idx) {
         if (idx < total) {
             const int ch = c0 + ic;
-            const int C = imin(CHUNK, K - ch * CHUNK);
-            const int grp = (int)blockIdx.x + ig * (int)gridDim.x;
-            issue_blocks<MT>(wsm + sx * STAGE_BYTES, bars + sx, W + (i64)grp * MT * tile_stride + (i64)ch * BLK,
-                             tile_stride, 16 * (main_bytes<QT>(C) + side_bytes<QT>(C)), BLK, lane);
+            const int rest = K - ch * CHUNK;  // a tail chunk (F16, Q8_0) is shorter
+            const int bytes = rest >= CHUNK ? BLK : 16 * (main_bytes<QT>(rest) + side_bytes<QT>(rest));
+            issue_blocks<MT>(wsm + sx * STAGE_BYTES, wsm_s + (u32)(sx * STAGE_BYTES), bars_s + 8u * (u32)sx, src,
+                             tile_stride, bytes, BLK, lane);
+            src += BLK;
             if (++ic == n) {
                 ic = 0;
-                ++ig;
+                src += next_group;
             }
         } else {
 #if !SS_BULK
@@ -1442,7 +1458,7 @@ __global__ void SS_BOUNDS(256, (MT == 1 && NT == 1 && QT != 14) ? 4 : 1) qmv_ker
         for (int c = 0; c < n; ++c, ++item) {
             issue_next(item + stages - 1);
 #if SS_BULK
-            mbar_wait(bars + si, (phases >> si) & 1u);
+            mbar_wait_s(bars_s + 8u * (u32)si, (phases >> si) & 1u);
             phases ^= 1u << si;
 #else
             cp_async_wait_keep(stages - 1);
@@ -1453,7 +1469,9 @@ __global__ void SS_BOUNDS(256, (MT == 1 && NT == 1 && QT != 14) ? 4 : 1) qmv_ker
             const int ch = c0 + c;
             const int k0 = ch * CHUNK;
             const int C = imin(CHUNK, K - k0);
-            const uint4* xb = xp + (((long long)k0 * TPAD) >> 3);
+            // this lane's x units of the chunk: xl[(p TPAD + 8 nt) 4] = packed unit (p, token 8 nt + g, lane t), at
+            // an offset the compiler knows (one base register, immediate offsets, no 64-bit index math per load)
+            const uint4* const xl = xp + (i64)ch * (32 * TPAD) + (g * 4 + t);
 
             if (C == CHUNK) {
                 RowState st[MT][2];
@@ -1478,8 +1496,8 @@ __global__ void SS_BOUNDS(256, (MT == 1 && NT == 1 && QT != 14) ? 4 : 1) qmv_ker
                     uint4 ub[NT][2];
 #pragma unroll
                     for (int nt = 0; nt < NT; ++nt) {
-                        ub[nt][0] = xb[(j * TPAD + 8 * nt + g) * 4 + t];
-                        ub[nt][1] = xb[((4 + j) * TPAD + 8 * nt + g) * 4 + t];
+                        ub[nt][0] = xl[(j * TPAD + 8 * nt) * 4];
+                        ub[nt][1] = xl[((4 + j) * TPAD + 8 * nt) * 4];
                     }
 #pragma unroll
                     for (int st4 = 0; st4 < 4; ++st4)
@@ -1509,7 +1527,7 @@ __global__ void SS_BOUNDS(256, (MT == 1 && NT == 1 && QT != 14) ? 4 : 1) qmv_ker
                             }
 #pragma unroll
                         for (int nt = 0; nt < NT; ++nt) {
-                            const uint4 u = xb[(p * TPAD + 8 * nt + g) * 4 + t];
+                            const uint4 u = xl[(p * TPAD + 8 * nt) * 4];
 #pragma unroll
                             for (int mt = 0; mt < MT; ++mt) {
                                 mma16816_nv(acc[mt][nt], a[mt][0][0], a[mt][1][0], a[mt][0][1], a[mt][1][1], u.x, u.y);
