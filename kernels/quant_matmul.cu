@@ -1159,9 +1159,10 @@ SS_DEV void bulk_g2s_s(u32 dst, const void* src, u32 bytes, u32 bar) {
 SS_DEV void bulk_g2s(void* dst, const void* src, u32 bytes, u64* bar) {
     bulk_g2s_s(smem_addr(dst), src, bytes, smem_addr(bar));
 }
-SS_DEV void mbar_arrive(u64* bar) {  // one arrival (release: this thread's earlier shared-memory reads are done)
-    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(smem_addr(bar)) : "memory");
+SS_DEV void mbar_arrive_s(u32 bar) {  // one arrival (release: this thread's earlier shared-memory reads are done)
+    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
 }
+SS_DEV void mbar_arrive(u64* bar) { mbar_arrive_s(smem_addr(bar)); }
 #endif
 
 SS_DEV void cp_async_wait_keep(int keep) {  // wait until at most `keep` (0..3) groups are in flight
@@ -1759,32 +1760,45 @@ __global__ void SS_BOUNDS(256, 1) qmw_kernel(const u8* __restrict__ W, long long
 #endif
 
     // copy item idx of this block (x of its chunk, its row block's tile blocks) into stage idx % stages; items are
-    // issued in order, (irb, ich) being the next one's row block and chunk
-    int irb = (int)(i0 / nch), ich = (int)(i0 - (i64)irb * nch);
+    // issued in order, (irb, ich) being the next one's row block and chunk, isx its stage and iround how often the
+    // stages were walked before it; wrow / xch: its row block's first tile block of chunk 0 / its chunk of packed x
+    // (advanced by additions, and the stages addressed as shared memory: no 64-bit index math or divisions per item)
+    int irb = (int)(i0 / nch), ich = (int)(i0 - (i64)irb * nch), isx = 0, iround = 0;
+    const u8* wrow = W + (i64)irb * RT * tile_stride;
+    const u8* xch = (const u8*)(xp + (i64)ich * 32 * TPAD);
+#if SS_BULK
+    const u32 smem_s = smem_addr(smem), full_s = smem_addr(full), empty_s = smem_addr(empty);
+#endif
     auto issue = [&](int idx) {
         if (idx < n_items) {
-            const int rb = irb, ch = ich;
+            const int rb = irb, ch = ich, s = isx, round = iround;  // idx / stages
+            const u8* const wsrc = wrow + (i64)ch * BLK;
+            const u8* const xsrc = xch;
             if (++ich == nch) {
                 ich = 0;
                 ++irb;
+                wrow += (i64)RT * tile_stride;
+                xch = (const u8*)xp;
+            } else {
+                xch += 512 * TPAD;
             }
+            if (++isx == stages) isx = 0, ++iround;
             const int C = imin(CHUNK, K - ch * CHUNK);
-            const int s = idx % stages;
-            u8* const dst = smem + s * SB;
-            const u8* const xsrc = (const u8*)(xp + (i64)ch * 32 * TPAD);
             const int xbytes = 2 * C * TPAD;
             const int tile0 = rb * RT;
             const int valid = imin(RT, ntiles - tile0);
-            const int wbytes = 16 * (main_bytes<QT>(C) + side_bytes<QT>(C));
-            const u8* const wsrc = W + (i64)tile0 * tile_stride + (i64)ch * BLK;
+            const int wbytes = C == CHUNK ? BLK : 16 * (main_bytes<QT>(C) + side_bytes<QT>(C));
 #if SS_BULK
             if (tid == 0) {
-                if (idx >= stages) mbar_wait(empty + s, (u32)(idx / stages - 1) & 1u);  // every warp is done with it
-                mbar_expect_tx(full + s, (u32)(xbytes + valid * wbytes));
-                bulk_g2s(dst, xsrc, (u32)xbytes, full + s);
-                for (int m = 0; m < valid; ++m) bulk_g2s(dst + XB + m * BLK, wsrc + m * tile_stride, (u32)wbytes, full + s);
+                const u32 dst = smem_s + (u32)(s * SB), bar = full_s + 8u * (u32)s;
+                if (idx >= stages) mbar_wait_s(empty_s + 8u * (u32)s, (u32)(round - 1) & 1u);  // every warp is done with it
+                mbar_expect_tx_s(bar, (u32)(xbytes + valid * wbytes));
+                bulk_g2s_s(dst, xsrc, (u32)xbytes, bar);
+                for (int m = 0; m < valid; ++m)
+                    bulk_g2s_s(dst + (u32)(XB + m * BLK), wsrc + m * tile_stride, (u32)wbytes, bar);
             }
 #else
+            u8* const dst = smem + s * SB;
             const int nthreads = (int)blockDim.x;
             for (int u = tid; u < (xbytes >> 4); u += nthreads) cp_async16(dst + 16 * u, xsrc + 16 * u);
             const int wu = wbytes >> 4;
@@ -1804,6 +1818,7 @@ __global__ void SS_BOUNDS(256, 1) qmw_kernel(const u8* __restrict__ W, long long
 
     float acc[MT][NT][4];
     int rb = (int)(i0 / nch), ch = (int)(i0 - (i64)rb * nch) - 1;  // the item being computed
+    int cs = 0, cround = 0;  // its stage (idx % stages) and round (idx / stages)
     for (int idx = 0; idx < n_items; ++idx) {
         if (++ch == nch) {
             ch = 0;
@@ -1818,9 +1833,9 @@ __global__ void SS_BOUNDS(256, 1) qmw_kernel(const u8* __restrict__ W, long long
                     for (int i = 0; i < 4; ++i) acc[mt][nt][i] = 0.f;
         }
         issue(idx + stages - 1);  // into the stage item idx - 1 used
-        const int s = idx % stages;
+        const int s = cs;
 #if SS_BULK
-        mbar_wait(full + s, (u32)(idx / stages) & 1u);
+        mbar_wait_s(full_s + 8u * (u32)s, (u32)cround & 1u);
 #else
         cp_async_wait_keep(stages - 1);
         __syncthreads();  // every thread's pieces of item idx have landed
@@ -1831,10 +1846,11 @@ __global__ void SS_BOUNDS(256, 1) qmw_kernel(const u8* __restrict__ W, long long
                                    g, t, lk);
 #if SS_BULK
         __syncwarp();
-        if (lane == 0) mbar_arrive(empty + s);  // this warp is done with the stage
+        if (lane == 0) mbar_arrive_s(empty_s + 8u * (u32)s);  // this warp is done with the stage
 #else
         __syncthreads();  // everyone is done with the stage before it is refilled
 #endif
+        if (++cs == stages) cs = 0, ++cround;
         if (ch != nch - 1 && idx != n_items - 1) continue;
 
         // the end of this block's piece of row block rb
