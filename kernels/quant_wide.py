@@ -6,8 +6,8 @@ different row tiles and walk the same K chunks; per chunk the block stages x for
 next to the weight tiles, so x is read from L2 once per block instead of once per warp; the (row block, chunk) work
 is split evenly over the blocks (stream-K), and row blocks shared by several blocks are added up in a fixed order
 through the split scratch of kernels/quant_gemv.py: deterministic. `QuantMatrix.matmul` takes this kernel from
-`CROSSOVER[qtype]` tokens (`DEEP_CROSSOVER` on deep or very tall matrices: prefer_wide). Design and numbers:
-docs/gpu_quant_matmul.md ("wide").
+`CROSSOVER[qtype]` tokens (`DEEP_CROSSOVER` on deep, `TALL_CROSSOVER` on very tall matrices: prefer_wide). Design
+and numbers: docs/gpu_quant_matmul.md ("wide").
 """
 
 from __future__ import annotations
@@ -45,9 +45,16 @@ BARRIER_BYTES = 16  # per stage: the full and empty mbarriers
 # falls behind from the first width of 4 token tiles everywhere; on deep matrices (k >= 2 n_out: ffn_down, whose 320
 # row tiles leave v2 a few row groups per SM walking 68 chunks each) and very tall ones (the output matrix) the
 # stream-K split wins from 9 tokens. So: the wide kernel from CROSSOVER[qtype] tokens, from DEEP_CROSSOVER[qtype] on
-# deep or tall matrices (a type missing there: CROSSOVER); gemv keeps the widths up to quant_gemv.CROSSOVER.
+# deep matrices and TALL_CROSSOVER[qtype] on tall ones (a type missing there: CROSSOVER); gemv keeps the widths up to
+# quant_gemv.CROSSOVER. (Those sweeps predate v2's address fix: DEEP_CROSSOVER was re-measured after it, below.)
 CROSSOVER = {1: 17, 8: 25, 12: 25, 14: 25}  # F16, Q8_0, Q4_K, Q6_K
-DEEP_CROSSOVER = {12: 9, 14: 9}  # Q4_K, Q6_K (F16 / Q8_0: no sweep yet)
+# Deep: since v2 lost its per-load index math (ceea517) it is level with or ahead of the wide kernel on ffn_down up to
+# 16-23 tokens (H100: Q4_K 31.3 vs 34.4 us at 16, 33.2 vs 33.0 at 23; Q6_K 41.2 vs 43.2 at 16, 44.2 vs 41.3 at 23);
+# in the 27B step (graph replay, interleaved) these crossovers beat 9 everywhere: -0.4 / -1.0 / -0.9 / -0.8 % at 12 /
+# 16 / 20 / 23 tokens (17 for both: -0.5 / -1.1 / +0.1 / 0.0 %). Tall (the output matrix): still from 9 (v2 592 vs
+# wide 441 us at 23).
+DEEP_CROSSOVER = {12: 24, 14: 17}  # Q4_K, Q6_K (F16 / Q8_0: no sweep yet)
+TALL_CROSSOVER = {12: 9, 14: 9}  # tall matrices (a type missing: DEEP_CROSSOVER)
 TALL_ROWS = 65536  # a matrix of this many rows or more is "tall"
 # Default launch shape (choose_config): m16 tiles per warp, warps per block, copy stages by token tiles, with as
 # many blocks per SM as fit. The sweep's best shapes were nearly all 1 tile x 4 warps (64 rows per block): more,
@@ -106,12 +113,14 @@ def scratch_floats(blocks: int, n_tiles: int, m_tiles: int, warps: int) -> int:
 
 def prefer_wide(qtype: int, tokens: int, n_out: int = 0, k: int = 0) -> bool:
     """matmul()'s choice for an n_out x k matrix in the v2 layout above gemv's widths: this kernel from
-    CROSSOVER[qtype] tokens, from DEEP_CROSSOVER[qtype] on a deep (k >= 2 n_out) or tall (n_out >= TALL_ROWS)
-    matrix (shape unknown, 0: the CROSSOVER)."""
+    CROSSOVER[qtype] tokens, from TALL_CROSSOVER[qtype] on a tall matrix (n_out >= TALL_ROWS), from
+    DEEP_CROSSOVER[qtype] on a deep one (k >= 2 n_out) (shape unknown, 0: the CROSSOVER)."""
     qtype = int(qtype)
     first = CROSSOVER.get(qtype, MAX_TOKENS + 1)
     if n_out > 0 and (k >= 2 * n_out or n_out >= TALL_ROWS):
         first = DEEP_CROSSOVER.get(qtype, first)
+        if n_out >= TALL_ROWS:
+            first = TALL_CROSSOVER.get(qtype, first)
     return first <= tokens <= MAX_TOKENS
 
 
