@@ -139,14 +139,4 @@ extern "C" int sim_qmv(int qt, int nt, int mt, int kw, int stages, const unsigne
     return launch((unsigned)grid_x, 32u * (unsigned)kw, 0ull, 1);
 }
 
-extern "C" void sim_pack(int in_f32, const void* x, long long ldx, int T, int K, int tpad, void* xp) {
-    sim::gdim = {1, 1, 1};
-    sim::bdim = {1, 1, 1};
-    sim::bid = {0, 0, 0};
-    simb::cur = 0;
-    simb::tids[0] = {0, 0, 0};
-    if (in_f32)
-        pack_x_kernel<1>(x, ldx, T, K, tpad, (uint4*)xp, nullptr);
-    else
-        pack_x_kernel<0>(x, ldx, T, K, tpad, (uint4*)xp, nullptr);
-}
+#include "cuda_sim_pack.h"
