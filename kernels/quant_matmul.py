@@ -575,13 +575,15 @@ class QuantMatrix:
         weight then feeds more mma). K is split among the warps of a block: at one token tile as many warps
         per row group as still fit every group on the GPU at once (a warp's speed is bound by its own latency
         there, so warps in flight pay, and a second wave would leave a tail); otherwise 4, or 8 for long rows
-        up to 16 tokens, or 1 for very tall matrices from 41 tokens. Two copy stages (more only cost shared
+        up to 8 tokens, or 1 for very tall matrices from 41 tokens. Two copy stages (more only cost shared
         memory); K split across blocks only when rows are very few."""
         n_tiles = (min(tokens, MAX_TOKENS) + 7) // 8
         mt = default_m_tiles(n_tiles, self.out_features)
         groups = -(-self.out_features // (TILE_ROWS * mt))
         chunks = self.n_chunks()
-        kw = 8 if chunks >= 40 and n_tiles <= 2 else 4
+        # 8 for long rows at one token tile; at two (9-16 tokens) 4 since the loop lost its index math (H100,
+        # 2026-11-26: ffn_down at 16 tokens Q4_K 30.9 vs 31.5 us with 8, Q6_K 39.3 vs 40.7)
+        kw = 8 if chunks >= 40 and n_tiles <= 1 else 4
         if n_tiles >= 6 and self.out_features > 65536:
             kw = 1  # the LM head from 41 tokens: enough row groups, and no reduction buffers (sweep: 625 vs 828 us)
         if n_tiles == 1 and mt == 1:
