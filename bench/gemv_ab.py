@@ -25,16 +25,23 @@ MATRICES = [  # (type, rows, cols, name): the 27B Q4_K_M decode step's largest g
 ]
 
 
+def weight_copies(cupy, qm, tname: str, n_out: int, k: int) -> list:
+    """Random copies of one matrix, enough (up to 8) that graph-replayed calls rotating over them read > 600 MB."""
+    import roofline
+
+    qtype = {"Q4_K": qm.Q4_K, "Q6_K": qm.Q6_K}[tname]
+    nbytes = n_out * k * (144 if qtype == qm.Q4_K else 210) // 256
+    copies = max(1, min(8, (600 << 20) // nbytes + 1))
+    return [roofline.random_matrix(cupy, qm, qtype, (n_out, k)) for _ in range(copies)]
+
+
 def per_matrix(cupy, qm, tokens: int) -> list[dict]:
     import roofline
 
-    names = {"Q4_K": qm.Q4_K, "Q6_K": qm.Q6_K, "Q8_0": qm.Q8_0}
     rows = []
     for tname, n_out, k, label in MATRICES:
-        qtype = names[tname]
-        nbytes = n_out * k * (144 if qtype == qm.Q4_K else 210) // 256
-        copies = max(1, min(8, (600 << 20) // nbytes + 1))
-        mats = [roofline.random_matrix(cupy, qm, qtype, (n_out, k)) for _ in range(copies)]
+        mats = weight_copies(cupy, qm, tname, n_out, k)
+        copies = len(mats)
         x = cupy.random.standard_normal((tokens, k), dtype=cupy.float32)
         on = qm.pack_activations(x, q16=True)
         off = qm.PackedX(on.data, tokens, k)
@@ -63,13 +70,10 @@ OCCUPANCY = [(4, 1), (4, 5), (4, 6), (4, 8), (2, 10), (2, 12)]  # (k_warps, min_
 def per_matrix_occupancy(cupy, qm, qg) -> list[dict]:
     import roofline
 
-    names = {"Q4_K": qm.Q4_K, "Q6_K": qm.Q6_K}
     rows = []
     for tname, n_out, k, label in MATRICES:
-        qtype = names[tname]
-        nbytes = n_out * k * (144 if qtype == qm.Q4_K else 210) // 256
-        copies = max(1, min(8, (600 << 20) // nbytes + 1))
-        mats = [roofline.random_matrix(cupy, qm, qtype, (n_out, k)) for _ in range(copies)]
+        mats = weight_copies(cupy, qm, tname, n_out, k)
+        copies, qtype = len(mats), mats[0].qtype
         px = qm.pack_activations(cupy.random.standard_normal((1, k), dtype=cupy.float32), q16=True)
         out = cupy.empty((1, n_out), cupy.float32)
         res = {}
@@ -95,16 +99,10 @@ def per_matrix_occupancy(cupy, qm, qg) -> list[dict]:
 
 def step_presets(cupy, qg, path: str, context: int, presets: list[dict]) -> list[dict]:
     """Decode step (width 1) replay under each MIN_BLOCKS preset (the first: as shipped), interleaved 3 times."""
-    import numpy as np
-    from gpu_bench import load_gpu_model
+    from gpu_bench import model_at_context
     from step_profile import replay_us
 
-    model, _, _ = load_gpu_model(path)
-    rng = np.random.default_rng(0)
-    state = model.new_state(context + 64)
-    ids = rng.integers(0, model.cfg.n_vocab, size=context)
-    model.forward(state, ids, logits="none")
-    state.commit(list(range(len(ids))))
+    model, state, rng = model_at_context(path, context)
     shipped = dict(qg.MIN_BLOCKS)
     tok = [int(rng.integers(0, model.cfg.n_vocab))]
     res: dict[str, list[float]] = {}
@@ -135,18 +133,12 @@ def step_presets(cupy, qg, path: str, context: int, presets: list[dict]) -> list
 
 
 def step(cupy, qm, path: str, context: int) -> list[dict]:
-    import numpy as np
-    from gpu_bench import load_gpu_model
+    from gpu_bench import model_at_context
     from step_profile import replay_us
 
     t0 = time.time()
-    model, _, _ = load_gpu_model(path)
-    print(f"step: loaded {path} in {time.time() - t0:.0f} s", flush=True)
-    rng = np.random.default_rng(0)
-    state = model.new_state(context + 64)
-    ids = rng.integers(0, model.cfg.n_vocab, size=context)
-    model.forward(state, ids, logits="none")
-    state.commit(list(range(len(ids))))
+    model, state, rng = model_at_context(path, context)
+    print(f"step: loaded {path} and its context in {time.time() - t0:.0f} s", flush=True)
     shipped = getattr(qm, "Q16_TOKENS", None)  # None: a tree from before PackedX.q16 (timed as it is, "off")
     modes = (("off", 0), ("on", shipped)) if shipped is not None else (("off", None),)
     rows = []

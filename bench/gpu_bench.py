@@ -56,3 +56,17 @@ def load_gpu_model(path: str) -> tuple[Any, Any, dict[str, float]]:
 
     cupy.cuda.Device().synchronize()
     return model, mf, {"header_s": round(header_s, 1), "load_s": round(time.perf_counter() - t0, 1)}
+
+
+def model_at_context(path: str, context: int, room: int = 64, seed: int = 0) -> tuple[Any, Any, Any]:
+    """(model, state, rng) for timing steps: load_gpu_model, a state for context + room tokens holding `context`
+    committed random tokens, and the generator that drew them (for the step's own tokens)."""
+    import numpy as np
+
+    model, _, _ = load_gpu_model(path)
+    rng = np.random.default_rng(seed)
+    state = model.new_state(context + room)
+    ids = rng.integers(0, model.cfg.n_vocab, size=context)
+    model.forward(state, ids, logits="none")
+    state.commit(list(range(len(ids))))
+    return model, state, rng
