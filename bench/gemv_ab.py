@@ -64,74 +64,6 @@ def per_matrix(cupy, qm, tokens: int) -> list[dict]:
     return rows
 
 
-OCCUPANCY = [(4, 1), (4, 5), (4, 6), (4, 8), (2, 10), (2, 12)]  # (k_warps, min_blocks)
-
-
-def per_matrix_occupancy(cupy, qm, qg) -> list[dict]:
-    import roofline
-
-    rows = []
-    for tname, n_out, k, label in MATRICES:
-        mats = weight_copies(cupy, qm, tname, n_out, k)
-        copies, qtype = len(mats), mats[0].qtype
-        px = qm.pack_activations(cupy.random.standard_normal((1, k), dtype=cupy.float32), q16=True)
-        out = cupy.empty((1, n_out), cupy.float32)
-        res = {}
-        for _rep in range(2):
-            for kw, mb in OCCUPANCY:
-                cfg = qg.GemvConfig(k_warps=kw, min_blocks=mb)
-                calls = [lambda W=W, c=cfg, o=out, p=px: W.matmul(p, out=o, kernel="gemv", config=c) for W in mats]
-                calls *= max(1, 8 // copies)
-                us, _, _ = roofline.time_calls(cupy, calls)
-                res.setdefault((kw, mb), []).append(us)
-        best = {key: min(v) for key, v in res.items()}
-        base = best[(4, 1)]
-        regs = {f"{kw}x{mb}": int(getattr(qg.gemv_function(qtype, 1, occupancy=(32 * kw, mb) if mb > 1 else None),
-                                          "num_regs", 0)) for kw, mb in OCCUPANCY}  # fmt: skip
-        row = {"matrix": label, "us": {f"{kw}x{mb}": round(v, 2) for (kw, mb), v in best.items()}, "regs": regs}
-        rows.append(row)
-        print(f"occupancy {label:14s}: " + "  ".join(f"{kw}x{mb} {v:7.2f} ({v / base:.3f}, {regs[f'{kw}x{mb}']}r)"
-                                                     for (kw, mb), v in best.items()), flush=True)  # fmt: skip
-        del mats
-        cupy.get_default_memory_pool().free_all_blocks()
-    return rows
-
-
-def step_presets(cupy, qg, path: str, context: int, presets: list[dict]) -> list[dict]:
-    """Decode step (width 1) replay under each MIN_BLOCKS preset (the first: as shipped), interleaved 3 times."""
-    from gpu_bench import model_at_context
-    from step_profile import replay_us
-
-    model, state, rng = model_at_context(path, context)
-    shipped = dict(qg.MIN_BLOCKS)
-    tok = [int(rng.integers(0, model.cfg.n_vocab))]
-    res: dict[str, list[float]] = {}
-    try:
-        for _rep in range(3):
-            for preset in [shipped] + presets:
-                qg.MIN_BLOCKS.clear()
-                qg.MIN_BLOCKS.update(preset)
-                model.use_graphs = True
-                state.graphs.clear()
-                for _ in range(2):
-                    model.forward(state, tok, parents=None, checkpoints=False, logits="all")
-                    state.pending = None
-                g = next(iter(state.graphs.values()))
-                res.setdefault(str(preset), []).append(replay_us(cupy, g.graph))
-    finally:
-        qg.MIN_BLOCKS.clear()
-        qg.MIN_BLOCKS.update(shipped)
-        state.graphs.clear()
-    base = statistics.median(res[str(shipped)])
-    rows = []
-    for key, v in res.items():
-        med = statistics.median(v)
-        rows.append({"preset": key, "us": round(med, 1), "ratio": round(med / base, 4)})
-        print(f"step width 1, MIN_BLOCKS {key}: {med:.1f} us ({med / base:.4f}; runs {[round(t) for t in v]})",
-              flush=True)
-    return rows
-
-
 def step(cupy, qm, path: str, context: int) -> list[dict]:
     from gpu_bench import model_at_context
     from step_profile import replay_us
@@ -187,21 +119,11 @@ def main(argv: list[str]) -> int:
 
     model = argv[argv.index("--model") + 1] if "--model" in argv else None
     context = int(argv[argv.index("--context") + 1]) if "--context" in argv else 512
-    from kernels import quant_gemv as qg
-
     out = {}
-    if "--occupancy" in argv:
-        if "--no-matrices" not in argv:
-            out["occupancy"] = per_matrix_occupancy(cupy, qm, qg)
-        if model:
-            presets = [{int(a): int(b) for a, b in (kv.split(":") for kv in p.split(","))}
-                       for p in (argv[argv.index("--presets") + 1] if "--presets" in argv else "12:5,14:5").split(";")]
-            out["step_occupancy"] = step_presets(cupy, qg, model, context, presets)
-    else:
-        if "--no-matrices" not in argv:
-            out["matrices"] = per_matrix(cupy, qm, 1) + per_matrix(cupy, qm, 2)
-        if model:
-            out["step"] = step(cupy, qm, model, context)
+    if "--no-matrices" not in argv:
+        out["matrices"] = per_matrix(cupy, qm, 1) + per_matrix(cupy, qm, 2)
+    if model:
+        out["step"] = step(cupy, qm, model, context)
     if "--json" in argv:
         Path(argv[argv.index("--json") + 1]).write_text(json.dumps(out, indent=1))
     return 0

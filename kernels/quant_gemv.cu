@@ -57,11 +57,9 @@ typedef long long i64;
 #define GV_DEV static __device__ __forceinline__
 #if defined(__CUDACC__) || SS_HIP
 #define GV_BOUNDS(threads) __launch_bounds__(threads)
-#define GV_BOUNDS_MIN(threads, blocks) __launch_bounds__(threads, blocks)
 #define GV_LDG(p) __ldg(p)
 #else
 #define GV_BOUNDS(threads)  // CPU simulation
-#define GV_BOUNDS_MIN(threads, blocks)
 #define GV_LDG(p) (*(p))
 #endif
 
@@ -678,14 +676,7 @@ GV_DEV void warp_chunks(Raw<QT>& cur, const u8* wt, int c0, int c1, int K, int c
 // (Q4_K, Q6_K), and KW * 16 * NT * 4 of partial sums when KW > 1; nch = ceil(K / 256). xq: PackedX.q16 (the staging
 // of the quantized types, copied) or null (computed here from xp); every variant below takes it last.
 template <int QT, int NT>
-// Launch bound: 256 threads, or with GV_THREADS / GV_MIN_BLOCKS defined (quant_gemv.gemv_function's `occupancy`)
-// at most GV_THREADS per block and registers for GV_MIN_BLOCKS such blocks per SM (more warps in flight).
-#if defined(GV_THREADS) && defined(GV_MIN_BLOCKS)
-#define GV_TILE_BOUNDS GV_BOUNDS_MIN(GV_THREADS, GV_MIN_BLOCKS)
-#else
-#define GV_TILE_BOUNDS GV_BOUNDS(256)
-#endif
-__global__ void GV_TILE_BOUNDS gemv_kernel(const u8* __restrict__ W, long long row_bytes, int N, int K,
+__global__ void GV_BOUNDS(256) gemv_kernel(const u8* __restrict__ W, long long row_bytes, int N, int K,
                                            const uint4* __restrict__ xp, int tpad, float* __restrict__ y,
                                            int accumulate, long long ldy, const uint4* __restrict__ xq) {
     using namespace gv;

@@ -45,10 +45,6 @@ PERSISTENT_TYPES = frozenset(_INT)
 # gained 0-4 % but costs ~55 registers (184 vs 128 for Q4_K T=1), so fewer blocks fit; the best launch of every
 # swept matrix and width used depth 1 with all blocks that fit.
 PREFETCH = 1
-# Per-tile kernel: blocks per SM its registers are capped for (a launch bound), per storage type, at widths up to
-# MIN_BLOCKS_UP_TO; types not listed keep the 256-thread bound (117-128 registers at one token: 4 blocks of 4 warps).
-MIN_BLOCKS: dict[int, int] = {}
-MIN_BLOCKS_UP_TO = 1
 # Split-K variant (gemv_splitk_kernel): widest T for which gemv() may split a tile's K over several blocks, per storage
 # type, when choose_split finds it worth it. Empty: not dispatched. Measured on an H100 (docs/gpu_quant_matmul.md,
 # "gemv: split-K"): per matrix at T=1 it gains 2-4 % on ffn_down 5120x17408 (Q4_K 28.1 -> 26.9 us, Q6_K 34.8 -> 34.2)
@@ -79,16 +75,13 @@ class GemvConfig:
     """Launch shape. k_warps: warps per block splitting K (0: choose_k_warps, or choose_split's with splits).
     persistent: gemv_persist_kernel (None: PERSISTENT_UP_TO decides); then blocks_per_sm (0: as many as fit at once)
     and prefetch (0: PREFETCH). splits: blocks per tile of the split-K kernel gemv_splitk_kernel (0: choose_split
-    decides when SPLIT_UP_TO allows; 1: one block per tile; >= 2: split-K with that many). min_blocks: the per-tile
-    kernel built with registers for that many blocks per SM (0: MIN_BLOCKS decides; 1: the plain 256-thread
-    bound)."""
+    decides when SPLIT_UP_TO allows; 1: one block per tile; >= 2: split-K with that many)."""
 
     k_warps: int = 0
     persistent: bool | None = None
     blocks_per_sm: int = 0
     prefetch: int = 0
     splits: int = 0
-    min_blocks: int = 0
 
 
 def smem_bytes(qtype: int, k: int, tokens: int, k_warps: int, persistent: bool = False) -> int:
@@ -134,17 +127,14 @@ def _defines(portable: bool) -> tuple[str, ...]:
     return ("SPECSPLIT_PORTABLE",) if portable else ()
 
 
-def gemv_function(qtype: int, tokens: int, portable: bool = False, occupancy: tuple[int, int] | None = None) -> Any:
-    """The compiled kernel for one storage type and width (1..16 tokens); occupancy (threads, blocks): built for
-    blocks of at most `threads` threads with registers for `blocks` of them per SM (launch bound), else for 256."""
+def gemv_function(qtype: int, tokens: int, portable: bool = False) -> Any:
+    """The compiled kernel for one storage type and width (1..16 tokens)."""
     qtype = int(qtype)
     if qtype not in qm.SUPPORTED_QTYPES:
         raise ValueError(f"no GPU gemv kernel for {qm.type_name(qtype)}")
     if not 1 <= tokens <= MAX_TOKENS:
         raise ValueError(f"gemv takes 1..{MAX_TOKENS} tokens, not {tokens}")
     defines = _defines(portable)
-    if occupancy is not None:
-        defines += (f"GV_THREADS={int(occupancy[0])}", f"GV_MIN_BLOCKS={int(occupancy[1])}")
     fn = loader.get_function(SOURCE, f"gemv_kernel<{qtype}, {tokens}>", defines)
     key = (qtype, tokens, defines, qm._device_id())
     if key not in _configured:
@@ -317,8 +307,7 @@ def gemv(
         regs = int(getattr(kern, "num_regs", 0) or 255)
         grid = persist_grid(n_out, kw, smem, regs, qm.sm_count(), cfg.blocks_per_sm)
     else:
-        mb = cfg.min_blocks or (MIN_BLOCKS.get(int(W.qtype), 1) if tokens <= MIN_BLOCKS_UP_TO else 1)
-        kern = gemv_function(W.qtype, tokens, portable, occupancy=(32 * kw, mb) if mb > 1 else None)
+        kern = gemv_function(W.qtype, tokens, portable)
         grid = -(-n_out // TILE_ROWS)
     kern(
         (grid,),
