@@ -152,7 +152,8 @@ def test_wide_kernel_split_scratch_is_planned(q27):
 
     cfg, w, ds = q27
     for qtype, n_out, k in sorted(w.mats | ds.weights.mats):
-        for tokens in (qw.CROSSOVER[qtype], 32, 41, 64):
+        first = next(t for t in range(1, 65) if qw.prefer_wide(qtype, t, n_out, k))  # a deep / tall matrix's own
+        for tokens in sorted({first, qw.CROSSOVER[qtype], 32, 41, 64}):
             part, counters = qw.scratch_need(qtype, n_out, k, tokens, 132)
             c = qw.choose_config(qtype, n_out, k, tokens)
             smem = qw.smem_bytes(qtype, (tokens + 7) // 8, c.m_tiles, c.warps, c.stages)
