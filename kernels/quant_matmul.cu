@@ -688,7 +688,8 @@ constexpr int PACK_VEC = 6;  // pack_rms_kernel: 16-byte loads per thread and in
 // memory round trip, nothing read twice): x [+ r] of the whole row for a row norm (each slice adds up the same
 // sum of squares, in rms_norm_kernel's order: thread tid sums i = tid, tid + 256, ...), of the heads the slice
 // touches for a per-head norm (head_norm_kernel's order: lane l sums d = l, l + 32, ...), z and w of the slice.
-// So the packed values stay bit-identical to the two-launch path whatever the slice count.
+// So the packed values stay bit-identical to the two-launch path whatever the slice count. The units are packed in
+// natural order (natural_unit), and with q16 each row block also writes its chunks' gemv staging (put_q16).
 // Dynamic shared memory (pack_rms_smem_bytes in kernels/quant_matmul.py): 4 (K (1 + GATE) + GROUP [w]) bytes,
 // each array indexed by its position in the row (a slice fills its part).
 template <int IN_F32, int RES, int GATE>
