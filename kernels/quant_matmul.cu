@@ -1357,6 +1357,39 @@ SS_DEV void frag2_tail(const u8* q, const u8* side, int t, int m, int p, u32 (&a
     }
 }
 
+// acc += the MT tiles of a tail chunk (F16 / Q8_0, C = 32 m < 256 values) times all TPAD tokens, for the v2 and the
+// wide kernel: wst the warp's first tile block in its stage, xl this lane's first packed-x unit of the chunk.
+template <int QT, int NT, int MT>
+SS_DEV void tail_mma(float (&acc)[MT][NT][4], const u8* wst, const uint4* xl, int C, int g, int t) {
+    if constexpr (QT == 1 || QT == 8) {
+        constexpr int BLK = 16 * (Lay<QT>::MAIN + Lay<QT>::SIDE);
+        constexpr int TPAD = 8 * NT;
+        const int m = C >> 5;  // 1..7 pairs per lane
+        const int mb = main_bytes<QT>(C), sb = side_bytes<QT>(C);
+        for (int p = 0; p < m; ++p) {
+            u32 a[MT][2][4];
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+                for (int hr = 0; hr < 2; ++hr) {
+                    const int r = 8 * hr + g;
+                    frag2_tail<QT>(wst + mt * BLK + r * mb, wst + mt * BLK + 16 * mb + r * sb, t, m, p, a[mt][hr]);
+                }
+#pragma unroll
+            for (int nt = 0; nt < NT; ++nt) {
+                const uint4 u = xl[(p * TPAD + 8 * nt) * 4];
+#pragma unroll
+                for (int mt = 0; mt < MT; ++mt) {
+                    mma16816_nv(acc[mt][nt], a[mt][0][0], a[mt][1][0], a[mt][0][1], a[mt][1][1], u.x, u.y);
+                    mma16816_nv(acc[mt][nt], a[mt][0][2], a[mt][1][2], a[mt][0][3], a[mt][1][3], u.z, u.w);
+                }
+            }
+        }
+    } else {
+        (void)acc, (void)wst, (void)xl, (void)C, (void)g, (void)t;  // K-quant rows are whole super-blocks
+    }
+}
+
 }  // namespace ss
 
 // y[T, N] (+)= x @ W^T on the tiled device layout (row_bytes = bytes of one row; rows padded to a multiple
@@ -1514,30 +1547,7 @@ __global__ void SS_BOUNDS(256, (MT == 1 && NT == 1 && QT != 14) ? 4 : 1) qmv_ker
                             }
                 }
             } else {
-                if constexpr (QT == 1 || QT == 8) {
-                    const int m = C >> 5;  // 1..7 pairs per lane
-                    const int mb = main_bytes<QT>(C), sb = side_bytes<QT>(C);
-                    for (int p = 0; p < m; ++p) {
-                        u32 a[MT][2][4];
-#pragma unroll
-                        for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-                            for (int hr = 0; hr < 2; ++hr) {
-                                const int r = 8 * hr + g;
-                                frag2_tail<QT>(stage + mt * BLK + r * mb, stage + mt * BLK + 16 * mb + r * sb, t, m, p,
-                                               a[mt][hr]);
-                            }
-#pragma unroll
-                        for (int nt = 0; nt < NT; ++nt) {
-                            const uint4 u = xl[(p * TPAD + 8 * nt) * 4];
-#pragma unroll
-                            for (int mt = 0; mt < MT; ++mt) {
-                                mma16816_nv(acc[mt][nt], a[mt][0][0], a[mt][1][0], a[mt][0][1], a[mt][1][1], u.x, u.y);
-                                mma16816_nv(acc[mt][nt], a[mt][0][2], a[mt][1][2], a[mt][0][3], a[mt][1][3], u.z, u.w);
-                            }
-                        }
-                    }
-                }
+                tail_mma<QT, NT, MT>(acc, stage, xl, C, g, t);
             }
             SS_SYNCWARP();  // everyone is done with this stage before it is refilled
             si = si + 1 == stages ? 0 : si + 1;
@@ -1678,29 +1688,7 @@ SS_DEV void wide_chunk(float (&acc)[MT][NT][4], const u8* wst, const uint4* xs, 
             }
         }
     } else {
-        if constexpr (QT == 1 || QT == 8) {
-            const int m = C >> 5;  // 1..7 pairs per lane
-            const int mb = main_bytes<QT>(C), sb = side_bytes<QT>(C);
-            for (int p = 0; p < m; ++p) {
-                u32 a[MT][2][4];
-#pragma unroll
-                for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-                    for (int hr = 0; hr < 2; ++hr) {
-                        const int r = 8 * hr + g;
-                        frag2_tail<QT>(wst + mt * BLK + r * mb, wst + mt * BLK + 16 * mb + r * sb, t, m, p, a[mt][hr]);
-                    }
-#pragma unroll
-                for (int nt = 0; nt < NT; ++nt) {
-                    const uint4 u = xs[(p * TPAD + 8 * nt + g) * 4 + t];
-#pragma unroll
-                    for (int mt = 0; mt < MT; ++mt) {
-                        mma16816_nv(acc[mt][nt], a[mt][0][0], a[mt][1][0], a[mt][0][1], a[mt][1][1], u.x, u.y);
-                        mma16816_nv(acc[mt][nt], a[mt][0][2], a[mt][1][2], a[mt][0][3], a[mt][1][3], u.z, u.w);
-                    }
-                }
-            }
-        }
+        tail_mma<QT, NT, MT>(acc, wst, xs + (g * 4 + t), C, g, t);
     }
 }
 
