@@ -36,6 +36,20 @@ static unsigned int shfl(unsigned int v, int src) {
     barrier();
     return r;
 }
+
+// Blocks 0 .. n-1 in grid order (seed 0) or a pseudo-random permutation (Fisher-Yates on a 64-bit LCG seeded with it),
+// for harnesses that run a launch's blocks in an order the kernel must not depend on.
+static std::vector<unsigned> block_order(unsigned n, unsigned long long seed) {
+    std::vector<unsigned> order(n);
+    for (unsigned b = 0; b < n; ++b) order[b] = b;
+    unsigned long long state = seed;
+    for (unsigned b = n; seed != 0 && b > 1; --b) {
+        state = state * 6364136223846793005ull + 1442695040888963407ull;
+        const unsigned j = (unsigned)((state >> 33) % b), tmp = order[b - 1];
+        order[b - 1] = order[j], order[j] = tmp;
+    }
+    return order;
+}
 }  // namespace sim
 
 #define threadIdx (sim::tid())

@@ -141,13 +141,7 @@ extern "C" int sim_gemv_split(int qt, int nt, const unsigned char* W, long long 
     ga = {W, row_bytes, N, K, (const uint4*)xp, tpad, y, accumulate, ldy, (const uint4*)xq};
     sa = {splits, part, counters};
     const unsigned blocks = (unsigned)((N + 15) / 16) * (unsigned)splits;
-    std::vector<unsigned> order(blocks);
-    for (unsigned b = 0; b < blocks; ++b) order[b] = b;
-    unsigned long long state = order_seed;
-    for (unsigned b = blocks; order_seed != 0 && b > 1; --b) {
-        state = state * 6364136223846793005ull + 1442695040888963407ull;
-        std::swap(order[b - 1], order[(unsigned)((state >> 33) % b)]);
-    }
+    const std::vector<unsigned> order = sim::block_order(blocks, order_seed);
     int errors = 0;
     sim::gdim = {blocks, 1, 1};
     sim::bdim = {32u * (unsigned)kw, 1, 1};

@@ -46,16 +46,8 @@ static int launch(unsigned gx, unsigned gy, unsigned gz, unsigned threads) {
 // As launch(), the blocks in another order: 0 as launch() does, 1 the reverse, 2 a fixed shuffle. Kernels whose
 // last block to arrive finishes a row's work must not depend on which block that is.
 static int launch_ordered(unsigned gx, unsigned gy, unsigned threads, int order) {
-    std::vector<unsigned> ids(gx * gy);
-    for (unsigned i = 0; i < gx * gy; ++i) ids[i] = i;
+    std::vector<unsigned> ids = sim::block_order(gx * gy, order == 2 ? 0x9E3779B97F4A7C15ull : 0ull);
     if (order == 1) std::reverse(ids.begin(), ids.end());
-    if (order == 2) {
-        unsigned long long s = 0x9E3779B97F4A7C15ull;
-        for (unsigned i = gx * gy; i > 1; --i) {
-            s = s * 6364136223846793005ull + 1442695040888963407ull;
-            std::swap(ids[i - 1], ids[(unsigned)((s >> 33) % i)]);
-        }
-    }
     int errors = 0;
     sim::gdim = {gx, gy, 1};
     sim::bdim = {threads, 1, 1};

@@ -85,13 +85,7 @@ static uint4* place_smem(int slot) { return slot == 0 ? ss_smem : resident_smem[
 // interleaved at barriers, atomics and fences (simb::run_grid, seeded with order_seed too), each with its own shared
 // memory. Every block starts on shared memory filled with the canary 0xA5. Returns the simulation errors.
 static int launch(unsigned blocks, unsigned threads, unsigned long long order_seed, int resident) {
-    std::vector<unsigned> order(blocks);
-    for (unsigned b = 0; b < blocks; ++b) order[b] = b;
-    unsigned long long state = order_seed;
-    for (unsigned b = blocks; order_seed != 0 && b > 1; --b) {
-        state = state * 6364136223846793005ull + 1442695040888963407ull;
-        std::swap(order[b - 1], order[(unsigned)((state >> 33) % b)]);
-    }
+    const std::vector<unsigned> order = sim::block_order(blocks, order_seed);
     int errors = 0;
     sim::gdim = {blocks, 1, 1};
     sim::bdim = {threads, 1, 1};
