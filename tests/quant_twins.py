@@ -36,6 +36,21 @@ BLOCK = {qm.F16: (1, 2), qm.Q8_0: (32, 34), qm.Q4_K: (256, 144), qm.Q6_K: (256, 
 FP16_FIELDS = {qm.Q8_0: (0,), qm.Q4_K: (0, 2), qm.Q6_K: (208,)}                        # fp16 scale offsets
 NAMES = {qm.F16: "F16", qm.Q8_0: "Q8_0", qm.Q4_K: "Q4_K", qm.Q6_K: "Q6_K"}
 
+# (storage type, (out, in)) the GPU matmul kernels are checked on: every type at three shapes (rows not a multiple of
+# 16 among them), and the F16 / Q8_0 tail chunks
+MATMUL_CASES = [
+    (qtype, shape) for qtype in (qm.Q4_K, qm.Q6_K, qm.Q8_0, qm.F16) for shape in ((256, 512), (1024, 2048), (77, 768))
+] + [
+    (qm.Q8_0, (200, 544)),  # K % 256 == 32: a one-pair tail chunk
+    (qm.Q8_0, (45, 1248)),  # K % 256 == 224: a seven-pair tail chunk
+    (qm.F16, (130, 288)),
+]
+
+
+def case_id(value) -> str:
+    """pytest id of a storage type or a shape."""
+    return NAMES[value] if isinstance(value, int) else "x".join(map(str, value))
+
 
 def random_weights(qtype: int, n_out: int, k: int, rng: np.random.Generator) -> np.ndarray:
     """Valid packed storage (n_out, row_bytes): random bytes with small finite fp16 scales."""

@@ -22,7 +22,7 @@ if _REASON is not None:
 import cupy  # noqa: E402
 
 from kernels import quant_matmul as qm  # noqa: E402
-from tests.quant_twins import NAMES, check_matmul, dequantize, legacy, random_weights, rel_error  # noqa: E402
+from tests.quant_twins import MATMUL_CASES, NAMES, case_id, check_matmul, dequantize, legacy, random_weights, rel_error  # noqa: E402
 from tests.test_kernels_cpu_sim import unpack_numpy  # noqa: E402  (the packed layout's NumPy inverse)
 
 pytestmark = pytest.mark.gpu
@@ -37,21 +37,10 @@ def check(W: qm.QuantMatrix, w64: np.ndarray, tokens: int, rng: np.random.Genera
     check_matmul(W, w64, tokens, rng, label, TOL, **kw)
 
 
-CASES = [
-    (qtype, shape) for qtype in (qm.Q4_K, qm.Q6_K, qm.Q8_0, qm.F16) for shape in ((256, 512), (1024, 2048), (77, 768))
-] + [
-    (qm.Q8_0, (200, 544)),  # K % 256 == 32: a one-pair tail chunk
-    (qm.Q8_0, (45, 1248)),  # K % 256 == 224: a seven-pair tail chunk
-    (qm.F16, (130, 288)),
-]
-
-
-def _case_id(value) -> str:
-    return NAMES[value] if isinstance(value, int) else "x".join(map(str, value))
 
 
 @pytest.mark.parametrize("kernel", qm.KERNELS)
-@pytest.mark.parametrize("qtype,shape", CASES, ids=_case_id)
+@pytest.mark.parametrize("qtype,shape", MATMUL_CASES, ids=case_id)
 def test_matches_twin_at_every_width(qtype: int, shape: tuple[int, int], kernel: str) -> None:
     rng = np.random.default_rng(1000 * qtype + shape[0] + shape[1])
     n_out, k = shape
@@ -93,7 +82,7 @@ def test_v2_launch_shapes_agree(qtype: int) -> None:
 
 
 @pytest.mark.parametrize(
-    "qtype,shape", [(qm.Q4_K, (5120, 17408)), (qm.Q6_K, (5120, 17408)), (qm.Q4_K, (17408, 5120))], ids=_case_id
+    "qtype,shape", [(qm.Q4_K, (5120, 17408)), (qm.Q6_K, (5120, 17408)), (qm.Q4_K, (17408, 5120))], ids=case_id
 )
 def test_large_shape(qtype: int, shape: tuple[int, int]) -> None:
     # Qwen3.6-27B ffn_down [5120 out, 17408 in] and ffn_up: K is split among warps (v2) or blocks (v1).

@@ -24,7 +24,16 @@ import cupy  # noqa: E402
 from kernels import quant_gemv as qg  # noqa: E402
 from kernels import quant_matmul as qm  # noqa: E402
 from kernels import quant_wide as qw  # noqa: E402
-from tests.quant_twins import NAMES, check_matmul, dequantize, gpu_matmul, random_weights, rel_error  # noqa: E402
+from tests.quant_twins import (  # noqa: E402
+    MATMUL_CASES,
+    NAMES,
+    case_id,
+    check_matmul,
+    dequantize,
+    gpu_matmul,
+    random_weights,
+    rel_error,
+)
 
 pytestmark = pytest.mark.gpu
 
@@ -41,17 +50,6 @@ def check(W: qm.QuantMatrix, w64: np.ndarray, tokens: int, rng: np.random.Genera
     return check_matmul(W, w64, tokens, rng, label, TOL, **kw)
 
 
-CASES = [
-    (qtype, shape) for qtype in TYPES for shape in ((256, 512), (1024, 2048), (77, 768))
-] + [
-    (qm.Q8_0, (200, 544)),  # K % 256 == 32: a one-pair tail chunk
-    (qm.Q8_0, (45, 1248)),  # K % 256 == 224: a seven-pair tail chunk
-    (qm.F16, (130, 288)),
-]
-
-
-def _case_id(value) -> str:
-    return NAMES[value] if isinstance(value, int) else "x".join(map(str, value))
 
 
 def _matrix(qtype: int, shape: tuple[int, int], rng: np.random.Generator) -> tuple[qm.QuantMatrix, np.ndarray]:
@@ -59,7 +57,7 @@ def _matrix(qtype: int, shape: tuple[int, int], rng: np.random.Generator) -> tup
     return qm.QuantMatrix(qtype, raw, shape, name=f"{NAMES[qtype]} {shape}"), dequantize(qtype, raw, *shape)
 
 
-@pytest.mark.parametrize("qtype,shape", CASES, ids=_case_id)
+@pytest.mark.parametrize("qtype,shape", MATMUL_CASES, ids=case_id)
 def test_matches_twin_at_every_width(qtype: int, shape: tuple[int, int]) -> None:
     rng = np.random.default_rng(2000 * qtype + shape[0] + shape[1])
     W, w64 = _matrix(qtype, shape, rng)
@@ -114,7 +112,7 @@ def test_whole_row_blocks_equal_v2_bitwise(qtype: int, shape: tuple[int, int], m
 
 
 @pytest.mark.parametrize("qtype,shape", [(qm.Q4_K, (17408, 5120)), (qm.Q4_K, (5120, 17408)), (qm.Q6_K, (5120, 17408)),
-                                         (qm.Q6_K, (5120, 6144))], ids=_case_id)  # fmt: skip
+                                         (qm.Q6_K, (5120, 6144))], ids=case_id)  # fmt: skip
 def test_27b_shapes(qtype: int, shape: tuple[int, int]) -> None:
     """Qwen3.6-27B ffn_up / ffn_down / ssm_out at verify widths with the default launch (stream-K pieces)."""
     rng = np.random.default_rng(7 + qtype + shape[0])
