@@ -310,13 +310,17 @@ def random_matrix(cupy, qm, qtype: int, shape: tuple[int, int], kernel: str = "v
     return W
 
 
+def random_io(cupy, qm, tokens: int, n_out: int, k: int) -> tuple:
+    """(packed random fp16 x of `tokens` rows, an fp32 output [tokens, n_out]) for timing products."""
+    x = (cupy.random.standard_normal((tokens, k), dtype=cupy.float32) * 0.5).astype(cupy.float16)
+    return qm.pack_activations(x), cupy.empty((tokens, n_out), dtype=cupy.float32)
+
+
 def sweep_shapes(cupy, qm, mats, per_graph: int, tokens: int, shape_name: str) -> list[dict]:
     """Time every v2 launch shape (m16 tiles per warp, warps per block, stages; no K splits) at one width."""
     W0 = mats[0]
     n_out, k = W0.shape
-    x = (cupy.random.standard_normal((tokens, k), dtype=cupy.float32) * 0.5).astype(cupy.float16)
-    packed = qm.pack_activations(x)
-    out = cupy.empty((tokens, n_out), dtype=cupy.float32)
+    packed, out = random_io(cupy, qm, tokens, n_out, k)
     found, copies = [], len(mats)
     for mt in (1, 2):
         for kw in (1, 2, 4, 8):
@@ -368,9 +372,7 @@ def sweep_wide(cupy, qm, qw, mats, per_graph: int, tokens: int, shape_name: str)
     SM (shapes that resolve to the same launch are timed once; the default shape is marked)."""
     W0 = mats[0]
     n_out, k = W0.shape
-    x = (cupy.random.standard_normal((tokens, k), dtype=cupy.float32) * 0.5).astype(cupy.float16)
-    packed = qm.pack_activations(x)
-    out = cupy.empty((tokens, n_out), dtype=cupy.float32)
+    packed, out = random_io(cupy, qm, tokens, n_out, k)
     copies = len(mats)
     default = tuple(wide_launch(qw, W0, tokens)[:4])
     found, seen = [], set()
@@ -426,9 +428,7 @@ def sweep_persist(cupy, qm, qg, mats, per_graph: int, tokens: int, shape_name: s
     shapes that come out the same grid are timed once), and the per-tile kernel at its own k_warps for reference."""
     W0 = mats[0]
     n_out, k = W0.shape
-    x = (cupy.random.standard_normal((tokens, k), dtype=cupy.float32) * 0.5).astype(cupy.float16)
-    packed = qm.pack_activations(x)
-    out = cupy.empty((tokens, n_out), dtype=cupy.float32)
+    packed, out = random_io(cupy, qm, tokens, n_out, k)
     copies = len(mats)
 
     def timed(cfg) -> float:
@@ -464,9 +464,7 @@ def sweep_gemv(cupy, qm, qg, mats, per_graph: int, tokens: int, shape_name: str)
     """Time the gemv kernel at every k_warps (1..8) at one width; the row marked auto is choose_k_warps'."""
     W0 = mats[0]
     n_out, k = W0.shape
-    x = (cupy.random.standard_normal((tokens, k), dtype=cupy.float32) * 0.5).astype(cupy.float16)
-    packed = qm.pack_activations(x)
-    out = cupy.empty((tokens, n_out), dtype=cupy.float32)
+    packed, out = random_io(cupy, qm, tokens, n_out, k)
     copies = len(mats)
     found = []
     regs = int(getattr(qg.gemv_function(W0.qtype, tokens), "num_regs", 0) or 0)
@@ -499,9 +497,7 @@ def sweep_split(cupy, qm, qg, qtype: int, shape_name: str, shape: tuple[int, int
     nch = mats[0].n_chunks()
     found = []
     for tokens in SPLIT_SWEEP_WIDTHS if not quick else (1,):
-        x = (cupy.random.standard_normal((tokens, k), dtype=cupy.float32) * 0.5).astype(cupy.float16)
-        packed = qm.pack_activations(x)
-        out = cupy.empty((tokens, n_out), dtype=cupy.float32)
+        packed, out = random_io(cupy, qm, tokens, n_out, k)
 
         def timed(cfg) -> float:
             calls = [
@@ -763,7 +759,7 @@ def main(argv: list[str]) -> int:
                 if kernel.startswith("gemv") and not gemv_runs(qg, qtype, k, tokens, kernel == "gemvp"):
                     continue  # wider than the kernel takes, x does not fit in shared memory, or F16 (gemvp)
                 x = (cupy.random.standard_normal((tokens, k), dtype=cupy.float32) * 0.5).astype(cupy.float16)
-                packed = qm.pack_activations(x)
+                packed = qm.pack_activations(x)  # (x is timed below: the pack itself)
                 out = cupy.empty((tokens, n_out), dtype=cupy.float32)
                 calls = [
                     (lambda W=mats[i % copies], p=packed, o=out: W.matmul(p, out=o, **how_kw))  # noqa: B023
