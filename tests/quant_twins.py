@@ -129,3 +129,27 @@ def q16_twin(x: np.ndarray) -> np.ndarray:
     scale = (amax * np.float32(1.0 / 32767.0)).astype(np.float32)
     return np.concatenate([q.reshape(-1).view(np.uint32), scale.reshape(-1).view(np.uint32),
                            total.reshape(-1).view(np.uint32)])
+
+
+def check_strided_out(W: qm.QuantMatrix, px: qm.PackedX, y0, label: str = "", **kw):
+    """W.matmul(px, **kw) into a column slice of wider rows (row stride > out_features), plain and accumulating onto
+    y0 (cupy [T, out]): bitwise what a contiguous output gets, the columns beside the slice untouched, and accumulate
+    adding the finished sum once (bitwise y0 + the plain product). Returns the plain product (cupy)."""
+    import cupy
+
+    tokens, n_out = (int(s) for s in y0.shape)
+    plain = cupy.full((tokens, n_out), np.nan, cupy.float32)
+    W.matmul(px, out=plain, **kw)
+    for accumulate in (False, True):
+        flat = y0.copy() if accumulate else cupy.full((tokens, n_out), np.nan, cupy.float32)
+        W.matmul(px, out=flat, accumulate=accumulate, **kw)
+        wide = cupy.full((tokens, n_out + 40), 7.25, cupy.float32)
+        view = wide[:, 11 : 11 + n_out]
+        view[...] = y0 if accumulate else cupy.nan
+        W.matmul(px, out=view, accumulate=accumulate, **kw)
+        assert cupy.array_equal(view, flat), f"{label} accumulate={accumulate}"
+        host = cupy.asnumpy(wide)
+        assert (host[:, :11] == 7.25).all() and (host[:, 11 + n_out :] == 7.25).all()
+        if accumulate:
+            assert cupy.array_equal(flat, y0 + plain), f"{label}: not the same sums then one add"
+    return plain

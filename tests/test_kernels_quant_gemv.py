@@ -21,7 +21,7 @@ import cupy  # noqa: E402
 
 from kernels import quant_gemv as qg  # noqa: E402
 from kernels import quant_matmul as qm  # noqa: E402
-from tests.quant_twins import NAMES, check_matmul, dequantize, gpu_matmul, random_weights, rel_error  # noqa: E402
+from tests.quant_twins import NAMES, check_matmul, check_strided_out, dequantize, gpu_matmul, random_weights, rel_error  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
@@ -213,17 +213,8 @@ def test_strided_out_per_tile_and_persistent(qtype: int) -> None:
         px = qm.pack_activations(cupy.asarray((rng.standard_normal((tokens, k)) * 0.5).astype(np.float16)))
         y0 = cupy.asarray(rng.standard_normal((tokens, n_out)).astype(np.float32))
         for persistent in (False, True):
-            cfg = qg.GemvConfig(persistent=persistent)
-            for accumulate in (False, True):
-                flat = y0.copy() if accumulate else cupy.full((tokens, n_out), np.nan, cupy.float32)
-                W.matmul(px, out=flat, accumulate=accumulate, kernel="gemv", config=cfg)
-                wide = cupy.full((tokens, n_out + 40), 7.25, cupy.float32)
-                view = wide[:, 11:11 + n_out]
-                view[...] = y0 if accumulate else cupy.nan
-                W.matmul(px, out=view, accumulate=accumulate, kernel="gemv", config=cfg)
-                assert cupy.array_equal(view, flat), f"T={tokens} persistent={persistent} accumulate={accumulate}"
-                host = cupy.asnumpy(wide)
-                assert (host[:, :11] == 7.25).all() and (host[:, 11 + n_out:] == 7.25).all()
+            check_strided_out(W, px, y0, f"T={tokens} persistent={persistent}", kernel="gemv",
+                              config=qg.GemvConfig(persistent=persistent))
 
 
 SPLIT_SHAPES = {
@@ -267,20 +258,7 @@ def test_split_k_strided_accumulate_and_portable(qtype: int) -> None:
     for tokens in (1, 2):
         px = qm.pack_activations(cupy.asarray((rng.standard_normal((tokens, k)) * 0.5).astype(np.float16)))
         y0 = cupy.asarray(rng.standard_normal((tokens, n_out)).astype(np.float32))
-        plain = cupy.full((tokens, n_out), np.nan, cupy.float32)
-        W.matmul(px, out=plain, kernel="gemv", config=cfg)
-        for accumulate in (False, True):
-            flat = y0.copy() if accumulate else cupy.full((tokens, n_out), np.nan, cupy.float32)
-            W.matmul(px, out=flat, accumulate=accumulate, kernel="gemv", config=cfg)
-            wide = cupy.full((tokens, n_out + 40), 7.25, cupy.float32)
-            view = wide[:, 11:11 + n_out]
-            view[...] = y0 if accumulate else cupy.nan
-            W.matmul(px, out=view, accumulate=accumulate, kernel="gemv", config=cfg)
-            assert cupy.array_equal(view, flat), f"T={tokens} accumulate={accumulate}"
-            host = cupy.asnumpy(wide)
-            assert (host[:, :11] == 7.25).all() and (host[:, 11 + n_out:] == 7.25).all()
-            if accumulate:
-                assert cupy.array_equal(flat, y0 + plain)  # the same sums, then one add
+        plain = check_strided_out(W, px, y0, f"T={tokens}", kernel="gemv", config=cfg)
         port = cupy.full((tokens, n_out), np.nan, cupy.float32)
         W.matmul(px, out=port, kernel="gemv", config=cfg, portable=True)
         assert cupy.array_equal(port, plain)

@@ -29,6 +29,7 @@ from tests.quant_twins import (  # noqa: E402
     NAMES,
     case_id,
     check_matmul,
+    check_strided_out,
     dequantize,
     gpu_matmul,
     random_weights,
@@ -181,20 +182,7 @@ def test_strided_out_and_accumulate(cfg) -> None:
     W, _ = _matrix(qm.Q6_K, (n_out, k), rng)
     px = qm.pack_activations(cupy.asarray((rng.standard_normal((tokens, k)) * 0.5).astype(np.float16)))
     y0 = cupy.asarray(rng.standard_normal((tokens, n_out)).astype(np.float32))
-    plain = cupy.full((tokens, n_out), np.nan, cupy.float32)
-    W.matmul(px, out=plain, kernel="wide", config=cfg)
-    for accumulate in (False, True):
-        flat = y0.copy() if accumulate else cupy.full((tokens, n_out), np.nan, cupy.float32)
-        W.matmul(px, out=flat, accumulate=accumulate, kernel="wide", config=cfg)
-        wide = cupy.full((tokens, n_out + 40), 7.25, cupy.float32)
-        view = wide[:, 11 : 11 + n_out]
-        view[...] = y0 if accumulate else cupy.nan
-        W.matmul(px, out=view, accumulate=accumulate, kernel="wide", config=cfg)
-        assert cupy.array_equal(view, flat), f"accumulate={accumulate}"
-        host = cupy.asnumpy(wide)
-        assert (host[:, :11] == 7.25).all() and (host[:, 11 + n_out :] == 7.25).all()
-        if accumulate:
-            assert cupy.array_equal(flat, y0 + plain)
+    check_strided_out(W, px, y0, str(cfg), kernel="wide", config=cfg)
 
 
 @pytest.mark.parametrize("qtype", TYPES, ids=NAMES.get)
