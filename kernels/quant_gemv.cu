@@ -80,7 +80,6 @@ constexpr int MAX_KW = 8;  // warps per block (launch bound 256 threads)
 // Bit helpers
 
 GV_DEV float as_float(u32 u) { return __uint_as_float(u); }
-GV_DEV u32 as_u32(float f) { return __float_as_uint(f); }
 
 // Software IEEE binary16 -> binary32 (exact; subnormals, inf, NaN). Out of line: it is the portable path only.
 static __device__ __noinline__ float h2f_soft(u32 h) {
