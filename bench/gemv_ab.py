@@ -1,8 +1,9 @@
-"""The gemv kernel fed from the pack's int16 staging (PackedX.q16) against quantizing x in every block, in one run:
-per matrix (27B shapes, T = 1 and 2, graph-replayed calls rotating over weight copies) and in the synthetic model's
-decode step (width 1 and 2, graph replay, off / on interleaved). Prints ratios on / off.
+"""The gemv ring variant (gemv_ring_kernel: each warp's chunks and x through a ring of bulk copies) against the per-tile
+kernel, in one run: per matrix (27B shapes, one token, graph-replayed calls rotating over weight copies; the ring at
+several warps x stages) and in the synthetic model's decode step (width 1, graph replay, ring off / on interleaved by
+switching quant_gemv.RING_UP_TO). Prints ratios ring / per-tile and the fraction of the copy bandwidth each reaches.
 
-    python3 bench/gemv_q16_ab.py [--no-matrices] [--model PATH] [--context 512] [--json out.json]
+    python3 bench/gemv_ab.py [--no-matrices] [--model PATH] [--context 512] [--json out.json]
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ MATRICES = [  # (type, rows, cols, name): the 27B Q4_K_M decode step's largest g
     ("Q4_K", 12288, 5120, "attn_qkv"),
     ("Q6_K", 248320, 5120, "output"),
 ]
+RING_SHAPES = [(4, 2), (4, 3), (4, 4), (4, 6), (8, 2), (8, 3), (8, 4), (2, 4)]  # (k_warps, stages)
 
 
 def weight_copies(cupy, qm, tname: str, n_out: int, k: int) -> list:
@@ -35,58 +37,66 @@ def weight_copies(cupy, qm, tname: str, n_out: int, k: int) -> list:
     return [roofline.random_matrix(cupy, qm, qtype, (n_out, k)) for _ in range(copies)]
 
 
-def per_matrix(cupy, qm, tokens: int) -> list[dict]:
+def per_matrix(cupy, qm, qg, tokens: int, copy_gbps: float) -> list[dict]:
     import roofline
 
+    configs = [("tile", qg.GemvConfig(ring=False, splits=1))]
+    configs += [(f"ring {kw}x{st}", qg.GemvConfig(ring=True, k_warps=kw, stages=st)) for kw, st in RING_SHAPES]
     rows = []
     for tname, n_out, k, label in MATRICES:
         mats = weight_copies(cupy, qm, tname, n_out, k)
         copies = len(mats)
         x = cupy.random.standard_normal((tokens, k), dtype=cupy.float32)
-        on = qm.pack_activations(x, q16=True)
-        off = qm.PackedX(on.data, tokens, k)
+        px = qm.pack_activations(x, q16=True)
         out = cupy.empty((tokens, n_out), cupy.float32)
-        res = {}
+        res: dict[str, list[float]] = {}
         for _rep in range(2):
-            for how, px in (("off", off), ("on", on)):
-                calls = [lambda W=W, px=px, o=out: W.matmul(px, out=o, kernel="gemv") for W in mats]
-                calls *= max(1, 8 // copies)
-                us, _, _ = roofline.time_calls(cupy, calls)
+            for how, cfg in configs:
+                try:
+                    calls = [lambda W=W, c=cfg: qg.gemv(W, px, out, config=c) for W in mats]
+                    calls *= max(1, 8 // copies)
+                    us, _, _ = roofline.time_calls(cupy, calls)
+                except ValueError as e:  # a shape the shared memory cannot hold
+                    print(f"  {label} {how}: {e}", flush=True)
+                    continue
                 res.setdefault(how, []).append(us)
-        row = {"matrix": label, "tokens": tokens, "off_us": round(min(res["off"]), 2),
-               "on_us": round(min(res["on"]), 2)}
-        row["ratio"] = round(row["on_us"] / row["off_us"], 3)
+        nbytes = mats[0].nbytes
+        row = {"matrix": label, "tokens": tokens, "MB": round(nbytes / 1e6, 1),
+               "us": {how: round(min(v), 2) for how, v in res.items()}}
+        best = min((v, h) for h, v in row["us"].items() if h != "tile")
+        row["best_ring"], row["ratio"] = best[1], round(best[0] / row["us"]["tile"], 3)
+        row["roof"] = {how: round(nbytes / (us * 1e-6) / (copy_gbps * 1e9), 3) for how, us in row["us"].items()}
         rows.append(row)
-        print(f"gemv {label:14s} T={tokens}: staged in-kernel {row['off_us']:8.2f} us, from q16 {row['on_us']:8.2f} us"
-              f"  on/off {row['ratio']:.3f}", flush=True)
+        cells = "  ".join(f"{h} {v:.1f}" for h, v in row["us"].items())
+        print(f"gemv {label:14s} T={tokens} ({row['MB']} MB): {cells} us; best {best[1]} / tile {row['ratio']:.3f}"
+              f" (roof tile {row['roof']['tile']:.2f}, ring {row['roof'][best[1]]:.2f})", flush=True)
         del mats
         cupy.get_default_memory_pool().free_all_blocks()
     return rows
 
 
-def step(cupy, qm, path: str, context: int) -> list[dict]:
+def step(cupy, qm, qg, path: str, context: int) -> list[dict]:
     from gpu_bench import model_at_context
     from step_profile import replay_us
 
     t0 = time.time()
     model, state, rng = model_at_context(path, context)
     print(f"step: loaded {path} and its context in {time.time() - t0:.0f} s", flush=True)
-    shipped = getattr(qm, "Q16_TOKENS", None)  # None: a tree from before PackedX.q16 (timed as it is, "off")
-    modes = (("off", 0), ("on", shipped)) if shipped is not None else (("off", None),)
+    shipped = dict(qg.RING_UP_TO)
+    modes = (("tile", {}), ("ring", {8: 1, 12: 1, 14: 1}))
     rows = []
     try:
-        for width in (1, 2):
+        for width in (1,):
             toks = [int(t) for t in rng.integers(0, model.cfg.n_vocab, size=width)]
-            par = [-1] + list(range(width - 1)) if width > 1 else None
             res: dict[str, list[float]] = {}
             for _rep in range(3):
-                for how, q in modes:
-                    if q is not None:
-                        qm.Q16_TOKENS = q
+                for how, up_to in modes:
+                    qg.RING_UP_TO.clear()
+                    qg.RING_UP_TO.update(up_to)
                     model.use_graphs = True
                     state.graphs.clear()
                     for _ in range(2):  # warm-up + capture
-                        model.forward(state, toks, parents=par, checkpoints=par is not None, logits="all")
+                        model.forward(state, toks, logits="all")
                         state.pending = None
                     g = next(iter(state.graphs.values()), None)
                     if g is None:
@@ -95,14 +105,13 @@ def step(cupy, qm, path: str, context: int) -> list[dict]:
             row = {"width": width, "runs": res}
             for how in res:
                 row[f"{how}_us"] = round(statistics.median(res[how]), 1)
-            if "on" in res:
-                row["ratio"] = round(row["on_us"] / row["off_us"], 4)
+            row["ratio"] = round(row["ring_us"] / row["tile_us"], 4)
             rows.append(row)
             parts = [f"{how} {row[how + '_us']} us (runs {[round(v) for v in res[how]]})" for how in res]
-            print(f"step width {width}: {', '.join(parts)}; on/off {row.get('ratio')}", flush=True)
+            print(f"step width {width}: {', '.join(parts)}; ring/tile {row['ratio']}", flush=True)
     finally:
-        if shipped is not None:
-            qm.Q16_TOKENS = shipped
+        qg.RING_UP_TO.clear()
+        qg.RING_UP_TO.update(shipped)
         state.graphs.clear()
     return rows
 
@@ -112,18 +121,23 @@ def main(argv: list[str]) -> int:
 
     reason = loader.unavailable_reason()
     if reason is not None:
-        print(f"gemv_q16_ab: skipped: {reason}")
+        print(f"gemv_ab: skipped: {reason}")
         return 0
     cupy = loader.require()
+    import roofline
+
+    from kernels import quant_gemv as qg
     from kernels import quant_matmul as qm
 
     model = argv[argv.index("--model") + 1] if "--model" in argv else None
     context = int(argv[argv.index("--context") + 1]) if "--context" in argv else 512
-    out = {}
+    copy_gbps = roofline.copy_bandwidth(cupy, 1 << 30)
+    print(f"copy bandwidth {copy_gbps:.0f} GB/s", flush=True)
+    out: dict = {"copy_GBps": round(copy_gbps, 1)}
     if "--no-matrices" not in argv:
-        out["matrices"] = per_matrix(cupy, qm, 1) + per_matrix(cupy, qm, 2)
+        out["matrices"] = per_matrix(cupy, qm, qg, 1, copy_gbps)
     if model:
-        out["step"] = step(cupy, qm, model, context)
+        out["step"] = step(cupy, qm, qg, model, context)
     if "--json" in argv:
         Path(argv[argv.index("--json") + 1]).write_text(json.dumps(out, indent=1))
     return 0

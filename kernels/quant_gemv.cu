@@ -70,6 +70,7 @@ typedef long long i64;
 #endif
 
 #include "xq16.cuh"
+#include "bulk.cuh"
 
 namespace gv {
 
@@ -130,6 +131,22 @@ GV_DEV int dp2a_hi(u32 a, u32 b, int c) {
 GV_DEV uint4 ldg16(const u8* p) { return GV_LDG((const uint4*)p); }
 GV_DEV u32 ldg_u16(const u8* p) { return (u32)GV_LDG((const u16*)p); }
 GV_DEV u32 ldg_u8(const u8* p) { return (u32)GV_LDG(p); }
+// The same reads from global memory (read-only path) or, SMEM, from a copy in shared memory (the ring kernel)
+template <bool SMEM>
+GV_DEV uint4 ld16(const u8* p) {
+    if constexpr (SMEM) return *(const uint4*)p;
+    else return ldg16(p);
+}
+template <bool SMEM>
+GV_DEV u32 ld_u16(const u8* p) {
+    if constexpr (SMEM) return (u32) * (const u16*)p;
+    else return ldg_u16(p);
+}
+template <bool SMEM>
+GV_DEV u32 ld_u8(const u8* p) {
+    if constexpr (SMEM) return (u32)*p;
+    else return ldg_u8(p);
+}
 
 GV_DEV float shfl_xor(float v, int m) { return GV_SHFL_XOR(v, m); }
 
@@ -210,7 +227,7 @@ GV_DEV int xunit(int j, int k) {
     }
 }
 
-template <int QT>
+template <int QT, bool SMEM = false>
 GV_DEV void load_raw(Raw<QT>& w, const u8* blk, int r4, int j) {
     using L = Lay<QT>;
 #pragma unroll
@@ -218,23 +235,23 @@ GV_DEV void load_raw(Raw<QT>& w, const u8* blk, int r4, int j) {
         const int r = r4 + 4 * i;
         const u8* row = blk + r * L::MAIN;
         if constexpr (QT == 12) {
-            w.q[i] = ldg16(row + 16 + 16 * j);
-            w.h[i] = ldg16(row);
+            w.q[i] = ld16<SMEM>(row + 16 + 16 * j);
+            w.h[i] = ld16<SMEM>(row);
         } else if constexpr (QT == 14) {
             const int hh = j >> 2, c = (j >> 1) & 1, s = j & 1;
-            w.l[i] = ldg16(row + 16 * j);
-            w.h[i] = ldg16(row + 128 + 32 * hh + 16 * s);
+            w.l[i] = ld16<SMEM>(row + 16 * j);
+            w.h[i] = ld16<SMEM>(row + 128 + 32 * hh + 16 * s);
             const u8* side = blk + 16 * L::MAIN + r * L::SIDE;
-            w.s[i] = ldg_u8(side + 8 * hh + 2 * c + s) | (ldg_u8(side + 8 * hh + 4 + 2 * c + s) << 8);
-            w.d[i] = ldg_u16(side + 16);
+            w.s[i] = ld_u8<SMEM>(side + 8 * hh + 2 * c + s) | (ld_u8<SMEM>(side + 8 * hh + 4 + 2 * c + s) << 8);
+            w.d[i] = ld_u16<SMEM>(side + 16);
         } else if constexpr (QT == 8) {
-            w.a[i] = ldg16(row + 16 * (j ^ (r & 7)));
-            w.b[i] = ldg16(row + 16 * ((8 + j) ^ ((r + 2) & 7)));
+            w.a[i] = ld16<SMEM>(row + 16 * (j ^ (r & 7)));
+            w.b[i] = ld16<SMEM>(row + 16 * ((8 + j) ^ ((r + 2) & 7)));
             const u8* side = blk + 16 * L::MAIN + r * L::SIDE;
-            w.d[i] = ldg_u16(side + 2 * (j >> 1)) | (ldg_u16(side + 8 + 2 * (j >> 1)) << 16);
+            w.d[i] = ld_u16<SMEM>(side + 2 * (j >> 1)) | (ld_u16<SMEM>(side + 8 + 2 * (j >> 1)) << 16);
         } else {
 #pragma unroll
-            for (int m = 0; m < 4; ++m) w.u[i][m] = ldg16(row + 16 * ((j + 8 * m) ^ ((r + 2 * m) & 7)));
+            for (int m = 0; m < 4; ++m) w.u[i][m] = ld16<SMEM>(row + 16 * ((j + 8 * m) ^ ((r + 2 * m) & 7)));
         }
     }
 }
@@ -878,4 +895,114 @@ __global__ void GV_BOUNDS(256) gemv_splitk_kernel(const u8* __restrict__ W, long
         }
     }
     if (threadIdx.x == 0) counters[tile] = 0u;  // every block of the tile has counted: ready for the next launch
+}
+
+// Ring variant for the quantized types (Q8_0, Q4_K, Q6_K) with x from PackedX.q16 and K a multiple of 256: the
+// per-tile kernel's sums, without its register prefetch and without staging all of x per block. Grid and warps as
+// gemv_kernel (one block per tile, warp w owns chunks [w nch / KW, (w + 1) nch / KW)). Each warp streams its chunks
+// through its own ring of `stages` shared-memory slots; a slot holds the tile's chunk block (BLK bytes, contiguous
+// in the device layout) and the chunk's x as the pack staged it (NT tokens' int16 units, scales, sums: contiguous
+// runs of xq). sm_90: lane 0 fills a slot with one bulk copy per run, completing on the slot's mbarrier, `stages`
+// chunks ahead of the arithmetic, so a warp keeps stages x SLOT bytes in flight without holding them in registers
+// (gemv_kernel's warps are bound by their own latency chain with one chunk in flight: docs/gpu_quant_matmul.md).
+// Elsewhere (HIP, sm_80, portable, CPU simulation) the warp's lanes copy the slot themselves. The arithmetic is
+// chunk_int in the same chunk order as gemv_kernel's at the same KW: bitwise equal output.
+// Dynamic shared memory (ring_smem_bytes in kernels/quant_gemv.py): KW stages SLOT bytes of slots, KW 16 NT 4 of
+// partial sums when KW > 1, KW stages 8 of mbarriers.
+template <int QT, int NT>
+__global__ void GV_BOUNDS(256) gemv_ring_kernel(const u8* __restrict__ W, long long row_bytes, int N, int K,
+                                                float* __restrict__ y, int accumulate, long long ldy,
+                                                const uint4* __restrict__ xq, int stages) {
+    using namespace gv;
+    using namespace bk;
+    using L = Lay<QT>;
+    static_assert(L::INT, "F16 keeps the per-tile kernel");
+    constexpr int BLK = 16 * (L::MAIN + L::SIDE);  // bytes of one full tile block
+    constexpr int XU = NT * 512, XS = NT * 64;     // bytes of a chunk's x units, of its scales (and of its sums)
+    constexpr int SLOT = BLK + XU + XS * (L::SUMS ? 2 : 1);
+    extern __shared__ uint4 gv_smem[];
+
+    const int lane = (int)(threadIdx.x & 31u);
+    const int warp = (int)(threadIdx.x >> 5);
+    const int KW = (int)(blockDim.x >> 5);
+    const int j = lane >> 2, r4 = lane & 3;
+    const int nch = K / CHUNK;
+    const int tile = (int)blockIdx.x;
+    const int c0 = (int)(((long long)warp * nch) / KW), c1 = (int)(((long long)(warp + 1) * nch) / KW);
+    const int n = c1 - c0;  // this warp's chunks
+
+    u8* const ring = (u8*)gv_smem + (size_t)warp * stages * SLOT;
+    float* const red = (float*)((u8*)gv_smem + (size_t)KW * stages * SLOT);  // [KW][16][NT]
+    unsigned long long* const bars =
+        (unsigned long long*)(red + (KW > 1 ? KW * 16 * NT : 0)) + (size_t)warp * stages;
+    // chunk c0 + i's runs: weights, x units, scales, sums (each a contiguous, 16-byte aligned run)
+    const u8* const wsrc = W + (i64)tile * 16 * row_bytes + (i64)c0 * BLK;
+    const uint4* const usrc = xq + (i64)c0 * NT * 32;
+    const uint4* const ssrc = xq + (i64)nch * NT * 32 + (i64)c0 * NT * 4;
+    const uint4* const msrc = ssrc + (i64)nch * NT * 4;
+
+#if SS_BULK
+    const u32 ring_s = smem_addr(ring), bars_s = smem_addr(bars);
+    if (n > 0) {
+        if (lane == 0) {
+            for (int i = 0; i < stages; ++i) mbar_init(bars + i, 1u);
+            mbar_fence_init();
+        }
+        __syncwarp();
+    }
+    u32 phases = 0u;  // bit s: parity of slot s's next phase
+#endif
+    auto issue = [&](int i, int slot) {  // chunk c0 + i into slot
+        u8* const dst = ring + (size_t)slot * SLOT;
+#if SS_BULK
+        (void)dst;
+        if (lane == 0) {
+            const u32 d = ring_s + (u32)(slot * SLOT), bar = bars_s + 8u * (u32)slot;
+            mbar_expect_tx_s(bar, (u32)SLOT);
+            bulk_g2s_s(d, wsrc + (i64)i * BLK, (u32)BLK, bar);
+            bulk_g2s_s(d + BLK, usrc + (i64)i * NT * 32, (u32)XU, bar);
+            bulk_g2s_s(d + BLK + XU, ssrc + (i64)i * NT * 4, (u32)XS, bar);
+            if constexpr (L::SUMS) bulk_g2s_s(d + BLK + XU + XS, msrc + (i64)i * NT * 4, (u32)XS, bar);
+        }
+#else
+        uint4* const d = (uint4*)dst;
+        const uint4* const w = (const uint4*)(wsrc + (i64)i * BLK);
+        for (int u = lane; u < BLK / 16; u += 32) d[u] = GV_LDG(w + u);
+        for (int u = lane; u < XU / 16; u += 32) d[BLK / 16 + u] = GV_LDG(usrc + (i64)i * NT * 32 + u);
+        for (int u = lane; u < XS / 16; u += 32) {
+            d[(BLK + XU) / 16 + u] = GV_LDG(ssrc + (i64)i * NT * 4 + u);
+            if constexpr (L::SUMS) d[(BLK + XU + XS) / 16 + u] = GV_LDG(msrc + (i64)i * NT * 4 + u);
+        }
+#endif
+    };
+    const int pre = n < stages ? n : stages;
+    for (int i = 0; i < pre; ++i) issue(i, i);
+
+    int xu[4];
+#pragma unroll
+    for (int k = 0; k < 4; ++k) xu[k] = xunit<QT>(j, k);
+    float acc[4][NT];
+#pragma unroll
+    for (int i = 0; i < 4; ++i)
+#pragma unroll
+        for (int t = 0; t < NT; ++t) acc[i][t] = 0.f;
+
+    int slot = 0;
+    for (int i = 0; i < n; ++i) {
+#if SS_BULK
+        mbar_wait_s(bars_s + 8u * (u32)slot, (phases >> slot) & 1u);
+        phases ^= 1u << slot;
+#else
+        __syncwarp();  // the lanes' copies of the slot are done
+#endif
+        const u8* const sb = ring + (size_t)slot * SLOT;
+        Raw<QT> w;
+        load_raw<QT, true>(w, sb, r4, j);
+        chunk_int<QT, NT>(w, 0, j, xu, (const uint4*)(sb + BLK), (const float*)(sb + BLK + XU),
+                          (const float*)(sb + BLK + XU + XS), acc);
+        __syncwarp();  // every lane has read the slot (its values are used above) before it is refilled
+        if (i + stages < n) issue(i + stages, slot);
+        slot = slot + 1 == stages ? 0 : slot + 1;
+    }
+    finish_tile<NT>(acc, red, 16 * tile, N, y, ldy, accumulate);
 }

@@ -60,6 +60,15 @@ SPLIT_UP_TO: dict[int, int] = {}
 # (registers decide: ~17 warps of 117-128 registers). Otherwise S splits x KW warps per block (KW from SPLIT_WARPS)
 # so that tiles x S blocks make as many warps as fit in SPLIT_WAVES waves, each warp keeping at least SPLIT_MIN_CHUNKS
 # chunks of 256 values.
+# Ring variant (gemv_ring_kernel): widest T for which gemv() launches it, per quantized storage type, when the pack
+# wrote x's int16 staging (PackedX.q16: one token, Q16_TOKENS) and K is a multiple of 256; RING_STAGES slots per warp,
+# each a chunk's weights and x, kept in flight by bulk copies on sm_90. H100 (docs/gpu_quant_matmul.md, "gemv: a ring
+# of bulk copies"): 0.79-0.91x the per-tile kernel's time on every 27B matrix at one token, 4 warps x 2 stages the
+# best or within 3 % of it (fewer, smaller slots let more blocks in: 64 registers, 23.5 KB per Q4_K block); the
+# decode step 8.99 -> 8.38 ms.
+RING_UP_TO: dict[int, int] = {8: 1, 12: 1, 14: 1}
+RING_STAGES = 2
+MAX_RING_STAGES = 32  # the kernel keeps one parity bit per slot in a 32-bit word
 SPLIT_FILL = 0.75
 SPLIT_MIN_TILE_CHUNKS = 8
 SPLIT_WARPS = (4, 2)
@@ -75,13 +84,16 @@ class GemvConfig:
     """Launch shape. k_warps: warps per block splitting K (0: choose_k_warps, or choose_split's with splits).
     persistent: gemv_persist_kernel (None: PERSISTENT_UP_TO decides); then blocks_per_sm (0: as many as fit at once)
     and prefetch (0: PREFETCH). splits: blocks per tile of the split-K kernel gemv_splitk_kernel (0: choose_split
-    decides when SPLIT_UP_TO allows; 1: one block per tile; >= 2: split-K with that many)."""
+    decides when SPLIT_UP_TO allows; 1: one block per tile; >= 2: split-K with that many). ring: gemv_ring_kernel
+    (None: RING_UP_TO decides where the ring can run: ring_usable) with `stages` slots per warp (0: RING_STAGES)."""
 
     k_warps: int = 0
     persistent: bool | None = None
     blocks_per_sm: int = 0
     prefetch: int = 0
     splits: int = 0
+    ring: bool | None = None
+    stages: int = 0
 
 
 def smem_bytes(qtype: int, k: int, tokens: int, k_warps: int, persistent: bool = False) -> int:
@@ -93,6 +105,30 @@ def smem_bytes(qtype: int, k: int, tokens: int, k_warps: int, persistent: bool =
     if k_warps > 1:
         size += k_warps * TILE_ROWS * tokens * 4 * (2 if persistent else 1)
     return size
+
+
+def ring_slot_bytes(qtype: int, tokens: int) -> int:
+    """One ring slot: a 16-row tile's chunk block of weights and the chunk's x (int16 units, scales, sums)."""
+    return TILE_ROWS * sum(qm._CHUNK_ROW_BYTES[int(qtype)]) + tokens * (512 + 64 * (1 + (int(qtype) in _SUMS)))
+
+
+def ring_smem_bytes(qtype: int, tokens: int, k_warps: int, stages: int) -> int:
+    """Dynamic shared memory of one ring block: every warp's slots, the partial sums (KW > 1), one mbarrier per slot."""
+    size = k_warps * stages * ring_slot_bytes(qtype, tokens)
+    if k_warps > 1:
+        size += k_warps * TILE_ROWS * tokens * 4
+    return size + 8 * k_warps * stages
+
+
+def ring_usable(qtype: int, k: int, packed: Any) -> bool:
+    """Whether the ring kernel can take this product: a quantized type, K a multiple of 256 (no tail chunk) and x's
+    int16 staging written by the pack (it copies it, it never quantizes x itself)."""
+    return int(qtype) in _INT and k % CHUNK == 0 and getattr(packed, "q16", None) is not None
+
+
+def prefer_ring(qtype: int, tokens: int) -> bool:
+    """gemv()'s default for a product the ring can take: up to RING_UP_TO[qtype] tokens."""
+    return tokens <= RING_UP_TO.get(int(qtype), 0)
 
 
 def split_chunks(k: int, splits: int) -> int:
@@ -161,6 +197,22 @@ def persist_function(qtype: int, tokens: int, prefetch: int = PREFETCH, portable
     return fn
 
 
+def ring_function(qtype: int, tokens: int, portable: bool = False) -> Any:
+    """The compiled ring kernel for one quantized storage type and width (1..16 tokens)."""
+    qtype = int(qtype)
+    if qtype not in _INT:
+        raise ValueError(f"no ring gemv kernel for {qm.type_name(qtype)} (Q8_0, Q4_K, Q6_K only)")
+    if not 1 <= tokens <= MAX_TOKENS:
+        raise ValueError(f"gemv takes 1..{MAX_TOKENS} tokens, not {tokens}")
+    defines = _defines(portable)
+    fn = loader.get_function(SOURCE, f"gemv_ring_kernel<{qtype}, {tokens}>", defines)
+    key = ("ring", qtype, tokens, defines, qm._device_id())
+    if key not in _configured:
+        fn.max_dynamic_shared_size_bytes = SMEM_LIMIT
+        _configured[key] = SMEM_LIMIT
+    return fn
+
+
 def split_function(qtype: int, tokens: int, portable: bool = False) -> Any:
     """The compiled split-K kernel for one storage type and width (1..16 tokens)."""
     qtype = int(qtype)
@@ -179,7 +231,8 @@ def split_function(qtype: int, tokens: int, portable: bool = False) -> Any:
 
 def warmup(qtypes=(1, 8, 12, 14), widths=range(1, MAX_TOKENS + 1), portable: bool = False) -> None:
     """Compile the kernels up front (each is built on first use otherwise): per-tile ones, the persistent ones for
-    the types and widths PERSISTENT_UP_TO selects and the split-K ones for those SPLIT_UP_TO allows."""
+    the types and widths PERSISTENT_UP_TO selects, the split-K ones for those SPLIT_UP_TO allows and the ring ones for
+    those RING_UP_TO selects."""
     for q in qtypes:
         for t in widths:
             gemv_function(q, t, portable)
@@ -187,6 +240,8 @@ def warmup(qtypes=(1, 8, 12, 14), widths=range(1, MAX_TOKENS + 1), portable: boo
                 persist_function(q, t, PREFETCH, portable)
             if t <= SPLIT_UP_TO.get(int(q), 0):
                 split_function(q, t, portable)
+            if int(q) in _INT and prefer_ring(q, t):
+                ring_function(q, t, portable)
 
 
 def persist_grid(n_out: int, k_warps: int, smem: int, regs: int, sms: int, blocks_per_sm: int = 0) -> int:
@@ -289,6 +344,11 @@ def gemv(
         raise ValueError(f"splits must be 0..{MAX_SPLITS}, not {cfg.splits}")
     if persistent and cfg.splits > 1:
         raise ValueError(f"{W.name}: the persistent and the split-K gemv variants are exclusive")
+    if cfg.ring or (cfg.ring is None and not persistent and cfg.splits <= 1 and prefer_ring(W.qtype, tokens)
+                    and ring_usable(W.qtype, k, packed)):
+        if persistent or cfg.splits > 1:
+            raise ValueError(f"{W.name}: the ring gemv variant excludes the persistent and the split-K ones")
+        return _launch_ring(W, packed, out, accumulate, cfg, portable)
     splits, split_kw = cfg.splits, 0
     if splits == 0:
         splits = 1
@@ -313,6 +373,31 @@ def gemv(
         (grid,),
         (32 * kw,),
         _launch_args(W, n_out, k, packed, out, accumulate) + (_xq(packed),),
+        shared_mem=smem,
+    )
+    return out
+
+
+def _launch_ring(W: Any, packed: Any, out: Any, accumulate: bool, cfg: GemvConfig, portable: bool) -> Any:
+    n_out, k = W.shape
+    tokens = packed.tokens
+    if not ring_usable(W.qtype, k, packed):
+        raise ValueError(f"{W.name}: the ring gemv variant takes Q8_0, Q4_K or Q6_K with K a multiple of {CHUNK} and "
+                         f"x packed with its int16 staging (PackedX.q16); got {W.type_name}, K = {k}")
+    stages = cfg.stages or RING_STAGES
+    if not 1 <= stages <= MAX_RING_STAGES:
+        raise ValueError(f"ring stages must be 1..{MAX_RING_STAGES}, not {stages}")
+    kw = cfg.k_warps or choose_k_warps(W.qtype, n_out, k, tokens, qm.sm_count())
+    if not 1 <= kw <= MAX_K_WARPS:
+        raise ValueError(f"k_warps must be 1..{MAX_K_WARPS}, not {kw}")
+    smem = ring_smem_bytes(W.qtype, tokens, kw, stages)
+    if smem > SMEM_LIMIT:
+        raise ValueError(f"{W.name}: {kw} warps x {stages} ring stages need {smem} bytes of shared memory")
+    ring_function(W.qtype, tokens, portable)(
+        (-(-n_out // TILE_ROWS),),
+        (32 * kw,),
+        (W.device_buffer, np.int64(W.row_bytes), np.int32(n_out), np.int32(k), out, np.int32(bool(accumulate)),
+         np.int64(qm.out_stride(out)), packed.q16, np.int32(stages)),
         shared_mem=smem,
     )
     return out

@@ -49,6 +49,7 @@ typedef long long i64;
 
 #define SS_DEV static __device__ __forceinline__
 #include "xq16.cuh"
+#include "bulk.cuh"
 #if defined(__CUDACC__) || SS_HIP
 #define SS_BOUNDS(threads, min_blocks) __launch_bounds__(threads, min_blocks)
 #else
@@ -1036,12 +1037,6 @@ __global__ void __launch_bounds__(128) qmm_kernel(const u8* __restrict__ W, long
 // steps: values 64t+8j+{0..3}, +{4..7} (unit j of packed x) and the same 32 values later (unit 4+j); for
 // Q4_K these are the low and the high nibbles of the same 8 qs bytes.
 
-#if SS_PTX && defined(__CUDA_ARCH__) && (__CUDA_ARCH__ >= 900)
-#define SS_BULK 1
-#else
-#define SS_BULK 0
-#endif
-
 namespace ss {
 
 // Per type: MAIN / SIDE = bytes of quants / side data per row in a full chunk (CBF = MAIN + SIDE);
@@ -1115,56 +1110,7 @@ SS_DEV u32 prmt(u32 a, u32 sel) {
 SS_DEV u32 bcast_lo(u32 x) { return prmt(x, 0x1010u); }
 SS_DEV u32 bcast_hi(u32 x) { return prmt(x, 0x3232u); }
 
-SS_DEV u32 smem_addr(const void* p) {
-#if SS_PTX
-    u32 s;
-    asm("{ .reg .u64 a; cvta.to.shared.u64 a, %1; cvt.u32.u64 %0, a; }\n" : "=r"(s) : "l"(p));
-    return s;
-#else
-    return (u32)(u64)p;
-#endif
-}
-
-#if SS_BULK
-// mbarrier and bulk-copy helpers on 32-bit shared-memory addresses (a kernel converts its base pointers once and
-// steps through its stages by adding: a generic pointer would be converted again for every use), and the same on
-// pointers
-SS_DEV void mbar_init(u64* bar, u32 count) {
-    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(smem_addr(bar)), "r"(count) : "memory");
-}
-SS_DEV void mbar_fence_init() { asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory"); }
-SS_DEV void mbar_expect_tx_s(u32 bar, u32 bytes) {
-    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
-}
-SS_DEV void mbar_expect_tx(u64* bar, u32 bytes) { mbar_expect_tx_s(smem_addr(bar), bytes); }
-SS_DEV void mbar_wait_s(u32 bar, u32 parity) {
-    asm volatile(
-        "{\n"
-        ".reg .pred P1;\n"
-        "LAB_WAIT:\n"
-        "mbarrier.try_wait.parity.shared::cta.b64 P1, [%0], %1;\n"
-        "@P1 bra DONE;\n"
-        "bra LAB_WAIT;\n"
-        "DONE:\n"
-        "}\n" ::"r"(bar),
-        "r"(parity)
-        : "memory");
-}
-SS_DEV void mbar_wait(u64* bar, u32 parity) { mbar_wait_s(smem_addr(bar), parity); }
-SS_DEV void bulk_g2s_s(u32 dst, const void* src, u32 bytes, u32 bar) {
-    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::"r"(
-                     dst),
-                 "l"(src), "r"(bytes), "r"(bar)
-                 : "memory");
-}
-SS_DEV void bulk_g2s(void* dst, const void* src, u32 bytes, u64* bar) {
-    bulk_g2s_s(smem_addr(dst), src, bytes, smem_addr(bar));
-}
-SS_DEV void mbar_arrive_s(u32 bar) {  // one arrival (release: this thread's earlier shared-memory reads are done)
-    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
-}
-SS_DEV void mbar_arrive(u64* bar) { mbar_arrive_s(smem_addr(bar)); }
-#endif
+using namespace bk;  // smem_addr, mbarriers, bulk copies (kernels/bulk.cuh)
 
 SS_DEV void cp_async_wait_keep(int keep) {  // wait until at most `keep` (0..3) groups are in flight
 #if SS_PTX

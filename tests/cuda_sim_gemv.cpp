@@ -153,6 +153,50 @@ extern "C" int sim_gemv_split(int qt, int nt, const unsigned char* W, long long 
     return errors;
 }
 
+// Ring kernel (gemv_ring_kernel): ceil(N / 16) blocks of 32 kw threads with `stages` slots per warp, blocks in the
+// order of sim::block_order(order_seed). x comes only from xq (PackedX.q16).
+static int g_stages = 1;
+
+template <int QT, int NT>
+static void ring_body() {
+    gemv_ring_kernel<QT, NT>(ga.W, ga.row_bytes, ga.N, ga.K, ga.y, ga.accumulate, ga.ldy, ga.xq, g_stages);
+}
+
+template <int QT>
+static void (*pick_ring(int nt))() {
+    switch (nt) {
+        case 1: return ring_body<QT, 1>;
+        case 2: return ring_body<QT, 2>;
+        case 3: return ring_body<QT, 3>;
+    }
+    return nullptr;
+}
+
+extern "C" int sim_gemv_ring(int qt, int nt, const unsigned char* W, long long row_bytes, int N, int K, float* y,
+                             int accumulate, int kw, int stages, long long ldy, unsigned long long order_seed,
+                             const void* xq) {
+    switch (qt) {
+        case 8: g_body = pick_ring<8>(nt); break;
+        case 12: g_body = pick_ring<12>(nt); break;
+        case 14: g_body = pick_ring<14>(nt); break;
+        default: g_body = nullptr;
+    }
+    if (!g_body || kw < 1 || kw > gv::MAX_KW || stages < 1 || !xq) return -1;
+    ga = {W, row_bytes, N, K, nullptr, 0, y, accumulate, ldy, (const uint4*)xq};
+    g_stages = stages;
+    const unsigned blocks = (unsigned)((N + 15) / 16);
+    const std::vector<unsigned> order = sim::block_order(blocks, order_seed);
+    int errors = 0;
+    sim::gdim = {blocks, 1, 1};
+    sim::bdim = {32u * (unsigned)kw, 1, 1};
+    for (unsigned b : order) {
+        sim::bid = {b, 0, 0};
+        std::memset(gv_smem, 0xA5, sizeof(gv_smem));
+        errors += simb::run_block(32 * kw, g_body);
+    }
+    return errors;
+}
+
 // pack_x_kernel: blocks of 64 threads (fibers: put_q16 shuffles between unit partners); q16: also the gemv staging
 // (PackedX.q16), or null
 static struct {

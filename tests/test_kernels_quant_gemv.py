@@ -328,6 +328,57 @@ def test_split_k_auto_at_27b_shapes(qtype: int, shape: tuple[int, int], monkeypa
         W.matmul(cupy.asarray(x), kernel="gemv", config=qg.GemvConfig(persistent=True, splits=2))
 
 
+RING_SHAPES = [(qm.Q4_K, (17408, 5120)), (qm.Q4_K, (5120, 17408)), (qm.Q6_K, (5120, 17408)), (qm.Q6_K, (77, 768)),
+               (qm.Q8_0, (1040, 1280)), (qm.Q4_K, (48, 5120))]
+
+
+@pytest.mark.parametrize("qtype,shape", RING_SHAPES, ids=str)
+def test_ring_variant_is_bitwise_the_per_tile_kernel(qtype: int, shape: tuple[int, int]) -> None:
+    """gemv_ring_kernel (bulk copies into per-warp rings of shared memory on sm_90) against the per-tile kernel at the
+    same k_warps, x from the same PackedX.q16: bitwise equal for 1..8 stages and 1 / 3 / 4 / 8 warps, one and two
+    tokens, plain, accumulating and into a column slice; and within the twin's bound through the dispatch."""
+    rng = np.random.default_rng(1300 + qtype + shape[0])
+    raw = random_weights(qtype, *shape, rng)
+    W = qm.QuantMatrix(qtype, cupy.asarray(raw), shape, name=f"{NAMES[qtype]} {shape}")
+    n_out, k = shape
+    for tokens in (1, 2):
+        x = cupy.asarray((rng.standard_normal((tokens, k)) * 0.5).astype(np.float32))
+        px = qm.pack_activations(x, q16=True)
+        y0 = cupy.asarray(rng.standard_normal((tokens, n_out)).astype(np.float32))
+        for kw, stages in ((4, 4), (1, 2), (3, 1), (8, 3), (4, 8)):
+            tile = cupy.full((tokens, n_out), np.nan, cupy.float32)
+            qg.gemv(W, px, tile, config=qg.GemvConfig(k_warps=kw, ring=False, splits=1))
+            ring = cupy.full((tokens, n_out), np.nan, cupy.float32)
+            cfg = qg.GemvConfig(k_warps=kw, ring=True, stages=stages)
+            qg.gemv(W, px, ring, config=cfg)
+            assert cupy.array_equal(tile, ring), f"T={tokens} {cfg}"
+        # the last pair above ran 4 warps: the same sums, so the same bits, at other stages
+        acc = y0.copy()
+        qg.gemv(W, px, acc, accumulate=True, config=qg.GemvConfig(k_warps=4, ring=True))
+        assert cupy.array_equal(acc, y0 + tile)
+        wide = cupy.full((tokens, n_out + 24), 7.25, cupy.float32)
+        qg.gemv(W, px, wide[:, 24:], config=qg.GemvConfig(k_warps=4, ring=True, stages=3))
+        assert cupy.array_equal(wide[:, 24:], ring) and bool((wide[:, :24] == 7.25).all())
+    w64 = dequantize(qtype, raw, *shape)
+    check(W, w64, 1, rng, W.name, kernel="gemv", config=qg.GemvConfig(ring=True))
+
+
+def test_ring_variant_refuses_what_it_cannot_take() -> None:
+    rng = np.random.default_rng(1400)
+    W = qm.QuantMatrix(qm.Q4_K, random_weights(qm.Q4_K, 32, 512, rng), (32, 512), name="q4k")
+    x = cupy.asarray(rng.standard_normal((1, 512)).astype(np.float32))
+    out = cupy.zeros((1, 32), cupy.float32)
+    with pytest.raises(ValueError, match="PackedX.q16"):  # no int16 staging written
+        qg.gemv(W, qm.pack_activations(x, q16=False), out, config=qg.GemvConfig(ring=True))
+    with pytest.raises(ValueError, match="stages"):
+        qg.gemv(W, qm.pack_activations(x), out, config=qg.GemvConfig(ring=True, stages=qg.MAX_RING_STAGES + 1))
+    with pytest.raises(ValueError, match="shared memory"):
+        qg.gemv(W, qm.pack_activations(x), out, config=qg.GemvConfig(ring=True, k_warps=8, stages=16))
+    F = qm.QuantMatrix(qm.F16, random_weights(qm.F16, 32, 512, rng), (32, 512), name="f16")
+    with pytest.raises(ValueError, match="ring"):
+        qg.gemv(F, qm.pack_activations(x), out, config=qg.GemvConfig(ring=True))
+
+
 @pytest.mark.parametrize("qtype", (qm.Q4_K, qm.Q6_K, qm.Q8_0), ids=NAMES.get)
 @pytest.mark.parametrize("tokens", (1, 2))
 def test_pack_staging_is_bitwise_and_matches_twin(qtype: int, tokens: int) -> None:

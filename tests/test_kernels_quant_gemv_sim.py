@@ -5,8 +5,9 @@ lane -> row / value mapping, swizzled F16 / Q8_0 units, K-quant scale unpacking,
 splitting K and adding in shared memory, the accumulate epilogue, row masking) with every thread of a block a
 fiber (tests/cuda_sim.h block mode), against the NumPy twins; x is packed by quant_matmul.cu's pack_x_kernel. The
 persistent variant too (blocks walking several tiles, prefetch depth 1 / 2 across tile ends, two partial-sum
-buffers), bitwise against the per-tile kernel. Also the launcher's pure-Python parts (shared-memory size, k_warps
-choice, persistent grid, dispatch rule).
+buffers), bitwise against the per-tile kernel; the ring variant (each warp's chunks and x through a ring of
+shared-memory slots, copied by its lanes on this path), bitwise against the per-tile kernel too. Also the launcher's
+pure-Python parts (shared-memory size, k_warps choice, persistent grid, dispatch rule).
 """
 
 from __future__ import annotations
@@ -43,7 +44,8 @@ needs_gxx = pytest.mark.skipif(
 
 @pytest.fixture(scope="session")
 def sim(tmp_path_factory) -> ctypes.CDLL:
-    parts = (SOURCE, QMM_SOURCE, SOURCE.with_name("xq16.cuh"), HARNESS, HARNESS.with_name("cuda_sim.h"))
+    parts = (SOURCE, QMM_SOURCE, SOURCE.with_name("xq16.cuh"), SOURCE.with_name("bulk.cuh"), HARNESS,
+             HARNESS.with_name("cuda_sim.h"))
     digest = hashlib.sha256(b"".join(p.read_bytes() for p in parts)).hexdigest()[:16]
     lib_path = tmp_path_factory.mktemp("cuda_sim_gemv") / f"cuda_sim_gemv_{digest}.so"
     cmd = [
@@ -58,6 +60,11 @@ def sim(tmp_path_factory) -> ctypes.CDLL:
         ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_longlong, ctypes.c_int, ctypes.c_int, ctypes.c_void_p,
         ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_longlong,
         ctypes.c_void_p,
+    ]  # fmt: skip
+    lib.sim_gemv_ring.restype = ctypes.c_int
+    lib.sim_gemv_ring.argtypes = [
+        ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_longlong, ctypes.c_int, ctypes.c_int, ctypes.c_void_p,
+        ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_longlong, ctypes.c_ulonglong, ctypes.c_void_p,
     ]  # fmt: skip
     lib.sim_pack.restype = None
     lib.sim_pack.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_void_p,
@@ -252,6 +259,89 @@ def test_persistent_matches_twin_and_per_tile_kernel(
     y0 = rng.standard_normal((tokens, n_out)).astype(np.float32)
     acc = run_sim(sim, qtype, raw, n_out, k, x, kw, y0, pd=pd, grid=grid)
     assert np.array_equal(acc, y0 + y)
+
+
+def run_ring(lib, qtype: int, raw: np.ndarray, n_out: int, k: int, x: np.ndarray, kw: int, stages: int, y0=None,
+             ld: int = 0, seed: int = 0) -> np.ndarray:
+    """One simulated ring launch (x from the pack's PackedX.q16), blocks in the order of `seed`; as run_sim."""
+    tokens = x.shape[0]
+    laid = qm.device_layout(qtype, raw)
+    w = aligned_zeros(laid.nbytes + PAD)
+    w[: laid.nbytes] = laid
+    _, xq = sim_pack(lib, x, q16=True)
+    ld = ld or n_out
+    full = np.full((tokens, ld), SENTINEL, np.float32)
+    y = full[:, ld - n_out :]
+    y[...] = np.nan if y0 is None else y0
+    err = lib.sim_gemv_ring(qtype, tokens, w.ctypes.data, raw.shape[1], n_out, k, y.ctypes.data, int(y0 is not None),
+                            kw, stages, ld, seed, xq.ctypes.data)
+    assert err == 0, "the simulation reported a divergent warp or a deadlock"
+    assert (full[:, : ld - n_out] == SENTINEL).all(), "a column outside the output slice was written"
+    return y.copy()
+
+
+RING_CASES = [
+    # qtype, n_out, k, tokens, k_warps, stages
+    (Q4_K, 40, 1280, 1, 2, 2),  # 5 chunks over 2 warps (2 and 3), slots refilled; rows not a multiple of 16
+    (Q4_K, 33, 768, 2, 1, 4),  # more slots than chunks: all issued up front
+    (Q4_K, 20, 512, 1, 4, 1),  # one slot; more warps than chunks: idle warps still meet the others
+    (Q6_K, 37, 1024, 1, 3, 2),
+    (Q6_K, 16, 2048, 3, 2, 3),  # 4 chunks per warp through 3 slots: the ring wraps
+    (Q8_0, 45, 1280, 1, 2, 2),
+    (Q8_0, 24, 768, 2, 3, 1),
+]
+
+
+@needs_gxx
+@pytest.mark.parametrize("qtype,n_out,k,tokens,kw,stages", RING_CASES)
+def test_ring_matches_twin_and_per_tile_kernel(sim, qtype: int, n_out: int, k: int, tokens: int, kw: int,
+                                               stages: int) -> None:
+    """The ring kernel: the per-tile kernel's output bit for bit at the same k_warps (same sums in the same order),
+    within the twin's tolerance; accumulating and into a column slice of wider rows; any block order."""
+    rng = np.random.default_rng(qtype * 53 + n_out + k + tokens + stages)
+    raw = random_weights(qtype, n_out, k, rng)
+    x = (rng.standard_normal((tokens, k)) * 0.5).astype(np.float16)
+    y = run_ring(sim, qtype, raw, n_out, k, x, kw, stages, seed=stages)
+    check_twin(y, x, raw, qtype, n_out, k)
+    assert np.array_equal(y, run_sim(sim, qtype, raw, n_out, k, x, kw, q16=True))
+    y0 = rng.standard_normal((tokens, n_out)).astype(np.float32)
+    acc = run_ring(sim, qtype, raw, n_out, k, x, kw, stages, y0, ld=n_out + 13, seed=7)
+    assert np.array_equal(acc, y0 + y)
+
+
+@needs_gxx
+def test_ring_refuses_what_it_cannot_take(sim) -> None:
+    """No staging (x must come from PackedX.q16), F16, zero stages: the harness's launch is refused, not run."""
+    raw = random_weights(Q4_K, 16, 256, np.random.default_rng(0))
+    laid = qm.device_layout(Q4_K, raw)
+    y = np.zeros((1, 16), np.float32)
+    assert sim.sim_gemv_ring(Q4_K, 1, laid.ctypes.data, raw.shape[1], 16, 256, y.ctypes.data, 0, 1, 2, 16, 0,
+                             None) == -1
+    assert sim.sim_gemv_ring(F16, 1, laid.ctypes.data, raw.shape[1], 16, 256, y.ctypes.data, 0, 1, 2, 16, 0,
+                             laid.ctypes.data) == -1
+    assert sim.sim_gemv_ring(Q4_K, 1, laid.ctypes.data, raw.shape[1], 16, 256, y.ctypes.data, 0, 1, 0, 16, 0,
+                             laid.ctypes.data) == -1
+
+
+def test_ring_shared_memory_and_choice() -> None:
+    # slots: a tile's chunk block (Q4_K 16 x 144, Q6_K 16 x 210, Q8_0 16 x 272) + x units, scales (and sums)
+    assert qg.ring_slot_bytes(Q4_K, 1) == 2304 + 512 + 128
+    assert qg.ring_slot_bytes(Q6_K, 2) == 3360 + 2 * (512 + 128)
+    assert qg.ring_slot_bytes(Q8_0, 1) == 4352 + 512 + 64
+    assert qg.ring_smem_bytes(Q4_K, 1, 4, 3) == 4 * 3 * 2944 + 4 * 16 * 4 + 8 * 12
+    assert qg.ring_smem_bytes(Q4_K, 1, 1, 2) == 2 * 2944 + 8 * 2  # one warp: no partial-sum buffer
+
+    class Packed:
+        def __init__(self, q16):
+            self.q16 = q16
+
+    assert qg.ring_usable(Q4_K, 5120, Packed(object()))
+    assert not qg.ring_usable(Q4_K, 5120, Packed(None))  # the pack wrote no staging
+    assert not qg.ring_usable(Q8_0, 5120 + 32, Packed(object()))  # a tail chunk
+    assert not qg.ring_usable(F16, 5120, Packed(object()))
+    for qtype in (Q8_0, Q4_K, Q6_K):
+        assert qg.prefer_ring(qtype, 1) == (qg.RING_UP_TO.get(qtype, 0) >= 1)
+        assert not qg.prefer_ring(qtype, qg.MAX_TOKENS + 1)
 
 
 def test_persistent_grid_and_choice() -> None:

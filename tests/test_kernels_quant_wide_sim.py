@@ -44,8 +44,8 @@ needs_gxx = pytest.mark.skipif(
 
 @pytest.fixture(scope="session")
 def sim(tmp_path_factory) -> ctypes.CDLL:
-    parts = (SOURCE, SOURCE.with_name("xq16.cuh"), HARNESS, HARNESS.with_name("cuda_sim.h"),
-             HARNESS.with_name("cuda_sim_pack.h"))
+    parts = (SOURCE, SOURCE.with_name("xq16.cuh"), SOURCE.with_name("bulk.cuh"), HARNESS,
+             HARNESS.with_name("cuda_sim.h"), HARNESS.with_name("cuda_sim_pack.h"))
     digest = hashlib.sha256(b"".join(p.read_bytes() for p in parts)).hexdigest()[:16]
     lib_path = tmp_path_factory.mktemp("cuda_sim_wide") / f"cuda_sim_wide_{digest}.so"
     cmd = [

@@ -1,0 +1,77 @@
+// Shared-memory addresses, mbarriers and bulk copies (sm_90: cp.async.bulk global -> shared, completing on an
+// mbarrier), shared by the v2 / wide product kernels (quant_matmul.cu) and the gemv ring kernel (quant_gemv.cu).
+// The includer defines SS_PTX first (1: inline PTX allowed); SS_BULK = 1 where the bulk copies exist, else the
+// kernels take their portable paths. kernels/loader.py pastes this file in place of its #include.
+#ifndef SPECSPLIT_BULK_CUH
+#define SPECSPLIT_BULK_CUH
+
+#if SS_PTX && defined(__CUDA_ARCH__) && (__CUDA_ARCH__ >= 900)
+#define SS_BULK 1
+#else
+#define SS_BULK 0
+#endif
+
+namespace bk {
+
+// A shared-memory pointer as the 32-bit address PTX takes (a kernel converts its base pointers once and steps
+// through its stages by adding: a generic pointer would be converted again for every use)
+static __device__ __forceinline__ unsigned int smem_addr(const void* p) {
+#if SS_PTX
+    unsigned int s;
+    asm("{ .reg .u64 a; cvta.to.shared.u64 a, %1; cvt.u32.u64 %0, a; }\n" : "=r"(s) : "l"(p));
+    return s;
+#else
+    return (unsigned int)(unsigned long long)p;
+#endif
+}
+
+#if SS_BULK
+static __device__ __forceinline__ void mbar_init(unsigned long long* bar, unsigned int count) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(smem_addr(bar)), "r"(count) : "memory");
+}
+static __device__ __forceinline__ void mbar_fence_init() {
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+}
+static __device__ __forceinline__ void mbar_expect_tx_s(unsigned int bar, unsigned int bytes) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
+}
+static __device__ __forceinline__ void mbar_expect_tx(unsigned long long* bar, unsigned int bytes) {
+    mbar_expect_tx_s(smem_addr(bar), bytes);
+}
+static __device__ __forceinline__ void mbar_wait_s(unsigned int bar, unsigned int parity) {
+    asm volatile(
+        "{\n"
+        ".reg .pred P1;\n"
+        "LAB_WAIT:\n"
+        "mbarrier.try_wait.parity.shared::cta.b64 P1, [%0], %1;\n"
+        "@P1 bra DONE;\n"
+        "bra LAB_WAIT;\n"
+        "DONE:\n"
+        "}\n" ::"r"(bar),
+        "r"(parity)
+        : "memory");
+}
+static __device__ __forceinline__ void mbar_wait(unsigned long long* bar, unsigned int parity) {
+    mbar_wait_s(smem_addr(bar), parity);
+}
+static __device__ __forceinline__ void bulk_g2s_s(unsigned int dst, const void* src, unsigned int bytes,
+                                                  unsigned int bar) {
+    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::"r"(
+                     dst),
+                 "l"(src), "r"(bytes), "r"(bar)
+                 : "memory");
+}
+static __device__ __forceinline__ void bulk_g2s(void* dst, const void* src, unsigned int bytes,
+                                                unsigned long long* bar) {
+    bulk_g2s_s(smem_addr(dst), src, bytes, smem_addr(bar));
+}
+// one arrival (release: this thread's earlier shared-memory reads are done)
+static __device__ __forceinline__ void mbar_arrive_s(unsigned int bar) {
+    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
+}
+static __device__ __forceinline__ void mbar_arrive(unsigned long long* bar) { mbar_arrive_s(smem_addr(bar)); }
+#endif
+
+}  // namespace bk
+
+#endif  // SPECSPLIT_BULK_CUH
