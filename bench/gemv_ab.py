@@ -1,7 +1,8 @@
 """The gemv ring variant (gemv_ring_kernel: each warp's chunks and x through a ring of bulk copies) against the per-tile
 kernel, in one run: per matrix (27B shapes, one token, graph-replayed calls rotating over weight copies; the ring at
-several warps x stages) and in the synthetic model's decode step (width 1, graph replay, ring off / on interleaved by
-switching quant_gemv.RING_UP_TO). Prints ratios ring / per-tile and the fraction of the copy bandwidth each reaches.
+several warps x stages) and in the synthetic model's decode step and a width-23 tree verify (graph replay; per-tile,
+ring, and ring with programmatic dependent launch, interleaved, by switching quant_gemv.RING_UP_TO and SPECSPLIT_PDL).
+Prints ratios and the fraction of the copy bandwidth each reaches.
 
     python3 bench/gemv_ab.py [--no-matrices] [--model PATH] [--context 512] [--json out.json]
 """
@@ -53,7 +54,7 @@ def per_matrix(cupy, qm, qg, tokens: int, copy_gbps: float) -> list[dict]:
         for _rep in range(2):
             for how, cfg in configs:
                 try:
-                    calls = [lambda W=W, c=cfg: qg.gemv(W, px, out, config=c) for W in mats]
+                    calls = [lambda W=W, c=cfg, px=px, o=out: qg.gemv(W, px, o, config=c) for W in mats]
                     calls *= max(1, 8 // copies)
                     us, _, _ = roofline.time_calls(cupy, calls)
                 except ValueError as e:  # a shape the shared memory cannot hold
@@ -77,26 +78,33 @@ def per_matrix(cupy, qm, qg, tokens: int, copy_gbps: float) -> list[dict]:
 
 def step(cupy, qm, qg, path: str, context: int) -> list[dict]:
     from gpu_bench import model_at_context
-    from step_profile import replay_us
+    from step_profile import replay_us, tree_parents
 
     t0 = time.time()
     model, state, rng = model_at_context(path, context)
     print(f"step: loaded {path} and its context in {time.time() - t0:.0f} s", flush=True)
-    shipped = dict(qg.RING_UP_TO)
-    modes = (("tile", {}), ("ring", {8: 1, 12: 1, 14: 1}))
+    import os
+
+    from kernels import loader
+
+    shipped, pdl_env = dict(qg.RING_UP_TO), os.environ.get(loader.PDL_ENV)
+    ring = {8: 1, 12: 1, 14: 1}
+    modes = (("tile", {}, "off"), ("ring", ring, "off"), ("ring+pdl", ring, "capture"))
     rows = []
     try:
-        for width in (1,):
+        for width in (1, 23):
             toks = [int(t) for t in rng.integers(0, model.cfg.n_vocab, size=width)]
+            par = tree_parents(width) if width > 1 else None
             res: dict[str, list[float]] = {}
             for _rep in range(3):
-                for how, up_to in modes:
+                for how, up_to, pdl in modes:
                     qg.RING_UP_TO.clear()
                     qg.RING_UP_TO.update(up_to)
+                    os.environ[loader.PDL_ENV] = pdl
                     model.use_graphs = True
                     state.graphs.clear()
                     for _ in range(2):  # warm-up + capture
-                        model.forward(state, toks, logits="all")
+                        model.forward(state, toks, parents=par, checkpoints=par is not None, logits="all")
                         state.pending = None
                     g = next(iter(state.graphs.values()), None)
                     if g is None:
@@ -106,12 +114,18 @@ def step(cupy, qm, qg, path: str, context: int) -> list[dict]:
             for how in res:
                 row[f"{how}_us"] = round(statistics.median(res[how]), 1)
             row["ratio"] = round(row["ring_us"] / row["tile_us"], 4)
+            row["pdl_ratio"] = round(row["ring+pdl_us"] / row["ring_us"], 4)
             rows.append(row)
             parts = [f"{how} {row[how + '_us']} us (runs {[round(v) for v in res[how]]})" for how in res]
-            print(f"step width {width}: {', '.join(parts)}; ring/tile {row['ratio']}", flush=True)
+            print(f"step width {width}: {', '.join(parts)}; ring/tile {row['ratio']}, "
+                  f"ring+pdl/ring {row['pdl_ratio']}", flush=True)
     finally:
         qg.RING_UP_TO.clear()
         qg.RING_UP_TO.update(shipped)
+        if pdl_env is None:
+            os.environ.pop(loader.PDL_ENV, None)
+        else:
+            os.environ[loader.PDL_ENV] = pdl_env
         state.graphs.clear()
     return rows
 

@@ -170,9 +170,11 @@ def get_module(source: str, name_expressions: tuple[str, ...], defines: tuple[st
         return mod
 
 
-def get_function(source: str, name: str, defines: tuple[str, ...] = ()) -> Any:
+def get_function(source: str, name: str, defines: tuple[str, ...] = (), pdl: bool = False) -> Any:
     """One kernel (a cupy.RawKernel) by its name expression, e.g. 'qmm_kernel<12, 3>'; while a launch hook is set
-    (set_launch_hook), the kernel wrapped so that its launches go through the hook."""
+    (set_launch_hook), the kernel wrapped so that its launches go through the hook. pdl=True (only for kernels whose
+    source waits with SS_GRID_WAIT() before reading anything an earlier kernel writes): launches may use programmatic
+    dependent launch (`pdl_mode`)."""
     cupy = require()
     device = int(cupy.cuda.runtime.getDevice())
     key = (source, name, tuple(defines), device)
@@ -180,8 +182,146 @@ def get_function(source: str, name: str, defines: tuple[str, ...] = ()) -> Any:
     if fn is None:
         fn = get_module(source, (name,), defines).get_function(name)
         _functions[key] = fn
+    if pdl and pdl_mode() != "off":
+        fn = _PdlKernel(fn, pdl_mode() == "always")
     hook = _launch_hook
     return fn if hook is None else _HookedKernel(fn, name, hook)
+
+
+# Programmatic dependent launch (PDL, sm_90+): a kernel launched with the attribute may start while the previous
+# kernel on its stream still runs: its blocks take the SMs that the previous kernel's last wave leaves idle and do
+# their prologue (the matmuls request their first weights) before `griddepcontrol.wait` holds them until that kernel
+# has finished. Inside a captured CUDA graph this becomes a programmatic edge, which is where it pays (a decode step
+# is ~750 kernels, many of them 5-30 us). CuPy launches have no launch attributes, so these go through the driver's
+# cuLaunchKernelEx (ctypes). SPECSPLIT_PDL: "capture" (default: PDL for launches into a graph being captured, plain
+# launches otherwise, where host launch cost dominates anyway), "always", or "0" / "off".
+PDL_ENV = "SPECSPLIT_PDL"
+_CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION = 6
+_pdl_state: dict[int, Any] = {}
+
+
+def pdl_requested() -> str:
+    """'off', 'capture' or 'always' as SPECSPLIT_PDL asks ("1" / "on" mean capture)."""
+    want = os.environ.get(PDL_ENV, "capture").strip().lower()
+    if want in ("0", "off", "false", "no"):
+        return "off"
+    if want not in ("capture", "always", "1", "on"):
+        raise ValueError(f"{PDL_ENV} must be capture, always or off, not {want!r}")
+    return "always" if want == "always" else "capture"
+
+
+def pdl_mode() -> str:
+    """pdl_requested(), or 'off' where the device or driver cannot do it (HIP, before sm_90)."""
+    want = pdl_requested()
+    return want if want == "off" or _pdl_driver() is not None else "off"
+
+
+def _pdl_driver() -> Any:
+    """The driver entry point cuLaunchKernelEx for the current device, or None (HIP, before sm_90, no such symbol)."""
+    cupy = require()
+    device = int(cupy.cuda.runtime.getDevice())
+    if device not in _pdl_state:
+        fn = None
+        if not getattr(cupy.cuda.runtime, "is_hip", False) and compute_capability() >= 90:
+            import ctypes
+
+            try:
+                lib = ctypes.CDLL("libcuda.so.1")
+                fn = lib.cuLaunchKernelEx
+                fn.restype = ctypes.c_int
+            except (OSError, AttributeError):
+                fn = None
+        _pdl_state[device] = fn
+    return _pdl_state[device]
+
+
+def _pdl_structs() -> tuple[Any, Any]:
+    import ctypes
+
+    class LaunchAttribute(ctypes.Structure):  # CUlaunchAttribute: id, 4 bytes of padding, a 64-byte value union
+        _fields_ = [("id", ctypes.c_int), ("pad", ctypes.c_char * 4), ("value", ctypes.c_int),
+                    ("value_pad", ctypes.c_char * 60)]
+
+    class LaunchConfig(ctypes.Structure):  # CUlaunchConfig
+        _fields_ = [("gridDimX", ctypes.c_uint), ("gridDimY", ctypes.c_uint), ("gridDimZ", ctypes.c_uint),
+                    ("blockDimX", ctypes.c_uint), ("blockDimY", ctypes.c_uint), ("blockDimZ", ctypes.c_uint),
+                    ("sharedMemBytes", ctypes.c_uint), ("hStream", ctypes.c_void_p),
+                    ("attrs", ctypes.POINTER(LaunchAttribute)), ("numAttrs", ctypes.c_uint)]
+
+    assert ctypes.sizeof(LaunchAttribute) == 72 and ctypes.sizeof(LaunchConfig) == 56
+    return LaunchAttribute, LaunchConfig
+
+
+def _ctype_arg(a: Any) -> Any:
+    """One kernel argument as the ctypes value whose address cuLaunchKernelEx takes (CuPy arrays by device pointer,
+    NumPy scalars by their own type, as CuPy's own launch passes them)."""
+    import ctypes
+
+    import numpy as np
+
+    data = getattr(a, "data", None)
+    if data is not None and hasattr(data, "ptr"):
+        return ctypes.c_void_p(int(data.ptr))
+    if isinstance(getattr(a, "ptr", None), int):  # a cupy.cuda.MemoryPointer
+        return ctypes.c_void_p(int(a.ptr))
+    if isinstance(a, bool):  # Python scalars as CuPy's own launch passes them
+        return ctypes.c_bool(a)
+    if isinstance(a, int):
+        return ctypes.c_int64(a)
+    if isinstance(a, float):
+        return ctypes.c_double(a)
+    if isinstance(a, np.generic):
+        ct = {np.dtype(np.int32): ctypes.c_int32, np.dtype(np.int64): ctypes.c_int64,
+              np.dtype(np.uint32): ctypes.c_uint32, np.dtype(np.uint64): ctypes.c_uint64,
+              np.dtype(np.float32): ctypes.c_float, np.dtype(np.float64): ctypes.c_double}.get(a.dtype)
+        if ct is not None:
+            return ct(a.item())
+    raise TypeError(f"a PDL kernel launch takes CuPy arrays and NumPy int32/int64/uint32/uint64/float32/float64 "
+                    f"scalars, not {type(a).__name__}")
+
+
+def _dims(d: Any) -> tuple[int, int, int]:
+    t = tuple(int(v) for v in (d if isinstance(d, tuple) else (d,)))
+    return (t + (1, 1, 1))[:3]
+
+
+class _PdlKernel:
+    """A compiled kernel whose launches carry the programmatic-stream-serialization attribute (see PDL_ENV);
+    attributes read and write through to the kernel."""
+
+    __slots__ = ("_fn", "_always")
+
+    def __init__(self, fn: Any, always: bool):
+        object.__setattr__(self, "_fn", fn)
+        object.__setattr__(self, "_always", always)
+
+    def __call__(self, grid: Any, block: Any, args: tuple, shared_mem: int = 0, **kwargs: Any) -> Any:
+        cupy = require()
+        stream = cupy.cuda.get_current_stream()
+        if kwargs or not (self._always or stream.is_capturing()):
+            return self._fn(grid, block, args, shared_mem=shared_mem, **kwargs)
+        import ctypes
+
+        LaunchAttribute, LaunchConfig = _PDL_STRUCTS
+        attr = LaunchAttribute(id=_CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION, value=1)
+        g, b = _dims(grid), _dims(block)
+        cfg = LaunchConfig(g[0], g[1], g[2], b[0], b[1], b[2], int(shared_mem), ctypes.c_void_p(int(stream.ptr)),
+                           ctypes.pointer(attr), 1)
+        vals = [_ctype_arg(a) for a in args]
+        params = (ctypes.c_void_p * max(1, len(vals)))(*[ctypes.cast(ctypes.pointer(v), ctypes.c_void_p) for v in vals])
+        rc = _pdl_driver()(ctypes.byref(cfg), ctypes.c_void_p(int(self._fn.kernel.ptr)), params, None)
+        if rc != 0:
+            raise RuntimeError(f"cuLaunchKernelEx (programmatic dependent launch) failed with CUresult {rc}; set "
+                               f"{PDL_ENV}=0 to launch without it")
+
+    def __getattr__(self, attr: str) -> Any:
+        return getattr(self._fn, attr)
+
+    def __setattr__(self, attr: str, value: Any) -> None:
+        setattr(self._fn, attr, value)
+
+
+_PDL_STRUCTS = _pdl_structs()
 
 
 # Profiling (bench/step_profile.py): off unless a hook is set. The kernel modules call get_function at every launch,
@@ -222,3 +362,4 @@ def clear_cache() -> None:
     with _lock:
         _modules.clear()
         _functions.clear()
+        _pdl_state.clear()

@@ -33,8 +33,8 @@
 //    maximum). Weights are exact (no fp16 rounding of d sc q as in v2), sums exact in int32, the rest fp32.
 //
 // Portable: every inline PTX has a plain C++ fallback (SS_PTX == 0: HIP, pre-sm_80, -DSPECSPLIT_PORTABLE, and the
-// CPU simulation in tests/cuda_sim_gemv.cpp). Includes only xq16.cuh of this folder (kernels/loader.py pastes it in),
-// nothing that NVRTC / hipRTC do not provide built in.
+// CPU simulation in tests/cuda_sim_gemv.cpp). Includes only xq16.cuh, bulk.cuh and pdl.cuh of this folder
+// (kernels/loader.py pastes them in), nothing that NVRTC / hipRTC do not provide built in.
 
 typedef unsigned int u32;
 typedef unsigned short u16;
@@ -71,6 +71,7 @@ typedef long long i64;
 
 #include "xq16.cuh"
 #include "bulk.cuh"
+#include "pdl.cuh"
 
 namespace gv {
 
@@ -952,31 +953,47 @@ __global__ void GV_BOUNDS(256) gemv_ring_kernel(const u8* __restrict__ W, long l
     }
     u32 phases = 0u;  // bit s: parity of slot s's next phase
 #endif
-    auto issue = [&](int i, int slot) {  // chunk c0 + i into slot
+    // chunk c0 + i into slot: its weights (W_PART), its x (X_PART) or both. The slot's mbarrier expects all of its
+    // bytes when the weights are issued, so the x copies may follow later (after the grid dependency wait).
+    constexpr int W_PART = 1, X_PART = 2;
+    auto issue = [&](int i, int slot, int parts) {
         u8* const dst = ring + (size_t)slot * SLOT;
 #if SS_BULK
         (void)dst;
         if (lane == 0) {
             const u32 d = ring_s + (u32)(slot * SLOT), bar = bars_s + 8u * (u32)slot;
-            mbar_expect_tx_s(bar, (u32)SLOT);
-            bulk_g2s_s(d, wsrc + (i64)i * BLK, (u32)BLK, bar);
-            bulk_g2s_s(d + BLK, usrc + (i64)i * NT * 32, (u32)XU, bar);
-            bulk_g2s_s(d + BLK + XU, ssrc + (i64)i * NT * 4, (u32)XS, bar);
-            if constexpr (L::SUMS) bulk_g2s_s(d + BLK + XU + XS, msrc + (i64)i * NT * 4, (u32)XS, bar);
+            if (parts & W_PART) {
+                mbar_expect_tx_s(bar, (u32)SLOT);
+                bulk_g2s_s(d, wsrc + (i64)i * BLK, (u32)BLK, bar);
+            }
+            if (parts & X_PART) {
+                bulk_g2s_s(d + BLK, usrc + (i64)i * NT * 32, (u32)XU, bar);
+                bulk_g2s_s(d + BLK + XU, ssrc + (i64)i * NT * 4, (u32)XS, bar);
+                if constexpr (L::SUMS) bulk_g2s_s(d + BLK + XU + XS, msrc + (i64)i * NT * 4, (u32)XS, bar);
+            }
         }
 #else
         uint4* const d = (uint4*)dst;
-        const uint4* const w = (const uint4*)(wsrc + (i64)i * BLK);
-        for (int u = lane; u < BLK / 16; u += 32) d[u] = GV_LDG(w + u);
-        for (int u = lane; u < XU / 16; u += 32) d[BLK / 16 + u] = GV_LDG(usrc + (i64)i * NT * 32 + u);
-        for (int u = lane; u < XS / 16; u += 32) {
-            d[(BLK + XU) / 16 + u] = GV_LDG(ssrc + (i64)i * NT * 4 + u);
-            if constexpr (L::SUMS) d[(BLK + XU + XS) / 16 + u] = GV_LDG(msrc + (i64)i * NT * 4 + u);
+        if (parts & W_PART) {
+            const uint4* const w = (const uint4*)(wsrc + (i64)i * BLK);
+            for (int u = lane; u < BLK / 16; u += 32) d[u] = GV_LDG(w + u);
+        }
+        if (parts & X_PART) {
+            for (int u = lane; u < XU / 16; u += 32) d[BLK / 16 + u] = GV_LDG(usrc + (i64)i * NT * 32 + u);
+            for (int u = lane; u < XS / 16; u += 32) {
+                d[(BLK + XU) / 16 + u] = GV_LDG(ssrc + (i64)i * NT * 4 + u);
+                if constexpr (L::SUMS) d[(BLK + XU + XS) / 16 + u] = GV_LDG(msrc + (i64)i * NT * 4 + u);
+            }
         }
 #endif
     };
+    // The first slots' weights go out before the grid dependency wait: under programmatic dependent launch they
+    // stream while the kernel before this one (the pack of x) still runs. x and y come from earlier kernels.
     const int pre = n < stages ? n : stages;
-    for (int i = 0; i < pre; ++i) issue(i, i);
+    for (int i = 0; i < pre; ++i) issue(i, i, W_PART);
+    SS_GRID_LAUNCH_DEPENDENTS();
+    SS_GRID_WAIT();
+    for (int i = 0; i < pre; ++i) issue(i, i, X_PART);
 
     int xu[4];
 #pragma unroll
@@ -1001,7 +1018,7 @@ __global__ void GV_BOUNDS(256) gemv_ring_kernel(const u8* __restrict__ W, long l
         chunk_int<QT, NT>(w, 0, j, xu, (const uint4*)(sb + BLK), (const float*)(sb + BLK + XU),
                           (const float*)(sb + BLK + XU + XS), acc);
         __syncwarp();  // every lane has read the slot (its values are used above) before it is refilled
-        if (i + stages < n) issue(i + stages, slot);
+        if (i + stages < n) issue(i + stages, slot, W_PART | X_PART);
         slot = slot + 1 == stages ? 0 : slot + 1;
     }
     finish_tile<NT>(acc, red, 16 * tile, N, y, ldy, accumulate);

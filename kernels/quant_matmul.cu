@@ -50,6 +50,7 @@ typedef long long i64;
 #define SS_DEV static __device__ __forceinline__
 #include "xq16.cuh"
 #include "bulk.cuh"
+#include "pdl.cuh"
 #if defined(__CUDACC__) || SS_HIP
 #define SS_BOUNDS(threads, min_blocks) __launch_bounds__(threads, min_blocks)
 #else
@@ -599,6 +600,7 @@ SS_DEV void put_q16(uint4* q16, int nch, int T, int ch, int n, int uu, const u32
 template <int IN_F32>
 __global__ void pack_x_kernel(const void* __restrict__ xin, long long ldx, int T, int K, int TPAD,
                               uint4* __restrict__ xp, uint4* __restrict__ q16) {
+    SS_PDL_ENTRY();  // kernels/pdl.cuh: one-token packs launch early under PDL and wait here for their inputs
     const int nch = (K + ss::CHUNK - 1) / ss::CHUNK;
     const long long total = (long long)nch * TPAD * 32;  // a multiple of 32: warps are whole (put_q16 shuffles)
     for (long long v = (long long)blockIdx.x * blockDim.x + threadIdx.x; v < total;
@@ -707,6 +709,7 @@ __global__ void __launch_bounds__(256) pack_rms_kernel(const void* __restrict__ 
     constexpr int VE = IN_F32 ? 4 : 8;    // values per 16-byte vector
     constexpr int IS = IN_F32 ? 4 : 2;    // bytes per value
     const int tid = (int)threadIdx.x;
+    SS_PDL_ENTRY();  // kernels/pdl.cuh: one-token packs launch early under PDL and wait here for their inputs
     if ((int)blockIdx.x >= T * slices) {  // a padding block (the whole block returns: no barrier is skipped)
         zero_padding_rows(T, K, TPAD, xp, T * slices);
         return;
@@ -851,6 +854,7 @@ __global__ void pack_silu_kernel(const void* __restrict__ g, long long ldg, cons
                                  long long ldu, int T, int K, int TPAD, uint4* __restrict__ xp,
                                  uint4* __restrict__ q16) {
     using namespace ss;
+    SS_PDL_ENTRY();  // kernels/pdl.cuh: one-token packs launch early under PDL and wait here for their inputs
     constexpr int IS = IN_F32 ? 4 : 2;
     const bool vec = aligned16(g, ldg * IS) && aligned16(up, ldu * IS);
     const int nch = (K + CHUNK - 1) / CHUNK;

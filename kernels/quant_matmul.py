@@ -226,8 +226,12 @@ def qmv_function(qtype: int, n_tiles: int, m_tiles: int, smem: int, portable: bo
     return fn
 
 
-def pack_function(in_f32: bool, portable: bool = False) -> Any:
-    return loader.get_function(SOURCE, f"pack_x_kernel<{1 if in_f32 else 0}>", _defines(portable))
+# Programmatic dependent launch (kernels/pdl.cuh, loader.get_function's pdl) for the packs that write the one-token
+# staging (PackedX.q16): their consumer, the gemv ring kernel, requests its first weights before it waits for them.
+# H100, 27B decode step (bench/gemv_ab.py): 8.16 -> 7.92 ms. Not for wider packs: there the step got 0.8 % slower, and
+# 2.8 % (width 1) / 9.6 % (width 23) slower with every kernel of the step launched that way.
+def pack_function(in_f32: bool, portable: bool = False, pdl: bool = False) -> Any:
+    return loader.get_function(SOURCE, f"pack_x_kernel<{1 if in_f32 else 0}>", _defines(portable), pdl=pdl)
 
 
 def warmup(
@@ -300,11 +304,13 @@ def q16_words(k: int, tokens: int) -> int:
 PACK_RMS_STATIC_SMEM = 2048  # pack_rms_kernel's static shared memory (1056 bytes: red[8], inv_g[256]), rounded up
 
 
-def pack_rms_function(in_f32: bool, residual: bool, gate: bool, portable: bool = False, smem: int = 0) -> Any:
+def pack_rms_function(in_f32: bool, residual: bool, gate: bool, portable: bool = False, smem: int = 0,
+                      pdl: bool = False) -> Any:
     """The fused norm pack for one input type and residual / gate choice; smem: dynamic shared memory the launch
-    will use (opted into once above the 48 KiB default)."""
+    will use (opted into once above the 48 KiB default); pdl: as pack_function."""
     defines = _defines(portable)
-    fn = loader.get_function(SOURCE, f"pack_rms_kernel<{int(in_f32)}, {int(residual)}, {int(gate)}>", defines)
+    fn = loader.get_function(SOURCE, f"pack_rms_kernel<{int(in_f32)}, {int(residual)}, {int(gate)}>", defines,
+                             pdl=pdl)
     key = ("pack_rms", int(in_f32), int(residual), int(gate), defines, _device_id())
     if smem > 48 * 1024 and _smem_configured_max.get(key, 0) < smem:
         want = SMEM_LIMIT - PACK_RMS_STATIC_SMEM  # static + dynamic must fit the block's limit
@@ -313,8 +319,8 @@ def pack_rms_function(in_f32: bool, residual: bool, gate: bool, portable: bool =
     return fn
 
 
-def pack_silu_function(in_f32: bool, portable: bool = False) -> Any:
-    return loader.get_function(SOURCE, f"pack_silu_kernel<{int(in_f32)}>", _defines(portable))
+def pack_silu_function(in_f32: bool, portable: bool = False, pdl: bool = False) -> Any:
+    return loader.get_function(SOURCE, f"pack_silu_kernel<{int(in_f32)}>", _defines(portable), pdl=pdl)
 
 
 def _rows_2d(a: Any, name: str) -> Any:
@@ -394,11 +400,12 @@ def pack_activations(
     if silu_up is not None:
         up = like_x(silu_up, "silu_up", contiguous=False)
         ldu = up.strides[0] // item if tokens > 1 else k
-        pack_silu_function(f32, portable)((blocks,), (256,), (x, np.int64(ldx), up, np.int64(ldu), np.int32(tokens),
-                                                             np.int32(k), np.int32(padded), out, xq_arg))  # fmt: skip
+        kern = pack_silu_function(f32, portable, q16)
+        kern((blocks,), (256,), (x, np.int64(ldx), up, np.int64(ldu), np.int32(tokens), np.int32(k), np.int32(padded),
+                                 out, xq_arg))  # fmt: skip
         return PackedX(out, tokens, k, q16=xq)
     if rms_weight is None:
-        pack_function(f32, portable)((blocks,), (256,), (x, np.int64(ldx), np.int32(tokens), np.int32(k),
+        pack_function(f32, portable, q16)((blocks,), (256,), (x, np.int64(ldx), np.int32(tokens), np.int32(k),
                                                          np.int32(padded), out, xq_arg))  # fmt: skip
         return PackedX(out, tokens, k, q16=xq)
 
@@ -430,7 +437,7 @@ def pack_activations(
     if smem > SMEM_LIMIT - PACK_RMS_STATIC_SMEM:
         limit = SMEM_LIMIT - PACK_RMS_STATIC_SMEM
         raise ValueError(f"a fused norm over {k} values needs {smem} bytes of shared memory (limit {limit})")
-    kern = pack_rms_function(f32, residual is not None, gated, portable, smem)
+    kern = pack_rms_function(f32, residual is not None, gated, portable, smem, pdl=q16)
     slices = pack_rms_slices(k, group)
     kern((pack_rms_grid(tokens, k, padded, slices),), (256,),
          (x, np.int64(ldx), r, s, z, np.int64(ldz), w, np.int32(group), np.float32(eps), np.int32(tokens),

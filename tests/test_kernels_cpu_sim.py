@@ -42,7 +42,7 @@ pytestmark = pytest.mark.skipif(
 
 @pytest.fixture(scope="session")
 def sim(tmp_path_factory):
-    parts = (SOURCE, SOURCE.with_name("xq16.cuh"), SOURCE.with_name("bulk.cuh"), HARNESS, HARNESS.with_suffix(".h"),
+    parts = (SOURCE, *sorted(SOURCE.parent.glob("*.cuh")), HARNESS, HARNESS.with_suffix(".h"),
              HARNESS.with_name("cuda_sim_pack.h"))
     digest = hashlib.sha256(b"".join(p.read_bytes() for p in parts)).hexdigest()[:16]
     lib_path = tmp_path_factory.mktemp("cuda_sim") / f"cuda_sim_{digest}.so"

@@ -572,7 +572,7 @@ class SimCupy:
 
 @pytest.fixture(scope="session")
 def sim_lib(tmp_path_factory):
-    parts = (SOURCE, HARNESS, HARNESS.parent / "cuda_sim.h")
+    parts = (SOURCE, *sorted(SOURCE.parent.glob("*.cuh")), HARNESS, HARNESS.parent / "cuda_sim.h")
     digest = hashlib.sha256(b"".join(p.read_bytes() for p in parts)).hexdigest()[:16]
     lib_path = tmp_path_factory.mktemp("cuda_sim_dn") / f"cuda_sim_deltanet_{digest}.so"
     cmd = ["g++", "-std=c++17", "-O1", "-shared", "-fPIC", "-w", f'-DDN_SOURCE="{SOURCE}"', "-o", str(lib_path),
@@ -593,7 +593,7 @@ def xp(sim_lib, monkeypatch):
 
     fake = SimCupy(sim_lib)
     monkeypatch.setattr(loader, "require", lambda: fake)
-    monkeypatch.setattr(loader, "get_function", lambda source, name, defines=(): SimKernel(sim_lib, name))
+    monkeypatch.setattr(loader, "get_function", lambda source, name, defines=(), **kw: SimKernel(sim_lib, name))
     return fake
 
 

@@ -54,7 +54,7 @@ SIGNATURES = {
 def build_family(name: str, tmp_dir: Path):
     """Compile kernels/<name>.cu with tests/cuda_sim_ops.cpp's entries for it; the loaded library."""
     source = ROOT / "kernels" / f"{name}.cu"
-    parts = (source, source.with_name("xq16.cuh"), source.with_name("bulk.cuh"), HARNESS,
+    parts = (source, *sorted(source.parent.glob("*.cuh")), HARNESS,
              HARNESS.with_name("cuda_sim.h"))
     digest = hashlib.sha256(b"".join(p.read_bytes() for p in parts)).hexdigest()[:16]
     lib_path = tmp_dir / f"sim_{name}_{digest}.so"

@@ -44,7 +44,7 @@ needs_gxx = pytest.mark.skipif(
 
 @pytest.fixture(scope="session")
 def sim(tmp_path_factory) -> ctypes.CDLL:
-    parts = (SOURCE, QMM_SOURCE, SOURCE.with_name("xq16.cuh"), SOURCE.with_name("bulk.cuh"), HARNESS,
+    parts = (SOURCE, QMM_SOURCE, *sorted(SOURCE.parent.glob("*.cuh")), HARNESS,
              HARNESS.with_name("cuda_sim.h"))
     digest = hashlib.sha256(b"".join(p.read_bytes() for p in parts)).hexdigest()[:16]
     lib_path = tmp_path_factory.mktemp("cuda_sim_gemv") / f"cuda_sim_gemv_{digest}.so"

@@ -44,7 +44,7 @@ needs_gxx = pytest.mark.skipif(
 
 @pytest.fixture(scope="session")
 def sim(tmp_path_factory) -> ctypes.CDLL:
-    parts = (SOURCE, SOURCE.with_name("xq16.cuh"), SOURCE.with_name("bulk.cuh"), HARNESS,
+    parts = (SOURCE, *sorted(SOURCE.parent.glob("*.cuh")), HARNESS,
              HARNESS.with_name("cuda_sim.h"), HARNESS.with_name("cuda_sim_pack.h"))
     digest = hashlib.sha256(b"".join(p.read_bytes() for p in parts)).hexdigest()[:16]
     lib_path = tmp_path_factory.mktemp("cuda_sim_wide") / f"cuda_sim_wide_{digest}.so"
@@ -371,7 +371,7 @@ def test_launcher_end_to_end_on_cpu(sim, monkeypatch, qtype, n_out, k, tokens, c
     from kernels import loader
 
     launches: list = []
-    monkeypatch.setattr(loader, "get_function", lambda src, name, defines=(): _SimKernel(sim, name, launches))
+    monkeypatch.setattr(loader, "get_function", lambda src, name, defines=(), **kw: _SimKernel(sim, name, launches))
     monkeypatch.setattr(qm, "sm_count", lambda: 3)
     monkeypatch.setattr(qm, "_device_id", lambda: 0)
     nrb_max = qw.row_blocks(n_out, 1, 1)

@@ -320,7 +320,7 @@ def _sim_function(lib, order: int):
             return None
         return a.item() if isinstance(a, np.generic) else a
 
-    def get_function(source, name, defines=()):
+    def get_function(source, name, defines=(), pdl=False):
         assert source == ks.SOURCE
 
         def launch(grid, block, args):

@@ -1,0 +1,168 @@
+"""Programmatic dependent launch (kernels/loader.py, kernels/pdl.cuh): what runs without a GPU (the SPECSPLIT_PDL
+switch, argument marshalling, that every kernel launched with it waits for its predecessor in its source), and on a
+GPU that a CUDA graph of PDL launches (the one-token packs and the gemv ring kernel) computes bitwise what plain eager
+launches compute, replay after replay on new inputs."""
+
+from __future__ import annotations
+
+import ctypes
+import re
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from kernels import loader
+
+KERNELS = Path(loader.__file__).resolve().parent
+
+
+def test_switch_values(monkeypatch) -> None:
+    for value, want in (("0", "off"), ("off", "off"), ("capture", "capture"), ("1", "capture"), ("on", "capture"),
+                        ("always", "always"), (" Always ", "always")):
+        monkeypatch.setenv(loader.PDL_ENV, value)
+        assert loader.pdl_requested() == want, value
+    monkeypatch.delenv(loader.PDL_ENV)
+    assert loader.pdl_requested() == "capture"
+    monkeypatch.setenv(loader.PDL_ENV, "sometimes")
+    with pytest.raises(ValueError, match="SPECSPLIT_PDL"):
+        loader.pdl_requested()
+
+
+def test_argument_marshalling() -> None:
+    class Ptr:
+        ptr = 0x7F00_0000_1000
+
+    class DeviceArray:
+        data = Ptr()
+
+    assert loader._ctype_arg(DeviceArray()).value == Ptr.ptr
+    for v, ct in ((np.int32(-3), ctypes.c_int32), (np.int64(1 << 40), ctypes.c_int64), (np.uint32(7), ctypes.c_uint32),
+                  (np.float32(0.5), ctypes.c_float), (np.float64(-2.25), ctypes.c_double)):
+        got = loader._ctype_arg(v)
+        assert isinstance(got, ct) and got.value == v.item()
+    # Python scalars as CuPy's own launch passes them: int as int64, float as double, bool as bool
+    for v, ct in ((3, ctypes.c_int64), (1.5, ctypes.c_double), (True, ctypes.c_bool)):
+        got = loader._ctype_arg(v)
+        assert isinstance(got, ct) and got.value == v
+    for bad in (np.float16(1), np.zeros(2), "x"):  # no C type to guess: refuse
+        with pytest.raises(TypeError):
+            loader._ctype_arg(bad)
+    assert loader._dims(7) == (7, 1, 1) and loader._dims((2, 3)) == (2, 3, 1)
+
+
+def _pdl_kernels() -> dict[str, set[str]]:
+    """{source file: kernel names its launchers may fetch with pdl (True or a condition)}, read from the launchers."""
+    found: dict[str, set[str]] = {}
+    for py in KERNELS.glob("*.py"):
+        text = py.read_text()
+        src = re.search(r'^SOURCE = "([\w.]+)"', text, re.MULTILINE)
+        for call in re.finditer(r"get_function\((?:[^()]|\([^()]*\))*\)", text):
+            if "pdl=" in call.group(0) and "pdl=False" not in call.group(0):
+                name = re.search(r'f?"(\w+)<', call.group(0))
+                assert src and name, f"{py.name}: cannot read {call.group(0)!r}"
+                found.setdefault(src.group(1), set()).add(name.group(1))
+    return found
+
+
+def _body(code: str, kernel: str) -> str:
+    m = re.search(r"__global__[^;{]*?\b" + kernel + r"\s*\(", code)
+    assert m, kernel
+    start = code.index("{", m.end())
+    depth, i = 0, start
+    while True:
+        depth += {"{": 1, "}": -1}.get(code[i], 0)
+        i += 1
+        if depth == 0:
+            return code[start:i]
+
+
+def test_every_pdl_kernel_waits_for_its_predecessor() -> None:
+    """A kernel launched with PDL may start before the previous kernel ends: it must hold at the grid dependency wait
+    before it reads anything an earlier kernel wrote. The launchers opt in per kernel; each such kernel waits once."""
+    found = _pdl_kernels()
+    assert found.get("quant_gemv.cu") == {"gemv_ring_kernel"}
+    assert found.get("quant_matmul.cu") == {"pack_x_kernel", "pack_rms_kernel", "pack_silu_kernel"}
+    assert "#define SS_GRID_WAIT()" in (KERNELS / "pdl.cuh").read_text()
+    for source, names in found.items():
+        code = (KERNELS / source).read_text()
+        assert '#include "pdl.cuh"' in code, source
+        for name in names:
+            body = _body(code, name)
+            waits = body.count("SS_GRID_WAIT();") + body.count("SS_PDL_ENTRY();")
+            assert waits == 1, f"{source}: {name} must wait exactly once"
+
+
+# ---- on a GPU ------------------------------------------------------------------------------------------------
+
+def _gpu():
+    reason = loader.unavailable_reason()
+    if reason is not None:
+        pytest.skip(f"needs a GPU: {reason}")
+    import cupy
+
+    if loader.pdl_mode() == "off" and loader.pdl_requested() != "off":
+        pytest.skip("this device or driver has no programmatic dependent launch (before sm_90, or HIP)")
+    return cupy
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["off", "capture"])
+def test_graph_of_pdl_launches_equals_eager(mode: str, monkeypatch) -> None:
+    """A decode-like chain (norm pack -> gate|up gemv -> SwiGLU pack -> down gemv adding into the residual, one token:
+    the packs write the int16 staging and the products run on the gemv ring kernel) captured with PDL and replayed on
+    fresh inputs equals the same chain launched eagerly without PDL, bit for bit. The matrices are large enough (tens
+    of us per kernel) that a consumer starting early would read stale values."""
+    cupy = _gpu()
+    from kernels import quant_matmul as qm
+    from tests.quant_twins import random_weights
+
+    rng = np.random.default_rng(7)
+    d, f = 4096, 11008
+    up = qm.QuantMatrix(qm.Q4_K, random_weights(qm.Q4_K, 2 * f, d, rng), (2 * f, d), name="gate|up")
+    down = qm.QuantMatrix(qm.Q6_K, random_weights(qm.Q6_K, d, f, rng), (d, f), name="down")
+    # small norm weights: random quants give |gate|, |up| in the thousands at unit scale, and silu(g) * u past fp16
+    norm_w = cupy.asarray((0.01 * rng.standard_normal(d)).astype(np.float32))
+    x = cupy.empty((1, d), dtype=cupy.float32)
+    gu = cupy.empty((1, 2 * f), dtype=cupy.float32)
+
+    from kernels import quant_gemv as qg
+
+    assert qg.prefer_ring(qm.Q4_K, 1) and qg.prefer_ring(qm.Q6_K, 1) and qm.Q16_TOKENS >= 1  # the chain PDL serves
+
+    keep: list = []  # the packs' buffers of the captured chain stay allocated for the graph's lifetime
+
+    def chain() -> None:
+        px = qm.pack_activations(x, rms_weight=norm_w)
+        up.matmul(px, out=gu, kernel="gemv")
+        ps = qm.pack_activations(gu[:, :f], silu_up=gu[:, f:])
+        down.matmul(ps, out=x, accumulate=True, kernel="gemv")
+        keep.extend((px, ps))
+
+    def eager(x0: np.ndarray) -> np.ndarray:
+        monkeypatch.setenv(loader.PDL_ENV, "off")
+        x[...] = cupy.asarray(x0)
+        chain()
+        cupy.cuda.Device().synchronize()
+        return cupy.asnumpy(x)
+
+    inputs = [rng.standard_normal((1, d)).astype(np.float32) for _ in range(6)]
+    want = [eager(x0) for x0 in inputs]
+    assert all(np.isfinite(w).all() for w in want), "the reference chain overflowed: the comparison would mean nothing"
+    monkeypatch.setenv(loader.PDL_ENV, mode)
+    stream = cupy.cuda.Stream(non_blocking=True)
+    with stream:
+        x[...] = cupy.asarray(inputs[0])
+        chain()  # compile and configure outside the capture
+        stream.synchronize()
+        stream.begin_capture()
+        chain()
+        graph = stream.end_capture()
+        for i, (x0, w) in enumerate(zip(inputs, want)):
+            x[...] = cupy.asarray(x0)
+            graph.launch(stream)
+            stream.synchronize()
+            got = cupy.asnumpy(x)
+            bad = np.flatnonzero(got != w)
+            assert bad.size == 0, (f"replay {i}: {bad.size} of {w.size} values differ, first at {bad[:5]}, max "
+                                   f"|diff| {np.abs(got - w).max():.3e}")
