@@ -4,7 +4,12 @@ several warps x stages) and in the synthetic model's decode step and a width-23 
 ring, and ring with programmatic dependent launch, interleaved, by switching quant_gemv.RING_UP_TO and SPECSPLIT_PDL).
 Prints ratios and the fraction of the copy bandwidth each reaches.
 
-    python3 bench/gemv_ab.py [--no-matrices] [--model PATH] [--context 512] [--json out.json]
+    python3 bench/gemv_ab.py [--no-matrices] [--widths 2,3,4,8] [--model PATH [--step-ab ring|small]]
+                             [--context 512] [--json out.json]
+
+--widths: per matrix and width, the ring against v2 and the per-tile gemv (x packed with its int16 staging).
+--step-ab small: the step at 2 / 3 / 4 tokens with the ring taking the K-quant products up to 3 tokens (and the packs
+writing the staging there) against v2 from two tokens.
 """
 
 from __future__ import annotations
@@ -76,30 +81,74 @@ def per_matrix(cupy, qm, qg, tokens: int, copy_gbps: float) -> list[dict]:
     return rows
 
 
-def step(cupy, qm, qg, path: str, context: int) -> list[dict]:
+def per_width(cupy, qm, qg, widths: list[int], copy_gbps: float) -> list[dict]:
+    """Per matrix and width: the ring (4 warps x 2 stages, x from PackedX.q16) against v2 and the per-tile gemv, for
+    the widths where the dispatch could hand the ring more than one token."""
+    import roofline
+
+    rows = []
+    for tname, n_out, k, label in MATRICES[:5]:
+        mats = weight_copies(cupy, qm, tname, n_out, k)
+        copies = len(mats)
+        for tokens in widths:
+            x = cupy.random.standard_normal((tokens, k), dtype=cupy.float32)
+            px = qm.pack_activations(x, q16=True)
+            out = cupy.empty((tokens, n_out), cupy.float32)
+            hows = {"ring": dict(kernel="gemv", config=qg.GemvConfig(ring=True, k_warps=4, stages=2)),
+                    "tile": dict(kernel="gemv", config=qg.GemvConfig(ring=False, splits=1)),
+                    "v2": dict(kernel="v2")}
+            res: dict[str, float] = {}
+            for how, kw in hows.items():
+                calls = [lambda W=W, px=px, o=out, kw=kw: W.matmul(px, out=o, **kw) for W in mats]
+                calls *= max(1, 8 // copies)
+                try:
+                    res[how] = min(roofline.time_calls(cupy, calls)[0] for _ in range(2))
+                except ValueError:  # a width the per-tile kernel's shared memory cannot stage
+                    res[how] = float("nan")
+            row = {"matrix": label, "tokens": tokens, **{h: round(v, 2) for h, v in res.items()}}
+            row["ring/v2"] = round(res["ring"] / res["v2"], 3)
+            rows.append(row)
+            print(f"width {tokens:2d} {label:14s}: ring {res['ring']:7.2f}  tile {res['tile']:7.2f}  "
+                  f"v2 {res['v2']:7.2f} us  ring/v2 {row['ring/v2']:.3f}", flush=True)
+        del mats
+        cupy.get_default_memory_pool().free_all_blocks()
+    return rows
+
+
+# Step A/Bs: (name, RING_UP_TO, Q16_TOKENS, SPECSPLIT_PDL) per mode, the widths they run at, and the ratios printed
+ONE = {8: 1, 12: 1, 14: 1}
+SMALL = {8: 1, 12: 3, 14: 3}
+STEP_ABS = {
+    "ring": ([("tile", {}, 1, "off"), ("ring", ONE, 1, "off"), ("ring+pdl", ONE, 1, "capture")], (1, 23),
+             [("ring", "tile"), ("ring+pdl", "ring")]),
+    "small": ([("v2", ONE, 1, "capture"), ("ring", SMALL, 3, "capture")], (2, 3, 4), [("ring", "v2")]),
+}
+
+
+def step(cupy, qm, qg, path: str, context: int, ab: str = "ring") -> list[dict]:
+    import os
+
     from gpu_bench import model_at_context
     from step_profile import replay_us, tree_parents
 
+    from kernels import loader
+
+    modes, widths, ratios = STEP_ABS[ab]
     t0 = time.time()
     model, state, rng = model_at_context(path, context)
     print(f"step: loaded {path} and its context in {time.time() - t0:.0f} s", flush=True)
-    import os
-
-    from kernels import loader
-
-    shipped, pdl_env = dict(qg.RING_UP_TO), os.environ.get(loader.PDL_ENV)
-    ring = {8: 1, 12: 1, 14: 1}
-    modes = (("tile", {}, "off"), ("ring", ring, "off"), ("ring+pdl", ring, "capture"))
+    shipped, q16_shipped, pdl_env = dict(qg.RING_UP_TO), qm.Q16_TOKENS, os.environ.get(loader.PDL_ENV)
     rows = []
     try:
-        for width in (1, 23):
+        for width in widths:
             toks = [int(t) for t in rng.integers(0, model.cfg.n_vocab, size=width)]
             par = tree_parents(width) if width > 1 else None
             res: dict[str, list[float]] = {}
             for _rep in range(3):
-                for how, up_to, pdl in modes:
+                for how, up_to, q16_tokens, pdl in modes:
                     qg.RING_UP_TO.clear()
                     qg.RING_UP_TO.update(up_to)
+                    qm.Q16_TOKENS = q16_tokens
                     os.environ[loader.PDL_ENV] = pdl
                     model.use_graphs = True
                     state.graphs.clear()
@@ -113,15 +162,16 @@ def step(cupy, qm, qg, path: str, context: int) -> list[dict]:
             row = {"width": width, "runs": res}
             for how in res:
                 row[f"{how}_us"] = round(statistics.median(res[how]), 1)
-            row["ratio"] = round(row["ring_us"] / row["tile_us"], 4)
-            row["pdl_ratio"] = round(row["ring+pdl_us"] / row["ring_us"], 4)
+            for a, b in ratios:
+                row[f"{a}/{b}"] = round(row[f"{a}_us"] / row[f"{b}_us"], 4)
             rows.append(row)
             parts = [f"{how} {row[how + '_us']} us (runs {[round(v) for v in res[how]]})" for how in res]
-            print(f"step width {width}: {', '.join(parts)}; ring/tile {row['ratio']}, "
-                  f"ring+pdl/ring {row['pdl_ratio']}", flush=True)
+            cells = ", ".join(f"{a}/{b} {row[f'{a}/{b}']}" for a, b in ratios)
+            print(f"step width {width}: {', '.join(parts)}; {cells}", flush=True)
     finally:
         qg.RING_UP_TO.clear()
         qg.RING_UP_TO.update(shipped)
+        qm.Q16_TOKENS = q16_shipped
         if pdl_env is None:
             os.environ.pop(loader.PDL_ENV, None)
         else:
@@ -150,8 +200,12 @@ def main(argv: list[str]) -> int:
     out: dict = {"copy_GBps": round(copy_gbps, 1)}
     if "--no-matrices" not in argv:
         out["matrices"] = per_matrix(cupy, qm, qg, 1, copy_gbps)
+    if "--widths" in argv:
+        widths = [int(w) for w in argv[argv.index("--widths") + 1].split(",")]
+        out["widths"] = per_width(cupy, qm, qg, widths, copy_gbps)
     if model:
-        out["step"] = step(cupy, qm, qg, model, context)
+        ab = argv[argv.index("--step-ab") + 1] if "--step-ab" in argv else "ring"
+        out["step"] = step(cupy, qm, qg, model, context, ab)
     if "--json" in argv:
         Path(argv[argv.index("--json") + 1]).write_text(json.dumps(out, indent=1))
     return 0

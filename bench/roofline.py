@@ -771,7 +771,7 @@ def main(argv: list[str]) -> int:
                 ran = kernel
                 if kernel == "auto":
                     ran = "wide" if qw.prefer_wide(qtype, tokens, n_out, k) else "v2"
-                    ran = "gemv" if qg.prefer_gemv(qtype, k, tokens) else ran
+                    ran = "gemv" if qg.prefer_gemv(qtype, k, tokens, tokens <= qm.Q16_TOKENS) else ran
                     if ran == "gemv" and qg.prefer_persistent(qtype, tokens):
                         ran = "gemvp"
                 cfg = mats[0].choose_config(tokens) if ran == "v2" else None

@@ -61,12 +61,13 @@ SPLIT_UP_TO: dict[int, int] = {}
 # so that tiles x S blocks make as many warps as fit in SPLIT_WAVES waves, each warp keeping at least SPLIT_MIN_CHUNKS
 # chunks of 256 values.
 # Ring variant (gemv_ring_kernel): widest T for which gemv() launches it, per quantized storage type, when the pack
-# wrote x's int16 staging (PackedX.q16: one token, Q16_TOKENS) and K is a multiple of 256; RING_STAGES slots per warp,
-# each a chunk's weights and x, kept in flight by bulk copies on sm_90. H100 (docs/gpu_quant_matmul.md, "gemv: a ring
-# of bulk copies"): 0.79-0.91x the per-tile kernel's time on every 27B matrix at one token, 4 warps x 2 stages the
-# best or within 3 % of it (fewer, smaller slots let more blocks in: 64 registers, 23.5 KB per Q4_K block); the
-# decode step 8.99 -> 8.38 ms.
-RING_UP_TO: dict[int, int] = {8: 1, 12: 1, 14: 1}
+# wrote x's int16 staging (PackedX.q16: up to quant_matmul.Q16_TOKENS tokens) and K is a multiple of 256; prefer_gemv
+# then takes it over v2 too. RING_STAGES slots per warp, each a chunk's weights and x, kept in flight by bulk copies on
+# sm_90. H100 (docs/gpu_quant_matmul.md, "gemv: a ring of bulk copies"): one token 0.79-0.91x the per-tile kernel on
+# every 27B matrix (decode step 8.99 -> 8.16 ms), 4 warps x 2 stages the best or within 3 % (fewer, smaller slots let
+# more blocks in); 2 / 3 tokens 0.67-0.94x / 0.78-0.92x v2's time; 4 tokens 0.93-1.13x (acc and x registers: 108-128
+# a thread from two tokens), so v2 from there. Q8_0 (no 27B matrix) was measured at one token only.
+RING_UP_TO: dict[int, int] = {8: 1, 12: 3, 14: 3}
 RING_STAGES = 2
 MAX_RING_STAGES = 32  # the kernel keeps one parity bit per slot in a 32-bit word
 SPLIT_FILL = 0.75
@@ -149,8 +150,11 @@ def fits(qtype: int, k: int, tokens: int) -> bool:
     return 1 <= tokens <= MAX_TOKENS and smem_bytes(qtype, k, tokens, MAX_K_WARPS) + 1024 <= SMEM_PER_SM // 2
 
 
-def prefer_gemv(qtype: int, k: int, tokens: int) -> bool:
-    """matmul()'s choice for a matrix in the v2 layout: this kernel up to the measured crossover width."""
+def prefer_gemv(qtype: int, k: int, tokens: int, q16: bool = False) -> bool:
+    """matmul()'s choice for a matrix in the v2 layout: this kernel up to the measured crossover width, or, when x
+    comes with its int16 staging (q16: PackedX.q16), up to the ring variant's (RING_UP_TO, K a multiple of 256)."""
+    if q16 and k % CHUNK == 0 and int(qtype) in _INT and prefer_ring(qtype, tokens):
+        return True
     return tokens <= CROSSOVER.get(int(qtype), 0) and fits(qtype, k, tokens)
 
 

@@ -289,10 +289,11 @@ class PackedX:
         return 8 * self.n_tiles
 
 
-# Widths whose packs also write PackedX.q16 unless told (pack_activations(q16=)): one token, where every quantized
-# matrix goes to the gemv kernel (quant_gemv.CROSSOVER). At two only Q8_0 does; writing it there cost the 27B Q4_K_M's
-# two-token step 0.7 % (H100, docs/gpu_quant_matmul.md "gemv: x staged once by the pack") for nothing.
-Q16_TOKENS = 1
+# Widths whose packs also write PackedX.q16 unless told (pack_activations(q16=)): the widths at which the gemv ring
+# kernel takes the K-quant matrices (quant_gemv.RING_UP_TO; it copies x's staging, it never quantizes x itself). Above
+# them nothing reads it: writing it at two tokens when v2 took those products cost the 27B Q4_K_M's two-token step
+# 0.7 % (H100, docs/gpu_quant_matmul.md "gemv: x staged once by the pack").
+Q16_TOKENS = 3
 
 
 def q16_words(k: int, tokens: int) -> int:
@@ -681,24 +682,25 @@ class QuantMatrix:
         if config is not None and self.kernel != "v2":
             raise ValueError(f"{self.name}: config applies to the v2 kernel only")
         if isinstance(x, PackedX):
-            self._launcher(kernel, tokens, config, splits)(x, out, splits, portable, config, accumulate)
+            self._launcher(kernel, tokens, config, splits, x.q16 is not None)(x, out, splits, portable, config,
+                                                                             accumulate)
         else:
             for start in range(0, tokens, MAX_TOKENS):
                 stop = min(tokens, start + MAX_TOKENS)
                 packed = pack_activations(x[start:stop], portable=portable)
-                launch = self._launcher(kernel, stop - start, config, splits)
+                launch = self._launcher(kernel, stop - start, config, splits, packed.q16 is not None)
                 launch(packed, out[start:stop], splits, portable, config, accumulate)
         return out.reshape(n_out) if squeeze else out
 
-    def _launcher(self, kernel: str | None, tokens: int, config: Any, splits: int | None):
-        """The launch method for one width (see matmul's `kernel`)."""
+    def _launcher(self, kernel: str | None, tokens: int, config: Any, splits: int | None, q16: bool = False):
+        """The launch method for one width (see matmul's `kernel`); q16: x comes with PackedX.q16."""
         if kernel is None:
             if isinstance(config, quant_gemv.GemvConfig):
                 kernel = "gemv"
             elif isinstance(config, quant_wide.WideConfig):
                 kernel = "wide"
             elif self.kernel == "v2" and config is None and splits is None:
-                if quant_gemv.prefer_gemv(self.qtype, self.in_features, tokens):
+                if quant_gemv.prefer_gemv(self.qtype, self.in_features, tokens, q16):
                     kernel = "gemv"
                 elif quant_wide.prefer_wide(self.qtype, tokens, *self.shape):
                     kernel = "wide"

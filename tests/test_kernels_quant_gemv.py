@@ -111,13 +111,13 @@ def test_large_shape_and_dispatch(qtype: int, shape: tuple[int, int]) -> None:
     raw = random_weights(qtype, *shape, rng)
     W = qm.QuantMatrix(qtype, raw, shape, name=f"{NAMES[qtype]} {shape}")
     w64 = dequantize(qtype, raw, *shape)
-    for tokens in (1, 2):
-        if qg.prefer_gemv(qtype, shape[1], tokens):
+    for tokens in (1, 2, 3):
+        if qg.prefer_gemv(qtype, shape[1], tokens, q16=tokens <= qm.Q16_TOKENS):
             x = (rng.standard_normal((tokens, shape[1])) * 0.5).astype(np.float16)
             auto, forced = run(W, x), run(W, x, kernel="gemv")
             assert np.array_equal(auto, forced)
             assert rel_error(auto, x.astype(np.float64) @ w64.T) < TOL
-    wide = qg.CROSSOVER[qtype] + 1
+    wide = max(qg.CROSSOVER[qtype], qg.RING_UP_TO.get(qtype, 0)) + 1
     x = (rng.standard_normal((wide, shape[1])) * 0.5).astype(np.float16)
     assert np.array_equal(run(W, x), run(W, x, kernel="v2"))
     check(W, w64, 1, rng, W.name, kernel="gemv", config=qg.GemvConfig(k_warps=1))

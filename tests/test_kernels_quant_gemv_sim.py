@@ -372,6 +372,12 @@ def test_shared_memory_size_and_fit() -> None:
     assert qg.fits(Q4_K, 5120, 8) and not qg.fits(Q4_K, 5120, 17)
     assert qg.prefer_gemv(Q4_K, 5120, 1)
     assert not qg.prefer_gemv(Q4_K, 5120, qg.CROSSOVER[Q4_K] + 1)
+    # with x's int16 staging the ring takes K-quant products up to RING_UP_TO tokens (K a multiple of 256)
+    ring = qg.RING_UP_TO[Q4_K]
+    assert ring > qg.CROSSOVER[Q4_K]
+    assert qg.prefer_gemv(Q4_K, 5120, ring, q16=True) and not qg.prefer_gemv(Q4_K, 5120, ring + 1, q16=True)
+    assert not qg.prefer_gemv(Q4_K, 5120, ring)  # no staging: v2
+    assert qm.Q16_TOKENS >= max(qg.RING_UP_TO.values())  # the packs write what the ring reads
 
 
 def test_k_warps_choice() -> None:

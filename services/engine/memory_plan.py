@@ -524,6 +524,15 @@ def _embed_scratch(cfg: ModelConfig, T: int) -> int:
     return 6 * T * cfg.n_embd * 4 + 2 * T * cfg.n_embd
 
 
+def _pack_bytes(k: int, T: int) -> int:
+    """One packed activation (quant_matmul.pack_activations): fp16 rows padded to 8 tokens, and for up to
+    Q16_TOKENS tokens the gemv ring kernel's int16 staging (PackedX.q16)."""
+    from kernels import quant_matmul
+
+    q16 = 4 * quant_matmul.q16_words(k, T) if T <= quant_matmul.Q16_TOKENS else 0
+    return _pad8(T) * k * 2 + q16
+
+
 def gpu_step_scratch(cfg: ModelConfig, T: int, sms: int) -> int:
     """Every allocation of a T-token target step (T <= 64: qwen35_gpu._block's fused launches) except its outputs,
     summed over one decoder block as if none were freed, plus the residual stream in and out, the embedded rows and
@@ -531,21 +540,21 @@ def gpu_step_scratch(cfg: ModelConfig, T: int, sms: int) -> int:
     peak stays under this (checked on a GPU: tests/test_gpu_memory.py, bench/memory_check.py)."""
     E, F, V = cfg.n_embd, cfg.n_ff, cfg.n_vocab
     H, Hkv, D = cfg.n_head, cfg.n_head_kv, cfg.head_dim
-    P, x = _pad8(T), T * cfg.n_embd * 4
+    x = T * cfg.n_embd * 4
     mixers = []
     if not all(cfg.recurrent_layers):
         # packed input, q|gate|k|v product, normed + rotated q and k, contiguous q / k / v copies, the attention's
         # split-K partials and output, the packed output rows and their projection
-        mixers.append(P * E * 2 + T * (2 * H * D + 2 * Hkv * D) * 4 + 3 * T * H * D * 4 + 3 * T * Hkv * D * 4
-                      + _attn_workspace(H, Hkv, D, T, sms) + P * H * D * 2 + x)
+        mixers.append(_pack_bytes(E, T) + T * (2 * H * D + 2 * Hkv * D) * 4 + 3 * T * H * D * 4
+                      + 3 * T * Hkv * D * 4 + _attn_workspace(H, Hkv, D, T, sms) + _pack_bytes(H * D, T) + x)
     if any(cfg.recurrent_layers):
         cd, Hv, dv = cfg.ssm_conv_dim, cfg.ssm_n_v_heads, cfg.ssm_head_v_dim
         # packed input, the [qkv | z | beta | alpha] product, the conv output, g and beta, the delta rule's
         # output, its packed norm * gate, the projection
-        mixers.append(P * E * 2 + T * (cd + Hv * dv + 2 * Hv) * 4 + T * cd * 4 + 2 * T * Hv * 4 + T * Hv * dv * 4
-                      + P * Hv * dv * 2 + x)
+        mixers.append(_pack_bytes(E, T) + T * (cd + Hv * dv + 2 * Hv) * 4 + T * cd * 4 + 2 * T * Hv * 4
+                      + T * Hv * dv * 4 + _pack_bytes(Hv * dv, T) + x)
     # post-mixer pack and the new residual stream, the gate|up product, the packed SwiGLU
-    ffn = P * E * 2 + x + T * 2 * F * 4 + P * F * 2
+    ffn = _pack_bytes(E, T) + x + T * 2 * F * 4 + _pack_bytes(F, T)
     block = max(mixers) + ffn + SMALL_ALLOCS_PER_BLOCK * ARENA_ALIGN
     head = x + T * math.ceil(V / 1024) * 8
     return 2 * x + block + _embed_scratch(cfg, T) + head
