@@ -29,6 +29,18 @@ def test_switch_values(monkeypatch) -> None:
         loader.pdl_requested()
 
 
+def test_a_bad_switch_stops_the_model_load(monkeypatch) -> None:
+    """The GPU models read their launch switches when they are made (graphs_default), so a bad SPECSPLIT_PDL is an
+    error at load with its message, not a failed capture in the middle of a request."""
+    from services.engine.models import qwen35_gpu
+
+    monkeypatch.setenv(loader.PDL_ENV, "sometimes")
+    with pytest.raises(ValueError, match="SPECSPLIT_PDL must be capture, always or off"):
+        qwen35_gpu.graphs_default()
+    monkeypatch.setenv(loader.PDL_ENV, "off")
+    assert qwen35_gpu.graphs_default() in (True, False)
+
+
 def test_argument_marshalling() -> None:
     class Ptr:
         ptr = 0x7F00_0000_1000

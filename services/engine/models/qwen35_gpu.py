@@ -89,7 +89,11 @@ ARENA_SLACK = 4 << 20    # an arena holds a capture's measured peak + 1/8 + this
 
 
 def graphs_default() -> bool:
-    """CUDA-graph replay unless SPECSPLIT_CUDA_GRAPHS=0."""
+    """CUDA-graph replay unless SPECSPLIT_CUDA_GRAPHS=0. Also reads SPECSPLIT_PDL (kernels/loader.py), so that a bad
+    value stops the model's load with its message instead of failing a request's first capture."""
+    from kernels import loader
+
+    loader.pdl_requested()
     return os.environ.get("SPECSPLIT_CUDA_GRAPHS", "1").strip().lower() not in ("0", "false", "no", "off")
 
 
