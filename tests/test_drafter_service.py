@@ -26,14 +26,17 @@ from services.wire import pb, pb_grpc
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def spawn_drafter(tiny_pair, sock: Path, max_sessions: int = 2) -> tuple[subprocess.Popen, str]:
-    """Start `python -m services drafter` and block until its health says the Drafter is SERVING."""
+def spawn_drafter(tiny_pair, sock: Path, max_sessions: int = 2, extra: tuple[str, ...] = ()
+                  ) -> tuple[subprocess.Popen, str]:
+    """Start `python -m services drafter` (with `extra` flags) and block until its health says the Drafter is
+    SERVING."""
     _, target, draft = tiny_pair
     addr = f"unix://{sock}"
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
+    env = {**os.environ, "PYTHONPATH": path}
     proc = subprocess.Popen([sys.executable, "-m", "services", "drafter", "--model", target, "--draft", draft,
-                             "--listen", addr, "--max-sessions", str(max_sessions), "--log-level", "WARNING"],
-                            cwd=ROOT, env=env, stderr=subprocess.PIPE, text=True)
+                             "--listen", addr, "--max-sessions", str(max_sessions), "--log-level", "WARNING",
+                             *extra], cwd=ROOT, env=env, stderr=subprocess.PIPE, text=True)
 
     async def ready() -> None:
         loop = asyncio.get_running_loop()
@@ -264,3 +267,29 @@ def test_unreachable_drafter(tmp_path):
     with pytest.raises(DrafterUnavailableError, match="UNAVAILABLE"):
         lazy.propose(None, 1, 0, 1)
     lazy.close()
+
+
+def test_context_past_the_sessions_is_resource_exhausted():
+    """A GPU drafter's sessions are made for --max-ctx at start-up (max_rows = context + a block): a request past
+    it is refused with RESOURCE_EXHAUSTED (the client then decodes without drafting), not grown mid-request."""
+    from types import SimpleNamespace
+
+    from services.drafter.service import ContextFull, DrafterServicer
+
+    fake = SimpleNamespace(target=SimpleNamespace(tok_embd=SimpleNamespace(shape=(100, 8))), target_layer_ids=[1],
+                           cfg=SimpleNamespace(n_embd=8), block_size=16, max_rows=64 + 16)
+    sv = DrafterServicer(max_sessions=1)
+    sv.attach(fake)
+    session = SimpleNamespace(n_ctx=60)
+    sv._check(pb.DraftRequest(start=64, last_token=1, top_k=1), session, np.zeros((4, 8), np.float32))
+    with pytest.raises(ContextFull, match="past the 64-token context"):
+        sv._check(pb.DraftRequest(start=65, last_token=1, top_k=1), SimpleNamespace(n_ctx=61),
+                  np.zeros((4, 8), np.float32))
+
+
+def test_drafter_device_flag_is_checked(capsys):
+    from services.cli import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["drafter", "--model", "m.gguf", "--draft", "d.gguf", "--device", "tpu"])
+    assert e.value.code == 2 and "expected a device" in capsys.readouterr().err

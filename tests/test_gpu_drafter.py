@@ -118,6 +118,29 @@ def test_block_logits_and_drafts_match_numpy(window, n_ctx):
 
 
 @needs_gpu
+def test_gpu_drafter_for_a_cpu_target_matches_numpy():
+    """The drafter service's case (`specsplit drafter --device cuda:N`): the target is the NumPy model (only its
+    token table and LM head are used), so the GPU drafter holds device copies of them; drafts match the NumPy
+    drafter's as with a GPU target."""
+    from services.engine.models.dflash import DFlashDrafter, read_drafter
+    from services.engine.models.dflash_gpu import DFlashGpuDrafter
+
+    gpu, cpu, draft_path, _ = models()
+    cfg, tensors, src = read_drafter(draft_path, cpu.cfg.n_layer)
+    ref, dr = DFlashDrafter(cfg, tensors, cpu, source=src), DFlashGpuDrafter(cfg, tensors, cpu, source=src)
+    assert dr.output is not gpu.output and dr.be.name == "cuda"
+    feats, toks = _features(40)
+    rs, gs = ref.new_session(), dr.new_session()
+    start = 0
+    for n in (30, 1, 4, 5):     # a prompt's rows (an eager append), then drafts appending a few rows each
+        start += n
+        want = ref.draft(rs, feats[start - n:start], toks[start - 1], start)
+        ids, logp = dr.draft_topk(gs, feats[start - n:start], toks[start - 1], start, 8)
+        _assert_topk_match(want, ids, logp)
+    assert gs.n_ctx == rs.n_ctx == start
+
+
+@needs_gpu
 @pytest.mark.parametrize("window", [None, 8])
 def test_graph_replay_equals_eager(window):
     """The same drafts on two sessions, captured passes (replayed from the second of each shape) vs eager."""
@@ -204,7 +227,7 @@ def test_draft_device_checks(capsys):
     pytest.importorskip("grpc_health", reason="services.cli registers the gRPC services")
     from services.cli import main
 
-    for argv, says in ((["--device", "cuda:0", "--draft-device", "cuda:1"], "not supported yet"),
+    for argv, says in ((["--device", "cuda:0", "--draft-device", "cuda:1"], "specsplit drafter --device cuda:1"),
                        (["--device", "cpu", "--draft-device", "cuda:0"], "needs its target on the same GPU")):
         rc = main(["generate", *argv, "--prompt", "x", "--max-tokens", "2"])
         assert rc == 2

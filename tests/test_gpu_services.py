@@ -1,5 +1,6 @@
 """The Verifier service with its target (and in-process drafter) on the GPU: a real `specsplit verifier --device
-cuda:0` process over gRPC, checked against in-process plain decoding on the CPU. Skips without a GPU, except the
+cuda:0` process over gRPC, checked against in-process plain decoding on the CPU; and the Drafter service on a GPU
+of its own (`specsplit drafter --device cuda:0`) proposing for a target elsewhere. Skips without a GPU, except the
 flag checks, which need none.
 """
 
@@ -117,3 +118,33 @@ def test_gpu_verifier_out_of_memory_mid_request_fails_alone(tmp_path, cpu_target
         p.stop()
     log = p.log.read_text()
     assert "ran out of memory on cuda:0" in log and "CUDA graphs off" not in log
+
+
+@needs_gpu
+def test_drafter_service_on_a_gpu_of_its_own(tmp_path, cpu_target):
+    """`specsplit drafter --device cuda:0`: sessions planned and made at start-up, top-k from the device; a target
+    elsewhere (here the NumPy model in this process) decodes speculatively through it exactly as plainly, and the
+    drafter's sessions are reused by the next request."""
+    from services.drafter.client import DrafterClient
+    from services.engine.generate import GenerationResult
+    from services.engine.speculative import SpecConfig, speculative_stream
+    from tests.test_drafter_service import spawn_drafter, stop
+
+    gguf, drafter = _pair()
+    proc, addr = spawn_drafter((None, gguf, drafter), tmp_path / "d.sock", max_sessions=2,
+                               extra=("--device", "cuda:0", "--max-ctx", "1024"))
+    try:
+        model = cpu_target.model
+        prompt = cpu_target.tokenizer.encode("def fibonacci(n):\n    if n < 2:\n        return n\n")
+        plain = generate(model, prompt, 40).token_ids
+        for _ in range(2):
+            with DrafterClient(addr) as client:
+                assert client.info().backend == "cuda:0"
+                res = GenerationResult()
+                for _ in speculative_stream(model, client, prompt, 40, spec=SpecConfig(budget=22), result=res):
+                    pass
+            assert res.token_ids == plain
+            assert not res.spec["fallback"] and res.spec["mean_acceptance_length"] > 1.0
+    finally:
+        stop(proc)
+    assert proc.returncode == 0, proc.stderr.read()

@@ -351,3 +351,44 @@ def test_refusal_through_the_cli(tiny, capsys, monkeypatch):
     err = capsys.readouterr().err
     assert rc == 2 and "does not fit" in err and "needs" in err and "--max-ctx" not in err
     assert "even at max_ctx 1 it needs cpu" in err and "reserve 0.50 GiB" in err
+
+
+def test_drafter_service_items_by_hand(q27):
+    """`specsplit drafter --device cuda:N`: the drafter's weights, the target's table and head copied to its GPU,
+    its sessions at the serving context, graphs, arena and split scratch, the device reserve."""
+    cfg, w, ds = q27
+    items = {i.name: i.bytes for i in M.drafter_service_items(cfg, w, ds, 4, 8192, 132)}
+    ses = M.gpu_session_bytes(ds, 8192 + ds.block_size)
+    assert items["drafter context cache"] == 4 * ses["drafter context cache"]
+    assert items["drafter session buffers"] == 4 * ses["drafter session buffers"]
+    assert items["target embedding + head copy"] == 248320 * 5120 // 256 * (144 + 210)
+    assert items["graph arena"] == M.graph_arena_bytes(cfg, 1, "f16", "f16", ds, 132)
+    assert items["workspace reserve"] == M.RESERVE_BYTES["cuda"]
+    assert set(items) >= {"drafter weights", "drafter CUDA graphs"}
+
+
+def test_drafter_service_plan_fits_shrinks_or_names_the_fix(tiny, monkeypatch):
+    monkeypatch.setattr(M, "check_device", lambda device: None)   # no GPU here: the plan reads headers only
+    dev = M.Device("cuda", 1)
+
+    def plan(free, sessions=4, max_ctx=None):
+        return M.plan_drafter_service(tiny.target_path, tiny.drafter_path, dev, sessions, max_ctx,
+                                      free=(free, 80 * GiB), sms=132)
+
+    p, shape = plan(80 * GiB)
+    ctx = p.settings.max_ctx
+    assert p.fits and p.shrunk_from is None and p.devices[0].device == "cuda:1" and p.settings.slots == 4
+    need = p.devices[0].total
+    assert ctx >= 2 * M.CTX_STEP
+    # without --max-ctx: shrunk to a multiple of 256 that fits (the tiny model's 4096 is the usual floor itself)
+    monkeypatch.setattr(M, "MIN_AUTO_CTX", 1024)
+    p2, _ = plan(need - 1)
+    assert p2.fits and p2.shrunk_from == ctx and p2.settings.max_ctx % M.CTX_STEP == 0 and p2.settings.max_ctx < ctx
+    # an explicit --max-ctx that does not fit: refused, naming a context and a session count that do
+    with pytest.raises(M.MemoryPlanError) as e:
+        plan(need - 1, max_ctx=ctx)
+    msg = str(e.value)
+    assert "the drafter does not fit" in msg and "--max-sessions 3" in msg
+    # nothing fits: the weights and the reserve alone are more than the device has
+    with pytest.raises(M.MemoryPlanError, match="run the drafter on the CPU"):
+        plan(M.RESERVE_BYTES["cuda"] // 2)

@@ -11,7 +11,7 @@ import asyncio
 import logging
 from typing import Any
 
-from services.cliargs import add_env_argument, address, int_at_least
+from services.cliargs import add_env_argument, address, device, int_at_least
 
 DEFAULT_LISTEN = "unix:///run/specsplit/drafter.sock"
 
@@ -26,6 +26,11 @@ def register(subparsers: Any) -> None:
                      help=f"address to serve on: unix:///path, host:port or inproc (default {DEFAULT_LISTEN})")
     add_env_argument(p, "--max-sessions", type=int_at_least(1), default=16,
                      help="concurrent Draft streams (requests); more get RESOURCE_EXHAUSTED")
+    add_env_argument(p, "--device", type=device, default="cpu",
+                     help="where the drafter runs: cpu or cuda:N (default cpu; a GPU of its own, the verifier's "
+                          "target may be on another one); on a GPU every session is made at start-up")
+    add_env_argument(p, "--max-ctx", type=int_at_least(1), default=None,
+                     help="GPU: context tokens per session (default: the model's, shrunk to what fits)")
     add_env_argument(p, "--trace", default="none", choices=["none", "console", "otlp"],
                      help="OpenTelemetry span exporter (otlp reads the OTEL_EXPORTER_OTLP_* variables)")
     add_env_argument(p, "--otlp-endpoint", default=None, help="OTLP collector endpoint (with --trace otlp)")
@@ -48,7 +53,7 @@ def cmd_drafter(args: argparse.Namespace) -> int:
     except RuntimeError as e:
         raise SpecsplitError(str(e)) from None
     cfg = DrafterConfig(model=args.model, draft=args.draft, max_sessions=args.max_sessions, trace=args.trace,
-                        shutdown_grace_s=args.grace)
+                        shutdown_grace_s=args.grace, device=args.device, max_ctx=args.max_ctx)
     return asyncio.run(_main(cfg, args.listen))
 
 

@@ -3,6 +3,8 @@
 Each `Draft` bidi stream is one request's session (its projected context K/V live as long as the stream);
 each DraftRequest appends the newly committed tokens' target features and drafts one block. Features come
 inline (bytes) or through a POSIX shared-memory segment the client owns (same host); see FeatureReader.
+The drafter runs on the CPU (NumPy) or on a GPU of its own (`--device cuda:N`): there its sessions are planned
+and made at start-up (memory_plan.plan_drafter_service), so a stream never allocates a context cache.
 """
 
 from __future__ import annotations
@@ -35,6 +37,10 @@ _SHM_NAME = re.compile(r"^[A-Za-z0-9_.-]{1,200}$")
 
 class BadRequest(ValueError):
     """A request the drafter refuses (INVALID_ARGUMENT); the message names the field and what was wrong."""
+
+
+class ContextFull(ValueError):
+    """A request past the context the drafter's sessions were made for (RESOURCE_EXHAUSTED)."""
 
 
 class SharedMemoryError(BadRequest):
@@ -138,11 +144,12 @@ class DrafterServicer(pb_grpc.DrafterServicer):
     """Serves one loaded DFlashDrafter to at most `max_sessions` concurrent Draft streams."""
 
     def __init__(self, max_sessions: int = 16, executor: concurrent.futures.Executor | None = None,
-                 backend: str = "numpy"):
+                 backend: str = "numpy", device_top_k: int = 0):
         if max_sessions < 1:
             raise ValueError(f"max_sessions must be >= 1, got {max_sessions}")
         self.max_sessions = max_sessions
         self.backend = backend
+        self.device_top_k = device_top_k     # largest top_k a GPU drafter computes on the device (attach)
         self.drafter: Any = None             # set by attach() once loaded
         self.active = 0
         self.stats = DrafterStats()
@@ -151,6 +158,10 @@ class DrafterServicer(pb_grpc.DrafterServicer):
         self.executor = executor or concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="drafter")
 
     def attach(self, drafter: Any) -> None:
+        if hasattr(drafter, "draft_topk"):
+            from services.engine.models.dflash_gpu import TOPK
+
+            self.device_top_k = TOPK
         self.drafter = drafter
         self.n_rows = int(drafter.target.tok_embd.shape[0])
         self.n_features = len(drafter.target_layer_ids) * int(drafter.cfg.n_embd)
@@ -163,7 +174,22 @@ class DrafterServicer(pb_grpc.DrafterServicer):
                               mask_token_id=d.mask_token_id, hidden_size=int(d.cfg.n_embd), n_vocab=d.n_vocab,
                               max_sessions=self.max_sessions, active_sessions=self.active, backend=self.backend)
 
+    def _open(self) -> Any:
+        """A session for a new stream: a pooled one (made at start-up) for a GPU drafter, else a new one."""
+        acquire = getattr(self.drafter, "acquire_session", None)
+        return acquire() if acquire is not None else self.drafter.new_session()
+
+    def _close(self, session: Any) -> None:
+        release = getattr(self.drafter, "release_session", None)
+        if release is not None and session is not None:
+            release(session)
+
     def _check(self, req: pb.DraftRequest, session: Any, feats: np.ndarray | None) -> None:
+        max_rows = getattr(self.drafter, "max_rows", None)
+        if max_rows is not None and req.start + self.drafter.block_size > max_rows:
+            raise ContextFull(f"start {req.start} + a block of {self.drafter.block_size} is past the "
+                              f"{max_rows - self.drafter.block_size}-token context the drafter's sessions were made "
+                              "for (its --max-ctx); the rest of this request decodes without drafting")
         rows = 0 if feats is None else len(feats)
         if session.n_ctx + rows != req.start:
             raise BadRequest(f"start is {req.start} but this stream's context holds {session.n_ctx} tokens and "
@@ -175,8 +201,12 @@ class DrafterServicer(pb_grpc.DrafterServicer):
 
     def _draft(self, session: Any, feats: np.ndarray | None, req: pb.DraftRequest) -> pb.DraftResponse:
         t0 = time.perf_counter()
-        logits = self.drafter.draft(session, feats, int(req.last_token), int(req.start))
-        ids, logp = topk_logprobs(logits, int(req.top_k))
+        k = int(req.top_k)
+        if hasattr(self.drafter, "draft_topk") and k <= self.device_top_k:   # the top-k from the device
+            ids, logp = self.drafter.draft_topk(session, feats, int(req.last_token), int(req.start), k)
+        else:
+            logits = self.drafter.draft(session, feats, int(req.last_token), int(req.start))
+            ids, logp = topk_logprobs(logits, k)
         return pb.DraftResponse(positions=ids.shape[0], top_k=ids.shape[1], token_ids=ids.reshape(-1).tolist(),
                                 logprobs=logp.reshape(-1).tolist(), draft_ms=(time.perf_counter() - t0) * 1e3)
 
@@ -197,11 +227,13 @@ class DrafterServicer(pb_grpc.DrafterServicer):
             return
         self.active += 1
         self.stats.streams += 1
-        session = self.drafter.new_session()
-        reader = FeatureReader(self.n_features)
         loop = asyncio.get_running_loop()
+        session = None
+        reader = FeatureReader(self.n_features)
         n = 0
         try:
+            # on the drafting thread: a GPU drafter's device is that thread's current one
+            session = await loop.run_in_executor(self.executor, self._open)
             with telemetry.server_span(tracer, "drafter.session", context) as span:
                 async for req in request_iterator:
                     try:
@@ -218,6 +250,10 @@ class DrafterServicer(pb_grpc.DrafterServicer):
                         span.set_attribute("error.type", "invalid_argument")
                         _end(context, grpc.StatusCode.INVALID_ARGUMENT, str(e))
                         return
+                    except ContextFull as e:
+                        span.set_attribute("error.type", "context_full")
+                        _end(context, grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
+                        return
                     with tracer.start_as_current_span("drafter.draft", attributes={
                             "spec.draft.start": req.start, "spec.draft.rows": 0 if feats is None else len(feats),
                             "spec.draft.top_k": req.top_k}):
@@ -227,9 +263,11 @@ class DrafterServicer(pb_grpc.DrafterServicer):
                     yield resp
                 span.set_attribute("spec.drafts", n)
         finally:
-            # Also runs when the client cancels (the handler task is cancelled): the session goes at once.
+            # Also runs when the client cancels (the handler task is cancelled): the session goes at once (back to
+            # a GPU drafter's pool: bookkeeping only, safe from this thread).
             self.active -= 1
             reader.close()
+            self._close(session)
             session = None
 
 
@@ -258,19 +296,47 @@ class DrafterConfig:
     max_sessions: int = 16
     trace: str = "none"
     shutdown_grace_s: float = 5.0
+    device: str = "cpu"         # cpu or cuda:N (a GPU of its own: the verifier may be on another one)
+    max_ctx: int | None = None  # GPU: context rows per session (None: the target's, shrunk to fit)
 
 
 def load(cfg: DrafterConfig) -> Any:
-    """Load the target (for its token table and lm head) and the drafter; draft once as a warm-up."""
+    """Load the target (for its token table and lm head) and the drafter; draft once as a warm-up. On a GPU the
+    memory plan comes first (headers only: a refusal names --max-ctx / --max-sessions before anything loads), then
+    every session and the graph arena are made."""
     from services.engine.loader import load_target
     from services.engine.models.dflash import load_drafter
+    from services.engine.placement import is_gpu
 
     t0 = time.perf_counter()
+    plan = None
+    if is_gpu(cfg.device):
+        from services.engine import memory_plan as mp
+
+        plan, _ = mp.plan_drafter_service(cfg.model, cfg.draft, mp.parse_device(cfg.device), cfg.max_sessions,
+                                          cfg.max_ctx)
+        if plan.shrunk_from:
+            log.warning("max_ctx shrunk from %d to %d to fit %s (set --max-ctx to choose)", plan.shrunk_from,
+                        plan.settings.max_ctx, cfg.device)
+        log.info("%s", plan.summary())
     target = load_target(cfg.model, with_tokenizer=False).model
-    drafter = load_drafter(cfg.draft, target)
+    if plan is not None:
+        from services.engine.models.dflash_gpu import load_gpu_drafter
+        from services.engine.models.qwen35_gpu import graph_arena
+
+        drafter = load_gpu_drafter(cfg.draft, target, mp.parse_device(cfg.device).index)
+        drafter.reserve_sessions(cfg.max_sessions, plan.settings.max_ctx)
+        graph_arena(drafter.xp).reserve(plan.devices[0].get("graph arena"), exact=True)
+    else:
+        drafter = load_drafter(cfg.draft, target)
     t1 = time.perf_counter()
     width = len(drafter.target_layer_ids) * int(drafter.cfg.n_embd)
-    drafter.draft(drafter.new_session(), np.zeros((1, width), np.float32), 0, 1)
+    if plan is not None:    # through a pooled session: its first shape is captured for the first stream
+        s = drafter.acquire_session()
+        drafter.draft_topk(s, np.zeros((1, width), np.float32), 0, 1, 1)
+        drafter.release_session(s)
+    else:
+        drafter.draft(drafter.new_session(), np.zeros((1, width), np.float32), 0, 1)
     log.info("drafter %s for %s loaded in %.0f ms (block %d, target layers %s), warm-up %.0f ms", cfg.draft,
              cfg.model, (t1 - t0) * 1e3, drafter.block_size, drafter.target_layer_ids,
              (time.perf_counter() - t1) * 1e3)
@@ -313,7 +379,7 @@ async def serve_drafter(cfg: DrafterConfig, listen: str, drafter: Any = None) ->
 
     async def load_then_ready() -> None:
         d = drafter if drafter is not None else await loop.run_in_executor(servicer.executor, load, cfg)
-        servicer.backend = getattr(getattr(d, "be", None), "name", "numpy")
+        servicer.backend = cfg.device if getattr(getattr(d, "be", None), "name", "numpy") == "cuda" else "numpy"
         servicer.attach(d)
         await running.set_ready(rpc.SERVICE_DRAFTER)
         log.info("drafter ready on %s (max %d sessions)", running.address, cfg.max_sessions)

@@ -760,13 +760,7 @@ def build_plan(cfg: ModelConfig, weights: WeightBytes, s: PlanSettings, drafter:
         if ddev.backend == "cuda":
             d_items = _gpu_drafter_items(cfg, drafter, s, width)
             if ddev != tdev:    # its own device: its own arena, graphs and split scratch
-                dsms = sms or device_sms(ddev)
-                d_items.append(Item("graph arena", graph_arena_bytes(cfg, 1, "f16", "f16", drafter, dsms),
-                                    "the drafter's captured passes"))
-                split = split_scratch_bytes(drafter.weights.mats | weights.head_mats(), 2, dsms)
-                if split:
-                    d_items.append(Item("split-K scratch", split, "wide kernel partials, 2 streams (eager, drafter "
-                                                                  "graphs)"))
+                d_items += _own_gpu_drafter_items(cfg, weights, drafter, sms or device_sms(ddev))
         else:
             d_items = _cpu_drafter_items(cfg, drafter, s, width, block)
         if ddev != tdev:
@@ -907,6 +901,73 @@ def _gpu_drafter_items(cfg: ModelConfig, d: DrafterShape, s: PlanSettings, width
         Item("drafter CUDA graphs", n * GPU_GRAPHS_PER_SESSION * draft_nodes * GRAPH_NODE_BYTES,
              f"{n} slot(s) x {GPU_GRAPHS_PER_SESSION} passes of ~{draft_nodes} nodes"),
     ]
+
+
+def _own_gpu_drafter_items(cfg: ModelConfig, weights: WeightBytes, d: DrafterShape, sms: int) -> list[Item]:
+    """A GPU drafter on a device of its own: the graph arena and split scratch its passes use there."""
+    items = [Item("graph arena", graph_arena_bytes(cfg, 1, "f16", "f16", d, sms), "the drafter's captured passes")]
+    split = split_scratch_bytes(d.weights.mats | weights.head_mats(), 2, sms)
+    if split:
+        items.append(Item("split-K scratch", split, "wide kernel partials, 2 streams (eager, drafter graphs)"))
+    return items
+
+
+def drafter_service_items(cfg: ModelConfig, weights: WeightBytes, d: DrafterShape, sessions: int, max_ctx: int,
+                          sms: int) -> list[Item]:
+    """The drafter service (`specsplit drafter --device cuda:N`): its weights, a copy of the target's token table
+    and LM head, `sessions` pooled sessions of max_ctx context rows (made at start-up), its graphs, arena and split
+    scratch, and the device's workspace reserve."""
+    s = PlanSettings(max_ctx=max_ctx, slots=sessions, device=Device("cuda", 0))
+    items = _gpu_drafter_items(cfg, d, s, d.block_size)
+    items.insert(1, Item("target embedding + head copy", weights.shared_head("cuda"),
+                         "the drafter borrows the target's token_embd and output"))
+    items += _own_gpu_drafter_items(cfg, weights, d, sms)
+    items.append(Item("workspace reserve", RESERVE_BYTES["cuda"], _RESERVE_NOTE["cuda"]))
+    return items
+
+
+def plan_drafter_service(model: str, draft: str, device: Device, sessions: int, max_ctx: int | None,
+                         free: tuple[int, int] | None = None, sms: int | None = None) -> tuple[MemoryPlan, Any]:
+    """(plan, drafter shape) of a drafter service on a GPU, from the files' headers: `sessions` sessions of max_ctx
+    context rows (None: the target's context length, shrunk to the largest multiple of CTX_STEP that fits, at least
+    MIN_AUTO_CTX). MemoryPlanError naming --max-ctx / --max-sessions when it does not fit."""
+    check_device(device)
+    meta, tensors, kind = read_model_header(model)
+    cfg = _target_config(model, meta, tensors, kind)
+    d = drafter_shape(draft, cfg)
+    weights = WeightBytes.of(tensors)
+    f, tot = free if free is not None else device_memory(device)
+    sms = sms or device_sms(device)
+    ctx = min(max_ctx or cfg.context_length, cfg.context_length)
+
+    def plan(c: int, n: int = sessions) -> MemoryPlan:
+        s = PlanSettings(max_ctx=c, slots=n, device=Device("cpu"), draft_device=device)
+        return MemoryPlan(settings=s, width=d.block_size,
+                          devices=[DevicePlan(str(device), drafter_service_items(cfg, weights, d, n, c, sms), f, tot)])
+
+    p = plan(ctx)
+    if p.fits:
+        return p, d
+    steps = ctx // CTX_STEP
+    k = _largest(1, steps, lambda k: plan(k * CTX_STEP).fits) if steps >= 1 else None
+    fit = k * CTX_STEP if k else None
+    if max_ctx is None and fit is not None and fit >= min(MIN_AUTO_CTX, ctx):
+        shrunk = plan(fit)
+        shrunk.shrunk_from = ctx
+        return shrunk, d
+    fixes = [f"--max-ctx {fit}"] if fit is not None else []
+    if sessions > 1:
+        n = _largest(1, sessions - 1, lambda n: plan(ctx, n).fits)
+        if n is not None:
+            fixes.append(f"--max-sessions {n}")
+    dp = p.devices[0]
+    need = (f"{dp.device} needs {_gib(dp.total)} but has {_gib(dp.free)} free ("
+            + ", ".join(f"{i.name} {_gib(i.bytes)}" for i in sorted(dp.items, key=lambda i: -i.bytes)[:4]) + ")")
+    head = f"the drafter does not fit in memory with {sessions} session(s) of max_ctx {ctx}: {need}"
+    if fixes:
+        raise MemoryPlanError(f"{head}. Any one of these fits: {'; '.join(fixes)}")
+    raise MemoryPlanError(f"{head}. No smaller context or session count fits: run the drafter on the CPU "
+                          "(--device cpu) or on a device with more memory")
 
 
 _RESERVE_NOTE = {"cuda": "CUDA context, NVRTC modules, allocator fragmentation",

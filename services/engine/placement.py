@@ -40,9 +40,10 @@ def check_devices(device: str, draft_device: str | None) -> str:
         raise SpecsplitError(f"--draft-device {ddev} with --device {device}: a GPU drafter needs its target on the "
                              "same GPU so far (--device cuda:N, or --draft-device cpu)")
     if dd.kind == "cuda" and dd.index != tdev.index:
-        raise SpecsplitError(f"--draft-device {ddev} with --device {device}: a drafter on another GPU than its "
-                             f"target is not supported yet (it shares the target's token table and LM head); use "
-                             f"--draft-device {tdev} or cpu")
+        raise SpecsplitError(f"--draft-device {ddev} with --device {device}: an in-process drafter on another GPU "
+                             f"than its target is not supported (it shares the target's token table and LM head); "
+                             f"use --draft-device {tdev} or cpu, or run the drafter service on that GPU "
+                             f"(`specsplit drafter --device {ddev} ...`) and point the verifier at it (--drafter)")
     return str(dd)
 
 
