@@ -34,8 +34,9 @@ def _env_flags(command: str) -> set[str]:
             if opt.startswith("--")}
 
 
-@pytest.mark.parametrize("files", [("compose.yaml",), ("compose.yaml", "compose.remote-drafter.yaml")],
-                         ids=["in-process-drafter", "remote-drafter"])
+@pytest.mark.parametrize("files", [("compose.yaml",), ("compose.yaml", "compose.remote-drafter.yaml"),
+                                   ("compose.yaml", "compose.remote-drafter.yaml", "compose.drafter-gpu.yaml")],
+                         ids=["in-process-drafter", "remote-drafter", "drafter-on-its-own-gpu"])
 def test_every_variable_is_a_flag_and_health_checks_the_listen_address(files):
     services = _load(*files)
     for name, svc in services.items():
@@ -61,3 +62,10 @@ def test_the_override_moves_the_drafter_out_of_the_verifier():
     assert v["environment"]["SPECSPLIT_DRAFT"] == ""          # empty = unset: no in-process drafter
     assert v["environment"]["SPECSPLIT_DRAFTER"] == both["drafter"]["environment"]["SPECSPLIT_LISTEN"]
     assert v["depends_on"]["drafter"]["condition"] == "service_healthy"
+
+
+def test_the_gpu_override_gives_the_drafter_its_own_gpu():
+    d = _load("compose.yaml", "compose.remote-drafter.yaml", "compose.drafter-gpu.yaml")["drafter"]
+    assert d["environment"]["SPECSPLIT_DEVICE"] == "cuda:0"      # the container sees only its reserved GPU
+    (dev,) = d["deploy"]["resources"]["reservations"]["devices"]
+    assert dev["device_ids"] == ["${SPECSPLIT_DRAFTER_GPU:-1}"] and dev["capabilities"] == ["gpu"]
