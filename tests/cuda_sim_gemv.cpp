@@ -31,6 +31,21 @@ struct Args {
 static Args ga;
 static void (*g_body)() = nullptr;
 
+// Runs g_body on `blocks` blocks of 32 kw threads, in the order of sim::block_order(blocks, order_seed) (0: grid
+// order), each on shared memory poisoned first (stale shared memory must not matter); returns the simulation errors.
+static int run_blocks(unsigned blocks, int kw, unsigned long long order_seed) {
+    const std::vector<unsigned> order = sim::block_order(blocks, order_seed);
+    int errors = 0;
+    sim::gdim = {blocks, 1, 1};
+    sim::bdim = {32u * (unsigned)kw, 1, 1};
+    for (unsigned b : order) {
+        sim::bid = {b, 0, 0};
+        std::memset(gv_smem, 0xA5, sizeof(gv_smem));
+        errors += simb::run_block(32 * kw, g_body);
+    }
+    return errors;
+}
+
 // PD = 0: gemv_kernel (one block per tile); 1, 2: gemv_persist_kernel with that prefetch depth
 template <int QT, int NT, int PD>
 static void body() {
@@ -88,16 +103,7 @@ extern "C" int sim_gemv(int qt, int nt, const unsigned char* W, long long row_by
     }
     if (!g_body || kw < 1 || kw > gv::MAX_KW) return -1;
     ga = {W, row_bytes, N, K, (const uint4*)xp, tpad, y, accumulate, ldy, (const uint4*)xq};
-    const unsigned blocks = grid > 0 ? (unsigned)grid : (unsigned)((N + 15) / 16);
-    int errors = 0;
-    sim::gdim = {blocks, 1, 1};
-    sim::bdim = {32u * (unsigned)kw, 1, 1};
-    for (unsigned b = 0; b < blocks; ++b) {
-        sim::bid = {b, 0, 0};
-        std::memset(gv_smem, 0xA5, sizeof(gv_smem));  // stale shared memory must not matter
-        errors += simb::run_block(32 * kw, g_body);
-    }
-    return errors;
+    return run_blocks(grid > 0 ? (unsigned)grid : (unsigned)((N + 15) / 16), kw, 0);
 }
 
 // Split-K kernel (gemv_splitk_kernel): ceil(N / 16) * splits blocks of 32 kw threads. order_seed = 0: blocks in
@@ -140,17 +146,7 @@ extern "C" int sim_gemv_split(int qt, int nt, const unsigned char* W, long long 
     if (!g_body || kw < 1 || kw > gv::MAX_KW || splits < 1) return -1;
     ga = {W, row_bytes, N, K, (const uint4*)xp, tpad, y, accumulate, ldy, (const uint4*)xq};
     sa = {splits, part, counters};
-    const unsigned blocks = (unsigned)((N + 15) / 16) * (unsigned)splits;
-    const std::vector<unsigned> order = sim::block_order(blocks, order_seed);
-    int errors = 0;
-    sim::gdim = {blocks, 1, 1};
-    sim::bdim = {32u * (unsigned)kw, 1, 1};
-    for (unsigned b : order) {
-        sim::bid = {b, 0, 0};
-        std::memset(gv_smem, 0xA5, sizeof(gv_smem));
-        errors += simb::run_block(32 * kw, g_body);
-    }
-    return errors;
+    return run_blocks((unsigned)((N + 15) / 16) * (unsigned)splits, kw, order_seed);
 }
 
 // Ring kernel (gemv_ring_kernel): ceil(N / 16) blocks of 32 kw threads with `stages` slots per warp, blocks in the
@@ -184,17 +180,7 @@ extern "C" int sim_gemv_ring(int qt, int nt, const unsigned char* W, long long r
     if (!g_body || kw < 1 || kw > gv::MAX_KW || stages < 1 || !xq) return -1;
     ga = {W, row_bytes, N, K, nullptr, 0, y, accumulate, ldy, (const uint4*)xq};
     g_stages = stages;
-    const unsigned blocks = (unsigned)((N + 15) / 16);
-    const std::vector<unsigned> order = sim::block_order(blocks, order_seed);
-    int errors = 0;
-    sim::gdim = {blocks, 1, 1};
-    sim::bdim = {32u * (unsigned)kw, 1, 1};
-    for (unsigned b : order) {
-        sim::bid = {b, 0, 0};
-        std::memset(gv_smem, 0xA5, sizeof(gv_smem));
-        errors += simb::run_block(32 * kw, g_body);
-    }
-    return errors;
+    return run_blocks((unsigned)((N + 15) / 16), kw, order_seed);
 }
 
 // pack_x_kernel: blocks of 64 threads (fibers: put_q16 shuffles between unit partners); q16: also the gemv staging
