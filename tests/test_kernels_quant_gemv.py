@@ -329,7 +329,8 @@ def test_split_k_auto_at_27b_shapes(qtype: int, shape: tuple[int, int], monkeypa
 
 
 RING_SHAPES = [(qm.Q4_K, (17408, 5120)), (qm.Q4_K, (5120, 17408)), (qm.Q6_K, (5120, 17408)), (qm.Q6_K, (77, 768)),
-               (qm.Q8_0, (1040, 1280)), (qm.Q4_K, (48, 5120))]
+               (qm.Q8_0, (1040, 1280)), (qm.Q4_K, (48, 5120)),
+               (qm.Q6_K, (65536, 512))]   # tall: the default launch takes RING_TALL_SHAPE (as the LM head)
 
 
 @pytest.mark.parametrize("qtype,shape", RING_SHAPES, ids=str)
