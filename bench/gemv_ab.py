@@ -4,12 +4,13 @@ several warps x stages) and in the synthetic model's decode step and a width-23 
 ring, and ring with programmatic dependent launch, interleaved, by switching quant_gemv.RING_UP_TO and SPECSPLIT_PDL).
 Prints ratios and the fraction of the copy bandwidth each reaches.
 
-    python3 bench/gemv_ab.py [--no-matrices] [--widths 2,3,4,8] [--model PATH [--step-ab ring|small]]
+    python3 bench/gemv_ab.py [--no-matrices] [--widths 2,3,4,8] [--model PATH [--step-ab ring|small|stack]]
                              [--context 512] [--json out.json]
 
 --widths: per matrix and width, the ring against v2 and the per-tile gemv (x packed with its int16 staging).
 --step-ab small: the step at 2 / 3 / 4 tokens with the ring taking the K-quant products up to 3 tokens (and the packs
-writing the staging there) against v2 from two tokens.
+writing the staging there) against v2 from two tokens. --step-ab stack: a mixed-type stack's products one after
+another against its later runs on a side stream (services/engine/backend.py, STACK_CONCURRENT) at 1 / 2 / 3 tokens.
 """
 
 from __future__ import annotations
@@ -115,13 +116,17 @@ def per_width(cupy, qm, qg, widths: list[int], copy_gbps: float) -> list[dict]:
     return rows
 
 
-# Step A/Bs: (name, RING_UP_TO, Q16_TOKENS, SPECSPLIT_PDL) per mode, the widths they run at, and the ratios printed
+# Step A/Bs: (name, RING_UP_TO, Q16_TOKENS, SPECSPLIT_PDL, backend.STACK_CONCURRENT) per mode, the widths they run
+# at, and the ratios printed
 ONE = {8: 1, 12: 1, 14: 1}
 SMALL = {8: 1, 12: 3, 14: 3}
 STEP_ABS = {
-    "ring": ([("tile", {}, 1, "off"), ("ring", ONE, 1, "off"), ("ring+pdl", ONE, 1, "capture")], (1, 23),
-             [("ring", "tile"), ("ring+pdl", "ring")]),
-    "small": ([("v2", ONE, 1, "capture"), ("ring", SMALL, 3, "capture")], (2, 3, 4), [("ring", "v2")]),
+    "ring": ([("tile", {}, 1, "off", False), ("ring", ONE, 1, "off", False), ("ring+pdl", ONE, 1, "capture", False)],
+             (1, 23), [("ring", "tile"), ("ring+pdl", "ring")]),
+    "small": ([("v2", ONE, 1, "capture", False), ("ring", SMALL, 3, "capture", False)], (2, 3, 4),
+              [("ring", "v2")]),
+    "stack": ([("sequential", SMALL, 3, "capture", False), ("concurrent", SMALL, 3, "capture", True)], (1, 2, 3),
+              [("concurrent", "sequential")]),
 }
 
 
@@ -137,7 +142,10 @@ def step(cupy, qm, qg, path: str, context: int, ab: str = "ring") -> list[dict]:
     t0 = time.time()
     model, state, rng = model_at_context(path, context)
     print(f"step: loaded {path} and its context in {time.time() - t0:.0f} s", flush=True)
+    from services.engine import backend
+
     shipped, q16_shipped, pdl_env = dict(qg.RING_UP_TO), qm.Q16_TOKENS, os.environ.get(loader.PDL_ENV)
+    stack_shipped = backend.STACK_CONCURRENT
     rows = []
     try:
         for width in widths:
@@ -145,7 +153,8 @@ def step(cupy, qm, qg, path: str, context: int, ab: str = "ring") -> list[dict]:
             par = tree_parents(width) if width > 1 else None
             res: dict[str, list[float]] = {}
             for _rep in range(3):
-                for how, up_to, q16_tokens, pdl in modes:
+                for how, up_to, q16_tokens, pdl, concurrent in modes:
+                    backend.STACK_CONCURRENT = concurrent
                     qg.RING_UP_TO.clear()
                     qg.RING_UP_TO.update(up_to)
                     qm.Q16_TOKENS = q16_tokens
@@ -172,6 +181,7 @@ def step(cupy, qm, qg, path: str, context: int, ab: str = "ring") -> list[dict]:
         qg.RING_UP_TO.clear()
         qg.RING_UP_TO.update(shipped)
         qm.Q16_TOKENS = q16_shipped
+        backend.STACK_CONCURRENT = stack_shipped
         if pdl_env is None:
             os.environ.pop(loader.PDL_ENV, None)
         else:

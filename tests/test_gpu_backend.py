@@ -617,3 +617,53 @@ def test_mixed_type_stack_equals_separate_products(tokens):
     host = cupy.asnumpy(wide)
     assert rel_error(host[:, 8:8 + stack.shape[0]], y) < 1e-5
     assert (host[:, :8] == 7.25).all() and (host[:, 8 + stack.shape[0]:] == 7.25).all()
+
+
+@needs_gpu
+@pytest.mark.parametrize("tokens", [1, 3])
+def test_mixed_type_stack_in_a_graph_runs_later_products_on_a_side_stream(tokens, monkeypatch):
+    """Captured into a CUDA graph, a stack whose runs are all gemv ring launches puts its later runs on a side stream
+    (a fork and a join in the graph): replays on new inputs equal eager products of the same inputs bit for bit."""
+    import cupy
+
+    from kernels import quant_matmul as qm
+    from services.engine import backend as B
+    from tests.quant_twins import random_weights
+
+    rng = np.random.default_rng(40 + tokens)
+    k = 1024
+    raws = [(qm.Q6_K, random_weights(qm.Q6_K, 96, k, rng), 96), (qm.Q4_K, random_weights(qm.Q4_K, 160, k, rng), 160)]
+    stack = B.CupyBackend().stack([B.GpuMatrix(q, raw, (n, k), f"m{i}") for i, (q, raw, n) in enumerate(raws)])
+    assert isinstance(stack, B.GpuStack) and len(stack.mats) == 2
+    stack.upload()
+    sides = []
+    real = B.GpuStack._side_stream
+    monkeypatch.setattr(B.GpuStack, "_side_stream", lambda self, cp, px: sides.append(real(self, cp, px)) or sides[-1])
+    x = cupy.zeros((tokens, k), cupy.float32)
+    y = cupy.zeros((tokens, stack.shape[0]), cupy.float32)
+    keep = []
+
+    def step():
+        px = qm.pack_activations(x)
+        stack.matmul(px, out=y)
+        keep.append(px)     # the pack's buffers live as long as the graph
+
+    stream = cupy.cuda.Stream(non_blocking=True)
+    with stream:
+        step()              # eager: makes the device's side stream
+        stream.synchronize()
+        assert sides[-1] is None
+        stream.begin_capture()
+        step()
+        graph = stream.end_capture()
+    assert sides[-1] is not None, "the capture ran the stack's later run on the side stream"
+    for _ in range(3):
+        x0 = cupy.asarray((rng.standard_normal((tokens, k)) * 0.5).astype(np.float32))
+        cupy.cuda.Device().synchronize()
+        with stream:
+            x[...] = x0
+            graph.launch(stream)
+            stream.synchronize()
+        got = cupy.asnumpy(y)
+        want = cupy.asnumpy(stack.matmul(qm.pack_activations(x0)))
+        assert np.array_equal(got, want)

@@ -110,6 +110,11 @@ def _concat(mats: list[GpuMatrix]) -> GpuMatrix:
                      fallback=any(m.fallback for m in mats))
 
 
+# GpuStack: while a step is captured, run a stack's later products on a side stream (see GpuStack._side_stream)
+STACK_CONCURRENT = True
+_side_streams: dict[int, Any] = {}
+
+
 class GpuStack:
     """Matrices reading one input whose storage types differ: outputs side by side, one product per run of
     consecutive members that share a storage type and in-width.
@@ -154,12 +159,49 @@ class GpuStack:
         if accumulate and out is None:
             raise ValueError(f"{self.name}: accumulate=True adds into `out`, which is missing")
         y = out if out is not None else cupy.empty((tokens, self.shape[0]), cupy.float32)
-        col = 0
+        cols, col = [], 0
         for m in self.mats:
-            n = m.shape[0]
-            m.matmul(packed, out=y[:, col:col + n], accumulate=accumulate)  # into its columns: no copy after
-            col += n
+            cols.append((m, y[:, col:col + m.shape[0]]))   # each run into its columns: no copy after
+            col += m.shape[0]
+        side = self._side_stream(cupy, packed)
+        if side is None:
+            for m, o in cols:
+                m.matmul(packed, out=o, accumulate=accumulate)
+            return y
+        # captured into a graph: the later runs on a side stream, so their blocks fill what the first run's last
+        # wave leaves idle (a fork and a join in the graph)
+        main = cupy.cuda.get_current_stream()
+        fork, join = cupy.cuda.Event(disable_timing=True), cupy.cuda.Event(disable_timing=True)
+        fork.record(main)
+        side.wait_event(fork)
+        with side:
+            for m, o in cols[1:]:
+                m.matmul(packed, out=o, accumulate=accumulate)
+            join.record(side)
+        cols[0][0].matmul(packed, out=cols[0][1], accumulate=accumulate)
+        main.wait_event(join)
         return y
+
+    def _side_stream(self, cupy: Any, packed: Any) -> Any:
+        """The stream the later runs go to, or None (one after another on the current stream): only while a CUDA
+        graph is captured (STACK_CONCURRENT), only when every run is a gemv ring launch (no scratch, no allocation
+        on the side stream: what the memory plan counts per stream stays as it is), and only once the device's side
+        stream exists (made by an eager pass: stream creation stays out of captures)."""
+        from kernels import quant_gemv
+        from kernels.quant_matmul import PackedX
+
+        if len(self.mats) < 2 or not STACK_CONCURRENT or not isinstance(packed, PackedX):
+            return None
+        dev = int(cupy.cuda.Device().id)
+        main = cupy.cuda.get_current_stream()
+        if not main.is_capturing():
+            if dev not in _side_streams:
+                _side_streams[dev] = cupy.cuda.Stream(non_blocking=True)
+            return None
+        side = _side_streams.get(dev)
+        rings = all(quant_gemv.prefer_ring(m.qtype, packed.tokens)
+                    and quant_gemv.ring_usable(m.qtype, m.shape[1], packed) for m in self.mats)
+        return side if rings else None
 
 
 class GpuEmbedding:
