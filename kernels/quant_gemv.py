@@ -222,7 +222,8 @@ def ring_function(qtype: int, tokens: int, portable: bool = False) -> Any:
     if not 1 <= tokens <= MAX_TOKENS:
         raise ValueError(f"gemv takes 1..{MAX_TOKENS} tokens, not {tokens}")
     defines = _defines(portable)
-    fn = loader.get_function(SOURCE, f"gemv_ring_kernel<{qtype}, {tokens}>", defines, pdl=True)
+    # PDL only where the grid dependency wait is compiled in (kernels/pdl.cuh: not on the portable path)
+    fn = loader.get_function(SOURCE, f"gemv_ring_kernel<{qtype}, {tokens}>", defines, pdl=not portable)
     key = ("ring", qtype, tokens, defines, qm._device_id())
     if key not in _configured:
         fn.max_dynamic_shared_size_bytes = SMEM_LIMIT

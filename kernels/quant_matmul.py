@@ -230,8 +230,10 @@ def qmv_function(qtype: int, n_tiles: int, m_tiles: int, smem: int, portable: bo
 # staging (PackedX.q16): their consumer, the gemv ring kernel, requests its first weights before it waits for them.
 # H100, 27B decode step (bench/gemv_ab.py): 8.16 -> 7.92 ms. Not for wider packs: there the step got 0.8 % slower, and
 # 2.8 % (width 1) / 9.6 % (width 23) slower with every kernel of the step launched that way.
+# (never with `portable`: that build compiles the grid dependency wait out, kernels/pdl.cuh)
 def pack_function(in_f32: bool, portable: bool = False, pdl: bool = False) -> Any:
-    return loader.get_function(SOURCE, f"pack_x_kernel<{1 if in_f32 else 0}>", _defines(portable), pdl=pdl)
+    return loader.get_function(SOURCE, f"pack_x_kernel<{1 if in_f32 else 0}>", _defines(portable),
+                               pdl=pdl and not portable)
 
 
 def warmup(
@@ -311,7 +313,7 @@ def pack_rms_function(in_f32: bool, residual: bool, gate: bool, portable: bool =
     will use (opted into once above the 48 KiB default); pdl: as pack_function."""
     defines = _defines(portable)
     fn = loader.get_function(SOURCE, f"pack_rms_kernel<{int(in_f32)}, {int(residual)}, {int(gate)}>", defines,
-                             pdl=pdl)
+                             pdl=pdl and not portable)
     key = ("pack_rms", int(in_f32), int(residual), int(gate), defines, _device_id())
     if smem > 48 * 1024 and _smem_configured_max.get(key, 0) < smem:
         want = SMEM_LIMIT - PACK_RMS_STATIC_SMEM  # static + dynamic must fit the block's limit
@@ -321,7 +323,8 @@ def pack_rms_function(in_f32: bool, residual: bool, gate: bool, portable: bool =
 
 
 def pack_silu_function(in_f32: bool, portable: bool = False, pdl: bool = False) -> Any:
-    return loader.get_function(SOURCE, f"pack_silu_kernel<{int(in_f32)}>", _defines(portable), pdl=pdl)
+    return loader.get_function(SOURCE, f"pack_silu_kernel<{int(in_f32)}>", _defines(portable),
+                               pdl=pdl and not portable)
 
 
 def _rows_2d(a: Any, name: str) -> Any:
