@@ -74,7 +74,7 @@ def _pdl_kernels() -> dict[str, set[str]]:
                 name = re.search(r'f?"(\w+)<', call.group(0))
                 assert src and name, f"{py.name}: cannot read {call.group(0)!r}"
                 # the portable build compiles the wait out (pdl.cuh): such a launch must never take PDL
-                assert "not portable" in call.group(0), f"{py.name}: {call.group(0)!r} may launch a portable build early"
+                assert "not portable" in call.group(0), f"{py.name}: {call.group(0)!r} may launch a portable build"
                 found.setdefault(src.group(1), set()).add(name.group(1))
     return found
 
