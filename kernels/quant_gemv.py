@@ -4,7 +4,9 @@ The same uploaded weights as the v2 kernel (`quant_matmul.device_layout`) and th
 `QuantMatrix.matmul` picks this kernel for narrow inputs and v2 above (`prefer_gemv`); `gemv(W, packed, out)` is
 the launcher. One thread block per 16-row tile; or (persistent variant, `GemvConfig(persistent=True)` or
 `PERSISTENT_UP_TO`) a few blocks per SM each walking tiles; or (split-K variant, `GemvConfig(splits=S)` or
-`choose_split`) S blocks per tile for matrices of few tiles. K is split among a block's warps (and blocks) and added
+`choose_split`) S blocks per tile for matrices of few tiles; or (ring variant, the default for the quantized types up
+to `RING_UP_TO` tokens when the pack wrote x's int16 staging) one block per tile whose warps stream their chunks
+through rings of bulk copies. K is split among a block's warps (and blocks) and added
 in warp order: deterministic. Quantized weights: int16 x (one scale per 16 values) times the exact quants in integer
 dp2a, scales and offsets in fp32; F16: fp32 FMAs. NumPy twin: services.engine.quants.dequantize. Design and numbers:
 docs/gpu_quant_matmul.md ("gemv").
@@ -54,12 +56,6 @@ PREFETCH = 1
 # (Q8_0 ffn_down 46.6 -> 41.9 us, Q6_K 53.0 -> 42.5), but there the Q4_K / Q6_K products run on v2 (CROSSOVER) and
 # the rule below keeps the per-tile kernel (its 8 warps per block fill the SMs).
 SPLIT_UP_TO: dict[int, int] = {}
-# choose_split's knobs. The per-tile kernel keeps a matrix of at least one tile per SM whose warps run fewer than
-# SPLIT_MIN_TILE_CHUNKS chunks each (5120x6144: 6; the split's arrival protocol, a fence, an atomic and a second L2
-# round trip, costs more than it saves) or whose blocks fill at least SPLIT_FILL of the warps the SMs can hold
-# (registers decide: ~17 warps of 117-128 registers). Otherwise S splits x KW warps per block (KW from SPLIT_WARPS)
-# so that tiles x S blocks make as many warps as fit in SPLIT_WAVES waves, each warp keeping at least SPLIT_MIN_CHUNKS
-# chunks of 256 values.
 # Ring variant (gemv_ring_kernel): widest T for which gemv() launches it, per quantized storage type, when the pack
 # wrote x's int16 staging (PackedX.q16: up to quant_matmul.Q16_TOKENS tokens) and K is a multiple of 256; prefer_gemv
 # then takes it over v2 too. RING_STAGES slots per warp, each a chunk's weights and x, kept in flight by bulk copies on
@@ -74,6 +70,12 @@ MAX_RING_STAGES = 32  # the kernel keeps one parity bit per slot in a 32-bit wor
 # token, 248320x5120 Q6_K: 4 warps x 2 stages 351.6 us (the per-tile kernel 348.3), 8 x 3 341.0 (0.97x).
 RING_TALL_TILES = 4096
 RING_TALL_SHAPE = (8, 3)  # (k_warps, stages)
+# choose_split's knobs. The per-tile kernel keeps a matrix of at least one tile per SM whose warps run fewer than
+# SPLIT_MIN_TILE_CHUNKS chunks each (5120x6144: 6; the split's arrival protocol, a fence, an atomic and a second L2
+# round trip, costs more than it saves) or whose blocks fill at least SPLIT_FILL of the warps the SMs can hold
+# (registers decide: ~17 warps of 117-128 registers). Otherwise S splits x KW warps per block (KW from SPLIT_WARPS)
+# so that tiles x S blocks make as many warps as fit in SPLIT_WAVES waves, each warp keeping at least SPLIT_MIN_CHUNKS
+# chunks of 256 values.
 SPLIT_FILL = 0.75
 SPLIT_MIN_TILE_CHUNKS = 8
 SPLIT_WARPS = (4, 2)
