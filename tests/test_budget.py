@@ -180,3 +180,26 @@ def test_preferred_widths_limit_the_choice():
     ids, lp = _random_top(rng)
     small = build_ddtree(ids, lp, 5, True)                  # narrower than every width but 2: whole or one node
     assert bucketed.choose(small) in (1, len(small))
+
+
+def test_measure_keeps_trees_within_the_preferred_widths(monkeypatch):
+    """A GPU model's graph buckets end at 64 tokens: the tuner is measured and chooses within them (a 65-token
+    verify would run as eager chunks, ~20x the time), whatever budget the caller allows."""
+    from services.engine import budget as B
+
+    seen = {}
+
+    def fake_costs(target, widths):
+        seen["widths"] = tuple(widths)
+        return {w: 1e-3 * (1 + w / 64) for w in widths}
+
+    monkeypatch.setattr(B, "measure_verify_costs", fake_costs)
+    monkeypatch.setattr(B, "measure_plain_step", lambda target: 1e-3)
+
+    class GpuLike:
+        verify_widths = (2, 4, 8, 12, 16, 20, 24, 32, 48, 64)
+
+    t = BudgetTuner.measure(GpuLike(), max_budget=64)
+    assert t.max_budget == 63 and max(seen["widths"]) == 64 and t.widths == GpuLike.verify_widths
+    t = BudgetTuner.measure(object(), max_budget=64)          # no preferred widths: as asked
+    assert t.max_budget == 64 and max(seen["widths"]) == 65 and t.widths is None
