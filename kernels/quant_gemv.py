@@ -136,15 +136,20 @@ def ring_shape(qtype: int, n_out: int, k: int, tokens: int, sms: int) -> tuple[i
     return choose_k_warps(qtype, n_out, k, tokens, sms), RING_STAGES
 
 
-def ring_usable(qtype: int, k: int, packed: Any) -> bool:
+def ring_usable(qtype: int, k: int, q16: bool) -> bool:
     """Whether the ring kernel can take this product: a quantized type, K a multiple of 256 (no tail chunk) and x's
-    int16 staging written by the pack (it copies it, it never quantizes x itself)."""
-    return int(qtype) in _INT and k % CHUNK == 0 and getattr(packed, "q16", None) is not None
+    int16 staging written by the pack (q16: PackedX.q16 is there; the ring copies it, it never quantizes x itself)."""
+    return bool(q16) and int(qtype) in _INT and k % CHUNK == 0
 
 
 def prefer_ring(qtype: int, tokens: int) -> bool:
     """gemv()'s default for a product the ring can take: up to RING_UP_TO[qtype] tokens."""
     return tokens <= RING_UP_TO.get(int(qtype), 0)
+
+
+def ring_takes(qtype: int, k: int, tokens: int, q16: bool) -> bool:
+    """Whether gemv() launches the ring for this product by default (prefer_ring and ring_usable)."""
+    return prefer_ring(qtype, tokens) and ring_usable(qtype, k, q16)
 
 
 def split_chunks(k: int, splits: int) -> int:
@@ -168,9 +173,7 @@ def fits(qtype: int, k: int, tokens: int) -> bool:
 def prefer_gemv(qtype: int, k: int, tokens: int, q16: bool = False) -> bool:
     """matmul()'s choice for a matrix in the v2 layout: this kernel up to the measured crossover width, or, when x
     comes with its int16 staging (q16: PackedX.q16), up to the ring variant's (RING_UP_TO, K a multiple of 256)."""
-    if q16 and k % CHUNK == 0 and int(qtype) in _INT and prefer_ring(qtype, tokens):
-        return True
-    return tokens <= CROSSOVER.get(int(qtype), 0) and fits(qtype, k, tokens)
+    return ring_takes(qtype, k, tokens, q16) or (tokens <= CROSSOVER.get(int(qtype), 0) and fits(qtype, k, tokens))
 
 
 def prefer_persistent(qtype: int, tokens: int) -> bool:
@@ -364,8 +367,8 @@ def gemv(
         raise ValueError(f"splits must be 0..{MAX_SPLITS}, not {cfg.splits}")
     if persistent and cfg.splits > 1:
         raise ValueError(f"{W.name}: the persistent and the split-K gemv variants are exclusive")
-    if cfg.ring or (cfg.ring is None and not persistent and cfg.splits <= 1 and prefer_ring(W.qtype, tokens)
-                    and ring_usable(W.qtype, k, packed)):
+    if cfg.ring or (cfg.ring is None and not persistent and cfg.splits <= 1
+                    and ring_takes(W.qtype, k, tokens, packed.q16 is not None)):
         if persistent or cfg.splits > 1:
             raise ValueError(f"{W.name}: the ring gemv variant excludes the persistent and the split-K ones")
         return _launch_ring(W, packed, out, accumulate, cfg, portable)
@@ -401,7 +404,7 @@ def gemv(
 def _launch_ring(W: Any, packed: Any, out: Any, accumulate: bool, cfg: GemvConfig, portable: bool) -> Any:
     n_out, k = W.shape
     tokens = packed.tokens
-    if not ring_usable(W.qtype, k, packed):
+    if not ring_usable(W.qtype, k, packed.q16 is not None):
         raise ValueError(f"{W.name}: the ring gemv variant takes Q8_0, Q4_K or Q6_K with K a multiple of {CHUNK} and "
                          f"x packed with its int16 staging (PackedX.q16); got {W.type_name}, K = {k}")
     kw_auto, stages_auto = ring_shape(W.qtype, n_out, k, tokens, qm.sm_count())

@@ -334,14 +334,10 @@ def test_ring_shared_memory_and_choice() -> None:
     assert qg.ring_shape(Q6_K, 248320, 5120, 1, 132) == qg.RING_TALL_SHAPE
     assert qg.ring_shape(Q4_K, 34816, 5120, 1, 132) == (qg.choose_k_warps(Q4_K, 34816, 5120, 1, 132), qg.RING_STAGES)
 
-    class Packed:
-        def __init__(self, q16):
-            self.q16 = q16
-
-    assert qg.ring_usable(Q4_K, 5120, Packed(object()))
-    assert not qg.ring_usable(Q4_K, 5120, Packed(None))  # the pack wrote no staging
-    assert not qg.ring_usable(Q8_0, 5120 + 32, Packed(object()))  # a tail chunk
-    assert not qg.ring_usable(F16, 5120, Packed(object()))
+    assert qg.ring_usable(Q4_K, 5120, True)
+    assert not qg.ring_usable(Q4_K, 5120, False)  # the pack wrote no staging
+    assert not qg.ring_usable(Q8_0, 5120 + 32, True)  # a tail chunk
+    assert not qg.ring_usable(F16, 5120, True)
     for qtype in (Q8_0, Q4_K, Q6_K):
         assert qg.prefer_ring(qtype, 1) == (qg.RING_UP_TO.get(qtype, 0) >= 1)
         assert not qg.prefer_ring(qtype, qg.MAX_TOKENS + 1)

@@ -199,8 +199,8 @@ class GpuStack:
                 _side_streams[dev] = cupy.cuda.Stream(non_blocking=True)
             return None
         side = _side_streams.get(dev)
-        rings = all(quant_gemv.prefer_ring(m.qtype, packed.tokens)
-                    and quant_gemv.ring_usable(m.qtype, m.shape[1], packed) for m in self.mats)
+        rings = all(quant_gemv.ring_takes(m.qtype, m.shape[1], packed.tokens, packed.q16 is not None)
+                    for m in self.mats)
         return side if rings else None
 
 
