@@ -948,9 +948,7 @@ def plan_drafter_service(model: str, draft: str, device: Device, sessions: int, 
     p = plan(ctx)
     if p.fits:
         return p, d
-    steps = ctx // CTX_STEP
-    k = _largest(1, steps, lambda k: plan(k * CTX_STEP).fits) if steps >= 1 else None
-    fit = k * CTX_STEP if k else None
+    fit = _largest_ctx(ctx, lambda c: plan(c).fits)
     if max_ctx is None and fit is not None and fit >= min(MIN_AUTO_CTX, ctx):
         shrunk = plan(fit)
         shrunk.shrunk_from = ctx
@@ -960,10 +958,7 @@ def plan_drafter_service(model: str, draft: str, device: Device, sessions: int, 
         n = _largest(1, sessions - 1, lambda n: plan(ctx, n).fits)
         if n is not None:
             fixes.append(f"--max-sessions {n}")
-    dp = p.devices[0]
-    need = (f"{dp.device} needs {_gib(dp.total)} but has {_gib(dp.free)} free ("
-            + ", ".join(f"{i.name} {_gib(i.bytes)}" for i in sorted(dp.items, key=lambda i: -i.bytes)[:4]) + ")")
-    head = f"the drafter does not fit in memory with {sessions} session(s) of max_ctx {ctx}: {need}"
+    head = f"the drafter does not fit in memory with {sessions} session(s) of max_ctx {ctx}: {_need_text(p.devices[0])}"
     if fixes:
         raise MemoryPlanError(f"{head}. Any one of these fits: {'; '.join(fixes)}")
     raise MemoryPlanError(f"{head}. No smaller context or session count fits: run the drafter on the CPU "
@@ -977,6 +972,22 @@ _KV_ORDER = ("f32", "f16", "q8_0", "tq3_0")    # dearest first
 
 def _cheaper(current: str, t: str) -> str:
     return t if _KV_ORDER.index(t) > _KV_ORDER.index(current) else current
+
+
+def _largest_ctx(ctx: int, fits) -> int | None:
+    """The largest context below `ctx` with fits(c): a multiple of CTX_STEP (a context to suggest), else any."""
+    steps = ctx // CTX_STEP
+    k = _largest(1, steps, lambda k: fits(k * CTX_STEP)) if steps >= 1 else None
+    if k:
+        return k * CTX_STEP
+    return _largest(1, ctx - 1, fits) if ctx > 1 else None
+
+
+def _need_text(d: DevicePlan) -> str:
+    """'cuda:0 needs X but has Y free (its four largest items)' for a refusal."""
+    big = sorted(d.items, key=lambda i: -i.bytes)[:4]
+    return (f"{d.device} needs {_gib(d.total)} but has {_gib(d.free)} free ("
+            + ", ".join(f"{i.name} {_gib(i.bytes)}" for i in big) + ")")
 
 
 def _largest(lo: int, hi: int, ok) -> int | None:
@@ -1011,11 +1022,7 @@ def plan_memory(cfg: ModelConfig, weights: WeightBytes, s: PlanSettings, drafter
     def fits(**kw) -> bool:
         return build_plan(cfg, weights, replace(s, **kw), drafter, free, sms).fits
 
-    steps = s.max_ctx // CTX_STEP
-    ctx_steps = _largest(1, steps, lambda k: fits(max_ctx=k * CTX_STEP)) if steps >= 1 else None
-    ctx_fit = ctx_steps * CTX_STEP if ctx_steps else None
-    if ctx_fit is None and s.max_ctx > 1:
-        ctx_fit = _largest(1, s.max_ctx - 1, lambda c: fits(max_ctx=c))
+    ctx_fit = _largest_ctx(s.max_ctx, lambda c: fits(max_ctx=c))
     if shrink_ctx and ctx_fit is not None and ctx_fit >= min(MIN_AUTO_CTX, s.max_ctx):
         shrunk = build_plan(cfg, weights, replace(s, max_ctx=ctx_fit), drafter, free, sms)
         shrunk.shrunk_from = s.max_ctx
@@ -1035,11 +1042,7 @@ def plan_memory(cfg: ModelConfig, weights: WeightBytes, s: PlanSettings, drafter
             break
     if s.slots > 1 and fits(slots=1):
         fixes.append("--slots 1")
-    bad = [d for d in plan.devices if not d.fits]
-    need = "; ".join(
-        f"{d.device} needs {_gib(d.total)} but has {_gib(d.free)} free ("
-        + ", ".join(f"{i.name} {_gib(i.bytes)}" for i in sorted(d.items, key=lambda i: -i.bytes)[:4]) + ")"
-        for d in bad)
+    need = "; ".join(_need_text(d) for d in plan.devices if not d.fits)
     budget = "chain" if s.budget is None else s.budget
     head = (f"the model does not fit in memory at max_ctx {s.max_ctx}, budget {budget}, "
             f"KV {s.cache_type_k}/{s.cache_type_v}, {s.slots} slot(s): {need}")
