@@ -144,12 +144,12 @@ class DrafterServicer(pb_grpc.DrafterServicer):
     """Serves one loaded DFlashDrafter to at most `max_sessions` concurrent Draft streams."""
 
     def __init__(self, max_sessions: int = 16, executor: concurrent.futures.Executor | None = None,
-                 backend: str = "numpy", device_top_k: int = 0):
+                 backend: str = "numpy"):
         if max_sessions < 1:
             raise ValueError(f"max_sessions must be >= 1, got {max_sessions}")
         self.max_sessions = max_sessions
         self.backend = backend
-        self.device_top_k = device_top_k     # largest top_k a GPU drafter computes on the device (attach)
+        self.device_top_k = 0                # largest top_k a GPU drafter computes on the device (attach)
         self.drafter: Any = None             # set by attach() once loaded
         self.active = 0
         self.stats = DrafterStats()

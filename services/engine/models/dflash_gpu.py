@@ -182,9 +182,11 @@ class DFlashGpuDrafter:
         if backend is None:
             backend = tbe if isinstance(tbe, CupyBackend) else CupyBackend()
         if isinstance(tbe, CupyBackend) and tbe.device != backend.device:
-            raise NotImplementedError(
-                f"a GPU drafter on cuda:{backend.device} with its target on cuda:{tbe.device} is not supported yet "
-                "(the drafter shares the target's token table and LM head: put both on one device)")
+            # in-process, a drafter and its GPU target share one device (the token table and LM head are the
+            # target's); a drafter on a GPU of its own runs as the drafter service (placement.check_devices says so)
+            raise ValueError(
+                f"a GPU drafter on cuda:{backend.device} with its target on cuda:{tbe.device} in one process: put both "
+                f"on one device, or run the drafter service there (`specsplit drafter --device cuda:{backend.device}`)")
         self.cfg, self.target, self.be, self.source = cfg, target, backend, source
         self.xp = backend.xp
         self.target_layer_ids: list[int] = list(cfg.target_layer_ids)
