@@ -1,7 +1,9 @@
 #!/bin/bash
-# One GPU-machine call for programmatic dependent launch (kernels/pdl.cuh) on the one-token path: the PDL and gemv GPU
-# tests plus the GPU engine tests against NumPy, then bench/gemv_ab.py on the synthetic Qwen3.6-27B Q4_K_M (decode step
-# and a width-23 verify: per-tile, ring, ring + PDL) and bench/decode.py. Logs and JSON under $OUT (default ./out).
+# One GPU-machine call for the gemv ring kernel and programmatic dependent launch (kernels/pdl.cuh): the PDL and gemv
+# GPU tests plus the GPU engine tests against NumPy, bench/gemv_ab.py per matrix (ring shapes against the per-tile
+# kernel) and on the synthetic Qwen3.6-27B Q4_K_M (decode step and a width-23 verify: per-tile, ring, ring + PDL), then
+# bench/decode.py. Logs and JSON under $OUT (default ./out). (Session 7 ran its two halves as gpu_ring_run.sh and
+# gpu_pdl_run.sh.)
 set -o pipefail
 OUT=${OUT:-out}
 mkdir -p "$OUT"
@@ -12,6 +14,7 @@ timeout 170 python3 -m pytest -q -x -rA -p no:cacheprovider tests/test_pdl.py te
     tests/test_gpu_backend.py > $OUT/tests.log 2>&1
 echo "tests rc $? $(( $(date +%s) - t0 )) s: $(tail -1 $OUT/tests.log)"
 grep -E "^(FAILED|ERROR)" $OUT/tests.log | head
+timeout 200 python3 bench/gemv_ab.py --json $OUT/ring_matrices.json 2>&1 | tee $OUT/ring_matrices.log | grep "^gemv"
 wait
 M=$(ls /tmp/syn/*q4_k_m*.gguf | grep -v draft | head -1); D=$(ls /tmp/syn/*draft*.gguf | head -1)
 timeout 160 python3 bench/gemv_ab.py --no-matrices --model $M --json $OUT/ring_step.json 2>&1 | tee $OUT/ring_step.log | tail -2
