@@ -4,13 +4,15 @@ several warps x stages) and in the synthetic model's decode step and a width-23 
 ring, and ring with programmatic dependent launch, interleaved, by switching quant_gemv.RING_UP_TO and SPECSPLIT_PDL).
 Prints ratios and the fraction of the copy bandwidth each reaches.
 
-    python3 bench/gemv_ab.py [--no-matrices] [--widths 2,3,4,8] [--model PATH [--step-ab ring|small|stack]]
+    python3 bench/gemv_ab.py [--no-matrices] [--widths 2,3,4,8] [--model PATH [--step-ab ring|small|stack|wide]]
                              [--context 512] [--json out.json]
 
 --widths: per matrix and width, the ring against v2 and the per-tile gemv (x packed with its int16 staging).
 --step-ab small: the step at 2 / 3 / 4 tokens with the ring taking the K-quant products up to 3 tokens (and the packs
 writing the staging there) against v2 from two tokens. --step-ab stack: a mixed-type stack's products one after
 another against its later runs on a side stream (services/engine/backend.py, STACK_CONCURRENT) at 1 / 2 / 3 tokens.
+--step-ab wide: verify steps of 16 / 20 / 23 tokens with the wide kernel from 17 tokens on the K-quant matrices
+against the shipped crossover (quant_wide.CROSSOVER: v2 up to 24 tokens).
 """
 
 from __future__ import annotations
@@ -116,8 +118,8 @@ def per_width(cupy, qm, qg, widths: list[int], copy_gbps: float) -> list[dict]:
     return rows
 
 
-# Step A/Bs: (name, RING_UP_TO, Q16_TOKENS, SPECSPLIT_PDL, backend.STACK_CONCURRENT) per mode, the widths they run
-# at, and the ratios printed
+# Step A/Bs: (name, RING_UP_TO, Q16_TOKENS, SPECSPLIT_PDL, backend.STACK_CONCURRENT or the mode's own flag) per mode,
+# the widths they run at, and the ratios printed
 ONE = {8: 1, 12: 1, 14: 1}
 SMALL = {8: 1, 12: 3, 14: 3}
 STEP_ABS = {
@@ -127,6 +129,9 @@ STEP_ABS = {
               [("ring", "v2")]),
     "stack": ([("sequential", SMALL, 3, "capture", False), ("concurrent", SMALL, 3, "capture", True)], (1, 2, 3),
               [("concurrent", "sequential")]),
+    # the 5th field: the wide kernel from 17 tokens on every K-quant matrix (quant_wide.CROSSOVER) instead of 25
+    "wide": ([("v2 to 24", SMALL, 3, "capture", False), ("wide from 17", SMALL, 3, "capture", True)], (16, 20, 23),
+             [("wide from 17", "v2 to 24")]),
 }
 
 
@@ -142,10 +147,11 @@ def step(cupy, qm, qg, path: str, context: int, ab: str = "ring") -> list[dict]:
     t0 = time.time()
     model, state, rng = model_at_context(path, context)
     print(f"step: loaded {path} and its context in {time.time() - t0:.0f} s", flush=True)
+    from kernels import quant_wide
     from services.engine import backend
 
     shipped, q16_shipped, pdl_env = dict(qg.RING_UP_TO), qm.Q16_TOKENS, os.environ.get(loader.PDL_ENV)
-    stack_shipped = backend.STACK_CONCURRENT
+    stack_shipped, wide_shipped = backend.STACK_CONCURRENT, dict(quant_wide.CROSSOVER)
     rows = []
     try:
         for width in widths:
@@ -153,8 +159,13 @@ def step(cupy, qm, qg, path: str, context: int, ab: str = "ring") -> list[dict]:
             par = tree_parents(width) if width > 1 else None
             res: dict[str, list[float]] = {}
             for _rep in range(3):
-                for how, up_to, q16_tokens, pdl, concurrent in modes:
-                    backend.STACK_CONCURRENT = concurrent
+                for how, up_to, q16_tokens, pdl, flag in modes:
+                    if ab == "wide":
+                        quant_wide.CROSSOVER.update(wide_shipped)
+                        if flag:
+                            quant_wide.CROSSOVER.update({12: 17, 14: 17})
+                    else:
+                        backend.STACK_CONCURRENT = flag
                     qg.RING_UP_TO.clear()
                     qg.RING_UP_TO.update(up_to)
                     qm.Q16_TOKENS = q16_tokens
@@ -182,6 +193,8 @@ def step(cupy, qm, qg, path: str, context: int, ab: str = "ring") -> list[dict]:
         qg.RING_UP_TO.update(shipped)
         qm.Q16_TOKENS = q16_shipped
         backend.STACK_CONCURRENT = stack_shipped
+        quant_wide.CROSSOVER.clear()
+        quant_wide.CROSSOVER.update(wide_shipped)
         if pdl_env is None:
             os.environ.pop(loader.PDL_ENV, None)
         else:

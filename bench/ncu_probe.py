@@ -2,7 +2,8 @@
 `bash bench/ncu_run.sh` runs this under `ncu` (hardware counters: DRAM throughput, occupancy, warp stalls).
 
 Cases are `TYPE:ROWS:COLS:TOKENS[:KERNEL]`, e.g. `Q4_K:17408:5120:1:gemv`; KERNEL as QuantMatrix.matmul takes it
-(default: its automatic choice). Random weights (bench/roofline.random_matrix), random fp16 x.
+(default: its automatic choice). Random weights (bench/roofline.random_matrix), random fp16 x. `walk:T`: one
+DeltaNet layer's tree walk (gdr_tree_walk_kernel, 27B shapes) over bench/step_profile's tree of T nodes.
 """
 
 from __future__ import annotations
@@ -19,6 +20,28 @@ DEFAULT = [
 ]
 
 
+def walk(cupy, T: int) -> None:
+    """One layer's gdr_tree_walk_kernel at Qwen3.6-27B shapes (16 key heads, 48 value heads, dk = dv = 128)."""
+    import numpy as np
+    from step_profile import tree_parents
+
+    from kernels import deltanet as dn
+
+    hk, hv, d = 16, 48, 128
+    rng = np.random.default_rng(0)
+
+    def rnd(shape, scale=1.0):
+        return cupy.asarray((rng.standard_normal(shape) * scale).astype(np.float32))
+
+    q, k, v = rnd((T, hk * d), 0.09), rnd((T, hk * d), 0.09), rnd((T, hv * d))
+    g, beta = -cupy.abs(rnd((T, hv), 0.5)), cupy.full((T, hv), 0.5, cupy.float32)
+    s0 = rnd((hv, d, d), 0.1)
+    plan = dn.tree_plan(cupy.asarray(np.array(tree_parents(T), np.int32))) if T > 1 else None
+    dn.gated_delta_tree(q, k, v, g, beta, s0, plan=plan)
+    cupy.cuda.Device().synchronize()
+    print(f"case walk:{T}: launched", flush=True)
+
+
 def main(argv: list[str]) -> int:
     from kernels import loader
 
@@ -30,6 +53,9 @@ def main(argv: list[str]) -> int:
     cases = argv or DEFAULT
     names = {"F16": qm.F16, "Q8_0": qm.Q8_0, "Q4_K": qm.Q4_K, "Q6_K": qm.Q6_K}
     for case in cases:
+        if case.startswith("walk:"):
+            walk(cupy, int(case[5:]))
+            continue
         parts = case.split(":")
         qtype, rows, cols, tokens = names[parts[0]], int(parts[1]), int(parts[2]), int(parts[3])
         kernel = parts[4] if len(parts) > 4 else None
