@@ -12,8 +12,9 @@ for every step of its shape: (rows appended, whether a sliding layer's window cu
 S bucket). Attention: kernels.attention over the session's f16 KVCacheLayer (context rows, then the block's rows
 at `start`), mask all-ones (full layers, bidirectional) or causal (sliding layers) - exact while every query's
 window covers the whole context (start + block <= window). Past that, a sliding layer gathers its window's rows
-into a scratch cache (a plain CuPy take, indices from the device start) and runs the same kernel with the rows at
-the window's edge as extra "new tokens" under a per-step mask (_window_attention), still inside the graph.
+into a scratch cache (a CuPy take of 16-byte units, indices from the device start) and runs the same kernel with
+the rows at the window's edge as extra "new tokens" under a per-step mask (_window_attention), still inside the
+graph.
 
 Sessions outlive a request: GpuProposer takes one from the drafter's pool (acquire_session) and returns it on
 close, so a request replays the graphs an earlier one captured (session_pool_size of them kept; the verifier sets
@@ -52,6 +53,16 @@ GRAPHS_PER_SESSION = 64
 # matrices of a layer uploaded as one (q stays apart: the context rows need only k | v); memory_plan.GPU_DRAFTER_STACKS
 STACKS = {"attn_kv": ("attn_k", "attn_v"), "ffn_gate_up": ("ffn_gate", "ffn_up")}
 _ARANGE_APPEND = np.arange(MAX_APPEND, dtype=np.int32)
+
+
+def _row_units(buf: Any, n_heads: int, ctx: int, row_bytes: int) -> Any:
+    """A cache side's bytes as [heads, ctx, units] of the widest element (16, 8, 4, 2 or 1 bytes) dividing a row:
+    a gather of whole rows then moves a few wide elements per row instead of every byte."""
+    cp = nr.loader.require()
+    for size, dt in ((16, cp.complex128), (8, cp.uint64), (4, cp.uint32), (2, cp.uint16)):
+        if row_bytes % size == 0:
+            return buf.view(dt).reshape(n_heads, ctx, row_bytes // size)
+    return buf.reshape(n_heads, ctx, row_bytes)
 
 
 @dataclass
@@ -401,6 +412,7 @@ class DFlashGpuDrafter:
         else:
             x = self.be.embed(self.tok_embd, s.tokens[:T])
         pos = s.blk_pos[:T]
+        win_rows = None
         for i, w in enumerate(self.layers):
             h = qm.pack_activations(nr.rms_norm(x, w["attn_norm"], eps))     # packed once for both products
             q = w["attn_q"].matmul(h).reshape(T, H, D)
@@ -412,7 +424,9 @@ class DFlashGpuDrafter:
             cache.store(k, v, s.s_start)          # the block's rows after the context (overwritten next append)
             causal = c.layer_causal[i]
             if causal and masks[2] is not None:
-                o = self._window_attention(q, cache, s, T, masks[2])
+                if win_rows is None:   # the same rows for every sliding layer of the pass
+                    win_rows = self._window_rows(s, T)
+                o = self._window_attention(q, cache, s, T, masks[2], win_rows)
             else:
                 o = att.attention(q, cache, s.s_start, masks[1] if causal else masks[0], s_hint=s_hint)
             h, x = nr.rms_norm(w["attn_output"].matmul(o.reshape(T, H * D)), w["post_attention_norm"], eps,
@@ -457,21 +471,31 @@ class DFlashGpuDrafter:
             s.win_len[T] = cp.full(1, n_all, cp.int32)
             s.win_mask[T] = cp.zeros(Tq, cp.uint64)
 
-    def _window_attention(self, q: Any, cache: att.KVCacheLayer, s: GpuDraftSession, T: int, mask: Any) -> Any:
-        """A sliding layer's attention when its window cuts the context (SpecForge's per-query window: context
-        position p visible to query t iff p >= start + t - (W-1)), on the attention kernel: the window's rows are
-        gathered into a scratch cache as [n_all rows every query sees | the block | n_edge edge rows] and the block
-        is padded with n_edge queries, so the edge rows and the block are "new tokens" under a per-step mask.
-        Indices come from s_start on the device (graph-safe); the gather is a plain CuPy take."""
-        cp, c = self.xp, self.cfg
-        H, Hkv, D, W = c.n_head, c.n_head_kv, c.head_dim, c.sliding_window
+    def _window_rows(self, s: GpuDraftSession, T: int) -> Any:
+        """The cache rows a windowed pass gathers, [n_all rows every query sees | the block | n_edge edge rows]
+        (see _window_attention), from s_start on the device (graph-safe)."""
+        cp, W = self.xp, self.cfg.sliding_window
         n_all, n_edge = self._window_shape(T)
-        rows = cp.concatenate([s.s_start - n_all + cp.arange(n_all, dtype=cp.int32),
+        return cp.concatenate([s.s_start - n_all + cp.arange(n_all, dtype=cp.int32),
                                s.s_start + cp.arange(T, dtype=cp.int32),
                                cp.maximum(s.s_start - (W - 1) + cp.arange(n_edge, dtype=cp.int32), 0)])
+
+    def _window_attention(self, q: Any, cache: att.KVCacheLayer, s: GpuDraftSession, T: int, mask: Any,
+                          rows: Any) -> Any:
+        """A sliding layer's attention when its window cuts the context (SpecForge's per-query window: context
+        position p visible to query t iff p >= start + t - (W-1)), on the attention kernel: the window's rows
+        (_window_rows) are gathered into a scratch cache as [n_all rows every query sees | the block | n_edge edge
+        rows] and the block is padded with n_edge queries, so the edge rows and the block are "new tokens" under a
+        per-step mask. The gather moves 16-byte units straight into the scratch (cupy.take into a view of it): a
+        take over the caches' bytes cost 0.48 ms of a 2.2 ms pass at 27B shapes (H100)."""
+        cp, c = self.xp, self.cfg
+        H, D = c.n_head, c.head_dim
+        n_all, n_edge = self._window_shape(T)
         win = s.win
-        for src, dst in ((cache.k, win.k), (cache.v, win.v)):
-            dst.reshape(Hkv, win.ctx, -1)[:, :rows.size] = src.reshape(Hkv, cache.ctx, -1)[:, rows]
+        for src, dst, rb, rb_win in ((cache.k, win.k, cache.row_bytes, win.row_bytes),
+                                     (cache.v, win.v, cache.row_bytes_v, win.row_bytes_v)):
+            cp.take(_row_units(src, cache.n_kv_heads, cache.ctx, rb), rows, axis=1,
+                    out=_row_units(dst, win.n_kv_heads, win.ctx, rb_win)[:, :rows.size])
         qp = cp.zeros((T + n_edge, H, D), q.dtype)
         qp[:T] = q
         return att.attention(qp, win, s.win_len[T], mask, s_hint=n_all)[:T]
