@@ -4,7 +4,7 @@ several warps x stages) and in the synthetic model's decode step and a width-23 
 ring, and ring with programmatic dependent launch, interleaved, by switching quant_gemv.RING_UP_TO and SPECSPLIT_PDL).
 Prints ratios and the fraction of the copy bandwidth each reaches.
 
-    python3 bench/gemv_ab.py [--no-matrices] [--widths 2,3,4,8] [--model PATH [--step-ab ring|small|stack|wide]]
+    python3 bench/gemv_ab.py [--no-matrices] [--widths 2,3,4,8] [--model PATH [--step-ab ring|small|stack|wide|dnpdl]]
                              [--context 512] [--json out.json]
 
 --widths: per matrix and width, the ring against v2 and the per-tile gemv (x packed with its int16 staging).
@@ -12,7 +12,9 @@ Prints ratios and the fraction of the copy bandwidth each reaches.
 writing the staging there) against v2 from two tokens. --step-ab stack: a mixed-type stack's products one after
 another against its later runs on a side stream (services/engine/backend.py, STACK_CONCURRENT) at 1 / 2 / 3 tokens.
 --step-ab wide: verify steps of 16 / 20 / 23 tokens with the wide kernel from 17 tokens on the K-quant matrices
-against the shipped crossover (quant_wide.CROSSOVER: v2 up to 24 tokens).
+against the shipped crossover (quant_wide.CROSSOVER: v2 up to 24 tokens). --step-ab dnpdl: steps of 1 / 3 / 4 / 23
+tokens with a DeltaNet layer's conv, q/k norm and walk launched with PDL at every width and without it
+(kernels.deltanet.PDL, PDL_UP_TO).
 """
 
 from __future__ import annotations
@@ -132,6 +134,10 @@ STEP_ABS = {
     # the 5th field: the wide kernel from 17 tokens on every K-quant matrix (quant_wide.CROSSOVER) instead of 25
     "wide": ([("v2 to 24", SMALL, 3, "capture", False), ("wide from 17", SMALL, 3, "capture", True)], (16, 20, 23),
              [("wide from 17", "v2 to 24")]),
+    # the 5th field: a DeltaNet layer's conv, q/k norm and walk launched with PDL at every width (kernels.deltanet.PDL,
+    # PDL_UP_TO) or never
+    "dnpdl": ([("dn plain", SMALL, 3, "capture", False), ("dn pdl", SMALL, 3, "capture", True)], (1, 3, 4, 23),
+              [("dn pdl", "dn plain")]),
 }
 
 
@@ -147,11 +153,12 @@ def step(cupy, qm, qg, path: str, context: int, ab: str = "ring") -> list[dict]:
     t0 = time.time()
     model, state, rng = model_at_context(path, context)
     print(f"step: loaded {path} and its context in {time.time() - t0:.0f} s", flush=True)
-    from kernels import quant_wide
+    from kernels import deltanet, quant_wide
     from services.engine import backend
 
     shipped, q16_shipped, pdl_env = dict(qg.RING_UP_TO), qm.Q16_TOKENS, os.environ.get(loader.PDL_ENV)
     stack_shipped, wide_shipped = backend.STACK_CONCURRENT, dict(quant_wide.CROSSOVER)
+    dn_pdl_shipped = deltanet.PDL, deltanet.PDL_UP_TO
     rows = []
     try:
         for width in widths:
@@ -164,6 +171,8 @@ def step(cupy, qm, qg, path: str, context: int, ab: str = "ring") -> list[dict]:
                         quant_wide.CROSSOVER.update(wide_shipped)
                         if flag:
                             quant_wide.CROSSOVER.update({12: 17, 14: 17})
+                    elif ab == "dnpdl":
+                        deltanet.PDL, deltanet.PDL_UP_TO = flag, 64
                     else:
                         backend.STACK_CONCURRENT = flag
                     qg.RING_UP_TO.clear()
@@ -195,6 +204,7 @@ def step(cupy, qm, qg, path: str, context: int, ab: str = "ring") -> list[dict]:
         backend.STACK_CONCURRENT = stack_shipped
         quant_wide.CROSSOVER.clear()
         quant_wide.CROSSOVER.update(wide_shipped)
+        deltanet.PDL, deltanet.PDL_UP_TO = dn_pdl_shipped
         if pdl_env is None:
             os.environ.pop(loader.PDL_ENV, None)
         else:

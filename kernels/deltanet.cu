@@ -20,12 +20,16 @@
 // The per-node checkpoint kernels (gdr_tree_kernel, gdr_tree_staged_kernel, ssm_commit_kernel) that the walk and
 // the commit by replay replaced are in git history (commit 3a971f3); docs/gpu_deltanet.md has the measurements.
 //
-// Includes no header: only what NVRTC (or hipRTC) provides built in. Inline PTX (fp16 conversion, cp.async) has
-// a portable fallback (SPECSPLIT_PORTABLE, HIP, pre-sm_80, the CPU simulation): software fp16, plain copies.
+// Includes only pdl.cuh of this folder, else what NVRTC (or hipRTC) provides built in. Inline PTX (fp16
+// conversion, cp.async) has a portable fallback (SPECSPLIT_PORTABLE, HIP, pre-sm_80, the CPU simulation): software
+// fp16, plain copies.
 
 typedef unsigned int u32;
 typedef unsigned short u16;
 typedef long long i64;
+
+// pdl.cuh: pasted in by kernels/loader.py, found beside this file by the CPU simulation
+#include "pdl.cuh"
 
 #if defined(__HIP_PLATFORM_AMD__) || defined(__HIPCC__) || defined(__HIPCC_RTC__)
 #define DN_HIP 1
@@ -358,6 +362,7 @@ __global__ void conv_silu_kernel(const TIn* __restrict__ raw, i64 ld_raw, const 
                                  const float* __restrict__ w, const int* __restrict__ parents,
                                  const int* __restrict__ n_tokens, int t_max, int C, float* __restrict__ out,
                                  i64 ld_out) {
+    SS_PDL_ENTRY();  // kernels/pdl.cuh: the per-layer chain launches early under PDL and waits here for its inputs
     dn::conv_silu_body<TIn, KW, false>(raw, ld_raw, window, w, parents, n_tokens, t_max, C, out, ld_out, nullptr, 0);
 }
 
@@ -366,6 +371,7 @@ __global__ void conv_silu_rows_kernel(const TIn* __restrict__ raw, i64 ld_raw, c
                                       const float* __restrict__ w, const int* __restrict__ parents,
                                       const int* __restrict__ n_tokens, int t_max, int C, float* __restrict__ out,
                                       i64 ld_out, float* __restrict__ rows_out, i64 ld_rows) {
+    SS_PDL_ENTRY();
     dn::conv_silu_body<TIn, KW, true>(raw, ld_raw, window, w, parents, n_tokens, t_max, C, out, ld_out, rows_out,
                                       ld_rows);
 }
@@ -382,6 +388,7 @@ __global__ void qk_norm_gate_kernel(float* __restrict__ qk, i64 ld, int Hk, floa
                                     float* __restrict__ g_out, float* __restrict__ beta_out, i64 ld_gb,
                                     const int* __restrict__ n_tokens, int t_max) {
     static_assert(DK % 128 == 0 || DK == 64 || DK == 32, "DK must be 32, 64 or a multiple of 128");
+    SS_PDL_ENTRY();
     constexpr int PER = DK / 32;  // values per lane
     const int T = dn::token_count(n_tokens, t_max);
     const int lane = threadIdx.x & 31;
@@ -523,6 +530,7 @@ __global__ void __launch_bounds__(128) gdr_tree_walk_kernel(
     const float* __restrict__ g, const float* __restrict__ beta, i64 ld_gb, int Hk, int Hv, int DV,
     const float* s0, const int* __restrict__ plan, const int* __restrict__ n_tokens, int t_max, int n_slots,
     float* s_final, float* __restrict__ out, i64 ld_out) {
+    SS_PDL_ENTRY();
     typedef dn::Lanes<DK, CW> LN;
     constexpr int R = LN::R;
     typedef dn::Slot<TIn, DK, true> SL;

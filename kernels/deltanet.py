@@ -40,6 +40,12 @@ from . import loader
 SOURCE = "deltanet.cu"
 MAX_GRID_Y = 65535  # tokens beyond this loop inside the kernels (grid-stride over t)
 DEFAULT_DEPTH = 8  # tokens in flight in the tree step and the commit (docs/gpu_deltanet.md has the measurements)
+# Programmatic dependent launch (kernels/pdl.cuh, loader.get_function's pdl; SPECSPLIT_PDL) for a layer's chain of
+# conv, q/k norm + gates and tree walk at up to PDL_UP_TO tokens: each waits for its inputs first thing, so inside a
+# captured step it starts as the kernel ahead of it drains instead of after it. H100, synthetic 27B step replay
+# (bench/gemv_ab.py --step-ab dnpdl): 1 token -1.7 / -1.8 %, 2 tokens -0.8 %, 3 +0.5 %, 4 +1.3 %, 23 +1.9 %.
+PDL = True
+PDL_UP_TO = 2
 DEFAULT_WARPS = 2
 DEFAULT_COLS = 8  # state columns a warp owns; the tree step and commit_replay must agree (their sums' order)
 PLAN_MAX = 1024  # nodes of a planned tree walk (gdr_tree_plan_kernel packs an index in 16 bits)
@@ -135,8 +141,8 @@ def _ctype(dtype: Any, what: str) -> str:
     raise ValueError(f"{what} must be float16 or float32, not {dtype}")
 
 
-def _fn(name: str, portable: bool) -> Any:
-    return loader.get_function(SOURCE, name, _defines(portable))
+def _fn(name: str, portable: bool, pdl: bool = False) -> Any:
+    return loader.get_function(SOURCE, name, _defines(portable), pdl=pdl and PDL and not portable)
 
 
 def _null() -> np.uint64:
@@ -248,12 +254,12 @@ def conv_silu(
     args = (raw, np.int64(ld_raw), window, weight, _parents_arg(parents, t_max), _n_tokens(n_tokens, t_max),
             np.int32(t_max), np.int32(c), out, np.int64(ld_out))  # fmt: skip
     if rows_out is None:
-        _fn(f"conv_silu_kernel<{_ctype(raw.dtype, 'raw')}, {kw}>", portable)(grid, (128,), args)
+        _fn(f"conv_silu_kernel<{_ctype(raw.dtype, 'raw')}, {kw}>", portable, pdl=t_max <= PDL_UP_TO)(grid, (128,), args)
         return out
     rows_out, ld_rows = _rows(rows_out, "rows_out", width=c, align=1)
     if rows_out.dtype != np.float32 or int(rows_out.shape[0]) < t_max:
         raise ValueError(f"rows_out must be float32 with at least {t_max} rows")
-    kern = _fn(f"conv_silu_rows_kernel<{_ctype(raw.dtype, 'raw')}, {kw}>", portable)
+    kern = _fn(f"conv_silu_rows_kernel<{_ctype(raw.dtype, 'raw')}, {kw}>", portable, pdl=t_max <= PDL_UP_TO)
     kern(grid, (128,), (*args, rows_out, np.int64(ld_rows)))
     return out
 
@@ -305,7 +311,7 @@ def qk_norm_gate(
     g = cupy.empty((t_max, hv), cupy.float32) if g is None else _f32(g, (t_max, hv), "g")
     beta = cupy.empty((t_max, hv), cupy.float32) if beta is None else _f32(beta, (t_max, hv), "beta")
     scale = dk**-0.5 if q_scale is None else float(q_scale)
-    kern = _fn(f"qk_norm_gate_kernel<{_ctype(alpha.dtype, 'alpha')}, {dk}>", portable)
+    kern = _fn(f"qk_norm_gate_kernel<{_ctype(alpha.dtype, 'alpha')}, {dk}>", portable, pdl=t_max <= PDL_UP_TO)
     warps = 4
     grid = (max(1, (2 * hk + warps - 1) // warps), max(1, min(t_max, MAX_GRID_Y)))
     kern(grid, (32 * warps,), (mixed, np.int64(ld), np.int32(hk), np.float32(scale), np.float32(eps), alpha, b,
@@ -428,8 +434,8 @@ def gated_delta_tree(
     if out.dtype != np.float32 or int(out.shape[0]) < t_max:
         raise ValueError(f"out must be float32 with at least {t_max} rows")
     n_slots = walk_stack_slots(t_max) if plan is not None else 0
-    name = f"gdr_tree_walk_kernel<{_ctype(q.dtype, 'q')}, {dk}, {cw}, {depth}>"
-    kern = _fn(name, portable)
+    kern = _fn(f"gdr_tree_walk_kernel<{_ctype(q.dtype, 'q')}, {dk}, {cw}, {depth}>", portable, pdl=t_max <= PDL_UP_TO)
+    name = "gdr_tree_walk_kernel"
     smem = nw * walk_smem_bytes(dk, q.dtype.itemsize, cw, depth, n_slots, t_max if plan is not None else 0)
     _opt_in_smem(kern, name, smem)
     kern((hv * dv // (cw * nw),), (32 * nw,),

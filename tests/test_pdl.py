@@ -72,9 +72,19 @@ def _pdl_kernels() -> dict[str, set[str]]:
         for call in re.finditer(r"get_function\((?:[^()]|\([^()]*\))*\)", text):
             if "pdl=" in call.group(0) and "pdl=False" not in call.group(0):
                 name = re.search(r'f?"(\w+)<', call.group(0))
+                if name is None and "pdl=pdl" in call.group(0) and "def _fn(" in text:
+                    continue  # the module's fetch helper passing pdl through: its callers are read below
                 assert src and name, f"{py.name}: cannot read {call.group(0)!r}"
                 # the portable build compiles the wait out (pdl.cuh): such a launch must never take PDL
                 assert "not portable" in call.group(0), f"{py.name}: {call.group(0)!r} may launch a portable build"
+                found.setdefault(src.group(1), set()).add(name.group(1))
+        # a module's own fetch helper (kernels/deltanet.py's _fn) passes pdl= through to get_function
+        for call in re.finditer(r"\b_fn\((?:[^()]|\([^()]*\))*\)", text):
+            if re.search(r"pdl=(True|t_max <= PDL_UP_TO)", call.group(0)):
+                helper = re.search(r"def _fn\(.*?\n(?:    .*\n)+", text)
+                assert helper and "not portable" in helper.group(0), f"{py.name}: _fn may launch a portable build"
+                name = re.search(r'f?"(\w+)<', call.group(0))
+                assert src and name, f"{py.name}: cannot read {call.group(0)!r}"
                 found.setdefault(src.group(1), set()).add(name.group(1))
     return found
 
@@ -97,6 +107,8 @@ def test_every_pdl_kernel_waits_for_its_predecessor() -> None:
     found = _pdl_kernels()
     assert found.get("quant_gemv.cu") == {"gemv_ring_kernel"}
     assert found.get("quant_matmul.cu") == {"pack_x_kernel", "pack_rms_kernel", "pack_silu_kernel"}
+    assert found.get("deltanet.cu") == {"conv_silu_kernel", "conv_silu_rows_kernel", "qk_norm_gate_kernel",
+                                        "gdr_tree_walk_kernel"}
     assert "#define SS_GRID_WAIT()" in (KERNELS / "pdl.cuh").read_text()
     for source, names in found.items():
         code = (KERNELS / source).read_text()
