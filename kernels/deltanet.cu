@@ -31,6 +31,24 @@ typedef long long i64;
 // pdl.cuh: pasted in by kernels/loader.py, found beside this file by the CPU simulation
 #include "pdl.cuh"
 
+#ifdef DN_TRACE
+// Diagnostic (bench/walk_trace.py): clock64 stamps of block 0's first lane at points of each walk token; a stamp
+// waits for a value of the phase before it (a mov reading it), so it marks when that value was ready.
+extern "C" __device__ long long dn_trace[256 * 8];
+#define DN_STAMP(i, slot, dep)                                                                         \
+    do {                                                                                               \
+        if (blockIdx.x == 0 && threadIdx.x == 0 && (i) < 256) {                                        \
+            unsigned int dn_d_;                                                                        \
+            asm volatile("mov.b32 %0, %1;" : "=r"(dn_d_) : "r"(__float_as_uint(dep)));                 \
+            long long dn_t_;                                                                           \
+            asm volatile("mov.u64 %0, %%clock64;" : "=l"(dn_t_) : "r"(dn_d_) : "memory");              \
+            dn_trace[(i) * 8 + (slot)] = dn_t_;                                                        \
+        }                                                                                              \
+    } while (0)
+#else
+#define DN_STAMP(i, slot, dep)
+#endif
+
 #if defined(__HIP_PLATFORM_AMD__) || defined(__HIPCC__) || defined(__HIPCC_RTC__)
 #define DN_HIP 1
 #else
@@ -566,11 +584,14 @@ __global__ void __launch_bounds__(128) gdr_tree_walk_kernel(
     };
     dn::ring_start<D>(issue);
     for (int i = 0; i < T; ++i) {
+        DN_STAMP(i, 0, s[R - 1]);
         dn::ring_next<D>(i, issue);
+        DN_STAMP(i, 1, 0.0f);
         const char* slot = ring + (i % D) * SL::BYTES;
         float kk[R], qq[R];
         SL::k_row(slot, row0, kk);
         SL::q_row(slot, row0, qq);
+        DN_STAMP(i, 2, kk[R - 1] + qq[R - 1]);
         const int code = plan ? pl[i] : 0;
         const int t = node_at(i);
         const int load = (code >> 16) & 0xFF, save = (code >> 24) & 0xFF;
@@ -578,9 +599,15 @@ __global__ void __launch_bounds__(128) gdr_tree_walk_kernel(
             const bool from_stack = load >= 2 && load - 2 < n_slots;
             dn::load_rows(s, from_stack ? stack + (i64)(load - 2) * R * 32 + lane : s0 + own, from_stack ? 32 : DV);
         }
+        DN_STAMP(i, 3, s[0] + s[R - 1]);
         const float ov = dn::token_update<R, CW>(s, kk, qq, SL::v(slot, lane, col), SL::g(slot), SL::beta(slot));
+        DN_STAMP(i, 4, ov);
         if (save >= 1 && save - 1 < n_slots) dn::store_rows(stack + (i64)(save - 1) * R * 32 + lane, 32, s);
         if (lane < CW) out[(i64)t * ld_out + (i64)h * DV + col] = ov;
+        DN_STAMP(i, 5, s[R - 1]);
+#ifdef DN_TRACE
+        if (blockIdx.x == 0 && threadIdx.x == 0 && i < 256) dn_trace[i * 8 + 6] = load | (save << 8);
+#endif
     }
     if (s_final && T > 0 && !plan) dn::store_rows(s_final + own, DV, s);
 }
