@@ -20,8 +20,9 @@ DEFAULT = [
 ]
 
 
-def walk(cupy, T: int) -> None:
-    """One layer's gdr_tree_walk_kernel at Qwen3.6-27B shapes (16 key heads, 48 value heads, dk = dv = 128)."""
+def walk_inputs(cupy, T: int) -> tuple:
+    """One DeltaNet layer's tree-walk inputs at Qwen3.6-27B shapes (16 key heads, 48 value heads, dk = dv = 128) on
+    bench/step_profile's tree of T nodes: (q, k, v, g, beta, s0, plan; plan None for one token)."""
     import numpy as np
     from step_profile import tree_parents
 
@@ -37,7 +38,15 @@ def walk(cupy, T: int) -> None:
     g, beta = -cupy.abs(rnd((T, hv), 0.5)), cupy.full((T, hv), 0.5, cupy.float32)
     s0 = rnd((hv, d, d), 0.1)
     plan = dn.tree_plan(cupy.asarray(np.array(tree_parents(T), np.int32))) if T > 1 else None
-    dn.gated_delta_tree(q, k, v, g, beta, s0, plan=plan)
+    return q, k, v, g, beta, s0, plan
+
+
+def walk(cupy, T: int) -> None:
+    """One layer's gdr_tree_walk_kernel (walk_inputs)."""
+    from kernels import deltanet as dn
+
+    *inputs, plan = walk_inputs(cupy, T)
+    dn.gated_delta_tree(*inputs, plan=plan)
     cupy.cuda.Device().synchronize()
     print(f"case walk:{T}: launched", flush=True)
 

@@ -9,8 +9,6 @@ Stamps per token: 0 loop top (state ready), 1 after the ring's wait + next issue
 import sys
 from pathlib import Path
 
-import numpy as np
-
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
@@ -18,25 +16,16 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 def main() -> int:
     T = int(sys.argv[1]) if len(sys.argv) > 1 else 23
-    from step_profile import tree_parents
+    from ncu_probe import walk_inputs
 
     from kernels import deltanet as dn
     from kernels import loader
 
     cupy = loader.require()
     dn._defines = lambda portable: ("DN_TRACE",)
-    hk, hv, d = 16, 48, 128
-    rng = np.random.default_rng(0)
-
-    def rnd(shape, scale=1.0):
-        return cupy.asarray((rng.standard_normal(shape) * scale).astype(np.float32))
-
-    q, k, v = rnd((T, hk * d), 0.09), rnd((T, hk * d), 0.09), rnd((T, hv * d))
-    g, beta = -cupy.abs(rnd((T, hv), 0.5)), cupy.full((T, hv), 0.5, cupy.float32)
-    s0 = rnd((hv, d, d), 0.1)
-    plan = dn.tree_plan(cupy.asarray(np.array(tree_parents(T), np.int32))) if T > 1 else None
+    *inputs, plan = walk_inputs(cupy, T)
     for _ in range(3):
-        dn.gated_delta_tree(q, k, v, g, beta, s0, plan=plan)
+        dn.gated_delta_tree(*inputs, plan=plan)
     cupy.cuda.Device().synchronize()
     name = f"gdr_tree_walk_kernel<float, 128, 8, {dn.DEFAULT_DEPTH}>"
     mod = loader.get_module(dn.SOURCE, (name,), ("DN_TRACE",))
