@@ -164,37 +164,58 @@ DN_DEV int token_count(const int* n_tokens, int t_max) {
     return n < 0 ? 0 : (n > t_max ? t_max : n);
 }
 
-// One token's state update on a lane's R rows of one state column: decay, then the delta rule,
-// S_j <- a S_j + k (beta (v_j - a k.S_j)). The tree step and the commit's replay of an accepted path both run it,
+// One token on a lane's R rows of one state column, with a = exp(g): the delta rule's step
+// delta_j = beta (v_j - a k.S_j) and S_j <- a S_j + k delta_j, and the output q.S_j of the updated state, formed as
+// a (q.S_j) + (q.k) delta_j from products on the state before the update. The output then does not depend on the
+// update, so a tree leaf is evaluated on its parent's state without changing it (token_output: no save and
+// reload of the parent's state around it) and still equals a chain's last token bit for bit; k.S, q.S and q.k are
+// reduced together. The tree step and the commit's replay of an accepted path (state_update) form delta alike,
 // so a replayed state equals the tree step's state for that node bit for bit (same layout CW, same order).
+template <int R>
+DN_DEV float partial_dot(const float (&s)[R], const float (&x)[R]) {
+    float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll
+    for (int r = 0; r < R; ++r) acc[r & 3] = fmaf(s[r], x[r], acc[r & 3]);
+    return (acc[0] + acc[1]) + (acc[2] + acc[3]);
+}
+
+template <int R>
+DN_DEV void decay_and_add(float (&s)[R], const float (&kk)[R], float a, float delta) {
+#pragma unroll
+    for (int r = 0; r < R; ++r) s[r] = fmaf(kk[r], delta, s[r] * a);
+}
+
 template <int R, int CW>
 DN_DEV void state_update(float (&s)[R], const float (&kk)[R], float v, float g, float b) {
     const float a = expf(g);
-    float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    float ks = partial_dot(s, kk);
 #pragma unroll
-    for (int r = 0; r < R; ++r) {
-        s[r] *= a;
-        acc[r & 3] += s[r] * kk[r];
-    }
-    float kv = (acc[0] + acc[1]) + (acc[2] + acc[3]);
-#pragma unroll
-    for (int m = CW; m < 32; m <<= 1) kv += DN_SHFL_XOR(kv, m);
-    const float delta = b * (v - kv);
-#pragma unroll
-    for (int r = 0; r < R; ++r) s[r] += kk[r] * delta;
+    for (int m = CW; m < 32; m <<= 1) ks += DN_SHFL_XOR(ks, m);
+    decay_and_add(s, kk, a, b * fmaf(-a, ks, v));
 }
 
-// state_update, then the output q.S_j reduced over the warp's row groups (every lane of the column gets it).
+// The token's output (reduced over the warp's row groups: every lane of the column gets it) and its a, delta.
+template <int R, int CW>
+DN_DEV float token_output(const float (&s)[R], const float (&kk)[R], const float (&qq)[R], float v, float g, float b,
+                          float& a, float& delta) {
+    a = expf(g);
+    float ks = partial_dot(s, kk), qs = partial_dot(s, qq), qk = partial_dot(kk, qq);
+#pragma unroll
+    for (int m = CW; m < 32; m <<= 1) {
+        ks += DN_SHFL_XOR(ks, m);
+        qs += DN_SHFL_XOR(qs, m);
+        qk += DN_SHFL_XOR(qk, m);
+    }
+    delta = b * fmaf(-a, ks, v);
+    return fmaf(qk, delta, a * qs);
+}
+
 template <int R, int CW>
 DN_DEV float token_update(float (&s)[R], const float (&kk)[R], const float (&qq)[R], float v, float g, float b) {
-    state_update<R, CW>(s, kk, v, g, b);
-    float o[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-#pragma unroll
-    for (int r = 0; r < R; ++r) o[r & 3] += s[r] * qq[r];
-    float ov = (o[0] + o[1]) + (o[2] + o[3]);
-#pragma unroll
-    for (int m = CW; m < 32; m <<= 1) ov += DN_SHFL_XOR(ov, m);
-    return ov;
+    float a, delta;
+    const float out = token_output<R, CW>(s, kk, qq, v, g, b, a, delta);
+    decay_and_add(s, kk, a, delta);
+    return out;
 }
 
 // global -> shared copies of 4 or 16 bytes: cp.async (sm_80+) so that loads run several tokens ahead without
@@ -443,22 +464,27 @@ __global__ void qk_norm_gate_kernel(float* __restrict__ qk, i64 ld, int Hk, floa
 // The tree step: a walk of the tree without per-node states (kernels/deltanet.py gated_delta_tree).
 //
 // The walk visits the nodes in depth-first order, each node's children light first and the heaviest (largest
-// subtree) last. A node's first visited child comes right after it and continues from the state in registers;
-// only a node with two or more children saves its state, to a per-warp stack in shared memory, and its later
-// children reload it from there; its last (heavy) child frees the slot. A light child's subtree holds at most
-// half of its parent's, so at most floor(log2(T + 1)) - 1 states are saved at once (5 for T <= 126): the stack
-// fits in shared memory and nothing but the outputs goes to global memory. Roots reload the committed s0.
+// subtree) last; among the light ones the leaves come first. A light leaf is evaluated on its parent's state without
+// changing it (read-only: its output needs no update, token_output), so the next child still finds the parent's
+// state in registers. A node's first visited child that changes the state continues from the state in registers;
+// only a node with a light child that is not a leaf saves its state, to a per-warp stack in shared memory, and its
+// later children reload it from there; its last (heavy) child frees the slot. A light child's subtree holds at
+// most half of its parent's, so at most floor(log2(T + 1)) - 1 states are saved at once (5 for T <= 126): the
+// stack fits in shared memory and nothing but the outputs goes to global memory. Roots reload the committed s0.
+// (A DDTree is mostly a chain with leaves beside it: its walk saves and reloads nothing.)
 //
 // The visit order is computed once per step (all layers share it) by gdr_tree_plan_kernel into `plan`:
-// plan[i] = node | load << 16 | save << 24 for the i-th visited node, load 0 = the state in registers (the
-// parent was visited just before), 1 = s0, 2 + j = stack slot j; save 0 = none, 1 + j = into stack slot j.
+// plan[i] = node | ro << 15 | load << 16 | save << 24 for the i-th visited node, ro = 1 for a light leaf evaluated
+// read-only, load 0 = the state in registers (the parent's: visited just before, or before it only read-only
+// leaves), 1 = s0, 2 + j = stack slot j; save 0 = none, 1 + j = into stack slot j.
 namespace dn {
 constexpr int PLAN_MAX = 1024;  // nodes of a planned tree (the heavy-child key packs an index into 16 bits)
 constexpr int PLAN_HELD = 0, PLAN_S0 = 1;
+constexpr int PLAN_RO = 1 << 15, PLAN_NODE = PLAN_RO - 1;
 }  // namespace dn
 
 // One warp (blockDim.x == 32) computes the walk of the tree given by `parents` (entries outside -1..t-1 read as
-// roots, as everywhere here). Dynamic shared memory: 7 * t_max ints. Every step is parallel over nodes (a lane
+// roots, as everywhere here). Dynamic shared memory: 9 * t_max ints. Every step is parallel over nodes (a lane
 // per node) except walks up the ancestors, which are as long as the tree is deep.
 __global__ void __launch_bounds__(32) gdr_tree_plan_kernel(const int* __restrict__ parents,
                                                             const int* __restrict__ n_tokens, int t_max,
@@ -470,7 +496,9 @@ __global__ void __launch_bounds__(32) gdr_tree_plan_kernel(const int* __restrict
     u32* size = (u32*)(par + t_max);  // nodes in the subtree
     u32* nch = size + t_max;          // children
     u32* hkey = nch + t_max;          // heavy child: max of size << 16 | (0xFFFF - index)
-    int* off = (int*)(hkey + t_max);  // nodes visited between the parent and this node
+    u32* nro = hkey + t_max;          // read-only children (light leaves)
+    u32* nnl = nro + t_max;           // light children that are not leaves (the node saves when there is one)
+    int* off = (int*)(nnl + t_max);   // nodes visited between the parent and this node
     int* pos = off + t_max;           // place in the walk
     int* slot = pos + t_max;          // stack slot this node saves to (= saved ancestors still live at its visit)
     for (int t = lane; t < T; t += 32) {
@@ -478,6 +506,8 @@ __global__ void __launch_bounds__(32) gdr_tree_plan_kernel(const int* __restrict
         size[t] = 1u;
         nch[t] = 0u;
         hkey[t] = 0u;
+        nro[t] = 0u;
+        nnl[t] = 0u;
     }
     DN_SYNCWARP();
     for (int t = lane; t < T; t += 32) {
@@ -492,14 +522,27 @@ __global__ void __launch_bounds__(32) gdr_tree_plan_kernel(const int* __restrict
     }
     DN_SYNCWARP();
     auto heavy = [&](int p) { return p >= 0 ? (int)(0xFFFFu - (hkey[p] & 0xFFFFu)) : -1; };
+    auto read_only = [&](int t) { return par[t] >= 0 && nch[t] == 0u && t != heavy(par[t]); };
+    for (int t = lane; t < T; t += 32) {
+        const int p = par[t];
+        if (p >= 0 && t != heavy(p)) atomicAdd(nch[t] == 0u ? &nro[p] : &nnl[p], 1u);
+    }
+    DN_SYNCWARP();
     for (int n = lane; n < T; n += 32) {
-        // siblings visited before n: the light ones of lower index; all light ones when n is the heavy child.
-        // Siblings come after their parent, so the scan starts there.
+        // siblings visited before n: a root, the roots of lower index; a read-only leaf, the read-only siblings of
+        // lower index; another light child, every read-only sibling and the other light ones of lower index; the
+        // heavy child, all light ones. Siblings come after their parent, so the scans start there.
         const int p = par[n], h = heavy(p);
-        const int end = n == h ? T : n;
+        const bool ro = read_only(n);
         int o = 0;
-        for (int t = p + 1; t < end; ++t)
-            if (par[t] == p && t != h && t != n) o += (int)size[t];
+        for (int t = p + 1; t < T; ++t) {
+            if (par[t] != p || t == h || t == n) continue;
+            if (p < 0 || ro) {
+                if (t < n && (p < 0 || read_only(t))) o += (int)size[t];
+            } else if (n == h || read_only(t) || t < n) {
+                o += (int)size[t];
+            }
+        }
         off[n] = o;
     }
     DN_SYNCWARP();
@@ -507,7 +550,7 @@ __global__ void __launch_bounds__(32) gdr_tree_plan_kernel(const int* __restrict
         int ps = off[n], sl = 0;
         for (int c = n, a = par[n]; a >= 0; c = a, a = par[a]) {
             ps += off[a] + 1;
-            if (nch[a] >= 2u && c != heavy(a)) ++sl;  // a's slot is live while its light children are walked
+            if (nnl[a] > 0u && c != heavy(a)) ++sl;  // a's slot is live while its light children are walked
         }
         pos[n] = ps;
         slot[n] = sl;
@@ -515,13 +558,16 @@ __global__ void __launch_bounds__(32) gdr_tree_plan_kernel(const int* __restrict
     DN_SYNCWARP();
     for (int n = lane; n < T; n += 32) {
         const int p = par[n];
+        const bool ro = read_only(n);
         int load;
         if (p < 0)
             load = pos[n] == 0 ? dn::PLAN_HELD : dn::PLAN_S0;
+        else if (ro || pos[n] == pos[p] + 1 + (int)nro[p])  // only read-only leaves since the parent
+            load = dn::PLAN_HELD;
         else
-            load = pos[p] == pos[n] - 1 ? dn::PLAN_HELD : 2 + slot[p];
-        const int save = nch[n] >= 2u ? 1 + slot[n] : 0;
-        plan[pos[n]] = n | (load << 16) | (save << 24);
+            load = 2 + slot[p];
+        const int save = nnl[n] > 0u ? 1 + slot[n] : 0;
+        plan[pos[n]] = n | (ro ? dn::PLAN_RO : 0) | (load << 16) | (save << 24);
     }
 }
 
@@ -572,7 +618,7 @@ __global__ void __launch_bounds__(128) gdr_tree_walk_kernel(
     }
     auto node_at = [&](int i) {
         if (!plan) return i;
-        const int n = pl[i] & 0xFFFF;
+        const int n = pl[i] & dn::PLAN_NODE;
         return n < T ? n : T - 1;
     };
     auto issue = [&](int i) {  // the i-th visited token's inputs into slot i % D
@@ -600,7 +646,13 @@ __global__ void __launch_bounds__(128) gdr_tree_walk_kernel(
             dn::load_rows(s, from_stack ? stack + (i64)(load - 2) * R * 32 + lane : s0 + own, from_stack ? 32 : DV);
         }
         DN_STAMP(i, 3, s[0] + s[R - 1]);
-        const float ov = dn::token_update<R, CW>(s, kk, qq, SL::v(slot, lane, col), SL::g(slot), SL::beta(slot));
+        float ov;
+        if (code & dn::PLAN_RO) {  // a light leaf: its output on the held (parent's) state, which stays as it is
+            float a, delta;
+            ov = dn::token_output<R, CW>(s, kk, qq, SL::v(slot, lane, col), SL::g(slot), SL::beta(slot), a, delta);
+        } else {
+            ov = dn::token_update<R, CW>(s, kk, qq, SL::v(slot, lane, col), SL::g(slot), SL::beta(slot));
+        }
         DN_STAMP(i, 4, ov);
         if (save >= 1 && save - 1 < n_slots) dn::store_rows(stack + (i64)(save - 1) * R * 32 + lane, 32, s);
         if (lane < CW) out[(i64)t * ld_out + (i64)h * DV + col] = ov;

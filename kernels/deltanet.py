@@ -79,11 +79,13 @@ def commit_smem_bytes(head_k_dim: int, itemsize: int, depth: int, t_max: int) ->
 def walk_plan(parents: Any) -> np.ndarray:
     """NumPy twin of gdr_tree_plan_kernel: the tree walk's visit order and its state loads / saves, int32 (T,).
 
-    Entry i: node | load << 16 | save << 24 for the i-th visited node; load 0 = continue from the state just
-    computed (the parent was visited last), 1 = the committed state, 2 + j = stack slot j; save 0 = none,
-    1 + j = into slot j. Depth first from the roots in index order; a node's children light first (in index
-    order), the one with the largest subtree (lowest index on ties) last. Only nodes with two or more children
-    save; a slot is taken while its node's light children are walked (a stack, simulated here)."""
+    Entry i: node | ro << 15 | load << 16 | save << 24 for the i-th visited node; ro = 1 for a light leaf (not its
+    parent's heavy child) evaluated read-only on its parent's state; load 0 = continue from the state in registers
+    (the parent's: visited last, or before it only read-only leaves), 1 = the committed state, 2 + j = stack slot j;
+    save 0 = none, 1 + j = into slot j. Depth first from the roots in index order; a node's children: its light
+    leaves (in index order), its other light children (in index order), the one with the largest subtree (lowest
+    index on ties) last. Only nodes with a light child that is not a leaf save; a slot is taken while its node's
+    light children are walked (a stack, simulated here)."""
     par = [int(p) if -1 <= int(p) < t else -1 for t, p in enumerate(np.asarray(parents).reshape(-1).tolist())]
     T = len(par)
     size, nch = [1] * T, [0] * T
@@ -99,32 +101,37 @@ def walk_plan(parents: Any) -> np.ndarray:
         for c in kids[p]:
             if heavy[p] < 0 or size[c] > size[heavy[p]]:
                 heavy[p] = c
+    ro = [par[t] >= 0 and nch[t] == 0 and t != heavy[par[t]] for t in range(T)]
+    saves = [any(not ro[c] and c != heavy[t] for c in kids[t]) for t in range(T)]
     order: list[int] = []
     todo = list(reversed(kids[T]))
     while todo:
         n = todo.pop()
         order.append(n)
-        todo += [heavy[n]] if heavy[n] >= 0 else []
-        todo += [c for c in reversed(kids[n]) if c != heavy[n]]
+        light = [c for c in kids[n] if c != heavy[n]]
+        visit = [c for c in light if ro[c]] + [c for c in light if not ro[c]] + ([heavy[n]] if heavy[n] >= 0 else [])
+        todo += list(reversed(visit))
     plan = np.zeros(T, np.int32)
     slot: dict[int, int] = {}
-    live = 0
+    live, held = 0, -2  # held: the node whose state is in registers (-1: the committed state)
     for i, n in enumerate(order):
         p = par[n]
         if p < 0:
             load = 0 if i == 0 else 1
-        elif order[i - 1] == p:
+        elif held == p:
             load = 0
         else:
             load = 2 + slot[p]
-            if n == heavy[p]:  # p's last child: its slot is the stack's top, free from here on
-                live -= 1
+        if p >= 0 and n == heavy[p] and saves[p]:  # p's last child: its slot is the stack's top, free from here on
+            live -= 1
         save = 0
-        if nch[n] >= 2:
+        if saves[n]:
             slot[n] = live
             live += 1
             save = 1 + slot[n]
-        plan[i] = n | load << 16 | save << 24
+        if not ro[n]:
+            held = n
+        plan[i] = n | (1 << 15 if ro[n] else 0) | load << 16 | save << 24
     return plan
 
 
@@ -340,7 +347,7 @@ def tree_plan(parents: Any, *, n_tokens: Any = None, t_max: int | None = None, o
     if out.dtype != np.int32 or out.ndim != 1 or int(out.size) < t_max or not out.flags.c_contiguous:
         raise ValueError(f"plan must be a contiguous int32 vector of at least {t_max} entries")
     _fn("gdr_tree_plan_kernel", portable)((1,), (32,), (p, _n_tokens(n_tokens, t_max), np.int32(t_max), out),
-                                           shared_mem=7 * 4 * t_max)  # fmt: skip
+                                           shared_mem=9 * 4 * t_max)  # fmt: skip
     return out
 
 

@@ -75,7 +75,7 @@ def test_tree_plan_random_corrupt_and_portable() -> None:
     cases.check_plan(cupy, np.array([5, 0, 99, -7, 3, 4, 6, 2, -1, 8], np.int32))
     cases.check_plan(cupy, cases.random_tree(12, rng), t_max=20)
     cases.check_plan(cupy, cases.random_tree(23, rng), portable=True)
-    assert cases.check_plan(cupy, cases.dfs_binary(6)) == 6  # 127 nodes: the bound, 6 slots
+    assert cases.check_plan(cupy, cases.dfs_binary(6, tails=True)) == 6  # 191 nodes: the bound, 6 slots
 
 
 WALK_TREES = [("random", T) for T in cases.TREE_SIZES] + [("ddtree", 23), ("ddtree", 65), ("profile", 41),

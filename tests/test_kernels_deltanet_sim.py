@@ -178,8 +178,9 @@ def profile_parents(width: int) -> np.ndarray:
     return np.array(par, np.int32)
 
 
-def dfs_binary(depth: int) -> np.ndarray:
-    """A complete binary tree in depth-first order: the shape that needs the most saved states (the bound)."""
+def dfs_binary(depth: int, tails: bool = False) -> np.ndarray:
+    """A complete binary tree in depth-first order; with tails, each leaf has one child more (so no light child is
+    a leaf evaluated read-only): the shape that needs the most saved states (the bound)."""
     par: list[int] = []
 
     def build(p: int, d: int) -> None:
@@ -188,6 +189,8 @@ def dfs_binary(depth: int) -> np.ndarray:
         if d:
             build(me, d - 1)
             build(me, d - 1)
+        elif tails:
+            par.append(me)
 
     build(-1, depth)
     return np.array(par, np.int32)
@@ -221,17 +224,21 @@ def tree_shape(kind: str, n: int, rng: np.random.Generator) -> np.ndarray:
 
 def walk_slots_used(parents, plan) -> int:
     """Walks a plan on the host with node ids for states: every node visited once, each starting from its parent's
-    state (in registers, in the named stack slot, or s0 for a root). Returns the stack slots it used."""
+    state (in registers, in the named stack slot, or s0 for a root); a read-only entry is a leaf and leaves the
+    state in registers as it was. Returns the stack slots it used."""
     par = clamp_parents(parents)
     held, stack, seen, used = -1, {}, set(), 0
     for i, code in enumerate(np.asarray(plan).tolist()):
-        n, load, save = code & 0xFFFF, (code >> 16) & 0xFF, (code >> 24) & 0xFF
+        n, ro, load, save = code & 0x7FFF, (code >> 15) & 1, (code >> 16) & 0xFF, (code >> 24) & 0xFF
         assert n < len(par) and n not in seen, f"plan[{i}] visits node {n} again or out of range"
         seen.add(n)
         src = held if load == 0 else (-1 if load == 1 else stack.get(load - 2, "empty"))
         assert src == par[n], f"plan[{i}]: node {n} starts from {src}, its parent is {par[n]}"
         used = max(used, load - 1)
-        held = n
+        if ro:
+            assert n not in par and save == 0, f"plan[{i}]: read-only node {n} has children or saves"
+        else:
+            held = n
         if save:
             stack[save - 1] = n
             used = max(used, save)
@@ -643,9 +650,12 @@ def test_tree_plan_many_random_trees_and_the_stack_bound(xp) -> None:
     for n in rng.integers(1, 65, size=40):
         check_plan(xp, random_tree(int(n), rng))
         check_plan(xp, np.array([-1] + [int(rng.integers(0, t)) for t in range(1, int(n))], np.int32))
-    for depth in range(1, 6):  # complete binary trees need exactly the bound: 1..5 slots for 3..63 nodes
-        par = dfs_binary(depth)
+    for depth in range(1, 6):
+        # complete binary trees whose leaves have a child each need exactly the bound: 1..5 slots for 5..95 nodes
+        par = dfs_binary(depth, tails=True)
         assert check_plan(xp, par) == depth == dn.walk_stack_slots(len(par))
+        # without the tails the last level is read-only leaves: one slot fewer
+        assert check_plan(xp, dfs_binary(depth)) == depth - 1
 
 
 def test_tree_plan_of_corrupt_lists_and_past_n_tokens(xp) -> None:
