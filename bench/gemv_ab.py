@@ -4,7 +4,8 @@ several warps x stages) and in the synthetic model's decode step and a width-23 
 ring, and ring with programmatic dependent launch, interleaved, by switching quant_gemv.RING_UP_TO and SPECSPLIT_PDL).
 Prints ratios and the fraction of the copy bandwidth each reaches.
 
-    python3 bench/gemv_ab.py [--no-matrices] [--widths 2,3,4,8] [--model PATH [--step-ab ring|small|stack|wide|dnpdl]]
+    python3 bench/gemv_ab.py [--no-matrices] [--widths 2,3,4,8]
+                             [--model PATH [--step-ab ring|small|stack|wide|dnpdl|dnsrc]]
                              [--context 512] [--json out.json]
 
 --widths: per matrix and width, the ring against v2 and the per-tile gemv (x packed with its int16 staging).
@@ -14,7 +15,8 @@ another against its later runs on a side stream (services/engine/backend.py, STA
 --step-ab wide: verify steps of 16 / 20 / 23 tokens with the wide kernel from 17 tokens on the K-quant matrices
 against the shipped crossover (quant_wide.CROSSOVER: v2 up to 24 tokens). --step-ab dnpdl: steps of 1 / 3 / 4 / 23
 tokens with a DeltaNet layer's conv, q/k norm and walk launched with PDL at every width and without it
-(kernels.deltanet.PDL, PDL_UP_TO).
+(kernels.deltanet.PDL, PDL_UP_TO). --step-ab dnsrc: steps of 1 / 16 / 23 / 41 tokens with the DeltaNet kernels built
+from kernels/deltanet.cu against those from the file $DN_BASE_SOURCE names in kernels/ (another commit's copy).
 """
 
 from __future__ import annotations
@@ -138,6 +140,10 @@ STEP_ABS = {
     # PDL_UP_TO) or never
     "dnpdl": ([("dn plain", SMALL, 3, "capture", False), ("dn pdl", SMALL, 3, "capture", True)], (1, 3, 4, 23),
               [("dn pdl", "dn plain")]),
+    # the 5th field: the DeltaNet kernels from the shipped kernels/deltanet.cu, or (False) from the file named by
+    # $DN_BASE_SOURCE in kernels/ (another commit's deltanet.cu, copied there for the run)
+    "dnsrc": ([("dn base", SMALL, 3, "capture", False), ("dn new", SMALL, 3, "capture", True)], (1, 16, 23, 41),
+              [("dn new", "dn base")]),
 }
 
 
@@ -158,7 +164,7 @@ def step(cupy, qm, qg, path: str, context: int, ab: str = "ring") -> list[dict]:
 
     shipped, q16_shipped, pdl_env = dict(qg.RING_UP_TO), qm.Q16_TOKENS, os.environ.get(loader.PDL_ENV)
     stack_shipped, wide_shipped = backend.STACK_CONCURRENT, dict(quant_wide.CROSSOVER)
-    dn_pdl_shipped = deltanet.PDL, deltanet.PDL_UP_TO
+    dn_pdl_shipped, dn_source = (deltanet.PDL, deltanet.PDL_UP_TO), deltanet.SOURCE
     rows = []
     try:
         for width in widths:
@@ -173,6 +179,8 @@ def step(cupy, qm, qg, path: str, context: int, ab: str = "ring") -> list[dict]:
                             quant_wide.CROSSOVER.update({12: 17, 14: 17})
                     elif ab == "dnpdl":
                         deltanet.PDL, deltanet.PDL_UP_TO = flag, 64
+                    elif ab == "dnsrc":
+                        deltanet.SOURCE = dn_source if flag else os.environ["DN_BASE_SOURCE"]
                     else:
                         backend.STACK_CONCURRENT = flag
                     qg.RING_UP_TO.clear()
@@ -205,6 +213,7 @@ def step(cupy, qm, qg, path: str, context: int, ab: str = "ring") -> list[dict]:
         quant_wide.CROSSOVER.clear()
         quant_wide.CROSSOVER.update(wide_shipped)
         deltanet.PDL, deltanet.PDL_UP_TO = dn_pdl_shipped
+        deltanet.SOURCE = dn_source
         if pdl_env is None:
             os.environ.pop(loader.PDL_ENV, None)
         else:
