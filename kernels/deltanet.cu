@@ -587,14 +587,22 @@ struct WalkSmem {
 // q, k: rows of Hk * DK values (row stride ld_qk), value head h reads key head h % Hk; v: rows of Hv * DV
 // (ld_v); g, beta: (T_max, Hv) f32 (ld_gb); s0: (Hv, DK, DV) f32 committed state; out: (T_max, Hv * DV) f32
 // (ld_out). Block = NW warps = NW * CW columns of one head; grid = Hv * DV / (NW * CW).
+// swap (device int, may be null): when *swap != 0 the committed state is s0 + alt and the final state goes to
+// s_final - alt. A state kept as two halves of one buffer (s0 one, s_final the other, alt the distance) then trades
+// the halves' roles at a chain's commit by flipping *swap, instead of copying the final state over the committed
+// one; the launch (and a graph that captured it) stays the same.
 // Dynamic shared memory: warps * WalkSmem::bytes(n_slots, plan ? t_max : 0).
 template <typename TIn, int DK, int CW, int D>
 __global__ void __launch_bounds__(128) gdr_tree_walk_kernel(
     const TIn* __restrict__ q, const TIn* __restrict__ k, i64 ld_qk, const TIn* __restrict__ v, i64 ld_v,
     const float* __restrict__ g, const float* __restrict__ beta, i64 ld_gb, int Hk, int Hv, int DV,
     const float* s0, const int* __restrict__ plan, const int* __restrict__ n_tokens, int t_max, int n_slots,
-    float* s_final, float* __restrict__ out, i64 ld_out) {
+    float* s_final, const int* __restrict__ swap, i64 alt, float* __restrict__ out, i64 ld_out) {
     SS_PDL_ENTRY();
+    if (swap && *swap) {  // a ping-pong state after an odd number of chain commits: the halves trade roles
+        s0 += alt;
+        if (s_final) s_final -= alt;
+    }
     typedef dn::Lanes<DK, CW> LN;
     constexpr int R = LN::R;
     typedef dn::Slot<TIn, DK, true> SL;
@@ -673,7 +681,8 @@ __global__ void __launch_bounds__(128) gdr_tree_walk_kernel(
 // as it is.
 // k: rows of Hk * DK, v: rows of Hv * DV, both views of one buffer's rows (row stride ld_kv, layer stride
 // ld_layer_kv, as the conv output rows the tree step read them from); g, beta:
-// (T_max, Hv) rows (ld_gb), layer stride ld_layer_gb; state: (Hv, DK, DV) per layer (ld_layer_state).
+// (T_max, Hv) rows (ld_gb), layer stride ld_layer_gb; state: (Hv, DK, DV) per layer (ld_layer_state); with
+// *swap != 0 (swap may be null) the state is the other half of a ping-pong pair, state + alt.
 // Dynamic shared memory: warps * CommitSmem::bytes(t_max) (a ring of D slots of k rows, the path, the parents).
 template <typename TIn, int DK, int D>
 struct CommitSmem {
@@ -686,7 +695,7 @@ __global__ void __launch_bounds__(128) gdr_commit_kernel(
     const TIn* __restrict__ k, const TIn* __restrict__ v, i64 ld_kv, i64 ld_layer_kv,
     const float* __restrict__ g, const float* __restrict__ beta, i64 ld_gb, i64 ld_layer_gb, int Hk, int Hv, int DV,
     float* __restrict__ state, i64 ld_layer_state, const int* __restrict__ parents, const int* __restrict__ accepted,
-    int t_max) {
+    int t_max, const int* __restrict__ swap, i64 alt) {
     typedef dn::Lanes<DK, CW> LN;
     constexpr int R = LN::R;
     typedef dn::Slot<TIn, DK, false> SL;
@@ -698,6 +707,7 @@ __global__ void __launch_bounds__(128) gdr_commit_kernel(
     if (h >= Hv) return;
     const int hk = h % Hk;
     const i64 layer = blockIdx.y;
+    if (swap && *swap) state += alt;  // the committed half of a ping-pong state (see gdr_tree_walk_kernel)
     k += layer * ld_layer_kv;
     v += layer * ld_layer_kv;
     g += layer * ld_layer_gb;

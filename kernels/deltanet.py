@@ -372,6 +372,8 @@ def gated_delta_tree(
     plan: Any = None,
     n_tokens: Any = None,
     final_state: Any = None,
+    alt: Any = None,
+    swap: Any = None,
     out: Any = None,
     cols_per_warp: int = DEFAULT_COLS,
     warps: int = DEFAULT_WARPS,
@@ -389,6 +391,9 @@ def gated_delta_tree(
     written, and the commit recomputes the accepted node's state (commit_replay). No parents and no plan: a chain
     (decode, prefill, a chain verify); final_state (Hv, dk, dv) float32, which may be s0 itself (an in-place
     step), receives the last token's state.
+    alt, swap: a ping-pong state (s0 and alt its two halves, final_state alt or None; swap a device int32 [1]):
+    when swap[0] != 0 the committed state is alt and a chain's final state goes to s0. A chain's commit then flips
+    swap instead of copying the final state over the committed one, and a captured launch serves both ways.
     cols_per_warp (4, 8), warps (1..4 per block): the layout (see kernels/deltanet.cu); depth: tokens whose inputs
     are in flight at once, 2..16 (a cp.async ring of `depth` token slots per warp in shared memory).
     """
@@ -434,6 +439,9 @@ def gated_delta_tree(
             raise ValueError(f"plan must be a contiguous int32 vector of at least {t_max} entries (tree_plan)")
     if final_state is not None:
         _f32(final_state, (hv, dk, dv), "final_state")
+    alt_off = _swap_offset(s0, alt, swap, "s0")
+    if swap is not None and final_state is not None and final_state.data.ptr != alt.data.ptr:
+        raise ValueError("with swap, final_state must be alt (the half a chain's final state goes to)")
     if out is None:
         out = cupy.empty((t_max, hv * dv), dtype=cupy.float32)
     out = out.reshape(int(out.shape[0]), -1) if out.ndim == 3 else out
@@ -448,8 +456,25 @@ def gated_delta_tree(
     kern((hv * dv // (cw * nw),), (32 * nw,),
          (q, k, np.int64(ld_qk), v, np.int64(ld_v), g, beta, np.int64(hv), np.int32(hk), np.int32(hv), np.int32(dv), s0,
           _null() if plan is None else plan, _n_tokens(n_tokens, t_max), np.int32(t_max), np.int32(n_slots),
-          _null() if final_state is None else final_state, out, np.int64(ld_out)), shared_mem=smem)  # fmt: skip
+          _null() if final_state is None else final_state, _null() if swap is None else swap, np.int64(alt_off), out,
+          np.int64(ld_out)), shared_mem=smem)  # fmt: skip
     return out.reshape(int(out.shape[0]), hv, dv)
+
+
+def _swap_offset(state: Any, alt: Any, swap: Any, what: str) -> int:
+    """The distance in floats from `state` to its ping-pong twin `alt` (0 without one); checks the pair."""
+    if (alt is None) != (swap is None):
+        raise ValueError("alt and swap go together (a ping-pong state and its selector)")
+    if swap is None:
+        return 0
+    if swap.dtype != np.int32 or int(swap.size) < 1:
+        raise ValueError("swap must be a device int32 array of at least one element")
+    if alt.dtype != state.dtype or alt.shape != state.shape or alt.strides != state.strides:
+        raise ValueError(f"alt must be laid out as {what}: {state.dtype} {tuple(state.shape)}")
+    diff = int(alt.data.ptr) - int(state.data.ptr)
+    if diff % 4 or abs(diff) < state.nbytes:
+        raise ValueError(f"alt must not overlap {what}")
+    return diff // 4
 
 
 # ---------------------------------------------------------------------------------------------- commit
@@ -499,6 +524,8 @@ def commit_replay(
     beta: Any,
     state: Any,
     *,
+    alt: Any = None,
+    swap: Any = None,
     cols_per_warp: int = DEFAULT_COLS,
     warps: int = DEFAULT_WARPS,
     depth: int = DEFAULT_DEPTH,
@@ -513,8 +540,11 @@ def commit_replay(
     inputs: views of the conv output rows, with the same row and layer strides); g, beta: ([L,] T_max, Hv)
     float32; state: ([L,] Hv, dk, dv) float32, each layer contiguous. cols_per_warp must be the tree step's (the
     reduction order is the layout's): the state then equals the tree step's state for that node bit for bit.
+    alt, swap: a ping-pong state (gated_delta_tree's): when swap[0] != 0 the committed state is alt (laid out as
+    state), replayed there in place.
     """
     loader.require()  # a clear error without CuPy or a GPU
+    alt_off = _swap_offset(state, alt, swap, "state")
     state, layers, s_stride = _layered(state, 3, "state")
     if state.dtype != np.float32 or not (state[0] if state.ndim == 4 else state).flags.c_contiguous:
         raise ValueError("state must be float32 with each layer contiguous")
@@ -558,7 +588,8 @@ def commit_replay(
     kern((hv * dv // (cw * nw), layers), (32 * nw,),
          (k, v, np.int64(ld_k), np.int64(lk), g, beta, np.int64(ld_g), np.int64(lg),
           np.int32(hk_dk // dk), np.int32(hv), np.int32(dv), state, np.int64(s_stride), _parents_arg(parents, t_max),
-          _accepted(accepted), np.int32(t_max)), shared_mem=smem)  # fmt: skip
+          _accepted(accepted), np.int32(t_max), _null() if swap is None else swap, np.int64(alt_off)),
+         shared_mem=smem)  # fmt: skip
 
 
 def commit(accepted: Any, parents: Any, k: Any, v: Any, g: Any, beta: Any, state: Any, raw: Any, window: Any, *,

@@ -457,6 +457,17 @@ def check_bad_inputs(xp) -> None:
         dn.gated_delta_tree(q, q, v, g, g, s0, parents=np.array([-1, 0, 0]), final_state=s0)
     with pytest.raises(ValueError, match="plan must be"):
         dn.gated_delta_tree(q, q, v, g, g, s0, plan=xp.asarray(np.zeros(2, np.int32)))
+    pair, swap = xp.asarray(np.zeros((2, 4, 128, 32), f)), xp.asarray(np.zeros(1, np.int32))
+    with pytest.raises(ValueError, match="alt and swap go together"):
+        dn.gated_delta_tree(q, q, v, g, g, pair[0], alt=pair[1])
+    with pytest.raises(ValueError, match="final_state must be alt"):
+        dn.gated_delta_tree(q, q, v, g, g, pair[0], alt=pair[1], swap=swap, final_state=pair[0])
+    with pytest.raises(ValueError, match="must not overlap"):
+        dn.gated_delta_tree(q, q, v, g, g, pair[0], alt=pair[0], swap=swap)
+    with pytest.raises(ValueError, match="laid out as s0"):
+        dn.gated_delta_tree(q, q, v, g, g, pair[0], alt=pair[1, :2], swap=swap)
+    with pytest.raises(ValueError, match="device int32"):
+        dn.gated_delta_tree(q, q, v, g, g, pair[0], alt=pair[1], swap=xp.asarray(np.zeros(1, np.int64)))
     with pytest.raises(ValueError, match="1..1024"):
         dn.tree_plan(np.full(1025, -1))
     with pytest.raises(ValueError, match="features"):
@@ -481,9 +492,9 @@ _SIGNATURES = {  # harness entry: leading (launch) parameters, then the kernel's
     "sim_norm": [I32, I32, I32, I32, I32, P, I64, I32, F32, F32, P, P, I64, P, P, I32, P, P, I64, P, I32],
     "sim_plan": [I32, I32, P, P, I32, P],
     "sim_tree_walk": [I32, I32, I32, I32, I32, I32, P, P, I64, P, I64, P, P, I64, I32, I32, I32, P, P, P, I32, I32, P,
-                      P, I64],
+                      P, I64, P, I64],
     "sim_commit_replay": [I32, I32, I32, I32, I32, I32, I32, P, P, I64, I64, P, P, I64, I64, I32, I32, I32, P, I64, P,
-                          P, I32],
+                          P, I32, P, I64],
     "sim_conv_commit": [I32, I32, I32, I32, P, I64, P, I64, I64, P, P, I32, I32],
 }
 
@@ -776,6 +787,7 @@ def test_gpu_model_deltanet_steps_and_commits_match_the_numpy_engine(xp, monkeyp
         per_token = checkpoints or not chain
         h = rng.standard_normal((T, n_embd)).astype(np.float32)
         gst.stage.h_parents[:T] = par
+        gst.stage.h_swap[0] = gst.parity
         gst.stage.upload()
         st = qwen35_gpu._Step(T=T, S=gst.n_past, parents=par, is_chain=chain, per_token=per_token, positions=None)
         qwen35_gpu.plan_tree_walk(gst, st)
@@ -801,11 +813,19 @@ def test_gpu_model_deltanet_steps_and_commits_match_the_numpy_engine(xp, monkeyp
     tree = ddtree_parents(23, rng)
     step(tree, True)
     commit(path_to(tree, int(np.flatnonzero(tree == 16)[-1])))  # a path through a side branch
-    step([-1], False)  # plain decode: the chain's final state, copied at commit
+    step([-1], False)  # plain decode: the chain's final state into the pair's other half, committed by a flip
     commit([0])
-    step(list(range(-1, 7)), True)  # a checkpointed chain: commit a prefix
+    assert gst.parity == 1
+    step([-1], False)  # plain decode from the second half: back into the first
+    commit([0])
+    step(list(range(-1, 3)), False)  # a chain without checkpoints, abandoned: the committed half stays as it was
+    gst.pending = nst.pending = None
+    step([-1], False)
+    commit([0])
+    step(list(range(-1, 7)), True)  # a checkpointed chain (on the pair's second half): commit a prefix
     commit([0, 1, 2, 3])
     step([-1], True)  # a one-node verify (one row: its row strides come from the buffer)
     commit([0])
     step(tree, True)
     commit(path_to(tree, 15))  # the top-1 chain to its end
+    assert gst.parity == 1, "a tree's commit replays in place: the pair keeps its committed half"

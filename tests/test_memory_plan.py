@@ -65,13 +65,14 @@ def test_27b_items_by_hand(q27):
     # ssm_a and ssm_dt (48 floats each); no row count needs padding to 16
     assert d.get("target weights") == 16_536_406_016 + 289 * 1024 + 48 * 2 * (512 - 192)
     assert d.get("KV cache") == 262144 * 16 * 4 * (272 + 112)        # q8_0 / tq3_0 rows of 256 values
-    assert d.get("recurrent state") == 2 * 48 * STATE_27B            # committed + a chain's final state
+    assert d.get("recurrent state") == 2 * 48 * STATE_27B            # the ping-pong pair
     # no per-node states on the GPU (a commit replays the accepted path): per node its conv output row + g, beta
     assert d.get("recurrent checkpoints") == 0
     assert d.get("recurrent replay inputs") == 48 * 23 * (10240 + 2 * 48) * 4 + 23 * 4
     assert d.get("conv windows") == 48 * (3 + 512) * 10240 * 4        # a prefill chunk's raw rows
-    # 23 logits rows, argmax ids + maxima, 5 captured layers of 23 rows; step values (256-byte spans) + commit rows
-    assert d.get("step outputs") == 23 * 248320 * 4 + 2 * 23 * 4 + 23 * 5 * 5120 * 4 + (3 * 256 + 256 + 512) + (
+    # 23 logits rows, argmax ids + maxima, 5 captured layers of 23 rows; step values (256-byte spans: tokens,
+    # positions, parents, s_len, swap, mask) + commit rows
+    assert d.get("step outputs") == 23 * 248320 * 4 + 2 * 23 * 4 + 23 * 5 * 5120 * 4 + (3 * 256 + 2 * 256 + 512) + (
         16 + 2 * 8 * 23)
     assert d.get("graph arena") == M.graph_arena_bytes(q27[0], 23, "q8_0", "tq3_0", q27[2], 132)
     assert 40 * M.MiB < d.get("graph arena") < 128 * M.MiB
@@ -98,7 +99,7 @@ def test_27b_items_by_hand(q27):
     plain = M.build_plan(cfg, w, M.PlanSettings(max_ctx=4096, device=GPU, speculative=False), None,
                          free={"cuda:0": (80 * GiB, 80 * GiB)})
     assert plain.width == 1 and plain.devices[0].get("drafter weights") == 0
-    assert plain.devices[0].get("step outputs") == 248320 * 4 + 8 + (3 * 256 + 256 + 512) + 16 + 16
+    assert plain.devices[0].get("step outputs") == 248320 * 4 + 8 + (3 * 256 + 2 * 256 + 512) + 16 + 16
     # two slots double every per-slot item; the weights and what the steps share (one at a time) stay once
     two = _plan(q27, slots=2).devices[0]
     one = _plan(q27).devices[0]

@@ -681,11 +681,11 @@ def gpu_state_bytes(cfg: ModelConfig, max_ctx: int, kv_k: str, kv_v: str, max_tr
     def span(n: int, itemsize: int) -> int:       # _StepValues: each field padded to 256 bytes
         return _round_up(n * itemsize, 256)
 
-    stage = 3 * span(max_tree, 4) + span(1, 4) + span(GPU_ATTN_TOKENS, 8) + (max_tree * cfg.n_embd * 4 if host_rows
+    stage = 3 * span(max_tree, 4) + 2 * span(1, 4) + span(GPU_ATTN_TOKENS, 8) + (max_tree * cfg.n_embd * 4 if host_rows
                                                                              else 0)
     return {
         "KV cache": kv_cache_bytes(cfg, kv_k, kv_v, max_ctx, "cuda"),
-        "recurrent state": 2 * L * st,                                  # committed, and a chain's final state
+        "recurrent state": 2 * L * st,            # a ping-pong pair: the committed half, a chain's final state
         # no per-node states: each node's conv output row and g, beta, which a commit replays (docs/gpu_deltanet.md)
         "recurrent replay inputs": (L * max_tree * (cd + 2 * cfg.ssm_n_v_heads) * 4 + max_tree * 4) if L else 0,
         "conv windows": L * ((cfg.ssm_conv_kernel - 1) + max(max_tree, GPU_RAW_ROWS)) * cd * 4 if L else 0,
@@ -858,7 +858,7 @@ def _gpu_target_items(cfg: ModelConfig, weights: WeightBytes, s: PlanSettings, w
              "stored (quantized) bytes; F16 for matrix types the kernel lacks, vectors float32"),
         Item("KV cache", n * st["KV cache"], f"{n} slot(s) x {ctx} tokens x {kv_bytes_per_token(cfg, kv_k, kv_v):g} B,"
                                              f" whole 32-row tiles ({kv_note})"),
-        Item("recurrent state", n * st["recurrent state"], f"{n_rec} DeltaNet layers x 2 (committed, final)"),
+        Item("recurrent state", n * st["recurrent state"], f"{n_rec} DeltaNet layers x 2 (a ping-pong pair)"),
         Item("recurrent replay inputs", n * st["recurrent replay inputs"],
              f"{width} nodes per layer x conv row + g, beta float32, no per-node states (a commit replays the "
              f"accepted path; {_budget_text(s, block)}{', at most 64 on the GPU' if s.speculative else ''})"),

@@ -158,7 +158,8 @@ def _embed_q4_k(cp: Any, table: Any, ids: Any) -> Any:
 class _StepValues:
     """A step's per-step values, laid out once in one device buffer and its pinned host twin, so that a step
     writes them on the host and uploads them with one copy (instead of one copy and one kernel per value):
-    [tokens | positions | parents | s_len | mask (uint64) | embedded rows, when the token table is on the host]."""
+    [tokens | positions | parents | s_len | swap | mask (uint64) | embedded rows, when the token table is on the
+    host]; swap: which half of the ping-pong DeltaNet state is the committed one (GpuSequenceState.parity)."""
 
     ALIGN = 256
 
@@ -167,7 +168,7 @@ class _StepValues:
         off = 0
         spans = {}
         for name, n, dt in (("tokens", max_tree, np.int32), ("positions", max_tree, np.int32),
-                            ("parents", max_tree, np.int32), ("s_len", 1, np.int32),
+                            ("parents", max_tree, np.int32), ("s_len", 1, np.int32), ("swap", 1, np.int32),
                             ("mask", ATTN_TOKENS, np.uint64)):
             spans[name] = (off, n, np.dtype(dt))
             off += -(-n * np.dtype(dt).itemsize // self.ALIGN) * self.ALIGN
@@ -210,8 +211,12 @@ class GpuSequenceState:
         self.slot = {layer: j for j, layer in enumerate(self.rec_layers)}
         if L:
             hv, dk, dv, cd = cfg.ssm_n_v_heads, cfg.ssm_head_k_dim, cfg.ssm_head_v_dim, cfg.ssm_conv_dim
-            self.ssm = cp.zeros((L, hv, dk, dv), cp.float32)
-            self.ssm_final = cp.zeros((L, hv, dk, dv), cp.float32)
+            # the recurrent state as a ping-pong pair: half `parity` is the committed state, the other one takes a
+            # chain step's final state, and that chain's commit flips `parity` instead of copying it back (151 MB a
+            # token at 27B shapes); the kernels read the parity from the step's and the commit's device values, so
+            # one captured launch serves both halves
+            self.ssm_pair = cp.zeros((2, L, hv, dk, dv), cp.float32)
+            self.parity = 0
             # a tree / checkpointed step's conv output rows (q | k | v, normalised) and gates (g, beta) per layer:
             # the tree step reads them, a commit replays the accepted path's k / v / g / beta from them
             # (~40 KB a node and layer at 27B shapes, against 3.1 MB for a per-node state)
@@ -248,6 +253,16 @@ class GpuSequenceState:
         if n_capture:
             self.ensure_capture(n_capture)
         graph_arena(cp).register(self)
+
+    @property
+    def ssm(self):
+        """The committed DeltaNet state, (L, Hv, dk, dv) float32 on the device: the pair's half `parity`."""
+        return self.ssm_pair[self.parity]
+
+    @property
+    def ssm_final(self):
+        """The other half: where a chain step without checkpoints writes its final state (committed by a flip)."""
+        return self.ssm_pair[1 - self.parity]
 
     def drop_graphs(self) -> None:
         """Forget every captured step and commit (their addresses are no longer valid)."""
@@ -286,7 +301,7 @@ class GpuSequenceState:
         arrays = [c.k for c in self.kv.values()] + [c.v for c in self.kv.values()]
         arrays += [self.stage.dev, self.commit_stage.dev, self.out_logits, self.out_ids, self.out_max]
         if self.rec_layers:
-            arrays += [self.ssm, self.ssm_final, self.mixed, self.gates, self.plan, self.conv, self.raw]
+            arrays += [self.ssm_pair, self.mixed, self.gates, self.plan, self.conv, self.raw]
         if self.out_captured is not None:
             arrays.append(self.out_captured)
         return sum(int(a.nbytes) for a in arrays)
@@ -305,6 +320,7 @@ class GpuSequenceState:
         self.n_past = 0
         self.pending = None
         if self.rec_layers:
+            self.parity = 0
             self.ssm.fill(0)
             self.conv.fill(0)
 
@@ -340,6 +356,7 @@ class GpuSequenceState:
                 raise ValueError("a chain forward without checkpoints can only be committed whole")
             cs = self.commit_stage
             cs.h_accepted[0] = path[-1]
+            cs.h_swap[0] = self.parity
             if moved:   # rows before `first` are already in place; from there on the path's rows move down
                 base = self.n_past
                 cs.h_dst[:moved] = np.arange(base + first, base + len(path))
@@ -354,6 +371,8 @@ class GpuSequenceState:
                 launches()     # graphs off, or a prefill chunk (a one-off shape)
             else:
                 self._capture_commit(key, launches)
+            if self.rec_layers and not p.per_token:   # the chain's final state is the committed one now
+                self.parity ^= 1
             self.n_past += len(path)
         self.pending = None
 
@@ -371,11 +390,10 @@ class GpuSequenceState:
         if self.rec_layers:
             n, kd = p.n_tokens, self.cfg.ssm_key_dim
             parents = None if p.is_chain else self.parents[:n]
-            if p.per_token:
+            if p.per_token:   # (a chain without checkpoints wrote its final state into the other half: no work)
                 dn.commit_replay(self.accepted, parents, self.mixed[:, :n, kd:2 * kd], self.mixed[:, :n, 2 * kd:],
-                                 self.gates[:, 0, :n], self.gates[:, 1, :n], self.ssm)
-            else:
-                self.ssm[...] = self.ssm_final
+                                 self.gates[:, 0, :n], self.gates[:, 1, :n], self.ssm_pair[0], alt=self.ssm_pair[1],
+                                 swap=self.commit_stage.swap)
             dn.commit_conv(self.accepted, parents, self.raw[:, :n], self.conv)
         return ()
 
@@ -404,7 +422,8 @@ class GpuSequenceState:
 
 class _CommitValues:
     """A commit's device values and their pinned twin, uploaded in one copy: the accepted node (int32, what
-    the recurrent commit kernels read) and the KV rows to move (int64 destination and source rows)."""
+    the recurrent commit kernels read), the committed half of the ping-pong DeltaNet state (swap, int32) and the KV
+    rows to move (int64 destination and source rows)."""
 
     def __init__(self, cp: Any, max_tree: int):
         self.cp = cp
@@ -413,6 +432,7 @@ class _CommitValues:
         self.host = _pinned(cp, n, np.uint8)
         self.host[...] = 0
         self.accepted, self.h_accepted = self.dev[:4].view(np.int32), self.host[:4].view(np.int32)
+        self.swap, self.h_swap = self.dev[4:8].view(np.int32), self.host[4:8].view(np.int32)
         self.dst = self.dev[16:16 + 8 * max_tree].view(np.int64)
         self.h_dst = self.host[16:16 + 8 * max_tree].view(np.int64)
         self.src = self.dev[16 + 8 * max_tree:].view(np.int64)
@@ -823,6 +843,7 @@ class Qwen35GpuModel(TargetModel):
         small = T <= state.max_tree
         depth, mask = _tree_shape(par, is_chain, T)
         st.h_s_len[0] = S
+        st.h_swap[0] = state.parity
         positions = None
         if mask is not None:
             # every step of up to ATTN_TOKENS reads its ancestor mask from the state, an eager chunk wider than the
@@ -1032,9 +1053,10 @@ class Qwen35GpuModel(TargetModel):
                                   beta=keep[2])
         # a tree walks the step's plan (_launches computed it), states it comes back to in shared memory; the
         # committed state is read only (a commit replays the accepted path), or a chain's final state is written
-        o = dn.gated_delta_tree(mixed[:, :kd], mixed[:, kd:2 * kd], mixed[:, 2 * kd:], g, beta, state.ssm[L],
+        pair = state.ssm_pair[:, L]   # [committed, other] when parity is 0, else swapped (the kernel reads swap)
+        o = dn.gated_delta_tree(mixed[:, :kd], mixed[:, kd:2 * kd], mixed[:, 2 * kd:], g, beta, pair[0],
                                 plan=None if step.is_chain else state.plan[:T],
-                                final_state=None if step.per_token else state.ssm_final[L])
+                                final_state=None if step.per_token else pair[1], alt=pair[1], swap=state.stage.swap)
         if fused:  # the output norm * silu(z) in ssm_out's pack
             return w["ssm_out"].matmul(qm.pack_activations(o.reshape(T, Hv * dv), rms_weight=w["ssm_norm"],
                                                            eps=c.rms_eps, gate=proj[:, cd:cd + Hv * dv]))
