@@ -164,58 +164,66 @@ DN_DEV int token_count(const int* n_tokens, int t_max) {
     return n < 0 ? 0 : (n > t_max ? t_max : n);
 }
 
-// One token on a lane's R rows of one state column, with a = exp(g): the delta rule's step
-// delta_j = beta (v_j - a k.S_j) and S_j <- a S_j + k delta_j, and the output q.S_j of the updated state, formed as
-// a (q.S_j) + (q.k) delta_j from products on the state before the update. The output then does not depend on the
-// update, so a tree leaf is evaluated on its parent's state without changing it (token_output: no save and
-// reload of the parent's state around it) and still equals a chain's last token bit for bit; k.S, q.S and q.k are
-// reduced together. The tree step and the commit's replay of an accepted path (state_update) form delta alike,
-// so a replayed state equals the tree step's state for that node bit for bit (same layout CW, same order).
-template <int R>
-DN_DEV float partial_dot(const float (&s)[R], const float (&x)[R]) {
-    float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-#pragma unroll
-    for (int r = 0; r < R; ++r) acc[r & 3] = fmaf(s[r], x[r], acc[r & 3]);
-    return (acc[0] + acc[1]) + (acc[2] + acc[3]);
-}
-
-template <int R>
-DN_DEV void decay_and_add(float (&s)[R], const float (&kk)[R], float a, float delta) {
-#pragma unroll
-    for (int r = 0; r < R; ++r) s[r] = fmaf(kk[r], delta, s[r] * a);
-}
-
+// One token's state update on a lane's R rows of one state column: decay, then the delta rule,
+// S_j <- a S_j + k (beta (v_j - a k.S_j)) with a = exp(g). The tree step and the commit's replay of an accepted path
+// both run it, so a replayed state equals the tree step's state for that node bit for bit (same layout CW, same
+// order).
 template <int R, int CW>
 DN_DEV void state_update(float (&s)[R], const float (&kk)[R], float v, float g, float b) {
     const float a = expf(g);
-    float ks = partial_dot(s, kk);
+    float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
 #pragma unroll
-    for (int m = CW; m < 32; m <<= 1) ks += DN_SHFL_XOR(ks, m);
-    decay_and_add(s, kk, a, b * fmaf(-a, ks, v));
-}
-
-// The token's output (reduced over the warp's row groups: every lane of the column gets it) and its a, delta.
-template <int R, int CW>
-DN_DEV float token_output(const float (&s)[R], const float (&kk)[R], const float (&qq)[R], float v, float g, float b,
-                          float& a, float& delta) {
-    a = expf(g);
-    float ks = partial_dot(s, kk), qs = partial_dot(s, qq), qk = partial_dot(kk, qq);
-#pragma unroll
-    for (int m = CW; m < 32; m <<= 1) {
-        ks += DN_SHFL_XOR(ks, m);
-        qs += DN_SHFL_XOR(qs, m);
-        qk += DN_SHFL_XOR(qk, m);
+    for (int r = 0; r < R; ++r) {
+        s[r] *= a;
+        acc[r & 3] += s[r] * kk[r];
     }
-    delta = b * fmaf(-a, ks, v);
-    return fmaf(qk, delta, a * qs);
+    float kv = (acc[0] + acc[1]) + (acc[2] + acc[3]);
+#pragma unroll
+    for (int m = CW; m < 32; m <<= 1) kv += DN_SHFL_XOR(kv, m);
+    const float delta = b * (v - kv);
+#pragma unroll
+    for (int r = 0; r < R; ++r) s[r] += kk[r] * delta;
 }
 
+// state_update, then the output q.S_j reduced over the warp's row groups (every lane of the column gets it). The
+// output's products come after the update, off the chain from one token's state to the next (a chain or a prefill
+// runs at the speed of that chain).
 template <int R, int CW>
 DN_DEV float token_update(float (&s)[R], const float (&kk)[R], const float (&qq)[R], float v, float g, float b) {
-    float a, delta;
-    const float out = token_output<R, CW>(s, kk, qq, v, g, b, a, delta);
-    decay_and_add(s, kk, a, delta);
-    return out;
+    state_update<R, CW>(s, kk, v, g, b);
+    float o[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll
+    for (int r = 0; r < R; ++r) o[r & 3] += s[r] * qq[r];
+    float ov = (o[0] + o[1]) + (o[2] + o[3]);
+#pragma unroll
+    for (int m = CW; m < 32; m <<= 1) ov += DN_SHFL_XOR(ov, m);
+    return ov;
+}
+
+// A tree leaf's output read off its parent's state without changing it: q.S_j of the updated state as
+// a (q.S_j) + (q.k) delta_j from products on the state before the update (token_update's value up to rounding; the
+// next child then still finds the parent's state in registers: no save and reload around the leaf).
+template <int R, int CW>
+DN_DEV float token_output(const float (&s)[R], const float (&kk)[R], const float (&qq)[R], float v, float g,
+                          float b) {
+    const float a = expf(g);
+    float ks[4] = {0.0f, 0.0f, 0.0f, 0.0f}, qs[4] = {0.0f, 0.0f, 0.0f, 0.0f}, qk[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+        ks[r & 3] = fmaf(s[r], kk[r], ks[r & 3]);
+        qs[r & 3] = fmaf(s[r], qq[r], qs[r & 3]);
+        qk[r & 3] = fmaf(kk[r], qq[r], qk[r & 3]);
+    }
+    float k_s = (ks[0] + ks[1]) + (ks[2] + ks[3]), q_s = (qs[0] + qs[1]) + (qs[2] + qs[3]);
+    float q_k = (qk[0] + qk[1]) + (qk[2] + qk[3]);
+#pragma unroll
+    for (int m = CW; m < 32; m <<= 1) {
+        k_s += DN_SHFL_XOR(k_s, m);
+        q_s += DN_SHFL_XOR(q_s, m);
+        q_k += DN_SHFL_XOR(q_k, m);
+    }
+    const float delta = b * fmaf(-a, k_s, v);
+    return fmaf(q_k, delta, a * q_s);
 }
 
 // global -> shared copies of 4 or 16 bytes: cp.async (sm_80+) so that loads run several tokens ahead without
@@ -481,6 +489,10 @@ namespace dn {
 constexpr int PLAN_MAX = 1024;  // nodes of a planned tree (the heavy-child key packs an index into 16 bits)
 constexpr int PLAN_HELD = 0, PLAN_S0 = 1;
 constexpr int PLAN_RO = 1 << 15, PLAN_NODE = PLAN_RO - 1;
+template <bool B>
+struct Flag {  // a compile-time bool for generic lambdas (no <type_traits> under NVRTC)
+    static constexpr bool value = B;
+};
 }  // namespace dn
 
 // One warp (blockDim.x == 32) computes the walk of the tree given by `parents` (entries outside -1..t-1 read as
@@ -637,38 +649,47 @@ __global__ void __launch_bounds__(128) gdr_tree_walk_kernel(
         }
     };
     dn::ring_start<D>(issue);
-    for (int i = 0; i < T; ++i) {
-        DN_STAMP(i, 0, s[R - 1]);
-        dn::ring_next<D>(i, issue);
-        DN_STAMP(i, 1, 0.0f);
-        const char* slot = ring + (i % D) * SL::BYTES;
-        float kk[R], qq[R];
-        SL::k_row(slot, row0, kk);
-        SL::q_row(slot, row0, qq);
-        DN_STAMP(i, 2, kk[R - 1] + qq[R - 1]);
-        const int code = plan ? pl[i] : 0;
-        const int t = node_at(i);
-        const int load = (code >> 16) & 0xFF, save = (code >> 24) & 0xFF;
-        if (load != dn::PLAN_HELD) {  // one generic load path: a stack slot (shared) or s0 (global)
-            const bool from_stack = load >= 2 && load - 2 < n_slots;
-            dn::load_rows(s, from_stack ? stack + (i64)(load - 2) * R * 32 + lane : s0 + own, from_stack ? 32 : DV);
-        }
-        DN_STAMP(i, 3, s[0] + s[R - 1]);
-        float ov;
-        if (code & dn::PLAN_RO) {  // a light leaf: its output on the held (parent's) state, which stays as it is
-            float a, delta;
-            ov = dn::token_output<R, CW>(s, kk, qq, SL::v(slot, lane, col), SL::g(slot), SL::beta(slot), a, delta);
-        } else {
-            ov = dn::token_update<R, CW>(s, kk, qq, SL::v(slot, lane, col), SL::g(slot), SL::beta(slot));
-        }
-        DN_STAMP(i, 4, ov);
-        if (save >= 1 && save - 1 < n_slots) dn::store_rows(stack + (i64)(save - 1) * R * 32 + lane, 32, s);
-        if (lane < CW) out[(i64)t * ld_out + (i64)h * DV + col] = ov;
-        DN_STAMP(i, 5, s[R - 1]);
+    // the token loop, compiled apart for a chain (no plan: no reloads, saves or read-only leaves; prefill and decode
+    // run this one, as lean as before trees had leaves) and for a planned tree
+    auto walk = [&](auto tree) {
+        constexpr bool TREE = decltype(tree)::value;
+        for (int i = 0; i < T; ++i) {
+            DN_STAMP(i, 0, s[R - 1]);
+            dn::ring_next<D>(i, issue);
+            DN_STAMP(i, 1, 0.0f);
+            const char* slot = ring + (i % D) * SL::BYTES;
+            float kk[R], qq[R];
+            SL::k_row(slot, row0, kk);
+            SL::q_row(slot, row0, qq);
+            DN_STAMP(i, 2, kk[R - 1] + qq[R - 1]);
+            const int code = TREE ? pl[i] : 0;
+            const int t = node_at(i);
+            const int load = (code >> 16) & 0xFF, save = (code >> 24) & 0xFF;
+            if (load != dn::PLAN_HELD) {  // one generic load path: a stack slot (shared) or s0 (global)
+                const bool from_stack = load >= 2 && load - 2 < n_slots;
+                dn::load_rows(s, from_stack ? stack + (i64)(load - 2) * R * 32 + lane : s0 + own,
+                              from_stack ? 32 : DV);
+            }
+            DN_STAMP(i, 3, s[0] + s[R - 1]);
+            float ov;
+            if (TREE && (code & dn::PLAN_RO)) {  // a light leaf: its output on the held (parent's) state, kept
+                ov = dn::token_output<R, CW>(s, kk, qq, SL::v(slot, lane, col), SL::g(slot), SL::beta(slot));
+            } else {
+                ov = dn::token_update<R, CW>(s, kk, qq, SL::v(slot, lane, col), SL::g(slot), SL::beta(slot));
+            }
+            DN_STAMP(i, 4, ov);
+            if (save >= 1 && save - 1 < n_slots) dn::store_rows(stack + (i64)(save - 1) * R * 32 + lane, 32, s);
+            if (lane < CW) out[(i64)t * ld_out + (i64)h * DV + col] = ov;
+            DN_STAMP(i, 5, s[R - 1]);
 #ifdef DN_TRACE
-        if (blockIdx.x == 0 && threadIdx.x == 0 && i < 256) dn_trace[i * 8 + 6] = load | (save << 8);
+            if (blockIdx.x == 0 && threadIdx.x == 0 && i < 256) dn_trace[i * 8 + 6] = load | (save << 8);
 #endif
-    }
+        }
+    };
+    if (plan)
+        walk(dn::Flag<true>());
+    else
+        walk(dn::Flag<false>());
     if (s_final && T > 0 && !plan) dn::store_rows(s_final + own, DV, s);
 }
 

@@ -29,9 +29,10 @@ PATH_TOL = 0.05     # tree forward + commit vs plain decode, both on the GPU (ot
 # replayed graph vs eager launches of the same steps: the same kernels, except that a graph's attention takes its
 # K splits from S's bucket (eager: from S) and split-K matmuls add with atomics, so sums round in another order.
 # Measured on an H200 (2026-11-21): 0.0044 over the script's 17 outputs (a first guess of 2e-3 failed there); on an
-# H100 (2026-11-26, the same in three runs, so the launches' rounding is deterministic): 0.0091, and 0.0109 once the
-# DeltaNet walk computed a token's output from the state before its update (same math, other roundings). 0.02: ~2x
-# the largest measured, 2.5x below LOGIT_TOL (GPU vs NumPy); a graph replaying stale positions or lengths is O(1) off.
+# H100 (2026-11-26, the same in three runs, so the launches' rounding is deterministic): 0.0091, and 0.0109 with a
+# DeltaNet walk that formed every token's output from the state before its update (same math, other roundings; only
+# read-only leaves do that now). 0.02: ~2x the largest measured, 2.5x below LOGIT_TOL (GPU vs NumPy); a graph
+# replaying stale positions or lengths is O(1) off.
 GRAPH_TOL = 0.02
 TQ3_TOL = 0.8       # GPU vs NumPy, same TQ3_0 KV types (see above: 3.3x the 0.240 measured, below TQ3 vs f32)
 TQ3_PATH_TOL = 1.0  # tree + commit vs plain decode with TQ3_0 KV (2.9x the 0.344 measured; a broken commit: 6.6)
