@@ -681,8 +681,9 @@ def gpu_state_bytes(cfg: ModelConfig, max_ctx: int, kv_k: str, kv_v: str, max_tr
     def span(n: int, itemsize: int) -> int:       # _StepValues: each field padded to 256 bytes
         return _round_up(n * itemsize, 256)
 
-    stage = 3 * span(max_tree, 4) + 2 * span(1, 4) + span(GPU_ATTN_TOKENS, 8) + (max_tree * cfg.n_embd * 4 if host_rows
-                                                                             else 0)
+    # tokens, positions, parents; s_len, swap; the mask rows; the embedded rows when the token table is on the host
+    stage = 3 * span(max_tree, 4) + 2 * span(1, 4) + span(GPU_ATTN_TOKENS, 8)
+    stage += max_tree * cfg.n_embd * 4 if host_rows else 0
     return {
         "KV cache": kv_cache_bytes(cfg, kv_k, kv_v, max_ctx, "cuda"),
         "recurrent state": 2 * L * st,            # a ping-pong pair: the committed half, a chain's final state
