@@ -307,7 +307,8 @@ def walk_path(xp, inputs, s0, path, **layout) -> tuple[np.ndarray, np.ndarray]:
 def check_walk(xp, rng, parents, Hk: int, Hv: int, dk: int, dv: int, f16: bool = False, cols_per_warp: int = 8,
                warps: int = 2, depth: int = 8, decay: float = 0.5, explicit_plan: bool = False,
                portable: bool = False) -> None:  # fmt: skip
-    """The walk against the token loop, and bit for bit each root -> leaf path run as a chain (walk_path)."""
+    """The walk against the token loop, and each root -> leaf path run as a chain (walk_path): bit for bit but for a
+    read-only leaf's output (check_walk_on_path)."""
     from kernels import deltanet as dn
 
     T = len(parents)
@@ -344,10 +345,10 @@ def check_commit_replay(xp, rng, parents, Hk: int, Hv: int, dk: int, dv: int, L:
     """Every accepted path of a tree (or the nodes in `accepted`), committed by replay (commit: state + conv
     window, all layers in one launch each): the state within TOL_RULE of SequenceState.commit over the token
     loop's states (float64) and bit for bit the final state of the path run as a chain (walk_path), whose
-    outputs are the tree walk's on the path bit for bit (the replay is the tree step's state of that node); the
-    window bit-exact; nothing accepted (-1) or an index past T_max leaves both as they were. chain: the commit
-    gets no parent list (a chain verify). device_parents: the list the device gets instead of `parents` (a
-    corrupt one: read clamped)."""
+    outputs are the tree walk's on the path (bit for bit but for a read-only leaf's; the replay is the tree step's
+    state of that node); the window bit-exact; nothing accepted (-1) or an index past T_max leaves both as they
+    were. chain: the commit gets no parent list (a chain verify). device_parents: the list the device gets instead
+    of `parents` (a corrupt one: read clamped)."""
     from kernels import deltanet as dn
     from services.engine.state import PendingStep, SequenceState  # needs gguf (kv cache codecs): imported here
 
