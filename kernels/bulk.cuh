@@ -1,8 +1,7 @@
 // Shared-memory addresses, mbarriers and bulk copies (sm_90: cp.async.bulk global -> shared, completing on an
 // mbarrier), shared by the v2 / wide product kernels (quant_matmul.cu) and the gemv ring kernel (quant_gemv.cu). The
-// includer defines SS_PTX first (1: inline
-// PTX allowed); SS_BULK = 1 where the bulk copies exist, else the kernels take their portable paths.
-// kernels/loader.py pastes this file in place of its #include.
+// includer defines SS_PTX first (1: inline PTX allowed); SS_BULK = 1 where the bulk copies exist, else the kernels
+// take their portable paths. kernels/loader.py pastes this file in place of its #include.
 #ifndef SPECSPLIT_BULK_CUH
 #define SPECSPLIT_BULK_CUH
 
