@@ -15,7 +15,8 @@ engine's BudgetTuner and its pause rule, fed the replayed times), and an oracle 
 (dynamic programming over positions: the best any scheduler of this drafter can do at these costs). Costs: the
 tuner's calibration on this machine (verify at each width, a plain step; the drafter pass and top-k timed here),
 or `--costs` a JSON object with "verify_ms" {width: ms}, "draft_ms" and "plain_ms" (the `auto:` line that
-bench/spec_cpu.py prints has that form: the tuner's in-loop view). `--verify-scale`/`--draft-scale` multiply them
+bench/spec_cpu.py prints has that form: the tuner's in-loop view), optionally "widths" (a GPU target's graph
+widths, `verify_widths`, which `auto` keeps to). `--verify-scale`/`--draft-scale` multiply them
 (what-if: how cheap must a verify or a draft be for 2x).
 """
 
@@ -31,7 +32,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from services.engine.budget import PLAIN_PAUSE, BudgetTuner  # noqa: E402
+from services.engine.budget import BudgetTuner  # noqa: E402
 from services.engine.ddtree import DraftTree, build_ddtree  # noqa: E402
 from services.engine.sampling import SamplingParams  # noqa: E402
 from services.engine.speculative import TREE_TOPK, LocalProposer, walk_tree  # noqa: E402
@@ -71,9 +72,10 @@ def collect(target, drafter, prompts: list[list[int]], max_tokens: int, budget: 
 
 
 class Costs:
-    def __init__(self, verify_ms: dict, draft_ms: float, plain_ms: float):
+    def __init__(self, verify_ms: dict, draft_ms: float, plain_ms: float, widths=None):
         self.verify_ms = {int(w): float(v) for w, v in verify_ms.items()}
         self.draft_ms, self.plain_ms = float(draft_ms), float(plain_ms)
+        self.widths = tuple(int(w) for w in widths) if widths else None     # a GPU target's graph widths
         xs = np.array(sorted(self.verify_ms), np.float64)
         self._xs, self._ys = xs, np.maximum.accumulate(np.array([self.verify_ms[int(x)] for x in xs]))
 
@@ -81,7 +83,8 @@ class Costs:
         return float(np.interp(width, self._xs, self._ys))
 
     def scaled(self, verify: float = 1.0, draft: float = 1.0) -> Costs:
-        return Costs({w: v * verify for w, v in self.verify_ms.items()}, self.draft_ms * draft, self.plain_ms)
+        return Costs({w: v * verify for w, v in self.verify_ms.items()}, self.draft_ms * draft, self.plain_ms,
+                     self.widths)
 
 
 def measure_costs(target, drafter, prompts: list[list[int]], max_tokens: int) -> Costs:
@@ -120,8 +123,8 @@ def replay_auto(curves: dict, costs: Costs) -> float:
     t = n = 0.0
     for acc, logw in _prompts(curves):
         tuner = BudgetTuner({w: v / 1e3 for w, v in costs.verify_ms.items()}, max_budget=MAX_BUDGET,
-                            plain_s=costs.plain_ms / 1e3)
-        i, plain_left, pause = 0, 0, PLAIN_PAUSE[0]
+                            plain_s=costs.plain_ms / 1e3, widths=costs.widths)
+        i, plain_left, pause = 0, 0, 0
         while i < len(acc):
             if plain_left > 0:
                 plain_left -= 1
@@ -193,7 +196,7 @@ def main() -> int:
     if args.costs:
         with open(args.costs) as f:
             c = json.load(f)
-        costs = Costs(c["verify_ms"], c["draft_ms"], c["plain_ms"])
+        costs = Costs(c["verify_ms"], c["draft_ms"], c["plain_ms"], c.get("widths"))
     else:
         costs = measure_costs(target, drafter, prompts[:4], args.max_tokens)
     costs = costs.scaled(args.verify_scale, args.draft_scale)

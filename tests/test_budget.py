@@ -4,6 +4,7 @@ the acceptance it observes, and auto-budget speculative decoding stays lossless.
 import numpy as np
 import pytest
 
+from services.engine import budget as B
 from services.engine.budget import BudgetTuner, measure_verify_costs
 from services.engine.ddtree import build_ddtree
 from services.engine.generate import generate
@@ -113,6 +114,30 @@ def test_the_tuner_says_whether_a_step_paid():
     assert unknown.step_paid
 
 
+def test_a_step_that_did_not_pay_pauses_for_what_it_lost():
+    """The pause after a drafted step that did not pay: PAUSE_PER_LOST_STEP times the plain steps it lost, doubling
+    while the next drafts still do not pay, at most PLAIN_PAUSE_MAX; none after a step that paid or was expected to,
+    or that lost too little to count."""
+    rng = np.random.default_rng(6)
+    tree = _tree(rng, sharp=0.5)
+    t = BudgetTuner({1: 1.0, 65: 1.1}, max_budget=64, plain_s=1.0)
+    t.drafting_pays = False
+    t.observe(tree, 4, accepted=0, verify_s=1.0, draft_s=1.0)         # 2 plain steps' time for 1 token: lost 1
+    assert not t.step_paid and t.step_loss == pytest.approx(1.0)
+    assert t.pause_after_step(0) == (round(B.PAUSE_PER_LOST_STEP), round(B.PAUSE_PER_LOST_STEP))
+    assert t.pause_after_step(5) == (10, 10)                          # the next one after a pause: doubled
+    assert t.pause_after_step(12) == (B.PLAIN_PAUSE_MAX, B.PLAIN_PAUSE_MAX)
+    t.observe(tree, 4, accepted=0, verify_s=0.6, draft_s=0.5)         # lost 0.1 plain steps: not worth a pause
+    assert t.pause_after_step(0) == (0, 0)
+    t.observe(tree, 4, accepted=0, verify_s=4.0, draft_s=1.0)         # lost 4: 12 plain steps
+    assert t.pause_after_step(0) == (12, 12)
+    t.drafting_pays = True                                            # expected to pay: no pause, and reset
+    assert t.pause_after_step(12) == (0, 0)
+    t.drafting_pays = False
+    t.observe(tree, 4, accepted=2, verify_s=1.0, draft_s=1.0)         # 3 tokens in 2 plain steps' time: paid
+    assert t.step_paid and t.step_loss < 0 and t.pause_after_step(8) == (0, 0)
+
+
 def test_one_slow_step_does_not_steer_the_tuner():
     """A request's first draft may capture CUDA graphs (tens of times a replay); an average seeded by it kept the
     drafter looking too dear for dozens of steps. The running times are medians of recent steps: the next
@@ -149,7 +174,7 @@ def test_plain_pauses_stay_lossless_and_keep_the_drafter_context(tiny_pair):
     spec = speculative_generate(lt.model, LocalProposer(drafter), prompt, 40, spec=SpecConfig.auto(tuner))
     assert spec.token_ids == plain.token_ids
     s = spec.spec
-    # drafted once, paused 8 plain steps, drafted again, paused 16, 16, ... (every draft still too dear)
+    # drafted once, paused 16 plain steps (the most: each draft loses ~1e8 plain steps), drafted again, ...
     assert s["steps"] >= 2 and s["plain_steps"] >= 8 + 16 and s["tuner"]["plain_steps"] == s["plain_steps"]
     assert s["steps"] + s["plain_steps"] < len(plain.token_ids)        # and drafts still committed > 1 token
     # a second request starts by drafting again (its own pause), on the same tuner
@@ -185,8 +210,6 @@ def test_preferred_widths_limit_the_choice():
 def test_measure_keeps_trees_within_the_preferred_widths(monkeypatch):
     """A GPU model's graph buckets end at 64 tokens: the tuner is measured and chooses within them (a 65-token
     verify would run as eager chunks, ~20x the time), whatever budget the caller allows."""
-    from services.engine import budget as B
-
     seen = {}
 
     def fake_costs(target, widths):

@@ -104,11 +104,15 @@ def _plain_step(target, state, context: int, reps: int) -> float:
 # burst of load) must not steer the next dozens of choices, as it did through an exponential average seeded by it.
 WINDOW = 16
 
-# Plain steps before the drafter is tried again: at first, at most (doubling meanwhile). The cap trades the cost of
-# re-measuring drafts where the drafter never pays against how late a stretch where it does (a repeated block
-# of code) is noticed: replayed over the 32 held-out prompts of the embedded pair at this CPU's measured costs
-# (bench/spec_replay.py, docs/benchmarks.md), a cap of 16 gained ~6 % over 64, and 8 or 12 about as much.
-PLAIN_PAUSE = (8, 16)
+# After a drafted step that did not pay, plain steps before the drafter is tried again: PAUSE_PER_LOST_STEP times the
+# plain steps that step lost (its time in plain steps minus the tokens it committed), doubling while each re-measuring
+# draft still does not pay, at most PLAIN_PAUSE_MAX. Scaled by the loss, a probe of a drafter that does not pay costs
+# a third of the plain run after it (less as pauses double) on any hardware: a drafted step of the embedded pair costs
+# ~3 plain steps on the CPU (pauses of ~7) and ~1.7 on a GPU (pauses of ~2), where a fixed 8 kept the drafter idle
+# through stretches it would have paid in. Replayed over the 32 held-out prompts (bench/spec_replay.py,
+# docs/benchmarks.md): at the CPU's costs within 1 % of the fixed 8 -> 16 it replaces, at an H100's +5 %.
+PAUSE_PER_LOST_STEP = 3.0
+PLAIN_PAUSE_MAX = 16
 
 
 @dataclass
@@ -126,9 +130,10 @@ class BudgetTuner:
     plain_s: float = 0.0
     plain_steps: int = 0                    # steps decoded without the drafter because it did not pay (stats)
     # whether the last chosen tree was expected to beat a plain step, and whether the last observed step did (both
-    # False: the caller pauses the drafter)
+    # False: the caller pauses the drafter); what the last step lost against plain steps, in plain steps (<= 0: none)
     drafting_pays: bool = True
     step_paid: bool = True
+    step_loss: float = 0.0
     # verify widths (nodes + root) the target prefers, e.g. a GPU model's graph buckets (each distinct width is a CUDA
     # graph captured per pooled state); None: any width
     widths: tuple[int, ...] | None = None
@@ -143,6 +148,11 @@ class BudgetTuner:
         self._draft_obs: deque[float] = deque([self.draft_s] if self.draft_s > 0 else [], maxlen=WINDOW)
         self._plain_obs: deque[float] = deque([self.plain_s] if self.plain_s > 0 else [], maxlen=WINDOW)
         self._scale_obs: deque[float] = deque([self.scale], maxlen=WINDOW)
+        # the measured curve at every width a choice can ask for (choose runs on the host between two device passes)
+        self._ys = np.maximum.accumulate(np.array([self.verify_costs[int(w)] for w in self._widths]))
+        self._table = self._base_cost(np.arange(self.max_budget + 2))
+        self._allowed = (np.isin(np.arange(1, self.max_budget + 1) + 1, np.asarray(self.widths))
+                         if self.widths else None)
 
     @classmethod
     def measure(cls, target, max_budget: int = 64) -> BudgetTuner:
@@ -170,9 +180,7 @@ class BudgetTuner:
 
     def _base_cost(self, width: int | np.ndarray) -> np.ndarray:
         """Piecewise linear between measured widths, linear beyond."""
-        xs = self._widths
-        # a wider verify never costs less than a narrower one: timing noise must not make it look so
-        ys = np.maximum.accumulate(np.array([self.verify_costs[int(w)] for w in xs]))
+        xs, ys = self._widths, self._ys     # ys: a wider verify never costs less (timing noise must not say so)
         w = np.asarray(width, dtype=np.float64)
         if len(xs) == 1:
             return ys[0] * np.maximum(w, 1) / xs[0]
@@ -188,12 +196,13 @@ class BudgetTuner:
         p = np.minimum(1.0, self.kappa * np.exp(tree.logw[:n]))
         gain = 1.0 + np.cumsum(p)                         # expected tokens committed with b = 1..n nodes
         b = np.arange(1, n + 1)
-        if self.widths:
+        if self._allowed is not None:
             # only the preferred widths (a prefix of the best-first tree stays a valid tree at any size); a tree
             # narrower than every one of them is verified whole
-            ok = np.isin(b + 1, np.asarray(self.widths)) | (b == n)
+            ok = self._allowed[:n].copy()
+            ok[-1] = True
             gain, b = gain[ok], b[ok]
-        rate = gain / (self.draft_s + self.cost(b + 1))
+        rate = gain / (self.draft_s + self.scale * self._table[b + 1])
         best = int(np.argmax(rate))
         # A drafter not accepted for enough to pay for itself and the wider verify: the caller takes plain steps
         # for a while (this tree is verified anyway: its draft is paid for), then drafts again to re-measure.
@@ -203,7 +212,8 @@ class BudgetTuner:
     def observe(self, tree: DraftTree, kept: int, accepted: int, verify_s: float, draft_s: float) -> None:
         """Fold one step in: accepted drafted tokens vs predicted, and the times it took; `step_paid` says whether
         this step committed its tokens faster than plain steps would have."""
-        self.step_paid = not (self.plain_s > 0 and (accepted + 1) * self.plain_s < verify_s + draft_s)
+        self.step_loss = (verify_s + draft_s) / self.plain_s - (accepted + 1) if self.plain_s > 0 else 0.0
+        self.step_paid = self.step_loss <= 0
         predicted = float(np.exp(tree.logw[:kept]).sum()) if kept else 0.0
         a = self.ema
         self._pred = (1 - a) * self._pred + a * predicted
@@ -214,19 +224,21 @@ class BudgetTuner:
             self._draft_obs.append(draft_s)
             self.draft_s = statistics.median_low(self._draft_obs)
         # drift (contention, clocks, longer contexts) scales the whole measured curve
-        predicted_s = float(self._base_cost(kept + 1))
+        predicted_s = float(self._table[kept + 1]) if kept + 1 < len(self._table) else float(self._base_cost(kept + 1))
         if predicted_s > 0 and verify_s > 0:
             self._scale_obs.append(float(np.clip(verify_s / predicted_s, 0.1, 10.0)))
             self.scale = statistics.median_low(self._scale_obs)
         self.chosen[kept] = self.chosen.get(kept, 0) + 1
 
-    def pause_after_step(self, pause: int) -> tuple[int, int]:
-        """After a drafted step (choose, then observe): the plain steps to take now, and the pause to take after
-        the next drafted step that does not pay. `pause`: the one this step would take. A step pays when its tree
-        was expected to (drafter confidence) or it did (the tokens it committed)."""
+    def pause_after_step(self, last: int) -> tuple[int, int]:
+        """After a drafted step (choose, then observe): the plain steps to take now, and what to pass for `last` after
+        the next drafted step. `last`: the pause taken before this step (0: none). A step pays when its tree was
+        expected to (drafter confidence) or it did (the tokens it committed); one that did not pauses the drafter for
+        PAUSE_PER_LOST_STEP times the plain steps it lost, or twice the last pause, at most PLAIN_PAUSE_MAX."""
         if self.drafting_pays or self.step_paid:
-            return 0, PLAIN_PAUSE[0]
-        return pause, min(2 * pause, PLAIN_PAUSE[1])
+            return 0, 0
+        pause = min(PLAIN_PAUSE_MAX, max(int(round(PAUSE_PER_LOST_STEP * self.step_loss)), 2 * last))
+        return pause, pause
 
     def snapshot(self) -> dict:
         return {"kappa": round(self.kappa, 4), "draft_ms": round(self.draft_s * 1e3, 3),

@@ -86,43 +86,49 @@ def build_ddtree(top_ids: np.ndarray, top_logp: np.ndarray, budget: int, chain_s
     Heap entries are (logw, depth, rank, parent): node candidates not yet taken.
     """
     L, K = top_ids.shape
+    if budget <= 0 or L == 0:
+        return DraftTree(np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros(0))
+    # Python lists and floats: indexing NumPy scalars cost more than the heap itself (a 64-node tree is built every
+    # step of `--budget auto`, on the host, between two device passes); float64 sums also for float32 inputs
+    ids = np.asarray(top_ids).tolist()
+    lp = np.asarray(top_logp, dtype=np.float64).tolist()
     tokens: list[int] = []
     parents: list[int] = []
     depths: list[int] = []
     logws: list[float] = []
-    heap: list[tuple[float, int, int, int, int]] = []
-    counter = 0
+    heap: list[tuple[float, int, int, int, int]] = []     # (-logw, insertion order, depth, rank, parent)
+    push, pop, counter = heapq.heappush, heapq.heappop, 0
 
-    def push(logw: float, depth: int, rank: int, parent: int) -> None:
-        nonlocal counter
-        heapq.heappush(heap, (-logw, counter, depth, rank, parent))
-        counter += 1
-
-    def add(depth: int, rank: int, parent: int, logw: float) -> int:
-        tokens.append(int(top_ids[depth - 1, rank]))
-        parents.append(parent)
-        depths.append(depth)
-        logws.append(logw)
-        return len(tokens) - 1
-
-    if budget <= 0 or L == 0:
-        return DraftTree(np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros(0))
     if chain_seed:
         prev, logw = -1, 0.0
         for d in range(1, min(L, budget) + 1):
+            row = lp[d - 1]
             if K > 1:
-                push(logw + top_logp[d - 1, 1], d, 1, prev)
-            logw += float(top_logp[d - 1, 0])
-            prev = add(d, 0, prev, logw)
+                push(heap, (-(logw + row[1]), counter, d, 1, prev))
+                counter += 1
+            logw += row[0]
+            tokens.append(ids[d - 1][0])
+            parents.append(prev)
+            depths.append(d)
+            logws.append(logw)
+            prev = len(tokens) - 1
     else:
-        push(float(top_logp[0, 0]), 1, 0, -1)
+        push(heap, (-lp[0][0], 0, 1, 0, -1))
+        counter = 1
     while heap and len(tokens) < budget:
-        neg, _, depth, rank, parent = heapq.heappop(heap)
+        neg, _, depth, rank, parent = pop(heap)
         logw = -neg
-        node = add(depth, rank, parent, logw)
+        tokens.append(ids[depth - 1][rank])
+        parents.append(parent)
+        depths.append(depth)
+        logws.append(logw)
+        node = len(tokens) - 1
+        row = lp[depth - 1]
         if rank + 1 < K:
-            push(logw - top_logp[depth - 1, rank] + top_logp[depth - 1, rank + 1], depth, rank + 1, parent)
+            push(heap, (-(logw - row[rank] + row[rank + 1]), counter, depth, rank + 1, parent))
+            counter += 1
         if depth < L:
-            push(logw + top_logp[depth, 0], depth + 1, 0, node)
+            push(heap, (-(logw + lp[depth][0]), counter, depth + 1, 0, node))
+            counter += 1
     return DraftTree(np.array(tokens, np.int64), np.array(parents, np.int64), np.array(depths, np.int64),
                      np.array(logws))

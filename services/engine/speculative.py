@@ -16,7 +16,7 @@ from typing import Protocol
 
 import numpy as np
 
-from .budget import PLAIN_PAUSE, BudgetTuner
+from .budget import BudgetTuner
 from .ddtree import DraftTree, build_chain, build_ddtree, topk_logprobs
 from .errors import SpecsplitError
 from .generate import GenerationResult, check_request, prefill
@@ -277,10 +277,9 @@ def _spec_loop(target: TargetModel, proposer: Proposer | None, prompt_ids: Seque
     chunk, done = emit([root])
     yield chunk
     step = 0
-    # `--budget auto` pauses a drafter that does not pay for plain steps, per request: PLAIN_PAUSE[0] steps,
-    # doubling (up to PLAIN_PAUSE[1]) while the re-measuring draft after each pause still does not pay
-    # (BudgetTuner.pause_after_step)
-    plain_left, pause = 0, PLAIN_PAUSE[0]
+    # `--budget auto` pauses a drafter that does not pay for plain steps, per request, for as long as the step that
+    # did not pay says (BudgetTuner.pause_after_step; `pause`: the last pause taken, 0 = none)
+    plain_left, pause = 0, 0
     # a GPU state holds checkpoints for max_tree tokens (the verifier's planned width): no verify is wider
     widest = getattr(state, "max_tree", None)
     while not done:
