@@ -141,7 +141,7 @@ def main() -> int:
     # Prompt by prompt, plain and every mode in turn: load elsewhere on the machine then falls on all modes
     # alike instead of on whichever mode happened to run during a busy minute.
     modes = args.budgets.split(",")
-    tuner = BudgetTuner.measure(target.model) if "auto" in modes else None
+    tuner = BudgetTuner.measure(target.model, capture=drafter.target_layer_ids) if "auto" in modes else None
     def make_specs(t):
         return {b: SpecConfig.auto(t) if b == "auto" else SpecConfig(budget=None if b == "chain" else int(b))
                 for b in modes}

@@ -62,7 +62,7 @@ def main(argv: list[str] | None = None) -> int:
     tok = target.tokenizer
     prompts = [tok.encode(p) for p in heldout_prompts()[: args.n_prompts]]
     if args.budget == "auto":
-        spec = SpecConfig.auto(BudgetTuner.measure(target.model))
+        spec = SpecConfig.auto(BudgetTuner.measure(target.model, capture=placed.drafter.target_layer_ids))
     else:
         spec = SpecConfig(budget=None if args.budget == "chain" else int(args.budget))
     for p in prompts[:2]:  # warm-up: kernel builds, graph captures

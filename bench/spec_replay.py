@@ -92,7 +92,7 @@ def measure_costs(target, drafter, prompts: list[list[int]], max_tokens: int) ->
     drift it observed, the running drafter pass (append, block, logits) and plain step."""
     from services.engine.speculative import SpecConfig, speculative_generate
 
-    tuner = BudgetTuner.measure(target)
+    tuner = BudgetTuner.measure(target, capture=drafter.target_layer_ids)
     for ids in prompts:
         speculative_generate(target, LocalProposer(drafter), ids, max_tokens, spec=SpecConfig.auto(tuner))
     snap = tuner.snapshot()

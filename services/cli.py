@@ -103,7 +103,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
         elif args.budget == "auto":
             from .engine.budget import BudgetTuner
 
-            spec = SpecConfig.auto(BudgetTuner.measure(target.model, min(AUTO_MAX_BUDGET, width - 1)))
+            spec = SpecConfig.auto(BudgetTuner.measure(target.model, min(AUTO_MAX_BUDGET, width - 1),
+                                                       capture=loaded.drafter.target_layer_ids))
         else:
             spec = SpecConfig(budget=args.budget)
         res = speculative_generate(target.model, proposer, prompt_ids, args.max_tokens, params, spec,

@@ -212,12 +212,12 @@ def test_measure_keeps_trees_within_the_preferred_widths(monkeypatch):
     verify would run as eager chunks, ~20x the time), whatever budget the caller allows."""
     seen = {}
 
-    def fake_costs(target, widths):
+    def fake_costs(target, widths, **kw):
         seen["widths"] = tuple(widths)
         return {w: 1e-3 * (1 + w / 64) for w in widths}
 
     monkeypatch.setattr(B, "measure_verify_costs", fake_costs)
-    monkeypatch.setattr(B, "measure_plain_step", lambda target: 1e-3)
+    monkeypatch.setattr(B, "measure_plain_step", lambda target, **kw: 1e-3)
 
     class GpuLike:
         verify_widths = (2, 4, 8, 12, 16, 20, 24, 32, 48, 64)
@@ -226,3 +226,59 @@ def test_measure_keeps_trees_within_the_preferred_widths(monkeypatch):
     assert t.max_budget == 63 and max(seen["widths"]) == 64 and t.widths == GpuLike.verify_widths
     t = BudgetTuner.measure(object(), max_budget=64)          # no preferred widths: as asked
     assert t.max_budget == 64 and max(seen["widths"]) == 65 and t.widths is None
+
+
+def test_calibration_runs_the_loops_steps_on_every_pooled_state(tiny_pair):
+    """The tuner measures the steps the speculative loop takes (DDTree-shaped, capturing the drafter's layers: on a
+    GPU each is another graph than a chain or a step without them), on as many pooled states as the target hands
+    out at once (a serving process's slots, so that every slot's state holds the graphs of the widths the tuner may
+    choose), each given back; a target without a pool is measured once on a new state."""
+    _, gguf, drafter_dir = tiny_pair
+    lt = load_target(gguf)
+    layers = list(load_drafter(drafter_dir, lt.model).target_layer_ids)
+
+    class Pooled:       # a GPU target's pool of `n` states (an acquired state starts empty, as there)
+        def __init__(self, model, n):
+            self.model, self.cfg = model, model.cfg
+            self.pool, self.slot_of, self.seen = list(range(n)), {}, []
+
+        def acquire_state(self, n_ctx):
+            st = self.model.new_state(n_ctx)
+            self.slot_of[id(st)] = self.pool.pop()
+            return st
+
+        def release_state(self, st):
+            self.pool.append(self.slot_of.pop(id(st)))
+
+        def forward(self, state, tokens, parents=None, capture=(), checkpoints=False, logits="all"):
+            chain = parents is None or list(parents) == list(range(-1, len(tokens) - 1))
+            self.seen.append((self.slot_of.get(id(state), id(state)), len(tokens), tuple(capture), chain))
+            return self.model.forward(state, tokens, parents, capture=capture, checkpoints=checkpoints,
+                                      logits=logits)
+
+    target = Pooled(lt.model, 2)
+    t = BudgetTuner.measure(target, max_budget=16, capture=layers, states=2)
+    assert sorted(target.pool) == [0, 1] and not target.slot_of         # every state given back
+    steps = [s for s in target.seen if s[1] < 64]                       # (the 64-token contexts before them)
+    assert {s[0] for s in steps} == {0, 1}                              # both pooled states measured
+    assert all(s[2] == tuple(layers) for s in steps)                    # with the drafter's layers
+    assert {s[1] for s in steps} >= {1, 2, 4, 8, 16, 17} and t.plain_s > 0 and t.max_budget == 16
+    # shaped as auto's trees: a prefix of up to the drafter's chain (16 with the root) is a chain, wider ones trees
+    assert all(s[3] == (s[1] <= 16) for s in steps)
+
+    class Unpooled:
+        cfg = lt.cfg
+
+        def __init__(self):
+            self.made, self.seen, self.slot_of = 0, [], {}
+
+        def new_state(self, n_ctx):
+            self.made += 1
+            return lt.model.new_state(n_ctx)
+
+        forward = Pooled.forward
+        model = lt.model
+
+    plain = Unpooled()
+    measure_verify_costs(plain, widths=(1, 4), context=8, reps=1, capture=layers, states=3)
+    assert plain.made == 1 and len({s[0] for s in plain.seen}) == 1

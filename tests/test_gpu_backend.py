@@ -108,6 +108,41 @@ def test_plain_requests_reuse_pooled_states():
 
 
 @needs_gpu
+def test_budget_calibration_leaves_every_slot_the_verify_graphs_it_may_choose():
+    """`--budget auto` measures its verify widths as the speculative loop runs them (capturing the drafter's
+    feature layers) on every pooled state of a serving process (its slots): each state then holds those graphs,
+    and speculative requests capture no verify graph of a width the tuner may choose (a capture cost ~10 ms a width
+    on this pair, mid-request)."""
+    from services.engine.budget import BudgetTuner
+    from services.engine.default_model import default_model_paths
+    from services.engine.models.qwen35_gpu import load_gpu_target
+    from services.engine.placement import load_drafter_on, reserve_serving
+    from services.engine.speculative import AUTO_MAX_BUDGET, SpecConfig, speculative_generate
+
+    _, _, ids, draft_path = models()
+    gpu = load_gpu_target(default_model_paths()[0], 0, with_tokenizer=False).model   # its own pool and graphs
+    placed = load_drafter_on(draft_path, gpu, "cuda:0")
+    layers = tuple(placed.drafter.target_layer_ids)
+    width = reserve_serving(gpu, placed.drafter, 2, 512, AUTO_MAX_BUDGET, True, len(layers), "cuda:0")
+    tuner = BudgetTuner.measure(gpu, min(AUTO_MAX_BUDGET, width - 1), capture=layers, states=2)
+    widths = set(tuner.verify_costs)
+
+    def verify_graphs(st):   # widths of the state's graphs of checkpointed steps capturing the drafter's layers
+        return {k[0] for k in st.graphs if k[2] and k[4] == layers}
+
+    pool = list(gpu._state_pool)
+    assert len(pool) == 2 and all(verify_graphs(st) >= widths for st in pool)
+    before = {id(st): set(st.graphs) for st in pool}
+    spec = SpecConfig.auto(tuner)
+    for n in (24, 40):
+        out = speculative_generate(gpu, placed.new_proposer(), ids, n, spec=spec)
+        assert out.spec["steps"] >= 1
+    for st in gpu._state_pool:
+        new = set(st.graphs) - before[id(st)]
+        assert not {k for k in new if k[2] and k[4] == layers and k[0] in widths}, new
+
+
+@needs_gpu
 def test_chunk_wider_than_the_planned_width_matches_numpy():
     """A prompt chunk wider than a state's planned width (plain decoding plans 1 token, budget 22 plans 23) but of at
     most 64 tokens runs eagerly, outside the graphs, and reads its ancestor mask from the state like every step the

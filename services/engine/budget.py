@@ -15,6 +15,7 @@ from __future__ import annotations
 import statistics
 import time
 from collections import deque
+from collections.abc import Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
@@ -28,6 +29,9 @@ from .sampling import SamplingParams, greedy_tokens, sample_row
 CALIBRATION_WIDTHS = (1, 2, 4, 8, 12, 16, 20, 24, 32, 48, 65)
 
 
+# Depth of the calibration trees' chain: a DFlash block of 16 drafts 15 tokens after the root (calibration_parents)
+CALIBRATION_DEPTH = 15
+
 # Logits rows a greedy walk reads per verify, for calibration: the accepted tokens plus one (the embedded pair
 # accepts 2.4-3.3 drafted tokens a step); on the NumPy engine each read row is computed when read (RowLogits).
 CALIBRATION_ROWS_READ = 4
@@ -35,55 +39,82 @@ GREEDY = SamplingParams()
 
 
 @contextmanager
-def _scratch_state(target, n_ctx: int):
-    """A state for a measurement: from the target's pool when it keeps one (a GPU target: no state beyond the
-    ones the memory plan counts, and the graphs captured here serve requests later), else a new one."""
+def _scratch_states(target, n_ctx: int, n: int = 1):
+    """States for a measurement: from the target's pool when it keeps one (a GPU target: no state beyond the ones
+    the memory plan counts, and the graphs captured here serve requests later; `n` at once, so each is another
+    pooled state), else one new state (no graphs to warm: one measurement is enough)."""
     acquire = getattr(target, "acquire_state", None)
     if acquire is None:
-        yield target.new_state(n_ctx)
+        yield [target.new_state(n_ctx)]
         return
-    state = acquire(n_ctx)
+    states = []
     try:
-        yield state
+        for _ in range(n):
+            states.append(acquire(n_ctx))
+        yield states
     finally:
-        target.release_state(state)
+        for state in states:
+            target.release_state(state)
 
 
-def measure_verify_costs(target, widths=CALIBRATION_WIDTHS, context: int = 64, reps: int = 3) -> dict[int, float]:
-    """Seconds per verify at each width: a target pass over a chain with checkpoints (after `context` committed
-    tokens) and the greedy reads of its first CALIBRATION_ROWS_READ logits rows, as a step's walk does; the best
-    of `reps` rounds over all widths (rounds, so a burst of load elsewhere hits every width alike); a scratch
-    state, nothing is kept."""
+def measure_verify_costs(target, widths=CALIBRATION_WIDTHS, context: int = 64, reps: int = 3,
+                         capture: Sequence[int] = (), states: int = 1) -> dict[int, float]:
+    """Seconds per verify at each width: a target pass over a DDTree-shaped batch (calibration_parents) with
+    checkpoints (after `context` committed tokens), capturing the `capture` layers a drafter reads, and the greedy
+    reads of its first CALIBRATION_ROWS_READ logits rows, as a step's walk does; the best of `reps` rounds over all
+    widths (rounds, so a burst of load elsewhere hits every width alike) on each of `states` scratch states (a GPU
+    target's pooled states: each then holds the graphs of these steps, which requests of the serving loop replay
+    instead of capturing them); nothing is kept."""
     ws = sorted(set(int(x) for x in widths))
-    with _scratch_state(target, context + max(ws) + 1) as state:
-        return _verify_costs(target, state, ws, context, reps)
+    out = {w: float("inf") for w in ws}
+    with _scratch_states(target, context + max(ws) + 1, states) as sts:
+        for state in sts:
+            for w, s in _verify_costs(target, state, ws, context, reps, list(capture)).items():
+                out[w] = min(out[w], s)
+    return out
 
 
-def _verify_costs(target, state, ws: list[int], context: int, reps: int) -> dict[int, float]:
+def calibration_parents(width: int, depth: int = CALIBRATION_DEPTH) -> np.ndarray:
+    """Parents of a verify batch shaped as `--budget auto`'s trees are: the root and the drafter's top-1 chain of
+    `depth` tokens first (a DDTree seeded with its chain; any narrower prefix is a chain), then alternatives hung
+    along the chain. The shape decides what a step costs and, on a GPU, which graph it replays (chain or tree)."""
+    par = np.arange(-1, width - 1)
+    for i in range(depth + 1, width):
+        par[i] = (i - depth - 1) % depth
+    return par
+
+
+def _verify_costs(target, state, ws: list[int], context: int, reps: int, capture: list[int]) -> dict[int, float]:
     n_vocab = target.cfg.n_vocab
     ids = np.arange(context + max(ws)) % max(1, n_vocab - 1)
     target.forward(state, ids[:context], logits="none")
     state.commit(list(range(context)))
     out = {w: float("inf") for w in ws}
-    for r in range(reps + 1):                            # round 0 warms caches and allocations
+    parents = {w: calibration_parents(w) for w in ws}
+    for r in range(reps + 1):                            # round 0 warms caches and allocations (GPU: captures)
         for w in ws:
             t0 = time.perf_counter()
-            res = target.forward(state, ids[context:context + w], checkpoints=True, logits="rows")
+            res = target.forward(state, ids[context:context + w], parents[w], capture=capture, checkpoints=True,
+                                 logits="rows")
             for row in range(min(w, CALIBRATION_ROWS_READ)):    # what a greedy walk reads
                 sample_row(res.logits, row, GREEDY, None)
             if r:
                 out[w] = min(out[w], time.perf_counter() - t0)
+            res = None
             state.pending = None
     return out
 
 
-def measure_plain_step(target, context: int = 64, reps: int = 4) -> float:
-    """Seconds of one plain decode step (width-1 forward, logits of the last row, commit), the best of `reps`."""
-    with _scratch_state(target, context + reps + 2) as state:
-        return _plain_step(target, state, context, reps)
+def measure_plain_step(target, context: int = 64, reps: int = 4, capture: Sequence[int] = (),
+                       states: int = 1) -> float:
+    """Seconds of one plain decode step as the speculative loop takes one while its drafter pauses (width-1
+    forward capturing the `capture` layers, logits of the last row, commit), the best of `reps` on each of
+    `states` scratch states."""
+    with _scratch_states(target, context + reps + 2, states) as sts:
+        return min(_plain_step(target, state, context, reps, list(capture)) for state in sts)
 
 
-def _plain_step(target, state, context: int, reps: int) -> float:
+def _plain_step(target, state, context: int, reps: int, capture: list[int]) -> float:
     n_vocab = target.cfg.n_vocab
     ids = np.arange(context) % max(1, n_vocab - 1)
     target.forward(state, ids, logits="none")
@@ -91,9 +122,10 @@ def _plain_step(target, state, context: int, reps: int) -> float:
     best, tok = float("inf"), 1
     for r in range(reps + 1):                            # round 0 warms (on a GPU: the graph's capture)
         t0 = time.perf_counter()
-        res = target.forward(state, [tok], logits="last")
+        res = target.forward(state, [tok], capture=capture, logits="last")
         state.commit([0])
         tok = int(greedy_tokens(res.logits)[-1])
+        res = None
         if r:
             best = min(best, time.perf_counter() - t0)
     return best
@@ -155,16 +187,20 @@ class BudgetTuner:
                          if self.widths else None)
 
     @classmethod
-    def measure(cls, target, max_budget: int = 64) -> BudgetTuner:
-        """A tuner from the target's measured verify curve (trees of up to max_budget nodes). A target with preferred
-        widths (a GPU model's graph buckets) keeps its trees within the widest of them: a wider verify runs outside
-        the captured steps (eager chunks: a 65-token verify of the embedded pair took 12.9 ms on an H100 against 0.63
-        at 48), so it is neither measured nor chosen."""
+    def measure(cls, target, max_budget: int = 64, capture: Sequence[int] = (), states: int = 1) -> BudgetTuner:
+        """A tuner from the target's measured verify curve (trees of up to max_budget nodes), the steps measured as
+        the speculative loop runs them: capturing the drafter's `capture` layers, on `states` of a GPU target's
+        pooled states (a serving process's slots: then no request captures a verify width the tuner may choose,
+        which cost ~10 ms a width on the embedded pair). A target with preferred widths (a GPU model's graph
+        buckets) keeps its trees within the widest of them: a wider verify runs outside the captured steps (eager
+        chunks: a 65-token verify of the embedded pair took 12.9 ms on an H100 against 0.63 at 48), so it is
+        neither measured nor chosen."""
         preferred = getattr(target, "verify_widths", None)
         if preferred:
             max_budget = min(max_budget, max(preferred) - 1)
         widths = tuple(w for w in CALIBRATION_WIDTHS if w <= max_budget + 1) + (max_budget + 1,)
-        return cls(measure_verify_costs(target, widths), max_budget=max_budget, plain_s=measure_plain_step(target),
+        return cls(measure_verify_costs(target, widths, capture=capture, states=states), max_budget=max_budget,
+                   plain_s=measure_plain_step(target, capture=capture, states=states),
                    widths=tuple(preferred) if preferred else None)
 
     def observe_plain(self, seconds: float) -> None:

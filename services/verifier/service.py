@@ -318,8 +318,12 @@ class VerifierServicer(pb_grpc.VerifierServicer):
         self._reserve_memory()
         load_ms = (time.perf_counter() - t0) * 1e3
         if self.cfg.budget == "auto" and (self.cfg.draft or self.cfg.drafter_address):
-            # the verify-cost curve of this machine, measured once; acceptance is learnt while serving
-            self.tuner = BudgetTuner.measure(self.target.model, min(AUTO_MAX_BUDGET, self.width - 1))
+            # the verify-cost curve of this machine, measured once, as the loop runs its steps (with the in-process
+            # drafter's feature layers) on every slot's pooled state (a GPU target then holds those graphs);
+            # acceptance is learnt while serving
+            layers = self.drafter.drafter.target_layer_ids if self.drafter is not None else ()
+            self.tuner = BudgetTuner.measure(self.target.model, min(AUTO_MAX_BUDGET, self.width - 1), capture=layers,
+                                             states=self.cfg.slots)
             log.info("verifier: --budget auto, verify ms by width %s", self.tuner.snapshot()["verify_ms"])
         # Warm-up: the first forward pays one-off costs (lazy dequantisation, allocator growth); a
         # readiness probe should only pass once a request would not pay them.
