@@ -83,7 +83,6 @@ def build_ddtree(top_ids: np.ndarray, top_logp: np.ndarray, budget: int, chain_s
 
     top_ids/top_logp: (L, K) per drafted position, best first. With `chain_seed` the top-1 chain is
     inserted first (it rescues deep chains that pure best-first would cut), then the heap fills the rest.
-    Heap entries are (logw, depth, rank, parent): node candidates not yet taken.
     """
     L, K = top_ids.shape
     if budget <= 0 or L == 0:
@@ -96,8 +95,16 @@ def build_ddtree(top_ids: np.ndarray, top_logp: np.ndarray, budget: int, chain_s
     parents: list[int] = []
     depths: list[int] = []
     logws: list[float] = []
-    heap: list[tuple[float, int, int, int, int]] = []     # (-logw, insertion order, depth, rank, parent)
+    # candidates not taken yet: (-logw, insertion order, depth, rank, parent)
+    heap: list[tuple[float, int, int, int, int]] = []
     push, pop, counter = heapq.heappush, heapq.heappop, 0
+
+    def add(depth: int, rank: int, parent: int, logw: float) -> int:
+        tokens.append(ids[depth - 1][rank])
+        parents.append(parent)
+        depths.append(depth)
+        logws.append(logw)
+        return len(tokens) - 1
 
     if chain_seed:
         prev, logw = -1, 0.0
@@ -107,22 +114,14 @@ def build_ddtree(top_ids: np.ndarray, top_logp: np.ndarray, budget: int, chain_s
                 push(heap, (-(logw + row[1]), counter, d, 1, prev))
                 counter += 1
             logw += row[0]
-            tokens.append(ids[d - 1][0])
-            parents.append(prev)
-            depths.append(d)
-            logws.append(logw)
-            prev = len(tokens) - 1
+            prev = add(d, 0, prev, logw)
     else:
         push(heap, (-lp[0][0], 0, 1, 0, -1))
         counter = 1
     while heap and len(tokens) < budget:
         neg, _, depth, rank, parent = pop(heap)
         logw = -neg
-        tokens.append(ids[depth - 1][rank])
-        parents.append(parent)
-        depths.append(depth)
-        logws.append(logw)
-        node = len(tokens) - 1
+        node = add(depth, rank, parent, logw)
         row = lp[depth - 1]
         if rank + 1 < K:
             push(heap, (-(logw - row[rank] + row[rank + 1]), counter, depth, rank + 1, parent))
