@@ -1046,3 +1046,28 @@ __global__ __launch_bounds__(256) void attn_combine_kernel(const float* __restri
     if (gate != nullptr) v *= 1.0f / (1.0f + expf(-ld<TG>(gate, (i64)t * g_tok + (i64)head * g_head + d)));
     st<TO>(out, ((i64)t * H + head) * D + d, v);
 }
+
+// The KV half of a tree step's commit: the accepted path's rows move down to the committed positions in every
+// cache buffer of the state in one launch. Entry i (i < count[0], read on the device, so one captured commit
+// serves every path of a step's shape) moves row src[i] to row dst[i] of each head. Block (head, buffer):
+// bases[buffer] its [heads][ctx][units] 4-byte units (every KV row type is a whole number of them). Rows move
+// down the cache: dst rises by one per entry from the first row off the path's prefix and src[i] >= dst[i], so
+// src[j] > dst[i] for every i < j: an entry never reads a row an earlier entry wrote. The block reads up to
+// MOVE_ROWS entries into shared memory before writing them (an entry may overwrite a later chunk's row only
+// after that row was read), so entries run in parallel rather than one dependent load after another.
+constexpr int MOVE_ROWS = 32;
+constexpr int MOVE_UNITS = 128;  // a 512-byte row: f16 at head_dim 256, the widest row type
+__global__ void kv_move_rows_kernel(const u64* bases, const int* units, i64 ctx, const i64* dst, const i64* src,
+                                    const int* count) {
+    static __shared__ u32 rows[MOVE_ROWS * MOVE_UNITS];
+    const int n = count[0], nu = units[blockIdx.y];
+    u32* head = (u32*)bases[blockIdx.y] + (i64)blockIdx.x * ctx * nu;
+    for (int e0 = 0; e0 < n; e0 += MOVE_ROWS) {
+        const int m = n - e0 < MOVE_ROWS ? n - e0 : MOVE_ROWS;
+        for (int idx = threadIdx.x; idx < m * nu; idx += blockDim.x)
+            rows[idx] = head[src[e0 + idx / nu] * nu + idx % nu];
+        __syncthreads();
+        for (int idx = threadIdx.x; idx < m * nu; idx += blockDim.x) head[dst[e0 + idx / nu] * nu + idx % nu] = rows[idx];
+        __syncthreads();
+    }
+}

@@ -200,6 +200,50 @@ class KVCacheLayer:
         return out[0], out[1]
 
 
+MOVE_UNITS = 128  # attention.cu's MOVE_UNITS: 4-byte units in the widest row a KVRowMover moves
+
+
+def kv_move_rows_twin(buffers: list[np.ndarray], dst: np.ndarray, src: np.ndarray, n: int) -> None:
+    """NumPy twin of KVRowMover: rows src[:n] of each [Hkv, ctx, row bytes] buffer copied to rows dst[:n] (read
+    before any is written)."""
+    for buf in buffers:
+        buf[:, dst[:n]] = buf[:, src[:n]]
+
+
+class KVRowMover:
+    """Moves rows of a set of KV caches (every layer's K and V) in one launch (kv_move_rows_kernel): the KV half of
+    a tree step's commit. The rows and their number are read from device buffers, so a captured launch serves every
+    accepted path. Rows must move down the cache (dst[i] <= src[i], dst[i + 1] = dst[i] + 1, src rising), as a
+    commit's do: the kernel then reads every row before any entry can overwrite it."""
+
+    def __init__(self, caches: list[KVCacheLayer]):
+        cupy = loader.require()
+        if not caches:
+            raise ValueError("KVRowMover needs at least one cache")
+        heads = {c.n_kv_heads for c in caches}
+        ctxs = {c.ctx for c in caches}
+        if len(heads) != 1 or len(ctxs) != 1:
+            raise ValueError(f"caches must share their KV heads and context, not {sorted(heads)} / {sorted(ctxs)}")
+        self._bufs = [(c.k, c.row_bytes) for c in caches] + [(c.v, c.row_bytes_v) for c in caches]
+        for _, rb in self._bufs:
+            if rb % 4 or rb // 4 > MOVE_UNITS:
+                raise ValueError(f"a {rb}-byte KV row is not 1..{MOVE_UNITS} 4-byte units")
+        self.n_heads, self.ctx = heads.pop(), ctxs.pop()
+        # device addresses (a NumPy array's own, where a NumPy stand-in for CuPy counts a state's bytes)
+        ptrs = [getattr(b.data, "ptr", None) or b.ctypes.data for b, _ in self._bufs]
+        self.bases = cupy.asarray(np.array(ptrs, dtype=np.uint64))
+        self.units = cupy.asarray(np.array([rb // 4 for _, rb in self._bufs], dtype=np.int32))
+
+    def __call__(self, dst: Any, src: Any, count: Any) -> None:
+        """Move rows src[i] -> dst[i] (int64 device arrays) for i < count[0] (int32 device array) in every buffer."""
+        cupy = loader.require()
+        for name, a, dt in (("dst", dst, cupy.int64), ("src", src, cupy.int64), ("count", count, cupy.int32)):
+            if not isinstance(a, cupy.ndarray) or a.dtype != dt or a.size < 1:
+                raise ValueError(f"{name} must be a device {np.dtype(dt).name} array")
+        kern = loader.get_function(SOURCE, "kv_move_rows_kernel")
+        kern((self.n_heads, len(self._bufs)), (256,), (self.bases, self.units, np.int64(self.ctx), dst, src, count))
+
+
 def _store_units(code: int, head_dim: int) -> int:
     """Store-kernel work units per row: values (f16), 32-value blocks (Q8_0) or rotation groups (TQ3_0)."""
     return head_dim if code == 0 else head_dim // 32 if code == 1 else head_dim // tq3_group(head_dim)

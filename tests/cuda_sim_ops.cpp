@@ -143,6 +143,13 @@ extern "C" int sim_kv_store(int kk, int kv, int ti, const void* k, const void* v
     return launch(3, 1, 1, 64);  // a small grid: the grid-stride loop covers the rest
 }
 
+// kv_move_rows_kernel over n_buf buffers (bases: host pointers) of Hkv heads, `threads` a block.
+extern "C" int sim_kv_move_rows(const unsigned long long* bases, const int* units, int n_buf, int Hkv, long long ctx,
+                                const long long* dst, const long long* src, const int* count, int threads) {
+    g_body = [=] { kv_move_rows_kernel(bases, units, ctx, dst, src, count); };
+    return launch((unsigned)Hkv, (unsigned)n_buf, 1, (unsigned)threads);
+}
+
 extern "C" int sim_attn_partial(int kk, int kv, int D, int tq, int kw, const void* q, const unsigned char* kc,
                                 const unsigned char* vc, const int* s_len, const unsigned long long* mask, int T,
                                 int H, int Hkv, long long ctx, float scale_log2, float* ws_o, float* ws_ml, int gx,

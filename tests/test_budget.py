@@ -240,7 +240,7 @@ def test_calibration_runs_the_loops_steps_on_every_pooled_state(tiny_pair):
     class Pooled:       # a GPU target's pool of `n` states (an acquired state starts empty, as there)
         def __init__(self, model, n):
             self.model, self.cfg = model, model.cfg
-            self.pool, self.slot_of, self.seen = list(range(n)), {}, []
+            self.pool, self.slot_of, self.seen, self.commits = list(range(n)), {}, [], []
 
         def acquire_state(self, n_ctx):
             st = self.model.new_state(n_ctx)
@@ -253,8 +253,16 @@ def test_calibration_runs_the_loops_steps_on_every_pooled_state(tiny_pair):
         def forward(self, state, tokens, parents=None, capture=(), checkpoints=False, logits="all"):
             chain = parents is None or list(parents) == list(range(-1, len(tokens) - 1))
             self.seen.append((self.slot_of.get(id(state), id(state)), len(tokens), tuple(capture), chain))
-            return self.model.forward(state, tokens, parents, capture=capture, checkpoints=checkpoints,
-                                      logits=logits)
+            res = self.model.forward(state, tokens, parents, capture=capture, checkpoints=checkpoints, logits=logits)
+            commit = state.commit
+
+            def counted(path):   # a commit of this step (on a GPU: its shape's commit graph captured)
+                self.commits.append((self.slot_of.get(id(state), id(state)), len(tokens)))
+                state.commit = commit
+                commit(path)
+
+            state.commit = counted
+            return res
 
     target = Pooled(lt.model, 2)
     t = BudgetTuner.measure(target, max_budget=16, capture=layers, states=2)
@@ -265,12 +273,15 @@ def test_calibration_runs_the_loops_steps_on_every_pooled_state(tiny_pair):
     assert {s[1] for s in steps} >= {1, 2, 4, 8, 16, 17} and t.plain_s > 0 and t.max_budget == 16
     # shaped as auto's trees: a prefix of up to the drafter's chain (16 with the root) is a chain, wider ones trees
     assert all(s[3] == (s[1] <= 16) for s in steps)
+    # every width's step committed once on each state (its commit graph, on a GPU), the plain step's every time
+    spec_commits = [c for c in target.commits if c[1] < 64 and c[1] > 1]
+    assert sorted(spec_commits) == sorted({(s[0], s[1]) for s in steps if s[1] > 1})
 
     class Unpooled:
         cfg = lt.cfg
 
         def __init__(self):
-            self.made, self.seen, self.slot_of = 0, [], {}
+            self.made, self.seen, self.slot_of, self.commits = 0, [], {}, []
 
         def new_state(self, n_ctx):
             self.made += 1

@@ -110,9 +110,10 @@ def test_plain_requests_reuse_pooled_states():
 @needs_gpu
 def test_budget_calibration_leaves_every_slot_the_verify_graphs_it_may_choose():
     """`--budget auto` measures its verify widths as the speculative loop runs them (capturing the drafter's
-    feature layers) on every pooled state of a serving process (its slots): each state then holds those graphs,
-    and speculative requests capture no verify graph of a width the tuner may choose (a capture cost ~10 ms a width
-    on this pair, mid-request)."""
+    feature layers) on every pooled state of a serving process (its slots): each state then holds those graphs and
+    their commits' (one per step shape, whichever path a commit accepts), and speculative requests capture no
+    verify or commit graph of a width the tuner may choose (a capture cost ~10 ms a width on this pair,
+    mid-request)."""
     from services.engine.budget import BudgetTuner
     from services.engine.default_model import default_model_paths
     from services.engine.models.qwen35_gpu import load_gpu_target
@@ -130,9 +131,14 @@ def test_budget_calibration_leaves_every_slot_the_verify_graphs_it_may_choose():
     def verify_graphs(st):   # widths of the state's graphs of checkpointed steps capturing the drafter's layers
         return {k[0] for k in st.graphs if k[2] and k[4] == layers}
 
+    def commit_graphs(st):   # widths of the state's commits of checkpointed steps
+        return {k[0] for k in st.commit_graphs if k[2]}
+
     pool = list(gpu._state_pool)
     assert len(pool) == 2 and all(verify_graphs(st) >= widths for st in pool)
+    assert all(commit_graphs(st) >= widths - {1} for st in pool), [sorted(commit_graphs(st)) for st in pool]
     before = {id(st): set(st.graphs) for st in pool}
+    commits_before = {id(st): set(st.commit_graphs) for st in pool}
     spec = SpecConfig.auto(tuner)
     for n in (24, 40):
         out = speculative_generate(gpu, placed.new_proposer(), ids, n, spec=spec)
@@ -140,6 +146,8 @@ def test_budget_calibration_leaves_every_slot_the_verify_graphs_it_may_choose():
     for st in gpu._state_pool:
         new = set(st.graphs) - before[id(st)]
         assert not {k for k in new if k[2] and k[4] == layers and k[0] in widths}, new
+        new_commits = set(st.commit_graphs) - commits_before[id(st)]
+        assert not {k for k in new_commits if k[2] and k[0] in widths}, new_commits
 
 
 @needs_gpu

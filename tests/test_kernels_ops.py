@@ -278,6 +278,45 @@ def test_attention_graph_replay_with_new_length_and_tree() -> None:
             assert cupy.asnumpy(idx).tolist() == np.argmax(cupy.asnumpy(flat), axis=1).tolist()
 
 
+def test_kv_row_mover_graph_replays_any_path() -> None:
+    # a commit's KV compaction in every cache of a state, one captured launch: the rows and their number live in
+    # device buffers, so one graph serves paths of any length (none, past the kernel's 32-row chunks, the widest)
+    rng = np.random.default_rng(5)
+    caches = [at.KVCacheLayer(4, 256, 300, "f16"), at.KVCacheLayer(4, 256, 300, "q8_0", "tq3_0"),
+              at.KVCacheLayer(4, 256, 300, "tq3_0", "f16")]
+    for c in caches:
+        c.k[...] = cupy.asarray(rng.integers(0, 256, c.k.size, dtype=np.uint8))
+        c.v[...] = cupy.asarray(rng.integers(0, 256, c.v.size, dtype=np.uint8))
+    mover = at.KVRowMover(caches)
+    dst, src = cupy.zeros(65, cupy.int64), cupy.zeros(65, cupy.int64)
+    count = cupy.zeros(1, cupy.int32)
+
+    def rows():   # each buffer as the twin takes it: [Hkv, ctx, row bytes]
+        return [(b, (4, c.ctx, rb)) for c in caches for b, rb in ((c.k, c.row_bytes), (c.v, c.row_bytes_v))]
+
+    stream = cupy.cuda.Stream(non_blocking=True)
+    with stream:
+        mover(dst, src, count)   # compile outside the capture
+        stream.synchronize()
+        stream.begin_capture()
+        mover(dst, src, count)
+        graph = stream.end_capture()
+        base = 40
+        for path in ([0], [0, 2, 3], [0, 1, 4, 9, 10], [0] + list(range(2, 65)), list(range(0, 130, 2))):
+            first = next((d for d, i in enumerate(path) if i != d), len(path))
+            d = np.arange(base + first, base + len(path), dtype=np.int64)
+            sr = np.array([base + i for i in path[first:]], dtype=np.int64)
+            want = [cupy.asnumpy(b).reshape(shape) for b, shape in rows()]
+            at.kv_move_rows_twin(want, d, sr, len(d))
+            dst[:len(d)].set(d)
+            src[:len(d)].set(sr)
+            count.set(np.array([len(d)], np.int32))
+            graph.launch(stream)
+            stream.synchronize()
+            for (b, shape), ref in zip(rows(), want):
+                np.testing.assert_array_equal(cupy.asnumpy(b).reshape(shape), ref, err_msg=str(path))
+
+
 @pytest.mark.parametrize("kinds", [("f16", "f16"), ("q8_0", "tq3_0")])
 @pytest.mark.parametrize("T,S", [(1, 31), (16, 32), (23, 33), (41, 511), (64, 480)])
 def test_attention_verify_widths_graph_splits(kinds, T: int, S: int) -> None:

@@ -43,6 +43,7 @@ SIGNATURES = {
     "sim_silu_mul": [I, I, P, LL, P, LL, P, I, I, I],
     "sim_gate_mul": [I, I, I, P, P, LL, LL, P, I, I, I, I],
     "sim_kv_store": [I, I, I, P, P, P, P, P, I, I, I, LL],
+    "sim_kv_move_rows": [P, P, I, I, LL, P, P, P, I],
     "sim_attn_partial": [I, I, I, I, I, P, P, P, P, P, I, I, I, LL, F, P, P, I, I],
     "sim_attn_combine": [I, I, I, P, P, I, I, I, I, I, P, LL, LL, P],
     "sim_argmax": [I, P, LL, I, I, I, I, P, P, P],
@@ -225,6 +226,62 @@ def twin_store(kind: str, raw: np.ndarray, n: int, Hkv: int, D: int) -> kvcache.
     else:
         data = raw.reshape(n, Hkv, D // 32, 34 if kind == "q8_0" else 14)
     return kvcache.KVStore(kind, n, Hkv, D, _data=np.ascontiguousarray(data))
+
+
+def commit_moves(path: list[int], base: int) -> tuple[np.ndarray, np.ndarray]:
+    """The KV rows a commit of `path` (node indices of a step whose rows start at `base`) moves, as
+    GpuSequenceState.commit lists them: from the first node off the prefix 0, 1, 2, ... on."""
+    first = next((d for d, i in enumerate(path) if i != d), len(path))
+    return (np.arange(base + first, base + len(path), dtype=np.int64),
+            np.array([base + i for i in path[first:]], dtype=np.int64))
+
+
+@pytest.mark.parametrize("threads", [32, 256])
+@pytest.mark.parametrize("path", [[0, 2, 3], [0, 1, 5, 6, 9], [0, 3], list(range(0, 80, 2)), [0] + list(range(2, 65))])
+def test_kv_move_rows(libs, path: list[int], threads: int) -> None:
+    # rows of every kind's width (f16, Q8_0 and TQ3_0 at head_dim 64 / 256) move as the twin's gather-then-scatter
+    # moves them, in every head and buffer, rows off the path untouched; past 32 entries the kernel goes in chunks
+    rng = np.random.default_rng(len(path) + threads)
+    Hkv, ctx, base = 3, 160, 7
+    widths = [attn_mod.row_bytes(k, d) for k in ("f16", "q8_0", "tq3_0") for d in (64, 256)]
+    bufs = [rng.integers(0, 256, (Hkv, ctx, rb), dtype=np.uint8) for rb in widths]
+    orig = [b.copy() for b in bufs]
+    want = [b.copy() for b in bufs]
+    dst, src = commit_moves(path, base)
+    attn_mod.kv_move_rows_twin(want, dst, src, len(dst))
+    bases = np.array([b.ctypes.data for b in bufs], dtype=np.uint64)
+    units = np.array([rb // 4 for rb in widths], dtype=np.int32)
+    count = np.array([len(dst)], dtype=np.int32)
+    lib = libs["attention"]
+    assert lib.sim_kv_move_rows(ptr(bases), ptr(units), len(bufs), Hkv, ctx, ptr(dst), ptr(src), ptr(count),
+                                threads) == 0
+    for got, ref in zip(bufs, want):
+        np.testing.assert_array_equal(got, ref)
+    # a commit's compaction: row base + i holds the path's i-th node, every other row what it held
+    for got, before in zip(bufs, orig):
+        np.testing.assert_array_equal(got[:, base:base + len(path)], before[:, [base + i for i in path]])
+        np.testing.assert_array_equal(got[:, base + len(path):], before[:, base + len(path):])
+        np.testing.assert_array_equal(got[:, :base], before[:, :base])
+
+
+def test_kv_move_rows_count_zero_and_in_order(libs) -> None:
+    # count 0 moves nothing; an entry that moves a row a later entry reads first (path [0, 2, 3]: row 2 -> 1,
+    # row 3 -> 2) must read before it is overwritten, which a naive per-entry copy in parallel would get wrong
+    Hkv, ctx, rb = 2, 64, 512
+    rows = np.arange(ctx, dtype=np.uint32)[None, :, None] * np.ones((Hkv, 1, rb // 4), np.uint32)
+    buf = rows.view(np.uint8).reshape(Hkv, ctx, rb).copy()
+    bases = np.array([buf.ctypes.data], dtype=np.uint64)
+    units = np.array([rb // 4], dtype=np.int32)
+    dst, src = commit_moves([0, 2, 3, 5], 10)
+    lib = libs["attention"]
+    zero = np.zeros(1, np.int32)
+    assert lib.sim_kv_move_rows(ptr(bases), ptr(units), 1, Hkv, ctx, ptr(dst), ptr(src), ptr(zero), 64) == 0
+    np.testing.assert_array_equal(buf.view(np.uint32)[..., 0], rows[..., 0])
+    count = np.array([len(dst)], np.int32)
+    assert lib.sim_kv_move_rows(ptr(bases), ptr(units), 1, Hkv, ctx, ptr(dst), ptr(src), ptr(count), 64) == 0
+    got = buf.view(np.uint32)[..., 0]
+    assert list(got[0, 10:14]) == [10, 12, 13, 15] and list(got[1, 10:14]) == [10, 12, 13, 15]
+    assert list(got[0, 14:17]) == [14, 15, 16]      # rows past the path keep what they held
 
 
 def run_attention(lib, kv, D: int, tq: int, T: int, G: int, Hkv: int, S: int, parents, splits: int,

@@ -63,11 +63,11 @@ def measure_verify_costs(target, widths=CALIBRATION_WIDTHS, context: int = 64, r
     checkpoints (after `context` committed tokens), capturing the `capture` layers a drafter reads, and the greedy
     reads of its first CALIBRATION_ROWS_READ logits rows, as a step's walk does; the best of `reps` rounds over all
     widths (rounds, so a burst of load elsewhere hits every width alike) on each of `states` scratch states (a GPU
-    target's pooled states: each then holds the graphs of these steps, which requests of the serving loop replay
-    instead of capturing them); nothing is kept."""
+    target's pooled states: each then holds the graphs of these steps and of their commits, which requests of the
+    serving loop replay instead of capturing them); nothing is kept."""
     ws = sorted(set(int(x) for x in widths))
     out = {w: float("inf") for w in ws}
-    with _scratch_states(target, context + max(ws) + 1, states) as sts:
+    with _scratch_states(target, context + max(ws) + len(ws) + 1, states) as sts:
         for state in sts:
             for w, s in _verify_costs(target, state, ws, context, reps, list(capture)).items():
                 out[w] = min(out[w], s)
@@ -100,8 +100,10 @@ def _verify_costs(target, state, ws: list[int], context: int, reps: int, capture
                 sample_row(res.logits, row, GREEDY, None)
             if r:
                 out[w] = min(out[w], time.perf_counter() - t0)
+                state.pending = None
+            else:       # commit once: on a GPU the commit of this step's shape is captured now, not mid-request
+                state.commit([0])
             res = None
-            state.pending = None
     return out
 
 

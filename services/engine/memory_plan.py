@@ -675,6 +675,7 @@ def gpu_state_bytes(cfg: ModelConfig, max_ctx: int, kv_k: str, kv_v: str, max_tr
                     host_rows: bool = False) -> dict[str, int]:
     """What one qwen35_gpu.GpuSequenceState holds, by part (GpuSequenceState.nbytes is their sum)."""
     L = sum(1 for r in cfg.recurrent_layers if r)
+    n_attn = len(cfg.recurrent_layers) - L
     st = cfg.ssm_n_v_heads * cfg.ssm_head_k_dim * cfg.ssm_head_v_dim * 4
     cd = cfg.ssm_conv_dim
 
@@ -692,6 +693,8 @@ def gpu_state_bytes(cfg: ModelConfig, max_ctx: int, kv_k: str, kv_v: str, max_tr
         "conv windows": L * ((cfg.ssm_conv_kernel - 1) + max(max_tree, GPU_RAW_ROWS)) * cd * 4 if L else 0,
         "step outputs": max_tree * cfg.n_vocab * 4 + 2 * max_tree * 4 + max_tree * n_capture * cfg.n_embd * 4,
         "step values": stage + 16 + 2 * 8 * max_tree,
+        # kernels.attention.KVRowMover's tables: a pointer and a row width per K and V buffer
+        "KV row mover": 2 * n_attn * (8 + 4),
     }
 
 

@@ -207,6 +207,8 @@ class GpuSequenceState:
         self.rec_layers = [i for i, r in enumerate(cfg.recurrent_layers) if r]
         self.kv = {i: att.KVCacheLayer(cfg.n_head_kv, cfg.head_dim, self.max_ctx, kv_k, kv_v)
                    for i in self.attn_layers}
+        # a tree step's commit moves the accepted path's KV rows of every layer in one launch
+        self.mover = att.KVRowMover(list(self.kv.values())) if self.kv else None
         L = len(self.rec_layers)
         self.slot = {layer: j for j, layer in enumerate(self.rec_layers)}
         if L:
@@ -304,6 +306,8 @@ class GpuSequenceState:
             arrays += [self.ssm_pair, self.mixed, self.gates, self.plan, self.conv, self.raw]
         if self.out_captured is not None:
             arrays.append(self.out_captured)
+        if self.mover is not None:
+            arrays += [self.mover.bases, self.mover.units]
         return sum(int(a.nbytes) for a in arrays)
 
     @property
@@ -341,8 +345,8 @@ class GpuSequenceState:
         """state.SequenceState.commit on the device: KV rows compacted, recurrent state recomputed along the
         path from the committed one (the DeltaNet recurrence only, from the step's kept k / v / g / beta: no
         target pass), conv window gathered along the path. The launches read the accepted node and the rows to
-        move from device buffers (one upload), so a commit of a shape seen before is one graph replay
-        (_commit_launches)."""
+        move from device buffers (one upload), so every commit of a step's shape (its width, chain or tree,
+        checkpoints or not) replays one captured graph, whichever path it accepts (_commit_launches)."""
         p = self.pending
         if p is None:
             raise RuntimeError("commit() without a pending forward pass")
@@ -357,13 +361,14 @@ class GpuSequenceState:
             cs = self.commit_stage
             cs.h_accepted[0] = path[-1]
             cs.h_swap[0] = self.parity
+            cs.h_moved[0] = moved
             if moved:   # rows before `first` are already in place; from there on the path's rows move down
                 base = self.n_past
                 cs.h_dst[:moved] = np.arange(base + first, base + len(path))
                 cs.h_src[:moved] = [base + i for i in path[first:]]
             cs.upload()
-            key = (p.n_tokens, p.is_chain, p.per_token, whole, moved)
-            launches = lambda: self._commit_launches(p, whole, moved)  # noqa: E731
+            key = (p.n_tokens, p.is_chain, p.per_token)
+            launches = lambda: self._commit_launches(p)  # noqa: E731
             g = self.commit_graphs.get(key)
             if g is not None:
                 g.launch(cp.cuda.get_current_stream())
@@ -376,17 +381,14 @@ class GpuSequenceState:
             self.n_past += len(path)
         self.pending = None
 
-    def _commit_launches(self, p: GpuPending, whole: bool, moved: int) -> tuple:
+    def _commit_launches(self, p: GpuPending) -> tuple:
         """The commit's device work, reading only device buffers (graph-safe)."""
         cs = self.commit_stage
-        if moved:  # FALLBACK (plain CuPy gather / scatter): KV rows of the branch into place
-            dst, src = cs.dst[:moved], cs.src[:moved]
-            for c in self.kv.values():
-                # each side is [Hkv][ctx][its row bytes] and a token's row is quantized on its own (a Q8_0 block
-                # or TQ3_0 rotation group never spans two tokens), so moving bytes moves the token
-                for buf, rb in ((c.k, c.row_bytes), (c.v, c.row_bytes_v)):
-                    rows = buf.reshape(c.n_kv_heads, c.ctx, rb)
-                    rows[:, dst] = rows[:, src]
+        if self.mover is not None and not p.is_chain:
+            # KV rows of the branch into place (a chain's path is a prefix: nothing moves). A token's row is
+            # quantized on its own (a Q8_0 block or TQ3_0 rotation group never spans two tokens), so moving its
+            # bytes moves the token
+            self.mover(cs.dst, cs.src, cs.moved)
         if self.rec_layers:
             n, kd = p.n_tokens, self.cfg.ssm_key_dim
             parents = None if p.is_chain else self.parents[:n]
@@ -423,7 +425,7 @@ class GpuSequenceState:
 class _CommitValues:
     """A commit's device values and their pinned twin, uploaded in one copy: the accepted node (int32, what
     the recurrent commit kernels read), the committed half of the ping-pong DeltaNet state (swap, int32) and the KV
-    rows to move (int64 destination and source rows)."""
+    rows to move (their number, int32; int64 destination and source rows)."""
 
     def __init__(self, cp: Any, max_tree: int):
         self.cp = cp
@@ -433,6 +435,7 @@ class _CommitValues:
         self.host[...] = 0
         self.accepted, self.h_accepted = self.dev[:4].view(np.int32), self.host[:4].view(np.int32)
         self.swap, self.h_swap = self.dev[4:8].view(np.int32), self.host[4:8].view(np.int32)
+        self.moved, self.h_moved = self.dev[8:12].view(np.int32), self.host[8:12].view(np.int32)
         self.dst = self.dev[16:16 + 8 * max_tree].view(np.int64)
         self.h_dst = self.host[16:16 + 8 * max_tree].view(np.int64)
         self.src = self.dev[16 + 8 * max_tree:].view(np.int64)
