@@ -334,6 +334,43 @@ def test_spans_in_process(tiny_pair, tmp_path):
     assert trace.get_tracer_provider() is not None
 
 
+def test_remote_drafter_layers_reach_the_calibration(tiny_pair, tmp_path, monkeypatch):
+    """With --drafter ADDR and --budget auto, the verifier asks the drafter's Info once at start-up, so the memory
+    plan and the tuner's calibration take the layers it reads (on a GPU: the graphs the loop replays); a drafter that
+    does not answer yet leaves start-up to go on without them."""
+    from services.drafter.service import DrafterConfig, serve_drafter
+    from services.engine.budget import BudgetTuner
+    from services.verifier.service import VerifierConfig, serve_verifier
+
+    _, gguf, draft = tiny_pair
+    seen = []
+    real = BudgetTuner.measure.__func__
+
+    def spy(cls, target, max_budget=64, capture=(), states=1):
+        seen.append(tuple(capture))
+        return real(cls, target, max_budget, capture=capture, states=states)
+
+    monkeypatch.setattr(BudgetTuner, "measure", classmethod(spy))
+
+    async def main() -> tuple[list[int], list[int] | None]:
+        drafter = await serve_drafter(DrafterConfig(model=gguf, draft=draft), f"unix://{tmp_path}/d.sock")
+        await drafter.wait_loaded()
+        try:
+            server = await serve_verifier(VerifierConfig(model=gguf, drafter_address=f"unix://{tmp_path}/d.sock",
+                                                         budget="auto"), f"unix://{tmp_path}/v.sock")
+            await server.stop(1)
+            lonely = await serve_verifier(VerifierConfig(model=gguf, drafter_address=f"unix://{tmp_path}/none.sock",
+                                                         budget="auto"), f"unix://{tmp_path}/v2.sock")
+            await lonely.stop(1)
+            return list(drafter.servicer.drafter.target_layer_ids), lonely.servicer._remote_layers
+        finally:
+            await drafter.stop(0)
+
+    layers, unknown = asyncio.run(main())
+    assert layers and seen[0] == tuple(layers)
+    assert unknown is None and seen[1] == ()
+
+
 def test_remote_drafter_in_process(tiny_pair, target, tmp_path):
     """--drafter with a live Drafter service: same output, spec steps, the drafter's spans in the trace;
     then the drafter dies mid-request and the request still completes, with plain decoding."""

@@ -268,6 +268,7 @@ class VerifierServicer(pb_grpc.VerifierServicer):
         self.counters = Counters()
         self.target = None                      # LoadedTarget once loaded
         self.drafter = None                     # in-process drafter (placement.LoadedDrafter)
+        self._remote_layers: list[int] | None = None   # a remote drafter's feature layers, when known at start-up
         self._engine_lock: Any = contextlib.nullcontext()   # a real lock when the target is on a GPU
         self.tuner: BudgetTuner | None = None   # --budget auto (shared by all requests)
         self.max_ctx = 0
@@ -315,13 +316,15 @@ class VerifierServicer(pb_grpc.VerifierServicer):
             self._engine_lock = threading.Lock()
         if self.cfg.draft:
             self.drafter = load_drafter_on(self.cfg.draft, self.target.model, self.cfg.draft_device)
+        elif self.cfg.drafter_address:
+            self._remote_layers = self._remote_drafter_layers()
         self._reserve_memory()
         load_ms = (time.perf_counter() - t0) * 1e3
         if self.cfg.budget == "auto" and (self.cfg.draft or self.cfg.drafter_address):
             # the verify-cost curve of this machine, measured once, as the loop runs its steps (with the in-process
             # drafter's feature layers) on every slot's pooled state (a GPU target then holds those graphs);
             # acceptance is learnt while serving
-            layers = self.drafter.drafter.target_layer_ids if self.drafter is not None else ()
+            layers = self.drafter.drafter.target_layer_ids if self.drafter is not None else self._remote_layers or ()
             self.tuner = BudgetTuner.measure(self.target.model, min(AUTO_MAX_BUDGET, self.width - 1), capture=layers,
                                              states=self.cfg.slots)
             log.info("verifier: --budget auto, verify ms by width %s", self.tuner.snapshot()["verify_ms"])
@@ -352,8 +355,8 @@ class VerifierServicer(pb_grpc.VerifierServicer):
 
         dr = self.drafter.drafter if self.drafter is not None else None
         has_drafter = bool(self.cfg.draft or self.cfg.drafter_address)
-        n_capture = len(dr.target_layer_ids) if dr is not None else (
-            mp.DEFAULT_CAPTURE_LAYERS if self.cfg.drafter_address else 0)
+        n_capture = len(dr.target_layer_ids) if dr is not None else len(self._remote_layers) if self._remote_layers \
+            else mp.DEFAULT_CAPTURE_LAYERS if self.cfg.drafter_address else 0
         budget = AUTO_MAX_BUDGET if self.cfg.budget == "auto" else self.cfg.budget
         model = self.target.model
         self.width = reserve_serving(model, dr, self.cfg.slots, self.max_ctx, budget, has_drafter, n_capture,
@@ -363,6 +366,30 @@ class VerifierServicer(pb_grpc.VerifierServicer):
             log.info("verifier: %d slot(s) on %s, verify width %d: states %.1f MiB, graph arena %.1f MiB, "
                      "CuPy pool %.1f MiB", self.cfg.slots, self.cfg.device, self.width,
                      used["pooled_states"] / 2**20, used["arena"] / 2**20, used["pool_total"] / 2**20)
+
+    def _remote_drafter_layers(self) -> list[int] | None:
+        """The remote drafter's feature layers, asked once at start-up (one Info within DRAFTER_INFO_TIMEOUT_S), so
+        that the memory plan and `--budget auto`'s calibration take the layers it reads (on a GPU: the graphs the
+        loop replays). None when it does not answer yet or does not fit this target: start-up goes on, and requests
+        find out as ever (and capture those graphs when they first draft)."""
+        from services.drafter.client import DrafterClient
+
+        addr = self.cfg.drafter_address
+        client = DrafterClient(addr, transport="inline", timeout=DRAFTER_INFO_TIMEOUT_S)
+        try:
+            info = client.info()
+        except Exception as e:  # noqa: BLE001 - any failure: the drafter is not usable yet, start anyway
+            log.info("verifier: drafter %s not answering at start-up (%s); calibrating without its feature layers",
+                     addr, e)
+            return None
+        finally:
+            client.close()
+        problem = self._drafter_mismatch(info)
+        if problem:
+            log.warning("verifier: drafter %s does not fit the target: %s", addr, problem)
+            return None
+        log.info("verifier: drafter %s reads target layers %s", addr, list(info.target_layer_ids))
+        return list(info.target_layer_ids)
 
     def drafter_description(self) -> str:
         if self.cfg.drafter_address:
