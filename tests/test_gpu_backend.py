@@ -113,7 +113,7 @@ def test_budget_calibration_leaves_every_slot_the_verify_graphs_it_may_choose():
     feature layers) on every pooled state of a serving process (its slots): each state then holds those graphs and
     their commits' (one per step shape, whichever path a commit accepts), and speculative requests capture no
     verify or commit graph of a width the tuner may choose (a capture cost ~10 ms a width on this pair,
-    mid-request)."""
+    mid-request), nor a drafter pass (reserve_serving captured those of every append a step makes)."""
     from services.engine.budget import BudgetTuner
     from services.engine.default_model import default_model_paths
     from services.engine.models.qwen35_gpu import load_gpu_target
@@ -139,10 +139,16 @@ def test_budget_calibration_leaves_every_slot_the_verify_graphs_it_may_choose():
     assert all(commit_graphs(st) >= widths - {1} for st in pool), [sorted(commit_graphs(st)) for st in pool]
     before = {id(st): set(st.graphs) for st in pool}
     commits_before = {id(st): set(st.commit_graphs) for st in pool}
+    # reserve_serving also captured each pooled drafter session's passes (a step's appends of 0..block + 1 rows)
+    drafts_before = placed.drafter.graph_stats["captures"]
+    sessions = list(placed.drafter._pool)
+    assert len(sessions) == 2 and all({k[0] for k in s.graphs} == set(range(placed.drafter.graph_append + 1))
+                                      for s in sessions), [sorted(s.graphs) for s in sessions]
     spec = SpecConfig.auto(tuner)
     for n in (24, 40):
         out = speculative_generate(gpu, placed.new_proposer(), ids, n, spec=spec)
         assert out.spec["steps"] >= 1
+    assert placed.drafter.graph_stats["captures"] == drafts_before, placed.drafter.graph_stats
     for st in gpu._state_pool:
         new = set(st.graphs) - before[id(st)]
         assert not {k for k in new if k[2] and k[4] == layers and k[0] in widths}, new

@@ -163,6 +163,30 @@ def test_graph_replay_equals_eager(window):
 
 
 @needs_gpu
+def test_captured_passes_serve_every_append_a_step_makes():
+    """capture_passes captures a pooled session's pass of each append of 0..graph_append rows (a step's accepted
+    tokens); longer appends (a prompt, the plain steps of a drafter pause) run eagerly first, then the captured pass
+    with nothing to append: no capture during the drafts, and the NumPy drafter's drafts."""
+    ref, dr = _pair(None)
+    dr.reserve_sessions(1, 256)
+    made = dr.capture_passes()
+    assert made == dr.graph_append + 1 == dr.block_size + 2, dr.graph_stats
+    feats, toks = _features(120, seed=3)
+    s = dr.acquire_session()
+    rs = ref.new_session()
+    start, worst = 0, 0.0
+    for n in (30, 1, 17, 5, 40, 2):            # a prompt, steps, a pause's rows, ...
+        start += n
+        got = dr.draft(s, feats[start - n:start], toks[start - 1], start)
+        want = ref.draft(rs, feats[start - n:start], toks[start - 1], start)
+        worst = max(worst, _max_diff(got, want))
+    dr.release_session(s)
+    assert dr.graph_stats["captures"] == made and dr.graph_stats["replays"] >= 6, dr.graph_stats
+    print(f"captured passes vs NumPy drafter: max |logit difference| {worst:.4g}, {dr.graph_stats}")
+    assert worst <= DRAFT_TOL
+
+
+@needs_gpu
 @pytest.mark.parametrize("budget", [None, 22])
 def test_speculative_greedy_with_gpu_drafter_equals_plain_greedy(budget):
     from services.engine.generate import generate

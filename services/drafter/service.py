@@ -331,10 +331,13 @@ def load(cfg: DrafterConfig) -> Any:
         drafter = load_drafter(cfg.draft, target)
     t1 = time.perf_counter()
     width = len(drafter.target_layer_ids) * int(drafter.cfg.n_embd)
-    if plan is not None:    # through a pooled session: its first shape is captured for the first stream
-        s = drafter.acquire_session()
-        drafter.draft_topk(s, np.zeros((1, width), np.float32), 0, 1, 1)
-        drafter.release_session(s)
+    if plan is not None:    # every pooled session's passes of a step's appends, captured before the first stream
+        n = drafter.capture_passes()
+        log.info("drafter: %d pass graphs captured on %d session(s)", n, cfg.max_sessions)
+        if not n:           # graphs off: one eager pass builds the kernels
+            s = drafter.acquire_session()
+            drafter.draft_topk(s, np.zeros((1, width), np.float32), 0, 1, 1)
+            drafter.release_session(s)
     else:
         drafter.draft(drafter.new_session(), np.zeros((1, width), np.float32), 0, 1)
     log.info("drafter %s for %s loaded in %.0f ms (block %d, target layers %s), warm-up %.0f ms", cfg.draft,

@@ -147,4 +147,6 @@ def reserve_serving(model: Any, drafter: Any, slots: int, max_ctx: int, budget: 
     # what CuPy's pool cached meanwhile (the weights' upload temporaries, the arena the model reserved when it
     # loaded): back to the device
     model.release_cached_memory()
+    if gpu_drafter is not None and speculative:   # the drafter's passes of a step's appends, before any request
+        gpu_drafter.capture_passes()
     return width

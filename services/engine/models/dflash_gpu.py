@@ -6,15 +6,17 @@ target_layer_ids, n_vocab, cfg), plus draft_topk: what DDTree reads (top-k ids a
 position) is all that comes back to the host. The token table and LM head are the target's own device arrays when
 the target is a Qwen35GpuModel on the same device (no second copy).
 
-Per-step values (the context length before and after the append, the positions, the block's first token) live in
-one device int32 buffer of the session and the new feature rows in a device buffer, so a captured pass replays
-for every step of its shape: (rows appended, whether a sliding layer's window cuts the context, the attention's
-S bucket). Attention: kernels.attention over the session's f16 KVCacheLayer (context rows, then the block's rows
-at `start`), mask all-ones (full layers, bidirectional) or causal (sliding layers) - exact while every query's
-window covers the whole context (start + block <= window). Past that, a sliding layer gathers its window's rows
-into a scratch cache (a CuPy take of 16-byte units, indices from the device start) and runs the same kernel with
-the rows at the window's edge as extra "new tokens" under a per-step mask (_window_attention), still inside the
-graph.
+Per-step values (the context length before and after the append, the positions, the block's first token) live in one
+device int32 buffer of the session and the new feature rows in a device buffer, so a captured pass replays for every
+step of its shape: (rows appended, whether a sliding layer's window cuts the context, the attention's S bucket). A
+step appends at most a block and its bonus token (graph_append rows); a longer append (a prompt, the plain steps of
+a drafter pause) runs eagerly first, then the pass with nothing to append, so capture_passes captures every pass of
+a step at start-up (each pooled session, the first S bucket) and requests replay them. Attention: kernels.attention
+over the session's f16 KVCacheLayer (context rows, then the block's rows at `start`), mask all-ones (full layers,
+bidirectional) or causal (sliding layers) - exact while every query's window covers the whole context (start + block
+<= window). Past that, a sliding layer gathers its window's rows into a scratch cache (a CuPy take of 16-byte units,
+indices from the device start) and runs the same kernel with the rows at the window's edge as extra "new tokens"
+under a per-step mask (_window_attention), still inside the graph.
 
 Sessions outlive a request: GpuProposer takes one from the drafter's pool (acquire_session) and returns it on
 close, so a request replays the graphs an earlier one captured (session_pool_size of them kept; the verifier sets
@@ -260,6 +262,9 @@ class DFlashGpuDrafter:
         self.use_graphs = QG.graphs_default()
         self.graph_blocker: str | None = None
         self.graph_stats = {"captures": 0, "replays": 0, "eager": 0, "failed": 0}
+        # feature rows a captured pass appends: a step's accepted tokens (at most a block and the bonus token);
+        # longer appends run eagerly first
+        self.graph_append = min(MAX_APPEND, B + 1)
         self._stream = None
         # finished requests' sessions kept for the next ones (acquire_session / release_session): a session
         # captures its graphs per shape, so a new session per request would capture them all again. Bounded:
@@ -327,6 +332,24 @@ class DFlashGpuDrafter:
             made.append(s)
         with self._pool_lock:
             self._pool.extend(made)
+
+    def capture_passes(self) -> int:
+        """Capture, on every pooled session, the pass of each append a step makes (0 .. graph_append rows) in the
+        first context bucket, now (at start-up, after reserve_sessions): requests then replay them instead of
+        capturing mid-request. Returns how many were captured (0 with graphs off)."""
+        if not (self.use_graphs and self.graph_blocker is None):
+            return 0
+        with self._pool_lock:
+            sessions = list(self._pool)
+        before = self.graph_stats["captures"]
+        feats = self.xp.zeros((self.graph_append, self.cfg.n_features), self.xp.float32)
+        for s in sessions:
+            for n in range(self.graph_append + 1):
+                s.n_ctx = 1          # a context row of zeros: the shapes are what matter, the session is reset after
+                self._pass(s, feats[:n], 0, 1 + n)
+            s.n_ctx = 0
+        self.xp.cuda.get_current_stream().synchronize()
+        return self.graph_stats["captures"] - before
 
     def release_session(self, session: GpuDraftSession) -> None:
         """Keep a finished request's session for the next one; at most `session_pool_size` are kept (those of
@@ -569,7 +592,10 @@ class DFlashGpuDrafter:
                              f"{s.n_ctx + n}, but the block starts at position {start}")
         if not 0 <= int(last_token) < int(self.tok_embd.shape[0]):
             raise ValueError(f"block token ids must be in [0, {int(self.tok_embd.shape[0])})")
-        if n > MAX_APPEND:               # a prompt's features: eager, then a pass with nothing to append
+        graphs = self.use_graphs and self.graph_blocker is None
+        if n > MAX_APPEND or (graphs and n > self.graph_append):
+            # a prompt's features, or the rows of a drafter pause's plain steps: eager, then a pass with nothing to
+            # append (so the captured passes are the few capture_passes makes at start-up, not one per prompt length)
             self.append_context(s, feats, start)
             n = 0
         B = self.block_size
@@ -580,7 +606,7 @@ class DFlashGpuDrafter:
             s.feats[:n] = feats if isinstance(feats, cp.ndarray) else cp.asarray(feats, dtype=cp.float32)
         windowed = self._windowed(start, B)
         masks = (self._mask_full, self._mask_causal, self._window_mask(s, start, B) if windowed else None)
-        if self.use_graphs and self.graph_blocker is None:
+        if graphs:
             s_hint = QG._s_bucket(start + B, s.capacity) - B
             out = self._graph_pass(s, (n, windowed, s_hint), lambda: self._head(
                 self._block_pass(s, B, n, s_hint, masks)[1:]))

@@ -28,14 +28,16 @@ Host work per step is kept to what must run there (the speculative loop's time o
 the per-step values go up in one copy from pinned memory (_StepValues), the captured layers stay on the
 device (DeviceRows: the GPU drafter reads them there), a Q4_K token table is decoded on the device inside the
 step (_embed_q4_k; other host-only tables go through host_head_embed's row cache), and a commit (accepted node,
-KV rows to move: one upload) replays a captured graph per shape. States outlive a request: acquire_state /
+KV rows to move and their number: one upload; the rows move in one kernels.attention.KVRowMover launch) replays the
+captured graph of its step's shape, whichever path it accepts (budget.py's calibration commits each width once,
+so a pooled state holds them before the first request). States outlive a request: acquire_state /
 release_state keep up to state_pool_size of them (buffers and captured graphs) for the next requests;
 reserve_states makes them at start-up, so that serving allocates no state (what services/engine/memory_plan.py
 counts per slot: GpuSequenceState.nbytes).
 
 Pieces done with plain CuPy ops instead of a kernel (each marked FALLBACK below): attention of a tree wider
 than 64 tokens (the attention kernel's mask is one uint64 per token; it decodes Q8_0 / TQ3_0 rows with CuPy),
-KV row compaction at commit (inside the commit's graph), Q8_0 and Q4_K embedding rows, the residual adds of
+Q8_0 and Q4_K embedding rows, the residual adds of
 steps wider than 64 tokens (narrower steps fold norms, SwiGLU and residual adds into the matmuls' activation
 packing and epilogue).
 """
