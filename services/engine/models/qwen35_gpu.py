@@ -17,7 +17,8 @@ KV types: f16, q8_0 or tq3_0, K and V chosen independently (f32 is kept as f16, 
 
 CUDA graphs (default on; SPECSPLIT_CUDA_GRAPHS=0 or `model.use_graphs = False`: eager launches): the first
 step of a shape on a state (width T <= 64, chain or tree, checkpoints, logits rows, captured layers, and a
-power-of-two bucket of S that fixes the attention's K splits) runs eagerly while its allocations are measured,
+power-of-two bucket of S that fixes the attention's K splits; decode steps, trees and checkpointed chains: a prompt
+chunk, whose length rarely comes again, always runs eagerly) runs eagerly while its allocations are measured,
 then the same launches are captured on a side stream with every temporary taken from the device's one graph
 arena (GraphArena, shared by every captured graph: steps and commits of all states, the GPU drafter's passes);
 later steps of that shape write their values (token ids, positions, parents, mask, S) into the state's device
@@ -374,8 +375,8 @@ class GpuSequenceState:
             g = self.commit_graphs.get(key)
             if g is not None:
                 g.launch(cp.cuda.get_current_stream())
-            elif not (self.graph_commits and self.graphs_on) or p.n_tokens > self.max_tree:
-                launches()     # graphs off, or a prefill chunk (a one-off shape)
+            elif not (self.graph_commits and self.graphs_on) or (p.n_tokens > 1 and not p.per_token):
+                launches()     # graphs off, or a prompt chunk (a one-off shape)
             else:
                 self._capture_commit(key, launches)
             if self.rec_layers and not p.per_token:   # the chain's final state is the committed one now
@@ -874,7 +875,11 @@ class Qwen35GpuModel(TargetModel):
         elif not small:
             x0 = self.device_embed(cp.asarray(tokens))
         st.upload(rows)
-        graph = self.use_graphs and self.graph_blocker is None and small and T <= min(ATTN_TOKENS, state.max_tree)
+        # graphs for the steps a request repeats (decode, verify trees and checkpointed chains); a prompt chunk (a
+        # chain of several tokens without checkpoints) runs eagerly: its length rarely comes again, and a capture
+        # costs about twice an eager pass, mid-request, and a place among the state's GRAPHS_PER_STATE
+        graph = (self.use_graphs and self.graph_blocker is None and small and T <= min(ATTN_TOKENS, state.max_tree)
+                 and (T == 1 or per_token))
         # K splits of the attention: from S (eager), or from S's bucket (a graph serves every S up to it)
         s_hint = _s_bucket(S + T, state.max_ctx) - T if graph else S
         step = _Step(T=T, S=S, parents=par, is_chain=is_chain, per_token=per_token, positions=positions,
