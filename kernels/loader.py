@@ -358,6 +358,13 @@ def set_launch_hook(hook: Callable[[str, Callable[[], Any]], Any] | None) -> Cal
     return previous
 
 
+def functions_loaded() -> int:
+    """How many kernels this process has fetched (each built by NVRTC or read from CuPy's disk cache once): a count
+    that does not grow once every kernel a server launches has been fetched."""
+    with _lock:
+        return len(_functions)
+
+
 def clear_cache() -> None:
     with _lock:
         _modules.clear()

@@ -288,6 +288,28 @@ def test_memory_stays_within_the_plan_over_many_requests(tmp_path):
 
 
 @needs_gpu
+def test_requests_load_no_kernel_and_capture_no_graph_after_start_up(tmp_path):
+    """A fresh process set up as the verifier starts (reserve_serving, the auto calibration, its warm-up), then
+    requests whose prompts cover every token-tile class, one past 64 tokens and one past a prefill chunk, decoded
+    plainly and with auto: no kernel is fetched, built or read from CuPy's cache during the requests (an NVRTC build
+    is 0.4-0.5 s mid-request on a cold cache), and none within the first 512-token context bucket captures a graph
+    (bench/warm_check.py)."""
+    out = tmp_path / "warm.json"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)}
+    done = subprocess.run([sys.executable, str(ROOT / "bench" / "warm_check.py"), "--max-ctx", "1024", "--json",
+                           str(out)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    print(done.stdout[-3000:])
+    assert out.exists(), done.stdout[-4000:] + done.stderr[-4000:]
+    r = json.loads(out.read_text())
+    assert [x["prompt"] for x in r["requests"]] == [5, 37, 53, 100, 300, 700]
+    assert r["loaded_during_requests"] == [] and all(x["modules"] == 0 for x in r["requests"]), r
+    # graphs are per power-of-two bucket of the context (it fixes the attention's splits): start-up captures the
+    # first bucket's, so only the 700-token prompt (the 1024 bucket) may capture
+    assert all(x["captures"] == [0, 0, 0] for x in r["requests"] if x["prompt"] + 40 <= 512), r
+    assert done.returncode == 0
+
+
+@needs_gpu
 def test_gpu_matrices_are_the_planned_ones():
     """The matrices the GPU models hold (placement.gpu_matrices: what the split scratch is reserved for; stacks
     uploaded as one matrix per run of a storage type) are the ones memory_plan.WeightBytes counts from the files."""

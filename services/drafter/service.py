@@ -303,7 +303,8 @@ class DrafterConfig:
 def load(cfg: DrafterConfig) -> Any:
     """Load the target (for its token table and lm head) and the drafter; draft once as a warm-up. On a GPU the
     memory plan comes first (headers only: a refusal names --max-ctx / --max-sessions before anything loads), then
-    every session and the graph arena are made."""
+    every session and the graph arena are made, each session's passes captured and a prompt's appends run once (so
+    no stream builds a kernel or, in the first context bucket, captures a pass)."""
     from services.engine.loader import load_target
     from services.engine.models.dflash import load_drafter
     from services.engine.placement import is_gpu
@@ -333,7 +334,9 @@ def load(cfg: DrafterConfig) -> Any:
     width = len(drafter.target_layer_ids) * int(drafter.cfg.n_embd)
     if plan is not None:    # every pooled session's passes of a step's appends, captured before the first stream
         n = drafter.capture_passes()
-        log.info("drafter: %d pass graphs captured on %d session(s)", n, cfg.max_sessions)
+        built = drafter.warm_appends()
+        log.info("drafter: %d pass graphs captured on %d session(s), %d kernels fetched for prompt appends", n,
+                 cfg.max_sessions, built)
         if not n:           # graphs off: one eager pass builds the kernels
             s = drafter.acquire_session()
             drafter.draft_topk(s, np.zeros((1, width), np.float32), 0, 1, 1)

@@ -108,8 +108,10 @@ def reserve_serving(model: Any, drafter: Any, slots: int, max_ctx: int, budget: 
     On a GPU everything the memory plan counts per slot and per device is taken now: `slots` pooled states of
     max_ctx rows with room for n_capture captured layers, as many drafter sessions, and the graph arena; the split
     scratch's size is fixed; the states' checkpoints, the graph steps' logits rows and the verify width are capped
-    at the planned width. A NumPy model only learns its pool sizes (it allocates per request, as the CPU plan
-    counts)."""
+    at the planned width; then every kernel a request may launch is fetched (prompt chunks of every width class,
+    a plain step, the drafter's appends) and the drafter's passes of a step's appends are captured, so that no
+    request builds a kernel or, in the first context bucket, captures a drafter pass. A NumPy model only learns its
+    pool sizes (it allocates per request, as the CPU plan counts)."""
     from . import memory_plan as mp
 
     block = getattr(drafter, "block_size", mp.DEFAULT_BLOCK_SIZE)
@@ -147,6 +149,12 @@ def reserve_serving(model: Any, drafter: Any, slots: int, max_ctx: int, budget: 
     # what CuPy's pool cached meanwhile (the weights' upload temporaries, the arena the model reserved when it
     # loaded): back to the device
     model.release_cached_memory()
-    if gpu_drafter is not None and speculative:   # the drafter's passes of a step's appends, before any request
+    # every kernel a request may launch fetched now, not mid-request (an NVRTC build is 0.4-0.5 s on a cold cache):
+    # prompt chunks of every width class (the captured layers' ids do not change the kernels), and the drafter's
+    # passes of a step's appends (captured) and a prompt's appends
+    n_layer = int(model.cfg.n_layer)
+    model.warm_prefill(capture=list(range(n_capture)) if speculative and 0 < n_capture <= n_layer else ())
+    if gpu_drafter is not None and speculative:
         gpu_drafter.capture_passes()
+        gpu_drafter.warm_appends()
     return width

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import threading
 import warnings
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -350,6 +350,24 @@ class DFlashGpuDrafter:
             s.n_ctx = 0
         self.xp.cuda.get_current_stream().synchronize()
         return self.graph_stats["captures"] - before
+
+    def warm_appends(self, chunks: Sequence[int] = QG.WARM_CHUNKS) -> int:
+        """Append feature rows of each count in `chunks` that fits a pooled session eagerly (a prompt's append),
+        so that every kernel an append may launch is fetched now and not during a request; the session is left
+        empty. Returns how many kernels were fetched."""
+        with self._pool_lock:
+            s = max(self._pool, key=lambda x: x.capacity, default=None)
+        if s is None:
+            return 0
+        sizes = [int(n) for n in chunks if int(n) + self.block_size <= s.capacity]
+        before = nr.loader.functions_loaded()
+        feats = self.xp.zeros((max(sizes, default=1), self.cfg.n_features), self.xp.float32)
+        for n in sizes:
+            s.n_ctx = 0
+            self.append_context(s, feats[:n], n)
+        s.n_ctx = 0
+        self.xp.cuda.get_current_stream().synchronize()
+        return nr.loader.functions_loaded() - before
 
     def release_session(self, session: GpuDraftSession) -> None:
         """Keep a finished request's session for the next one; at most `session_pool_size` are kept (those of

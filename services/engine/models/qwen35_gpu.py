@@ -87,6 +87,9 @@ GRAPHS_PER_STATE = 64    # captured shapes kept per state, steps and commits eac
 # type); memory_plan.GPU_TARGET_STACKS counts their bytes so
 STACKS = {"ffn_gate_up": ("ffn_gate", "ffn_up"), "ssm_in": ("attn_qkv", "attn_gate", "ssm_beta", "ssm_alpha"),
           "attn_qkv": ("attn_q", "attn_k", "attn_v")}
+# prompt chunks warm_prefill runs at start-up: every token-tile class of the matmuls up to 64 tokens (8 a tile), one
+# past 64 (64-token pieces and a remainder) and a whole prefill chunk (generate.PREFILL_CHUNK)
+WARM_CHUNKS = (8, 16, 24, 32, 40, 48, 56, 64, 100, 512)
 RAW_ROWS = 512           # pre-conv rows a state keeps: a prefill chunk's (generate.PREFILL_CHUNK), or the tree's
 ARENA_SLACK = 4 << 20    # an arena holds a capture's measured peak + 1/8 + this (the capture repeats the warm-up)
 
@@ -707,6 +710,36 @@ class Qwen35GpuModel(TargetModel):
             made.append(st)
         with self._pool_lock:
             self._state_pool.extend(made)
+
+    def warm_prefill(self, capture: Sequence[int] = (), chunks: Sequence[int] = WARM_CHUNKS) -> int:
+        """Run and commit a prompt chunk of each width in `chunks` that fits a pooled state (as generate.prefill
+        does, capturing `capture`), then a plain decode step, so that every kernel a prompt may launch is fetched
+        now (an NVRTC build is 0.4-0.5 s on a cold cache) and not during a request, and the plain step's graphs are
+        on that state. Returns how many kernels were fetched."""
+        with self._pool_lock:
+            room = max((st.max_ctx for st in self._state_pool), default=0)
+        sizes = [int(n) for n in chunks if int(n) < room]
+        if not sizes:
+            return 0
+        before = nr.loader.functions_loaded()
+        st = self.acquire_state(max(sizes))
+        try:
+            for n in sizes:
+                st.reset()
+                res = self.forward(st, np.arange(n) % self.cfg.n_vocab, capture=capture, logits="last")
+                if capture and n >= 3:   # the features of a path off the drafter's chain: a gather (CuPy's take)
+                    _ = res.captured[[0, 2]]
+                res = None
+                st.commit(range(n))
+            # and a plain decode step in the first context bucket (a request without a drafter: no layers
+            # captured), its graph and its commit's
+            st.reset()
+            self.forward(st, [0], logits="last")
+            st.commit([0])
+        finally:
+            st.reset()
+            self.release_state(st)
+        return nr.loader.functions_loaded() - before
 
     def acquire_state(self, n_ctx: int, limit: int | None = None) -> GpuSequenceState:
         """A state for a request of up to n_ctx tokens, from the pool when one fits (its captured graphs come
