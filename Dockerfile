@@ -22,11 +22,13 @@ RUN pip install --no-cache-dir /src aiohttp prometheus-client ${SPECSPLIT_GPU} \
  && rm -rf /src
 
 RUN useradd --create-home --uid 10001 specsplit \
- && mkdir -p /run/specsplit /models \
- && chown specsplit /run/specsplit
+ && mkdir -p /run/specsplit /models /var/cache/specsplit \
+ && chown specsplit /run/specsplit /var/cache/specsplit
 USER specsplit
 WORKDIR /home/specsplit
-ENV PYTHONUNBUFFERED=1
+# The kernels NVRTC builds at start-up (every one a request may launch) are kept here; compose mounts a volume on
+# it, so a restarted container reads them back instead of building them again.
+ENV PYTHONUNBUFFERED=1 CUPY_CACHE_DIR=/var/cache/specsplit/cupy
 
 # 8080 OpenAI HTTP (gateway), 50051 verifier gRPC, 50052 public gateway gRPC, 50053 drafter gRPC
 EXPOSE 8080 50051 50052 50053
