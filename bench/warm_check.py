@@ -6,10 +6,10 @@ each on a cold cache, nor a CUDA-graph capture of a shape it could have known).
 In this (fresh) process: the target and its GPU drafter loaded, reserve_serving, the `--budget auto` calibration and
 the warm-up generation as the verifier runs them; then requests with prompts of several lengths (each token-tile
 class, past 64, past a prefill chunk), decoded plainly and with auto (a request's own fixed budget captures its
-width once per state). Prints what was loaded during the requests: kernels
-fetched through kernels/loader.py, CuPy modules compiled or read from its disk cache (its own elementwise kernels
-too), and graphs captured (target steps, drafter passes, commits: graphs are per 512 / 1024 / ... bucket of the
-context, and start-up captures the first bucket's). Exit status 1 when any kernel was loaded.
+width once per state). Prints what was loaded during the requests: kernels fetched through kernels/loader.py, CuPy
+modules compiled or read from its disk cache (its own elementwise kernels too), and graphs captured (target steps,
+drafter passes, commits: graphs are per 512 / 1024 / ... bucket of the context, and start-up captures the first
+bucket's). Exit status 1 when any kernel was loaded.
 """
 
 from __future__ import annotations
@@ -69,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
         pass
     modules["serving"] = True
     start = {"s": round(time.perf_counter() - t0, 2), "loader": loader.functions_loaded(), "modules": modules["n"]}
-    names = set(loader._functions)
+    names = set(loader.function_names())
     counts = lambda: (g.graph_stats["captures"], dr.graph_stats["captures"],  # noqa: E731
                       sum(len(st.commit_graphs) for st in g._state_pool))
     c0 = counts()
@@ -88,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
                      "captures": [b - a for a, b in zip(k0, k1)]})
     c1 = counts()
     rep = {"device": cupy.cuda.runtime.getDeviceProperties(0)["name"].decode(), "start_up": start, "requests": runs,
-           "loaded_during_requests": sorted(str(k[1]) for k in set(loader._functions) - names),
+           "loaded_during_requests": sorted(set(loader.function_names()) - names),
            "cupy_sources_during_requests": modules["sources"],
            "captured_during_requests": {"target_steps": c1[0] - c0[0], "drafter_passes": c1[1] - c0[1],
                                         "commits_pooled": c1[2] - c0[2]}}

@@ -365,6 +365,12 @@ def functions_loaded() -> int:
         return len(_functions)
 
 
+def function_names() -> list[str]:
+    """The kernels fetched so far, as 'source:name expression' strings."""
+    with _lock:
+        return [f"{k[0]}:{k[1]}" for k in _functions]
+
+
 def clear_cache() -> None:
     with _lock:
         _modules.clear()

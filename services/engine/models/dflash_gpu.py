@@ -345,7 +345,7 @@ class DFlashGpuDrafter:
         feats = self.xp.zeros((self.graph_append, self.cfg.n_features), self.xp.float32)
         for s in sessions:
             for n in range(self.graph_append + 1):
-                s.n_ctx = 1          # a context row of zeros: the shapes are what matter, the session is reset after
+                s.n_ctx = 1          # one context row, whatever it holds: only the shapes matter (emptied after)
                 self._pass(s, feats[:n], 0, 1 + n)
             s.n_ctx = 0
         self.xp.cuda.get_current_stream().synchronize()
