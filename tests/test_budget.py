@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from services.engine import budget as B
-from services.engine.budget import BudgetTuner, measure_verify_costs
+from services.engine.budget import CALIBRATION_WIDTHS, BudgetTuner, measure_verify_costs
 from services.engine.ddtree import build_ddtree
 from services.engine.generate import generate
 from services.engine.loader import load_target
@@ -226,6 +226,37 @@ def test_measure_keeps_trees_within_the_preferred_widths(monkeypatch):
     assert t.max_budget == 63 and max(seen["widths"]) == 64 and t.widths == GpuLike.verify_widths
     t = BudgetTuner.measure(object(), max_budget=64)          # no preferred widths: as asked
     assert t.max_budget == 64 and max(seen["widths"]) == 65 and t.widths is None
+
+
+@pytest.mark.parametrize("room", [200, 141, 100, 40])
+def test_calibration_fits_the_pooled_states(tiny_pair, room):
+    """On a target with pooled states of `room` rows (a GPU server's slots at its --max-ctx), the calibration asks for
+    no state larger than they are (one made beyond the pool would hold more than the memory plan counts): a shorter
+    context first, then a smaller budget when even the widest verify does not fit."""
+    _, gguf, _ = tiny_pair
+    model = load_target(gguf).model
+    asked = []
+
+    class Pooled:
+        cfg = model.cfg
+
+        def pooled_ctx(self):
+            return room
+
+        def acquire_state(self, n_ctx):
+            asked.append(n_ctx)
+            return model.new_state(n_ctx)
+
+        def release_state(self, st):
+            pass
+
+        def forward(self, *a, **kw):
+            return model.forward(*a, **kw)
+
+    t = BudgetTuner.measure(Pooled(), max_budget=64)
+    assert asked and max(asked) <= room, (room, asked)
+    assert t.max_budget == min(64, room - len(CALIBRATION_WIDTHS) - 4)
+    assert max(t.verify_costs) == t.max_budget + 1 and t.plain_s > 0
 
 
 def test_calibration_runs_the_loops_steps_on_every_pooled_state(tiny_pair):

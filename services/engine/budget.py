@@ -32,6 +32,10 @@ CALIBRATION_WIDTHS = (1, 2, 4, 8, 12, 16, 20, 24, 32, 48, 65)
 # Depth of the calibration trees' chain: a DFlash block of 16 drafts 15 tokens after the root (calibration_parents)
 CALIBRATION_DEPTH = 15
 
+# Committed tokens before the calibration's steps (less when a pooled state has no room for them)
+CALIBRATION_CONTEXT = 64
+PLAIN_REPS = 4
+
 # Logits rows a greedy walk reads per verify, for calibration: the accepted tokens plus one (the embedded pair
 # accepts 2.4-3.3 drafted tokens a step); on the NumPy engine each read row is computed when read (RowLogits).
 CALIBRATION_ROWS_READ = 4
@@ -57,7 +61,7 @@ def _scratch_states(target, n_ctx: int, n: int = 1):
             target.release_state(state)
 
 
-def measure_verify_costs(target, widths=CALIBRATION_WIDTHS, context: int = 64, reps: int = 3,
+def measure_verify_costs(target, widths=CALIBRATION_WIDTHS, context: int = CALIBRATION_CONTEXT, reps: int = 3,
                          capture: Sequence[int] = (), states: int = 1) -> dict[int, float]:
     """Seconds per verify at each width: a target pass over a DDTree-shaped batch (calibration_parents) with
     checkpoints (after `context` committed tokens), capturing the `capture` layers a drafter reads, and the greedy
@@ -107,7 +111,7 @@ def _verify_costs(target, state, ws: list[int], context: int, reps: int, capture
     return out
 
 
-def measure_plain_step(target, context: int = 64, reps: int = 4, capture: Sequence[int] = (),
+def measure_plain_step(target, context: int = CALIBRATION_CONTEXT, reps: int = PLAIN_REPS, capture: Sequence[int] = (),
                        states: int = 1) -> float:
     """Seconds of one plain decode step as the speculative loop takes one while its drafter pauses (width-1
     forward capturing the `capture` layers, logits of the last row, commit), the best of `reps` on each of
@@ -200,9 +204,18 @@ class BudgetTuner:
         preferred = getattr(target, "verify_widths", None)
         if preferred:
             max_budget = min(max_budget, max(preferred) - 1)
+        # a pooled state must hold the calibration (its context, the widest verify, one commit a width): a state
+        # made beyond the pool would hold more rows than the memory plan counts (a --max-ctx of ~140 or less)
+        room = target.pooled_ctx() if hasattr(target, "pooled_ctx") else None
+        context = CALIBRATION_CONTEXT
+        if room:
+            max_budget = max(1, min(max_budget, room - len(CALIBRATION_WIDTHS) - 4))
         widths = tuple(w for w in CALIBRATION_WIDTHS if w <= max_budget + 1) + (max_budget + 1,)
-        return cls(measure_verify_costs(target, widths, capture=capture, states=states), max_budget=max_budget,
-                   plain_s=measure_plain_step(target, capture=capture, states=states),
+        if room:
+            context = max(1, min(context, room - max(widths) - len(set(widths)) - 1, room - PLAIN_REPS - 2))
+        return cls(measure_verify_costs(target, widths, context=context, capture=capture, states=states),
+                   max_budget=max_budget, plain_s=measure_plain_step(target, context=context, capture=capture,
+                                                                     states=states),
                    widths=tuple(preferred) if preferred else None)
 
     def observe_plain(self, seconds: float) -> None:

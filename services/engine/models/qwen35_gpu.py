@@ -711,13 +711,17 @@ class Qwen35GpuModel(TargetModel):
         with self._pool_lock:
             self._state_pool.extend(made)
 
+    def pooled_ctx(self) -> int | None:
+        """Rows of the largest pooled state (None: no pool yet): what a measurement on pooled states may use."""
+        with self._pool_lock:
+            return max((st.max_ctx for st in self._state_pool), default=None)
+
     def warm_prefill(self, capture: Sequence[int] = (), chunks: Sequence[int] = WARM_CHUNKS) -> int:
         """Run and commit a prompt chunk of each width in `chunks` that fits a pooled state (as generate.prefill
         does, capturing `capture`), then a plain decode step, so that every kernel a prompt may launch is fetched
         now (an NVRTC build is 0.4-0.5 s on a cold cache) and not during a request, and the plain step's graphs are
         on that state. Returns how many kernels were fetched."""
-        with self._pool_lock:
-            room = max((st.max_ctx for st in self._state_pool), default=0)
+        room = self.pooled_ctx() or 0
         sizes = [int(n) for n in chunks if int(n) < room]
         if not sizes:
             return 0
