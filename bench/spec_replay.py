@@ -139,7 +139,7 @@ def replay_auto(curves: dict, costs: Costs) -> float:
             v = costs.verify(b + 1)
             t += costs.draft_ms + v
             tuner.observe(tree, b, a, verify_s=v / 1e3, draft_s=costs.draft_ms / 1e3)
-            plain_left, pause = tuner.pause_after_step(pause)
+            plain_left = pause = tuner.pause_after_step(pause)
             i += a + 1
         n += len(acc)
     return n * costs.plain_ms / t

@@ -124,18 +124,18 @@ def test_a_step_that_did_not_pay_pauses_for_what_it_lost():
     t.drafting_pays = False
     t.observe(tree, 4, accepted=0, verify_s=1.0, draft_s=1.0)         # 2 plain steps' time for 1 token: lost 1
     assert not t.step_paid and t.step_loss == pytest.approx(1.0)
-    assert t.pause_after_step(0) == (round(B.PAUSE_PER_LOST_STEP), round(B.PAUSE_PER_LOST_STEP))
-    assert t.pause_after_step(5) == (10, 10)                          # the next one after a pause: doubled
-    assert t.pause_after_step(12) == (B.PLAIN_PAUSE_MAX, B.PLAIN_PAUSE_MAX)
+    assert t.pause_after_step(0) == round(B.PAUSE_PER_LOST_STEP)
+    assert t.pause_after_step(5) == 10                          # the next one after a pause: doubled
+    assert t.pause_after_step(12) == B.PLAIN_PAUSE_MAX
     t.observe(tree, 4, accepted=0, verify_s=0.6, draft_s=0.5)         # lost 0.1 plain steps: not worth a pause
-    assert t.pause_after_step(0) == (0, 0)
+    assert t.pause_after_step(0) == 0
     t.observe(tree, 4, accepted=0, verify_s=4.0, draft_s=1.0)         # lost 4: 12 plain steps
-    assert t.pause_after_step(0) == (12, 12)
+    assert t.pause_after_step(0) == 12
     t.drafting_pays = True                                            # expected to pay: no pause, and reset
-    assert t.pause_after_step(12) == (0, 0)
+    assert t.pause_after_step(12) == 0
     t.drafting_pays = False
     t.observe(tree, 4, accepted=2, verify_s=1.0, draft_s=1.0)         # 3 tokens in 2 plain steps' time: paid
-    assert t.step_paid and t.step_loss < 0 and t.pause_after_step(8) == (0, 0)
+    assert t.step_paid and t.step_loss < 0 and t.pause_after_step(8) == 0
 
 
 def test_one_slow_step_does_not_steer_the_tuner():

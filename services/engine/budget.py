@@ -281,15 +281,15 @@ class BudgetTuner:
             self.scale = statistics.median_low(self._scale_obs)
         self.chosen[kept] = self.chosen.get(kept, 0) + 1
 
-    def pause_after_step(self, last: int) -> tuple[int, int]:
-        """After a drafted step (choose, then observe): the plain steps to take now, and what to pass for `last` after
-        the next drafted step. `last`: the pause taken before this step (0: none). A step pays when its tree was
-        expected to (drafter confidence) or it did (the tokens it committed); one that did not pauses the drafter for
-        PAUSE_PER_LOST_STEP times the plain steps it lost, or twice the last pause, at most PLAIN_PAUSE_MAX."""
+    def pause_after_step(self, last: int) -> int:
+        """After a drafted step (choose, then observe): the plain steps to take now (0: none), which the caller passes
+        as `last` after its next drafted step. `last`: the pause taken before this step (0: none). A step pays when
+        its tree was expected to (drafter confidence) or it did (the tokens it committed); one that did not pauses
+        the drafter for PAUSE_PER_LOST_STEP times the plain steps it lost, or twice the last pause, at most
+        PLAIN_PAUSE_MAX."""
         if self.drafting_pays or self.step_paid:
-            return 0, 0
-        pause = min(PLAIN_PAUSE_MAX, max(int(round(PAUSE_PER_LOST_STEP * self.step_loss)), 2 * last))
-        return pause, pause
+            return 0
+        return min(PLAIN_PAUSE_MAX, max(int(round(PAUSE_PER_LOST_STEP * self.step_loss)), 2 * last))
 
     def snapshot(self) -> dict:
         return {"kappa": round(self.kappa, 4), "draft_ms": round(self.draft_s * 1e3, 3),

@@ -347,7 +347,7 @@ def _spec_loop(target: TargetModel, proposer: Proposer | None, prompt_ids: Seque
                         accepted=len(path) - 1, draft_ms=draft_ms, verify_ms=(ta - tv) * 1e3, accept_ms=accept_ms)
         if spec.tuner is not None:
             spec.tuner.observe(full, len(tree), info.accepted, verify_s=tw - tv, draft_s=draft_ms / 1e3)
-            plain_left, pause = spec.tuner.pause_after_step(pause)
+            plain_left = pause = spec.tuner.pause_after_step(pause)
         stats.record(info)
         step += 1
         if on_step is not None:
