@@ -70,6 +70,13 @@ MAX_RING_STAGES = 32  # the kernel keeps one parity bit per slot in a 32-bit wor
 # token, 248320x5120 Q6_K: 4 warps x 2 stages 351.6 us (the per-tile kernel 348.3), 8 x 3 341.0 (0.97x).
 RING_TALL_TILES = 4096
 RING_TALL_SHAPE = (8, 3)  # (k_warps, stages)
+# One-token products of fewer than RING_FEW_TILES row tiles a SM (the 27B's 5120-row ffn_down, ssm_out and
+# attn_output, its 6144-row DeltaNet gate: 320-384 tiles on 132 SMs, 2-3 blocks a SM) keep too few warps and bytes
+# in flight at 4 warps x 2 stages. H100, 27B Q4_K_M step replay at width 1 (docs/gpu_quant_matmul.md, "gemv: few
+# row tiles"): 8 x 2 0.956 of 4 x 2, 4 x 4 0.961, 4 x 3 0.998, 8 x 3 / 8 x 4 0.981 / 0.996; the same below 6 tiles a
+# SM (also the 10240-row DeltaNet qkv) 0.960.
+RING_FEW_TILES = 4
+RING_FEW_SHAPE = (8, 2)
 # choose_split's knobs. The per-tile kernel keeps a matrix of at least one tile per SM whose warps run fewer than
 # SPLIT_MIN_TILE_CHUNKS chunks each (5120x6144: 6; the split's arrival protocol, a fence, an atomic and a second L2
 # round trip, costs more than it saves) or whose blocks fill at least SPLIT_FILL of the warps the SMs can hold
@@ -131,7 +138,11 @@ def ring_shape(qtype: int, n_out: int, k: int, tokens: int, sms: int) -> tuple[i
     """(k_warps, stages) of a ring launch: RING_TALL_SHAPE for matrices of at least RING_TALL_TILES row tiles (where
     it fits in shared memory), else choose_k_warps' warps and RING_STAGES."""
     kw, st = RING_TALL_SHAPE
-    if -(-n_out // TILE_ROWS) >= RING_TALL_TILES and ring_smem_bytes(qtype, tokens, kw, st) <= SMEM_LIMIT:
+    tiles = -(-n_out // TILE_ROWS)
+    if tiles >= RING_TALL_TILES and ring_smem_bytes(qtype, tokens, kw, st) <= SMEM_LIMIT:
+        return min(kw, -(-k // CHUNK)), st
+    kw, st = RING_FEW_SHAPE
+    if tokens == 1 and tiles < RING_FEW_TILES * sms and ring_smem_bytes(qtype, tokens, kw, st) <= SMEM_LIMIT:
         return min(kw, -(-k // CHUNK)), st
     return choose_k_warps(qtype, n_out, k, tokens, sms), RING_STAGES
 
