@@ -67,9 +67,11 @@ RING_UP_TO: dict[int, int] = {8: 1, 12: 3, 14: 3}
 RING_STAGES = 2
 MAX_RING_STAGES = 32  # the kernel keeps one parity bit per slot in a 32-bit word
 # Tall matrices (the LM head: 15520 tiles of 16 rows) stream best with more of each block in flight: H100, one
-# token, 248320x5120 Q6_K: 4 warps x 2 stages 351.6 us (the per-tile kernel 348.3), 8 x 3 341.0 (0.97x).
+# token, 248320x5120 Q6_K: 4 warps x 2 stages 351.6 us (the per-tile kernel 348.3), 8 x 3 341.0 (0.97x). At three
+# tokens a slot is 4224 bytes and 8 x 3 leaves room for two blocks a SM: 8 x 2 made the 27B's width-3 step 0.982x
+# (and widths 1 / 2 1.002x, so they keep 8 x 3).
 RING_TALL_TILES = 4096
-RING_TALL_SHAPE = (8, 3)  # (k_warps, stages)
+RING_TALL_SHAPE = {1: (8, 3), 2: (8, 3), 3: (8, 2)}  # (k_warps, stages) by tokens
 # One-token products of fewer than RING_FEW_TILES row tiles a SM (the 27B's 5120-row ffn_down, ssm_out and
 # attn_output, its 6144-row DeltaNet gate: 320-384 tiles on 132 SMs, 2-3 blocks a SM) keep too few warps and bytes
 # in flight at 4 warps x 2 stages. H100, 27B Q4_K_M step replay at width 1 (docs/gpu_quant_matmul.md, "gemv: few
@@ -136,8 +138,9 @@ def ring_smem_bytes(qtype: int, tokens: int, k_warps: int, stages: int) -> int:
 
 def ring_shape(qtype: int, n_out: int, k: int, tokens: int, sms: int) -> tuple[int, int]:
     """(k_warps, stages) of a ring launch: RING_TALL_SHAPE for matrices of at least RING_TALL_TILES row tiles (where
-    it fits in shared memory), else choose_k_warps' warps and RING_STAGES."""
-    kw, st = RING_TALL_SHAPE
+    it fits in shared memory), RING_FEW_SHAPE for one token over fewer than RING_FEW_TILES row tiles a SM, else
+    choose_k_warps' warps and RING_STAGES."""
+    kw, st = RING_TALL_SHAPE.get(tokens, (8, 2))
     tiles = -(-n_out // TILE_ROWS)
     if tiles >= RING_TALL_TILES and ring_smem_bytes(qtype, tokens, kw, st) <= SMEM_LIMIT:
         return min(kw, -(-k // CHUNK)), st

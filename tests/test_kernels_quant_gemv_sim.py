@@ -331,7 +331,8 @@ def test_ring_shared_memory_and_choice() -> None:
     assert qg.ring_smem_bytes(Q4_K, 1, 4, 3) == 4 * 3 * 2944 + 4 * 16 * 4 + 8 * 12
     assert qg.ring_smem_bytes(Q4_K, 1, 1, 2) == 2 * 2944 + 8 * 2  # one warp: no partial-sum buffer
     # the LM head (15520 tiles) gets the tall shape; ffn matrices choose_k_warps' warps and RING_STAGES
-    assert qg.ring_shape(Q6_K, 248320, 5120, 1, 132) == qg.RING_TALL_SHAPE
+    assert qg.ring_shape(Q6_K, 248320, 5120, 1, 132) == qg.RING_TALL_SHAPE[1] == (8, 3)
+    assert qg.ring_shape(Q6_K, 248320, 5120, 3, 132) == (8, 2)
     assert qg.ring_shape(Q4_K, 34816, 5120, 1, 132) == (qg.choose_k_warps(Q4_K, 34816, 5120, 1, 132), qg.RING_STAGES)
     # one token over few row tiles a SM (ffn_down, ssm_out: 320 tiles on 132 SMs) takes RING_FEW_SHAPE; two tokens
     # keep choose_k_warps' (8 warps there already); a K of few chunks caps the warps
