@@ -76,7 +76,8 @@ RING_TALL_SHAPE = {1: (8, 3), 2: (8, 3), 3: (8, 2)}  # (k_warps, stages) by toke
 # attn_output, its 6144-row DeltaNet gate: 320-384 tiles on 132 SMs, 2-3 blocks a SM) keep too few warps and bytes
 # in flight at 4 warps x 2 stages. H100, 27B Q4_K_M step replay at width 1 (docs/gpu_quant_matmul.md, "gemv: few
 # row tiles"): 8 x 2 0.956 of 4 x 2, 4 x 4 0.961, 4 x 3 0.998, 8 x 3 / 8 x 4 0.981 / 0.996; the same below 6 tiles a
-# SM (also the 10240-row DeltaNet qkv) 0.960.
+# SM (also the 10240-row DeltaNet qkv) 0.960. Not below one tile a SM (bench/ring_back_to_back.py, 2048x5120 Q4_K,
+# 128 tiles: 4 x 2 5.26 us, 8 x 2 5.55).
 RING_FEW_TILES = 4
 RING_FEW_SHAPE = (8, 2)
 # choose_split's knobs. The per-tile kernel keeps a matrix of at least one tile per SM whose warps run fewer than
@@ -138,14 +139,14 @@ def ring_smem_bytes(qtype: int, tokens: int, k_warps: int, stages: int) -> int:
 
 def ring_shape(qtype: int, n_out: int, k: int, tokens: int, sms: int) -> tuple[int, int]:
     """(k_warps, stages) of a ring launch: RING_TALL_SHAPE for matrices of at least RING_TALL_TILES row tiles (where
-    it fits in shared memory), RING_FEW_SHAPE for one token over fewer than RING_FEW_TILES row tiles a SM, else
+    it fits in shared memory), RING_FEW_SHAPE for one token over 1 to RING_FEW_TILES row tiles a SM, else
     choose_k_warps' warps and RING_STAGES."""
     kw, st = RING_TALL_SHAPE.get(tokens, (8, 2))
     tiles = -(-n_out // TILE_ROWS)
     if tiles >= RING_TALL_TILES and ring_smem_bytes(qtype, tokens, kw, st) <= SMEM_LIMIT:
         return min(kw, -(-k // CHUNK)), st
     kw, st = RING_FEW_SHAPE
-    if tokens == 1 and tiles < RING_FEW_TILES * sms and ring_smem_bytes(qtype, tokens, kw, st) <= SMEM_LIMIT:
+    if tokens == 1 and sms <= tiles < RING_FEW_TILES * sms and ring_smem_bytes(qtype, tokens, kw, st) <= SMEM_LIMIT:
         return min(kw, -(-k // CHUNK)), st
     return choose_k_warps(qtype, n_out, k, tokens, sms), RING_STAGES
 

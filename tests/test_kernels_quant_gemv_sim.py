@@ -341,6 +341,7 @@ def test_ring_shared_memory_and_choice() -> None:
     assert qg.ring_shape(Q6_K, 10240, 5120, 1, 132) == (4, qg.RING_STAGES)   # 640 tiles: 4.8 a SM
     assert qg.ring_shape(Q4_K, 5120, 6144, 2, 132) == (qg.choose_k_warps(Q4_K, 5120, 6144, 2, 132), qg.RING_STAGES)
     assert qg.ring_shape(Q4_K, 64, 1024, 1, 132) == (4, 2)
+    assert qg.ring_shape(Q4_K, 2048, 5120, 1, 132) == (4, 2)   # fewer tiles than SMs
 
     assert qg.ring_usable(Q4_K, 5120, True)
     assert not qg.ring_usable(Q4_K, 5120, False)  # the pack wrote no staging
