@@ -152,13 +152,16 @@ STEP_ABS = {
     "few2": ([("8x2", SMALL, 3, "capture", (8, 2)), ("8x3", SMALL, 3, "capture", (8, 3)),
               ("8x4", SMALL, 3, "capture", (8, 4)), ("8x2 to 6", SMALL, 3, "capture", (8, 2, 6))], (1,),
              [("8x3", "8x2"), ("8x4", "8x2"), ("8x2 to 6", "8x2")]),
-    # the 5th field: quant_gemv attributes set for the mode (restored after)
+    # the 5th field: quant_gemv attributes set for the mode (restored after); "qm." names quant_matmul's
     "knobs": ([("shipped", SMALL, 3, "capture", {}),
                ("8x2 all", SMALL, 3, "capture", {"RING_FEW_TILES": 1 << 20}),
                ("3 stages", SMALL, 3, "capture", {"RING_STAGES": 3}),
                ("tall 8x2", SMALL, 3, "capture", {"RING_TALL_SHAPE": {1: (8, 2), 2: (8, 2), 3: (8, 2)}})],
               (1, 2, 3),
               [("8x2 all", "shipped"), ("3 stages", "shipped"), ("tall 8x2", "shipped")]),
+    "v2stages": ([("shipped", SMALL, 3, "capture", {}), ("v2 3 stages", SMALL, 3, "capture", {"qm.STAGES_V2": 3}),
+                  ("v2 4 stages", SMALL, 3, "capture", {"qm.STAGES_V2": 4})], (8, 16, 23),
+                 [("v2 3 stages", "shipped"), ("v2 4 stages", "shipped")]),
 }
 
 
@@ -181,6 +184,7 @@ def step(cupy, qm, qg, path: str, context: int, ab: str = "ring") -> list[dict]:
     stack_shipped, wide_shipped = backend.STACK_CONCURRENT, dict(quant_wide.CROSSOVER)
     few_shipped, few_tiles = qg.RING_FEW_SHAPE, qg.RING_FEW_TILES
     knobs_shipped = {name: getattr(qg, name) for name in ("RING_FEW_TILES", "RING_STAGES", "RING_TALL_SHAPE")}
+    knobs_shipped["qm.STAGES_V2"] = qm.STAGES_V2
     dn_pdl_shipped, dn_source = (deltanet.PDL, deltanet.PDL_UP_TO), deltanet.SOURCE
     rows = []
     try:
@@ -196,11 +200,11 @@ def step(cupy, qm, qg, path: str, context: int, ab: str = "ring") -> list[dict]:
                             quant_wide.CROSSOVER.update({12: 17, 14: 17})
                     elif ab == "dnpdl":
                         deltanet.PDL, deltanet.PDL_UP_TO = flag, 64
-                    elif ab == "knobs":
+                    elif ab in ("knobs", "v2stages"):
                         for name, value in knobs_shipped.items():
-                            setattr(qg, name, value)
+                            setattr(qm if name.startswith("qm.") else qg, name.removeprefix("qm."), value)
                         for name, value in flag.items():
-                            setattr(qg, name, value)
+                            setattr(qm if name.startswith("qm.") else qg, name.removeprefix("qm."), value)
                     elif ab in ("few", "few2"):
                         qg.RING_FEW_SHAPE, qg.RING_FEW_TILES = flag[:2], (flag[2:] or (few_tiles,))[0]
                     elif ab == "dnsrc":
@@ -240,7 +244,7 @@ def step(cupy, qm, qg, path: str, context: int, ab: str = "ring") -> list[dict]:
         deltanet.SOURCE = dn_source
         qg.RING_FEW_SHAPE, qg.RING_FEW_TILES = few_shipped, few_tiles
         for name, value in knobs_shipped.items():
-            setattr(qg, name, value)
+            setattr(qm if name.startswith("qm.") else qg, name.removeprefix("qm."), value)
         if pdl_env is None:
             os.environ.pop(loader.PDL_ENV, None)
         else:
