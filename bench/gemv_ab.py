@@ -159,6 +159,12 @@ STEP_ABS = {
                ("tall 8x2", SMALL, 3, "capture", {"RING_TALL_SHAPE": {1: (8, 2), 2: (8, 2), 3: (8, 2)}})],
               (1, 2, 3),
               [("8x2 all", "shipped"), ("3 stages", "shipped"), ("tall 8x2", "shipped")]),
+    # a one-token norm pack's blocks (quant_matmul.PACK_RMS_ONE_TOKEN_SCALE x pack_rms_slices')
+    "packslices": ([("slices x1", SMALL, 3, "capture", {"qm.PACK_RMS_ONE_TOKEN_SCALE": 1}),
+                    ("slices x2", SMALL, 3, "capture", {"qm.PACK_RMS_ONE_TOKEN_SCALE": 2}),
+                    ("slices x4", SMALL, 3, "capture", {"qm.PACK_RMS_ONE_TOKEN_SCALE": 4}),
+                    ("slices x8", SMALL, 3, "capture", {"qm.PACK_RMS_ONE_TOKEN_SCALE": 8})], (1,),
+                   [("slices x2", "slices x1"), ("slices x4", "slices x1"), ("slices x8", "slices x1")]),
     "v2stages": ([("shipped", SMALL, 3, "capture", {}), ("v2 3 stages", SMALL, 3, "capture", {"qm.STAGES_V2": 3}),
                   ("v2 4 stages", SMALL, 3, "capture", {"qm.STAGES_V2": 4})], (8, 16, 23),
                  [("v2 3 stages", "shipped"), ("v2 4 stages", "shipped")]),
@@ -185,6 +191,7 @@ def step(cupy, qm, qg, path: str, context: int, ab: str = "ring") -> list[dict]:
     few_shipped, few_tiles = qg.RING_FEW_SHAPE, qg.RING_FEW_TILES
     knobs_shipped = {name: getattr(qg, name) for name in ("RING_FEW_TILES", "RING_STAGES", "RING_TALL_SHAPE")}
     knobs_shipped["qm.STAGES_V2"] = qm.STAGES_V2
+    knobs_shipped["qm.PACK_RMS_ONE_TOKEN_SCALE"] = qm.PACK_RMS_ONE_TOKEN_SCALE
     dn_pdl_shipped, dn_source = (deltanet.PDL, deltanet.PDL_UP_TO), deltanet.SOURCE
     rows = []
     try:
@@ -200,7 +207,7 @@ def step(cupy, qm, qg, path: str, context: int, ab: str = "ring") -> list[dict]:
                             quant_wide.CROSSOVER.update({12: 17, 14: 17})
                     elif ab == "dnpdl":
                         deltanet.PDL, deltanet.PDL_UP_TO = flag, 64
-                    elif ab in ("knobs", "v2stages"):
+                    elif ab in ("knobs", "v2stages", "packslices"):
                         for name, value in knobs_shipped.items():
                             setattr(qm if name.startswith("qm.") else qg, name.removeprefix("qm."), value)
                         for name, value in flag.items():

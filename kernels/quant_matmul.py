@@ -304,6 +304,10 @@ def q16_words(k: int, tokens: int) -> int:
     return -(-k // 256) * tokens * (32 * 4 + 16 + 16)
 
 
+# pack_rms_slices' count times this at one token: a one-token pack's blocks each redo the row's sum of squares, and
+# more of them finish its writes sooner. H100, 27B width-1 step (bench/gemv_ab.py --step-ab packslices): x2 0.995,
+# x4 0.990, x8 0.990; at 23 tokens x2 / x4 1.012 / 1.034, so one token only.
+PACK_RMS_ONE_TOKEN_SCALE = 4
 PACK_RMS_STATIC_SMEM = 2048  # pack_rms_kernel's static shared memory (1056 bytes: red[8], inv_g[256]), rounded up
 
 
@@ -442,7 +446,7 @@ def pack_activations(
         limit = SMEM_LIMIT - PACK_RMS_STATIC_SMEM
         raise ValueError(f"a fused norm over {k} values needs {smem} bytes of shared memory (limit {limit})")
     kern = pack_rms_function(f32, residual is not None, gated, portable, smem, pdl=q16)
-    slices = pack_rms_slices(k, group)
+    slices = pack_rms_slices(k, group, tokens)
     kern((pack_rms_grid(tokens, k, padded, slices),), (256,),
          (x, np.int64(ldx), r, s, z, np.int64(ldz), w, np.int32(group), np.float32(eps), np.int32(tokens),
           np.int32(k), np.int32(padded), out, np.int32(slices), xq_arg), shared_mem=smem)  # fmt: skip
@@ -454,15 +458,16 @@ def pack_rms_smem_bytes(k: int, group: int, gate: bool) -> int:
     return 4 * (k * (2 if gate else 1) + group)
 
 
-def pack_rms_slices(k: int, group: int) -> int:
+def pack_rms_slices(k: int, group: int, tokens: int = 2) -> int:
     """Blocks per token row of pack_rms_kernel (each packs a run of whole 256-value chunks): at most one 16-byte unit
     per thread (K = 5120: 3), and for a per-head norm at most one head per warp (the 27B DeltaNet output, 48 heads
-    of 128: 6), so no block walks the row's arithmetic alone; at most one per chunk."""
+    of 128: 6), so no block walks the row's arithmetic alone; PACK_RMS_ONE_TOKEN_SCALE times that for one token
+    (K = 5120: 12); at most one per chunk."""
     nch = -(-k // 256)
     want = -(-(k // 8) // 256)
     if group < k:
         want = max(want, -(-(k // group) // 8))
-    return max(1, min(nch, want))
+    return max(1, min(nch, want * (PACK_RMS_ONE_TOKEN_SCALE if tokens == 1 else 1)))
 
 
 def pack_rms_grid(tokens: int, k: int, padded: int, slices: int = 1) -> int:
