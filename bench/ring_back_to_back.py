@@ -9,7 +9,6 @@ H100 results: docs/gpu_quant_matmul.md, "gemv: few row tiles a SM".
 
 from __future__ import annotations
 
-import statistics
 import sys
 from pathlib import Path
 
@@ -32,6 +31,7 @@ def main() -> int:
         return 0
     cupy = loader.require()
     import roofline
+    from step_profile import replay_us
 
     from kernels import quant_gemv as qg
     from kernels import quant_matmul as qm
@@ -41,18 +41,6 @@ def main() -> int:
     stream = cupy.cuda.Stream(non_blocking=True)
     copy_gbps = roofline.copy_bandwidth(cupy, 1 << 30)
     print(f"copy bandwidth {copy_gbps:.0f} GB/s", flush=True)
-
-    def timed(graph: object, reps: int = 20) -> float:
-        e0, e1 = cupy.cuda.Event(), cupy.cuda.Event()
-        ts = []
-        for _ in range(reps):
-            stream.synchronize()
-            e0.record(stream)
-            graph.launch(stream)
-            e1.record(stream)
-            e1.synchronize()
-            ts.append(cupy.cuda.get_elapsed_time(e0, e1) * 1e3)
-        return statistics.median(ts[3:])
 
     for qt, (n_out, k) in SHAPES:
         raw = random_weights(qt, n_out, k, rng)
@@ -71,7 +59,8 @@ def main() -> int:
                     for i in range(LAUNCHES):
                         qg.gemv(mats[0] if mode == "hot" else mats[i % copies], px, y, config=cfg)
                     graph = stream.end_capture()
-                res[f"{mode} {kw}x{st}"] = min(timed(graph) for _ in range(2)) / LAUNCHES
+                with stream:
+                    res[f"{mode} {kw}x{st}"] = min(replay_us(cupy, graph) for _ in range(2)) / LAUNCHES
         roof = raw.nbytes / (copy_gbps * 1e3)   # us
         print(f"{qm.type_name(qt)} {n_out}x{k} ({raw.nbytes / 1e6:.1f} MB, {roof:.1f} us at copy bandwidth): "
               + ", ".join(f"{m} {t:.2f} us ({roof / t:.2f})" for m, t in res.items()), flush=True)
