@@ -458,11 +458,11 @@ def pack_rms_smem_bytes(k: int, group: int, gate: bool) -> int:
     return 4 * (k * (2 if gate else 1) + group)
 
 
-def pack_rms_slices(k: int, group: int, tokens: int = 2) -> int:
-    """Blocks per token row of pack_rms_kernel (each packs a run of whole 256-value chunks): at most one 16-byte unit
-    per thread (K = 5120: 3), and for a per-head norm at most one head per warp (the 27B DeltaNet output, 48 heads
-    of 128: 6), so no block walks the row's arithmetic alone; PACK_RMS_ONE_TOKEN_SCALE times that for one token
-    (K = 5120: 12); at most one per chunk."""
+def pack_rms_slices(k: int, group: int, tokens: int) -> int:
+    """Blocks per token row of pack_rms_kernel for `tokens` rows (each packs a run of whole 256-value chunks): at most
+    one 16-byte unit per thread (K = 5120: 3), and for a per-head norm at most one head per warp (the 27B DeltaNet
+    output, 48 heads of 128: 6), so no block walks the row's arithmetic alone; PACK_RMS_ONE_TOKEN_SCALE times that
+    for one token (K = 5120: 12); at most one per chunk."""
     nch = -(-k // 256)
     want = -(-(k // 8) // 256)
     if group < k:

@@ -343,9 +343,9 @@ def test_fused_norm_pack_equals_rms_norm_kernel_then_pack_on_cpu(fused_sim, sim,
     unfused = aligned_zeros(k * tpad * 2)
     sim.sim_pack(int(dtype == np.float32), y.ctypes.data, k, tokens, k, tpad, unfused.ctypes.data)
     # one token takes more slices (qm.PACK_RMS_ONE_TOKEN_SCALE): a block a chunk of the 27B's rows
-    assert qm.pack_rms_slices(5120, 5120, 1) == 4 * qm.pack_rms_slices(5120, 5120) == 4 * 3
+    assert qm.pack_rms_slices(5120, 5120, 1) == 4 * qm.pack_rms_slices(5120, 5120, 2) == 4 * 3
     assert qm.pack_rms_slices(6144, 128, 1) == 24 and qm.pack_rms_slices(512, 512, 1) == 2
-    for slices in {1, 2, qm.pack_rms_slices(k, k), qm.pack_rms_slices(k, k, 1)}:  # the same sums whatever the slices
+    for slices in {1, 2, qm.pack_rms_slices(k, k, 2), qm.pack_rms_slices(k, k, 1)}:  # the same sums whatever the slices
         fused = aligned_zeros(k * tpad * 2)
         fused.view(np.uint16)[:] = 0x7E00
         s_f[...] = np.nan
