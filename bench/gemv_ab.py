@@ -144,15 +144,13 @@ STEP_ABS = {
     # $DN_BASE_SOURCE in kernels/ (another commit's deltanet.cu, copied there for the run)
     "dnsrc": ([("dn base", SMALL, 3, "capture", False), ("dn new", SMALL, 3, "capture", True)], (1, 16, 23, 41),
               [("dn new", "dn base")]),
-    # the 5th field: quant_gemv.RING_FEW_SHAPE (k_warps, stages) for one-token products of few row tiles a SM
-    # (and RING_FEW_TILES as a third member)
-    "few": ([("4x2", SMALL, 3, "capture", (4, 2)), ("4x3", SMALL, 3, "capture", (4, 3)),
-             ("4x4", SMALL, 3, "capture", (4, 4)), ("8x2", SMALL, 3, "capture", (8, 2))], (1, 2),
-            [("4x3", "4x2"), ("4x4", "4x2"), ("8x2", "4x2")]),
-    "few2": ([("8x2", SMALL, 3, "capture", (8, 2)), ("8x3", SMALL, 3, "capture", (8, 3)),
-              ("8x4", SMALL, 3, "capture", (8, 4)), ("8x2 to 6", SMALL, 3, "capture", (8, 2, 6))], (1,),
+    # the 5th field of these: quant_gemv attributes set for the mode (restored after); "qm." names quant_matmul's.
+    # few / few2: quant_gemv.RING_FEW_SHAPE (k_warps, stages) for one-token products of few row tiles a SM
+    "few": ([(f"{k}x{s}", SMALL, 3, "capture", {"RING_FEW_SHAPE": (k, s)})
+             for k, s in ((4, 2), (4, 3), (4, 4), (8, 2))], (1, 2), [("4x3", "4x2"), ("4x4", "4x2"), ("8x2", "4x2")]),
+    "few2": ([(f"{k}x{s}", SMALL, 3, "capture", {"RING_FEW_SHAPE": (k, s)}) for k, s in ((8, 2), (8, 3), (8, 4))]
+             + [("8x2 to 6", SMALL, 3, "capture", {"RING_FEW_SHAPE": (8, 2), "RING_FEW_TILES": 6})], (1,),
              [("8x3", "8x2"), ("8x4", "8x2"), ("8x2 to 6", "8x2")]),
-    # the 5th field: quant_gemv attributes set for the mode (restored after); "qm." names quant_matmul's
     "knobs": ([("shipped", SMALL, 3, "capture", {}),
                ("8x2 all", SMALL, 3, "capture", {"RING_FEW_TILES": 1 << 20}),
                ("3 stages", SMALL, 3, "capture", {"RING_STAGES": 3}),
@@ -188,10 +186,13 @@ def step(cupy, qm, qg, path: str, context: int, ab: str = "ring") -> list[dict]:
 
     shipped, q16_shipped, pdl_env = dict(qg.RING_UP_TO), qm.Q16_TOKENS, os.environ.get(loader.PDL_ENV)
     stack_shipped, wide_shipped = backend.STACK_CONCURRENT, dict(quant_wide.CROSSOVER)
-    few_shipped, few_tiles = qg.RING_FEW_SHAPE, qg.RING_FEW_TILES
-    knobs_shipped = {name: getattr(qg, name) for name in ("RING_FEW_TILES", "RING_STAGES", "RING_TALL_SHAPE")}
-    knobs_shipped["qm.STAGES_V2"] = qm.STAGES_V2
-    knobs_shipped["qm.PACK_RMS_ONE_TOKEN_SCALE"] = qm.PACK_RMS_ONE_TOKEN_SCALE
+    def set_knobs(knobs: dict) -> None:   # "NAME": quant_gemv's, "qm.NAME": quant_matmul's
+        for name, value in knobs.items():
+            setattr(qm if name.startswith("qm.") else qg, name.removeprefix("qm."), value)
+
+    knobs_shipped = {name: getattr(qg, name) for name in ("RING_FEW_TILES", "RING_FEW_SHAPE", "RING_STAGES",
+                                                           "RING_TALL_SHAPE")}
+    knobs_shipped.update({f"qm.{name}": getattr(qm, name) for name in ("STAGES_V2", "PACK_RMS_ONE_TOKEN_SCALE")})
     dn_pdl_shipped, dn_source = (deltanet.PDL, deltanet.PDL_UP_TO), deltanet.SOURCE
     rows = []
     try:
@@ -207,13 +208,8 @@ def step(cupy, qm, qg, path: str, context: int, ab: str = "ring") -> list[dict]:
                             quant_wide.CROSSOVER.update({12: 17, 14: 17})
                     elif ab == "dnpdl":
                         deltanet.PDL, deltanet.PDL_UP_TO = flag, 64
-                    elif ab in ("knobs", "v2stages", "packslices"):
-                        for name, value in knobs_shipped.items():
-                            setattr(qm if name.startswith("qm.") else qg, name.removeprefix("qm."), value)
-                        for name, value in flag.items():
-                            setattr(qm if name.startswith("qm.") else qg, name.removeprefix("qm."), value)
-                    elif ab in ("few", "few2"):
-                        qg.RING_FEW_SHAPE, qg.RING_FEW_TILES = flag[:2], (flag[2:] or (few_tiles,))[0]
+                    elif ab in ("knobs", "v2stages", "packslices", "few", "few2"):
+                        set_knobs({**knobs_shipped, **flag})
                     elif ab == "dnsrc":
                         deltanet.SOURCE = dn_source if flag else os.environ["DN_BASE_SOURCE"]
                     else:
@@ -249,9 +245,7 @@ def step(cupy, qm, qg, path: str, context: int, ab: str = "ring") -> list[dict]:
         quant_wide.CROSSOVER.update(wide_shipped)
         deltanet.PDL, deltanet.PDL_UP_TO = dn_pdl_shipped
         deltanet.SOURCE = dn_source
-        qg.RING_FEW_SHAPE, qg.RING_FEW_TILES = few_shipped, few_tiles
-        for name, value in knobs_shipped.items():
-            setattr(qm if name.startswith("qm.") else qg, name.removeprefix("qm."), value)
+        set_knobs(knobs_shipped)
         if pdl_env is None:
             os.environ.pop(loader.PDL_ENV, None)
         else:
