@@ -63,6 +63,12 @@ typedef long long i64;
 #define GV_LDG(p) (*(p))
 #endif
 
+#if defined(__CUDACC__) || defined(__CUDACC_RTC__) || defined(__CUDA_ARCH__) || SS_HIP
+#define GV_SQRTF(v) sqrtf(v)
+#else  // CPU simulation: no math header is included first
+#define GV_SQRTF(v) __builtin_sqrtf(v)
+#endif
+
 #if SS_HIP
 #define GV_SHFL_XOR(v, m) __shfl_xor((v), (m), 32)
 #else
@@ -618,6 +624,129 @@ GV_DEV void finish_tile(float (&acc)[4][NT], float* red, int row0, int N, float*
     }
 }
 
+// A product whose output is the residual stream can stage the next RMSNorm for the product that reads it (a "staged
+// norm"): y = rms_norm(s) * w feeds a ring gemv as s * w with the norm's 1 / rms applied to the consumer's sums
+// (W (c z) = c (W z), c a scalar per token). A 16-row tile of this product is one 16-value group of the consumer's
+// K, so the tile writes that group's int16 staging (xq16.cuh's layout: units, scale, sum) of z = s * w and the sum
+// of s^2 over its rows (ssq[n][tile]); the consumer adds the K / 16 partial sums of its token row (stage_inv: the
+// same order in every warp of every block: one value) and scales its outputs by 1 / sqrt(mean + eps). No f16
+// rounding of the normalised row (the pack's v2 layout needs it; the staging does not).
+struct NormStage {
+    const float* w;  // out: the next norm's weight [N] (null: no staging)
+    uint4* q16;      //      its int16 staging of s * w (PackedX.q16 layout, N / 256 chunks x NT tokens)
+    float* ssq;      //      per-tile sums of s^2, [NT][N / 16]
+};
+
+// 1 / rms of each token row from a producer's per-tile sums of squares (ssq [NT][K / 16]); every lane of the warp
+// ends with the same values (lane l adds tiles l, l + 32, ... in order, then an xor butterfly: a + b == b + a)
+// (loads issued STAGE_BATCH at a time per token, all tokens together: one L2 round trip per batch, not per tile;
+// a missing tile adds +0.f, which leaves the sum as it is)
+constexpr int STAGE_BATCH = 16;  // K up to 8192 in one round trip
+template <int NT>
+GV_DEV void stage_inv(const float* __restrict__ ssq, int K, float eps, float (&inv)[NT]) {
+    const int lane = (int)(threadIdx.x & 31u), tiles = K >> 4;
+    float s[NT];
+#pragma unroll
+    for (int n = 0; n < NT; ++n) s[n] = 0.f;
+    for (int t0 = lane; t0 < tiles; t0 += 32 * STAGE_BATCH) {
+        float v[NT][STAGE_BATCH];
+#pragma unroll
+        for (int n = 0; n < NT; ++n)
+#pragma unroll
+            for (int b = 0; b < STAGE_BATCH; ++b) {
+                const int t = t0 + 32 * b;
+                v[n][b] = t < tiles ? ld_partial(ssq + (i64)n * tiles + t) : 0.f;
+            }
+#pragma unroll
+        for (int n = 0; n < NT; ++n)
+#pragma unroll
+            for (int b = 0; b < STAGE_BATCH; ++b) s[n] += v[n][b];
+    }
+#pragma unroll
+    for (int n = 0; n < NT; ++n) {
+#pragma unroll
+        for (int m = 16; m >= 1; m >>= 1) s[n] += shfl_xor(s[n], m);
+        inv[n] = 1.0f / GV_SQRTF(s[n] / (float)K + eps);
+    }
+}
+
+// finish_tile for the ring kernel: outputs times 1 / rms of a staged input norm (one warp: its inv registers; more:
+// inv_sm, which warp 0 wrote before the block's barrier here; null: no staged input), and with st.w the staged
+// norm of the written values (KW > 1: the launcher refuses a stage with one warp). Thread o < 16 NT owns row o & 15
+// and token o >> 4 of the tile, so a group's 16 values sit in 16 lanes of one warp and meet in xor shuffles; wv is
+// its row's norm weight, loaded when the kernel started (a load here would add a memory round trip to the tail);
+// yv: accumulating, the output value this thread adds to (when 16 NT <= threads), loaded after the grid wait.
+template <int NT>
+GV_DEV void finish_ring(float (&acc)[4][NT], float* red, int row0, int N, float* __restrict__ y, i64 ldy,
+                        int accumulate, const float (&inv)[NT], const float* inv_sm, const NormStage& st,
+                        float wv, float yv) {
+    const int lane = (int)(threadIdx.x & 31u), warp = (int)(threadIdx.x >> 5);
+    const int KW = (int)(blockDim.x >> 5), nthreads = (int)blockDim.x;
+    const int j = lane >> 2, r4 = lane & 3;
+    row_butterfly<NT>(acc);
+    if (KW == 1) {
+        if (j == 0) {
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+                const int row = row0 + r4 + 4 * i;
+                if (row < N) {
+#pragma unroll
+                    for (int n = 0; n < NT; ++n) {
+                        float* dst = y + (i64)n * ldy + row;
+                        const float v = acc[i][n] * inv[n];
+                        *dst = accumulate ? *dst + v : v;
+                    }
+                }
+            }
+        }
+        return;
+    }
+    if (j == 0) {
+#pragma unroll
+        for (int i = 0; i < 4; ++i)
+#pragma unroll
+            for (int n = 0; n < NT; ++n) red[(warp * 16 + r4 + 4 * i) * NT + n] = acc[i][n];
+    }
+    __syncthreads();
+    float fin = 0.f;  // the value thread o < 16 NT wrote
+    for (int o = (int)threadIdx.x; o < 16 * NT; o += nthreads) {
+        const int r = o & 15, n = o >> 4;
+        float v = 0.f;
+        for (int w = 0; w < KW; ++w) v += red[(w * 16 + r) * NT + n];  // warp order: deterministic
+        if (inv_sm != nullptr) v *= inv_sm[n];
+        const int row = row0 + r;
+        if (row < N) {
+            float* dst = y + (i64)n * ldy + row;
+            fin = accumulate ? (16 * NT <= nthreads ? yv : *dst) + v : v;
+            *dst = fin;
+        }
+    }
+    // whole warps from here (they shuffle); a stage needs N a multiple of 256 and 16 NT <= threads (the launcher)
+    if (st.w == nullptr || 16 * NT > nthreads || warp * 32 >= 16 * NT) return;
+    const int o = (int)threadIdx.x, r = o & 15, n = o >> 4;
+    const bool live = o < 16 * NT;
+    const float z = live ? fin * wv : 0.f;
+    float amax = z < 0.f ? -z : z, sum = z, sq = fin * fin;
+#pragma unroll
+    for (int m = 1; m < 16; m <<= 1) {
+        amax = xq::fmax2(amax, shfl_xor(amax, m));
+        sum += shfl_xor(sum, m);
+        sq += shfl_xor(sq, m);
+    }
+    const int q = xq::rint_mul(z, xq::inv_scale(amax));
+    const int qp = (int)GV_SHFL_XOR((unsigned)q, 1);
+    if (live) {
+        const int t = row0 >> 4, ch = t >> 4, g = t & 15, nch = N >> 8;
+        if ((r & 1) == 0) ((u32*)(st.q16 + ((i64)ch * NT + n) * 32 + 2 * g))[r >> 1] = ((u32)q & 0xFFFFu) | ((u32)qp << 16);
+        if (r == 0) {
+            float* const scales = xq::q16_scales(st.q16, nch, NT);
+            scales[((i64)ch * NT + n) * 16 + g] = xq::scale_of(amax);
+            scales[(i64)nch * NT * 16 + ((i64)ch * NT + n) * 16 + g] = sum;
+            st.ssq[(i64)n * (N >> 4) + t] = sq;
+        }
+    }
+}
+
 // One warp's sums over chunks [c0, c1) of the tile at wt (both kernels without persistence): acc[i][n] = row i of
 // the lane . token n over the lane's values. x chunk c is staged as chunk c - cx0; `cur` holds chunk c0's weights
 // already requested (before x was staged, so the two latencies overlap) when c0 is a full chunk. Full chunks in
@@ -909,11 +1038,18 @@ __global__ void GV_BOUNDS(256) gemv_splitk_kernel(const u8* __restrict__ W, long
 // Elsewhere (HIP, sm_80, portable, CPU simulation) the warp's lanes copy the slot themselves. The arithmetic is
 // chunk_int in the same chunk order as gemv_kernel's at the same KW: bitwise equal output.
 // Dynamic shared memory (ring_smem_bytes in kernels/quant_gemv.py): KW stages SLOT bytes of slots, KW 16 NT 4 of
-// partial sums when KW > 1, KW stages 8 of mbarriers.
+// partial sums when KW > 1, KW stages 8 of mbarriers, 16 of a staged input norm's 1 / rms (NT <= 4 floats).
+// Staged norms (NormStage above): in_ssq non-null: xq is a staged norm (s * w) whose per-tile sums of squares are
+// in_ssq, and every output is scaled by its token's 1 / sqrt(mean(s^2) + eps); stage_w non-null: this product's
+// output (after accumulate: the residual stream) is staged for the next norm (weight stage_w) into stage_q16 and
+// stage_ssq. Both are read / written only after the grid dependency wait.
 template <int QT, int NT>
 __global__ void GV_BOUNDS(256) gemv_ring_kernel(const u8* __restrict__ W, long long row_bytes, int N, int K,
                                                 float* __restrict__ y, int accumulate, long long ldy,
-                                                const uint4* __restrict__ xq, int stages) {
+                                                const uint4* __restrict__ xq, int stages,
+                                                const float* __restrict__ in_ssq, float eps,
+                                                const float* __restrict__ stage_w, uint4* __restrict__ stage_q16,
+                                                float* __restrict__ stage_ssq) {
     using namespace gv;
     using namespace bk;
     using L = Lay<QT>;
@@ -991,9 +1127,33 @@ __global__ void GV_BOUNDS(256) gemv_ring_kernel(const u8* __restrict__ W, long l
     // stream while the kernel before this one (the pack of x) still runs. x and y come from earlier kernels.
     const int pre = n < stages ? n : stages;
     for (int i = 0; i < pre; ++i) issue(i, i, W_PART);
+    // a staged norm's weight for this thread's row (a launch-long constant, so before the wait too)
+    const float wv = stage_w != nullptr && (int)threadIdx.x < 16 * NT && 16 * tile + ((int)threadIdx.x & 15) < N
+                         ? stage_w[16 * tile + ((int)threadIdx.x & 15)]
+                         : 0.f;
     SS_GRID_LAUNCH_DEPENDENTS();
     SS_GRID_WAIT();
     for (int i = 0; i < pre; ++i) issue(i, i, X_PART);
+    // accumulating: the value finish_ring adds to, requested now (y comes from an earlier kernel and nothing else
+    // writes it before this block's own store), so the tail holds no memory round trip
+    float yv = 0.f;
+    if (accumulate && KW > 1 && (int)threadIdx.x < 16 * NT && 16 * NT <= (int)blockDim.x &&
+        16 * tile + ((int)threadIdx.x & 15) < N)
+        yv = y[(i64)((int)threadIdx.x >> 4) * ldy + 16 * tile + ((int)threadIdx.x & 15)];
+    // x is a staged norm: its 1 / rms per token from the partial sums the kernel before wrote, added up by warp 0
+    // alone (every warp of every block doing it cost the LM head's 15520 blocks ~30x its L2 reads), shared through
+    // inv_sm after the weights
+    float inv[NT];
+#pragma unroll
+    for (int t = 0; t < NT; ++t) inv[t] = 1.f;
+    float* const inv_sm = in_ssq != nullptr ? (float*)(bars - (size_t)warp * stages + (size_t)KW * stages) : nullptr;
+    if (in_ssq != nullptr && warp == 0) {
+        stage_inv<NT>(in_ssq, K, eps, inv);
+        if (lane == 0) {
+#pragma unroll
+            for (int t = 0; t < NT; ++t) inv_sm[t] = inv[t];
+        }
+    }
 
     int xu[4];
 #pragma unroll
@@ -1021,5 +1181,6 @@ __global__ void GV_BOUNDS(256) gemv_ring_kernel(const u8* __restrict__ W, long l
         if (i + stages < n) issue(i + stages, slot, W_PART | X_PART);
         slot = slot + 1 == stages ? 0 : slot + 1;
     }
-    finish_tile<NT>(acc, red, 16 * tile, N, y, ldy, accumulate);
+    finish_ring<NT>(acc, red, 16 * tile, N, y, ldy, accumulate, inv, inv_sm, NormStage{stage_w, stage_q16, stage_ssq},
+                    wv, yv);
 }

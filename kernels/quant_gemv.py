@@ -130,11 +130,12 @@ def ring_slot_bytes(qtype: int, tokens: int) -> int:
 
 
 def ring_smem_bytes(qtype: int, tokens: int, k_warps: int, stages: int) -> int:
-    """Dynamic shared memory of one ring block: every warp's slots, the partial sums (KW > 1), one mbarrier per slot."""
+    """Dynamic shared memory of one ring block: every warp's slots, the partial sums (KW > 1), one mbarrier per slot,
+    and 16 bytes for a staged input norm's 1 / rms (quant_matmul.StagedNorm: up to 4 tokens)."""
     size = k_warps * stages * ring_slot_bytes(qtype, tokens)
     if k_warps > 1:
         size += k_warps * TILE_ROWS * tokens * 4
-    return size + 8 * k_warps * stages
+    return size + 8 * k_warps * stages + 16
 
 
 def ring_shape(qtype: int, n_out: int, k: int, tokens: int, sms: int) -> tuple[int, int]:
@@ -155,6 +156,16 @@ def ring_usable(qtype: int, k: int, q16: bool) -> bool:
     """Whether the ring kernel can take this product: a quantized type, K a multiple of 256 (no tail chunk) and x's
     int16 staging written by the pack (q16: PackedX.q16 is there; the ring copies it, it never quantizes x itself)."""
     return bool(q16) and int(qtype) in _INT and k % CHUNK == 0
+
+
+def ring_can_stage(qtype: int, n_out: int, k: int, tokens: int) -> bool:
+    """Whether a default ring launch of this product can stage the next norm from its output (quant_matmul.
+    StagedNorm): whole 256-row chunks of output and blocks of at least two warps holding a thread per (row, token)
+    of the tile (finish_ring's shuffles)."""
+    if n_out % CHUNK or k % CHUNK:
+        return False
+    kw, _ = ring_shape(qtype, n_out, k, tokens, qm.sm_count())
+    return kw > 1 and TILE_ROWS * tokens <= 32 * kw
 
 
 def prefer_ring(qtype: int, tokens: int) -> bool:
@@ -367,14 +378,18 @@ def gemv(
     accumulate: bool = False,
     config: GemvConfig | None = None,
     portable: bool = False,
+    stage: Any = None,
 ) -> Any:
     """out (+)= x @ W^T for a QuantMatrix W in the v2 layout and a PackedX of 1..16 tokens; returns out.
 
     out: float32 [T, W.out_features], rows contiguous and possibly strided (a column slice of a wider output:
-    qm.check_out). accumulate=True adds into out (e.g. the residual stream)."""
+    qm.check_out). accumulate=True adds into out (e.g. the residual stream). packed may be a quant_matmul.StagedNorm
+    and `stage` one this launch writes from out (both the ring variant only)."""
     n_out, k = W.shape
     tokens = qm.check_v2_product(W, packed, out, "gemv", MAX_TOKENS)
     cfg = config if config is not None else GemvConfig()
+    if isinstance(packed, qm.StagedNorm) or stage is not None:
+        return _launch_staged(W, packed, out, accumulate, cfg, portable, stage)
     persistent = cfg.persistent if cfg.persistent is not None else prefer_persistent(W.qtype, tokens)
     if persistent and int(W.qtype) not in PERSISTENT_TYPES:
         raise ValueError(f"{W.name}: the persistent gemv variant takes Q8_0, Q4_K and Q6_K, not {W.type_name}")
@@ -416,7 +431,33 @@ def gemv(
     return out
 
 
-def _launch_ring(W: Any, packed: Any, out: Any, accumulate: bool, cfg: GemvConfig, portable: bool) -> Any:
+def _launch_staged(W: Any, packed: Any, out: Any, accumulate: bool, cfg: GemvConfig, portable: bool,
+                   stage: Any) -> Any:
+    """A ring launch reading a staged norm (packed: quant_matmul.StagedNorm) and / or staging the next one."""
+    n_out, k = W.shape
+    tokens = packed.tokens
+    if cfg.persistent or cfg.splits > 1 or cfg.ring is False:
+        raise ValueError(f"{W.name}: a staged norm is read and written by the ring gemv variant only")
+    if packed.q16 is None:
+        raise ValueError(f"{W.name}: staging the next norm needs x with its int16 staging (PackedX.q16)")
+    if isinstance(packed, qm.StagedNorm) and tokens > 4:
+        raise ValueError(f"{W.name}: a staged norm holds at most 4 tokens, not {tokens}")
+    if stage is not None:
+        if stage.tokens != tokens or stage.in_features != n_out:
+            raise ValueError(f"{W.name}: the stage is for [{stage.tokens}, {stage.in_features}], this product writes "
+                             f"[{tokens}, {n_out}]")
+        if stage.residual is not None and stage.residual is not out:
+            raise ValueError(f"{W.name}: the stage is of another stream than this product's out")
+        kw = cfg.k_warps or ring_shape(W.qtype, n_out, k, tokens, qm.sm_count())[0]
+        if n_out % CHUNK or kw < 2 or TILE_ROWS * tokens > 32 * kw:
+            raise ValueError(f"{W.name}: a ring launch stages a norm with N a multiple of {CHUNK} and blocks of at "
+                             f"least 2 warps and {TILE_ROWS * tokens // 32 + 1} for {tokens} tokens "
+                             f"(N = {n_out}, {kw} warps)")
+    return _launch_ring(W, packed, out, accumulate, cfg, portable, stage)
+
+
+def _launch_ring(W: Any, packed: Any, out: Any, accumulate: bool, cfg: GemvConfig, portable: bool,
+                 stage: Any = None) -> Any:
     n_out, k = W.shape
     tokens = packed.tokens
     if not ring_usable(W.qtype, k, packed.q16 is not None):
@@ -436,10 +477,19 @@ def _launch_ring(W: Any, packed: Any, out: Any, accumulate: bool, cfg: GemvConfi
         (-(-n_out // TILE_ROWS),),
         (32 * kw,),
         (W.device_buffer, np.int64(W.row_bytes), np.int32(n_out), np.int32(k), out, np.int32(bool(accumulate)),
-         np.int64(qm.out_stride(out)), packed.q16, np.int32(stages)),
+         np.int64(qm.out_stride(out)), packed.q16, np.int32(stages)) + _stage_args(packed, stage),
         shared_mem=smem,
     )
     return out
+
+
+def _stage_args(packed: Any, stage: Any) -> tuple:
+    """The ring kernel's staged-norm arguments: (in_ssq, eps) of a StagedNorm x, (weight, q16, ssq) of a stage to
+    write; null pointers for neither."""
+    null = np.uint64(0)
+    staged_in = isinstance(packed, qm.StagedNorm)
+    return ((packed.ssq if staged_in else null), np.float32(packed.eps if staged_in else 0.0),
+            *((stage.weight, stage.q16, stage.ssq) if stage is not None else (null, null, null)))
 
 
 def _xq(packed: Any) -> Any:

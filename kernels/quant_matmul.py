@@ -291,6 +291,51 @@ class PackedX:
         return 8 * self.n_tiles
 
 
+@dataclass(frozen=True)
+class StagedNorm:
+    """x = rms_norm(s) * w for a ring gemv, staged by the product that wrote the residual stream s instead of packed
+    by a launch of its own (kernels/quant_gemv.cu, NormStage): the int16 staging of s * w (PackedX.q16's layout)
+    and per-16-row sums of s^2, from which the consumer scales its sums by 1 / sqrt(mean(s^2) + eps). Made by
+    staged_norm; written by `producer.matmul(..., out=s, accumulate=True, stage=it)`; read by `consumer.matmul(it)`
+    (can_stage_norm says when both launch the ring). NumPy twin: rms_norm(s, w, eps) (tests/quant_twins.py has the
+    staging's)."""
+
+    q16: Any       # cupy uint32 [q16_words(K, T)]
+    ssq: Any       # cupy float32 [T, K / 16]
+    weight: Any    # cupy float32 [K], contiguous
+    eps: float
+    tokens: int
+    in_features: int
+    residual: Any = None  # the stream s (the producer's out), for the caller's convenience
+
+
+def staged_norm(stream: Any, weight: Any, eps: float) -> StagedNorm:
+    """Buffers of a staged norm of `stream` (cupy float32 [T, K], the residual stream a producer accumulates into)
+    with the norm weight [K]."""
+    cupy = loader.require()
+    tokens, k = (int(v) for v in stream.shape)
+    if k % 256 or not 1 <= tokens <= Q16_TOKENS:
+        raise ValueError(f"a staged norm takes K a multiple of 256 and 1..{Q16_TOKENS} tokens, not [{tokens}, {k}]")
+    w = cupy.ascontiguousarray(cupy.asarray(weight, dtype=cupy.float32).reshape(-1))
+    if int(w.size) != k:
+        raise ValueError(f"a staged norm's weight has {int(w.size)} values, the stream {k}")
+    return StagedNorm(cupy.empty(q16_words(k, tokens), cupy.uint32), cupy.empty((tokens, k // 16), cupy.float32), w,
+                      float(eps), tokens, k, stream)
+
+
+def can_stage_norm(producer: Any, consumer: Any, tokens: int) -> bool:
+    """Whether `producer` (writing the stream) can stage the norm `consumer` reads at this width: both launch the
+    ring gemv by default from x's int16 staging (quant_gemv.ring_takes), the stream has whole 256-value chunks, and
+    the producer's ring blocks have the warps to stage (quant_gemv.ring_can_stage)."""
+    if producer.kernel != "v2" or consumer.kernel != "v2" or tokens > Q16_TOKENS:
+        return False
+    n, k = producer.shape
+    return (consumer.in_features == n and n % 256 == 0
+            and quant_gemv.ring_takes(producer.qtype, k, tokens, True)
+            and quant_gemv.ring_takes(consumer.qtype, n, tokens, True)
+            and quant_gemv.ring_can_stage(producer.qtype, n, k, tokens))
+
+
 # Widths whose packs also write PackedX.q16 unless told (pack_activations(q16=)): the widths at which the gemv ring
 # kernel takes the K-quant matrices (quant_gemv.RING_UP_TO; it copies x's staging, it never quantizes x itself). Above
 # them nothing reads it: writing it at two tokens when v2 took those products cost the 27B Q4_K_M's two-token step
@@ -647,6 +692,7 @@ class QuantMatrix:
         config: QmvConfig | None = None,
         accumulate: bool = False,
         kernel: str | None = None,
+        stage: StagedNorm | None = None,
     ) -> Any:
         """y = x @ W^T as a cupy float32 array [T, out] ([out] for a 1-D x); accumulate=True: out += x @ W^T
         (the residual add after an output projection, in the v2 kernel's epilogue: one plain add per value,
@@ -662,10 +708,14 @@ class QuantMatrix:
         crossover width on a v2-layout matrix, "wide" (qmw_kernel, kernels/quant_wide.py) from its crossover width,
         else the matrix's own kernel; "gemv" / "wide" / "v2" / "v1" force one (gemv, wide and v2 share the v2
         layout; config may then be a quant_gemv.GemvConfig / quant_wide.WideConfig).
+        x may also be a StagedNorm (a ring gemv reads it); stage: a StagedNorm of `out` (the residual stream, usually
+        accumulated into) this product writes for the next norm's product (ring gemv; can_stage_norm).
         """
         cupy = loader.require()
         n_out, k = self.shape
         squeeze = False
+        if isinstance(x, StagedNorm) or stage is not None:
+            return self._matmul_staged(x, out, accumulate, stage, portable, config, kernel, splits)
         if isinstance(x, PackedX):
             if x.in_features != k:
                 raise ValueError(f"{self.name}: activations have {x.in_features} features, the matrix takes {k}")
@@ -699,6 +749,21 @@ class QuantMatrix:
                 launch = self._launcher(kernel, stop - start, config, splits, packed.q16 is not None)
                 launch(packed, out[start:stop], splits, portable, config, accumulate)
         return out.reshape(n_out) if squeeze else out
+
+    def _matmul_staged(self, x: Any, out: Any, accumulate: bool, stage: StagedNorm | None, portable: bool,
+                       config: Any, kernel: str | None, splits: int | None) -> Any:
+        """matmul reading a StagedNorm and / or writing one: the ring gemv only (anything else is refused)."""
+        if kernel not in (None, "gemv") or splits is not None or not (
+                config is None or isinstance(config, quant_gemv.GemvConfig)):
+            raise ValueError(f"{self.name}: a staged norm is read and written by the ring gemv kernel only")
+        if not isinstance(x, (PackedX, StagedNorm)):
+            x = pack_activations(x, portable=portable, q16=True)
+        if out is None:
+            if stage is not None or accumulate:
+                raise ValueError(f"{self.name}: staging the next norm or accumulating writes into `out`, missing")
+            out = loader.require().empty((x.tokens, self.out_features), np.float32)
+        quant_gemv.gemv(self, x, out, accumulate=accumulate, config=config, portable=portable, stage=stage)
+        return out
 
     def _launcher(self, kernel: str | None, tokens: int, config: Any, splits: int | None, q16: bool = False):
         """The launch method for one width (see matmul's `kernel`); q16: x comes with PackedX.q16."""

@@ -150,12 +150,21 @@ extern "C" int sim_gemv_split(int qt, int nt, const unsigned char* W, long long 
 }
 
 // Ring kernel (gemv_ring_kernel): ceil(N / 16) blocks of 32 kw threads with `stages` slots per warp, blocks in the
-// order of sim::block_order(order_seed). x comes only from xq (PackedX.q16).
+// order of sim::block_order(order_seed). x comes only from xq (PackedX.q16, or a staged norm).
+// in_ssq / stage_*: the staged norms (null: none).
 static int g_stages = 1;
+static struct {
+    const float* in_ssq;
+    float eps;
+    const float* w;
+    void* q16;
+    float* ssq;
+} gs;
 
 template <int QT, int NT>
 static void ring_body() {
-    gemv_ring_kernel<QT, NT>(ga.W, ga.row_bytes, ga.N, ga.K, ga.y, ga.accumulate, ga.ldy, ga.xq, g_stages);
+    gemv_ring_kernel<QT, NT>(ga.W, ga.row_bytes, ga.N, ga.K, ga.y, ga.accumulate, ga.ldy, ga.xq, g_stages, gs.in_ssq,
+                             gs.eps, gs.w, (uint4*)gs.q16, gs.ssq);
 }
 
 template <int QT>
@@ -170,7 +179,8 @@ static void (*pick_ring(int nt))() {
 
 extern "C" int sim_gemv_ring(int qt, int nt, const unsigned char* W, long long row_bytes, int N, int K, float* y,
                              int accumulate, int kw, int stages, long long ldy, unsigned long long order_seed,
-                             const void* xq) {
+                             const void* xq, const float* in_ssq, float eps, const float* stage_w, void* stage_q16,
+                             float* stage_ssq) {
     switch (qt) {
         case 8: g_body = pick_ring<8>(nt); break;
         case 12: g_body = pick_ring<12>(nt); break;
@@ -180,6 +190,7 @@ extern "C" int sim_gemv_ring(int qt, int nt, const unsigned char* W, long long r
     if (!g_body || kw < 1 || kw > gv::MAX_KW || stages < 1 || !xq) return -1;
     ga = {W, row_bytes, N, K, nullptr, 0, y, accumulate, ldy, (const uint4*)xq};
     g_stages = stages;
+    gs = {in_ssq, eps, stage_w, stage_q16, stage_ssq};
     return run_blocks((unsigned)((N + 15) / 16), kw, order_seed);
 }
 

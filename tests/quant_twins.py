@@ -131,6 +131,52 @@ def q16_twin(x: np.ndarray) -> np.ndarray:
                            total.reshape(-1).view(np.uint32)])
 
 
+def _xor_tree(v: np.ndarray) -> np.ndarray:
+    """Sum over the last axis (a power of two, fp32) as an xor-shuffle butterfly leaves it in every lane: halves
+    added pairwise, lane l with lane l ^ m for m = 1, 2, 4, ... (pairs of neighbours first)."""
+    v = v.astype(np.float32)
+    while v.shape[-1] > 1:
+        v = (v[..., 0::2] + v[..., 1::2]).astype(np.float32)
+    return v[..., 0]
+
+
+def staged_norm_twin(s: np.ndarray, w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """NumPy twin of a ring product's staged norm (kernels/quant_gemv.cu finish_ring): for the written stream s
+    [T, N] (fp32, N a multiple of 256) and the next norm's weight w [N], (the int16 staging of z = s * w as
+    PackedX.q16's uint32 words, per-tile sums of s^2 [T, N / 16]). Per 16-value group: q = round-half-even of
+    z * (32767 / max|z|), scale max|z| / 32767, sum of z and of s^2 added in the 16 lanes' xor butterfly order."""
+    t, n = s.shape
+    nch = n // 256
+    s = s.astype(np.float32)
+    z = (s * w.astype(np.float32)[None, :]).astype(np.float32)
+    g = z.reshape(t, nch, 16, 16).transpose(1, 0, 2, 3)  # [nch, T, group, value]
+    amax = np.abs(g).max(axis=3)
+    total = _xor_tree(g)
+    with np.errstate(divide="ignore"):
+        inv = np.where(amax > 0, np.float32(32767.0) / amax, np.float32(0)).astype(np.float32)
+    q = np.rint(g.astype(np.float64) * inv[..., None].astype(np.float64)).astype(np.int16)
+    scale = (amax * np.float32(1.0 / 32767.0)).astype(np.float32)
+    words = np.concatenate([q.reshape(-1).view(np.uint32), scale.reshape(-1).view(np.uint32),
+                            total.reshape(-1).view(np.uint32)])
+    ssq = _xor_tree((s * s).astype(np.float32).reshape(t, n // 16, 16))
+    return words, ssq
+
+
+def staged_inv_twin(ssq: np.ndarray, k: int, eps: float) -> np.ndarray:
+    """1 / rms per token from per-tile sums of squares [T, K / 16] as every warp of a ring consumer adds them
+    (stage_inv: lane l adds tiles l, l + 32, ... in order, then a 32-lane xor butterfly): fp32 [T]."""
+    t, tiles = ssq.shape
+    lanes = np.zeros((t, 32), np.float32)
+    for i in range(tiles):
+        lanes[:, i % 32] = (lanes[:, i % 32] + ssq[:, i]).astype(np.float32)
+    a = lanes
+    while a.shape[1] > 1:  # m = 16, 8, ...: lane l with l ^ m, the upper half onto the lower
+        h = a.shape[1] // 2
+        a = (a[:, :h] + a[:, h:]).astype(np.float32)
+    mean = (a[:, 0] / np.float32(k)).astype(np.float32)
+    return (np.float32(1.0) / np.sqrt((mean + np.float32(eps)).astype(np.float32))).astype(np.float32)
+
+
 def check_strided_out(W: qm.QuantMatrix, px: qm.PackedX, y0, label: str = "", **kw):
     """W.matmul(px, **kw) into a column slice of wider rows (row stride > out_features), plain and accumulating onto
     y0 (cupy [T, out]): bitwise what a contiguous output gets, the columns beside the slice untouched, and accumulate

@@ -21,7 +21,17 @@ import cupy  # noqa: E402
 
 from kernels import quant_gemv as qg  # noqa: E402
 from kernels import quant_matmul as qm  # noqa: E402
-from tests.quant_twins import NAMES, check_matmul, check_strided_out, dequantize, gpu_matmul, random_weights, rel_error  # noqa: E402
+from tests.quant_twins import (  # noqa: E402
+    NAMES,
+    check_matmul,
+    check_strided_out,
+    dequantize,
+    gpu_matmul,
+    random_weights,
+    rel_error,
+    staged_inv_twin,
+    staged_norm_twin,
+)
 
 pytestmark = pytest.mark.gpu
 
@@ -362,6 +372,78 @@ def test_ring_variant_is_bitwise_the_per_tile_kernel(qtype: int, shape: tuple[in
         assert cupy.array_equal(wide[:, 24:], ring) and bool((wide[:, :24] == 7.25).all())
     w64 = dequantize(qtype, raw, *shape)
     check(W, w64, 1, rng, W.name, kernel="gemv", config=qg.GemvConfig(ring=True))
+
+
+@pytest.mark.parametrize("qtype", (qm.Q4_K, qm.Q6_K), ids=NAMES.get)
+def test_staged_norm_between_two_ring_products(qtype: int) -> None:
+    """27B-like shapes: a 5120-row product accumulating into the stream stages rms_norm(stream) * w for a 5120-column
+    product (quant_matmul.StagedNorm). The stream is bitwise the unstaged launch's, the staging and per-tile sums
+    bitwise their NumPy twin, the consumer's output bitwise its unscaled output times the twin's 1 / rms, and the
+    chain within the bound of rms_norm(s) * w @ W2^T in float64; also inside a CUDA graph, and the same as eager."""
+    rng = np.random.default_rng(1500 + qtype)
+    d, k0, n2 = 5120, 6144, 1024
+    W1 = qm.QuantMatrix(qtype, cupy.asarray(random_weights(qtype, d, k0, rng)), (d, k0), name="producer")
+    raw2 = random_weights(qtype, n2, d, rng)
+    W2 = qm.QuantMatrix(qtype, cupy.asarray(raw2), (n2, d), name="consumer")
+    nw = cupy.asarray((1.0 + 0.25 * rng.standard_normal(d)).astype(np.float32))
+    for tokens in (1, 2, 3):
+        assert qm.can_stage_norm(W1, W2, tokens)
+        x = cupy.asarray((rng.standard_normal((tokens, k0)) * 0.5).astype(np.float32))
+        px = qm.pack_activations(x, q16=True)
+        s0 = cupy.asarray((rng.standard_normal((tokens, d)) * 2.0).astype(np.float32))
+        plain = s0.copy()
+        W1.matmul(px, out=plain, accumulate=True)
+        s = s0.copy()
+        st = qm.staged_norm(s, nw, 1e-6)
+        W1.matmul(px, out=s, accumulate=True, stage=st)
+        assert cupy.array_equal(s, plain)
+        words, sums = staged_norm_twin(cupy.asnumpy(s), cupy.asnumpy(nw))
+        assert np.array_equal(cupy.asnumpy(st.q16), words)
+        assert np.array_equal(cupy.asnumpy(st.ssq), sums)
+        y = W2.matmul(st)
+        unscaled = cupy.asnumpy(qg.gemv(W2, qm.PackedX(px.data, tokens, d, q16=st.q16),
+                                        cupy.empty((tokens, n2), cupy.float32), config=qg.GemvConfig(ring=True)))
+        inv = staged_inv_twin(sums, d, 1e-6)
+        assert np.array_equal(cupy.asnumpy(y), (unscaled * inv[:, None]).astype(np.float32))
+        s64 = cupy.asnumpy(s).astype(np.float64)
+        h = s64 / np.sqrt((s64 * s64).mean(axis=1, keepdims=True) + 1e-6) * cupy.asnumpy(nw)
+        ref = h @ dequantize(qtype, raw2, n2, d).T
+        assert rel_error(cupy.asnumpy(y), ref) < TOL
+        # captured and replayed: the same bits
+        s2 = s0.copy()
+        st2 = qm.staged_norm(s2, nw, 1e-6)
+        y2 = cupy.empty((tokens, n2), cupy.float32)
+        stream = cupy.cuda.Stream(non_blocking=True)
+        with stream:
+            stream.begin_capture()
+            W1.matmul(px, out=s2, accumulate=True, stage=st2)
+            W2.matmul(st2, out=y2)
+            graph = stream.end_capture()
+            graph.launch(stream)
+        stream.synchronize()
+        assert cupy.array_equal(s2, plain) and cupy.array_equal(y2, y)
+
+
+def test_staged_norm_refusals() -> None:
+    rng = np.random.default_rng(1600)
+    W = qm.QuantMatrix(qm.Q4_K, random_weights(qm.Q4_K, 512, 512, rng), (512, 512), name="q4k")
+    F = qm.QuantMatrix(qm.F16, random_weights(qm.F16, 512, 512, rng), (512, 512), name="f16")
+    one = qm.QuantMatrix(qm.Q4_K, random_weights(qm.Q4_K, 512, 256, rng), (512, 256), name="one chunk")
+    x = cupy.asarray(rng.standard_normal((1, 512)).astype(np.float32))
+    s = cupy.zeros((1, 512), cupy.float32)
+    st = qm.staged_norm(s, cupy.ones(512, cupy.float32), 1e-6)
+    assert not qm.can_stage_norm(W, F, 1) and not qm.can_stage_norm(F, W, 1) and not qm.can_stage_norm(W, W, 4)
+    assert not qm.can_stage_norm(one, W, 1)  # K of one chunk: one warp a block, nothing to stage with
+    with pytest.raises(ValueError, match="ring"):
+        W.matmul(x, out=s, accumulate=True, stage=st, kernel="v2")
+    with pytest.raises(ValueError, match="ring"):
+        F.matmul(st)
+    with pytest.raises(ValueError, match="warps"):
+        one.matmul(cupy.ones((1, 256), cupy.float32), out=s, stage=st)
+    with pytest.raises(ValueError, match="another stream"):
+        W.matmul(x, out=s.copy(), stage=st)
+    with pytest.raises(ValueError, match="staged norm takes"):
+        qm.staged_norm(cupy.zeros((4, 512), cupy.float32), cupy.ones(512, cupy.float32), 1e-6)
 
 
 def test_ring_variant_refuses_what_it_cannot_take() -> None:

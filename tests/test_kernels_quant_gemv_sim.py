@@ -25,7 +25,7 @@ import pytest
 from kernels import quant_gemv as qg
 from kernels import quant_matmul as qm
 from services.engine import quants
-from tests.quant_twins import q16_twin, random_weights
+from tests.quant_twins import q16_twin, random_weights, staged_inv_twin, staged_norm_twin
 
 ROOT = Path(__file__).resolve().parents[1]
 SOURCE = ROOT / "kernels" / "quant_gemv.cu"
@@ -65,6 +65,7 @@ def sim(tmp_path_factory) -> ctypes.CDLL:
     lib.sim_gemv_ring.argtypes = [
         ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_longlong, ctypes.c_int, ctypes.c_int, ctypes.c_void_p,
         ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_longlong, ctypes.c_ulonglong, ctypes.c_void_p,
+        ctypes.c_void_p, ctypes.c_float, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
     ]  # fmt: skip
     lib.sim_pack.restype = None
     lib.sim_pack.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_void_p,
@@ -274,7 +275,7 @@ def run_ring(lib, qtype: int, raw: np.ndarray, n_out: int, k: int, x: np.ndarray
     y = full[:, ld - n_out :]
     y[...] = np.nan if y0 is None else y0
     err = lib.sim_gemv_ring(qtype, tokens, w.ctypes.data, raw.shape[1], n_out, k, y.ctypes.data, int(y0 is not None),
-                            kw, stages, ld, seed, xq.ctypes.data)
+                            kw, stages, ld, seed, xq.ctypes.data, None, 0.0, None, None, None)
     assert err == 0, "the simulation reported a divergent warp or a deadlock"
     assert (full[:, : ld - n_out] == SENTINEL).all(), "a column outside the output slice was written"
     return y.copy()
@@ -309,6 +310,94 @@ def test_ring_matches_twin_and_per_tile_kernel(sim, qtype: int, n_out: int, k: i
     assert np.array_equal(acc, y0 + y)
 
 
+def run_ring_staged(lib, qtype: int, raw: np.ndarray, n_out: int, k: int, xq: np.ndarray, tokens: int, kw: int,
+                    stages: int, y0=None, in_ssq=None, eps: float = 1e-6, stage_w=None, seed: int = 0):
+    """One simulated ring launch from a given staging xq (uint32 words), optionally a staged norm's input (in_ssq
+    [T, K / 16]) and / or staging this product's output for the next norm (stage_w [n_out]). Returns (y, the
+    staging words, the per-tile sums) with the last two None without stage_w."""
+    laid = qm.device_layout(qtype, raw)
+    w = aligned_zeros(laid.nbytes + PAD)
+    w[: laid.nbytes] = laid
+    y = np.full((tokens, n_out), np.nan, np.float32) if y0 is None else y0.astype(np.float32).copy()
+    xq = np.ascontiguousarray(xq, np.uint32)
+    sq16 = ssq = None
+    if stage_w is not None:
+        stage_w = np.ascontiguousarray(stage_w, np.float32)
+        sq16 = aligned_zeros(4 * qm.q16_words(n_out, tokens)).view(np.uint32)
+        sq16[...] = 0xDEADBEEF  # every word must be written
+        ssq = np.full((tokens, n_out // 16), np.nan, np.float32)
+    in_ssq = None if in_ssq is None else np.ascontiguousarray(in_ssq, np.float32)
+    err = lib.sim_gemv_ring(qtype, tokens, w.ctypes.data, raw.shape[1], n_out, k, y.ctypes.data, int(y0 is not None),
+                            kw, stages, n_out, seed, xq.ctypes.data,
+                            None if in_ssq is None else in_ssq.ctypes.data, eps,
+                            None if stage_w is None else stage_w.ctypes.data,
+                            None if sq16 is None else sq16.ctypes.data, None if ssq is None else ssq.ctypes.data)
+    assert err == 0, "the simulation reported a divergent warp or a deadlock"
+    return y, sq16, ssq
+
+
+STAGE_CASES = [
+    # qtype, n_out, k, tokens, k_warps, stages
+    (Q4_K, 256, 512, 1, 2, 2),
+    (Q6_K, 512, 768, 2, 3, 2),
+    (Q8_0, 256, 1024, 3, 4, 1),  # 48 (row, token) values: two warps shuffle, the second half idle
+    (Q4_K, 768, 256, 3, 1, 2),  # K of one chunk: one warp
+]
+
+
+@needs_gxx
+@pytest.mark.parametrize("qtype,n_out,k,tokens,kw,stages", STAGE_CASES)
+def test_ring_stages_the_next_norm(sim, qtype: int, n_out: int, k: int, tokens: int, kw: int, stages: int) -> None:
+    """A ring product accumulating into the residual stream writes the next norm's staging of what it wrote: the
+    stream itself bitwise the unstaged launch's, the int16 staging of stream * w and the per-tile sums of squares
+    bitwise their NumPy twin (tests/quant_twins.py staged_norm_twin). One warp (K of one chunk) cannot stage: its
+    launch leaves the buffers alone (the launcher refuses it)."""
+    rng = np.random.default_rng(qtype + n_out + k + tokens)
+    raw = random_weights(qtype, n_out, k, rng)
+    x = (rng.standard_normal((tokens, k)) * 0.5).astype(np.float16)
+    _, xq = sim_pack(sim, x, q16=True)
+    y0 = rng.standard_normal((tokens, n_out)).astype(np.float32)
+    nw = (1.0 + 0.25 * rng.standard_normal(n_out)).astype(np.float32)
+    plain, _, _ = run_ring_staged(sim, qtype, raw, n_out, k, xq, tokens, kw, stages, y0)
+    y, sq16, ssq = run_ring_staged(sim, qtype, raw, n_out, k, xq, tokens, kw, stages, y0, stage_w=nw, seed=3)
+    assert np.array_equal(y, plain)
+    if kw == 1:
+        assert (sq16 == 0xDEADBEEF).all() and np.isnan(ssq).all()
+        return
+    words, sums = staged_norm_twin(y, nw)
+    assert np.array_equal(sq16, words)
+    assert np.array_equal(ssq, sums)
+
+
+@needs_gxx
+@pytest.mark.parametrize("qtype,kw,stages,tokens", [(Q4_K, 4, 2, 1), (Q6_K, 2, 3, 2), (Q8_0, 3, 2, 3),
+                                                    (Q4_K, 1, 2, 2)])
+def test_ring_reads_a_staged_norm(sim, qtype: int, kw: int, stages: int, tokens: int) -> None:
+    """Producer -> consumer through a staged norm: a ring product accumulating into the stream s stages rms_norm(s) * w
+    for the next ring product, which scales its sums by 1 / rms from the per-tile sums of squares. The consumer's
+    output is its unscaled output (from the same staging) times staged_inv_twin bitwise, and the chain matches
+    rms_norm(s) * w @ W2^T in float64 within the ring's tolerance."""
+    rng = np.random.default_rng(qtype * 7 + kw + tokens)
+    d, k0, n2 = 512, 768, 48
+    raw1 = random_weights(qtype, d, k0, rng)
+    raw2 = random_weights(qtype, n2, d, rng)
+    x = (rng.standard_normal((tokens, k0)) * 0.5).astype(np.float16)
+    _, xq = sim_pack(sim, x, q16=True)
+    stream = (rng.standard_normal((tokens, d)) * 2.0).astype(np.float32)
+    nw = (1.0 + 0.25 * rng.standard_normal(d)).astype(np.float32)
+    eps = 1e-6
+    s, sq16, ssq = run_ring_staged(sim, qtype, raw1, d, k0, xq, tokens, 2, 2, stream, stage_w=nw)
+    y, _, _ = run_ring_staged(sim, qtype, raw2, n2, d, sq16, tokens, kw, stages, in_ssq=ssq, eps=eps, seed=5)
+    unscaled, _, _ = run_ring_staged(sim, qtype, raw2, n2, d, sq16, tokens, kw, stages)
+    inv = staged_inv_twin(ssq, d, eps)
+    assert np.array_equal(y, (unscaled * inv[:, None]).astype(np.float32))
+    s64 = s.astype(np.float64)
+    h = s64 / np.sqrt((s64 * s64).mean(axis=1, keepdims=True) + eps) * nw
+    ref = h @ quants.dequantize(raw2, qtype, (n2, d)).astype(np.float64).T
+    rel = np.linalg.norm(y - ref) / np.linalg.norm(ref)
+    assert rel < TOL, f"relative error {rel:.3e}"
+
+
 @needs_gxx
 def test_ring_refuses_what_it_cannot_take(sim) -> None:
     """No staging (x must come from PackedX.q16), F16, zero stages: the harness's launch is refused, not run."""
@@ -316,11 +405,11 @@ def test_ring_refuses_what_it_cannot_take(sim) -> None:
     laid = qm.device_layout(Q4_K, raw)
     y = np.zeros((1, 16), np.float32)
     assert sim.sim_gemv_ring(Q4_K, 1, laid.ctypes.data, raw.shape[1], 16, 256, y.ctypes.data, 0, 1, 2, 16, 0,
-                             None) == -1
+                             None, None, 0.0, None, None, None) == -1
     assert sim.sim_gemv_ring(F16, 1, laid.ctypes.data, raw.shape[1], 16, 256, y.ctypes.data, 0, 1, 2, 16, 0,
-                             laid.ctypes.data) == -1
+                             laid.ctypes.data, None, 0.0, None, None, None) == -1
     assert sim.sim_gemv_ring(Q4_K, 1, laid.ctypes.data, raw.shape[1], 16, 256, y.ctypes.data, 0, 1, 0, 16, 0,
-                             laid.ctypes.data) == -1
+                             laid.ctypes.data, None, 0.0, None, None, None) == -1
 
 
 def test_ring_shared_memory_and_choice() -> None:
@@ -328,8 +417,8 @@ def test_ring_shared_memory_and_choice() -> None:
     assert qg.ring_slot_bytes(Q4_K, 1) == 2304 + 512 + 128
     assert qg.ring_slot_bytes(Q6_K, 2) == 3360 + 2 * (512 + 128)
     assert qg.ring_slot_bytes(Q8_0, 1) == 4352 + 512 + 64
-    assert qg.ring_smem_bytes(Q4_K, 1, 4, 3) == 4 * 3 * 2944 + 4 * 16 * 4 + 8 * 12
-    assert qg.ring_smem_bytes(Q4_K, 1, 1, 2) == 2 * 2944 + 8 * 2  # one warp: no partial-sum buffer
+    assert qg.ring_smem_bytes(Q4_K, 1, 4, 3) == 4 * 3 * 2944 + 4 * 16 * 4 + 8 * 12 + 16  # + a staged norm's 1 / rms
+    assert qg.ring_smem_bytes(Q4_K, 1, 1, 2) == 2 * 2944 + 8 * 2 + 16  # one warp: no partial-sum buffer
     # the LM head (15520 tiles) gets the tall shape; ffn matrices choose_k_warps' warps and RING_STAGES
     assert qg.ring_shape(Q6_K, 248320, 5120, 1, 132) == qg.RING_TALL_SHAPE[1] == (8, 3)
     assert qg.ring_shape(Q6_K, 248320, 5120, 3, 132) == (8, 2)
