@@ -163,6 +163,15 @@ STEP_ABS = {
                     ("slices x4", SMALL, 3, "capture", {"qm.PACK_RMS_ONE_TOKEN_SCALE": 4}),
                     ("slices x8", SMALL, 3, "capture", {"qm.PACK_RMS_ONE_TOKEN_SCALE": 8})], (1,),
                    [("slices x2", "slices x1"), ("slices x4", "slices x1"), ("slices x8", "slices x1")]),
+    # the step's norms staged by the product before them (qwen35_gpu.STAGE_NORMS) or packed by a launch each
+    "stagenorms": ([("packs", SMALL, 3, "capture", {"q35.STAGE_NORMS": False}),
+                    ("staged", SMALL, 3, "capture", {"q35.STAGE_NORMS": True})], (1, 2, 3),
+                   [("staged", "packs")]),
+    "stagewhere": ([("packs", SMALL, 3, "capture", {"q35.STAGE_NORMS": False}),
+                    ("post", SMALL, 3, "capture", {"q35.STAGE_UP_TO": {"post": 3}}),
+                    ("next", SMALL, 3, "capture", {"q35.STAGE_UP_TO": {"next": 3}}),
+                    ("both", SMALL, 3, "capture", {"q35.STAGE_UP_TO": {"post": 3, "next": 3}})], (1, 2, 3),
+                   [("post", "packs"), ("next", "packs"), ("both", "packs")]),
     "v2stages": ([("shipped", SMALL, 3, "capture", {}), ("v2 3 stages", SMALL, 3, "capture", {"qm.STAGES_V2": 3}),
                   ("v2 4 stages", SMALL, 3, "capture", {"qm.STAGES_V2": 4})], (8, 16, 23),
                  [("v2 3 stages", "shipped"), ("v2 4 stages", "shipped")]),
@@ -186,13 +195,17 @@ def step(cupy, qm, qg, path: str, context: int, ab: str = "ring") -> list[dict]:
 
     shipped, q16_shipped, pdl_env = dict(qg.RING_UP_TO), qm.Q16_TOKENS, os.environ.get(loader.PDL_ENV)
     stack_shipped, wide_shipped = backend.STACK_CONCURRENT, dict(quant_wide.CROSSOVER)
-    def set_knobs(knobs: dict) -> None:   # "NAME": quant_gemv's, "qm.NAME": quant_matmul's
+    from services.engine.models import qwen35_gpu as q35
+
+    def set_knobs(knobs: dict) -> None:   # "NAME": quant_gemv's, "qm.NAME": quant_matmul's, "q35.NAME": the model's
         for name, value in knobs.items():
-            setattr(qm if name.startswith("qm.") else qg, name.removeprefix("qm."), value)
+            mod = qm if name.startswith("qm.") else q35 if name.startswith("q35.") else qg
+            setattr(mod, name.split(".")[-1], value)
 
     knobs_shipped = {name: getattr(qg, name) for name in ("RING_FEW_TILES", "RING_FEW_SHAPE", "RING_STAGES",
                                                            "RING_TALL_SHAPE")}
     knobs_shipped.update({f"qm.{name}": getattr(qm, name) for name in ("STAGES_V2", "PACK_RMS_ONE_TOKEN_SCALE")})
+    knobs_shipped.update({f"q35.{name}": getattr(q35, name) for name in ("STAGE_NORMS", "STAGE_UP_TO")})
     dn_pdl_shipped, dn_source = (deltanet.PDL, deltanet.PDL_UP_TO), deltanet.SOURCE
     rows = []
     try:
@@ -208,7 +221,7 @@ def step(cupy, qm, qg, path: str, context: int, ab: str = "ring") -> list[dict]:
                             quant_wide.CROSSOVER.update({12: 17, 14: 17})
                     elif ab == "dnpdl":
                         deltanet.PDL, deltanet.PDL_UP_TO = flag, 64
-                    elif ab in ("knobs", "v2stages", "packslices", "few", "few2"):
+                    elif ab in ("knobs", "v2stages", "packslices", "few", "few2", "stagenorms", "stagewhere"):
                         set_knobs({**knobs_shipped, **flag})
                     elif ab == "dnsrc":
                         deltanet.SOURCE = dn_source if flag else os.environ["DN_BASE_SOURCE"]

@@ -92,9 +92,10 @@ class GpuMatrix:
             self.rows = None
         return self
 
-    def matmul(self, x: Any, out: Any = None, accumulate: bool = False) -> Any:
-        """x @ W^T (x: activations or a kernels.quant_matmul.PackedX); accumulate: out += x @ W^T."""
-        return self.upload().q.matmul(x, out=out, accumulate=accumulate)
+    def matmul(self, x: Any, out: Any = None, accumulate: bool = False, stage: Any = None) -> Any:
+        """x @ W^T (x: activations, a kernels.quant_matmul.PackedX or StagedNorm); accumulate: out += x @ W^T;
+        stage: a StagedNorm of `out` to write for the next norm's product (can_stage_norm)."""
+        return self.upload().q.matmul(x, out=out, accumulate=accumulate, stage=stage)
 
     @property
     def nbytes(self) -> int:
@@ -147,10 +148,10 @@ class GpuStack:
         """x @ W^T of every matrix side by side (x: activations or a PackedX, packed once for all of them);
         accumulate: out += x @ W^T. out: float32 [T, out_features] with contiguous rows (row stride free)."""
         from kernels import loader
-        from kernels.quant_matmul import PackedX, pack_activations
+        from kernels.quant_matmul import PackedX, StagedNorm, pack_activations
 
         cupy = loader.require()
-        if isinstance(x, PackedX):
+        if isinstance(x, (PackedX, StagedNorm)):
             packed, tokens = x, x.tokens
         else:
             x = cupy.asarray(x)
@@ -188,9 +189,9 @@ class GpuStack:
         on the side stream: what the memory plan counts per stream stays as it is), and only once the device's side
         stream exists (made by an eager pass: stream creation stays out of captures)."""
         from kernels import quant_gemv
-        from kernels.quant_matmul import PackedX
+        from kernels.quant_matmul import PackedX, StagedNorm
 
-        if len(self.mats) < 2 or not STACK_CONCURRENT or not isinstance(packed, PackedX):
+        if len(self.mats) < 2 or not STACK_CONCURRENT or not isinstance(packed, (PackedX, StagedNorm)):
             return None
         dev = int(cupy.cuda.Device().id)
         main = cupy.cuda.get_current_stream()
@@ -202,6 +203,18 @@ class GpuStack:
         rings = all(quant_gemv.ring_takes(m.qtype, m.shape[1], packed.tokens, packed.q16 is not None)
                     for m in self.mats)
         return side if rings else None
+
+
+def can_stage_norm(producer: Any, consumer: Any, tokens: int) -> bool:
+    """Whether `producer` (a GpuMatrix writing the residual stream) can stage the RMSNorm that `consumer` (a
+    GpuMatrix or GpuStack) reads, at this width: kernels.quant_matmul.can_stage_norm for it and every product of the
+    consumer (then no pack launch runs between them)."""
+    from kernels import quant_matmul as qm
+
+    if not isinstance(producer, GpuMatrix) or not isinstance(consumer, (GpuMatrix, GpuStack)):
+        return False
+    mats = consumer.mats if isinstance(consumer, GpuStack) else [consumer]
+    return all(qm.can_stage_norm(producer.upload().q, m.upload().q, tokens) for m in mats)
 
 
 class GpuEmbedding:

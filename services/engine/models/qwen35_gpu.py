@@ -64,7 +64,7 @@ from kernels import quant_matmul as qm
 from kernels import sampling as smp
 
 from .. import faults
-from ..backend import CupyBackend
+from ..backend import CupyBackend, can_stage_norm
 from ..config import ModelConfig
 from ..device_sampling import draw_rows
 from ..errors import ContextOverflowError, is_out_of_memory
@@ -87,6 +87,16 @@ GRAPHS_PER_STATE = 64    # captured shapes kept per state, steps and commits eac
 # type); memory_plan.GPU_TARGET_STACKS counts their bytes so
 STACKS = {"ffn_gate_up": ("ffn_gate", "ffn_up"), "ssm_in": ("attn_qkv", "attn_gate", "ssm_beta", "ssm_alpha"),
           "attn_qkv": ("attn_q", "attn_k", "attn_v")}
+# Steps of up to quant_matmul.Q16_TOKENS tokens: the product writing the residual stream (a mixer's output projection,
+# ffn_down) stages the next RMSNorm for the ring gemv that reads it (quant_matmul.StagedNorm), so no pack launch
+# runs between them (Qwen35GpuModel._norm_plan says where both products allow it). Off: a pack per norm.
+# STAGE_UP_TO: the widest step (<= quant_matmul.Q16_TOKENS) at which each boundary stages; post: a mixer's output
+# projection -> ffn_gate_up, next: ffn_down -> the next layer's input projection (or the LM head). H100, 27B Q4_K_M
+# step replays (bench/gemv_ab.py --step-ab stagewhere, docs/gpu_quant_matmul.md "staged norms"): post / next / both
+# 0.964 / 0.969 / 0.931 of the packs at one token, 0.985 / 0.986 / 0.968 at two, 1.018 / 0.995 / 1.009 at three
+# (the post boundary loses there: not explained yet).
+STAGE_NORMS = True
+STAGE_UP_TO = {"post": 2, "next": 3}
 # prompt chunks warm_prefill runs at start-up: every token-tile class of the matmuls up to 64 tokens (8 a tile), one
 # past 64 (64-token pieces and a remainder) and a whole prefill chunk (generate.PREFILL_CHUNK)
 WARM_CHUNKS = (8, 16, 24, 32, 40, 48, 56, 64, 100, 512)
@@ -638,6 +648,7 @@ class Qwen35GpuModel(TargetModel):
         # detached: replays that first copied the rows of a still-held result of the same graph (DeviceLogits)
         self.graph_stats = {"captures": 0, "replays": 0, "eager": 0, "failed": 0, "detached": 0}
         self._capture_stream = None
+        self._norm_plans: dict[tuple, tuple] = {}   # _norm_plan's, by width and logits rows
         # finished requests' states kept for the next ones (acquire_state / release_state): a state's graphs
         # are captured per shape, so a new state per request would capture them all again. Bounded: the
         # verifier sets the size to its slots (what the memory plan counts); 1 for one request at a time.
@@ -970,8 +981,10 @@ class Qwen35GpuModel(TargetModel):
         else:
             x = self.device_embed(state.tokens[:T])
         plan_tree_walk(state, step)
+        plan = self._norm_plan(T, logits)
+        h = None   # the next norm's input when the product before staged it
         for i, w in enumerate(self.layers):
-            x = self._block(i, w, x, state, step)
+            x, h = self._block(i, w, x, state, step, h, plan)
             for slot, lid in enumerate(capture):
                 if lid == i:
                     captured[:, slot] = x
@@ -979,7 +992,8 @@ class Qwen35GpuModel(TargetModel):
         if logits != "none":
             xr = x if logits == "all" else x[T - 1:]
             n = int(xr.shape[0])
-            h = nr.rms_norm(xr, self.output_norm, self.cfg.rms_eps)
+            if h is None:   # (a staged output norm covers every row: n == T)
+                h = nr.rms_norm(xr, self.output_norm, self.cfg.rms_eps)
             if into_state:
                 out = self.output.matmul(h, out=state.out_logits[:n])
                 # greedy acceptance reads only these (lowest id on ties, as np.argmax)
@@ -1028,7 +1042,37 @@ class Qwen35GpuModel(TargetModel):
         self.graph_stats["captures"] += 1
         return out
 
-    def _block(self, i: int, w: dict, x, state: GpuSequenceState, step: _Step):
+    def _norm_plan(self, T: int, logits: str) -> tuple[tuple[bool, ...], tuple[bool, ...]]:
+        """Where this step's norms are staged by the product before them (STAGE_NORMS): (post[i]: layer i's output
+        projection stages its post-attention norm for ffn_gate_up; nxt[i]: its ffn_down stages the next layer's
+        input norm, or the output norm when the logits cover every row). Layer 0's mixer keeps the pack: its stream
+        is the step's input rows, which the staged path would add into in place."""
+        key = (T, logits == "all" or T == 1, logits != "none", STAGE_NORMS, tuple(sorted(STAGE_UP_TO.items())),
+               self.fused_launches)
+        plans = self._norm_plans
+        if key not in plans:
+            n = len(self.layers)
+            post, nxt = [False] * n, [False] * n
+            if STAGE_NORMS and self.fused_launches and T <= qm.Q16_TOKENS:
+                rec = self.cfg.recurrent_layers
+                first = [w["ssm_in"] if rec[i] else w["attn_qkv"] for i, w in enumerate(self.layers)]
+                for i, w in enumerate(self.layers):
+                    out_proj = w["ssm_out"] if rec[i] else w["attn_output"]
+                    post[i] = (T <= STAGE_UP_TO.get("post", 0) and i > 0
+                               and can_stage_norm(out_proj, w["ffn_gate_up"], T))
+                    if T > STAGE_UP_TO.get("next", 0):
+                        continue
+                    if i + 1 < n:
+                        nxt[i] = can_stage_norm(w["ffn_down"], first[i + 1], T)
+                    else:
+                        nxt[i] = key[1] and key[2] and can_stage_norm(w["ffn_down"], self.output, T)
+            plans[key] = (tuple(post), tuple(nxt))
+        return plans[key]
+
+    def _block(self, i: int, w: dict, x, state: GpuSequenceState, step: _Step, h_in: Any = None,
+               plan: tuple = ((), ())) -> tuple[Any, Any]:
+        """One layer: (the new stream, the next norm's input when this layer's ffn_down staged it, else None).
+        h_in: this layer's input norm when the layer before staged it."""
         eps = self.cfg.rms_eps
         mixer = self._deltanet if self.cfg.recurrent_layers[i] else self._gated_attention
         if not (self.fused_launches and step.T <= qm.MAX_TOKENS):
@@ -1036,19 +1080,41 @@ class Qwen35GpuModel(TargetModel):
             h, x = nr.rms_norm(mixer(i, w, h, state, step), w["post_attention_norm"], eps, residual=x)
             gu = w["ffn_gate_up"].matmul(h)
             f = gu.shape[1] // 2
-            return x + w["ffn_down"].matmul(nr.silu_mul(gu[:, :f], gu[:, f:]))   # residual add: FALLBACK (CuPy)
+            return x + w["ffn_down"].matmul(nr.silu_mul(gu[:, :f], gu[:, f:])), None   # residual add: FALLBACK
         # fused: each norm and the SwiGLU run in the packing of the matmul that reads them; the mixer's residual
-        # add rides in the post-attention norm's pack (which writes the new stream), ffn_down's in its epilogue
-        h = qm.pack_activations(x, rms_weight=w["attn_norm"], eps=eps)
-        px = qm.pack_activations(mixer(i, w, h, state, step), rms_weight=w["post_attention_norm"], eps=eps,
-                                 residual=x)
-        x = px.residual
+        # add rides in the post-attention norm's pack (which writes the new stream), ffn_down's in its epilogue.
+        # Staged (plan): the output projection adds into the stream and stages the norm ffn_gate_up reads, and
+        # ffn_down stages the next layer's input norm (no pack launch for either).
+        post, nxt = plan
+        h = h_in if h_in is not None else qm.pack_activations(x, rms_weight=w["attn_norm"], eps=eps)
+        if post and post[i]:
+            px = qm.staged_norm(x, w["post_attention_norm"], eps)
+            mixer(i, w, h, state, step, sink=(x, px))
+        else:
+            px = qm.pack_activations(mixer(i, w, h, state, step), rms_weight=w["post_attention_norm"], eps=eps,
+                                     residual=x)
+            x = px.residual
         gu = w["ffn_gate_up"].matmul(px)
         f = gu.shape[1] // 2
-        w["ffn_down"].matmul(qm.pack_activations(gu[:, :f], silu_up=gu[:, f:]), out=x, accumulate=True)
+        staged = None
+        if nxt and nxt[i]:
+            norm = self.layers[i + 1]["attn_norm"] if i + 1 < len(self.layers) else self.output_norm
+            staged = qm.staged_norm(x, norm, eps)
+        w["ffn_down"].matmul(qm.pack_activations(gu[:, :f], silu_up=gu[:, f:]), out=x, accumulate=True,
+                             stage=staged)
+        return x, staged
+
+    @staticmethod
+    def _out_proj(W: Any, o: Any, sink: tuple | None) -> Any:
+        """A mixer's output projection: its product, or with sink (stream, StagedNorm) added into the stream with the
+        post-attention norm staged (_block)."""
+        if sink is None:
+            return W.matmul(o)
+        x, staged = sink
+        W.matmul(o, out=x, accumulate=True, stage=staged)
         return x
 
-    def _gated_attention(self, i: int, w: dict, h, state: GpuSequenceState, step: _Step):
+    def _gated_attention(self, i: int, w: dict, h, state: GpuSequenceState, step: _Step, sink: tuple | None = None):
         c = self.cfg
         T, H, D, Hkv = step.T, c.n_head, c.head_dim, c.n_head_kv
         qkv = w["attn_qkv"].matmul(h)
@@ -1072,9 +1138,9 @@ class Qwen35GpuModel(TargetModel):
                                            gate=gate[j:j + n])
         else:
             o = _tree_attention_fallback(q, cache, step, gate)
-        return w["attn_output"].matmul(o.reshape(T, H * D))
+        return self._out_proj(w["attn_output"], o.reshape(T, H * D), sink)
 
-    def _deltanet(self, i: int, w: dict, h, state: GpuSequenceState, step: _Step):
+    def _deltanet(self, i: int, w: dict, h, state: GpuSequenceState, step: _Step, sink: tuple | None = None):
 
         c = self.cfg
         T = step.T
@@ -1105,8 +1171,9 @@ class Qwen35GpuModel(TargetModel):
                                 plan=None if step.is_chain else state.plan[:T],
                                 final_state=None if step.per_token else pair[1], alt=pair[1], swap=state.stage.swap)
         if fused:  # the output norm * silu(z) in ssm_out's pack
-            return w["ssm_out"].matmul(qm.pack_activations(o.reshape(T, Hv * dv), rms_weight=w["ssm_norm"],
-                                                           eps=c.rms_eps, gate=proj[:, cd:cd + Hv * dv]))
+            return self._out_proj(w["ssm_out"], qm.pack_activations(o.reshape(T, Hv * dv), rms_weight=w["ssm_norm"],
+                                                                    eps=c.rms_eps, gate=proj[:, cd:cd + Hv * dv]),
+                                  sink)
         o = nr.norm_gate(o, z, w["ssm_norm"], c.rms_eps)
         return w["ssm_out"].matmul(o.reshape(T, Hv * dv))
 

@@ -1,0 +1,121 @@
+"""Staged norms in the qwen35 GPU step (models/qwen35_gpu.py STAGE_NORMS): at 1..3 tokens the product that writes the
+residual stream stages the next RMSNorm for the ring gemv that reads it (kernels.quant_matmul.StagedNorm), so no
+pack launch runs between them. On a synthetic model whose widths let every boundary stage (n_embd 512, Q4_K_M
+types), the GPU step with staging is checked against the NumPy engine and against the GPU step without it.
+
+Needs CuPy and a CUDA GPU; skipped (with the reason) anywhere else. Tolerance: the staged path drops the fp16
+rounding of the normalised row (its int16 staging is finer), so it differs from the packed path by rounding only;
+both are compared teacher-forced (the same tokens fed to every path) in units of the logits' spread.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+import pytest
+
+from kernels import loader
+
+_REASON = loader.unavailable_reason()
+if _REASON is not None:
+    pytest.skip(f"GPU staged-norm tests skipped: {_REASON}", allow_module_level=True)
+
+from services.engine import synthetic as S  # noqa: E402
+from services.engine.config import ModelConfig  # noqa: E402
+from services.engine.loader import load_target  # noqa: E402
+from services.engine.models import qwen35_gpu as q35  # noqa: E402
+from services.engine.models.dflash import DrafterConfig  # noqa: E402
+from services.engine.models.qwen35_gpu import load_gpu_target  # noqa: E402
+
+pytestmark = pytest.mark.gpu
+
+REL_TOL = 0.02   # max |a - b| / std(logits of the row), GPU vs NumPy (the packed path: ~3e-3 of the spread)
+
+
+def _stage_shape() -> S.SyntheticShape:
+    # 3 DeltaNet layers and one attention layer; every product K >= 512 (two ring warps to stage with)
+    target = ModelConfig(
+        arch="qwen35", n_layer=4, n_embd=512, n_ff=1024, n_vocab=512, n_head=4, n_head_kv=1, head_dim=128,
+        rms_eps=1e-6, rope_theta=1e7, n_rot=32, context_length=4096,
+        recurrent_layers=[(i + 1) % 4 != 0 for i in range(4)], full_attention_interval=4, ssm_conv_kernel=4,
+        ssm_head_k_dim=64, ssm_n_k_heads=4, ssm_n_v_heads=4, ssm_inner_size=512,
+        name="specsplit staged-norm test (synthetic)")
+    drafter = DrafterConfig(
+        n_layer=1, n_embd=512, n_ff=1024, n_head=4, n_head_kv=1, head_dim=128, rms_eps=1e-6, rope_theta=1e7,
+        block_size=16, mask_token_id=500, target_layer_ids=[1], layer_causal=[True], sliding_window=64, n_vocab=512)
+    return S.SyntheticShape(target, drafter, first_special=472, rope_sections=[6, 5, 5, 0], size_label="stage",
+                            type_layers=4)
+
+
+@functools.lru_cache(maxsize=1)
+def models(tmp: str):
+    S.SHAPES["stage-test"] = _stage_shape
+    try:
+        res = S.make_synthetic("stage-test", tmp, seed=11, draft=False, quiet=True)
+    finally:
+        S.SHAPES.pop("stage-test", None)
+    return load_target(res.target_path).model, load_gpu_target(res.target_path, 0, with_tokenizer=False).model
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    return models(str(tmp_path_factory.mktemp("staged")))
+
+
+WIDTHS = (1, 2, 3, 1, 3, 2, 1)   # chain steps of 1..3 tokens: every staged width
+
+
+def _run(model, ids: list[int], steps: list[int], graphs: bool) -> list[np.ndarray]:
+    """Prefill ids, then chains of WIDTHS tokens from steps (teacher-forced): every logits row of every step."""
+    if hasattr(model, "use_graphs"):
+        model.use_graphs = graphs
+    st = model.new_state(256)
+    model.forward(st, ids, logits="last")
+    st.commit(range(len(ids)))
+    out, j = [], 0
+    for w in WIDTHS:
+        r = model.forward(st, steps[j:j + w], logits="all")
+        st.commit(range(w))
+        out.extend(np.asarray(r.logits, np.float64).reshape(w, -1))
+        j += w
+    return out
+
+
+def _rel(a: np.ndarray, b: np.ndarray) -> float:
+    return float(np.max(np.abs(a - b)) / np.std(b))
+
+
+def test_every_boundary_stages_at_narrow_widths(pair, monkeypatch) -> None:
+    _, gpu = pair
+    n = gpu.cfg.n_layer
+    monkeypatch.setattr(q35, "STAGE_UP_TO", {"post": 3, "next": 3})
+    for T in (1, 2, 3):
+        post, nxt = gpu._norm_plan(T, "all")
+        assert post == (False,) + (True,) * (n - 1), T   # layer 0 keeps its pack (the step's input rows)
+        assert nxt == (True,) * n, T
+    post, nxt = gpu._norm_plan(2, "last")
+    assert nxt[-1] is False and all(nxt[:-1])   # a staged output norm covers every row: not for the last only
+    assert gpu._norm_plan(4, "all") == ((False,) * n, (False,) * n)   # v2 from 4 tokens: packs
+    monkeypatch.setattr(q35, "STAGE_UP_TO", {"post": 1, "next": 3})
+    assert gpu._norm_plan(2, "all") == ((False,) * n, (True,) * n)
+    monkeypatch.setattr(q35, "STAGE_NORMS", False)
+    assert gpu._norm_plan(1, "all") == ((False,) * n, (False,) * n)
+
+
+@pytest.mark.parametrize("graphs", [False, True])
+def test_staged_step_matches_numpy_and_the_packed_step(pair, graphs: bool, monkeypatch) -> None:
+    cpu, gpu = pair
+    monkeypatch.setattr(q35, "STAGE_UP_TO", {"post": 3, "next": 3})
+    rng = np.random.default_rng(5)
+    ids = [int(t) for t in rng.integers(0, 400, 40)]
+    steps = [int(t) for t in rng.integers(0, 400, sum(WIDTHS))]
+    want = _run(cpu, ids, steps, graphs)
+    staged = _run(gpu, ids, steps, graphs)
+    monkeypatch.setattr(q35, "STAGE_NORMS", False)
+    packed = _run(gpu, ids, steps, graphs)
+    for i, (w, s, p) in enumerate(zip(want, staged, packed)):
+        assert _rel(s, w) < REL_TOL, (i, _rel(s, w), _rel(p, w))
+        assert _rel(p, w) < REL_TOL, (i, _rel(p, w))
+        assert _rel(s, p) < REL_TOL, (i, _rel(s, p))
+        assert not np.array_equal(s, p)   # the staged path did run (it rounds differently)
