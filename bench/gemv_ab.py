@@ -172,6 +172,11 @@ STEP_ABS = {
                     ("next", SMALL, 3, "capture", {"q35.STAGE_UP_TO": {"next": 3}}),
                     ("both", SMALL, 3, "capture", {"q35.STAGE_UP_TO": {"post": 3, "next": 3}})], (1, 2, 3),
                    [("post", "packs"), ("next", "packs"), ("both", "packs")]),
+    # a DeltaNet layer's conv + q/k norm + gates in one launch (qwen35_gpu.FUSE_CONV_NORM_FROM) or two
+    "convnorm": ([("two", SMALL, 3, "capture", {"q35.FUSE_CONV_NORM_FROM": 1 << 20}),
+                  ("one w1", SMALL, 3, "capture", {"q35.FUSE_CONV_NORM_FROM": 1, "dn.CONV_NORM_WARPS": 1}),
+                  ("one w4", SMALL, 3, "capture", {"q35.FUSE_CONV_NORM_FROM": 1, "dn.CONV_NORM_WARPS": 4})],
+                 (1, 3, 23), [("one w1", "two"), ("one w4", "two")]),
     "v2stages": ([("shipped", SMALL, 3, "capture", {}), ("v2 3 stages", SMALL, 3, "capture", {"qm.STAGES_V2": 3}),
                   ("v2 4 stages", SMALL, 3, "capture", {"qm.STAGES_V2": 4})], (8, 16, 23),
                  [("v2 3 stages", "shipped"), ("v2 4 stages", "shipped")]),
@@ -199,13 +204,15 @@ def step(cupy, qm, qg, path: str, context: int, ab: str = "ring") -> list[dict]:
 
     def set_knobs(knobs: dict) -> None:   # "NAME": quant_gemv's, "qm.NAME": quant_matmul's, "q35.NAME": the model's
         for name, value in knobs.items():
-            mod = qm if name.startswith("qm.") else q35 if name.startswith("q35.") else qg
+            mod = {"qm": qm, "q35": q35, "dn": deltanet}.get(name.split(".")[0], qg) if "." in name else qg
             setattr(mod, name.split(".")[-1], value)
 
     knobs_shipped = {name: getattr(qg, name) for name in ("RING_FEW_TILES", "RING_FEW_SHAPE", "RING_STAGES",
                                                            "RING_TALL_SHAPE")}
     knobs_shipped.update({f"qm.{name}": getattr(qm, name) for name in ("STAGES_V2", "PACK_RMS_ONE_TOKEN_SCALE")})
-    knobs_shipped.update({f"q35.{name}": getattr(q35, name) for name in ("STAGE_NORMS", "STAGE_UP_TO")})
+    knobs_shipped.update({f"q35.{name}": getattr(q35, name) for name in ("STAGE_NORMS", "STAGE_UP_TO",
+                                                                                "FUSE_CONV_NORM_FROM")})
+    knobs_shipped["dn.CONV_NORM_WARPS"] = deltanet.CONV_NORM_WARPS
     dn_pdl_shipped, dn_source = (deltanet.PDL, deltanet.PDL_UP_TO), deltanet.SOURCE
     rows = []
     try:
@@ -221,7 +228,8 @@ def step(cupy, qm, qg, path: str, context: int, ab: str = "ring") -> list[dict]:
                             quant_wide.CROSSOVER.update({12: 17, 14: 17})
                     elif ab == "dnpdl":
                         deltanet.PDL, deltanet.PDL_UP_TO = flag, 64
-                    elif ab in ("knobs", "v2stages", "packslices", "few", "few2", "stagenorms", "stagewhere"):
+                    elif ab in ("knobs", "v2stages", "packslices", "few", "few2", "stagenorms", "stagewhere",
+                                "convnorm"):
                         set_knobs({**knobs_shipped, **flag})
                     elif ab == "dnsrc":
                         deltanet.SOURCE = dn_source if flag else os.environ["DN_BASE_SOURCE"]

@@ -369,6 +369,50 @@ DN_DEV void ring_next(int i, Issue&& issue) {
 // the pre-conv rows commit() gathers, kept without a copy launch of their own (raw may then be a strided view of
 // the input projection).
 namespace dn {
+// silu(conv) of channel c for token t: newest tap first (the token, its parent, ...; when the chain ends, the
+// committed rows, newest first); with ROWS the token's own raw value also goes to rows_out
+template <typename TIn, int KW, bool ROWS>
+DN_DEV float conv_one(const TIn* __restrict__ raw, i64 ld_raw, const float* __restrict__ window, const float (&wk)[KW],
+                      const int* __restrict__ parents, int t, int c, int C, float* __restrict__ rows_out,
+                      i64 ld_rows) {
+    float acc = 0.0f;
+    int cur = t, wrow = KW - 2;
+#pragma unroll
+    for (int k = KW - 1; k >= 0; --k) {
+        float x;
+        if (cur >= 0) {
+            x = load1(raw + (i64)cur * ld_raw + c);
+            if constexpr (ROWS) {
+                if (k == KW - 1) rows_out[(i64)t * ld_rows + c] = x;  // the token's own row, once per (t, c)
+            }
+            cur = parent_of(parents, cur);
+        } else {
+            x = window[(i64)wrow * C + c];
+            --wrow;
+        }
+        acc += wk[k] * x;
+    }
+    return silu(acc);
+}
+
+// The rows token t's conv taps read, newest first (conv_one's walk): src[k] >= 0 a raw row, else window row
+// -1 - src[k]. Every channel of a token shares them, so a kernel doing several channels per thread walks once and
+// issues all their loads at once (conv_one's loads wait on its own branches, one memory round trip per tap).
+template <int KW>
+DN_DEV void conv_taps(const int* __restrict__ parents, int t, int (&src)[KW]) {
+    int cur = t, wrow = KW - 2;
+#pragma unroll
+    for (int k = KW - 1; k >= 0; --k) {
+        if (cur >= 0) {
+            src[k] = cur;
+            cur = parent_of(parents, cur);
+        } else {
+            src[k] = -1 - wrow;
+            --wrow;
+        }
+    }
+}
+
 template <typename TIn, int KW, bool ROWS>
 DN_DEV void conv_silu_body(const TIn* __restrict__ raw, i64 ld_raw, const float* __restrict__ window,
                            const float* __restrict__ w, const int* __restrict__ parents,
@@ -380,27 +424,8 @@ DN_DEV void conv_silu_body(const TIn* __restrict__ raw, i64 ld_raw, const float*
     float wk[KW];
 #pragma unroll
     for (int k = 0; k < KW; ++k) wk[k] = w[(i64)c * KW + k];
-    for (int t = blockIdx.y; t < T; t += gridDim.y) {
-        // newest tap first: the token, its parent, ...; when the chain ends, the committed rows, newest first
-        float acc = 0.0f;
-        int cur = t, wrow = KW - 2;
-#pragma unroll
-        for (int k = KW - 1; k >= 0; --k) {
-            float x;
-            if (cur >= 0) {
-                x = load1(raw + (i64)cur * ld_raw + c);
-                if constexpr (ROWS) {
-                    if (k == KW - 1) rows_out[(i64)t * ld_rows + c] = x;  // the token's own row, once per (t, c)
-                }
-                cur = parent_of(parents, cur);
-            } else {
-                x = window[(i64)wrow * C + c];
-                --wrow;
-            }
-            acc += wk[k] * x;
-        }
-        out[(i64)t * ld_out + c] = silu(acc);
-    }
+    for (int t = blockIdx.y; t < T; t += gridDim.y)
+        out[(i64)t * ld_out + c] = conv_one<TIn, KW, ROWS>(raw, ld_raw, window, wk, parents, t, c, C, rows_out, ld_rows);
 }
 }  // namespace dn
 
@@ -456,6 +481,86 @@ __global__ void qk_norm_gate_kernel(float* __restrict__ qk, i64 ld, int Hk, floa
             if (vi < Hk) scale *= q_scale;
 #pragma unroll
             for (int i = 0; i < PER; ++i) p[lane + 32 * i] = x[i] * scale;
+        }
+        if (blockIdx.x == 0) {
+            for (int h = threadIdx.x; h < Hv; h += blockDim.x) {
+                const float a = dn::load1(alpha + (i64)t * ld_ab + h);
+                const float bb = dn::load1(b + (i64)t * ld_ab + h);
+                g_out[(i64)t * ld_gb + h] = ssm_a[h] * dn::softplus(a + dt_bias[h]);
+                beta_out[(i64)t * ld_gb + h] = dn::sigmoid(bb);
+            }
+        }
+    }
+}
+
+// conv_silu(_rows)_kernel and qk_norm_gate_kernel in one launch (a DeltaNet layer's chain: one kernel boundary
+// fewer). One warp per DK channels, lane l computing channels l, l + 32, ... of its group (conv_silu's arithmetic,
+// the taps' rows walked once per token: conv_taps), so a q / k head (groups 0 .. 2 Hk - 1: q heads, then k heads) is normalised by its warp's xor
+// reduction in qk_norm_gate_kernel's order, and the block column 0 writes the gates as it does: every output bit for
+// bit the two launches'. raw and alpha / b share TIn (columns of one input projection). rows_out may be null
+// (ROWS = 0). Grid (ceil(C / (DK warps)), min(T_max, 65535)); requires C >= 2 Hk DK.
+template <typename TIn, int KW, int DK, int ROWS>
+__global__ void conv_qk_norm_gate_kernel(const TIn* __restrict__ raw, i64 ld_raw, const float* __restrict__ window,
+                                         const float* __restrict__ w, const int* __restrict__ parents,
+                                         const int* __restrict__ n_tokens, int t_max, int C, float* __restrict__ out,
+                                         i64 ld_out, float* __restrict__ rows_out, i64 ld_rows, int Hk, float q_scale,
+                                         float eps, const TIn* __restrict__ alpha, const TIn* __restrict__ b,
+                                         i64 ld_ab, const float* __restrict__ ssm_a, const float* __restrict__ dt_bias,
+                                         int Hv, float* __restrict__ g_out, float* __restrict__ beta_out,
+                                         i64 ld_gb) {
+    static_assert(DK % 128 == 0 || DK == 64 || DK == 32, "DK must be 32, 64 or a multiple of 128");
+    SS_PDL_ENTRY();
+    constexpr int PER = DK / 32;  // channels per lane
+    const int T = dn::token_count(n_tokens, t_max);
+    const int lane = threadIdx.x & 31;
+    const int grp = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+    const int c0 = grp * DK;
+    float wk[PER][KW];
+#pragma unroll
+    for (int i = 0; i < PER; ++i) {
+        const int c = c0 + lane + 32 * i;
+#pragma unroll
+        for (int k = 0; k < KW; ++k) wk[i][k] = c < C ? w[(i64)c * KW + k] : 0.0f;
+    }
+    for (int t = blockIdx.y; t < T; t += gridDim.y) {
+        if (c0 < C) {
+            int src[KW];
+            dn::conv_taps<KW>(parents, t, src);
+            float v[PER][KW];  // every tap of every channel requested before any is used
+#pragma unroll
+            for (int i = 0; i < PER; ++i) {
+                const int c = c0 + lane + 32 * i;
+#pragma unroll
+                for (int k = 0; k < KW; ++k)
+                    v[i][k] = c >= C ? 0.0f
+                              : src[k] >= 0 ? dn::load1(raw + (i64)src[k] * ld_raw + c)
+                                            : window[(i64)(-1 - src[k]) * C + c];
+                if (ROWS != 0 && c < C) rows_out[(i64)t * ld_rows + c] = v[i][KW - 1];  // the token's own row
+            }
+            float x[PER];
+#pragma unroll
+            for (int i = 0; i < PER; ++i) {
+                float acc = 0.0f;  // conv_one's sum: newest tap first
+#pragma unroll
+                for (int k = KW - 1; k >= 0; --k) acc += wk[i][k] * v[i][k];
+                x[i] = dn::silu(acc);
+            }
+            if (grp < 2 * Hk) {  // a q or k head (warp-uniform)
+                float ss = 0.0f;
+#pragma unroll
+                for (int i = 0; i < PER; ++i) ss += x[i] * x[i];
+#pragma unroll
+                for (int m = 16; m >= 1; m >>= 1) ss += DN_SHFL_XOR(ss, m);
+                float scale = 1.0f / sqrtf(ss + eps);
+                if (grp < Hk) scale *= q_scale;
+#pragma unroll
+                for (int i = 0; i < PER; ++i) x[i] = x[i] * scale;
+            }
+#pragma unroll
+            for (int i = 0; i < PER; ++i) {
+                const int c = c0 + lane + 32 * i;
+                if (c < C) out[(i64)t * ld_out + c] = x[i];
+            }
         }
         if (blockIdx.x == 0) {
             for (int h = threadIdx.x; h < Hv; h += blockDim.x) {

@@ -83,6 +83,39 @@ extern "C" int sim_norm(int f16, int dk, int gx, int gy, int block, float* qk, i
     return launch(g2(gx, gy), block, fn);
 }
 
+// ---- conv + q/k norm + gates in one launch
+struct ConvNormArgs { const void* raw; i64 ld_raw; const float* window; const float* w; const int* parents;
+                      const int* n_tokens; int t_max, C; float* out; i64 ld_out; float* rows_out; i64 ld_rows; int Hk;
+                      float q_scale, eps; const void* alpha; const void* b; i64 ld_ab; const float* ssm_a;
+                      const float* dt; int Hv; float* g; float* beta; i64 ld_gb; };
+static ConvNormArgs cna;
+template <typename TIn, int DK, int ROWS>
+static void conv_norm_lane() {
+    conv_qk_norm_gate_kernel<TIn, 4, DK, ROWS>((const TIn*)cna.raw, cna.ld_raw, cna.window, cna.w, cna.parents,
+                                               cna.n_tokens, cna.t_max, cna.C, cna.out, cna.ld_out, cna.rows_out,
+                                               cna.ld_rows, cna.Hk, cna.q_scale, cna.eps, (const TIn*)cna.alpha,
+                                               (const TIn*)cna.b, cna.ld_ab, cna.ssm_a, cna.dt, cna.Hv, cna.g, cna.beta,
+                                               cna.ld_gb);
+}
+extern "C" int sim_conv_norm(int f16, int dk, int rows, int gx, int gy, int block, const void* raw, i64 ld_raw,
+                             const float* window, const float* w, const int* parents, const int* n_tokens, int t_max,
+                             int C, float* out, i64 ld_out, float* rows_out, i64 ld_rows, int Hk, float q_scale,
+                             float eps, const void* alpha, const void* b, i64 ld_ab, const float* ssm_a,
+                             const float* dt, int Hv, float* g, float* beta, i64 ld_gb) {
+    cna = {raw, ld_raw, window, w, parents, n_tokens, t_max, C, out, ld_out, rows_out, ld_rows, Hk, q_scale, eps,
+           alpha, b, ld_ab, ssm_a, dt, Hv, g, beta, ld_gb};
+    Body fn = nullptr;
+#define DN_PICK_CN(dk_, rows_) \
+    if (dk == dk_ && rows == rows_) fn = f16 ? conv_norm_lane<u16, dk_, rows_> : conv_norm_lane<float, dk_, rows_>;
+    DN_PICK_CN(128, 0)
+    DN_PICK_CN(128, 1)
+    DN_PICK_CN(64, 0)
+    DN_PICK_CN(64, 1)
+#undef DN_PICK_CN
+    if (!fn) return -1;
+    return launch(g2(gx, gy), block, fn);
+}
+
 // ---- tree walk (plan + shared-memory state stack), its plan, the commit by replay
 struct PlanArgs { const int* parents; const int* n_tokens; int t_max; int* plan; };
 static PlanArgs pa;

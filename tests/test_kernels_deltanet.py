@@ -57,6 +57,16 @@ def test_qk_norm_and_gates(f16: bool) -> None:
     cases.check_norm_gate(cupy, rng, 3, 2, 6, 64, f16, portable=True)
 
 
+@pytest.mark.parametrize("T,chain", [(1, True), (3, True), (23, False), (64, False)])
+def test_conv_qk_norm_gate_is_the_two_launches(T: int, chain: bool) -> None:
+    """The fused DeltaNet chain head at the 27B's widths (16 k heads of 128, 48 v heads): bit for bit conv_silu then
+    qk_norm_gate, with and without the raw rows kept, portable too."""
+    rng = np.random.default_rng(40 + T)
+    cases.check_conv_norm_gate(cupy, rng, T, HK, HV, DK, False, chain)
+    cases.check_conv_norm_gate(cupy, rng, T, HK, HV, DK, True, chain, rows=False)
+    cases.check_conv_norm_gate(cupy, rng, T, 2, 6, 64, False, chain, portable=True)
+
+
 @pytest.mark.parametrize("T", [1, 300])
 @pytest.mark.parametrize("depth", [2, 8])
 def test_chain_decode_and_recurrent_prefill(T: int, depth: int) -> None:

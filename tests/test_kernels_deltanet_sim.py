@@ -115,6 +115,50 @@ def check_norm_gate(xp, rng, T: int, Hk: int, Hv: int, dk: int, f16: bool, porta
     assert np.isnan(g[n:]).all() and np.isnan(beta[n:]).all()
 
 
+def check_conv_norm_gate(xp, rng, T: int, Hk: int, Hv: int, dk: int, f16: bool, chain: bool = False,
+                         rows: bool = True, portable: bool = False) -> None:
+    """conv_qk_norm_gate: bit for bit conv_silu then qk_norm_gate (the two launches it replaces), raw rows kept
+    alike, rows past n_tokens untouched."""
+    from kernels import deltanet as dn
+
+    dv = 32
+    C = 2 * Hk * dk + Hv * dv + 16   # a last group of channels shorter than dk
+    t_max = T + 2
+    parents = np.arange(-1, T - 1, dtype=np.int32) if chain else random_tree(T, rng)
+    par = np.full(t_max, -1, np.int32)
+    par[:T] = parents
+    dt_in = np.float16 if f16 else np.float32
+    raw = (rng.standard_normal((t_max, C)) * 2).astype(dt_in)
+    window = rng.standard_normal((KW - 1, C)).astype(np.float32)
+    w = (rng.standard_normal((C, KW)) * 0.5).astype(np.float32)
+    alpha = (rng.standard_normal((t_max, Hv)) * 3).astype(dt_in)
+    b = (rng.standard_normal((t_max, Hv)) * 3).astype(dt_in)
+    ssm_a = -np.exp(rng.standard_normal(Hv)).astype(np.float32)
+    dt = rng.standard_normal(Hv).astype(np.float32)
+    n = xp.asarray(np.array([T], np.int32))
+    pa = None if chain else xp.asarray(par)
+    args = [xp.asarray(a) for a in (raw, window, w)]
+    gates = [xp.asarray(a) for a in (alpha, b, ssm_a, dt)]
+    out, r_out = poisoned(xp, (t_max, C)), poisoned(xp, (t_max, C))
+    g, beta = poisoned(xp, (t_max, Hv)), poisoned(xp, (t_max, Hv))
+    got = dn.conv_qk_norm_gate(*args, *gates, n_k_heads=Hk, head_k_dim=dk, parents=pa, n_tokens=n, out=out,
+                               rows_out=r_out if rows else None, g=g, beta=beta, portable=portable)
+    assert got[0] is out and got[1] is g and got[2] is beta
+    ref = poisoned(xp, (t_max, C))
+    g_ref, b_ref = poisoned(xp, (t_max, Hv)), poisoned(xp, (t_max, Hv))
+    dn.conv_silu(*args, parents=pa, n_tokens=n, out=ref, portable=portable)
+    dn.qk_norm_gate(ref, *gates, n_k_heads=Hk, head_k_dim=dk, n_tokens=n, g=g_ref, beta=b_ref, portable=portable)
+    for a, want, what in ((out, ref, "out"), (g, g_ref, "g"), (beta, b_ref, "beta")):
+        a, want = xp.asnumpy(a), xp.asnumpy(want)
+        assert np.array_equal(a[:T], want[:T]), f"{what} differs from the two launches"
+        assert np.isnan(a[T:]).all(), f"{what}: a row past n_tokens was written"
+    r_out = xp.asnumpy(r_out)
+    if rows:  # each token's own raw row, as conv_silu(rows_out=) keeps it
+        assert np.array_equal(r_out[:T], raw[:T].astype(np.float32)) and np.isnan(r_out[T:]).all()
+    else:
+        assert np.isnan(r_out).all()
+
+
 def tree_inputs(T: int, Hk: int, Hv: int, dk: int, dv: int, rng: np.random.Generator, dtype=np.float32,
                 decay: float = 0.5):  # fmt: skip
     """Host q, k (T, Hk*dk) l2-normalised (q scaled), v (T, Hv*dv), g <= 0 (|g| ~ decay), beta in (0, 1),
@@ -509,6 +553,8 @@ P, I64, I32, F32 = ctypes.c_void_p, ctypes.c_longlong, ctypes.c_int, ctypes.c_fl
 _SIGNATURES = {  # harness entry: leading (launch) parameters, then the kernel's own
     "sim_conv": [I32, I32, I32, I32, P, I64, P, P, P, P, I32, I32, P, I64],
     "sim_norm": [I32, I32, I32, I32, I32, P, I64, I32, F32, F32, P, P, I64, P, P, I32, P, P, I64, P, I32],
+    "sim_conv_norm": [I32, I32, I32, I32, I32, I32, P, I64, P, P, P, P, I32, I32, P, I64, P, I64, I32, F32, F32, P, P,
+                      I64, P, P, I32, P, P, I64],
     "sim_plan": [I32, I32, P, P, I32, P],
     "sim_tree_walk": [I32, I32, I32, I32, I32, I32, P, P, I64, P, I64, P, P, I64, I32, I32, I32, P, P, P, I32, I32, P,
                       P, I64, P, I64],
@@ -534,6 +580,9 @@ class SimKernel:
         if base == "conv_silu_kernel" or base == "conv_commit_kernel":
             assert targs[1] == str(KW), "the simulator instantiates the conv kernels for K = 4 only"
             self.fn, self.lead = (lib.sim_conv if base == "conv_silu_kernel" else lib.sim_conv_commit), [f16]
+        elif base == "conv_qk_norm_gate_kernel":
+            assert targs[1] == str(KW), "the simulator instantiates the conv kernels for K = 4 only"
+            self.fn, self.lead = lib.sim_conv_norm, [f16, int(targs[2]), int(targs[3])]
         elif base == "qk_norm_gate_kernel":
             self.fn, self.lead = lib.sim_norm, [f16, int(targs[1])]
         elif base == "gdr_tree_plan_kernel":
@@ -642,6 +691,13 @@ def test_conv_follows_parent_chains(xp, T: int, f16: bool, chain: bool) -> None:
 @pytest.mark.parametrize("dk,f16", [(128, False), (64, True)])
 def test_qk_norm_and_gates(xp, dk: int, f16: bool) -> None:
     check_norm_gate(xp, np.random.default_rng(dk), 5, 3, 6, dk, f16)
+
+
+@pytest.mark.parametrize("dk,f16,chain,rows", [(128, False, True, True), (64, True, False, True),
+                                               (128, True, False, False), (64, False, True, False)])
+def test_conv_qk_norm_gate_is_the_two_launches(xp, dk: int, f16: bool, chain: bool, rows: bool) -> None:
+    check_conv_norm_gate(xp, np.random.default_rng(dk + 7 * f16), 1 if chain else 6, 2, 5, dk, f16, chain, rows)
+    check_conv_norm_gate(xp, np.random.default_rng(3), 3, 1, 3, dk, f16, chain, rows)
 
 
 @pytest.mark.parametrize("depth", [2, 8])

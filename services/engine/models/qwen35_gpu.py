@@ -97,6 +97,11 @@ STACKS = {"ffn_gate_up": ("ffn_gate", "ffn_up"), "ssm_in": ("attn_qkv", "attn_ga
 # (the post boundary loses there: not explained yet).
 STAGE_NORMS = True
 STAGE_UP_TO = {"post": 2, "next": 3}
+# A DeltaNet layer's conv, q/k norm and gates in one launch (deltanet.conv_qk_norm_gate: the same bits as the two
+# launches) in fused steps of FUSE_CONV_NORM_FROM..64 tokens; narrower ones: conv_silu then qk_norm_gate. H100, 27B
+# Q4_K_M step replays (bench/gemv_ab.py --step-ab convnorm): 1.0025 / 0.993 / 0.996 of the two launches at widths
+# 1 / 3 / 23 (the first version, which walked each channel's taps with a round trip each, lost 1.5 % at width 1).
+FUSE_CONV_NORM_FROM = 2
 # prompt chunks warm_prefill runs at start-up: every token-tile class of the matmuls up to 64 tokens (8 a tile), one
 # past 64 (64-token pieces and a remainder) and a whole prefill chunk (generate.PREFILL_CHUNK)
 WARM_CHUNKS = (8, 16, 24, 32, 40, 48, 56, 64, 100, 512)
@@ -1156,14 +1161,20 @@ class Qwen35GpuModel(TargetModel):
         parents = None if step.is_chain else state.parents[:T]
         # a committable step writes its conv output and gates where the commit's replay reads them
         keep = (state.mixed[L, :T], state.gates[L, 0, :T], state.gates[L, 1, :T]) if step.per_token else (None,) * 3
-        if fused:  # the conv reads the projection in place and keeps the raw rows itself
-            mixed = dn.conv_silu(proj[:, :cd], state.conv[L], w["ssm_conv1d"], parents=parents, rows_out=raw,
-                                 out=keep[0])
+        if fused and T >= FUSE_CONV_NORM_FROM:  # conv (reading the projection in place, keeping the raw rows), q/k
+            # norm and gates in one launch
+            mixed, g, beta = dn.conv_qk_norm_gate(proj[:, :cd], state.conv[L], w["ssm_conv1d"], alpha, b, w["ssm_a"],
+                                                  w["ssm_dt"], n_k_heads=Hk, head_k_dim=dk, parents=parents,
+                                                  rows_out=raw, out=keep[0], g=keep[1], beta=keep[2])
         else:
-            raw[...] = proj[:, :cd]
-            mixed = dn.conv_silu(raw, state.conv[L], w["ssm_conv1d"], parents=parents, out=keep[0])
-        g, beta = dn.qk_norm_gate(mixed, alpha, b, w["ssm_a"], w["ssm_dt"], n_k_heads=Hk, head_k_dim=dk, g=keep[1],
-                                  beta=keep[2])
+            if fused:  # the conv reads the projection in place and keeps the raw rows itself
+                mixed = dn.conv_silu(proj[:, :cd], state.conv[L], w["ssm_conv1d"], parents=parents, rows_out=raw,
+                                     out=keep[0])
+            else:
+                raw[...] = proj[:, :cd]
+                mixed = dn.conv_silu(raw, state.conv[L], w["ssm_conv1d"], parents=parents, out=keep[0])
+            g, beta = dn.qk_norm_gate(mixed, alpha, b, w["ssm_a"], w["ssm_dt"], n_k_heads=Hk, head_k_dim=dk,
+                                      g=keep[1], beta=keep[2])
         # a tree walks the step's plan (_launches computed it), states it comes back to in shared memory; the
         # committed state is read only (a commit replays the accepted path), or a chain's final state is written
         pair = state.ssm_pair[:, L]   # [committed, other] when parity is 0, else swapped (the kernel reads swap)
