@@ -392,8 +392,9 @@ def conv_qk_norm_gate(
     scale = dk**-0.5 if q_scale is None else float(q_scale)
     warps = CONV_NORM_WARPS
     grid = (-(-c // (dk * warps)), max(1, min(t_max, MAX_GRID_Y)))
-    name = f"conv_qk_norm_gate_kernel<{_ctype(raw.dtype, 'raw')}, {kw}, {dk}, {int(rows_out is not None)}>"
-    _fn(name, portable, pdl=t_max <= PDL_UP_TO)(grid, (32 * warps,), (
+    kern = _fn(f"conv_qk_norm_gate_kernel<{_ctype(raw.dtype, 'raw')}, {kw}, {dk}, {int(rows_out is not None)}>",
+               portable, pdl=t_max <= PDL_UP_TO)
+    kern(grid, (32 * warps,), (
         raw, np.int64(ld_raw), window, weight, _parents_arg(parents, t_max), _n_tokens(n_tokens, t_max),
         np.int32(t_max), np.int32(c), out, np.int64(ld_out), rows_out if rows_out is not None else np.uint64(0),
         np.int64(ld_rows), np.int32(hk), np.float32(scale), np.float32(eps), alpha, b, np.int64(ld_ab), ssm_a,
