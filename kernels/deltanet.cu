@@ -425,7 +425,8 @@ DN_DEV void conv_silu_body(const TIn* __restrict__ raw, i64 ld_raw, const float*
 #pragma unroll
     for (int k = 0; k < KW; ++k) wk[k] = w[(i64)c * KW + k];
     for (int t = blockIdx.y; t < T; t += gridDim.y)
-        out[(i64)t * ld_out + c] = conv_one<TIn, KW, ROWS>(raw, ld_raw, window, wk, parents, t, c, C, rows_out, ld_rows);
+        out[(i64)t * ld_out + c] =
+            conv_one<TIn, KW, ROWS>(raw, ld_raw, window, wk, parents, t, c, C, rows_out, ld_rows);
 }
 }  // namespace dn
 
@@ -449,6 +450,37 @@ __global__ void conv_silu_rows_kernel(const TIn* __restrict__ raw, i64 ld_raw, c
 }
 
 // ---------------------------------------------------------------------------------------------
+namespace dn {
+// A q or k head held by a warp, PER values a lane (lane l: values l, l + 32, ...): x / sqrt(sum(x^2) + eps), times
+// q_scale for a q head; the sum in lane order, then an xor butterfly
+template <int PER>
+DN_DEV void l2_normalize(float (&x)[PER], float eps, bool q, float q_scale) {
+    float ss = 0.0f;
+#pragma unroll
+    for (int i = 0; i < PER; ++i) ss += x[i] * x[i];
+#pragma unroll
+    for (int m = 16; m >= 1; m >>= 1) ss += DN_SHFL_XOR(ss, m);
+    float scale = 1.0f / sqrtf(ss + eps);
+    if (q) scale *= q_scale;
+#pragma unroll
+    for (int i = 0; i < PER; ++i) x[i] = x[i] * scale;
+}
+
+// Token t's gates, the block's threads over the Hv value heads: g = ssm_a * softplus(alpha + dt_bias),
+// beta = sigmoid(b)
+template <typename TIn>
+DN_DEV void write_gates(const TIn* __restrict__ alpha, const TIn* __restrict__ b, i64 ld_ab,
+                        const float* __restrict__ ssm_a, const float* __restrict__ dt_bias, int Hv,
+                        float* __restrict__ g_out, float* __restrict__ beta_out, i64 ld_gb, int t) {
+    for (int h = threadIdx.x; h < Hv; h += blockDim.x) {
+        const float a = load1(alpha + (i64)t * ld_ab + h);
+        const float bb = load1(b + (i64)t * ld_ab + h);
+        g_out[(i64)t * ld_gb + h] = ssm_a[h] * softplus(a + dt_bias[h]);
+        beta_out[(i64)t * ld_gb + h] = sigmoid(bb);
+    }
+}
+}  // namespace dn
+
 // In place on the conv output: q and k heads (2 * Hk vectors of DK at the start of each row, q first) get
 // x * rsqrt(sum(x^2) + eps), q also * q_scale; and per value head g = ssm_a * softplus(alpha + dt_bias),
 // beta = sigmoid(b) into g_out / beta_out (T_max, Hv). One warp per head vector; grid
@@ -469,36 +501,23 @@ __global__ void qk_norm_gate_kernel(float* __restrict__ qk, i64 ld, int Hk, floa
         if (vi < 2 * Hk) {
             float* p = qk + (i64)t * ld + (i64)vi * DK;
             float x[PER];
-            float ss = 0.0f;
 #pragma unroll
-            for (int i = 0; i < PER; ++i) {
-                x[i] = p[lane + 32 * i];  // lane-strided: coalesced for any DK
-                ss += x[i] * x[i];
-            }
+            for (int i = 0; i < PER; ++i) x[i] = p[lane + 32 * i];  // lane-strided: coalesced for any DK
+            dn::l2_normalize<PER>(x, eps, vi < Hk, q_scale);
 #pragma unroll
-            for (int m = 16; m >= 1; m >>= 1) ss += DN_SHFL_XOR(ss, m);
-            float scale = 1.0f / sqrtf(ss + eps);
-            if (vi < Hk) scale *= q_scale;
-#pragma unroll
-            for (int i = 0; i < PER; ++i) p[lane + 32 * i] = x[i] * scale;
+            for (int i = 0; i < PER; ++i) p[lane + 32 * i] = x[i];
         }
-        if (blockIdx.x == 0) {
-            for (int h = threadIdx.x; h < Hv; h += blockDim.x) {
-                const float a = dn::load1(alpha + (i64)t * ld_ab + h);
-                const float bb = dn::load1(b + (i64)t * ld_ab + h);
-                g_out[(i64)t * ld_gb + h] = ssm_a[h] * dn::softplus(a + dt_bias[h]);
-                beta_out[(i64)t * ld_gb + h] = dn::sigmoid(bb);
-            }
-        }
+        if (blockIdx.x == 0) dn::write_gates<TIn>(alpha, b, ld_ab, ssm_a, dt_bias, Hv, g_out, beta_out, ld_gb, t);
     }
 }
 
 // conv_silu(_rows)_kernel and qk_norm_gate_kernel in one launch (a DeltaNet layer's chain: one kernel boundary
 // fewer). One warp per DK channels, lane l computing channels l, l + 32, ... of its group (conv_silu's arithmetic,
-// the taps' rows walked once per token: conv_taps), so a q / k head (groups 0 .. 2 Hk - 1: q heads, then k heads) is normalised by its warp's xor
-// reduction in qk_norm_gate_kernel's order, and the block column 0 writes the gates as it does: every output bit for
-// bit the two launches'. raw and alpha / b share TIn (columns of one input projection). rows_out may be null
-// (ROWS = 0). Grid (ceil(C / (DK warps)), min(T_max, 65535)); requires C >= 2 Hk DK.
+// the taps' rows walked once per token: conv_taps), so a q / k head (groups 0 .. 2 Hk - 1: q heads, then k heads)
+// is normalised by its warp's reduction (l2_normalize, as qk_norm_gate_kernel), and the block column 0 writes the
+// gates (write_gates): every output bit for bit the two launches'. raw and alpha / b share TIn (columns of one
+// input projection). rows_out may be null (ROWS = 0). Grid (ceil(C / (DK warps)), min(T_max, 65535)); requires
+// C >= 2 Hk DK.
 template <typename TIn, int KW, int DK, int ROWS>
 __global__ void conv_qk_norm_gate_kernel(const TIn* __restrict__ raw, i64 ld_raw, const float* __restrict__ window,
                                          const float* __restrict__ w, const int* __restrict__ parents,
@@ -545,31 +564,14 @@ __global__ void conv_qk_norm_gate_kernel(const TIn* __restrict__ raw, i64 ld_raw
                 for (int k = KW - 1; k >= 0; --k) acc += wk[i][k] * v[i][k];
                 x[i] = dn::silu(acc);
             }
-            if (grp < 2 * Hk) {  // a q or k head (warp-uniform)
-                float ss = 0.0f;
-#pragma unroll
-                for (int i = 0; i < PER; ++i) ss += x[i] * x[i];
-#pragma unroll
-                for (int m = 16; m >= 1; m >>= 1) ss += DN_SHFL_XOR(ss, m);
-                float scale = 1.0f / sqrtf(ss + eps);
-                if (grp < Hk) scale *= q_scale;
-#pragma unroll
-                for (int i = 0; i < PER; ++i) x[i] = x[i] * scale;
-            }
+            if (grp < 2 * Hk) dn::l2_normalize<PER>(x, eps, grp < Hk, q_scale);  // a q or k head (warp-uniform)
 #pragma unroll
             for (int i = 0; i < PER; ++i) {
                 const int c = c0 + lane + 32 * i;
                 if (c < C) out[(i64)t * ld_out + c] = x[i];
             }
         }
-        if (blockIdx.x == 0) {
-            for (int h = threadIdx.x; h < Hv; h += blockDim.x) {
-                const float a = dn::load1(alpha + (i64)t * ld_ab + h);
-                const float bb = dn::load1(b + (i64)t * ld_ab + h);
-                g_out[(i64)t * ld_gb + h] = ssm_a[h] * dn::softplus(a + dt_bias[h]);
-                beta_out[(i64)t * ld_gb + h] = dn::sigmoid(bb);
-            }
-        }
+        if (blockIdx.x == 0) dn::write_gates<TIn>(alpha, b, ld_ab, ssm_a, dt_bias, Hv, g_out, beta_out, ld_gb, t);
     }
 }
 

@@ -225,6 +225,56 @@ def _parents_arg(parents: Any, t_max: int) -> Any:
 # ---------------------------------------------------------------------------------------------- conv
 
 
+def _conv_operands(raw: Any, window: Any, weight: Any, out: Any, rows_out: Any) -> tuple:
+    """A conv launch's checked operands: (raw, its row stride, K, out (made when None), its row stride, rows_out or
+    None, its row stride or 0)."""
+    cupy = loader.require()
+    raw, ld_raw = _rows(cupy.asarray(raw), "raw", align=1)
+    t_max, c = (int(s) for s in raw.shape)
+    if weight.ndim != 2 or int(weight.shape[0]) != c or not 2 <= int(weight.shape[1]) <= 8:
+        raise ValueError(f"conv weight must be (C={c}, K) with K in 2..8, not {tuple(weight.shape)}")
+    kw = int(weight.shape[1])
+    _f32(weight, (c, kw), "conv weight")
+    _f32(window, (kw - 1, c), "conv window")
+    if out is None:
+        out = cupy.empty((t_max, c), dtype=cupy.float32)
+    out, ld_out = _rows(out, "out", width=c, align=1)
+    if out.dtype != np.float32 or int(out.shape[0]) < t_max:
+        raise ValueError(f"out must be float32 with at least {t_max} rows")
+    ld_rows = 0
+    if rows_out is not None:
+        rows_out, ld_rows = _rows(rows_out, "rows_out", width=c, align=1)
+        if rows_out.dtype != np.float32 or int(rows_out.shape[0]) < t_max:
+            raise ValueError(f"rows_out must be float32 with at least {t_max} rows")
+    return raw, ld_raw, kw, out, ld_out, rows_out, ld_rows
+
+
+def _gate_operands(alpha: Any, b: Any, ssm_a: Any, dt_bias: Any, t_max: int, g: Any, beta: Any) -> tuple:
+    """The gates' checked operands: (alpha, the row stride of alpha and b, Hv, g, beta; g / beta made when None)."""
+    cupy = loader.require()
+    if alpha.shape != b.shape or alpha.dtype != b.dtype or alpha.ndim != 2 or int(alpha.shape[0]) != t_max:
+        raise ValueError(f"alpha and b must both be (T_max={t_max}, Hv) of one dtype")
+    hv = int(alpha.shape[1])
+    alpha, ld_ab = _rows(alpha, "alpha", align=1)
+    _, ld_b = _rows(b, "b", align=1)
+    if ld_b != ld_ab:
+        raise ValueError("alpha and b must have the same row stride")
+    _f32(ssm_a, (hv,), "ssm_a")
+    _f32(dt_bias, (hv,), "dt_bias")
+    g = cupy.empty((t_max, hv), cupy.float32) if g is None else _f32(g, (t_max, hv), "g")
+    beta = cupy.empty((t_max, hv), cupy.float32) if beta is None else _f32(beta, (t_max, hv), "beta")
+    return alpha, ld_ab, hv, g, beta
+
+
+def _head_k_dim(n_k_heads: int, head_k_dim: int, channels: int, what: str) -> tuple[int, int]:
+    hk, dk = int(n_k_heads), int(head_k_dim)
+    if dk not in (32, 64) and dk % 128:
+        raise ValueError(f"head_k_dim must be 32, 64 or a multiple of 128, not {dk}")
+    if channels < 2 * hk * dk:
+        raise ValueError(f"{what} has {channels} features, q and k need {2 * hk * dk}")
+    return hk, dk
+
+
 def conv_silu(
     raw: Any,
     window: Any,
@@ -244,28 +294,14 @@ def conv_silu(
     rows_out: (>= T_max, C) float32 with contiguous rows, receives the raw rows in the same launch (the pre-conv
     rows commit_conv gathers; `raw` may then be a strided view of the projection, nothing copies it first).
     """
-    cupy = loader.require()
-    raw, ld_raw = _rows(cupy.asarray(raw), "raw", align=1)
-    t_max, c = (int(s) for s in raw.shape)
-    if weight.ndim != 2 or int(weight.shape[0]) != c or not 2 <= int(weight.shape[1]) <= 8:
-        raise ValueError(f"conv weight must be (C={c}, K) with K in 2..8, not {tuple(weight.shape)}")
-    kw = int(weight.shape[1])
-    _f32(weight, (c, kw), "conv weight")
-    _f32(window, (kw - 1, c), "conv window")
-    if out is None:
-        out = cupy.empty((t_max, c), dtype=cupy.float32)
-    out, ld_out = _rows(out, "out", width=c, align=1)
-    if out.dtype != np.float32 or int(out.shape[0]) < t_max:
-        raise ValueError(f"out must be float32 with at least {t_max} rows")
+    raw, ld_raw, kw, out, ld_out, rows_out, ld_rows = _conv_operands(raw, window, weight, out, rows_out)
+    t_max, c = (int(v) for v in raw.shape)
     grid = ((c + 127) // 128, max(1, min(t_max, MAX_GRID_Y)))
     args = (raw, np.int64(ld_raw), window, weight, _parents_arg(parents, t_max), _n_tokens(n_tokens, t_max),
             np.int32(t_max), np.int32(c), out, np.int64(ld_out))  # fmt: skip
     if rows_out is None:
         _fn(f"conv_silu_kernel<{_ctype(raw.dtype, 'raw')}, {kw}>", portable, pdl=t_max <= PDL_UP_TO)(grid, (128,), args)
         return out
-    rows_out, ld_rows = _rows(rows_out, "rows_out", width=c, align=1)
-    if rows_out.dtype != np.float32 or int(rows_out.shape[0]) < t_max:
-        raise ValueError(f"rows_out must be float32 with at least {t_max} rows")
     kern = _fn(f"conv_silu_rows_kernel<{_ctype(raw.dtype, 'raw')}, {kw}>", portable, pdl=t_max <= PDL_UP_TO)
     kern(grid, (128,), (*args, rows_out, np.int64(ld_rows)))
     return out
@@ -296,27 +332,13 @@ def qk_norm_gate(
     mixed: (T_max, >= 2 * n_k_heads * head_k_dim) float32 (the conv output: q heads, k heads, v heads);
     alpha, b: (T_max, Hv) float16/float32 projections; ssm_a, dt_bias: (Hv,) float32.
     """
-    cupy = loader.require()
+    loader.require()  # CuPy's absence as its clear error, before any operand is looked at
     mixed, ld = _rows(mixed, "mixed", align=1)
     if mixed.dtype != np.float32:
         raise ValueError("mixed (the conv output) must be float32")
     t_max = int(mixed.shape[0])
-    hk, dk = int(n_k_heads), int(head_k_dim)
-    if dk not in (32, 64) and dk % 128:
-        raise ValueError(f"head_k_dim must be 32, 64 or a multiple of 128, not {dk}")
-    if int(mixed.shape[1]) < 2 * hk * dk:
-        raise ValueError(f"mixed has {int(mixed.shape[1])} features, q and k need {2 * hk * dk}")
-    if alpha.shape != b.shape or alpha.dtype != b.dtype or alpha.ndim != 2 or int(alpha.shape[0]) != t_max:
-        raise ValueError(f"alpha and b must both be (T_max={t_max}, Hv) of one dtype")
-    hv = int(alpha.shape[1])
-    alpha, ld_ab = _rows(alpha, "alpha", align=1)
-    _, ld_b = _rows(b, "b", align=1)
-    if ld_b != ld_ab:
-        raise ValueError("alpha and b must have the same row stride")
-    _f32(ssm_a, (hv,), "ssm_a")
-    _f32(dt_bias, (hv,), "dt_bias")
-    g = cupy.empty((t_max, hv), cupy.float32) if g is None else _f32(g, (t_max, hv), "g")
-    beta = cupy.empty((t_max, hv), cupy.float32) if beta is None else _f32(beta, (t_max, hv), "beta")
+    hk, dk = _head_k_dim(n_k_heads, head_k_dim, int(mixed.shape[1]), "mixed")
+    alpha, ld_ab, hv, g, beta = _gate_operands(alpha, b, ssm_a, dt_bias, t_max, g, beta)
     scale = dk**-0.5 if q_scale is None else float(q_scale)
     kern = _fn(f"qk_norm_gate_kernel<{_ctype(alpha.dtype, 'alpha')}, {dk}>", portable, pdl=t_max <= PDL_UP_TO)
     warps = 4
@@ -354,41 +376,12 @@ def conv_qk_norm_gate(
 ) -> tuple[Any, Any, Any]:
     """conv_silu then qk_norm_gate on its output in one launch (conv_qk_norm_gate_kernel): the same arguments and
     the same bits. raw, alpha and b: one dtype (columns of one projection). Returns (out, g, beta)."""
-    cupy = loader.require()
-    raw, ld_raw = _rows(cupy.asarray(raw), "raw", align=1)
-    t_max, c = (int(s) for s in raw.shape)
-    hk, dk = int(n_k_heads), int(head_k_dim)
-    if dk not in (32, 64) and dk % 128:
-        raise ValueError(f"head_k_dim must be 32, 64 or a multiple of 128, not {dk}")
-    if c < 2 * hk * dk:
-        raise ValueError(f"raw has {c} channels, q and k need {2 * hk * dk}")
-    if weight.ndim != 2 or int(weight.shape[0]) != c or not 2 <= int(weight.shape[1]) <= 8:
-        raise ValueError(f"conv weight must be (C={c}, K) with K in 2..8, not {tuple(weight.shape)}")
-    kw = int(weight.shape[1])
-    _f32(weight, (c, kw), "conv weight")
-    _f32(window, (kw - 1, c), "conv window")
-    if alpha.shape != b.shape or alpha.dtype != raw.dtype or b.dtype != raw.dtype or alpha.ndim != 2 or \
-            int(alpha.shape[0]) != t_max:
-        raise ValueError(f"alpha and b must both be (T_max={t_max}, Hv) of raw's dtype {raw.dtype}")
-    hv = int(alpha.shape[1])
-    alpha, ld_ab = _rows(alpha, "alpha", align=1)
-    _, ld_b = _rows(b, "b", align=1)
-    if ld_b != ld_ab:
-        raise ValueError("alpha and b must have the same row stride")
-    _f32(ssm_a, (hv,), "ssm_a")
-    _f32(dt_bias, (hv,), "dt_bias")
-    if out is None:
-        out = cupy.empty((t_max, c), dtype=cupy.float32)
-    out, ld_out = _rows(out, "out", width=c, align=1)
-    if out.dtype != np.float32 or int(out.shape[0]) < t_max:
-        raise ValueError(f"out must be float32 with at least {t_max} rows")
-    ld_rows = 0
-    if rows_out is not None:
-        rows_out, ld_rows = _rows(rows_out, "rows_out", width=c, align=1)
-        if rows_out.dtype != np.float32 or int(rows_out.shape[0]) < t_max:
-            raise ValueError(f"rows_out must be float32 with at least {t_max} rows")
-    g = cupy.empty((t_max, hv), cupy.float32) if g is None else _f32(g, (t_max, hv), "g")
-    beta = cupy.empty((t_max, hv), cupy.float32) if beta is None else _f32(beta, (t_max, hv), "beta")
+    raw, ld_raw, kw, out, ld_out, rows_out, ld_rows = _conv_operands(raw, window, weight, out, rows_out)
+    t_max, c = (int(v) for v in raw.shape)
+    hk, dk = _head_k_dim(n_k_heads, head_k_dim, c, "raw")
+    if alpha.dtype != raw.dtype:
+        raise ValueError(f"alpha and b must be of raw's dtype {raw.dtype}, not {alpha.dtype}")
+    alpha, ld_ab, hv, g, beta = _gate_operands(alpha, b, ssm_a, dt_bias, t_max, g, beta)
     scale = dk**-0.5 if q_scale is None else float(q_scale)
     warps = CONV_NORM_WARPS
     grid = (-(-c // (dk * warps)), max(1, min(t_max, MAX_GRID_Y)))

@@ -578,52 +578,6 @@ GV_DEV void row_butterfly(float (&acc)[4][NT]) {
         }
 }
 
-// End of a tile: lanes j = 0..7 of a row add their sums (butterfly: every lane ends with the same, order-fixed
-// total), then KW == 1: lanes j == 0 store; else the warps' sums meet in red ([KW][16][NT]) and are added in warp
-// order (deterministic). Block-uniform; with KW > 1 it holds one __syncthreads (red must not be rewritten before
-// the adds have read it: the per-tile kernel returns after it, the persistent one alternates two buffers).
-template <int NT>
-GV_DEV void finish_tile(float (&acc)[4][NT], float* red, int row0, int N, float* __restrict__ y, i64 ldy,
-                        int accumulate) {
-    const int lane = (int)(threadIdx.x & 31u), warp = (int)(threadIdx.x >> 5);
-    const int KW = (int)(blockDim.x >> 5), nthreads = (int)blockDim.x;
-    const int j = lane >> 2, r4 = lane & 3;
-    row_butterfly<NT>(acc);
-    if (KW == 1) {
-        if (j == 0) {
-#pragma unroll
-            for (int i = 0; i < 4; ++i) {
-                const int row = row0 + r4 + 4 * i;
-                if (row < N) {
-#pragma unroll
-                    for (int n = 0; n < NT; ++n) {
-                        float* dst = y + (i64)n * ldy + row;
-                        *dst = accumulate ? *dst + acc[i][n] : acc[i][n];
-                    }
-                }
-            }
-        }
-        return;
-    }
-    if (j == 0) {
-#pragma unroll
-        for (int i = 0; i < 4; ++i)
-#pragma unroll
-            for (int n = 0; n < NT; ++n) red[(warp * 16 + r4 + 4 * i) * NT + n] = acc[i][n];
-    }
-    __syncthreads();
-    for (int o = (int)threadIdx.x; o < 16 * NT; o += nthreads) {
-        const int r = o & 15, n = o >> 4;
-        float v = 0.f;
-        for (int w = 0; w < KW; ++w) v += red[(w * 16 + r) * NT + n];  // warp order: deterministic
-        const int row = row0 + r;
-        if (row < N) {
-            float* dst = y + (i64)n * ldy + row;
-            *dst = accumulate ? *dst + v : v;
-        }
-    }
-}
-
 // A product whose output is the residual stream can stage the next RMSNorm for the product that reads it (a "staged
 // norm"): y = rms_norm(s) * w feeds a ring gemv as s * w with the norm's 1 / rms applied to the consumer's sums
 // (W (c z) = c (W z), c a scalar per token). A 16-row tile of this product is one 16-value group of the consumer's
@@ -675,11 +629,11 @@ GV_DEV void stage_inv(const float* __restrict__ ssq, int K, float eps, float (&i
 // norm of the written values (KW > 1: the launcher refuses a stage with one warp). Thread o < 16 NT owns row o & 15
 // and token o >> 4 of the tile, so a group's 16 values sit in 16 lanes of one warp and meet in xor shuffles; wv is
 // its row's norm weight, loaded when the kernel started (a load here would add a memory round trip to the tail);
-// yv: accumulating, the output value this thread adds to (when 16 NT <= threads), loaded after the grid wait.
+// y_held: accumulating, yv is the output value this thread adds to, loaded after the grid wait (16 NT <= threads).
 template <int NT>
 GV_DEV void finish_ring(float (&acc)[4][NT], float* red, int row0, int N, float* __restrict__ y, i64 ldy,
                         int accumulate, const float (&inv)[NT], const float* inv_sm, const NormStage& st,
-                        float wv, float yv) {
+                        float wv, float yv, bool y_held) {
     const int lane = (int)(threadIdx.x & 31u), warp = (int)(threadIdx.x >> 5);
     const int KW = (int)(blockDim.x >> 5), nthreads = (int)blockDim.x;
     const int j = lane >> 2, r4 = lane & 3;
@@ -717,7 +671,7 @@ GV_DEV void finish_ring(float (&acc)[4][NT], float* red, int row0, int N, float*
         const int row = row0 + r;
         if (row < N) {
             float* dst = y + (i64)n * ldy + row;
-            fin = accumulate ? (16 * NT <= nthreads ? yv : *dst) + v : v;
+            fin = accumulate ? (y_held ? yv : *dst) + v : v;
             *dst = fin;
         }
     }
@@ -737,7 +691,8 @@ GV_DEV void finish_ring(float (&acc)[4][NT], float* red, int row0, int N, float*
     const int qp = (int)GV_SHFL_XOR((unsigned)q, 1);
     if (live) {
         const int t = row0 >> 4, ch = t >> 4, g = t & 15, nch = N >> 8;
-        if ((r & 1) == 0) ((u32*)(st.q16 + ((i64)ch * NT + n) * 32 + 2 * g))[r >> 1] = ((u32)q & 0xFFFFu) | ((u32)qp << 16);
+        if ((r & 1) == 0)
+            ((u32*)(st.q16 + ((i64)ch * NT + n) * 32 + 2 * g))[r >> 1] = ((u32)q & 0xFFFFu) | ((u32)qp << 16);
         if (r == 0) {
             float* const scales = xq::q16_scales(st.q16, nch, NT);
             scales[((i64)ch * NT + n) * 16 + g] = xq::scale_of(amax);
@@ -745,6 +700,21 @@ GV_DEV void finish_ring(float (&acc)[4][NT], float* red, int row0, int N, float*
             st.ssq[(i64)n * (N >> 4) + t] = sq;
         }
     }
+}
+
+// End of a tile: lanes j = 0..7 of a row add their sums (butterfly: every lane ends with the same, order-fixed
+// total), then KW == 1: lanes j == 0 store; else the warps' sums meet in red ([KW][16][NT]) and are added in warp
+// order (deterministic). Block-uniform; with KW > 1 it holds one __syncthreads (red must not be rewritten before
+// the adds have read it: the per-tile kernel returns after it, the persistent one alternates two buffers).
+// (finish_ring without a staged norm on either side.)
+template <int NT>
+GV_DEV void finish_tile(float (&acc)[4][NT], float* red, int row0, int N, float* __restrict__ y, i64 ldy,
+                        int accumulate) {
+    float ones[NT];
+#pragma unroll
+    for (int t = 0; t < NT; ++t) ones[t] = 1.f;
+    finish_ring<NT>(acc, red, row0, N, y, ldy, accumulate, ones, nullptr, NormStage{nullptr, nullptr, nullptr}, 0.f,
+                    0.f, false);
 }
 
 // One warp's sums over chunks [c0, c1) of the tile at wt (both kernels without persistence): acc[i][n] = row i of
@@ -1182,5 +1152,5 @@ __global__ void GV_BOUNDS(256) gemv_ring_kernel(const u8* __restrict__ W, long l
         slot = slot + 1 == stages ? 0 : slot + 1;
     }
     finish_ring<NT>(acc, red, 16 * tile, N, y, ldy, accumulate, inv, inv_sm, NormStage{stage_w, stage_q16, stage_ssq},
-                    wv, yv);
+                    wv, yv, 16 * NT <= (int)blockDim.x);
 }
