@@ -450,9 +450,9 @@ def _launch_staged(W: Any, packed: Any, out: Any, accumulate: bool, cfg: GemvCon
             raise ValueError(f"{W.name}: the stage is of another stream than this product's out")
         kw = cfg.k_warps or ring_shape(W.qtype, n_out, k, tokens, qm.sm_count())[0]
         if n_out % CHUNK or kw < 2 or TILE_ROWS * tokens > 32 * kw:
-            raise ValueError(f"{W.name}: a ring launch stages a norm with N a multiple of {CHUNK} and blocks of at "
-                             f"least 2 warps and {TILE_ROWS * tokens // 32 + 1} for {tokens} tokens "
-                             f"(N = {n_out}, {kw} warps)")
+            raise ValueError(f"{W.name}: a ring launch stages a norm only with N a multiple of {CHUNK} and blocks of "
+                             f">= 2 warps holding a thread per (row, token) of a tile; here N = {n_out}, {kw} warps, "
+                             f"{tokens} tokens")
     return _launch_ring(W, packed, out, accumulate, cfg, portable, stage)
 
 

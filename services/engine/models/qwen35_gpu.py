@@ -1053,7 +1053,8 @@ class Qwen35GpuModel(TargetModel):
         input norm, or the output norm when the logits cover every row). Layer 0's mixer keeps the pack: its stream
         is the step's input rows, which the staged path would add into in place."""
         key = (T, logits == "all" or T == 1, logits != "none", STAGE_NORMS, tuple(sorted(STAGE_UP_TO.items())),
-               self.fused_launches)
+               self.fused_launches, qm.Q16_TOKENS, tuple(sorted(qm.quant_gemv.RING_UP_TO.items())))  # (the knobs
+        # a bench may turn between steps)
         plans = self._norm_plans
         if key not in plans:
             n = len(self.layers)
