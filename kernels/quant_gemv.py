@@ -158,13 +158,13 @@ def ring_usable(qtype: int, k: int, q16: bool) -> bool:
     return bool(q16) and int(qtype) in _INT and k % CHUNK == 0
 
 
-def ring_can_stage(qtype: int, n_out: int, k: int, tokens: int) -> bool:
+def ring_can_stage(qtype: int, n_out: int, k: int, tokens: int, sms: int | None = None) -> bool:
     """Whether a default ring launch of this product can stage the next norm from its output (quant_matmul.
     StagedNorm): whole 256-row chunks of output and blocks of at least two warps holding a thread per (row, token)
-    of the tile (finish_ring's shuffles)."""
+    of the tile (finish_ring's shuffles). sms: the device's SM count (None: the current device's)."""
     if n_out % CHUNK or k % CHUNK:
         return False
-    kw, _ = ring_shape(qtype, n_out, k, tokens, qm.sm_count())
+    kw, _ = ring_shape(qtype, n_out, k, tokens, qm.sm_count() if sms is None else sms)
     return kw > 1 and TILE_ROWS * tokens <= 32 * kw
 
 

@@ -323,17 +323,18 @@ def staged_norm(stream: Any, weight: Any, eps: float) -> StagedNorm:
                       float(eps), tokens, k, stream)
 
 
-def can_stage_norm(producer: Any, consumer: Any, tokens: int) -> bool:
+def can_stage_norm(producer: Any, consumer: Any, tokens: int, sms: int | None = None) -> bool:
     """Whether `producer` (writing the stream) can stage the norm `consumer` reads at this width: both launch the
     ring gemv by default from x's int16 staging (quant_gemv.ring_takes), the stream has whole 256-value chunks, and
-    the producer's ring blocks have the warps to stage (quant_gemv.ring_can_stage)."""
+    the producer's ring blocks have the warps to stage (quant_gemv.ring_can_stage; sms: the device's SM count, None:
+    the current device's)."""
     if producer.kernel != "v2" or consumer.kernel != "v2" or tokens > Q16_TOKENS:
         return False
     n, k = producer.shape
     return (consumer.in_features == n and n % 256 == 0
             and quant_gemv.ring_takes(producer.qtype, k, tokens, True)
             and quant_gemv.ring_takes(consumer.qtype, n, tokens, True)
-            and quant_gemv.ring_can_stage(producer.qtype, n, k, tokens))
+            and quant_gemv.ring_can_stage(producer.qtype, n, k, tokens, sms))
 
 
 # Widths whose packs also write PackedX.q16 unless told (pack_activations(q16=)): the widths at which the gemv ring

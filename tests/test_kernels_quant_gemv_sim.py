@@ -441,6 +441,29 @@ def test_ring_shared_memory_and_choice() -> None:
         assert not qg.prefer_ring(qtype, qg.MAX_TOKENS + 1)
 
 
+def test_which_products_stage_a_norm() -> None:
+    """quant_matmul.can_stage_norm (the model's staged-norm plan asks it per boundary), on the 27B's shapes and
+    the cases it refuses; no GPU: the matrices are stand-ins with the attributes it reads."""
+    from types import SimpleNamespace
+
+    def mat(qtype: int, n: int, k: int, kernel: str = "v2") -> SimpleNamespace:
+        return SimpleNamespace(qtype=qtype, shape=(n, k), in_features=k, kernel=kernel)
+
+    down, out_proj = mat(Q4_K, 5120, 17408), mat(Q6_K, 5120, 6144)
+    gate_up, qkv, head = mat(Q4_K, 34816, 5120), mat(Q6_K, 10240, 5120), mat(Q6_K, 248320, 5120)
+    for tokens in (1, 2, 3):   # the ring takes every one of them up to 3 tokens (RING_UP_TO)
+        for producer, consumer in ((down, qkv), (down, head), (out_proj, gate_up)):
+            assert qm.can_stage_norm(producer, consumer, tokens, sms=132), (producer.shape, consumer.shape, tokens)
+    assert not qm.can_stage_norm(down, qkv, 4, sms=132)                        # v2 from 4 tokens: packs
+    assert not qm.can_stage_norm(down, mat(Q4_K, 64, 4096), 1, sms=132)        # widths differ
+    assert not qm.can_stage_norm(mat(Q4_K, 5120 + 16, 4096), mat(Q4_K, 64, 5120 + 16), 1, sms=132)  # a part chunk
+    assert not qm.can_stage_norm(mat(Q4_K, 512, 256), mat(Q4_K, 64, 512), 1, sms=132)   # K of one chunk: one warp
+    assert not qm.can_stage_norm(down, mat(F16, 64, 5120), 1, sms=132)         # F16 keeps the per-tile kernel
+    assert not qm.can_stage_norm(mat(Q4_K, 5120, 4096, "v1"), qkv, 1, sms=132)  # GGUF rows: no ring
+    assert qg.ring_can_stage(Q4_K, 512, 512, 3, sms=132)       # 2 warps hold the 48 (row, token) values
+    assert not qg.ring_can_stage(Q4_K, 512, 512, 5, sms=132)   # 80 would need 3
+
+
 def test_persistent_grid_and_choice() -> None:
     sms = 132
     # Q4_K ffn_up at T=1, 4 warps of 184 registers: 2 blocks per SM fit (264 slots); 1088 tiles need 5 per block
