@@ -369,35 +369,9 @@ DN_DEV void ring_next(int i, Issue&& issue) {
 // the pre-conv rows commit() gathers, kept without a copy launch of their own (raw may then be a strided view of
 // the input projection).
 namespace dn {
-// silu(conv) of channel c for token t: newest tap first (the token, its parent, ...; when the chain ends, the
-// committed rows, newest first); with ROWS the token's own raw value also goes to rows_out
-template <typename TIn, int KW, bool ROWS>
-DN_DEV float conv_one(const TIn* __restrict__ raw, i64 ld_raw, const float* __restrict__ window, const float (&wk)[KW],
-                      const int* __restrict__ parents, int t, int c, int C, float* __restrict__ rows_out,
-                      i64 ld_rows) {
-    float acc = 0.0f;
-    int cur = t, wrow = KW - 2;
-#pragma unroll
-    for (int k = KW - 1; k >= 0; --k) {
-        float x;
-        if (cur >= 0) {
-            x = load1(raw + (i64)cur * ld_raw + c);
-            if constexpr (ROWS) {
-                if (k == KW - 1) rows_out[(i64)t * ld_rows + c] = x;  // the token's own row, once per (t, c)
-            }
-            cur = parent_of(parents, cur);
-        } else {
-            x = window[(i64)wrow * C + c];
-            --wrow;
-        }
-        acc += wk[k] * x;
-    }
-    return silu(acc);
-}
-
-// The rows token t's conv taps read, newest first (conv_one's walk): src[k] >= 0 a raw row, else window row
-// -1 - src[k]. Every channel of a token shares them, so a kernel doing several channels per thread walks once and
-// issues all their loads at once (conv_one's loads wait on its own branches, one memory round trip per tap).
+// The rows token t's conv taps read, newest first (the token, its parent, ...; when the chain ends, the committed
+// window rows, newest first): src[k] >= 0 a raw row, else window row -1 - src[k]. Every channel of a token shares
+// them: a thread walks once and then requests all of its taps at once (conv_loads).
 template <int KW>
 DN_DEV void conv_taps(const int* __restrict__ parents, int t, int (&src)[KW]) {
     int cur = t, wrow = KW - 2;
@@ -413,6 +387,24 @@ DN_DEV void conv_taps(const int* __restrict__ parents, int t, int (&src)[KW]) {
     }
 }
 
+// channel c's taps at the rows conv_taps chose (v[KW - 1]: the token's own raw value)
+template <typename TIn, int KW>
+DN_DEV void conv_loads(const TIn* __restrict__ raw, i64 ld_raw, const float* __restrict__ window,
+                       const int (&src)[KW], int c, int C, float (&v)[KW]) {
+#pragma unroll
+    for (int k = 0; k < KW; ++k)
+        v[k] = src[k] >= 0 ? load1(raw + (i64)src[k] * ld_raw + c) : window[(i64)(-1 - src[k]) * C + c];
+}
+
+// silu of the conv: the taps added newest first
+template <int KW>
+DN_DEV float conv_silu_of(const float (&wk)[KW], const float (&v)[KW]) {
+    float acc = 0.0f;
+#pragma unroll
+    for (int k = KW - 1; k >= 0; --k) acc += wk[k] * v[k];
+    return silu(acc);
+}
+
 template <typename TIn, int KW, bool ROWS>
 DN_DEV void conv_silu_body(const TIn* __restrict__ raw, i64 ld_raw, const float* __restrict__ window,
                            const float* __restrict__ w, const int* __restrict__ parents,
@@ -424,9 +416,14 @@ DN_DEV void conv_silu_body(const TIn* __restrict__ raw, i64 ld_raw, const float*
     float wk[KW];
 #pragma unroll
     for (int k = 0; k < KW; ++k) wk[k] = w[(i64)c * KW + k];
-    for (int t = blockIdx.y; t < T; t += gridDim.y)
-        out[(i64)t * ld_out + c] =
-            conv_one<TIn, KW, ROWS>(raw, ld_raw, window, wk, parents, t, c, C, rows_out, ld_rows);
+    for (int t = blockIdx.y; t < T; t += gridDim.y) {
+        int src[KW];
+        conv_taps<KW>(parents, t, src);
+        float v[KW];
+        conv_loads<TIn, KW>(raw, ld_raw, window, src, c, C, v);
+        if constexpr (ROWS) rows_out[(i64)t * ld_rows + c] = v[KW - 1];  // the token's own row, once per (t, c)
+        out[(i64)t * ld_out + c] = conv_silu_of<KW>(wk, v);
+    }
 }
 }  // namespace dn
 
@@ -549,21 +546,17 @@ __global__ void conv_qk_norm_gate_kernel(const TIn* __restrict__ raw, i64 ld_raw
 #pragma unroll
             for (int i = 0; i < PER; ++i) {
                 const int c = c0 + lane + 32 * i;
+                if (c < C) {
+                    dn::conv_loads<TIn, KW>(raw, ld_raw, window, src, c, C, v[i]);
+                    if (ROWS != 0) rows_out[(i64)t * ld_rows + c] = v[i][KW - 1];  // the token's own row
+                } else {
 #pragma unroll
-                for (int k = 0; k < KW; ++k)
-                    v[i][k] = c >= C ? 0.0f
-                              : src[k] >= 0 ? dn::load1(raw + (i64)src[k] * ld_raw + c)
-                                            : window[(i64)(-1 - src[k]) * C + c];
-                if (ROWS != 0 && c < C) rows_out[(i64)t * ld_rows + c] = v[i][KW - 1];  // the token's own row
+                    for (int k = 0; k < KW; ++k) v[i][k] = 0.0f;
+                }
             }
             float x[PER];
 #pragma unroll
-            for (int i = 0; i < PER; ++i) {
-                float acc = 0.0f;  // conv_one's sum: newest tap first
-#pragma unroll
-                for (int k = KW - 1; k >= 0; --k) acc += wk[i][k] * v[i][k];
-                x[i] = dn::silu(acc);
-            }
+            for (int i = 0; i < PER; ++i) x[i] = dn::conv_silu_of<KW>(wk[i], v[i]);
             if (grp < 2 * Hk) dn::l2_normalize<PER>(x, eps, grp < Hk, q_scale);  // a q or k head (warp-uniform)
 #pragma unroll
             for (int i = 0; i < PER; ++i) {

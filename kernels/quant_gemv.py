@@ -162,10 +162,14 @@ def ring_can_stage(qtype: int, n_out: int, k: int, tokens: int, sms: int | None 
     """Whether a default ring launch of this product can stage the next norm from its output (quant_matmul.
     StagedNorm): whole 256-row chunks of output and blocks of at least two warps holding a thread per (row, token)
     of the tile (finish_ring's shuffles). sms: the device's SM count (None: the current device's)."""
-    if n_out % CHUNK or k % CHUNK:
+    if k % CHUNK:
         return False
-    kw, _ = ring_shape(qtype, n_out, k, tokens, qm.sm_count() if sms is None else sms)
-    return kw > 1 and TILE_ROWS * tokens <= 32 * kw
+    return _stages_with(n_out, ring_shape(qtype, n_out, k, tokens, qm.sm_count() if sms is None else sms)[0], tokens)
+
+
+def _stages_with(n_out: int, k_warps: int, tokens: int) -> bool:
+    """Whether a ring launch of k_warps warps a block can stage a norm of its n_out outputs (finish_ring)."""
+    return n_out % CHUNK == 0 and k_warps > 1 and TILE_ROWS * tokens <= 32 * k_warps
 
 
 def prefer_ring(qtype: int, tokens: int) -> bool:
@@ -449,7 +453,7 @@ def _launch_staged(W: Any, packed: Any, out: Any, accumulate: bool, cfg: GemvCon
         if stage.residual is not None and stage.residual is not out:
             raise ValueError(f"{W.name}: the stage is of another stream than this product's out")
         kw = cfg.k_warps or ring_shape(W.qtype, n_out, k, tokens, qm.sm_count())[0]
-        if n_out % CHUNK or kw < 2 or TILE_ROWS * tokens > 32 * kw:
+        if not _stages_with(n_out, kw, tokens):
             raise ValueError(f"{W.name}: a ring launch stages a norm only with N a multiple of {CHUNK} and blocks of "
                              f">= 2 warps holding a thread per (row, token) of a tile; here N = {n_out}, {kw} warps, "
                              f"{tokens} tokens")
