@@ -33,7 +33,7 @@
 //    maximum). Weights are exact (no fp16 rounding of d sc q as in v2), sums exact in int32, the rest fp32.
 //
 // Portable: every inline PTX has a plain C++ fallback (SS_PTX == 0: HIP, pre-sm_80, -DSPECSPLIT_PORTABLE, and the
-// CPU simulation in tests/cuda_sim_gemv.cpp). Includes only xq16.cuh, bulk.cuh and pdl.cuh of this folder
+// CPU simulation in tests/cuda_sim_gemv.cpp). Includes only xq16.cuh, bulk.cuh, half.cuh and pdl.cuh of this folder
 // (kernels/loader.py pastes them in), nothing that NVRTC / hipRTC do not provide built in.
 
 typedef unsigned int u32;
@@ -71,12 +71,15 @@ typedef long long i64;
 
 #if SS_HIP
 #define GV_SHFL_XOR(v, m) __shfl_xor((v), (m), 32)
+#define GV_SHFL(v, src) __shfl((v), (src), 32)
 #else
 #define GV_SHFL_XOR(v, m) __shfl_xor_sync(0xffffffffu, (v), (m))
+#define GV_SHFL(v, src) __shfl_sync(0xffffffffu, (v), (src))
 #endif
 
 #include "xq16.cuh"
 #include "bulk.cuh"
+#include "half.cuh"
 #include "pdl.cuh"
 
 namespace gv {
@@ -89,29 +92,9 @@ constexpr int MAX_KW = 8;  // warps per block (launch bound 256 threads)
 
 GV_DEV float as_float(u32 u) { return __uint_as_float(u); }
 
-// Software IEEE binary16 -> binary32 (exact; subnormals, inf, NaN). Out of line: it is the portable path only.
-static __device__ __noinline__ float h2f_soft(u32 h) {
-    const u32 sign = (h & 0x8000u) << 16;
-    const u32 e = (h >> 10) & 0x1Fu;
-    const u32 m = h & 0x3FFu;
-    if (e == 0) {
-        const float v = (float)m * 5.9604644775390625e-8f;  // m * 2^-24, exact
-        return sign ? -v : v;
-    }
-    if (e == 31) return as_float(sign | 0x7F800000u | (m << 13));
-    return as_float(sign | ((e + 112u) << 23) | (m << 13));
-}
-
-GV_DEV float h2f(u32 h) {  // the low 16 bits of h
-#if SS_PTX
-    float f;
-    const u16 hs = (u16)h;
-    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(hs));
-    return f;
-#else
-    return h2f_soft(h & 0xFFFFu);
-#endif
-}
+using hf::h2f;  // kernels/half.cuh: the packs' conversions and SiLU (quant_matmul.cu)
+using hf::f2h;
+using hf::silu;
 
 // c + a.s16[0] * b.s8[0] + a.s16[1] * b.s8[1]  (lo: bytes 0, 1 of b; hi: bytes 2, 3)
 GV_DEV int dp2a_lo(u32 a, u32 b, int c) {
@@ -717,6 +700,69 @@ GV_DEV void finish_tile(float (&acc)[4][NT], float* red, int row0, int N, float*
                     0.f, false);
 }
 
+// End of a gate|up tile pair (gemv_ring_kernel<QT, NT, 1>): the SwiGLU of its 16 rows staged for the down product
+// that reads it. The gate and up sums are added over the warps exactly as finish_ring adds a tile's (warp order, times
+// a staged input norm's 1 / rms), i.e. bitwise the values the ring writes to y for rows 16 p.. and F + 16 p..; thread
+// o < 16 NT (row o & 15, token o >> 4: a group's 16 values in 16 lanes) then forms pack_silu_kernel's
+// fp16(silu(g) u) and writes it into q16 as put_q16 would: group p of the down product's K = F (PackedX.q16's
+// layout), the scale from the 16 values' max |h|, the sum of values 0..7 in order plus that of 8..15 (xq16.cuh
+// stats8). So the staging is bitwise the pack's, with no launch, no y round trip and no fp16 pack between them.
+// Needs KW > 1 and 16 NT <= threads (the launcher).
+template <int NT>
+GV_DEV void finish_swiglu(float (&gate)[4][NT], float (&up)[4][NT], float* red, int p, int F, const float* inv_sm,
+                          uint4* __restrict__ q16) {
+    const int lane = (int)(threadIdx.x & 31u), warp = (int)(threadIdx.x >> 5);
+    const int KW = (int)(blockDim.x >> 5);
+    const int j = lane >> 2, r4 = lane & 3;
+    row_butterfly<NT>(gate);
+    row_butterfly<NT>(up);
+    if (j == 0) {
+#pragma unroll
+        for (int i = 0; i < 4; ++i)
+#pragma unroll
+            for (int n = 0; n < NT; ++n) {
+                red[(warp * 16 + r4 + 4 * i) * NT + n] = gate[i][n];
+                red[((KW + warp) * 16 + r4 + 4 * i) * NT + n] = up[i][n];
+            }
+    }
+    __syncthreads();
+    if (warp * 32 >= 16 * NT) return;  // whole warps from here (they shuffle)
+    const int o = (int)threadIdx.x, r = o & 15, n = o >> 4;
+    const bool live = o < 16 * NT;
+    float h = 0.f;
+    if (live) {
+        float g = 0.f, u = 0.f;
+        for (int w = 0; w < KW; ++w) {  // warp order: finish_ring's sums
+            g += red[(w * 16 + r) * NT + n];
+            u += red[((KW + w) * 16 + r) * NT + n];
+        }
+        if (inv_sm != nullptr) g *= inv_sm[n], u *= inv_sm[n];
+        h = h2f(f2h(silu(g) * u));
+    }
+    float amax = h < 0.f ? -h : h;
+#pragma unroll
+    for (int m = 1; m < 16; m <<= 1) amax = xq::fmax2(amax, shfl_xor(amax, m));
+    const int base = lane & 16;
+    float lo = 0.f, hi = 0.f;
+#pragma unroll
+    for (int e = 0; e < 8; ++e) {
+        lo += GV_SHFL(h, base + e);
+        hi += GV_SHFL(h, base + 8 + e);
+    }
+    const int q = xq::rint_mul(h, xq::inv_scale(amax));
+    const int qp = (int)GV_SHFL_XOR((unsigned)q, 1);
+    if (live) {
+        const int ch = p >> 4, g = p & 15, nch = F >> 8;
+        if ((r & 1) == 0)
+            ((u32*)(q16 + ((i64)ch * NT + n) * 32 + 2 * g))[r >> 1] = ((u32)q & 0xFFFFu) | ((u32)qp << 16);
+        if (r == 0) {
+            float* const scales = xq::q16_scales(q16, nch, NT);
+            scales[((i64)ch * NT + n) * 16 + g] = xq::scale_of(amax);
+            scales[(i64)nch * NT * 16 + ((i64)ch * NT + n) * 16 + g] = lo + hi;
+        }
+    }
+}
+
 // One warp's sums over chunks [c0, c1) of the tile at wt (both kernels without persistence): acc[i][n] = row i of
 // the lane . token n over the lane's values. x chunk c is staged as chunk c - cx0; `cur` holds chunk c0's weights
 // already requested (before x was staged, so the two latencies overlap) when c0 is a full chunk. Full chunks in
@@ -1013,7 +1059,12 @@ __global__ void GV_BOUNDS(256) gemv_splitk_kernel(const u8* __restrict__ W, long
 // in_ssq, and every output is scaled by its token's 1 / sqrt(mean(s^2) + eps); stage_w non-null: this product's
 // output (after accumulate: the residual stream) is staged for the next norm (weight stage_w) into stage_q16 and
 // stage_ssq. Both are read / written only after the grid dependency wait.
-template <int QT, int NT>
+// SWIGLU = 1: W is a stacked [gate | up] matrix of 2 N rows (N a multiple of 256) and block p runs gate tile p and
+// then up tile p (rows N + 16 p..) through the same warps and ring (each warp the same chunks of both), keeping the
+// gate sums in registers; instead of writing y it stages fp16(silu(gate) up) for the down product into stage_q16
+// (finish_swiglu: bitwise gate|up's ring, then pack_silu_kernel's staging). Grid N / 16; y, accumulate and the
+// outgoing norm unused; a staged input norm (in_ssq) as above. Shared memory: red holds both tiles' sums.
+template <int QT, int NT, int SWIGLU>
 __global__ void GV_BOUNDS(256) gemv_ring_kernel(const u8* __restrict__ W, long long row_bytes, int N, int K,
                                                 float* __restrict__ y, int accumulate, long long ldy,
                                                 const uint4* __restrict__ xq, int stages,
@@ -1034,16 +1085,18 @@ __global__ void GV_BOUNDS(256) gemv_ring_kernel(const u8* __restrict__ W, long l
     const int KW = (int)(blockDim.x >> 5);
     const int j = lane >> 2, r4 = lane & 3;
     const int nch = K / CHUNK;
-    const int tile = (int)blockIdx.x;
+    const int tile = (int)blockIdx.x;  // SWIGLU: the tile pair (gate rows 16 tile.., up rows N + 16 tile..)
     const int c0 = (int)(((long long)warp * nch) / KW), c1 = (int)(((long long)(warp + 1) * nch) / KW);
-    const int n = c1 - c0;  // this warp's chunks
+    const int n = c1 - c0;                  // this warp's chunks of a tile
+    const int items = SWIGLU ? 2 * n : n;   // SWIGLU: the gate tile's, then the up tile's
 
     u8* const ring = (u8*)gv_smem + (size_t)warp * stages * SLOT;
-    float* const red = (float*)((u8*)gv_smem + (size_t)KW * stages * SLOT);  // [KW][16][NT]
+    float* const red = (float*)((u8*)gv_smem + (size_t)KW * stages * SLOT);  // [1 + SWIGLU][KW][16][NT]
     unsigned long long* const bars =
-        (unsigned long long*)(red + (KW > 1 ? KW * 16 * NT : 0)) + (size_t)warp * stages;
+        (unsigned long long*)(red + (KW > 1 ? (1 + SWIGLU) * KW * 16 * NT : 0)) + (size_t)warp * stages;
     // chunk c0 + i's runs: weights, x units, scales, sums (each a contiguous, 16-byte aligned run)
     const u8* const wsrc = W + (i64)tile * 16 * row_bytes + (i64)c0 * BLK;
+    const u8* const wsrc_up = SWIGLU ? wsrc + (i64)N * row_bytes : nullptr;
     const uint4* const usrc = xq + (i64)c0 * NT * 32;
     const uint4* const ssrc = xq + (i64)nch * NT * 32 + (i64)c0 * NT * 4;
     const uint4* const msrc = ssrc + (i64)nch * NT * 4;
@@ -1062,7 +1115,10 @@ __global__ void GV_BOUNDS(256) gemv_ring_kernel(const u8* __restrict__ W, long l
     // chunk c0 + i into slot: its weights (W_PART), its x (X_PART) or both. The slot's mbarrier expects all of its
     // bytes when the weights are issued, so the x copies may follow later (after the grid dependency wait).
     constexpr int W_PART = 1, X_PART = 2;
-    auto issue = [&](int i, int slot, int parts) {
+    auto issue = [&](int item, int slot, int parts) {
+        const bool up = SWIGLU && item >= n;  // (the up tile's chunks read the same x chunks again)
+        const int i = up ? item - n : item;
+        const u8* const wsrc_i = up ? wsrc_up : wsrc;
         u8* const dst = ring + (size_t)slot * SLOT;
 #if SS_BULK
         (void)dst;
@@ -1070,7 +1126,7 @@ __global__ void GV_BOUNDS(256) gemv_ring_kernel(const u8* __restrict__ W, long l
             const u32 d = ring_s + (u32)(slot * SLOT), bar = bars_s + 8u * (u32)slot;
             if (parts & W_PART) {
                 mbar_expect_tx_s(bar, (u32)SLOT);
-                bulk_g2s_s(d, wsrc + (i64)i * BLK, (u32)BLK, bar);
+                bulk_g2s_s(d, wsrc_i + (i64)i * BLK, (u32)BLK, bar);
             }
             if (parts & X_PART) {
                 bulk_g2s_s(d + BLK, usrc + (i64)i * NT * 32, (u32)XU, bar);
@@ -1081,7 +1137,7 @@ __global__ void GV_BOUNDS(256) gemv_ring_kernel(const u8* __restrict__ W, long l
 #else
         uint4* const d = (uint4*)dst;
         if (parts & W_PART) {
-            const uint4* const w = (const uint4*)(wsrc + (i64)i * BLK);
+            const uint4* const w = (const uint4*)(wsrc_i + (i64)i * BLK);
             for (int u = lane; u < BLK / 16; u += 32) d[u] = GV_LDG(w + u);
         }
         if (parts & X_PART) {
@@ -1095,7 +1151,7 @@ __global__ void GV_BOUNDS(256) gemv_ring_kernel(const u8* __restrict__ W, long l
     };
     // The first slots' weights go out before the grid dependency wait: under programmatic dependent launch they
     // stream while the kernel before this one (the pack of x) still runs. x and y come from earlier kernels.
-    const int pre = n < stages ? n : stages;
+    const int pre = items < stages ? items : stages;
     for (int i = 0; i < pre; ++i) issue(i, i, W_PART);
     // a staged norm's weight for this thread's row (a launch-long constant, so before the wait too)
     const float wv = stage_w != nullptr && (int)threadIdx.x < 16 * NT && 16 * tile + ((int)threadIdx.x & 15) < N
@@ -1128,14 +1184,14 @@ __global__ void GV_BOUNDS(256) gemv_ring_kernel(const u8* __restrict__ W, long l
     int xu[4];
 #pragma unroll
     for (int k = 0; k < 4; ++k) xu[k] = xunit<QT>(j, k);
-    float acc[4][NT];
+    float acc[4][NT], gate[4][NT];  // SWIGLU: gate holds the gate tile's sums while acc takes the up tile's
 #pragma unroll
     for (int i = 0; i < 4; ++i)
 #pragma unroll
-        for (int t = 0; t < NT; ++t) acc[i][t] = 0.f;
+        for (int t = 0; t < NT; ++t) acc[i][t] = gate[i][t] = 0.f;
 
     int slot = 0;
-    for (int i = 0; i < n; ++i) {
+    for (int i = 0; i < items; ++i) {
 #if SS_BULK
         mbar_wait_s(bars_s + 8u * (u32)slot, (phases >> slot) & 1u);
         phases ^= 1u << slot;
@@ -1148,9 +1204,18 @@ __global__ void GV_BOUNDS(256) gemv_ring_kernel(const u8* __restrict__ W, long l
         chunk_int<QT, NT>(w, 0, j, xu, (const uint4*)(sb + BLK), (const float*)(sb + BLK + XU),
                           (const float*)(sb + BLK + XU + XS), acc);
         __syncwarp();  // every lane has read the slot (its values are used above) before it is refilled
-        if (i + stages < n) issue(i + stages, slot, W_PART | X_PART);
+        if (i + stages < items) issue(i + stages, slot, W_PART | X_PART);
         slot = slot + 1 == stages ? 0 : slot + 1;
+        if (SWIGLU && i == n - 1) {
+#pragma unroll
+            for (int r = 0; r < 4; ++r)
+#pragma unroll
+                for (int t = 0; t < NT; ++t) gate[r][t] = acc[r][t], acc[r][t] = 0.f;
+        }
     }
-    finish_ring<NT>(acc, red, 16 * tile, N, y, ldy, accumulate, inv, inv_sm, NormStage{stage_w, stage_q16, stage_ssq},
-                    wv, yv, 16 * NT <= (int)blockDim.x);
+    if constexpr (SWIGLU != 0)
+        finish_swiglu<NT>(gate, acc, red, tile, N, inv_sm, stage_q16);
+    else
+        finish_ring<NT>(acc, red, 16 * tile, N, y, ldy, accumulate, inv, inv_sm,
+                        NormStage{stage_w, stage_q16, stage_ssq}, wv, yv, 16 * NT <= (int)blockDim.x);
 }

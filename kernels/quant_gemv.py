@@ -129,12 +129,13 @@ def ring_slot_bytes(qtype: int, tokens: int) -> int:
     return TILE_ROWS * sum(qm._CHUNK_ROW_BYTES[int(qtype)]) + tokens * (512 + 64 * (1 + (int(qtype) in _SUMS)))
 
 
-def ring_smem_bytes(qtype: int, tokens: int, k_warps: int, stages: int) -> int:
-    """Dynamic shared memory of one ring block: every warp's slots, the partial sums (KW > 1), one mbarrier per slot,
-    and 16 bytes for a staged input norm's 1 / rms (quant_matmul.StagedNorm: up to 4 tokens)."""
+def ring_smem_bytes(qtype: int, tokens: int, k_warps: int, stages: int, swiglu: bool = False) -> int:
+    """Dynamic shared memory of one ring block: every warp's slots, the partial sums (KW > 1; a gate|up pair's two
+    tiles with swiglu), one mbarrier per slot, and 16 bytes for a staged input norm's 1 / rms (quant_matmul.StagedNorm:
+    up to 4 tokens)."""
     size = k_warps * stages * ring_slot_bytes(qtype, tokens)
     if k_warps > 1:
-        size += k_warps * TILE_ROWS * tokens * 4
+        size += k_warps * TILE_ROWS * tokens * 4 * (2 if swiglu else 1)
     return size + 8 * k_warps * stages + 16
 
 
@@ -249,8 +250,9 @@ def persist_function(qtype: int, tokens: int, prefetch: int = PREFETCH, portable
     return fn
 
 
-def ring_function(qtype: int, tokens: int, portable: bool = False) -> Any:
-    """The compiled ring kernel for one quantized storage type and width (1..16 tokens)."""
+def ring_function(qtype: int, tokens: int, portable: bool = False, swiglu: bool = False) -> Any:
+    """The compiled ring kernel for one quantized storage type and width (1..16 tokens); swiglu: its gate|up variant
+    that stages SwiGLU for the down product (gemv_swiglu)."""
     qtype = int(qtype)
     if qtype not in _INT:
         raise ValueError(f"no ring gemv kernel for {qm.type_name(qtype)} (Q8_0, Q4_K, Q6_K only)")
@@ -258,8 +260,9 @@ def ring_function(qtype: int, tokens: int, portable: bool = False) -> Any:
         raise ValueError(f"gemv takes 1..{MAX_TOKENS} tokens, not {tokens}")
     defines = _defines(portable)
     # PDL only where the grid dependency wait is compiled in (kernels/pdl.cuh: not on the portable path)
-    fn = loader.get_function(SOURCE, f"gemv_ring_kernel<{qtype}, {tokens}>", defines, pdl=not portable)
-    key = ("ring", qtype, tokens, defines, qm._device_id())
+    sw = int(bool(swiglu))
+    fn = loader.get_function(SOURCE, f"gemv_ring_kernel<{qtype}, {tokens}, {sw}>", defines, pdl=not portable)
+    key = ("ring", qtype, tokens, bool(swiglu), defines, qm._device_id())
     if key not in _configured:
         fn.max_dynamic_shared_size_bytes = SMEM_LIMIT
         _configured[key] = SMEM_LIMIT
@@ -406,6 +409,9 @@ def gemv(
         if persistent or cfg.splits > 1:
             raise ValueError(f"{W.name}: the ring gemv variant excludes the persistent and the split-K ones")
         return _launch_ring(W, packed, out, accumulate, cfg, portable)
+    if packed.data is None:
+        raise ValueError(f"{W.name}: x is int16 staging only (QuantMatrix.swiglu): the ring variant reads it, not "
+                         f"this one")
     splits, split_kw = cfg.splits, 0
     if splits == 0:
         splits = 1
@@ -485,6 +491,71 @@ def _launch_ring(W: Any, packed: Any, out: Any, accumulate: bool, cfg: GemvConfi
         shared_mem=smem,
     )
     return out
+
+
+# (k_warps, stages) of gemv_swiglu by tokens; absent (or 0): gate|up's own ring shape's. Each block runs two tiles
+# back to back through one ring. Stages do not change the sums; other warps do (then g and u are not bitwise gate|up's
+# ring launch, only within its rounding).
+SWIGLU_SHAPE: dict[int, tuple[int, int]] = {2: (0, 3)}
+
+
+def swiglu_shape(qtype: int, n_out: int, k: int, tokens: int, sms: int | None = None) -> tuple[int, int] | None:
+    """(k_warps, stages) of gemv_swiglu on a stacked [gate | up] matrix of n_out rows, or None where it cannot run:
+    gate|up's own ring launch's (ring_shape: so gate and up are bitwise what that launch writes) unless SWIGLU_SHAPE
+    says; the warps must stage a 16-value group per (row, token) of a tile (_stages_with's rule
+    on the F = n_out / 2 outputs), and x comes with its int16 staging (up to quant_matmul.Q16_TOKENS tokens). sms:
+    the device's SM count (None: the current device's)."""
+    if n_out % 2 or not ring_usable(qtype, k, True) or not 1 <= tokens <= qm.Q16_TOKENS:
+        return None
+    kw, stages = ring_shape(qtype, n_out, k, tokens, qm.sm_count() if sms is None else sms)
+    want = SWIGLU_SHAPE.get(tokens, (0, 0))
+    kw, stages = min(want[0] or kw, -(-k // CHUNK)), want[1] or stages
+    return (kw, stages) if _stages_with(n_out // 2, kw, tokens) else None
+
+
+def gemv_swiglu(W: Any, packed: Any, q16_out: Any = None, *, config: GemvConfig | None = None,
+                portable: bool = False) -> Any:
+    """fp16(silu(g) * u) for [g | u] = x @ W^T, W a stacked [gate | up] QuantMatrix (2 F rows, v2 layout), as the int16
+    staging (PackedX.q16 layout, F / 256 chunks x T tokens) a ring gemv of the down product reads, in one ring launch:
+    no gate|up output, no pack launch. packed: a PackedX with its q16 staging or a quant_matmul.StagedNorm (1..3
+    tokens). Bitwise the ring's gate|up product followed by the SwiGLU pack's staging (pack_activations(silu_up=)).
+    q16_out: the uint32 buffer to write (q16_words(F, T); None: a new one). Returns q16_out."""
+    cupy = loader.require()
+    n_out, k = W.shape
+    tokens = qm.check_v2_product(W, packed, None, "gemv", MAX_TOKENS)
+    f = n_out // 2
+    shape = swiglu_shape(W.qtype, n_out, k, tokens)
+    if packed.q16 is None or shape is None:
+        raise ValueError(f"{W.name}: the SwiGLU ring takes a stacked [gate | up] {qm.type_name(W.qtype)} matrix of "
+                         f"Q8_0 / Q4_K / Q6_K with K a multiple of {CHUNK}, gate rows a multiple of {CHUNK}, 1.."
+                         f"{qm.Q16_TOKENS} tokens with x's int16 staging, and ring blocks of >= 2 warps holding a "
+                         f"thread per (row, token) of a tile; here {n_out} rows, K = {k}, {tokens} tokens")
+    cfg = config if config is not None else GemvConfig()
+    if cfg.persistent or cfg.splits > 1 or cfg.ring is False:
+        raise ValueError(f"{W.name}: the SwiGLU staging is written by the ring gemv variant only")
+    kw, stages = cfg.k_warps or shape[0], cfg.stages or shape[1]
+    if not (_stages_with(f, kw, tokens) and 1 <= kw <= MAX_K_WARPS and 1 <= stages <= MAX_RING_STAGES):
+        raise ValueError(f"{W.name}: the SwiGLU ring needs 2..{MAX_K_WARPS} warps holding a thread per (row, token) "
+                         f"of a tile and 1..{MAX_RING_STAGES} stages, not {kw} x {stages}")
+    smem = ring_smem_bytes(W.qtype, tokens, kw, stages, swiglu=True)
+    if smem > SMEM_LIMIT:
+        raise ValueError(f"{W.name}: {kw} warps x {stages} ring stages need {smem} bytes of shared memory")
+    words = qm.q16_words(f, tokens)
+    if q16_out is None:
+        q16_out = cupy.empty(words, cupy.uint32)
+    elif q16_out.dtype != np.uint32 or int(q16_out.size) != words or not q16_out.flags.c_contiguous:
+        raise ValueError(f"{W.name}: q16_out must be a contiguous uint32 array of {words} words")
+    null = np.uint64(0)
+    staged_in = isinstance(packed, qm.StagedNorm)
+    ring_function(W.qtype, tokens, portable, swiglu=True)(
+        (f // TILE_ROWS,),
+        (32 * kw,),
+        (W.device_buffer, np.int64(W.row_bytes), np.int32(f), np.int32(k), null, np.int32(0), np.int64(0),
+         packed.q16, np.int32(stages), packed.ssq if staged_in else null,
+         np.float32(packed.eps if staged_in else 0.0), null, q16_out, null),
+        shared_mem=smem,
+    )
+    return q16_out
 
 
 def _stage_args(packed: Any, stage: Any) -> tuple:

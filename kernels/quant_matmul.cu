@@ -50,6 +50,7 @@ typedef long long i64;
 #define SS_DEV static __device__ __forceinline__
 #include "xq16.cuh"
 #include "bulk.cuh"
+#include "half.cuh"
 #include "pdl.cuh"
 #if defined(__CUDACC__) || SS_HIP
 #define SS_BOUNDS(threads, min_blocks) __launch_bounds__(threads, min_blocks)
@@ -89,63 +90,11 @@ SS_DEV int imax(int a, int b) { return a > b ? a : b; }
 SS_DEV float bits_to_float(u32 u) { return __uint_as_float(u); }
 SS_DEV u32 float_to_bits(float f) { return __float_as_uint(f); }
 
-// Software IEEE binary16 -> binary32 (exact, handles subnormals, inf and NaN).
-SS_SOFT float h2f_soft(u32 h) {
-    const u32 sign = (h & 0x8000u) << 16;
-    const u32 e = (h >> 10) & 0x1Fu;
-    const u32 m = h & 0x3FFu;
-    if (e == 0) {
-        const float v = (float)m * 5.9604644775390625e-8f;  // m * 2^-24, exact
-        return sign ? -v : v;
-    }
-    if (e == 31) return bits_to_float(sign | 0x7F800000u | (m << 13));
-    return bits_to_float(sign | ((e + 112u) << 23) | (m << 13));
-}
-
-// Software binary32 -> binary16, round to nearest even (like cvt.rn.f16.f32).
-SS_SOFT u32 f2h_soft(float f) {
-    const u32 x = float_to_bits(f);
-    const u32 sign = (x >> 16) & 0x8000u;
-    const u32 ax = x & 0x7FFFFFFFu;
-    if (ax > 0x7F800000u) return sign | 0x7E00u;   // NaN
-    if (ax >= 0x477FF000u) return sign | 0x7C00u;  // rounds to >= 65520: inf
-    if (ax < 0x38800000u) {                        // below 2^-14: subnormal half or zero
-        if (ax < 0x33000000u) return sign;         // <= 2^-25 rounds to zero (2^-25 is a tie -> even)
-        const u32 e = ax >> 23;                    // 102..112
-        const u32 m = (ax & 0x7FFFFFu) | 0x800000u;
-        const u32 shift = 126u - e;                // 14..24
-        u32 q = m >> shift;
-        const u32 rem = m & ((1u << shift) - 1u);
-        const u32 halfway = 1u << (shift - 1u);
-        if (rem > halfway || (rem == halfway && (q & 1u))) ++q;
-        return sign | q;
-    }
-    u32 h = (ax >> 13) - (112u << 10);
-    const u32 rem = ax & 0x1FFFu;
-    if (rem > 0x1000u || (rem == 0x1000u && (h & 1u))) ++h;
-    return sign | h;
-}
-
-SS_DEV float h2f(u32 h) {
-#if SS_PTX
-    float f;
-    const u16 hs = (u16)h;
-    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(hs));
-    return f;
-#else
-    return h2f_soft(h & 0xFFFFu);
-#endif
-}
-
-SS_DEV u32 f2h(float f) {
-#if SS_PTX
-    u16 h;
-    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f));
-    return (u32)h;
-#else
-    return f2h_soft(f);
-#endif
-}
+// kernels/half.cuh: the conversions quant_gemv.cu rounds with too
+using hf::h2f_soft;
+using hf::f2h_soft;
+using hf::h2f;
+using hf::f2h;
 
 SS_DEV u32 pack2(u32 lo, u32 hi) { return (lo & 0xFFFFu) | (hi << 16); }
 SS_DEV u32 bcast2(u32 h) { return (h & 0xFFFFu) * 0x10001u; }
@@ -505,10 +454,8 @@ SS_DEV void mma_pair(float (&acc)[MT][NT][4], const u32 (&f)[MT][2][4], const ui
 // Arithmetic and reduction order are those of kernels/norm_rope.cu (rms_norm_kernel, silu_mul_kernel,
 // head_norm_kernel MODE 1), so a fused pack equals the two-launch result bit for bit.
 #if defined(__CUDACC__) || defined(__CUDACC_RTC__) || defined(__CUDA_ARCH__) || SS_HIP
-#define SS_EXPF(v) expf(v)
 #define SS_SQRTF(v) sqrtf(v)
 #else  // CPU simulation: no math header is included
-#define SS_EXPF(v) __builtin_expf(v)
 #define SS_SQRTF(v) __builtin_sqrtf(v)
 #endif
 
@@ -529,7 +476,7 @@ SS_DEV void st_act(void* p, long long i, float v) {
     }
 }
 
-SS_DEV float silu_f(float v) { return v / (1.0f + SS_EXPF(-v)); }
+using hf::silu;  // kernels/half.cuh (the gate|up ring's SwiGLU staging rounds the same)
 
 SS_DEV float warp_sum_f(float v) {
     const int lane = (int)(threadIdx.x & 31u);
@@ -828,7 +775,7 @@ __global__ void __launch_bounds__(256) pack_rms_kernel(const void* __restrict__ 
                 } else {
                     v *= inv * (w != nullptr ? sw[wk + e] : 1.0f);
                 }
-                if constexpr (GATE != 0) v *= silu_f(sz[k + e]);
+                if constexpr (GATE != 0) v *= silu(sz[k + e]);
                 h[e] = f2h(v);
             }
         } else {
@@ -836,7 +783,7 @@ __global__ void __launch_bounds__(256) pack_rms_kernel(const void* __restrict__ 
             for (int e = 0; e < 8; ++e) {
                 const int kk = k + e;
                 float v = sv[kk] * (inv_g[kk / group] * (w != nullptr ? sw[kk % group] : 1.0f));
-                if constexpr (GATE != 0) v *= silu_f(sz[kk]);
+                if constexpr (GATE != 0) v *= silu(sz[kk]);
                 h[e] = f2h(v);
             }
         }
@@ -881,11 +828,11 @@ __global__ void pack_silu_kernel(const void* __restrict__ g, long long ldg, cons
                 unpack16<0>(g0, gv), unpack16<0>(u0, uv);
             }
 #pragma unroll
-            for (int e = 0; e < 8; ++e) h[e] = f2h(silu_f(gv[e]) * uv[e]);
+            for (int e = 0; e < 8; ++e) h[e] = f2h(silu(gv[e]) * uv[e]);
         } else {
 #pragma unroll
             for (int e = 0; e < 8; ++e)
-                h[e] = f2h(silu_f(ld_act<IN_F32>(g, (long long)n * ldg + k + e)) *
+                h[e] = f2h(silu(ld_act<IN_F32>(g, (long long)n * ldg + k + e)) *
                            ld_act<IN_F32>(up, (long long)n * ldu + k + e));
         }
         if (has) xp[u] = pack8(h);

@@ -274,7 +274,7 @@ class PackedX:
     """Activations re-laid out for the kernel (see pack_x_kernel): fp16, tokens padded to a multiple of 8.
     `residual`: the new residual stream x + residual when pack_activations normalised a sum (else None)."""
 
-    data: Any  # cupy uint16 array of in_features * padded_tokens halves
+    data: Any  # cupy uint16 array of in_features * padded_tokens halves (None: q16 only, QuantMatrix.swiglu's)
     tokens: int
     in_features: int
     residual: Any = None
@@ -321,6 +321,16 @@ def staged_norm(stream: Any, weight: Any, eps: float) -> StagedNorm:
         raise ValueError(f"a staged norm's weight has {int(w.size)} values, the stream {k}")
     return StagedNorm(cupy.empty(q16_words(k, tokens), cupy.uint32), cupy.empty((tokens, k // 16), cupy.float32), w,
                       float(eps), tokens, k, stream)
+
+
+def can_fuse_swiglu(gate_up: Any, down: Any, tokens: int, sms: int | None = None) -> bool:
+    """Whether the stacked [gate | up] matrix can stage SwiGLU for `down` at this width (QuantMatrix.swiglu): its
+    SwiGLU ring can run (quant_gemv.swiglu_shape) and down launches the ring gemv from x's int16 staging."""
+    if gate_up.kernel != "v2" or down.kernel != "v2":
+        return False
+    n, k = gate_up.shape
+    return (down.in_features * 2 == n and quant_gemv.swiglu_shape(gate_up.qtype, n, k, tokens, sms) is not None
+            and quant_gemv.ring_takes(down.qtype, n // 2, tokens, True))
 
 
 def can_stage_norm(producer: Any, consumer: Any, tokens: int, sms: int | None = None) -> bool:
@@ -721,6 +731,10 @@ class QuantMatrix:
             if x.in_features != k:
                 raise ValueError(f"{self.name}: activations have {x.in_features} features, the matrix takes {k}")
             tokens = x.tokens
+            if x.data is None and not (self.kernel == "v2" and kernel in (None, "gemv") and splits is None
+                                       and quant_gemv.ring_takes(self.qtype, k, tokens, x.q16 is not None)):
+                raise ValueError(f"{self.name}: these activations are int16 staging only (QuantMatrix.swiglu), which "
+                                 f"only the ring gemv reads ({self.type_name}, K = {k}, {tokens} tokens)")
         else:
             x = cupy.asarray(x)
             if x.ndim == 1:
@@ -750,6 +764,17 @@ class QuantMatrix:
                 launch = self._launcher(kernel, stop - start, config, splits, packed.q16 is not None)
                 launch(packed, out[start:stop], splits, portable, config, accumulate)
         return out.reshape(n_out) if squeeze else out
+
+    def swiglu(self, x: Any, *, portable: bool = False, config: Any = None) -> PackedX:
+        """silu(g) * u for [g | u] = x @ W^T, this matrix a stacked [gate | up] (2 F rows), as the activations of the
+        down product: a PackedX holding only the int16 staging (q16; data None), which the ring gemv reads. One ring
+        launch (quant_gemv.gemv_swiglu), bitwise the product followed by pack_activations(g, silu_up=u)'s staging.
+        x: a PackedX with its staging or a StagedNorm (1..Q16_TOKENS tokens; can_fuse_swiglu says when both sides
+        can); config: a quant_gemv.GemvConfig."""
+        if not isinstance(x, (PackedX, StagedNorm)):
+            x = pack_activations(x, portable=portable, q16=True)
+        q16 = quant_gemv.gemv_swiglu(self, x, config=config, portable=portable)
+        return PackedX(None, x.tokens, self.out_features // 2, q16=q16)
 
     def _matmul_staged(self, x: Any, out: Any, accumulate: bool, stage: StagedNorm | None, portable: bool,
                        config: Any, kernel: str | None, splits: int | None) -> Any:
@@ -888,7 +913,8 @@ class QuantMatrix:
 
 def check_v2_product(W: Any, packed: Any, out: Any, kernel: str, max_tokens: int) -> int:
     """The checks a kernel on the v2 device layout makes of its operands (gemv, wide): W holds that layout, x has
-    W's in-features and 1..max_tokens tokens, `out` fits (check_out). Returns the token count."""
+    W's in-features and 1..max_tokens tokens, `out` fits (check_out; None: the launch writes no y). Returns the token
+    count."""
     n_out, k = W.shape
     if W.kernel != "v2":
         raise ValueError(f"{W.name}: the {kernel} kernel reads the v2 device layout; this matrix holds GGUF rows (v1)")
@@ -897,7 +923,8 @@ def check_v2_product(W: Any, packed: Any, out: Any, kernel: str, max_tokens: int
     tokens = packed.tokens
     if not 1 <= tokens <= max_tokens:
         raise ValueError(f"{W.name}: the {kernel} kernel takes 1..{max_tokens} tokens, not {tokens}")
-    check_out(out, tokens, n_out, W.name)
+    if out is not None:
+        check_out(out, tokens, n_out, W.name)
     return tokens
 
 

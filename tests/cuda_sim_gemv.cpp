@@ -161,18 +161,18 @@ static struct {
     float* ssq;
 } gs;
 
-template <int QT, int NT>
+template <int QT, int NT, int SWIGLU>
 static void ring_body() {
-    gemv_ring_kernel<QT, NT>(ga.W, ga.row_bytes, ga.N, ga.K, ga.y, ga.accumulate, ga.ldy, ga.xq, g_stages, gs.in_ssq,
-                             gs.eps, gs.w, (uint4*)gs.q16, gs.ssq);
+    gemv_ring_kernel<QT, NT, SWIGLU>(ga.W, ga.row_bytes, ga.N, ga.K, ga.y, ga.accumulate, ga.ldy, ga.xq, g_stages,
+                                     gs.in_ssq, gs.eps, gs.w, (uint4*)gs.q16, gs.ssq);
 }
 
-template <int QT>
+template <int QT, int SWIGLU = 0>
 static void (*pick_ring(int nt))() {
     switch (nt) {
-        case 1: return ring_body<QT, 1>;
-        case 2: return ring_body<QT, 2>;
-        case 3: return ring_body<QT, 3>;
+        case 1: return ring_body<QT, 1, SWIGLU>;
+        case 2: return ring_body<QT, 2, SWIGLU>;
+        case 3: return ring_body<QT, 3, SWIGLU>;
     }
     return nullptr;
 }
@@ -192,6 +192,49 @@ extern "C" int sim_gemv_ring(int qt, int nt, const unsigned char* W, long long r
     g_stages = stages;
     gs = {in_ssq, eps, stage_w, stage_q16, stage_ssq};
     return run_blocks((unsigned)((N + 15) / 16), kw, order_seed);
+}
+
+// The gate|up ring with the SwiGLU staging (gemv_ring_kernel<QT, NT, 1>): F / 16 blocks (tile pairs) over a stacked
+// [gate | up] matrix of 2 F rows; writes the down product's int16 staging into q16_out. in_ssq: a staged input norm.
+extern "C" int sim_gemv_ring_swiglu(int qt, int nt, const unsigned char* W, long long row_bytes, int F, int K, int kw,
+                                    int stages, unsigned long long order_seed, const void* xq, const float* in_ssq,
+                                    float eps, void* q16_out) {
+    switch (qt) {
+        case 8: g_body = pick_ring<8, 1>(nt); break;
+        case 12: g_body = pick_ring<12, 1>(nt); break;
+        case 14: g_body = pick_ring<14, 1>(nt); break;
+        default: g_body = nullptr;
+    }
+    if (!g_body || kw < 1 || kw > gv::MAX_KW || stages < 1 || !xq || !q16_out) return -1;
+    ga = {W, row_bytes, F, K, nullptr, 0, nullptr, 0, 0, (const uint4*)xq};
+    g_stages = stages;
+    gs = {in_ssq, eps, nullptr, q16_out, nullptr};
+    return run_blocks((unsigned)(F / 16), kw, order_seed);
+}
+
+// pack_silu_kernel<1> (fp32 g and up, rows T x K with stride ld) writing only the gemv staging q16 (no fp16 pack:
+// xp null is not allowed, so a scratch one), blocks of 64 threads as sim_pack
+static struct {
+    const float *g, *u;
+    long long ld;
+    int T, K, tpad;
+    void *xp, *q16;
+} ps;
+
+static void pack_silu_body() {
+    pack_silu_kernel<1>(ps.g, ps.ld, ps.u, ps.ld, ps.T, ps.K, ps.tpad, (uint4*)ps.xp, (uint4*)ps.q16);
+}
+
+extern "C" void sim_pack_silu(const float* g, const float* u, long long ld, int T, int K, int tpad, void* xp,
+                              void* q16) {
+    ps = {g, u, ld, T, K, tpad, xp, q16};
+    const unsigned blocks = 3;
+    sim::gdim = {blocks, 1, 1};
+    sim::bdim = {64, 1, 1};
+    for (unsigned b = 0; b < blocks; ++b) {
+        sim::bid = {b, 0, 0};
+        simb::run_block(64, pack_silu_body);
+    }
 }
 
 // pack_x_kernel: blocks of 64 threads (fibers: put_q16 shuffles between unit partners); q16: also the gemv staging

@@ -446,6 +446,74 @@ def test_staged_norm_refusals() -> None:
         qm.staged_norm(cupy.zeros((4, 512), cupy.float32), cupy.ones(512, cupy.float32), 1e-6)
 
 
+@pytest.mark.parametrize("qtype,f,k", [(qm.Q4_K, 17408, 5120), (qm.Q6_K, 1024, 2048), (qm.Q8_0, 512, 1280)],
+                         ids=str)
+def test_swiglu_ring_is_bitwise_the_product_and_its_pack(qtype: int, f: int, k: int) -> None:
+    """QuantMatrix.swiglu (gate|up's ring staging fp16(silu(g) u) for the down product, gemv_ring_kernel<QT, NT, 1>):
+    bitwise the staging pack_activations(g, silu_up=u) writes from the ring's own [g | u] product, at 1..3 tokens,
+    from a packed x and from a staged norm, at the default shape and others; the down product from it bitwise the
+    one from the pack; inside a CUDA graph the same bits. The 27B's gate|up shape first (1088 tile pairs)."""
+    rng = np.random.default_rng(1700 + qtype + f)
+    W = qm.QuantMatrix(qtype, cupy.asarray(random_weights(qtype, 2 * f, k, rng)), (2 * f, k), name="gate|up")
+    D = qm.QuantMatrix(qtype, cupy.asarray(random_weights(qtype, 256, f, rng)), (256, f), name="down")
+    nw = cupy.asarray((0.01 + 0.0025 * rng.standard_normal(k)).astype(np.float32))
+    for tokens in (1, 2, 3):
+        fuses = qm.can_fuse_swiglu(W, D, tokens)
+        assert fuses == (tokens <= qg.RING_UP_TO[qtype])   # (Q8_0 takes the ring at one token only)
+        x = cupy.asarray((rng.standard_normal((tokens, k)) * 0.005).astype(np.float32))  # silu(g) u inside fp16
+        s = cupy.asarray((rng.standard_normal((tokens, k)) * 2.0).astype(np.float32))
+        st = qm.staged_norm(s, nw, 1e-6)
+        P = qm.QuantMatrix(qtype, cupy.asarray(random_weights(qtype, k, 512, rng)), (k, 512), name="producer")
+        P.matmul(qm.pack_activations(cupy.zeros((tokens, 512), cupy.float32), q16=True), out=s, accumulate=True,
+                 stage=st)  # s unchanged (x = 0): st now stages rms_norm(s) * nw
+        for px in (qm.pack_activations(x, q16=True), st):
+            gu = W.matmul(px, kernel="gemv", config=qg.GemvConfig(ring=True))
+            want = qm.pack_activations(gu[:, :f], silu_up=gu[:, f:])
+            got = W.swiglu(px)
+            assert got.data is None and got.tokens == tokens and got.in_features == f
+            assert cupy.array_equal(got.q16, want.q16), (tokens, type(px).__name__)
+            if fuses:
+                assert cupy.array_equal(D.matmul(got), D.matmul(want))
+            for kw, stages in ((8, 2), (4, 3)):
+                if qg._stages_with(f, kw, tokens):
+                    cfg = qg.GemvConfig(k_warps=kw, stages=stages)
+                    gu = W.matmul(px, kernel="gemv", config=qg.GemvConfig(k_warps=kw, stages=stages, ring=True))
+                    want = qm.pack_activations(gu[:, :f], silu_up=gu[:, f:])
+                    assert cupy.array_equal(qg.gemv_swiglu(W, px, config=cfg), want.q16), (tokens, cfg)
+        out = cupy.empty(qm.q16_words(f, tokens), cupy.uint32)
+        px = qm.pack_activations(x, q16=True)
+        stream = cupy.cuda.Stream(non_blocking=True)
+        with stream:
+            stream.begin_capture()
+            qg.gemv_swiglu(W, px, out)
+            graph = stream.end_capture()
+            graph.launch(stream)
+        stream.synchronize()
+        assert cupy.array_equal(out, W.swiglu(px).q16)
+
+
+def test_swiglu_ring_refusals() -> None:
+    rng = np.random.default_rng(1800)
+    W = qm.QuantMatrix(qm.Q4_K, cupy.asarray(random_weights(qm.Q4_K, 1024, 512, rng)), (1024, 512), name="gate|up")
+    x = cupy.asarray(rng.standard_normal((1, 512)).astype(np.float32))
+    got = W.swiglu(x)   # plain activations: packed with their staging first
+    with pytest.raises(ValueError, match="staging only"):
+        qm.QuantMatrix(qm.Q4_K, cupy.asarray(random_weights(qm.Q4_K, 64, 512, rng)), (64, 512),
+                       name="down").matmul(got, kernel="v2")
+    with pytest.raises(ValueError, match="staging only"):  # 4 tokens: v2 would read the missing fp16 pack
+        qm.QuantMatrix(qm.Q4_K, cupy.asarray(random_weights(qm.Q4_K, 64, 512, rng)), (64, 512),
+                       name="down").matmul(qm.PackedX(None, 4, 512, q16=got.q16))
+    odd = qm.QuantMatrix(qm.Q4_K, cupy.asarray(random_weights(qm.Q4_K, 2 * 272, 512, rng)), (544, 512), name="odd")
+    with pytest.raises(ValueError, match="SwiGLU ring"):   # gate rows not a multiple of 256
+        odd.swiglu(x)
+    with pytest.raises(ValueError, match="SwiGLU ring"):   # 4 tokens: no staging is read there
+        W.swiglu(cupy.ones((4, 512), cupy.float32))
+    with pytest.raises(ValueError, match="warps"):
+        qg.gemv_swiglu(W, qm.pack_activations(x, q16=True), config=qg.GemvConfig(k_warps=1))
+    with pytest.raises(ValueError, match="uint32"):
+        qg.gemv_swiglu(W, qm.pack_activations(x, q16=True), cupy.empty(7, cupy.uint32))
+
+
 def test_ring_variant_refuses_what_it_cannot_take() -> None:
     rng = np.random.default_rng(1400)
     W = qm.QuantMatrix(qm.Q4_K, random_weights(qm.Q4_K, 32, 512, rng), (32, 512), name="q4k")

@@ -70,6 +70,14 @@ def sim(tmp_path_factory) -> ctypes.CDLL:
     lib.sim_pack.restype = None
     lib.sim_pack.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_void_p,
                              ctypes.c_void_p]
+    lib.sim_gemv_ring_swiglu.restype = ctypes.c_int
+    lib.sim_gemv_ring_swiglu.argtypes = [
+        ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_longlong, ctypes.c_int, ctypes.c_int, ctypes.c_int,
+        ctypes.c_int, ctypes.c_ulonglong, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_float, ctypes.c_void_p,
+    ]  # fmt: skip
+    lib.sim_pack_silu.restype = None
+    lib.sim_pack_silu.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_longlong, ctypes.c_int, ctypes.c_int,
+                                  ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p]
     return lib
 
 
@@ -398,6 +406,89 @@ def test_ring_reads_a_staged_norm(sim, qtype: int, kw: int, stages: int, tokens:
     assert rel < TOL, f"relative error {rel:.3e}"
 
 
+def run_ring_swiglu(lib, qtype: int, raw: np.ndarray, k: int, xq: np.ndarray, tokens: int, kw: int, stages: int,
+                    in_ssq=None, eps: float = 1e-6, seed: int = 0) -> np.ndarray:
+    """One simulated SwiGLU ring launch over a stacked [gate | up] matrix raw (2 F rows): the down product's staging
+    words (q16_words(F, T))."""
+    f = raw.shape[0] // 2
+    laid = qm.device_layout(qtype, raw)
+    w = aligned_zeros(laid.nbytes + PAD)
+    w[: laid.nbytes] = laid
+    out = aligned_zeros(4 * qm.q16_words(f, tokens)).view(np.uint32)
+    out[...] = 0xDEADBEEF  # every word must be written
+    xq = np.ascontiguousarray(xq, np.uint32)
+    in_ssq = None if in_ssq is None else np.ascontiguousarray(in_ssq, np.float32)
+    err = lib.sim_gemv_ring_swiglu(qtype, tokens, w.ctypes.data, raw.shape[1], f, k, kw, stages, seed,
+                                   xq.ctypes.data, None if in_ssq is None else in_ssq.ctypes.data, eps,
+                                   out.ctypes.data)
+    assert err == 0, "the simulation reported a divergent warp or a deadlock"
+    return out
+
+
+def sim_pack_silu(lib, g: np.ndarray, u: np.ndarray) -> np.ndarray:
+    """pack_silu_kernel on the CPU from fp32 g, u [T, F]: its gemv staging words."""
+    tokens, f = g.shape
+    gu = np.ascontiguousarray(np.concatenate([g, u], axis=1), np.float32)
+    xp = aligned_zeros(f * 8 * ((tokens + 7) // 8) * 2)
+    out = aligned_zeros(4 * qm.q16_words(f, tokens)).view(np.uint32)
+    out[...] = 0xDEADBEEF
+    lib.sim_pack_silu(gu.ctypes.data, gu[:, f:].ctypes.data, 2 * f, tokens, f, 8 * ((tokens + 7) // 8),
+                      xp.ctypes.data, out.ctypes.data)
+    return out
+
+
+def q16_values(words: np.ndarray, k: int, tokens: int) -> np.ndarray:
+    """The values a PackedX.q16 buffer stands for (int16 times its group's scale), [T, K] float64."""
+    nch = k // 256
+    units = words[: nch * tokens * 128].view(np.int16).reshape(nch, tokens, 16, 16).astype(np.float64)
+    scale = words[nch * tokens * 128: nch * tokens * 144].view(np.float32).reshape(nch, tokens, 16, 1)
+    return (units * scale).transpose(1, 0, 2, 3).reshape(tokens, k)
+
+
+SWIGLU_CASES = [
+    # qtype, F, k, tokens, k_warps, stages, staged input norm
+    (Q4_K, 256, 512, 1, 2, 2, False),
+    (Q6_K, 512, 768, 2, 3, 2, False),  # 3 chunks over 3 warps: the up tile's first chunk goes out in the gate's ring
+    (Q8_0, 256, 1280, 3, 4, 3, False),  # 48 (row, token) values: the second warp's shuffles half idle
+    (Q4_K, 256, 1024, 2, 2, 1, True),  # one slot: every refill waits; x a staged norm (1 / rms on g and u)
+    (Q6_K, 256, 512, 3, 2, 4, True),  # more slots than a warp's chunks of one tile
+]
+
+
+@needs_gxx
+@pytest.mark.parametrize("qtype,f,k,tokens,kw,stages,staged", SWIGLU_CASES)
+def test_ring_stages_swiglu_bitwise(sim, qtype: int, f: int, k: int, tokens: int, kw: int, stages: int,
+                                    staged: bool) -> None:
+    """gate|up's ring with the SwiGLU staging (gemv_ring_kernel<QT, NT, 1>): bitwise the plain ring launch of the
+    same [gate | up] matrix at the same warps followed by pack_silu_kernel's staging of its two halves, whatever the
+    block order, from a packed x or a staged norm; and within the ring's tolerance of float64 silu(x W_g) (x W_u)."""
+    rng = np.random.default_rng(qtype * 11 + f + k + tokens + stages)
+    raw = random_weights(qtype, 2 * f, k, rng)
+    eps, in_ssq = 1e-6, None
+    # (x small enough that silu(g) u stays inside fp16: the random weights' rows are large)
+    if staged:  # x = rms_norm(s) * w staged by a product before (its per-tile sums of s^2)
+        s = (rng.standard_normal((tokens, k)) * 2.0).astype(np.float32)
+        nw = (0.01 + 0.0025 * rng.standard_normal(k)).astype(np.float32)
+        xq, in_ssq = staged_norm_twin(s, nw)
+        s64 = s.astype(np.float64)
+        x64 = s64 / np.sqrt((s64 * s64).mean(axis=1, keepdims=True) + eps) * nw
+    else:
+        x = (rng.standard_normal((tokens, k)) * 0.005).astype(np.float16)
+        _, xq = sim_pack(sim, x, q16=True)
+        x64 = x.astype(np.float64)
+    gu, _, _ = run_ring_staged(sim, qtype, raw, 2 * f, k, xq, tokens, kw, stages, in_ssq=in_ssq, eps=eps)
+    want = sim_pack_silu(sim, gu[:, :f], gu[:, f:])
+    for seed in (0, 7):
+        got = run_ring_swiglu(sim, qtype, raw, k, xq, tokens, kw, stages, in_ssq=in_ssq, eps=eps, seed=seed)
+        assert np.array_equal(got, want), seed
+    ref = x64 @ quants.dequantize(raw, qtype, (2 * f, k)).astype(np.float64).T
+    g64, u64 = ref[:, :f], ref[:, f:]
+    h64 = g64 / (1.0 + np.exp(-g64)) * u64
+    assert np.abs(h64).max() < 6e4
+    rel = np.linalg.norm(q16_values(got, f, tokens) - h64) / np.linalg.norm(h64)
+    assert rel < 2 * TOL, f"relative error {rel:.3e}"
+
+
 @needs_gxx
 def test_ring_refuses_what_it_cannot_take(sim) -> None:
     """No staging (x must come from PackedX.q16), F16, zero stages: the harness's launch is refused, not run."""
@@ -462,6 +553,34 @@ def test_which_products_stage_a_norm() -> None:
     assert not qm.can_stage_norm(mat(Q4_K, 5120, 4096, "v1"), qkv, 1, sms=132)  # GGUF rows: no ring
     assert qg.ring_can_stage(Q4_K, 512, 512, 3, sms=132)       # 2 warps hold the 48 (row, token) values
     assert not qg.ring_can_stage(Q4_K, 512, 512, 5, sms=132)   # 80 would need 3
+
+
+def test_which_products_fuse_swiglu() -> None:
+    """quant_matmul.can_fuse_swiglu / quant_gemv.swiglu_shape (the model's plan asks per layer) on the 27B's shapes
+    and what they refuse; the SwiGLU ring's shared memory (both tiles' partial sums). No GPU: stand-in matrices."""
+    from types import SimpleNamespace
+
+    def mat(qtype: int, n: int, k: int, kernel: str = "v2") -> SimpleNamespace:
+        return SimpleNamespace(qtype=qtype, shape=(n, k), in_features=k, kernel=kernel)
+
+    gate_up, down = mat(Q4_K, 34816, 5120), mat(Q4_K, 5120, 17408)
+    for tokens in (1, 2, 3):
+        assert qm.can_fuse_swiglu(gate_up, down, tokens, sms=132), tokens
+        assert qm.can_fuse_swiglu(gate_up, mat(Q6_K, 5120, 17408), tokens, sms=132), tokens  # Q6_K down layers
+        # the warps are gate|up's own ring launch's (so g and u are bitwise that launch's), the stages SWIGLU_SHAPE's
+        kw, stages = qg.ring_shape(Q4_K, 34816, 5120, tokens, 132)
+        assert qg.swiglu_shape(Q4_K, 34816, 5120, tokens, 132) == (kw, qg.SWIGLU_SHAPE.get(tokens, (0, stages))[1])
+    assert not qm.can_fuse_swiglu(gate_up, down, 4, sms=132)                     # no int16 staging from 4 tokens
+    assert not qm.can_fuse_swiglu(gate_up, mat(Q4_K, 5120, 17400), 1, sms=132)   # down does not read F values
+    assert not qm.can_fuse_swiglu(mat(Q4_K, 2 * 272, 512), mat(Q4_K, 64, 272), 1, sms=132)  # F % 256: part chunks
+    assert not qm.can_fuse_swiglu(mat(Q4_K, 1024, 256), mat(Q4_K, 64, 512), 1, sms=132)     # K of one chunk: 1 warp
+    assert not qm.can_fuse_swiglu(mat(F16, 34816, 5120), down, 1, sms=132)        # F16 keeps the per-tile kernel
+    assert not qm.can_fuse_swiglu(gate_up, mat(Q8_0, 5120, 17408), 2, sms=132)   # Q8_0 down: v2 from 2 tokens
+    assert not qm.can_fuse_swiglu(mat(Q4_K, 34816, 5120, "v1"), down, 1, sms=132)
+    assert qg.swiglu_shape(Q4_K, 34816, 5120, 4, 132) is None
+    kw, st = 4, 2
+    assert (qg.ring_smem_bytes(Q4_K, 1, kw, st, swiglu=True) - qg.ring_smem_bytes(Q4_K, 1, kw, st)
+            == kw * 16 * 4)
 
 
 def test_persistent_grid_and_choice() -> None:
