@@ -177,6 +177,13 @@ STEP_ABS = {
                   ("one w1", SMALL, 3, "capture", {"q35.FUSE_CONV_NORM_FROM": 1, "dn.CONV_NORM_WARPS": 1}),
                   ("one w4", SMALL, 3, "capture", {"q35.FUSE_CONV_NORM_FROM": 1, "dn.CONV_NORM_WARPS": 4})],
                  (1, 3, 23), [("one w1", "two"), ("one w4", "two")]),
+    # ffn_gate_up's ring staging SwiGLU for ffn_down itself (qwen35_gpu.FUSE_SWIGLU_WIDTHS) or the SwiGLU pack
+    # (warps x stages; 0 warps: gate|up's own, which keeps the step bitwise)
+    "swiglu": ([("pack", SMALL, 3, "capture", {"q35.FUSE_SWIGLU_WIDTHS": ()})]
+               + [(f"fused {kw}x{st}", SMALL, 3, "capture", {"q35.FUSE_SWIGLU_WIDTHS": (1, 2, 3),
+                                                             "SWIGLU_SHAPE": dict.fromkeys((1, 2, 3), (kw, st))})
+                  for kw, st in ((0, 2), (0, 3), (0, 4), (2, 4))], (1, 2, 3),
+               [("fused 0x2", "pack"), ("fused 0x3", "pack"), ("fused 0x4", "pack"), ("fused 2x4", "pack")]),
     "v2stages": ([("shipped", SMALL, 3, "capture", {}), ("v2 3 stages", SMALL, 3, "capture", {"qm.STAGES_V2": 3}),
                   ("v2 4 stages", SMALL, 3, "capture", {"qm.STAGES_V2": 4})], (8, 16, 23),
                  [("v2 3 stages", "shipped"), ("v2 4 stages", "shipped")]),
@@ -208,10 +215,11 @@ def step(cupy, qm, qg, path: str, context: int, ab: str = "ring") -> list[dict]:
             setattr(mod, name.split(".")[-1], value)
 
     knobs_shipped = {name: getattr(qg, name) for name in ("RING_FEW_TILES", "RING_FEW_SHAPE", "RING_STAGES",
-                                                           "RING_TALL_SHAPE")}
+                                                           "RING_TALL_SHAPE", "SWIGLU_SHAPE")}
     knobs_shipped.update({f"qm.{name}": getattr(qm, name) for name in ("STAGES_V2", "PACK_RMS_ONE_TOKEN_SCALE")})
     knobs_shipped.update({f"q35.{name}": getattr(q35, name) for name in ("STAGE_NORMS", "STAGE_UP_TO",
-                                                                                "FUSE_CONV_NORM_FROM")})
+                                                                                "FUSE_CONV_NORM_FROM",
+                                                                                "FUSE_SWIGLU_WIDTHS")})
     knobs_shipped["dn.CONV_NORM_WARPS"] = deltanet.CONV_NORM_WARPS
     dn_pdl_shipped, dn_source = (deltanet.PDL, deltanet.PDL_UP_TO), deltanet.SOURCE
     rows = []
@@ -229,7 +237,7 @@ def step(cupy, qm, qg, path: str, context: int, ab: str = "ring") -> list[dict]:
                     elif ab == "dnpdl":
                         deltanet.PDL, deltanet.PDL_UP_TO = flag, 64
                     elif ab in ("knobs", "v2stages", "packslices", "few", "few2", "stagenorms", "stagewhere",
-                                "convnorm"):
+                                "convnorm", "swiglu"):
                         set_knobs({**knobs_shipped, **flag})
                     elif ab == "dnsrc":
                         deltanet.SOURCE = dn_source if flag else os.environ["DN_BASE_SOURCE"]

@@ -90,17 +90,21 @@ def test_every_boundary_stages_at_narrow_widths(pair, monkeypatch) -> None:
     _, gpu = pair
     n = gpu.cfg.n_layer
     monkeypatch.setattr(q35, "STAGE_UP_TO", {"post": 3, "next": 3})
+    no, yes = (False,) * n, (True,) * n
+    monkeypatch.setattr(q35, "FUSE_SWIGLU_WIDTHS", (1, 2, 3))
     for T in (1, 2, 3):
-        post, nxt = gpu._norm_plan(T, "all")
+        post, nxt, swi = gpu._norm_plan(T, "all")
         assert post == (False,) + (True,) * (n - 1), T   # layer 0 keeps its pack (the step's input rows)
-        assert nxt == (True,) * n, T
-    post, nxt = gpu._norm_plan(2, "last")
+        assert nxt == yes and swi == yes, T
+    post, nxt, _ = gpu._norm_plan(2, "last")
     assert nxt[-1] is False and all(nxt[:-1])   # a staged output norm covers every row: not for the last only
-    assert gpu._norm_plan(4, "all") == ((False,) * n, (False,) * n)   # v2 from 4 tokens: packs
+    assert gpu._norm_plan(4, "all") == (no, no, no)   # v2 from 4 tokens: packs
     monkeypatch.setattr(q35, "STAGE_UP_TO", {"post": 1, "next": 3})
-    assert gpu._norm_plan(2, "all") == ((False,) * n, (True,) * n)
+    assert gpu._norm_plan(2, "all") == (no, yes, yes)
     monkeypatch.setattr(q35, "STAGE_NORMS", False)
-    assert gpu._norm_plan(1, "all") == ((False,) * n, (False,) * n)
+    assert gpu._norm_plan(1, "all") == (no, no, yes)
+    monkeypatch.setattr(q35, "FUSE_SWIGLU_WIDTHS", (2,))
+    assert gpu._norm_plan(1, "all")[2] == no and gpu._norm_plan(2, "all")[2] == yes
 
 
 @pytest.mark.parametrize("graphs", [False, True])
@@ -119,3 +123,25 @@ def test_staged_step_matches_numpy_and_the_packed_step(pair, graphs: bool, monke
         assert _rel(p, w) < REL_TOL, (i, _rel(p, w))
         assert _rel(s, p) < REL_TOL, (i, _rel(s, p))
         assert not np.array_equal(s, p)   # the staged path did run (it rounds differently)
+
+
+@pytest.mark.parametrize("graphs", [False, True])
+def test_swiglu_staged_by_gate_up_is_the_same_step(pair, graphs: bool, monkeypatch) -> None:
+    """ffn_gate_up's ring staging SwiGLU for ffn_down (FUSE_SWIGLU_WIDTHS, here at every width it can run) gives the
+    same logits, bit for bit, as the gate|up product and the SwiGLU pack (with and without staged norms, eager and
+    captured), and within the tolerance of the NumPy engine."""
+    cpu, gpu = pair
+    monkeypatch.setattr(q35, "STAGE_UP_TO", {"post": 3, "next": 3})
+    rng = np.random.default_rng(6)
+    ids = [int(t) for t in rng.integers(0, 400, 40)]
+    steps = [int(t) for t in rng.integers(0, 400, sum(WIDTHS))]
+    want = _run(cpu, ids, steps, graphs)
+    for stage in (True, False):
+        monkeypatch.setattr(q35, "STAGE_NORMS", stage)
+        monkeypatch.setattr(q35, "FUSE_SWIGLU_WIDTHS", (1, 2, 3))
+        fused = _run(gpu, ids, steps, graphs)
+        monkeypatch.setattr(q35, "FUSE_SWIGLU_WIDTHS", ())
+        packed = _run(gpu, ids, steps, graphs)
+        for i, (w, a, b) in enumerate(zip(want, fused, packed)):
+            assert np.array_equal(a, b), (stage, i)
+            assert _rel(a, w) < REL_TOL, (stage, i, _rel(a, w))

@@ -97,6 +97,11 @@ class GpuMatrix:
         stage: a StagedNorm of `out` to write for the next norm's product (can_stage_norm)."""
         return self.upload().q.matmul(x, out=out, accumulate=accumulate, stage=stage)
 
+    def swiglu(self, x: Any) -> Any:
+        """silu(g) * u of this stacked [gate | up] matrix's product, staged for the down product's ring gemv (a
+        kernels.quant_matmul.PackedX of int16 staging only; can_fuse_swiglu says when)."""
+        return self.upload().q.swiglu(x)
+
     @property
     def nbytes(self) -> int:
         return self.q.nbytes if self.q is not None else int(self.rows.nbytes)
@@ -203,6 +208,16 @@ class GpuStack:
         rings = all(quant_gemv.ring_takes(m.qtype, m.shape[1], packed.tokens, packed.q16 is not None)
                     for m in self.mats)
         return side if rings else None
+
+
+def can_fuse_swiglu(gate_up: Any, down: Any, tokens: int) -> bool:
+    """Whether gate_up (a stacked [gate | up] GpuMatrix; a GpuStack cannot) stages SwiGLU for down (a GpuMatrix) at
+    this width: kernels.quant_matmul.can_fuse_swiglu."""
+    from kernels import quant_matmul as qm
+
+    if not (isinstance(gate_up, GpuMatrix) and isinstance(down, GpuMatrix)):
+        return False
+    return qm.can_fuse_swiglu(gate_up.upload().q, down.upload().q, tokens)
 
 
 def can_stage_norm(producer: Any, consumer: Any, tokens: int) -> bool:

@@ -64,7 +64,7 @@ from kernels import quant_matmul as qm
 from kernels import sampling as smp
 
 from .. import faults
-from ..backend import CupyBackend, can_stage_norm
+from ..backend import CupyBackend, can_fuse_swiglu, can_stage_norm
 from ..config import ModelConfig
 from ..device_sampling import draw_rows
 from ..errors import ContextOverflowError, is_out_of_memory
@@ -97,6 +97,12 @@ STACKS = {"ffn_gate_up": ("ffn_gate", "ffn_up"), "ssm_in": ("attn_qkv", "attn_ga
 # (the post boundary loses there: not explained yet).
 STAGE_NORMS = True
 STAGE_UP_TO = {"post": 2, "next": 3}
+# Steps of FUSE_SWIGLU_WIDTHS tokens (<= quant_matmul.Q16_TOKENS): ffn_gate_up's ring launch stages fp16(silu(gate) up)
+# for ffn_down itself (QuantMatrix.swiglu: each block runs a gate tile and then its up tile), so neither the gate|up
+# output nor the SwiGLU pack launch is there; bitwise the same step. H100, 27B Q4_K_M step replays against the pack
+# (bench/gemv_ab.py --step-ab swiglu; docs/gpu_quant_matmul.md "gemv: SwiGLU staged by gate|up"): 1.0025 / 0.980 /
+# 1.0055 at widths 1 / 2 / 3 with 3 ring stages (quant_gemv.SWIGLU_SHAPE), 1.0053 / 0.995 / 1.0016 with gate|up's 2.
+FUSE_SWIGLU_WIDTHS = (2,)
 # A DeltaNet layer's conv, q/k norm and gates in one launch (deltanet.conv_qk_norm_gate: the same bits as the two
 # launches) in fused steps of FUSE_CONV_NORM_FROM..64 tokens; narrower ones: conv_silu then qk_norm_gate. H100, 27B
 # Q4_K_M step replays (bench/gemv_ab.py --step-ab convnorm): 1.0025 / 0.993 / 0.996 of the two launches at widths
@@ -1047,18 +1053,21 @@ class Qwen35GpuModel(TargetModel):
         self.graph_stats["captures"] += 1
         return out
 
-    def _norm_plan(self, T: int, logits: str) -> tuple[tuple[bool, ...], tuple[bool, ...]]:
+    def _norm_plan(self, T: int, logits: str) -> tuple[tuple[bool, ...], ...]:
         """Where this step's norms are staged by the product before them (STAGE_NORMS): (post[i]: layer i's output
         projection stages its post-attention norm for ffn_gate_up; nxt[i]: its ffn_down stages the next layer's
-        input norm, or the output norm when the logits cover every row). Layer 0's mixer keeps the pack: its stream
-        is the step's input rows, which the staged path would add into in place."""
+        input norm, or the output norm when the logits cover every row; swi[i]: its ffn_gate_up stages SwiGLU for
+        ffn_down, FUSE_SWIGLU_WIDTHS). Layer 0's mixer keeps the pack: its stream is the step's input rows, which the
+        staged path would add into in place."""
         key = (T, logits == "all" or T == 1, logits != "none", STAGE_NORMS, tuple(sorted(STAGE_UP_TO.items())),
-               self.fused_launches, qm.Q16_TOKENS, tuple(sorted(qm.quant_gemv.RING_UP_TO.items())))  # (the knobs
-        # a bench may turn between steps)
+               self.fused_launches, qm.Q16_TOKENS, tuple(sorted(qm.quant_gemv.RING_UP_TO.items())),
+               tuple(FUSE_SWIGLU_WIDTHS))  # (the knobs a bench may turn between steps)
         plans = self._norm_plans
         if key not in plans:
             n = len(self.layers)
             post, nxt = [False] * n, [False] * n
+            swi = tuple(self.fused_launches and T in FUSE_SWIGLU_WIDTHS and T <= qm.Q16_TOKENS
+                        and can_fuse_swiglu(w["ffn_gate_up"], w["ffn_down"], T) for w in self.layers)
             if STAGE_NORMS and self.fused_launches and T <= qm.Q16_TOKENS:
                 rec = self.cfg.recurrent_layers
                 first = [w["ssm_in"] if rec[i] else w["attn_qkv"] for i, w in enumerate(self.layers)]
@@ -1072,11 +1081,11 @@ class Qwen35GpuModel(TargetModel):
                         nxt[i] = can_stage_norm(w["ffn_down"], first[i + 1], T)
                     else:
                         nxt[i] = key[1] and key[2] and can_stage_norm(w["ffn_down"], self.output, T)
-            plans[key] = (tuple(post), tuple(nxt))
+            plans[key] = (tuple(post), tuple(nxt), swi)
         return plans[key]
 
     def _block(self, i: int, w: dict, x, state: GpuSequenceState, step: _Step, h_in: Any = None,
-               plan: tuple = ((), ())) -> tuple[Any, Any]:
+               plan: tuple = ((), (), ())) -> tuple[Any, Any]:
         """One layer: (the new stream, the next norm's input when this layer's ffn_down staged it, else None).
         h_in: this layer's input norm when the layer before staged it."""
         eps = self.cfg.rms_eps
@@ -1091,7 +1100,7 @@ class Qwen35GpuModel(TargetModel):
         # add rides in the post-attention norm's pack (which writes the new stream), ffn_down's in its epilogue.
         # Staged (plan): the output projection adds into the stream and stages the norm ffn_gate_up reads, and
         # ffn_down stages the next layer's input norm (no pack launch for either).
-        post, nxt = plan
+        post, nxt, swi = plan
         h = h_in if h_in is not None else qm.pack_activations(x, rms_weight=w["attn_norm"], eps=eps)
         if post and post[i]:
             px = qm.staged_norm(x, w["post_attention_norm"], eps)
@@ -1100,14 +1109,17 @@ class Qwen35GpuModel(TargetModel):
             px = qm.pack_activations(mixer(i, w, h, state, step), rms_weight=w["post_attention_norm"], eps=eps,
                                      residual=x)
             x = px.residual
-        gu = w["ffn_gate_up"].matmul(px)
-        f = gu.shape[1] // 2
+        if swi and swi[i]:  # the SwiGLU staged by the gate|up ring itself
+            xd = w["ffn_gate_up"].swiglu(px)
+        else:
+            gu = w["ffn_gate_up"].matmul(px)
+            f = gu.shape[1] // 2
+            xd = qm.pack_activations(gu[:, :f], silu_up=gu[:, f:])
         staged = None
         if nxt and nxt[i]:
             norm = self.layers[i + 1]["attn_norm"] if i + 1 < len(self.layers) else self.output_norm
             staged = qm.staged_norm(x, norm, eps)
-        w["ffn_down"].matmul(qm.pack_activations(gu[:, :f], silu_up=gu[:, f:]), out=x, accumulate=True,
-                             stage=staged)
+        w["ffn_down"].matmul(xd, out=x, accumulate=True, stage=staged)
         return x, staged
 
     @staticmethod
