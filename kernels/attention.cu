@@ -49,6 +49,7 @@ typedef long long i64;
 
 #define SS_DEV static __device__ __forceinline__
 #define SS_SOFT static __device__ __noinline__
+#include "xq16.cuh"
 
 #if SS_HIP
 #define SS_SHFL(v, src) __shfl((v), (src), 32)
@@ -971,11 +972,15 @@ __global__ __launch_bounds__(128, 2) void attn_partial_kernel(
 // TQ3_0 (RG = 128 or 64; 0 otherwise), times sigmoid(gate) when gate != null.
 // grid = Hkv * G * T rows (kernel row order), block = D threads; splits <= MAX_SPLITS. The split weights are
 // computed once per block into shared memory, so the O loop has independent loads (several in flight).
+// q16 non-null: also the output projection's int16 staging of the fp16-rounded o [T, H D] (PackedX.q16, as
+// pack_x_kernel writes it from `out`: a gemv ring reads it with no pack launch between), D % 32 == 0 and
+// H D % 256 == 0 (the launcher): a group's 16 values are 16 lanes of a warp.
 template <int TO, int TG, int RG>
 __global__ __launch_bounds__(256) void attn_combine_kernel(const float* __restrict__ ws_o,
                                                            const float* __restrict__ ws_ml, int splits, int T,
                                                            int H, int Hkv, int D, const void* __restrict__ gate,
-                                                           i64 g_tok, i64 g_head, void* __restrict__ out) {
+                                                           i64 g_tok, i64 g_head, void* __restrict__ out,
+                                                           uint4* __restrict__ q16) {
     using namespace ssa;
     static __shared__ float wsh[MAX_SPLITS];
     static __shared__ float red[2][8];
@@ -1045,6 +1050,13 @@ __global__ __launch_bounds__(256) void attn_combine_kernel(const float* __restri
     }
     if (gate != nullptr) v *= 1.0f / (1.0f + expf(-ld<TG>(gate, (i64)t * g_tok + (i64)head * g_head + d)));
     st<TO>(out, ((i64)t * H + head) * D + d, v);
+    if (q16 != nullptr) {  // block-uniform: whole warps shuffle
+        u32 word;
+        float scale, sum;
+        xq::group16_lanes(h2f(f2h(v)), word, scale, sum);
+        const int k = head * D + d;
+        xq::put_group16_lanes(q16, (H * D) >> 8, T, k >> 8, t, (k & 255) >> 4, k & 15, word, scale, sum);
+    }
 }
 
 // The KV half of a tree step's commit: the accepted path's rows move down to the committed positions in every

@@ -336,13 +336,16 @@ def attention(
     workspace: tuple[Any, Any] | None = None,
     portable: bool = False,
     kw: int | None = None,
+    q16: Any = None,
 ) -> Any:
     """o [T, H, D] = softmax(q K^T / sqrt(D) + mask) V over cache rows [0, S + T), times sigmoid(gate) if given.
 
     q: [T, H, D] f32/f16/bf16 (T <= 64, H a multiple of the cache's KV heads); s_len: device int32 [1] or an
     int; mask: uint64 [T] (tree_mask). splits: K splits (None: choose_splits from s_hint, default S when
     s_len is an int, else the cache size). workspace: make_workspace(H, T, D, splits) to reuse buffers. kw: warps
-    per m16 tile of query rows (1, 2 or 4; None: grid_rows's choice)."""
+    per m16 tile of query rows (1, 2 or 4; None: grid_rows's choice). q16: a uint32 buffer (quant_matmul.q16_words(H
+    D, T)) that also receives o's int16 staging (PackedX.q16 of the fp16-rounded o as [T, H D]; f32 / f16 out, D a
+    multiple of 32, H D of 256) for the output projection's gemv ring, so no pack launch runs between them."""
     cupy = loader.require()
     q = cupy.ascontiguousarray(as_device(q))
     if q.data.ptr % 16:  # the kernel reads q rows in 16-byte pieces
@@ -363,6 +366,13 @@ def attention(
     m_dev = _mask(mask, T)
     tq = type_code(q)
     to, odt = out_code(out_dtype, 0)
+    if q16 is not None:
+        words = -(-H * D // 256) * T * 160
+        if D % 32 or (H * D) % 256 or to == 2:
+            raise ValueError(f"o's int16 staging takes D a multiple of 32, H D of 256 and an f32 / f16 output, not "
+                             f"D = {D}, H D = {H * D}, {np.dtype(odt)}")
+        if q16.dtype != np.uint32 or int(q16.size) != words or not q16.flags.c_contiguous:
+            raise ValueError(f"q16 must be a contiguous uint32 array of {words} words")
     if splits is None:
         splits = choose_splits(H, Hkv, D, T, max(0, int(s_hint)), cache.kind, cache.kind_v, kw)
     splits = int(splits)
@@ -411,6 +421,6 @@ def attention(
         (H * T,),
         (D,),
         (ws_o, ws_ml, np.int32(splits), np.int32(T), np.int32(H), np.int32(Hkv), np.int32(D),
-         gate if gate is not None else NULL, np.int64(g_tok), np.int64(g_head), out),
+         gate if gate is not None else NULL, np.int64(g_tok), np.int64(g_head), out, q16 if q16 is not None else NULL),
     )  # fmt: skip
     return out

@@ -71,10 +71,8 @@ typedef long long i64;
 
 #if SS_HIP
 #define GV_SHFL_XOR(v, m) __shfl_xor((v), (m), 32)
-#define GV_SHFL(v, src) __shfl((v), (src), 32)
 #else
 #define GV_SHFL_XOR(v, m) __shfl_xor_sync(0xffffffffu, (v), (m))
-#define GV_SHFL(v, src) __shfl_sync(0xffffffffu, (v), (src))
 #endif
 
 #include "xq16.cuh"
@@ -739,28 +737,10 @@ GV_DEV void finish_swiglu(float (&gate)[4][NT], float (&up)[4][NT], float* red, 
         if (inv_sm != nullptr) g *= inv_sm[n], u *= inv_sm[n];
         h = h2f(f2h(silu(g) * u));
     }
-    float amax = h < 0.f ? -h : h;
-#pragma unroll
-    for (int m = 1; m < 16; m <<= 1) amax = xq::fmax2(amax, shfl_xor(amax, m));
-    const int base = lane & 16;
-    float lo = 0.f, hi = 0.f;
-#pragma unroll
-    for (int e = 0; e < 8; ++e) {
-        lo += GV_SHFL(h, base + e);
-        hi += GV_SHFL(h, base + 8 + e);
-    }
-    const int q = xq::rint_mul(h, xq::inv_scale(amax));
-    const int qp = (int)GV_SHFL_XOR((unsigned)q, 1);
-    if (live) {
-        const int ch = p >> 4, g = p & 15, nch = F >> 8;
-        if ((r & 1) == 0)
-            ((u32*)(q16 + ((i64)ch * NT + n) * 32 + 2 * g))[r >> 1] = ((u32)q & 0xFFFFu) | ((u32)qp << 16);
-        if (r == 0) {
-            float* const scales = xq::q16_scales(q16, nch, NT);
-            scales[((i64)ch * NT + n) * 16 + g] = xq::scale_of(amax);
-            scales[(i64)nch * NT * 16 + ((i64)ch * NT + n) * 16 + g] = lo + hi;
-        }
-    }
+    u32 word;
+    float scale, sum;
+    xq::group16_lanes(h, word, scale, sum);
+    if (live) xq::put_group16_lanes(q16, F >> 8, NT, p >> 4, n, p & 15, r, word, scale, sum);
 }
 
 // One warp's sums over chunks [c0, c1) of the tile at wt (both kernels without persistence): acc[i][n] = row i of

@@ -60,11 +60,51 @@ static __device__ __forceinline__ void group16(const float* f, uint4& o0, uint4&
     sum = s0 + s1;
 }
 
+#if defined(__HIP_PLATFORM_AMD__) || defined(__HIPCC__) || defined(__HIPCC_RTC__)
+#define XQ_SHFL(v, src) __shfl((v), (src), 32)
+#else
+#define XQ_SHFL(v, src) __shfl_sync(0xffffffffu, (v), (src))
+#endif
+
+// A group whose 16 values sit one per lane in 16 consecutive lanes of a warp (value r of the group in lane 16 k + r;
+// every lane of the warp calls this: it shuffles): the group's staging as group16 makes it from the same values.
+// word: this lane's int16 with its odd neighbour's in the high half (the buffer's word r / 2, from even lanes);
+// scale and sum (values 0..7 added in order, then 8..15, low + high) on every lane.
+static __device__ __forceinline__ void group16_lanes(float f, unsigned int& word, float& scale, float& sum) {
+    const int lane = (int)(threadIdx.x & 31u), base = lane & 16;
+    float amax = f < 0.f ? -f : f;
+#pragma unroll
+    for (int m = 1; m < 16; m <<= 1) amax = fmax2(amax, XQ_SHFL(amax, lane ^ m));
+    float lo = 0.f, hi = 0.f;
+#pragma unroll
+    for (int e = 0; e < 8; ++e) {
+        lo += XQ_SHFL(f, base + e);
+        hi += XQ_SHFL(f, base + 8 + e);
+    }
+    const int q = rint_mul(f, inv_scale(amax));
+    const int qp = XQ_SHFL(q, lane ^ 1);
+    word = ((unsigned int)q & 0xFFFFu) | ((unsigned int)qp << 16);
+    scale = scale_of(amax);
+    sum = lo + hi;
+}
+
 // PackedX.q16 for T tokens and nch chunks of 256 values: group g of token n in chunk ch has its two int16 units at
 // [(ch T + n) 32 + 2g (+1)] (16-byte units), then scales [nch T 16] and sums [nch T 16] (fp32) after all nch T 32
 // units, both at (ch T + n) 16 + g: the order the gemv kernel stages them in shared memory.
 static __device__ __forceinline__ float* q16_scales(uint4* q16, int nch, int T) {
     return (float*)(q16 + (long long)nch * T * 32);
+}
+
+// Stores what group16_lanes gave lane r (0..15) of group g of token n in chunk ch (r = 0 also the scale and sum).
+static __device__ __forceinline__ void put_group16_lanes(uint4* q16, int nch, int T, int ch, int n, int g, int r,
+                                                         unsigned int word, float scale, float sum) {
+    const long long cn = (long long)ch * T + n;
+    if ((r & 1) == 0) ((unsigned int*)(q16 + cn * 32 + 2 * g))[r >> 1] = word;
+    if (r == 0) {
+        float* const sc = q16_scales(q16, nch, T);
+        sc[cn * 16 + g] = scale;
+        sc[(long long)nch * T * 16 + cn * 16 + g] = sum;
+    }
 }
 
 }  // namespace xq

@@ -196,11 +196,15 @@ extern "C" int sim_attn_partial(int kk, int kv, int D, int tq, int kw, const voi
 }
 
 extern "C" int sim_attn_combine(int to, int tg, int rg, const float* ws_o, const float* ws_ml, int splits, int T,
-                                int H, int Hkv, int D, const void* gate, long long g_tok, long long g_head, void* out) {
+                                int H, int Hkv, int D, const void* gate, long long g_tok, long long g_head, void* out,
+                                void* q16) {
     g_body = nullptr;
 #define AC(TO, TG, RG)                                                                                          \
     if (to == TO && tg == TG && rg == RG)                                                                       \
-        g_body = [=] { attn_combine_kernel<TO, TG, RG>(ws_o, ws_ml, splits, T, H, Hkv, D, gate, g_tok, g_head, out); };
+        g_body = [=] {                                                                                          \
+            attn_combine_kernel<TO, TG, RG>(ws_o, ws_ml, splits, T, H, Hkv, D, gate, g_tok, g_head, out,      \
+                                            (uint4*)q16);                                                      \
+        };
     AC(0, 0, 0)
     AC(1, 1, 0)
     AC(0, 0, 64)

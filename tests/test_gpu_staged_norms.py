@@ -126,10 +126,10 @@ def test_staged_step_matches_numpy_and_the_packed_step(pair, graphs: bool, monke
 
 
 @pytest.mark.parametrize("graphs", [False, True])
-def test_swiglu_staged_by_gate_up_is_the_same_step(pair, graphs: bool, monkeypatch) -> None:
-    """ffn_gate_up's ring staging SwiGLU for ffn_down (FUSE_SWIGLU_WIDTHS, here at every width it can run) gives the
-    same logits, bit for bit, as the gate|up product and the SwiGLU pack (with and without staged norms, eager and
-    captured), and within the tolerance of the NumPy engine."""
+def test_stagings_without_packs_are_the_same_step(pair, graphs: bool, monkeypatch) -> None:
+    """ffn_gate_up's ring staging SwiGLU for ffn_down (FUSE_SWIGLU_WIDTHS, here at every width it can run) and the
+    attention writing attn_output's staging (ATTN_STAGE_UP_TO) give the same logits, bit for bit, as the packs (with
+    and without staged norms, eager and captured), and within the tolerance of the NumPy engine."""
     cpu, gpu = pair
     monkeypatch.setattr(q35, "STAGE_UP_TO", {"post": 3, "next": 3})
     rng = np.random.default_rng(6)
@@ -139,8 +139,10 @@ def test_swiglu_staged_by_gate_up_is_the_same_step(pair, graphs: bool, monkeypat
     for stage in (True, False):
         monkeypatch.setattr(q35, "STAGE_NORMS", stage)
         monkeypatch.setattr(q35, "FUSE_SWIGLU_WIDTHS", (1, 2, 3))
+        monkeypatch.setattr(q35, "ATTN_STAGE_UP_TO", 3)
         fused = _run(gpu, ids, steps, graphs)
         monkeypatch.setattr(q35, "FUSE_SWIGLU_WIDTHS", ())
+        monkeypatch.setattr(q35, "ATTN_STAGE_UP_TO", 0)
         packed = _run(gpu, ids, steps, graphs)
         for i, (w, a, b) in enumerate(zip(want, fused, packed)):
             assert np.array_equal(a, b), (stage, i)

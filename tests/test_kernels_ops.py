@@ -30,6 +30,7 @@ import cupy  # noqa: E402
 from kernels import attention as at  # noqa: E402
 from kernels import norm_rope as nr  # noqa: E402
 from kernels import sampling as sp  # noqa: E402
+from tests.quant_twins import q16_twin  # noqa: E402
 from tests.tq3_check import check_tq3_bytes  # noqa: E402
 
 pytestmark = pytest.mark.gpu
@@ -206,8 +207,23 @@ def test_attention_qwen36_shape(kind: str, T: int) -> None:
     mask = cupy.asarray(at.tree_mask(parents))
     for splits in (None, 1, 5):
         out = cupy.full((T, H, D), np.nan, cupy.float32)
-        at.attention(cupy.asarray(q), cache, S, mask, splits=splits, out=out)
+        q16 = cupy.full(H * D // 256 * T * 160, 0xDEADBEEF, cupy.uint32)
+        at.attention(cupy.asarray(q), cache, S, mask, splits=splits, out=out, q16=q16)
         assert rel(host(out), ref) < ATTN_TOL, f"splits={splits}"
+        # the output projection's int16 staging, bitwise the pack's (of the fp16-rounded output)
+        assert np.array_equal(host(q16), q16_twin(host(out).reshape(T, H * D).astype(np.float16)))
+
+
+def test_attention_staging_refusals() -> None:
+    rng = np.random.default_rng(3)
+    cache, _, _ = make_cache("f16", 1, 64, 20, 1, rng)
+    q = cupy.asarray(rng.standard_normal((1, 2, 64)).astype(np.float32))
+    with pytest.raises(ValueError, match="H D of 256"):   # 2 heads of 64: half a chunk
+        at.attention(q, cache, 20, at.tree_mask([-1]), q16=cupy.empty(160, cupy.uint32))
+    cache, _, _ = make_cache("f16", 1, 128, 20, 1, rng)
+    q = cupy.asarray(rng.standard_normal((1, 2, 128)).astype(np.float32))
+    with pytest.raises(ValueError, match="160 words"):
+        at.attention(q, cache, 20, at.tree_mask([-1]), q16=cupy.empty(100, cupy.uint32))
 
 
 @pytest.mark.parametrize("kind,D,G,Hkv", [("f16", 64, 2, 2), ("q8_0", 128, 8, 1), ("f16", 128, 3, 2)])
@@ -405,8 +421,11 @@ def test_attention_tq3_0_qwen36_shape(kinds, T: int) -> None:
     mask = cupy.asarray(at.tree_mask(parents))
     for splits in (None, 1, 5):
         out = cupy.full((T, H, D), np.nan, cupy.float32)
-        at.attention(cupy.asarray(q), cache, S, mask, splits=splits, out=out)
+        q16 = cupy.full(H * D // 256 * T * 160, 0xDEADBEEF, cupy.uint32)
+        at.attention(cupy.asarray(q), cache, S, mask, splits=splits, out=out, q16=q16)
         assert rel(host(out), ref) < ATTN_TOL, f"splits={splits}"
+        # the output projection's int16 staging, bitwise the pack's (of the fp16-rounded output)
+        assert np.array_equal(host(q16), q16_twin(host(out).reshape(T, H * D).astype(np.float16)))
 
 
 TQ3_MIXED = [(("tq3_0", "tq3_0"), 64, 2, 2, 23), (("tq3_0", "f16"), 128, 3, 2, 16),

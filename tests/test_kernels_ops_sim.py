@@ -23,6 +23,7 @@ from kernels import attention as attn_mod
 from services.engine import kvcache, layers
 from services.engine.ddtree import topk_logprobs
 from services.engine.quants import legacy, tq3
+from tests.quant_twins import q16_twin
 from tests.tq3_check import check_tq3_bytes
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -45,7 +46,7 @@ SIGNATURES = {
     "sim_kv_store": [I, I, I, P, P, P, P, P, I, I, I, LL],
     "sim_kv_move_rows": [P, P, I, I, LL, P, P, P, I],
     "sim_attn_partial": [I, I, I, I, I, P, P, P, P, P, I, I, I, LL, F, P, P, I, I],
-    "sim_attn_combine": [I, I, I, P, P, I, I, I, I, I, P, LL, LL, P],
+    "sim_attn_combine": [I, I, I, P, P, I, I, I, I, I, P, LL, LL, P, P],
     "sim_argmax": [I, P, LL, I, I, I, I, P, P, P],
     "sim_topk": [I, I, P, LL, I, I, I, I, F, P, P, P, P, P],
     "sim_conv_rows": [I, P, LL, P, P, P, I, I, P, LL, P, LL],
@@ -339,15 +340,20 @@ def run_attention(lib, kv, D: int, tq: int, T: int, G: int, Hkv: int, S: int, pa
                                scale, ptr(ws_o), ptr(ws_ml), gx, splits)  # fmt: skip
     assert err == 0, f"simulation error (or no instance for K={kk} V={kv} D={D} tq={tq} KW={kw})"
     rg = attn_mod.tq3_group(D) if kv == 2 else 0
+    # where the shapes allow, the combine also writes the output projection's int16 staging of o (every word)
+    q16 = np.full(H * D // 256 * T * 160, 0xDEADBEEF, np.uint32) if D % 32 == 0 and H * D % 256 == 0 else None
     if gate_f16:
         gate = rng.standard_normal((T, H, 2 * D)).astype(np.float16)
         out = empty((T, H, D), 1)
         err = lib.sim_attn_combine(1, 1, rg, ptr(ws_o), ptr(ws_ml), parts, T, H, Hkv, D, ptr(gate[..., D:]),
-                                   H * 2 * D, 2 * D, ptr(out))  # fmt: skip
+                                   H * 2 * D, 2 * D, ptr(out), ptr(q16))  # fmt: skip
     else:
         out = empty((T, H, D), 0)
-        err = lib.sim_attn_combine(0, 0, rg, ptr(ws_o), ptr(ws_ml), parts, T, H, Hkv, D, None, 0, 0, ptr(out))
+        err = lib.sim_attn_combine(0, 0, rg, ptr(ws_o), ptr(ws_ml), parts, T, H, Hkv, D, None, 0, 0, ptr(out),
+                                   ptr(q16))  # fmt: skip
     assert err == 0
+    if q16 is not None:  # bitwise the pack's staging of the output (pack_x_kernel rounds it to fp16 first)
+        assert np.array_equal(q16, q16_twin(out.reshape(T, H * D).astype(np.float16)))
     visible = np.concatenate([np.ones((T, S), bool), layers.ancestor_matrix(np.asarray(parents))], axis=1)
     twin = kvcache.KVCache(twin_store(KV_NAMES[kk], stored(kc, rbk), S + T, Hkv, D),
                            twin_store(KV_NAMES[kv], stored(vc, rbv), S + T, Hkv, D))  # fmt: skip

@@ -210,6 +210,17 @@ class GpuStack:
         return side if rings else None
 
 
+def reads_staging(m: Any, tokens: int) -> bool:
+    """Whether a GpuMatrix's product at this width is a ring gemv reading x's int16 staging alone (so a kernel before
+    it may write kernels.quant_matmul.PackedX.q16 instead of a pack launch doing it)."""
+    from kernels import quant_matmul as qm
+
+    if not isinstance(m, GpuMatrix) or tokens > qm.Q16_TOKENS:
+        return False
+    q = m.upload().q
+    return q.kernel == "v2" and qm.quant_gemv.ring_takes(q.qtype, q.in_features, tokens, True)
+
+
 def can_fuse_swiglu(gate_up: Any, down: Any, tokens: int) -> bool:
     """Whether gate_up (a stacked [gate | up] GpuMatrix; a GpuStack cannot) stages SwiGLU for down (a GpuMatrix) at
     this width: kernels.quant_matmul.can_fuse_swiglu."""

@@ -64,7 +64,7 @@ from kernels import quant_matmul as qm
 from kernels import sampling as smp
 
 from .. import faults
-from ..backend import CupyBackend, can_fuse_swiglu, can_stage_norm
+from ..backend import CupyBackend, can_fuse_swiglu, can_stage_norm, reads_staging
 from ..config import ModelConfig
 from ..device_sampling import draw_rows
 from ..errors import ContextOverflowError, is_out_of_memory
@@ -103,6 +103,9 @@ STAGE_UP_TO = {"post": 2, "next": 3}
 # (bench/gemv_ab.py --step-ab swiglu; docs/gpu_quant_matmul.md "gemv: SwiGLU staged by gate|up"): 1.0025 / 0.980 /
 # 1.0055 at widths 1 / 2 / 3 with 3 ring stages (quant_gemv.SWIGLU_SHAPE), 1.0053 / 0.995 / 1.0016 with gate|up's 2.
 FUSE_SWIGLU_WIDTHS = (2,)
+# Steps of up to ATTN_STAGE_UP_TO tokens whose attn_output product is a ring gemv: the attention's combine kernel
+# also writes o's int16 staging for it (kernels.attention.attention(q16=)), so no pack launch runs between them.
+ATTN_STAGE_UP_TO = 3
 # A DeltaNet layer's conv, q/k norm and gates in one launch (deltanet.conv_qk_norm_gate: the same bits as the two
 # launches) in fused steps of FUSE_CONV_NORM_FROM..64 tokens; narrower ones: conv_silu then qk_norm_gate. H100, 27B
 # Q4_K_M step replays (bench/gemv_ab.py --step-ab convnorm): 1.0025 / 0.993 / 0.996 of the two launches at widths
@@ -1144,8 +1147,12 @@ class Qwen35GpuModel(TargetModel):
                                c.rms_eps)
         cache = state.kv[i]
         cache.store(k, v, state.s_len)
+        q16 = None  # o's int16 staging for attn_output, written by the attention itself
+        if (self.fused_launches and T <= min(ATTN_STAGE_UP_TO, ATTN_TOKENS)
+                and reads_staging(w["attn_output"], T) and (H * D) % 256 == 0 and D % 32 == 0):
+            q16 = self.be.xp.empty(qm.q16_words(H * D, T), self.be.xp.uint32)
         if T <= ATTN_TOKENS:
-            o = att.attention(q, cache, state.s_len, state.mask[:T], gate=gate, s_hint=step.s_hint)
+            o = att.attention(q, cache, state.s_len, state.mask[:T], gate=gate, s_hint=step.s_hint, q16=q16)
         elif step.is_chain:
             # a long chain (prefill): blocks of 64 queries, each sees every earlier row and its own prefix
             cp = self.be.xp
@@ -1156,7 +1163,8 @@ class Qwen35GpuModel(TargetModel):
                                            gate=gate[j:j + n])
         else:
             o = _tree_attention_fallback(q, cache, step, gate)
-        return self._out_proj(w["attn_output"], o.reshape(T, H * D), sink)
+        x = o.reshape(T, H * D) if q16 is None else qm.PackedX(None, T, H * D, q16=q16)
+        return self._out_proj(w["attn_output"], x, sink)
 
     def _deltanet(self, i: int, w: dict, h, state: GpuSequenceState, step: _Step, sink: tuple | None = None):
 
