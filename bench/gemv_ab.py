@@ -187,6 +187,9 @@ STEP_ABS = {
     # the attention's combine writing attn_output's int16 staging (qwen35_gpu.ATTN_STAGE_UP_TO) or a pack launch
     "attnstage": ([("pack", SMALL, 3, "capture", {"q35.ATTN_STAGE_UP_TO": 0}),
                    ("staged", SMALL, 3, "capture", {"q35.ATTN_STAGE_UP_TO": 3})], (1, 2, 3), [("staged", "pack")]),
+    # the DeltaNet walk loading its committed state before its grid dependency wait (deltanet.EARLY_STATE) or after
+    "dnearly": ([("after", SMALL, 3, "capture", {"dn.EARLY_STATE": False}),
+                 ("early", SMALL, 3, "capture", {"dn.EARLY_STATE": True})], (1, 2, 3), [("early", "after")]),
     "v2stages": ([("shipped", SMALL, 3, "capture", {}), ("v2 3 stages", SMALL, 3, "capture", {"qm.STAGES_V2": 3}),
                   ("v2 4 stages", SMALL, 3, "capture", {"qm.STAGES_V2": 4})], (8, 16, 23),
                  [("v2 3 stages", "shipped"), ("v2 4 stages", "shipped")]),
@@ -225,6 +228,7 @@ def step(cupy, qm, qg, path: str, context: int, ab: str = "ring") -> list[dict]:
                                                                                 "FUSE_SWIGLU_WIDTHS",
                                                                                 "ATTN_STAGE_UP_TO")})
     knobs_shipped["dn.CONV_NORM_WARPS"] = deltanet.CONV_NORM_WARPS
+    knobs_shipped["dn.EARLY_STATE"] = deltanet.EARLY_STATE
     dn_pdl_shipped, dn_source = (deltanet.PDL, deltanet.PDL_UP_TO), deltanet.SOURCE
     rows = []
     try:
@@ -241,7 +245,7 @@ def step(cupy, qm, qg, path: str, context: int, ab: str = "ring") -> list[dict]:
                     elif ab == "dnpdl":
                         deltanet.PDL, deltanet.PDL_UP_TO = flag, 64
                     elif ab in ("knobs", "v2stages", "packslices", "few", "few2", "stagenorms", "stagewhere",
-                                "convnorm", "swiglu", "attnstage"):
+                                "convnorm", "swiglu", "attnstage", "dnearly"):
                         set_knobs({**knobs_shipped, **flag})
                     elif ab == "dnsrc":
                         deltanet.SOURCE = dn_source if flag else os.environ["DN_BASE_SOURCE"]

@@ -709,12 +709,7 @@ __global__ void __launch_bounds__(128) gdr_tree_walk_kernel(
     const TIn* __restrict__ q, const TIn* __restrict__ k, i64 ld_qk, const TIn* __restrict__ v, i64 ld_v,
     const float* __restrict__ g, const float* __restrict__ beta, i64 ld_gb, int Hk, int Hv, int DV,
     const float* s0, const int* __restrict__ plan, const int* __restrict__ n_tokens, int t_max, int n_slots,
-    float* s_final, const int* __restrict__ swap, i64 alt, float* __restrict__ out, i64 ld_out) {
-    SS_PDL_ENTRY();
-    if (swap && *swap) {  // a ping-pong state after an odd number of chain commits: the halves trade roles
-        s0 += alt;
-        if (s_final) s_final -= alt;
-    }
+    float* s_final, const int* __restrict__ swap, i64 alt, float* __restrict__ out, i64 ld_out, int early) {
     typedef dn::Lanes<DK, CW> LN;
     constexpr int R = LN::R;
     typedef dn::Slot<TIn, DK, true> SL;
@@ -722,16 +717,29 @@ __global__ void __launch_bounds__(128) gdr_tree_walk_kernel(
     extern __shared__ uint4 dn_smem[];
     const LN ln(DV);
     const int lane = ln.lane, h = ln.h, col = ln.col, row0 = ln.row0;
+    SS_GRID_LAUNCH_DEPENDENTS();  // kernels/pdl.cuh: the per-layer chain launches early under PDL
     if (h >= Hv) return;
+    const i64 own = (i64)h * DK * DV + (i64)row0 * DV + col;  // this lane's first element in an (Hv, DK, DV)
+    float s[R];
+    auto load_committed = [&] {
+        if (swap && *swap) {  // a ping-pong state after an odd number of chain commits: the halves trade roles
+            s0 += alt;
+            if (s_final) s_final -= alt;
+        }
+        dn::load_rows(s, s0 + own, DV);
+    };
+    // early (the launcher: a launch captured into a step's graph): the committed state and swap come from launches
+    // before the graph, never from a kernel this one can overlap, so its load runs ahead of the grid dependency wait
+    // (under the conv and q/k norm launches before it)
+    if (early) load_committed();
+    SS_GRID_WAIT();
+    if (!early) load_committed();
     const int hk = h % Hk;
     const int T = dn::token_count(n_tokens, t_max);
-    const i64 own = (i64)h * DK * DV + (i64)row0 * DV + col;  // this lane's first element in an (Hv, DK, DV)
     char* ring = (char*)dn_smem + (i64)ln.warp * WS::bytes(n_slots, plan ? t_max : 0);
     float* stack = (float*)(ring + WS::RING);  // [slot][row][lane]: conflict-free
     int* pl = (int*)(ring + WS::RING + (i64)n_slots * WS::STATE);
 
-    float s[R];
-    dn::load_rows(s, s0 + own, DV);
     if (plan) {
         for (int i = lane; i < T; i += 32) pl[i] = plan[i];
         DN_SYNCWARP();

@@ -46,6 +46,9 @@ DEFAULT_DEPTH = 8  # tokens in flight in the tree step and the commit (docs/gpu_
 # (bench/gemv_ab.py --step-ab dnpdl): 1 token -1.7 / -1.8 %, 2 tokens -0.8 %, 3 +0.5 %, 4 +1.3 %, 23 +1.9 %.
 PDL = True
 PDL_UP_TO = 2
+# The tree walk's committed-state load ahead of its grid dependency wait (so it overlaps the conv and q/k norm
+# launches) where it is safe: PDL launches captured into a graph (gated_delta_tree).
+EARLY_STATE = True
 DEFAULT_WARPS = 2
 DEFAULT_COLS = 8  # state columns a warp owns; the tree step and commit_replay must agree (their sums' order)
 PLAN_MAX = 1024  # nodes of a planned tree walk (gdr_tree_plan_kernel packs an index in 16 bits)
@@ -517,15 +520,19 @@ def gated_delta_tree(
     if out.dtype != np.float32 or int(out.shape[0]) < t_max:
         raise ValueError(f"out must be float32 with at least {t_max} rows")
     n_slots = walk_stack_slots(t_max) if plan is not None else 0
-    kern = _fn(f"gdr_tree_walk_kernel<{_ctype(q.dtype, 'q')}, {dk}, {cw}, {depth}>", portable, pdl=t_max <= PDL_UP_TO)
+    pdl = t_max <= PDL_UP_TO
+    kern = _fn(f"gdr_tree_walk_kernel<{_ctype(q.dtype, 'q')}, {dk}, {cw}, {depth}>", portable, pdl=pdl)
     name = "gdr_tree_walk_kernel"
+    # the committed state loaded ahead of the grid dependency wait: only in a graph capture (the graph starts after
+    # every earlier launch, and nothing in a step writes a layer's committed state before its walk reads it)
+    early = int(EARLY_STATE and pdl and PDL and not portable and cupy.cuda.get_current_stream().is_capturing())
     smem = nw * walk_smem_bytes(dk, q.dtype.itemsize, cw, depth, n_slots, t_max if plan is not None else 0)
     _opt_in_smem(kern, name, smem)
     kern((hv * dv // (cw * nw),), (32 * nw,),
          (q, k, np.int64(ld_qk), v, np.int64(ld_v), g, beta, np.int64(hv), np.int32(hk), np.int32(hv), np.int32(dv), s0,
           _null() if plan is None else plan, _n_tokens(n_tokens, t_max), np.int32(t_max), np.int32(n_slots),
           _null() if final_state is None else final_state, _null() if swap is None else swap, np.int64(alt_off), out,
-          np.int64(ld_out)), shared_mem=smem)  # fmt: skip
+          np.int64(ld_out), np.int32(early)), shared_mem=smem)  # fmt: skip
     return out.reshape(int(out.shape[0]), hv, dv)
 
 

@@ -129,22 +129,24 @@ extern "C" int sim_plan(int gx, int block, const int* parents, const int* n_toke
 struct WalkArgs { const void* q; const void* k; i64 ld_qk; const void* v; i64 ld_v; const float* g;
                   const float* beta; i64 ld_gb; int Hk, Hv, DV; const float* s0; const int* plan;
                   const int* n_tokens; int t_max, n_slots; float* s_final; const int* swap; i64 alt; float* out;
-                  i64 ld_out; };
+                  i64 ld_out; int early; };
 static WalkArgs wa;
 template <typename TIn, int DK, int CW, int D>
 static void walk_lane() {
     gdr_tree_walk_kernel<TIn, DK, CW, D>((const TIn*)wa.q, (const TIn*)wa.k, wa.ld_qk, (const TIn*)wa.v, wa.ld_v,
                                          wa.g, wa.beta, wa.ld_gb, wa.Hk, wa.Hv, wa.DV, wa.s0, wa.plan, wa.n_tokens,
-                                         wa.t_max, wa.n_slots, wa.s_final, wa.swap, wa.alt, wa.out, wa.ld_out);
+                                         wa.t_max, wa.n_slots, wa.s_final, wa.swap, wa.alt, wa.out, wa.ld_out,
+                                         wa.early);
 }
 #define DN_PICK(F, dk_, cw_, d_) \
     if (dk == dk_ && cw == cw_ && depth == d_) fn = f16 ? F<u16, dk_, cw_, d_> : F<float, dk_, cw_, d_>;
 extern "C" int sim_tree_walk(int f16, int dk, int cw, int depth, int gx, int block, const void* q, const void* k,
                              i64 ld_qk, const void* v, i64 ld_v, const float* g, const float* beta, i64 ld_gb,
                              int Hk, int Hv, int DV, const float* s0, const int* plan, const int* n_tokens, int t_max,
-                             int n_slots, float* s_final, const int* swap, i64 alt, float* out, i64 ld_out) {
+                             int n_slots, float* s_final, const int* swap, i64 alt, float* out, i64 ld_out,
+                             int early) {
     wa = {q, k, ld_qk, v, ld_v, g, beta, ld_gb, Hk, Hv, DV, s0, plan, n_tokens, t_max, n_slots, s_final, swap, alt, out,
-          ld_out};
+          ld_out, early};
     Body fn = nullptr;
     DN_PICK(walk_lane, 128, 8, 8)
     DN_PICK(walk_lane, 128, 4, 8)

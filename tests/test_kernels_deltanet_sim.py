@@ -557,7 +557,7 @@ _SIGNATURES = {  # harness entry: leading (launch) parameters, then the kernel's
                       I64, P, P, I32, P, P, I64],
     "sim_plan": [I32, I32, P, P, I32, P],
     "sim_tree_walk": [I32, I32, I32, I32, I32, I32, P, P, I64, P, I64, P, P, I64, I32, I32, I32, P, P, P, I32, I32, P,
-                      P, I64, P, I64],
+                      P, I64, P, I64, I32],
     "sim_commit_replay": [I32, I32, I32, I32, I32, I32, I32, P, P, I64, I64, P, P, I64, I64, I32, I32, I32, P, I64, P,
                           P, I32, P, I64],
     "sim_conv_commit": [I32, I32, I32, I32, P, I64, P, I64, I64, P, P, I32, I32],
@@ -622,7 +622,9 @@ class SimCupy:
     float32, float16, int32, uint16, uint8, uint64 = np.float32, np.float16, np.int32, np.uint16, np.uint8, np.uint64
     ndarray = SimArray
     cuda = SimpleNamespace(runtime=SimpleNamespace(getDevice=lambda: 0), alloc_pinned_memory=bytearray,
-                           Device=lambda *a: SimpleNamespace(id=0))
+                           Device=lambda *a: SimpleNamespace(id=0),
+                           get_current_stream=lambda: SimpleNamespace(is_capturing=lambda: SimCupy.capturing))
+    capturing = False  # what the stream answers (a test sets it to launch as a graph capture would)
 
     def zeros(self, shape, dtype=np.float32) -> SimArray:
         a = self.empty(shape, dtype)
@@ -703,6 +705,40 @@ def test_conv_qk_norm_gate_is_the_two_launches(xp, dk: int, f16: bool, chain: bo
 @pytest.mark.parametrize("depth", [2, 8])
 def test_chain_updates_state_in_place(xp, depth: int) -> None:
     check_chain_in_place(xp, np.random.default_rng(7), 9, 2, 4, 128, 32, depth)
+
+
+@pytest.mark.parametrize("swapped", [0, 1])
+def test_walk_loads_the_state_early_only_in_a_capture(xp, monkeypatch, swapped: int) -> None:
+    """A one- or two-token chain on a ping-pong state: launched inside a graph capture the walk loads the committed
+    state before its grid dependency wait (`early`), elsewhere after it; outputs and the final state are the same,
+    and the committed half is the one swap names (against the float64 twin)."""
+    from kernels import deltanet as dn
+
+    rng = np.random.default_rng(31 + swapped)
+    Hk, Hv, dk, dv = 2, 4, 128, 32
+    seen = []
+    call = SimKernel.__call__
+
+    def record(self, grid, block, args, shared_mem=0):
+        if self.fn is xp.lib.sim_tree_walk:
+            seen.append(int(args[-1]))
+        return call(self, grid, block, args, shared_mem)
+
+    monkeypatch.setattr(SimKernel, "__call__", record)
+    for T in (1, 2):
+        q, k, v, g, beta, s0 = tree_inputs(T, Hk, Hv, dk, dv, rng)
+        got = []
+        for capturing in (False, True):
+            monkeypatch.setattr(SimCupy, "capturing", capturing)
+            pair = xp.asarray(np.stack([s0, s0 * -0.5]) if not swapped else np.stack([s0 * -0.5, s0]))
+            swap = xp.asarray(np.array([swapped], np.int32))
+            out = dn.gated_delta_tree(xp.asarray(q), xp.asarray(k), xp.asarray(v), xp.asarray(g), xp.asarray(beta),
+                                      pair[0], final_state=pair[1], alt=pair[1], swap=swap)  # fmt: skip
+            got.append((xp.asnumpy(out).copy(), xp.asnumpy(pair).copy()))
+        assert seen[-2:] == [0, 1]
+        assert np.array_equal(got[0][0], got[1][0]) and np.array_equal(got[0][1], got[1][1])
+        ref_out, _ = tree_twin(q, k, v, g, beta, s0, np.arange(-1, T - 1), Hk, dk)
+        assert rel_max(got[0][0], ref_out) < TOL_RULE
 
 
 def test_corrupt_device_parent_lists_stay_in_bounds(xp) -> None:
