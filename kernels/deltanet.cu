@@ -405,24 +405,49 @@ DN_DEV float conv_silu_of(const float (&wk)[KW], const float (&v)[KW]) {
     return silu(acc);
 }
 
+// What a conv thread reads that was committed before the step: its channel's weights and, for its first token
+// (t = blockIdx.y), that token's taps in the committed window (src < 0); the kernels load it ahead of the grid
+// dependency wait when the launcher says `early` (a PDL launch captured into a step's graph, as the tree walk's
+// state: the window and the parent list come from before the graph).
+template <int KW>
+struct ConvPre {
+    float wk[KW], v[KW];
+    int src[KW];
+    DN_MEM void load(const float* __restrict__ w, const float* __restrict__ window, const int* __restrict__ parents,
+                     int c, int C) {
+        if (c >= C) return;
+#pragma unroll
+        for (int k = 0; k < KW; ++k) wk[k] = w[(i64)c * KW + k];
+        conv_taps<KW>(parents, (int)blockIdx.y, src);
+#pragma unroll
+        for (int k = 0; k < KW; ++k)
+            if (src[k] < 0) v[k] = window[(i64)(-1 - src[k]) * C + c];
+    }
+};
+
 template <typename TIn, int KW, bool ROWS>
 DN_DEV void conv_silu_body(const TIn* __restrict__ raw, i64 ld_raw, const float* __restrict__ window,
-                           const float* __restrict__ w, const int* __restrict__ parents,
-                           const int* __restrict__ n_tokens, int t_max, int C, float* __restrict__ out, i64 ld_out,
-                           float* __restrict__ rows_out, i64 ld_rows) {
+                           const int* __restrict__ parents, const int* __restrict__ n_tokens, int t_max, int C,
+                           float* __restrict__ out, i64 ld_out, float* __restrict__ rows_out, i64 ld_rows,
+                           const ConvPre<KW>& pre) {
     const int c = blockIdx.x * blockDim.x + threadIdx.x;
     if (c >= C) return;
     const int T = token_count(n_tokens, t_max);
-    float wk[KW];
-#pragma unroll
-    for (int k = 0; k < KW; ++k) wk[k] = w[(i64)c * KW + k];
     for (int t = blockIdx.y; t < T; t += gridDim.y) {
         int src[KW];
-        conv_taps<KW>(parents, t, src);
         float v[KW];
-        conv_loads<TIn, KW>(raw, ld_raw, window, src, c, C, v);
+        if (t == (int)blockIdx.y) {  // the first token: its window taps are loaded (pre), its raw ones now
+#pragma unroll
+            for (int k = 0; k < KW; ++k) {
+                src[k] = pre.src[k];
+                v[k] = src[k] >= 0 ? load1(raw + (i64)src[k] * ld_raw + c) : pre.v[k];
+            }
+        } else {
+            conv_taps<KW>(parents, t, src);
+            conv_loads<TIn, KW>(raw, ld_raw, window, src, c, C, v);
+        }
         if constexpr (ROWS) rows_out[(i64)t * ld_rows + c] = v[KW - 1];  // the token's own row, once per (t, c)
-        out[(i64)t * ld_out + c] = conv_silu_of<KW>(wk, v);
+        out[(i64)t * ld_out + c] = conv_silu_of<KW>(pre.wk, v);
     }
 }
 }  // namespace dn
@@ -431,19 +456,30 @@ template <typename TIn, int KW>
 __global__ void conv_silu_kernel(const TIn* __restrict__ raw, i64 ld_raw, const float* __restrict__ window,
                                  const float* __restrict__ w, const int* __restrict__ parents,
                                  const int* __restrict__ n_tokens, int t_max, int C, float* __restrict__ out,
-                                 i64 ld_out) {
-    SS_PDL_ENTRY();  // kernels/pdl.cuh: the per-layer chain launches early under PDL and waits here for its inputs
-    dn::conv_silu_body<TIn, KW, false>(raw, ld_raw, window, w, parents, n_tokens, t_max, C, out, ld_out, nullptr, 0);
+                                 i64 ld_out, int early) {
+    SS_GRID_LAUNCH_DEPENDENTS();  // kernels/pdl.cuh: the per-layer chain launches early under PDL
+    const int c = blockIdx.x * blockDim.x + threadIdx.x;
+    dn::ConvPre<KW> pre;
+    if (early) pre.load(w, window, parents, c, C);
+    SS_GRID_WAIT();  // the raw rows come from the input projection
+    if (!early) pre.load(w, window, parents, c, C);
+    dn::conv_silu_body<TIn, KW, false>(raw, ld_raw, window, parents, n_tokens, t_max, C, out, ld_out, nullptr, 0,
+                                       pre);
 }
 
 template <typename TIn, int KW>
 __global__ void conv_silu_rows_kernel(const TIn* __restrict__ raw, i64 ld_raw, const float* __restrict__ window,
                                       const float* __restrict__ w, const int* __restrict__ parents,
                                       const int* __restrict__ n_tokens, int t_max, int C, float* __restrict__ out,
-                                      i64 ld_out, float* __restrict__ rows_out, i64 ld_rows) {
-    SS_PDL_ENTRY();
-    dn::conv_silu_body<TIn, KW, true>(raw, ld_raw, window, w, parents, n_tokens, t_max, C, out, ld_out, rows_out,
-                                      ld_rows);
+                                      i64 ld_out, float* __restrict__ rows_out, i64 ld_rows, int early) {
+    SS_GRID_LAUNCH_DEPENDENTS();
+    const int c = blockIdx.x * blockDim.x + threadIdx.x;
+    dn::ConvPre<KW> pre;
+    if (early) pre.load(w, window, parents, c, C);
+    SS_GRID_WAIT();
+    if (!early) pre.load(w, window, parents, c, C);
+    dn::conv_silu_body<TIn, KW, true>(raw, ld_raw, window, parents, n_tokens, t_max, C, out, ld_out, rows_out,
+                                      ld_rows, pre);
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -46,8 +46,8 @@ DEFAULT_DEPTH = 8  # tokens in flight in the tree step and the commit (docs/gpu_
 # (bench/gemv_ab.py --step-ab dnpdl): 1 token -1.7 / -1.8 %, 2 tokens -0.8 %, 3 +0.5 %, 4 +1.3 %, 23 +1.9 %.
 PDL = True
 PDL_UP_TO = 2
-# The tree walk's committed-state load ahead of its grid dependency wait (so it overlaps the conv and q/k norm
-# launches) where it is safe: PDL launches captured into a graph (gated_delta_tree).
+# The tree walk's committed-state load and the conv's window taps and weights ahead of their grid dependency waits
+# (so they overlap the launches before them) where it is safe: PDL launches captured into a graph (_early).
 EARLY_STATE = True
 DEFAULT_WARPS = 2
 DEFAULT_COLS = 8  # state columns a warp owns; the tree step and commit_replay must agree (their sums' order)
@@ -302,12 +302,22 @@ def conv_silu(
     grid = ((c + 127) // 128, max(1, min(t_max, MAX_GRID_Y)))
     args = (raw, np.int64(ld_raw), window, weight, _parents_arg(parents, t_max), _n_tokens(n_tokens, t_max),
             np.int32(t_max), np.int32(c), out, np.int64(ld_out))  # fmt: skip
+    pdl = t_max <= PDL_UP_TO
+    early = np.int32(_early(pdl, portable))  # the window and weights ahead of the grid wait (ConvPre)
     if rows_out is None:
-        _fn(f"conv_silu_kernel<{_ctype(raw.dtype, 'raw')}, {kw}>", portable, pdl=t_max <= PDL_UP_TO)(grid, (128,), args)
+        _fn(f"conv_silu_kernel<{_ctype(raw.dtype, 'raw')}, {kw}>", portable, pdl=pdl)(grid, (128,), (*args, early))
         return out
-    kern = _fn(f"conv_silu_rows_kernel<{_ctype(raw.dtype, 'raw')}, {kw}>", portable, pdl=t_max <= PDL_UP_TO)
-    kern(grid, (128,), (*args, rows_out, np.int64(ld_rows)))
+    kern = _fn(f"conv_silu_rows_kernel<{_ctype(raw.dtype, 'raw')}, {kw}>", portable, pdl=pdl)
+    kern(grid, (128,), (*args, rows_out, np.int64(ld_rows), early))
     return out
+
+
+def _early(pdl: bool, portable: bool) -> bool:
+    """Whether a chain kernel launched now may load what was committed before the step (a walk's state, a conv's
+    window) ahead of its grid dependency wait: a PDL launch captured into a graph, which starts only after every
+    earlier launch, and in whose step nothing writes those before the kernel reads them (EARLY_STATE)."""
+    return bool(EARLY_STATE and pdl and PDL and not portable
+                and loader.require().cuda.get_current_stream().is_capturing())
 
 
 # ---------------------------------------------------------------------------------------------- norm + gates
@@ -523,9 +533,7 @@ def gated_delta_tree(
     pdl = t_max <= PDL_UP_TO
     kern = _fn(f"gdr_tree_walk_kernel<{_ctype(q.dtype, 'q')}, {dk}, {cw}, {depth}>", portable, pdl=pdl)
     name = "gdr_tree_walk_kernel"
-    # the committed state loaded ahead of the grid dependency wait: only in a graph capture (the graph starts after
-    # every earlier launch, and nothing in a step writes a layer's committed state before its walk reads it)
-    early = int(EARLY_STATE and pdl and PDL and not portable and cupy.cuda.get_current_stream().is_capturing())
+    early = int(_early(pdl, portable))  # the committed state ahead of the grid dependency wait
     smem = nw * walk_smem_bytes(dk, q.dtype.itemsize, cw, depth, n_slots, t_max if plan is not None else 0)
     _opt_in_smem(kern, name, smem)
     kern((hv * dv // (cw * nw),), (32 * nw,),

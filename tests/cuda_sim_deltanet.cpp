@@ -48,17 +48,17 @@ static sim_dim3 g2(int gx, int gy) { return {(unsigned)gx, (unsigned)gy, 1}; }
 
 // ---- conv
 struct ConvArgs { const void* raw; i64 ld_raw; const float* window; const float* w; const int* parents;
-                  const int* n_tokens; int t_max, C; float* out; i64 ld_out; };
+                  const int* n_tokens; int t_max, C; float* out; i64 ld_out; int early; };
 static ConvArgs ca;
 template <typename TIn>
 static void conv_lane() {
     conv_silu_kernel<TIn, 4>((const TIn*)ca.raw, ca.ld_raw, ca.window, ca.w, ca.parents, ca.n_tokens, ca.t_max,
-                             ca.C, ca.out, ca.ld_out);
+                             ca.C, ca.out, ca.ld_out, ca.early);
 }
 extern "C" int sim_conv(int f16, int gx, int gy, int block, const void* raw, i64 ld_raw, const float* window,
                         const float* w, const int* parents, const int* n_tokens, int t_max, int C, float* out,
-                        i64 ld_out) {
-    ca = {raw, ld_raw, window, w, parents, n_tokens, t_max, C, out, ld_out};
+                        i64 ld_out, int early) {
+    ca = {raw, ld_raw, window, w, parents, n_tokens, t_max, C, out, ld_out, early};
     return launch(g2(gx, gy), block, f16 ? conv_lane<u16> : conv_lane<float>);
 }
 

@@ -551,7 +551,7 @@ pytestmark = pytest.mark.skipif(
 
 P, I64, I32, F32 = ctypes.c_void_p, ctypes.c_longlong, ctypes.c_int, ctypes.c_float
 _SIGNATURES = {  # harness entry: leading (launch) parameters, then the kernel's own
-    "sim_conv": [I32, I32, I32, I32, P, I64, P, P, P, P, I32, I32, P, I64],
+    "sim_conv": [I32, I32, I32, I32, P, I64, P, P, P, P, I32, I32, P, I64, I32],
     "sim_norm": [I32, I32, I32, I32, I32, P, I64, I32, F32, F32, P, P, I64, P, P, I32, P, P, I64, P, I32],
     "sim_conv_norm": [I32, I32, I32, I32, I32, I32, P, I64, P, P, P, P, I32, I32, P, I64, P, I64, I32, F32, F32, P, P,
                       I64, P, P, I32, P, P, I64],
@@ -688,6 +688,40 @@ def xp(sim_lib, monkeypatch):
 @pytest.mark.parametrize("T,f16,chain", [(1, False, False), (7, True, False), (23, False, False), (5, False, True)])
 def test_conv_follows_parent_chains(xp, T: int, f16: bool, chain: bool) -> None:
     check_conv(xp, np.random.default_rng(T + 10 * f16), T, 200, f16, chain)  # C not a multiple of the block
+
+
+@pytest.mark.parametrize("T,chain", [(1, True), (2, False)])
+def test_conv_loads_the_window_early_in_a_capture(xp, monkeypatch, T: int, chain: bool) -> None:
+    """Launched inside a graph capture at up to PDL_UP_TO tokens, the conv loads its weights and first token's
+    window taps before its grid dependency wait (`early`); the outputs still match the twin."""
+    seen = []
+    call = SimKernel.__call__
+
+    def record(self, grid, block, args, shared_mem=0):
+        if self.fn is xp.lib.sim_conv:
+            seen.append(int(args[-1]))
+        return call(self, grid, block, args, shared_mem)
+
+    monkeypatch.setattr(SimKernel, "__call__", record)
+    from kernels import deltanet as dn
+
+    rng = np.random.default_rng(40 + T)
+    C = 200  # not a multiple of the block: idle threads load nothing
+    parents = np.arange(-1, T - 1, dtype=np.int32) if chain else np.array([-1, -1][:T], np.int32)
+    raw = rng.standard_normal((T, C)).astype(np.float32)
+    window = rng.standard_normal((KW - 1, C)).astype(np.float32)
+    w = (rng.standard_normal((C, KW)) * 0.5).astype(np.float32)
+    got = []
+    for capturing in (False, True):
+        monkeypatch.setattr(SimCupy, "capturing", capturing)
+        out = dn.conv_silu(xp.asarray(raw), xp.asarray(window), xp.asarray(w),
+                           parents=None if chain else xp.asarray(parents))
+        got.append(xp.asnumpy(out).copy())
+    assert seen == [0, 1]
+    assert np.array_equal(got[0], got[1])
+    ref = layers.causal_conv(window.astype(np.float64), raw.astype(np.float64), w.astype(np.float64),
+                             layers.conv_window_ids(parents, KW))  # fmt: skip
+    assert rel_max(got[1], ref) < TOL
 
 
 @pytest.mark.parametrize("dk,f16", [(128, False), (64, True)])
