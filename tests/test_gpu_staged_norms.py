@@ -82,6 +82,12 @@ def _run(model, ids: list[int], steps: list[int], graphs: bool) -> list[np.ndarr
     return out
 
 
+def _tokens(seed: int) -> tuple[list[int], list[int]]:
+    """A 40-token prompt and the tokens of WIDTHS' steps."""
+    rng = np.random.default_rng(seed)
+    return [int(t) for t in rng.integers(0, 400, 40)], [int(t) for t in rng.integers(0, 400, sum(WIDTHS))]
+
+
 def _rel(a: np.ndarray, b: np.ndarray) -> float:
     return float(np.max(np.abs(a - b)) / np.std(b))
 
@@ -111,9 +117,7 @@ def test_every_boundary_stages_at_narrow_widths(pair, monkeypatch) -> None:
 def test_staged_step_matches_numpy_and_the_packed_step(pair, graphs: bool, monkeypatch) -> None:
     cpu, gpu = pair
     monkeypatch.setattr(q35, "STAGE_UP_TO", {"post": 3, "next": 3})
-    rng = np.random.default_rng(5)
-    ids = [int(t) for t in rng.integers(0, 400, 40)]
-    steps = [int(t) for t in rng.integers(0, 400, sum(WIDTHS))]
+    ids, steps = _tokens(5)
     want = _run(cpu, ids, steps, graphs)
     staged = _run(gpu, ids, steps, graphs)
     monkeypatch.setattr(q35, "STAGE_NORMS", False)
@@ -132,9 +136,7 @@ def test_stagings_without_packs_are_the_same_step(pair, graphs: bool, monkeypatc
     and without staged norms, eager and captured), and within the tolerance of the NumPy engine."""
     cpu, gpu = pair
     monkeypatch.setattr(q35, "STAGE_UP_TO", {"post": 3, "next": 3})
-    rng = np.random.default_rng(6)
-    ids = [int(t) for t in rng.integers(0, 400, 40)]
-    steps = [int(t) for t in rng.integers(0, 400, sum(WIDTHS))]
+    ids, steps = _tokens(6)
     want = _run(cpu, ids, steps, graphs)
     for stage in (True, False):
         monkeypatch.setattr(q35, "STAGE_NORMS", stage)

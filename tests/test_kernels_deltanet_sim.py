@@ -690,19 +690,25 @@ def test_conv_follows_parent_chains(xp, T: int, f16: bool, chain: bool) -> None:
     check_conv(xp, np.random.default_rng(T + 10 * f16), T, 200, f16, chain)  # C not a multiple of the block
 
 
-@pytest.mark.parametrize("T,chain", [(1, True), (2, False)])
-def test_conv_loads_the_window_early_in_a_capture(xp, monkeypatch, T: int, chain: bool) -> None:
-    """Launched inside a graph capture at up to PDL_UP_TO tokens, the conv loads its weights and first token's
-    window taps before its grid dependency wait (`early`); the outputs still match the twin."""
-    seen = []
+def record_last_arg(monkeypatch, entry) -> list[int]:
+    """The last argument (a kernel's `early`) of every simulated launch through the harness entry `entry`."""
+    seen: list[int] = []
     call = SimKernel.__call__
 
     def record(self, grid, block, args, shared_mem=0):
-        if self.fn is xp.lib.sim_conv:
+        if self.fn is entry:
             seen.append(int(args[-1]))
         return call(self, grid, block, args, shared_mem)
 
     monkeypatch.setattr(SimKernel, "__call__", record)
+    return seen
+
+
+@pytest.mark.parametrize("T,chain", [(1, True), (2, False)])
+def test_conv_loads_the_window_early_in_a_capture(xp, monkeypatch, T: int, chain: bool) -> None:
+    """Launched inside a graph capture at up to PDL_UP_TO tokens, the conv loads its weights and first token's
+    window taps before its grid dependency wait (`early`); the outputs still match the twin."""
+    seen = record_last_arg(monkeypatch, xp.lib.sim_conv)
     from kernels import deltanet as dn
 
     rng = np.random.default_rng(40 + T)
@@ -750,15 +756,7 @@ def test_walk_loads_the_state_early_only_in_a_capture(xp, monkeypatch, swapped: 
 
     rng = np.random.default_rng(31 + swapped)
     Hk, Hv, dk, dv = 2, 4, 128, 32
-    seen = []
-    call = SimKernel.__call__
-
-    def record(self, grid, block, args, shared_mem=0):
-        if self.fn is xp.lib.sim_tree_walk:
-            seen.append(int(args[-1]))
-        return call(self, grid, block, args, shared_mem)
-
-    monkeypatch.setattr(SimKernel, "__call__", record)
+    seen = record_last_arg(monkeypatch, xp.lib.sim_tree_walk)
     for T in (1, 2):
         q, k, v, g, beta, s0 = tree_inputs(T, Hk, Hv, dk, dv, rng)
         got = []
