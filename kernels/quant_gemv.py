@@ -502,9 +502,9 @@ SWIGLU_SHAPE: dict[int, tuple[int, int]] = {2: (0, 3)}
 def swiglu_shape(qtype: int, n_out: int, k: int, tokens: int, sms: int | None = None) -> tuple[int, int] | None:
     """(k_warps, stages) of gemv_swiglu on a stacked [gate | up] matrix of n_out rows, or None where it cannot run:
     gate|up's own ring launch's (ring_shape: so gate and up are bitwise what that launch writes) unless SWIGLU_SHAPE
-    says; the warps must stage a 16-value group per (row, token) of a tile (_stages_with's rule
-    on the F = n_out / 2 outputs), and x comes with its int16 staging (up to quant_matmul.Q16_TOKENS tokens). sms:
-    the device's SM count (None: the current device's)."""
+    says; the warps must stage a 16-value group per (row, token) of a tile (_stages_with's rule on the F = n_out / 2
+    outputs), and x comes with its int16 staging (up to quant_matmul.Q16_TOKENS tokens). sms: the device's SM count
+    (None: the current device's)."""
     if n_out % 2 or not ring_usable(qtype, k, True) or not 1 <= tokens <= qm.Q16_TOKENS:
         return None
     kw, stages = ring_shape(qtype, n_out, k, tokens, qm.sm_count() if sms is None else sms)

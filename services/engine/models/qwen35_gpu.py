@@ -104,7 +104,9 @@ STAGE_UP_TO = {"post": 2, "next": 3}
 # 1.0055 at widths 1 / 2 / 3 with 3 ring stages (quant_gemv.SWIGLU_SHAPE), 1.0053 / 0.995 / 1.0016 with gate|up's 2.
 FUSE_SWIGLU_WIDTHS = (2,)
 # Steps of up to ATTN_STAGE_UP_TO tokens whose attn_output product is a ring gemv: the attention's combine kernel
-# also writes o's int16 staging for it (kernels.attention.attention(q16=)), so no pack launch runs between them.
+# also writes o's int16 staging for it (kernels.attention.attention(q16=)), so no pack launch runs between them;
+# bitwise the same step. H100, 27B Q4_K_M step replays (bench/gemv_ab.py --step-ab attnstage): 0.9996 / 0.9986 /
+# 0.9992 of the pack at widths 1 / 2 / 3.
 ATTN_STAGE_UP_TO = 3
 # A DeltaNet layer's conv, q/k norm and gates in one launch (deltanet.conv_qk_norm_gate: the same bits as the two
 # launches) in fused steps of FUSE_CONV_NORM_FROM..64 tokens; narrower ones: conv_silu then qk_norm_gate. H100, 27B
