@@ -341,15 +341,16 @@ extern "C" int sim_qmv_acc(int qt, int nt, int mt, int kw, const unsigned char* 
 
 #if OPS_FAMILY == 5
 // conv_silu_rows_kernel<f32 | f16, 4>: the conv and the raw rows copied to rows_out in one launch.
+// early: the kernel's weights and window loads before its grid dependency wait (a no-op here: the same results)
 extern "C" int sim_conv_rows(int f16, const void* raw, long long ld_raw, const float* window, const float* w,
                              const int* parents, int t_max, int C, float* out, long long ld_out, float* rows_out,
-                             long long ld_rows) {
+                             long long ld_rows, int early) {
     if (f16)
         g_body = [=] { conv_silu_rows_kernel<u16, 4>((const u16*)raw, ld_raw, window, w, parents, nullptr, t_max, C,
-                                                     out, ld_out, rows_out, ld_rows); };
+                                                     out, ld_out, rows_out, ld_rows, early); };
     else
         g_body = [=] { conv_silu_rows_kernel<float, 4>((const float*)raw, ld_raw, window, w, parents, nullptr, t_max,
-                                                       C, out, ld_out, rows_out, ld_rows); };
+                                                       C, out, ld_out, rows_out, ld_rows, early); };
     return launch((C + 127) / 128, t_max, 1, 128);
 }
 #endif

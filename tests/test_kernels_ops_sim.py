@@ -49,7 +49,7 @@ SIGNATURES = {
     "sim_attn_combine": [I, I, I, P, P, I, I, I, I, I, P, LL, LL, P, P],
     "sim_argmax": [I, P, LL, I, I, I, I, P, P, P],
     "sim_topk": [I, I, P, LL, I, I, I, I, F, P, P, P, P, P],
-    "sim_conv_rows": [I, P, LL, P, P, P, I, I, P, LL, P, LL],
+    "sim_conv_rows": [I, P, LL, P, P, P, I, I, P, LL, P, LL, I],
 }
 
 
@@ -547,7 +547,7 @@ def test_conv_rows_writes_the_raw_rows(dn_lib, f16: int, parents) -> None:
     out = empty((T, C), 0)
     rows = empty((T, C), 0)
     err = lib.sim_conv_rows(f16, ptr(proj), C + 56, ptr(window), ptr(w), None if parents is None else ptr(par), T, C,
-                            ptr(out), C, ptr(rows), C)  # fmt: skip
+                            ptr(out), C, ptr(rows), C, f16)  # fmt: skip (early with f16: both orders run)
     assert err == 0
     assert np.array_equal(rows, proj[:, :C].astype(np.float32))  # exactly the rows, as float32
     raw = proj[:, :C].astype(np.float64)
