@@ -190,6 +190,11 @@ STEP_ABS = {
     # the DeltaNet walk loading its committed state before its grid dependency wait (deltanet.EARLY_STATE) or after
     "dnearly": ([("after", SMALL, 3, "capture", {"dn.EARLY_STATE": False}),
                  ("early", SMALL, 3, "capture", {"dn.EARLY_STATE": True})], (1, 2, 3), [("early", "after")]),
+    # an attention layer's chain (q/k norm + RoPE, KV store, partial, combine) under PDL (norm_rope.PDL) or not
+    "attnpdl": ([("plain", SMALL, 3, "capture", {"nr.PDL": False}),
+                 ("pdl", SMALL, 3, "capture", {"nr.PDL": True, "att.PARTIAL_PDL": True}),
+                 ("pdl but partial", SMALL, 3, "capture", {"nr.PDL": True, "att.PARTIAL_PDL": False})], (1, 2),
+                [("pdl", "plain"), ("pdl but partial", "plain")]),
     "v2stages": ([("shipped", SMALL, 3, "capture", {}), ("v2 3 stages", SMALL, 3, "capture", {"qm.STAGES_V2": 3}),
                   ("v2 4 stages", SMALL, 3, "capture", {"qm.STAGES_V2": 4})], (8, 16, 23),
                  [("v2 3 stages", "shipped"), ("v2 4 stages", "shipped")]),
@@ -208,7 +213,7 @@ def step(cupy, qm, qg, path: str, context: int, ab: str = "ring") -> list[dict]:
     t0 = time.time()
     model, state, rng = model_at_context(path, context)
     print(f"step: loaded {path} and its context in {time.time() - t0:.0f} s", flush=True)
-    from kernels import deltanet, quant_wide
+    from kernels import attention, deltanet, norm_rope, quant_wide
     from services.engine import backend
 
     shipped, q16_shipped, pdl_env = dict(qg.RING_UP_TO), qm.Q16_TOKENS, os.environ.get(loader.PDL_ENV)
@@ -217,7 +222,8 @@ def step(cupy, qm, qg, path: str, context: int, ab: str = "ring") -> list[dict]:
 
     def set_knobs(knobs: dict) -> None:   # "NAME": quant_gemv's, "qm.NAME": quant_matmul's, "q35.NAME": the model's
         for name, value in knobs.items():
-            mod = {"qm": qm, "q35": q35, "dn": deltanet}.get(name.split(".")[0], qg) if "." in name else qg
+            mod = {"qm": qm, "q35": q35, "dn": deltanet, "nr": norm_rope, "att": attention}.get(
+                name.split(".")[0], qg) if "." in name else qg
             setattr(mod, name.split(".")[-1], value)
 
     knobs_shipped = {name: getattr(qg, name) for name in ("RING_FEW_TILES", "RING_FEW_SHAPE", "RING_STAGES",
@@ -229,6 +235,8 @@ def step(cupy, qm, qg, path: str, context: int, ab: str = "ring") -> list[dict]:
                                                                                 "ATTN_STAGE_UP_TO")})
     knobs_shipped["dn.CONV_NORM_WARPS"] = deltanet.CONV_NORM_WARPS
     knobs_shipped["dn.EARLY_STATE"] = deltanet.EARLY_STATE
+    knobs_shipped["nr.PDL"] = norm_rope.PDL
+    knobs_shipped["att.PARTIAL_PDL"] = attention.PARTIAL_PDL
     dn_pdl_shipped, dn_source = (deltanet.PDL, deltanet.PDL_UP_TO), deltanet.SOURCE
     rows = []
     try:
@@ -245,7 +253,7 @@ def step(cupy, qm, qg, path: str, context: int, ab: str = "ring") -> list[dict]:
                     elif ab == "dnpdl":
                         deltanet.PDL, deltanet.PDL_UP_TO = flag, 64
                     elif ab in ("knobs", "v2stages", "packslices", "few", "few2", "stagenorms", "stagewhere",
-                                "convnorm", "swiglu", "attnstage", "dnearly"):
+                                "convnorm", "swiglu", "attnstage", "dnearly", "attnpdl"):
                         set_knobs({**knobs_shipped, **flag})
                     elif ab == "dnsrc":
                         deltanet.SOURCE = dn_source if flag else os.environ["DN_BASE_SOURCE"]

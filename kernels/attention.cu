@@ -50,6 +50,7 @@ typedef long long i64;
 #define SS_DEV static __device__ __forceinline__
 #define SS_SOFT static __device__ __noinline__
 #include "xq16.cuh"
+#include "pdl.cuh"
 
 #if SS_HIP
 #define SS_SHFL(v, src) __shfl((v), (src), 32)
@@ -535,6 +536,7 @@ __global__ __launch_bounds__(256) void kv_store_kernel(const void* __restrict__ 
                                                        u8* __restrict__ kc, u8* __restrict__ vc,
                                                        const int* __restrict__ s_len, int T, int Hkv, int D,
                                                        i64 ctx) {
+    SS_PDL_ENTRY();  // kernels/pdl.cuh: a narrow step's attention chain launches early under PDL, waits here
     const i64 S = s_len[0];
     const i64 per_k = (i64)T * Hkv * store_units_per_row<KK>(D), per_v = (i64)T * Hkv * store_units_per_row<KV>(D);
     for (i64 u = (i64)blockIdx.x * blockDim.x + threadIdx.x; u < per_k + per_v; u += (i64)gridDim.x * blockDim.x) {
@@ -550,6 +552,7 @@ __global__ __launch_bounds__(128, 2) void attn_partial_kernel(
     const void* __restrict__ q, const u8* __restrict__ kc, const u8* __restrict__ vc, const int* __restrict__ s_len,
     const u64* __restrict__ mask, int T, int H, int Hkv, i64 ctx, float scale_log2, float* __restrict__ ws_o,
     float* __restrict__ ws_ml) {
+    SS_PDL_ENTRY();
     using namespace ssa;
     using L = Layout<KK, KV, D>;
     extern __shared__ uint4 ssa_smem[];
@@ -981,6 +984,7 @@ __global__ __launch_bounds__(256) void attn_combine_kernel(const float* __restri
                                                            int H, int Hkv, int D, const void* __restrict__ gate,
                                                            i64 g_tok, i64 g_head, void* __restrict__ out,
                                                            uint4* __restrict__ q16) {
+    SS_PDL_ENTRY();
     using namespace ssa;
     static __shared__ float wsh[MAX_SPLITS];
     static __shared__ float red[2][8];

@@ -30,7 +30,7 @@ from typing import Any
 
 import numpy as np
 
-from . import loader
+from . import loader, norm_rope
 from .norm_rope import NULL, as_device, out_code, type_code
 
 SOURCE = "attention.cu"
@@ -39,6 +39,11 @@ MAXW = 4  # warps per block (ssa::MAXW)
 QPAD = 8  # ssa::QPAD
 MAX_SPLITS = 1024  # ssa::MAX_SPLITS (the combine kernel's shared weights)
 MAX_TOKENS = 64  # the ancestor mask is one uint64 per token
+# The partial attention under PDL with the rest of the chain (norm_rope.PDL_UP_TO). H100, 27B Q4_K_M step replays
+# (bench/gemv_ab.py --step-ab attnpdl) against no PDL in the chain: with it 1.0042 / 0.9951 at widths 1 / 2, without
+# it (the q/k norm, the store and the combine only) 0.9964 / 0.9963: its early blocks (two a SM, large shared memory)
+# wait beside the products' ring blocks.
+PARTIAL_PDL = False
 HEAD_DIMS = (64, 128, 256)
 KINDS = {"f16": 0, "q8_0": 1, "tq3_0": 2}
 
@@ -154,9 +159,9 @@ class KVCacheLayer:
     def nbytes(self) -> int:
         return int(self.k.nbytes + self.v.nbytes)
 
-    def store(self, k: Any, v: Any, s_len: Any) -> None:
+    def store(self, k: Any, v: Any, s_len: Any, *, portable: bool = False) -> None:
         """Write k, v [T, Hkv, D] (f32/f16/bf16) to rows s_len[0] + t (rows past the cache are dropped; check
-        S + T <= max_ctx before the call, the device cannot raise)."""
+        S + T <= max_ctx before the call, the device cannot raise). portable: the build without inline PTX."""
         k, v = as_device(k), as_device(v)
         shape = (int(k.shape[0]), self.n_kv_heads, self.head_dim) if k.ndim == 3 else None
         if shape is None or tuple(k.shape) != shape or tuple(v.shape) != shape or k.dtype != v.dtype:
@@ -167,7 +172,10 @@ class KVCacheLayer:
         ti = type_code(k)
         T = shape[0]
         units = T * self.n_kv_heads * sum(_store_units(c, self.head_dim) for c in (self.code, self.code_v))
-        kern = loader.get_function(SOURCE, f"kv_store_kernel<{self.code}, {self.code_v}, {ti}>")
+        # under PDL in narrow steps: a link of the attention layer's chain (norm_rope.PDL_UP_TO)
+        kern = loader.get_function(SOURCE, f"kv_store_kernel<{self.code}, {self.code_v}, {ti}>",
+                                   ("SPECSPLIT_PORTABLE",) if portable else (),
+                                   pdl=norm_rope.PDL and T <= norm_rope.PDL_UP_TO and not portable)
         kern(
             (max(1, min((units + 255) // 256, 65535)),),
             (256,),
@@ -390,7 +398,9 @@ def attention(
         raise ValueError(f"out must be a contiguous {np.dtype(odt)} array of shape {(T, H, D)}")
 
     defines = ("SPECSPLIT_PORTABLE",) if portable else ()
-    kern = loader.get_function(SOURCE, f"attn_partial_kernel<{cache.code}, {cache.code_v}, {D}, {tq}, {kw}>", defines)
+    chain = norm_rope.PDL and T <= norm_rope.PDL_UP_TO  # PDL: the attention layer's chain in a narrow step
+    kern = loader.get_function(SOURCE, f"attn_partial_kernel<{cache.code}, {cache.code_v}, {D}, {tq}, {kw}>", defines,
+                               pdl=chain and PARTIAL_PDL and not portable)
     smem = smem_bytes(cache.kind, D, kw, cache.kind_v)
     key = (cache.code, cache.code_v, D, tq, kw, defines, int(cupy.cuda.runtime.getDevice()))
     if smem > 48 * 1024 and key not in _smem_set:
@@ -416,7 +426,7 @@ def attention(
     else:
         tg, g_tok, g_head = 0, 0, 0
     rg = tq3_group(D) if cache.kind_v == "tq3_0" else 0  # TQ3_0 V: the combine inverse-rotates the output
-    comb = loader.get_function(SOURCE, f"attn_combine_kernel<{to}, {tg}, {rg}>", defines)
+    comb = loader.get_function(SOURCE, f"attn_combine_kernel<{to}, {tg}, {rg}>", defines, pdl=chain and not portable)
     comb(
         (H * T,),
         (D,),

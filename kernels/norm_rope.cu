@@ -31,6 +31,7 @@ typedef long long i64;
 #endif
 
 #define SS_DEV static __device__ __forceinline__
+#include "pdl.cuh"
 
 #if SS_HIP
 #define SS_SYNCWARP()                    \
@@ -177,6 +178,7 @@ __global__ __launch_bounds__(128) void head_norm_kernel(
     const void* __restrict__ x1, i64 x1_tok, i64 x1_head, int H1, const float* __restrict__ w1, void* __restrict__ y1,
     int T, const void* __restrict__ z, const int* __restrict__ pos, const float* __restrict__ inv_freq, int n_rot,
     float eps) {
+    SS_PDL_ENTRY();  // kernels/pdl.cuh: a narrow step's attention chain launches early under PDL, waits here
     using namespace ssn;
     constexpr int V = D / 32;  // values per lane: d = lane + 32 * m
     static __shared__ float buf[HEAD_WARPS][D];

@@ -28,6 +28,13 @@ from . import loader
 SOURCE = "norm_rope.cu"
 NORM_THREADS = 256  # rms_norm_kernel block (ssn::NORM_THREADS)
 HEAD_WARPS = 4  # head_norm_kernel rows per block (ssn::HEAD_WARPS)
+# Programmatic dependent launch (kernels/pdl.cuh, loader.get_function's pdl; SPECSPLIT_PDL) for an attention layer's
+# chain in steps of up to PDL_UP_TO tokens: qk_norm_rope here, then kernels/attention.py's KV store and combine (the
+# partial attention: attention.PARTIAL_PDL). Each waits for its inputs first thing, so inside a captured step it
+# starts as the kernel before it drains. H100, 27B Q4_K_M step replays (bench/gemv_ab.py --step-ab attnpdl): 0.9964 /
+# 0.9963 of the chain without PDL at widths 1 / 2.
+PDL = True
+PDL_UP_TO = 2
 MAX_HEAD_DIM = 256
 BF16 = "bfloat16"
 NULL = np.uint64(0)  # a null pointer kernel argument
@@ -169,9 +176,11 @@ def qk_norm_rope(
     out_dtype: Any = None,
     q_out: Any = None,
     k_out: Any = None,
+    portable: bool = False,
 ) -> tuple[Any, Any]:
     """rope_neox(rms_norm(q, q_w), pos) and the same for k, in one launch. q: [T, H, D], k: [T, Hkv, D]
-    (strided views allowed); pos: int32 [T] (device buffer for graphs). k=None: q only (returns (q', None))."""
+    (strided views allowed); pos: int32 [T] (device buffer for graphs). k=None: q only (returns (q', None)).
+    portable: the build without inline PTX (the HIP / fallback path)."""
     q, T, H, D, q_tok, q_head = _head_view(q, "q")
     tq = type_code(q)
     if k is not None:
@@ -187,7 +196,8 @@ def qk_norm_rope(
     to, odt = out_code(out_dtype, tq)
     q_out = _out(q_out, (T, H, D), odt, "q_out")
     k_out = _out(k_out, (T, Hk, D), odt, "k_out") if k is not None else None
-    kern = loader.get_function(SOURCE, f"head_norm_kernel<{tq}, {to}, {D}, 0>")
+    kern = loader.get_function(SOURCE, f"head_norm_kernel<{tq}, {to}, {D}, 0>",
+                               ("SPECSPLIT_PORTABLE",) if portable else (), pdl=PDL and T <= PDL_UP_TO and not portable)
     rows = T * (H + Hk)
     kern(
         ((rows + HEAD_WARPS - 1) // HEAD_WARPS,),
