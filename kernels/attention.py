@@ -330,6 +330,12 @@ def make_workspace(n_head: int, tokens: int, head_dim: int, splits: int) -> tupl
             cupy.empty((splits, n_head * tokens, 2), dtype=cupy.float32))  # fmt: skip
 
 
+def stages_output(n_head: int, head_dim: int) -> bool:
+    """Whether attention(q16=) can write o's int16 staging for this head shape: a 16-value group in 16 lanes of a
+    warp of the combine's D threads (D a multiple of 32) and whole 256-value chunks of H D."""
+    return head_dim % 32 == 0 and (n_head * head_dim) % 256 == 0
+
+
 def attention(
     q: Any,
     cache: KVCacheLayer,
@@ -376,7 +382,7 @@ def attention(
     to, odt = out_code(out_dtype, 0)
     if q16 is not None:
         words = -(-H * D // 256) * T * 160
-        if D % 32 or (H * D) % 256 or to == 2:
+        if not stages_output(H, D) or to == 2:
             raise ValueError(f"o's int16 staging takes D a multiple of 32, H D of 256 and an f32 / f16 output, not "
                              f"D = {D}, H D = {H * D}, {np.dtype(odt)}")
         if q16.dtype != np.uint32 or int(q16.size) != words or not q16.flags.c_contiguous:

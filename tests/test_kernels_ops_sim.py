@@ -553,3 +553,12 @@ def test_conv_rows_writes_the_raw_rows(dn_lib, f16: int, parents) -> None:
     raw = proj[:, :C].astype(np.float64)
     ref = layers.causal_conv(window.astype(np.float64), raw, w.astype(np.float64), layers.conv_window_ids(par, K))
     assert rel(out, ref) < 1e-5
+
+
+def test_which_head_shapes_stage_the_output() -> None:
+    """attention(q16=)'s rule (the model asks it before giving the combine a staging buffer): whole warps per head
+    and whole 256-value chunks of the heads together."""
+    assert attn_mod.stages_output(24, 256)        # the 27B's gated attention
+    assert attn_mod.stages_output(4, 128) and attn_mod.stages_output(8, 32)
+    assert not attn_mod.stages_output(2, 64)      # 128 values: half a chunk
+    assert not attn_mod.stages_output(16, 48)     # a head is not whole warps

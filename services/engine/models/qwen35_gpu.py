@@ -1066,7 +1066,8 @@ class Qwen35GpuModel(TargetModel):
         staged path would add into in place."""
         key = (T, logits == "all" or T == 1, logits != "none", STAGE_NORMS, tuple(sorted(STAGE_UP_TO.items())),
                self.fused_launches, qm.Q16_TOKENS, tuple(sorted(qm.quant_gemv.RING_UP_TO.items())),
-               tuple(FUSE_SWIGLU_WIDTHS))  # (the knobs a bench may turn between steps)
+               tuple(FUSE_SWIGLU_WIDTHS), tuple(sorted(qm.quant_gemv.SWIGLU_SHAPE.items())))  # (the knobs a bench
+        # may turn between steps; SWIGLU_SHAPE's warps decide whether the SwiGLU ring can stage)
         plans = self._norm_plans
         if key not in plans:
             n = len(self.layers)
@@ -1151,7 +1152,7 @@ class Qwen35GpuModel(TargetModel):
         cache.store(k, v, state.s_len)
         q16 = None  # o's int16 staging for attn_output, written by the attention itself
         if (self.fused_launches and T <= min(ATTN_STAGE_UP_TO, ATTN_TOKENS)
-                and reads_staging(w["attn_output"], T) and (H * D) % 256 == 0 and D % 32 == 0):
+                and reads_staging(w["attn_output"], T) and att.stages_output(H, D)):
             q16 = self.be.xp.empty(qm.q16_words(H * D, T), self.be.xp.uint32)
         if T <= ATTN_TOKENS:
             o = att.attention(q, cache, state.s_len, state.mask[:T], gate=gate, s_hint=step.s_hint, q16=q16)
