@@ -1540,6 +1540,25 @@ SS_DEV float ld_partial(const float* p) {
 #endif
 }
 
+// Lane 0 counts its warp's stored piece in on the row block's counter; returns the pieces counted before it (`last`:
+// the count the final piece sees). sm_80+: the add releases the warp's stores (every lane's, ordered before it by the
+// warp barrier) at GPU scope, and only the last arriver, which reads the other pieces, pays an acquire fence (a
+// __threadfence() on either side of the add cost the split launches 5-8 % of their warp time in Nsight Compute).
+// Elsewhere the caller fenced every lane's stores first, and the add is followed by a full fence.
+SS_DEV unsigned int count_in(unsigned int* counter, unsigned int last) {
+#if SS_PTX
+    unsigned int old;
+    asm volatile("atom.release.gpu.global.add.u32 %0, [%1], 1;\n" : "=r"(old) : "l"(counter) : "memory");
+    if (old == last) asm volatile("fence.acq_rel.gpu;\n" ::: "memory");
+    return old;
+#else
+    const unsigned int old = atomicAdd(counter, 1u);
+    __threadfence();  // (last warp) the others' sums are read after their arrivals were seen
+    (void)last;
+    return old;
+#endif
+}
+
 // acc += this warp's MT tiles of one chunk times all TPAD tokens. wst: the warp's first tile block in the stage
 // (tiles BLK bytes apart); xs: the chunk's packed x in the stage; C: the chunk's length (256, or a F16 / Q8_0 tail).
 template <int QT, int NT, int MT>
@@ -1700,44 +1719,46 @@ __global__ void SS_BOUNDS(256, 1) qmw_kernel(const u8* __restrict__ W, long long
 #endif
         }
     };
-    for (int i = 0; i < stages - 1; ++i) issue(i);
+    // Under SS_BULK one thread issues the copies, so only warp 0 walks the issue bookkeeping; elsewhere every
+    // thread copies a share of each item.
+    const bool issuer = !SS_BULK || warp == 0;
+    if (issuer)
+        for (int i = 0; i < stages - 1; ++i) issue(i);
 
-    float acc[MT][NT][4];
-    int rb = (int)(i0 / nch), ch = (int)(i0 - (i64)rb * nch) - 1;  // the item being computed
-    int cs = 0, cround = 0;  // its stage (idx % stages) and round (idx / stages)
-    for (int idx = 0; idx < n_items; ++idx) {
-        if (++ch == nch) {
-            ch = 0;
-            ++rb;
-        }
-        if (idx == 0 || ch == 0) {
+    int rb = (int)(i0 / nch), ch0 = (int)(i0 - (i64)rb * nch);  // the row block being computed, its first chunk here
+    int cs = 0, cround = 0;  // the stage of the item being computed (idx % stages) and its round (idx / stages)
+    for (int idx = 0; idx < n_items; ++rb, ch0 = 0) {
+        // this block's piece of row block rb: chunks ch0 .. ch0 + seg - 1, accumulated from zero
+        const int seg = imin(nch - ch0, n_items - idx);
+        const bool busy = (rb * RT + warp * MT) < ntiles;  // (a warp past the last tile only keeps pace)
+        float acc[MT][NT][4];
 #pragma unroll
-            for (int mt = 0; mt < MT; ++mt)
+        for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
-                for (int nt = 0; nt < NT; ++nt)
+            for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
-                    for (int i = 0; i < 4; ++i) acc[mt][nt][i] = 0.f;
-        }
-        issue(idx + stages - 1);  // into the stage item idx - 1 used
-        const int s = cs;
+                for (int i = 0; i < 4; ++i) acc[mt][nt][i] = 0.f;
+        for (int c = 0; c < seg; ++c, ++idx) {
+            if (issuer) issue(idx + stages - 1);  // into the stage item idx - 1 used
+            const int s = cs;
 #if SS_BULK
-        mbar_wait_s(full_s + 8u * (u32)s, (u32)cround & 1u);
+            mbar_wait_s(full_s + 8u * (u32)s, (u32)cround & 1u);
 #else
-        cp_async_wait_keep(stages - 1);
-        __syncthreads();  // every thread's pieces of item idx have landed
+            cp_async_wait_keep(stages - 1);
+            __syncthreads();  // every thread's pieces of item idx have landed
 #endif
-        const u8* const stage = smem + s * SB;
-        if ((rb * RT + warp * MT) < ntiles)  // (a warp past the last tile only keeps pace)
-            wide_chunk<QT, NT, MT>(acc, stage + XB + warp * MT * BLK, (const uint4*)stage, imin(CHUNK, K - ch * CHUNK),
-                                   g, t, lk);
+            const u8* const stage = smem + s * SB;
+            // K-quant rows are whole 256-value super-blocks: only F16 / Q8_0 have a shorter last chunk
+            const int C = (QT == 12 || QT == 14) ? CHUNK : imin(CHUNK, K - (ch0 + c) * CHUNK);
+            if (busy) wide_chunk<QT, NT, MT>(acc, stage + XB + warp * MT * BLK, (const uint4*)stage, C, g, t, lk);
 #if SS_BULK
-        __syncwarp();
-        if (lane == 0) mbar_arrive_s(empty_s + 8u * (u32)s);  // this warp is done with the stage
+            __syncwarp();
+            if (lane == 0) mbar_arrive_s(empty_s + 8u * (u32)s);  // this warp is done with the stage
 #else
-        __syncthreads();  // everyone is done with the stage before it is refilled
+            __syncthreads();  // everyone is done with the stage before it is refilled
 #endif
-        if (++cs == stages) cs = 0, ++cround;
-        if (ch != nch - 1 && idx != n_items - 1) continue;
+            if (++cs == stages) cs = 0, ++cround;
+        }
 
         // the end of this block's piece of row block rb
         const i64 first = (i64)rb * nch;
@@ -1752,16 +1773,16 @@ __global__ void SS_BOUNDS(256, 1) qmw_kernel(const u8* __restrict__ W, long long
                 for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
                     for (int i = 0; i < 4; ++i) mine[((mt * NT + nt) * 4 + i) * 32] = acc[mt][nt][i];
-            __threadfence();  // the sums are visible device-wide before this warp's arrival is counted
-            __syncwarp();
+#if !SS_PTX
+            __threadfence();  // every lane's sums are visible device-wide (the PTX path releases them with the count)
+#endif
+            SS_SYNCWARP();  // every lane's sums are stored before lane 0 counts the warp in
             unsigned int ticket = 0u;
-            if (lane == 0) {
-                ticket = atomicAdd(counters + (i64)rb * WM + warp, 1u);
-                __threadfence();  // (last warp) the others' sums are read after their arrivals were seen
-            }
+            if (lane == 0) ticket = count_in(counters + (i64)rb * WM + warp, (unsigned int)(lb - fb));
             ticket = SS_SHFL(ticket, 0);
             writer = ticket == (unsigned int)(lb - fb);
             if (writer) {  // the pieces in block order (this warp's own too, as stored): deterministic
+                SS_SYNCWARP();  // the lanes read after lane 0's acquire
 #pragma unroll
                 for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
