@@ -6,7 +6,8 @@ different row tiles and walk the same K chunks; per chunk the block stages x for
 next to the weight tiles, so x is read from L2 once per block instead of once per warp; the (row block, chunk) work
 is split evenly over the blocks (stream-K), and row blocks shared by several blocks are added up in a fixed order
 through the split scratch of kernels/quant_gemv.py: deterministic. `QuantMatrix.matmul` takes this kernel from
-`CROSSOVER[qtype]` tokens (`DEEP_CROSSOVER` on deep, `TALL_CROSSOVER` on very tall matrices: prefer_wide). Design
+`CROSSOVER[qtype]` tokens (`DEEP_CROSSOVER` on deep, `TALL_CROSSOVER` on very tall, `HIGH_CROSSOVER` on other high
+matrices: prefer_wide). Design
 and numbers: docs/gpu_quant_matmul.md ("wide").
 """
 
@@ -56,6 +57,12 @@ CROSSOVER = {1: 17, 8: 25, 12: 25, 14: 25}  # F16, Q8_0, Q4_K, Q6_K
 DEEP_CROSSOVER = {12: 24, 14: 17}  # Q4_K, Q6_K (F16 / Q8_0: no sweep yet)
 TALL_CROSSOVER = {12: 9, 14: 9}  # tall matrices (a type missing: DEEP_CROSSOVER)
 TALL_ROWS = 65536  # a matrix of this many rows or more is "tall"
+# High (HIGH_ROWS rows or more, neither deep nor tall: the 27B's stacked ffn_gate|up of 34816 rows and the DeltaNet
+# input stack of 16480) from 17 tokens, since the wide kernel's bookkeeping and split fences went (3c57947): Q4_K
+# ffn_up 30.6 vs v2 31.1 us at 23 tokens (29.3 vs 28.8 at 16), and the 27B step (graph replay, H100, 2026-11-27)
+# -2.5 / -2.3 / -2.4 % at widths 17 / 20 / 23; Q4_K's deep matrices from 17 as well gave back a third of that.
+HIGH_CROSSOVER = {12: 17, 14: 17}  # (a type missing: CROSSOVER)
+HIGH_ROWS = 16384
 # Default launch shape (choose_config): m16 tiles per warp, warps per block, copy stages by token tiles, with as
 # many blocks per SM as fit. The sweep's best shapes were nearly all 1 tile x 4 warps (64 rows per block): more,
 # smaller blocks per SM hide the dequantization of one behind another's copies better than 8 warps x 2 tiles (the
@@ -114,13 +121,16 @@ def scratch_floats(blocks: int, n_tiles: int, m_tiles: int, warps: int) -> int:
 def prefer_wide(qtype: int, tokens: int, n_out: int = 0, k: int = 0) -> bool:
     """matmul()'s choice for an n_out x k matrix in the v2 layout above gemv's widths: this kernel from
     CROSSOVER[qtype] tokens, from TALL_CROSSOVER[qtype] on a tall matrix (n_out >= TALL_ROWS), from
-    DEEP_CROSSOVER[qtype] on a deep one (k >= 2 n_out) (shape unknown, 0: the CROSSOVER)."""
+    DEEP_CROSSOVER[qtype] on a deep one (k >= 2 n_out), from HIGH_CROSSOVER[qtype] on another of HIGH_ROWS rows or
+    more (shape unknown, 0: the CROSSOVER)."""
     qtype = int(qtype)
     first = CROSSOVER.get(qtype, MAX_TOKENS + 1)
     if n_out > 0 and (k >= 2 * n_out or n_out >= TALL_ROWS):
         first = DEEP_CROSSOVER.get(qtype, first)
         if n_out >= TALL_ROWS:
             first = TALL_CROSSOVER.get(qtype, first)
+    elif n_out >= HIGH_ROWS:
+        first = HIGH_CROSSOVER.get(qtype, first)
     return first <= tokens <= MAX_TOKENS
 
 
