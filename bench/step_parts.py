@@ -9,6 +9,11 @@ gate|up or the down product alone, the mixers' products, their input or output p
 its replay time, the weight bytes it streams and the fraction of the copy roofline (bytes / copy bandwidth / time);
 a part's products are its time less its packs' share. H100 results: docs/gpu_quant_matmul.md, "gemv: few row tiles
 a SM" (the step's parts).
+
+The parts are rebuilt the way session 13's step ran: a pack launch before every product. Since then the step stages
+its norms in the products that write and read the residual stream (qwen35_gpu STAGE_NORMS), gate|up stages SwiGLU at
+two tokens and the attention's combine stages attn_output's input, so "step" here is faster than "products + packs"
+by those packs; the products' own rows still measure what they did.
 """
 
 from __future__ import annotations
