@@ -11,9 +11,9 @@ a part's products are its time less its packs' share. H100 results: docs/gpu_qua
 a SM" (the step's parts).
 
 The parts are rebuilt the way session 13's step ran: a pack launch before every product. Since then the step stages
-its norms in the products that write and read the residual stream (qwen35_gpu STAGE_NORMS), gate|up stages SwiGLU at
-two tokens and the attention's combine stages attn_output's input, so "step" here is faster than "products + packs"
-by those packs; the products' own rows still measure what they did.
+its norms in the products that write and read the residual stream (qwen35_gpu STAGE_NORMS) and the attention's
+combine stages attn_output's input (ATTN_STAGE_UP_TO), so "step" here runs without those packs while "products +
+packs" keeps them; the products' own rows still measure what they did.
 """
 
 from __future__ import annotations
