@@ -321,8 +321,8 @@ def test_dispatch_widths() -> None:
         for shape in ((5120, 6144), (12288, 5120), (16383, 5120), (8192, 16383)):  # the projections: CROSSOVER
             assert not qw.prefer_wide(q, qw.CROSSOVER[q] - 1, *shape) and qw.prefer_wide(q, qw.CROSSOVER[q], *shape)
         high_first = qw.HIGH_CROSSOVER.get(q, qw.CROSSOVER[q])
+        assert qg.CROSSOVER[q] < high_first <= qw.CROSSOVER[q]
         for shape in ((34816, 5120), (17408, 5120), (16384, 5120), (65535, 5120)):  # gate|up, ffn_up: HIGH_CROSSOVER
-            assert qg.CROSSOVER[q] < high_first <= qw.CROSSOVER[q]
             assert not qw.prefer_wide(q, high_first - 1, *shape) and qw.prefer_wide(q, high_first, *shape)
     # H100 2026-11-26: v2 up to 24 tokens on ffn_up / ssm_out; the wide kernel from 9 on the K-quants' output matrix;
     # on ffn_down from 24 (Q4_K) / 17 (Q6_K) since v2 lost its per-load index math (from 9 before); F16 from 17

@@ -596,7 +596,7 @@ def gpu_draft_scratch(cfg: ModelConfig, d: DrafterShape, sms: int, rows: int = G
 def split_scratch_need(shapes: Iterable[tuple[int, int, int]], sms: int) -> tuple[int, int]:
     """(partial floats, counters) of kernels/quant_gemv.split_scratch that one launch on these matrices ((storage
     type, rows, in) as the GPU holds them) takes at most: the wide kernel's stream-K partials at every width it is
-    dispatched at for that matrix (quant_wide.prefer_wide: from its crossover, a deep or tall matrix's own, to 64
+    dispatched at for that matrix (quant_wide.prefer_wide: from its crossover, a deep, tall or high one's own, to 64
     tokens: verify steps, drafter appends, and the 64-token slices of every prefill chunk), split-K gemv's where
     SPLIT_UP_TO dispatches it."""
     return _split_need(frozenset(shapes), int(sms))
