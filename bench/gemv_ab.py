@@ -195,6 +195,9 @@ STEP_ABS = {
                  ("pdl", SMALL, 3, "capture", {"nr.PDL": True, "att.PARTIAL_PDL": True}),
                  ("pdl but partial", SMALL, 3, "capture", {"nr.PDL": True, "att.PARTIAL_PDL": False})], (1, 2),
                 [("pdl", "plain"), ("pdl but partial", "plain")]),
+    # a decode token's DeltaNet layer in one launch (qwen35_gpu.FUSE_DECODE_STEP: deltanet.decode_step) or three
+    "dndecode": ([("three", SMALL, 3, "capture", {"q35.FUSE_DECODE_STEP": False}),
+                  ("one", SMALL, 3, "capture", {"q35.FUSE_DECODE_STEP": True})], (1,), [("one", "three")]),
     "v2stages": ([("shipped", SMALL, 3, "capture", {}), ("v2 3 stages", SMALL, 3, "capture", {"qm.STAGES_V2": 3}),
                   ("v2 4 stages", SMALL, 3, "capture", {"qm.STAGES_V2": 4})], (8, 16, 23),
                  [("v2 3 stages", "shipped"), ("v2 4 stages", "shipped")]),
@@ -232,7 +235,8 @@ def step(cupy, qm, qg, path: str, context: int, ab: str = "ring") -> list[dict]:
     knobs_shipped.update({f"q35.{name}": getattr(q35, name) for name in ("STAGE_NORMS", "STAGE_UP_TO",
                                                                                 "FUSE_CONV_NORM_FROM",
                                                                                 "FUSE_SWIGLU_WIDTHS",
-                                                                                "ATTN_STAGE_UP_TO")})
+                                                                                "ATTN_STAGE_UP_TO",
+                                                                                "FUSE_DECODE_STEP")})
     knobs_shipped["dn.CONV_NORM_WARPS"] = deltanet.CONV_NORM_WARPS
     knobs_shipped["dn.EARLY_STATE"] = deltanet.EARLY_STATE
     knobs_shipped["nr.PDL"] = norm_rope.PDL
@@ -253,7 +257,7 @@ def step(cupy, qm, qg, path: str, context: int, ab: str = "ring") -> list[dict]:
                     elif ab == "dnpdl":
                         deltanet.PDL, deltanet.PDL_UP_TO = flag, 64
                     elif ab in ("knobs", "v2stages", "packslices", "few", "few2", "stagenorms", "stagewhere",
-                                "convnorm", "swiglu", "attnstage", "dnearly", "attnpdl"):
+                                "convnorm", "swiglu", "attnstage", "dnearly", "attnpdl", "dndecode"):
                         set_knobs({**knobs_shipped, **flag})
                     elif ab == "dnsrc":
                         deltanet.SOURCE = dn_source if flag else os.environ["DN_BASE_SOURCE"]

@@ -838,6 +838,103 @@ __global__ void __launch_bounds__(128) gdr_tree_walk_kernel(
 }
 
 // ---------------------------------------------------------------------------------------------
+// One decode token of a DeltaNet layer in one launch: the conv + SiLU of its qkv row, the q / k l2 norms, the gates
+// and the state update (conv_silu_rows_kernel, qk_norm_gate_kernel and gdr_tree_walk_kernel on a one-token chain,
+// bit for bit: the same functions in the same order). Block = NW >= 2 warps on NW * CW columns of value head h
+// (the walk's Lanes layout; grid = Hv * DV / (NW * CW)); every block computes the conv of its key head's q and k
+// channels and of its own v columns (a key head's q and k are recomputed by each of its value heads' blocks: the
+// price of two kernel boundaries fewer), warp 0 / 1 normalise q / k, then each lane updates its state rows.
+// raw: the token's qkv projection row (C = 2 Hk DK + Hv DV channels: q heads, k heads, v heads); window (KW - 1, C)
+// and w (C, KW) as conv_silu_kernel's; rows_out (C) f32 or null receives the raw row (the commit's conv window
+// reads it), each channel written by one block; alpha, b: the token's Hv gate projections; s0 / s_final / swap /
+// alt / out as gdr_tree_walk_kernel's for a chain of one token; early: the state, conv weights and window taps are
+// read before the grid dependency wait (a PDL launch captured into a graph). Dynamic shared memory: (2 DK + NW CW +
+// 2) floats.
+template <typename TIn, int DK, int CW, int KW>
+__global__ void __launch_bounds__(128) gdr_decode_kernel(
+    const TIn* __restrict__ raw, const float* __restrict__ window, const float* __restrict__ w,
+    float* __restrict__ rows_out, const TIn* __restrict__ alpha, const TIn* __restrict__ b,
+    const float* __restrict__ ssm_a, const float* __restrict__ dt_bias, int Hk, int Hv, int DV, int C, float q_scale,
+    float eps, const float* s0, float* s_final, const int* __restrict__ swap, i64 alt, float* __restrict__ out,
+    int early) {
+    typedef dn::Lanes<DK, CW> LN;
+    constexpr int R = LN::R;
+    constexpr int PER = DK / 32;
+    constexpr int MAXS = 2 * DK / 64 + 1;  // conv channels a thread takes (NW >= 2 warps, CW <= 32 columns a warp)
+    extern __shared__ uint4 dn_smem[];
+    float* const xs = (float*)dn_smem;  // q then k of the key head (2 DK), the block's v columns, g, beta
+    const LN ln(DV);
+    const int lane = ln.lane, h = ln.h, col = ln.col, row0 = ln.row0;
+    const int tid = (int)threadIdx.x, nthr = (int)blockDim.x, ncols = nthr / 32 * CW;
+    SS_GRID_LAUNCH_DEPENDENTS();  // kernels/pdl.cuh
+    if (h >= Hv) return;  // (the whole block)
+    const int hk = h % Hk, col0 = col - ln.warp * CW - lane % CW;  // the block's first column
+    const int n_ch = 2 * DK + ncols;
+    // channel of conv slot i: q channels of key head hk, its k channels, the block's v columns
+    auto channel = [&](int i) {
+        return i < DK ? hk * DK + i : i < 2 * DK ? Hk * DK + hk * DK + i - DK : 2 * Hk * DK + h * DV + col0 + i - 2 * DK;
+    };
+    float s[R];
+    float wk[MAXS][KW], tap[MAXS][KW];
+    auto load_committed = [&] {
+        if (swap && *swap) {  // the ping-pong halves trade roles (gdr_tree_walk_kernel)
+            s0 += alt;
+            if (s_final) s_final -= alt;
+        }
+        dn::load_rows(s, s0 + (i64)h * DK * DV + (i64)row0 * DV + col, DV);
+#pragma unroll
+        for (int j = 0; j < MAXS; ++j) {
+            const int i = tid + j * nthr;
+            if (i < n_ch) {
+                const int c = channel(i);
+#pragma unroll
+                for (int k = 0; k < KW; ++k) wk[j][k] = w[(i64)c * KW + k];
+#pragma unroll
+                for (int k = 0; k < KW - 1; ++k) tap[j][k] = window[(i64)k * C + c];  // oldest first
+            }
+        }
+    };
+    if (early) load_committed();
+    SS_GRID_WAIT();  // the raw row and the gate projections come from the input projection
+    if (!early) load_committed();
+    const bool qk_writer = h < Hk && col0 == 0;  // one block writes each q / k channel's raw value
+#pragma unroll
+    for (int j = 0; j < MAXS; ++j) {
+        const int i = tid + j * nthr;
+        if (i < n_ch) {
+            const int c = channel(i);
+            tap[j][KW - 1] = dn::load1(raw + c);
+            if (rows_out && (i >= 2 * DK || qk_writer)) rows_out[c] = tap[j][KW - 1];
+            xs[i] = dn::conv_silu_of<KW>(wk[j], tap[j]);
+        }
+    }
+    if (tid == 0) {
+        xs[n_ch] = ssm_a[h] * dn::softplus(dn::load1(alpha + h) + dt_bias[h]);
+        xs[n_ch + 1] = dn::sigmoid(dn::load1(b + h));
+    }
+    __syncthreads();
+    if (ln.warp < 2) {  // warp 0: the q head, warp 1: the k head (qk_norm_gate_kernel's lanes and sums)
+        float x[PER];
+        float* const p = xs + ln.warp * DK;
+#pragma unroll
+        for (int i = 0; i < PER; ++i) x[i] = p[lane + 32 * i];
+        dn::l2_normalize<PER>(x, eps, ln.warp == 0, q_scale);
+#pragma unroll
+        for (int i = 0; i < PER; ++i) p[lane + 32 * i] = x[i];
+    }
+    __syncthreads();
+    float kk[R], qq[R];
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+        qq[r] = xs[row0 + r];
+        kk[r] = xs[DK + row0 + r];
+    }
+    const float ov = dn::token_update<R, CW>(s, kk, qq, xs[2 * DK + col - col0], xs[n_ch], xs[n_ch + 1]);
+    if (lane < CW) out[(i64)h * DV + col] = ov;
+    if (s_final) dn::store_rows(s_final + (i64)h * DK * DV + (i64)row0 * DV + col, DV, s);
+}
+
+// ---------------------------------------------------------------------------------------------
 // Commit by replay: state[l] <- the state after the root -> *accepted path of the last tree step, recomputed from
 // the committed state by state_update over the path's tokens (k, v, g, beta kept from the step; no q, no
 // output), for L layers (gridDim.y) in one launch, in place. Same lane layout, ring and state update as the tree

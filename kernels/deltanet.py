@@ -544,6 +544,92 @@ def gated_delta_tree(
     return out.reshape(int(out.shape[0]), hv, dv)
 
 
+def decode_step(
+    raw: Any,
+    window: Any,
+    weight: Any,
+    alpha: Any,
+    b: Any,
+    ssm_a: Any,
+    dt_bias: Any,
+    s0: Any,
+    *,
+    n_k_heads: int,
+    final_state: Any = None,
+    alt: Any = None,
+    swap: Any = None,
+    out: Any = None,
+    rows_out: Any = None,
+    eps: float = 1e-6,
+    q_scale: float | None = None,
+    cols_per_warp: int = DEFAULT_COLS,
+    warps: int = DEFAULT_WARPS,
+    portable: bool = False,
+) -> Any:
+    """One decode token of a DeltaNet layer in one launch (gdr_decode_kernel): conv_silu (rows_out as there), then
+    qk_norm_gate, then gated_delta_tree on a one-token chain, with the same bits; returns out (1, Hv, dv) float32.
+
+    raw: (1, C) float16/float32, the token's qkv projection (C = 2 Hk dk + Hv dv: q heads, k heads, v heads); window
+    (K-1, C) / weight (C, K) float32 as conv_silu's; alpha, b: (1, Hv) of raw's dtype; ssm_a, dt_bias: (Hv,)
+    float32; s0, final_state, alt, swap: gated_delta_tree's for a chain (dk from s0). The conv window is not
+    advanced (the commit does that from rows_out, as after conv_silu)."""
+    cupy = loader.require()
+    if s0.ndim != 3:
+        raise ValueError(f"s0 must be (Hv, dk, dv), not shape {tuple(s0.shape)}")
+    hv, dk, dv = (int(x) for x in s0.shape)
+    _f32(s0, (hv, dk, dv), "s0")
+    raw, _ = _rows(cupy.asarray(raw), "raw", align=1)
+    if int(raw.shape[0]) != 1:
+        raise ValueError(f"decode_step takes one token, not {int(raw.shape[0])}")
+    c = int(raw.shape[1])
+    hk, dk = _head_k_dim(n_k_heads, dk, c, "raw")
+    if c != 2 * hk * dk + hv * dv or hv % hk:
+        raise ValueError(f"raw has {c} channels; q, k and v of {hk} key and {hv} value heads need "
+                         f"{2 * hk * dk + hv * dv} (and Hk | Hv)")
+    if weight.ndim != 2 or int(weight.shape[0]) != c or not 2 <= int(weight.shape[1]) <= 8:
+        raise ValueError(f"conv weight must be (C={c}, K) with K in 2..8, not {tuple(weight.shape)}")
+    kw = int(weight.shape[1])
+    _f32(weight, (c, kw), "conv weight")
+    _f32(window, (kw - 1, c), "conv window")
+    if alpha.dtype != raw.dtype:
+        raise ValueError(f"alpha and b must be of raw's dtype {raw.dtype}, not {alpha.dtype}")
+    if alpha.shape != b.shape or alpha.dtype != b.dtype or tuple(alpha.shape) != (1, hv):
+        raise ValueError(f"alpha and b must both be (1, Hv={hv}) of one dtype")
+    alpha, _ = _rows(alpha, "alpha", align=1)
+    b, _ = _rows(b, "b", align=1)
+    _f32(ssm_a, (hv,), "ssm_a")
+    _f32(dt_bias, (hv,), "dt_bias")
+    if rows_out is not None:
+        rows_out, _ = _rows(rows_out, "rows_out", width=c, align=1)
+        if rows_out.dtype != np.float32:
+            raise ValueError("rows_out must be float32")
+    cw, nw = int(cols_per_warp), int(warps)
+    if cw not in (4, 8) or not 2 <= nw <= 4 or dv % (cw * nw) or dk % (32 // cw * 8):
+        raise ValueError(f"cols_per_warp in (4, 8), warps in 2..4, dv = {dv} a multiple of their product and dk = "
+                         f"{dk} of {32 // cw * 8}")
+    if final_state is not None:
+        _f32(final_state, (hv, dk, dv), "final_state")
+    alt_off = _swap_offset(s0, alt, swap, "s0")
+    if swap is not None and final_state is not None and final_state.data.ptr != alt.data.ptr:
+        raise ValueError("with swap, final_state must be alt (the half a chain's final state goes to)")
+    if out is None:
+        out = cupy.empty((1, hv * dv), dtype=cupy.float32)
+    out = out.reshape(int(out.shape[0]), -1) if out.ndim == 3 else out
+    out, _ = _rows(out, "out", width=hv * dv, align=1)
+    if out.dtype != np.float32:
+        raise ValueError("out must be float32")
+    scale = dk**-0.5 if q_scale is None else float(q_scale)
+    pdl = PDL_UP_TO >= 1
+    kern = _fn(f"gdr_decode_kernel<{_ctype(raw.dtype, 'raw')}, {dk}, {cw}, {kw}>", portable, pdl=pdl)
+    early = int(_early(pdl, portable))  # the state, conv weights and window ahead of the grid dependency wait
+    kern((hv * dv // (cw * nw),), (32 * nw,),
+         (raw, window, weight, _null() if rows_out is None else rows_out, alpha, b, ssm_a, dt_bias, np.int32(hk),
+          np.int32(hv), np.int32(dv), np.int32(c), np.float32(scale), np.float32(eps), s0,
+          _null() if final_state is None else final_state, _null() if swap is None else swap, np.int64(alt_off), out,
+          np.int32(early)), shared_mem=4 * (2 * dk + nw * cw + 2))  # fmt: skip
+    return out.reshape(1, hv, dv)
+
+
 def _swap_offset(state: Any, alt: Any, swap: Any, what: str) -> int:
     """The distance in floats from `state` to its ping-pong twin `alt` (0 without one); checks the pair."""
     if (alt is None) != (swap is None):

@@ -22,6 +22,14 @@ alignas(16) uint4 dn_smem[SIM_SMEM / 16];
 extern "C" size_t sim_smem_bytes() { return SIM_SMEM; }
 static void stale_smem() { std::memset(dn_smem, 0xA5, sizeof(dn_smem)); }  // garbage, not zeros
 
+// Warps run one after another here, so a block-wide barrier cannot be honoured: the kernels that use one
+// (gdr_decode_kernel) run on tests/cuda_sim_deltanet_block.cpp, and reaching one here is a simulation error.
+static void no_block_barrier() {
+    ++sim::errors;
+    std::fprintf(stderr, "cuda_sim_deltanet: __syncthreads in warp mode (use the block-mode harness)\n");
+}
+#define __syncthreads() no_block_barrier()
+
 #include DN_SOURCE
 
 typedef void (*Body)();
@@ -60,6 +68,21 @@ extern "C" int sim_conv(int f16, int gx, int gy, int block, const void* raw, i64
                         i64 ld_out, int early) {
     ca = {raw, ld_raw, window, w, parents, n_tokens, t_max, C, out, ld_out, early};
     return launch(g2(gx, gy), block, f16 ? conv_lane<u16> : conv_lane<float>);
+}
+
+struct ConvRowsArgs { ConvArgs c; float* rows_out; i64 ld_rows; };
+static ConvRowsArgs cra;
+template <typename TIn>
+static void conv_rows_lane() {
+    const ConvArgs& a = cra.c;
+    conv_silu_rows_kernel<TIn, 4>((const TIn*)a.raw, a.ld_raw, a.window, a.w, a.parents, a.n_tokens, a.t_max, a.C,
+                                  a.out, a.ld_out, cra.rows_out, cra.ld_rows, a.early);
+}
+extern "C" int sim_conv_rows(int f16, int gx, int gy, int block, const void* raw, i64 ld_raw, const float* window,
+                             const float* w, const int* parents, const int* n_tokens, int t_max, int C, float* out,
+                             i64 ld_out, float* rows_out, i64 ld_rows, int early) {
+    cra = {{raw, ld_raw, window, w, parents, n_tokens, t_max, C, out, ld_out, early}, rows_out, ld_rows};
+    return launch(g2(gx, gy), block, f16 ? conv_rows_lane<u16> : conv_rows_lane<float>);
 }
 
 // ---- q/k norm + gates

@@ -57,6 +57,47 @@ def test_qk_norm_and_gates(f16: bool) -> None:
     cases.check_norm_gate(cupy, rng, 3, 2, 6, 64, f16, portable=True)
 
 
+@pytest.mark.parametrize("f16,swapped,warps,cols", [(False, 0, 2, 8), (True, 1, 2, 8), (False, 1, 4, 4)])
+def test_decode_step_is_the_three_launches(f16: bool, swapped: int, warps: int, cols: int) -> None:
+    cases.check_decode_step(cupy, np.random.default_rng(5 + swapped), HK, HV, DK, DV, f16, swapped, False, warps, cols)
+
+
+def test_decode_step_captured_loads_early_and_matches_eager() -> None:
+    """decode_step captured into a CUDA graph (a PDL launch there: the state, conv weights and window read before the
+    grid dependency wait) replays bit for bit what the eager launch computes."""
+    rng = np.random.default_rng(9)
+    C = CONV_DIM
+    proj = cupy.asarray(rng.standard_normal((1, C + 2 * HV)).astype(np.float32))
+    window = cupy.asarray(rng.standard_normal((3, C)).astype(np.float32))
+    conv_w = cupy.asarray((rng.standard_normal((C, 4)) * 0.5).astype(np.float32))
+    ssm_a = cupy.asarray(-np.exp(rng.standard_normal(HV) * 0.5).astype(np.float32))
+    dt_bias = cupy.asarray(rng.standard_normal(HV).astype(np.float32))
+    pair0 = (rng.standard_normal((2, HV, DK, DV)) * 0.3).astype(np.float32)
+    swap = cupy.zeros(1, cupy.int32)
+    got = []
+    for captured in (False, True):
+        st, out, rows = cupy.asarray(pair0), cupy.empty((1, HV * DV), cupy.float32), cupy.empty((1, C), cupy.float32)
+
+        def launch(st=st, out=out, rows=rows) -> None:
+            dn.decode_step(proj[:, :C], window, conv_w, proj[:, C:C + HV], proj[:, C + HV:], ssm_a, dt_bias, st[0],
+                           n_k_heads=HK, final_state=st[1], alt=st[1], swap=swap, out=out, rows_out=rows)
+
+        if captured:
+            stream = cupy.cuda.Stream(non_blocking=True)
+            with stream:
+                stream.begin_capture()
+                launch()
+                graph = stream.end_capture()
+            graph.launch(stream)
+            stream.synchronize()
+        else:
+            launch()
+            cupy.cuda.Device().synchronize()
+        got.append((cupy.asnumpy(out), cupy.asnumpy(st), cupy.asnumpy(rows)))
+    for a, b in zip(*got):
+        assert np.array_equal(a, b)
+
+
 @pytest.mark.parametrize("T,chain", [(1, True), (3, True), (23, False), (64, False)])
 def test_conv_qk_norm_gate_is_the_two_launches(T: int, chain: bool) -> None:
     """The fused DeltaNet chain head at the 27B's widths (16 k heads of 128, 48 v heads): bit for bit conv_silu then

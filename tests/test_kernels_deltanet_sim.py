@@ -33,6 +33,7 @@ from services.engine import layers
 ROOT = Path(__file__).resolve().parents[1]
 SOURCE = ROOT / "kernels" / "deltanet.cu"
 HARNESS = Path(__file__).resolve().parent / "cuda_sim_deltanet.cpp"
+BLOCK_HARNESS = HARNESS.parent / "cuda_sim_deltanet_block.cpp"  # kernels that synchronise whole blocks
 KW = 4
 TOL = 1e-5
 TOL_RULE = 1e-4
@@ -552,6 +553,7 @@ pytestmark = pytest.mark.skipif(
 P, I64, I32, F32 = ctypes.c_void_p, ctypes.c_longlong, ctypes.c_int, ctypes.c_float
 _SIGNATURES = {  # harness entry: leading (launch) parameters, then the kernel's own
     "sim_conv": [I32, I32, I32, I32, P, I64, P, P, P, P, I32, I32, P, I64, I32],
+    "sim_conv_rows": [I32, I32, I32, I32, P, I64, P, P, P, P, I32, I32, P, I64, P, I64, I32],
     "sim_norm": [I32, I32, I32, I32, I32, P, I64, I32, F32, F32, P, P, I64, P, P, I32, P, P, I64, P, I32],
     "sim_conv_norm": [I32, I32, I32, I32, I32, I32, P, I64, P, P, P, P, I32, I32, P, I64, P, I64, I32, F32, F32, P, P,
                       I64, P, P, I32, P, P, I64],
@@ -577,9 +579,10 @@ class SimKernel:
         m = re.fullmatch(r"(\w+)(?:<(.*)>)?", name)
         base, targs = m.group(1), [a.strip() for a in (m.group(2) or "").split(",") if a.strip()]
         f16 = int(bool(targs) and targs[0] == "unsigned short")
-        if base == "conv_silu_kernel" or base == "conv_commit_kernel":
+        if base in ("conv_silu_kernel", "conv_silu_rows_kernel", "conv_commit_kernel"):
             assert targs[1] == str(KW), "the simulator instantiates the conv kernels for K = 4 only"
-            self.fn, self.lead = (lib.sim_conv if base == "conv_silu_kernel" else lib.sim_conv_commit), [f16]
+            fn = {"conv_silu_kernel": lib.sim_conv, "conv_silu_rows_kernel": lib.sim_conv_rows}.get(base)
+            self.fn, self.lead = fn or lib.sim_conv_commit, [f16]
         elif base == "conv_qk_norm_gate_kernel":
             assert targs[1] == str(KW), "the simulator instantiates the conv kernels for K = 4 only"
             self.fn, self.lead = lib.sim_conv_norm, [f16, int(targs[2]), int(targs[3])]
@@ -675,13 +678,51 @@ def sim_lib(tmp_path_factory):
     return lib
 
 
+@pytest.fixture(scope="session")
+def sim_block_lib(tmp_path_factory):
+    parts = (SOURCE, *sorted(SOURCE.parent.glob("*.cuh")), BLOCK_HARNESS, HARNESS.parent / "cuda_sim.h")
+    digest = hashlib.sha256(b"".join(p.read_bytes() for p in parts)).hexdigest()[:16]
+    lib_path = tmp_path_factory.mktemp("cuda_sim_dn_block") / f"cuda_sim_deltanet_block_{digest}.so"
+    cmd = ["g++", "-std=c++17", "-O1", "-shared", "-fPIC", "-w", f'-DDN_SOURCE="{SOURCE}"', "-o", str(lib_path),
+           str(BLOCK_HARNESS)]  # fmt: skip
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    assert done.returncode == 0, f"g++ failed:\n{done.stderr[-4000:]}"
+    lib = ctypes.CDLL(str(lib_path))
+    lib.sim_decode.argtypes = [I32, I32, I32, I32, I32, P, P, P, P, P, P, P, P, I32, I32, I32, I32, F32, F32, P, P,
+                               P, I64, P, I32]  # fmt: skip
+    lib.sim_decode.restype = ctypes.c_int
+    lib.sim_block_smem_bytes.argtypes, lib.sim_block_smem_bytes.restype = [], ctypes.c_size_t
+    return lib
+
+
+class SimBlockKernel(SimKernel):
+    """gdr_decode_kernel on the block-mode simulator (its warps meet at __syncthreads)."""
+
+    def __init__(self, lib, name: str):
+        m = re.fullmatch(r"(\w+)<(.*)>", name)
+        assert m and m.group(1) == "gdr_decode_kernel", f"no block-mode simulator entry for {name}"
+        targs = [a.strip() for a in m.group(2).split(",")]
+        assert targs[3] == str(KW), "the simulator instantiates the decode kernel for K = 4 only"
+        self.fn, self.lead = lib.sim_decode, [int(targs[0] == "unsigned short"), int(targs[1]), int(targs[2])]
+        self.grid_dims = 1
+        self.smem_limit = lib.sim_block_smem_bytes()
+        self.max_dynamic_shared_size_bytes = 48 * 1024
+
+
 @pytest.fixture
-def xp(sim_lib, monkeypatch):
+def xp(sim_lib, sim_block_lib, monkeypatch):
     from kernels import loader
 
     fake = SimCupy(sim_lib)
+    fake.block_lib = sim_block_lib
+
+    def get_function(source, name, defines=(), **kw):
+        if name.startswith("gdr_decode_kernel"):
+            return SimBlockKernel(sim_block_lib, name)
+        return SimKernel(sim_lib, name)
+
     monkeypatch.setattr(loader, "require", lambda: fake)
-    monkeypatch.setattr(loader, "get_function", lambda source, name, defines=(), **kw: SimKernel(sim_lib, name))
+    monkeypatch.setattr(loader, "get_function", get_function)
     return fake
 
 
@@ -867,6 +908,87 @@ def test_shared_memory_sizes_match_the_kernels(xp, sim_lib) -> None:
         assert dn.commit_smem_bytes(dk, 2 if f16 else 4, depth, t_max) == sim_lib.sim_commit_smem(f16, dk, depth, t_max)
 
 
+def check_decode_step(xp, rng, Hk: int, Hv: int, dk: int, dv: int, f16: bool, swapped: int, capturing: bool,
+                      warps: int = 2, cols: int = 8) -> None:
+    """decode_step (one launch) against conv_silu + qk_norm_gate + gated_delta_tree on a one-token chain: out and
+    the final state bit for bit, on a ping-pong state; the raw row kept; and against the float64 engine lines."""
+    from kernels import deltanet as dn
+
+    kd = Hk * dk
+    C = 2 * kd + Hv * dv
+    dt = np.float16 if f16 else np.float32
+    proj = rng.standard_normal((1, C + 2 * Hv + 3)).astype(dt)  # the qkv row, alpha and b as views of one row
+    window = rng.standard_normal((KW - 1, C)).astype(np.float32)
+    conv_w = (rng.standard_normal((C, KW)) * 0.5).astype(np.float32)
+    ssm_a = -np.exp(rng.standard_normal(Hv) * 0.5).astype(np.float32)
+    dt_bias = rng.standard_normal(Hv).astype(np.float32)
+    pair = (rng.standard_normal((2, Hv, dk, dv)) * 0.3).astype(np.float32)
+    P_ = xp.asarray(proj)
+    raw, alpha, b = P_[:, :C], P_[:, C + 3:C + 3 + Hv], P_[:, C + 3 + Hv:]
+    swap = xp.asarray(np.array([swapped], np.int32))
+    SimCupy.capturing = capturing
+    try:
+        outs = []
+        for fused in (True, False):
+            st = xp.asarray(pair)
+            rows = poisoned(xp, (1, C))
+            if fused:
+                o = dn.decode_step(raw, xp.asarray(window), xp.asarray(conv_w), alpha, b, xp.asarray(ssm_a),
+                                   xp.asarray(dt_bias), st[0], n_k_heads=Hk, final_state=st[1], alt=st[1], swap=swap,
+                                   rows_out=rows, warps=warps, cols_per_warp=cols)  # fmt: skip
+            else:
+                mixed = dn.conv_silu(raw, xp.asarray(window), xp.asarray(conv_w))  # (rows: checked below)
+                g, beta = dn.qk_norm_gate(mixed, alpha, b, xp.asarray(ssm_a), xp.asarray(dt_bias), n_k_heads=Hk,
+                                          head_k_dim=dk)
+                o = dn.gated_delta_tree(mixed[:, :kd], mixed[:, kd:2 * kd], mixed[:, 2 * kd:], g, beta, st[0],
+                                        final_state=st[1], alt=st[1], swap=swap, warps=warps, cols_per_warp=cols)
+            outs.append((xp.asnumpy(o).copy(), xp.asnumpy(st).copy(), xp.asnumpy(rows).copy()))
+    finally:
+        SimCupy.capturing = False
+    for a, ref in zip(outs[0][:2], outs[1][:2]):
+        assert np.array_equal(a, ref)
+    # the committed half is the one swap names; the other half receives the final state
+    s_in, s_out = (pair[1], 0) if swapped else (pair[0], 1)
+    ids = layers.conv_window_ids(np.array([-1]), KW)
+    mixed = layers.causal_conv(window, proj[:, :C].astype(np.float32), conv_w, ids)
+    q = layers.l2_norm(mixed[:, :kd].reshape(1, Hk, dk), 1e-6) * np.float32(dk**-0.5)
+    k = layers.l2_norm(mixed[:, kd:2 * kd].reshape(1, Hk, dk), 1e-6)
+    v = mixed[:, 2 * kd:].reshape(1, Hv, dv)
+    tiled = np.arange(Hv) % Hk
+    beta = layers.sigmoid(proj[:, C + 3 + Hv:].astype(np.float32))
+    g = ssm_a * layers.softplus(proj[:, C + 3:C + 3 + Hv].astype(np.float32) + dt_bias)
+    ref_out, ref_state = layers.gated_delta_rule_tree(q[:, tiled], k[:, tiled], v, g, beta, s_in, np.array([-1]))
+    assert rel_max(outs[0][0], ref_out) < TOL_RULE
+    assert rel_max(outs[0][1][s_out], ref_state) < TOL_RULE
+    assert np.array_equal(outs[0][1][1 - s_out], pair[1 - s_out])  # the committed half is only read
+    assert np.array_equal(outs[0][2], proj[:, :C].astype(np.float32))
+
+
+@pytest.mark.parametrize("f16,swapped,capturing,warps,cols", [(False, 0, False, 2, 8), (True, 1, True, 2, 8),
+                                                             (False, 1, True, 4, 4), (True, 0, False, 4, 8)])
+def test_decode_step_is_the_three_launches(xp, f16: bool, swapped: int, capturing: bool, warps: int,
+                                           cols: int) -> None:
+    check_decode_step(xp, np.random.default_rng(41 + swapped + 2 * warps), 2, 6, 128, 32, f16, swapped, capturing,
+                      warps, cols)
+
+
+def test_decode_step_refusals(xp) -> None:
+    from kernels import deltanet as dn
+
+    Hk, Hv, dk, dv = 2, 4, 128, 32
+    C = 2 * Hk * dk + Hv * dv
+    z = lambda *shape, dt=np.float32: xp.asarray(np.zeros(shape, dt))  # noqa: E731
+    args = (z(1, C), z(KW - 1, C), z(C, KW), z(1, Hv), z(1, Hv), z(Hv), z(Hv), z(Hv, dk, dv))
+    with pytest.raises(ValueError, match="one token"):
+        dn.decode_step(z(2, C), *args[1:], n_k_heads=Hk)
+    with pytest.raises(ValueError, match="channels"):
+        dn.decode_step(z(1, C + 4), z(KW - 1, C + 4), z(C + 4, KW), *args[3:], n_k_heads=Hk)
+    with pytest.raises(ValueError, match="warps in 2..4"):
+        dn.decode_step(*args, n_k_heads=Hk, warps=1)
+    with pytest.raises(ValueError, match="dtype"):
+        dn.decode_step(*args[:3], z(1, Hv, dt=np.float16), z(1, Hv, dt=np.float16), *args[5:], n_k_heads=Hk)
+
+
 def test_layer_core_matches_the_engine_lines(xp) -> None:
     check_layer_core(xp, np.random.default_rng(3), 6, 2, 4, 64, 32, f16=False)
 
@@ -875,11 +997,14 @@ def test_bad_inputs_get_clear_errors(xp) -> None:
     check_bad_inputs(xp)
 
 
-def test_gpu_model_deltanet_steps_and_commits_match_the_numpy_engine(xp, monkeypatch) -> None:
+@pytest.mark.parametrize("fused", [False, True])
+def test_gpu_model_deltanet_steps_and_commits_match_the_numpy_engine(xp, monkeypatch, fused: bool) -> None:
     """models/qwen35_gpu's DeltaNet layer (_deltanet), its tree plan and GpuSequenceState.commit, run on the
     simulator (the projections and the output norm in NumPy), against models/qwen35's _deltanet and
     SequenceState.commit on the same weights: a DDTree verify step and the commit of one of its paths, a plain
-    decode step (a chain's final state), a checkpointed chain and the commit of its prefix."""
+    decode step (a chain's final state), a checkpointed chain and the commit of its prefix. fused: the launches a
+    GPU model makes by default (conv with its raw rows, conv + norm in one launch, a decode token's layer in one
+    launch: deltanet.decode_step; the output norm's pack in NumPy)."""
     from services.engine.models import qwen35, qwen35_gpu
     from services.engine.models.base import StepContext
     from services.engine.state import PendingStep, SequenceState
@@ -910,10 +1035,16 @@ def test_gpu_model_deltanet_steps_and_commits_match_the_numpy_engine(xp, monkeyp
     def norm_gate(o, z, w, eps):  # nr.norm_gate's NumPy twin (the lines of qwen35._deltanet)
         return xp.asarray(layers.rms_norm(np.asarray(o), w, eps) * layers.silu(np.asarray(z)))
 
+    def pack_norm_gate(o, rms_weight, eps, gate):  # the fused path's output norm pack, as norm_gate
+        T = int(o.shape[0])
+        return norm_gate(np.asarray(o).reshape(T, Hv, dv), np.asarray(gate).reshape(T, Hv, dv), rms_weight,
+                         eps).reshape(T, Hv * dv)
+
     monkeypatch.setattr(qwen35_gpu.nr, "norm_gate", norm_gate)
     monkeypatch.setattr(qwen35_gpu.nr.loader, "require", lambda: xp)
+    monkeypatch.setattr(qwen35_gpu.qm, "pack_activations", pack_norm_gate)
     w_gpu = [{k: Mat(v) if k in ("ssm_in", "ssm_out") else xp.asarray(v) for k, v in w.items()} for w in weights]
-    gpu_self = SimpleNamespace(cfg=cfg, fused_launches=False)
+    gpu_self = SimpleNamespace(cfg=cfg, fused_launches=fused, _out_proj=lambda W, o, sink: W.matmul(o))
     np_self = SimpleNamespace(cfg=cfg, _lin=lambda x, w: np.asarray(x, np.float32) @ w)
     gst = qwen35_gpu.GpuSequenceState(cfg, 64, "f16", "f16")
     gst.graph_commits = False

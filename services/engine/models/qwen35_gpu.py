@@ -113,6 +113,10 @@ ATTN_STAGE_UP_TO = 3
 # Q4_K_M step replays (bench/gemv_ab.py --step-ab convnorm): 1.0025 / 0.993 / 0.996 of the two launches at widths
 # 1 / 3 / 23 (the first version, which walked each channel's taps with a round trip each, lost 1.5 % at width 1).
 FUSE_CONV_NORM_FROM = 2
+# A one-token decode step's DeltaNet layer (a chain, no per-token data kept) in one launch: conv, q/k norm, gates and
+# the state update (deltanet.decode_step, the same bits as the three launches). H100, synthetic Q4_K_M, width-1 step
+# replays (bench/gemv_ab.py --step-ab dndecode): 6864 vs 6935 us, 0.990 of the three launches.
+FUSE_DECODE_STEP = True
 # prompt chunks warm_prefill runs at start-up: every token-tile class of the matmuls up to 64 tokens (8 a tile), one
 # past 64 (64-token pieces and a remainder) and a whole prefill chunk (generate.PREFILL_CHUNK)
 WARM_CHUNKS = (8, 16, 24, 32, 40, 48, 56, 64, 100, 512)
@@ -1185,6 +1189,15 @@ class Qwen35GpuModel(TargetModel):
         parents = None if step.is_chain else state.parents[:T]
         # a committable step writes its conv output and gates where the commit's replay reads them
         keep = (state.mixed[L, :T], state.gates[L, 0, :T], state.gates[L, 1, :T]) if step.per_token else (None,) * 3
+        pair = state.ssm_pair[:, L]   # [committed, other] when parity is 0, else swapped (the kernel reads swap)
+        if fused and FUSE_DECODE_STEP and T == 1 and step.is_chain and not step.per_token:
+            # one decode token: conv (keeping the raw row), q/k norm, gates and the state update in one launch
+            o = dn.decode_step(proj[:, :cd], state.conv[L], w["ssm_conv1d"], alpha, b, w["ssm_a"], w["ssm_dt"],
+                               pair[0], n_k_heads=Hk, final_state=pair[1], alt=pair[1], swap=state.stage.swap,
+                               rows_out=raw)
+            return self._out_proj(w["ssm_out"], qm.pack_activations(o.reshape(T, Hv * dv), rms_weight=w["ssm_norm"],
+                                                                    eps=c.rms_eps, gate=proj[:, cd:cd + Hv * dv]),
+                                  sink)
         if fused and T >= FUSE_CONV_NORM_FROM:  # conv (reading the projection in place, keeping the raw rows), q/k
             # norm and gates in one launch
             mixed, g, beta = dn.conv_qk_norm_gate(proj[:, :cd], state.conv[L], w["ssm_conv1d"], alpha, b, w["ssm_a"],
@@ -1201,7 +1214,6 @@ class Qwen35GpuModel(TargetModel):
                                       g=keep[1], beta=keep[2])
         # a tree walks the step's plan (_launches computed it), states it comes back to in shared memory; the
         # committed state is read only (a commit replays the accepted path), or a chain's final state is written
-        pair = state.ssm_pair[:, L]   # [committed, other] when parity is 0, else swapped (the kernel reads swap)
         o = dn.gated_delta_tree(mixed[:, :kd], mixed[:, kd:2 * kd], mixed[:, 2 * kd:], g, beta, pair[0],
                                 plan=None if step.is_chain else state.plan[:T],
                                 final_state=None if step.per_token else pair[1], alt=pair[1], swap=state.stage.swap)
