@@ -108,6 +108,24 @@ def compute_capability() -> int:
     return int(cupy.cuda.Device().compute_capability)
 
 
+# What one SM holds (sm_80 / sm_90): registers, warps, blocks; registers are allocated per warp in units of 256
+# within each of the SM's 4 sub-partitions, so a warp's registers must fit what one sub-partition has left
+REGS_PER_SM, SUB_PARTITIONS, WARPS_PER_SM, BLOCKS_PER_SM = 65536, 4, 64, 32
+
+
+def resident_warps(regs: int) -> int:
+    """Warps of `regs` registers per thread one SM holds at once, counted as the CUDA occupancy calculator does
+    (cuda_occupancy.h): per sub-partition, so 136 registers give 12 warps, not 65536 // 4352 = 15."""
+    per_warp = -(-max(regs, 1) * 32 // 256) * 256
+    return min(WARPS_PER_SM, (REGS_PER_SM // SUB_PARTITIONS) // per_warp * SUB_PARTITIONS)
+
+
+def resident_blocks(warps: int, regs: int, smem: int, smem_per_sm: int) -> int:
+    """Blocks of `warps` warps of `regs` registers and `smem` bytes of dynamic shared memory one SM holds at once
+    (each block also reserves 1 KiB); at least 1."""
+    return max(1, min(BLOCKS_PER_SM, resident_warps(regs) // max(warps, 1), smem_per_sm // (smem + 1024)))
+
+
 _LOCAL_INCLUDE = re.compile(r'^[ \t]*#[ \t]*include[ \t]+"([A-Za-z0-9_.]+)"[ \t]*$', re.MULTILINE)
 
 

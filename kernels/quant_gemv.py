@@ -83,7 +83,7 @@ RING_FEW_SHAPE = (8, 2)
 # choose_split's knobs. The per-tile kernel keeps a matrix of at least one tile per SM whose warps run fewer than
 # SPLIT_MIN_TILE_CHUNKS chunks each (5120x6144: 6; the split's arrival protocol, a fence, an atomic and a second L2
 # round trip, costs more than it saves) or whose blocks fill at least SPLIT_FILL of the warps the SMs can hold
-# (registers decide: ~17 warps of 117-128 registers). Otherwise S splits x KW warps per block (KW from SPLIT_WARPS)
+# (registers decide: ~16 warps of 117-128 registers). Otherwise S splits x KW warps per block (KW from SPLIT_WARPS)
 # so that tiles x S blocks make as many warps as fit in SPLIT_WAVES waves, each warp keeping at least SPLIT_MIN_CHUNKS
 # chunks of 256 values.
 SPLIT_FILL = 0.75
@@ -305,8 +305,7 @@ def persist_grid(n_out: int, k_warps: int, smem: int, regs: int, sms: int, block
     one SM hold), at most one per tile, sized so that every block walks the same number of tiles to within one
     (the block with one more sets the time) unless that idles a quarter of the slots."""
     tiles = -(-n_out // TILE_ROWS)
-    regs_per_warp = -(-max(regs, 1) * 32 // 256) * 256
-    fit = min(32, 2048 // (32 * k_warps), 65536 // (k_warps * regs_per_warp), SMEM_PER_SM // (smem + 1024))
+    fit = loader.resident_blocks(k_warps, regs, smem, SMEM_PER_SM)
     per_sm = max(1, min(blocks_per_sm, fit) if blocks_per_sm > 0 else fit)
     slots = per_sm * sms
     if tiles <= slots:
@@ -316,10 +315,8 @@ def persist_grid(n_out: int, k_warps: int, smem: int, regs: int, sms: int, block
 
 
 def warps_per_sm(regs: int) -> int:
-    """Warps of `regs` registers per thread one SM holds at once (65536 registers, allocated per warp in units of
-    256; at most 64 warps)."""
-    per_warp = -(-max(regs, 1) * 32 // 256) * 256
-    return min(64, 65536 // per_warp)
+    """Warps of `regs` registers per thread one SM holds at once (loader.resident_warps)."""
+    return loader.resident_warps(regs)
 
 
 def choose_split(qtype: int, n_out: int, k: int, tokens: int, sms: int, regs: int, tile_regs: int = 0,

@@ -675,17 +675,14 @@ class QuantMatrix:
     def _warps_per_sm(self, n_tiles: int, m_tiles: int) -> int:
         """Warps of the v2 kernel one SM holds, by its register use (the kernel is compiled to ask)."""
         regs = int(getattr(qmv_function(self.qtype, n_tiles, m_tiles, 0), "num_regs", 0) or 128)
-        return max(1, min(64, 65536 // (-(-regs * 32 // 256) * 256)))
+        return max(1, loader.resident_warps(regs))
 
     def grid_v2(self, cfg: QmvConfig, kern: Any, smem: int) -> int:
         """Blocks of the persistent v2 launch: at most as many as fit on the GPU at once, sized so that each block
         walks the same number of row groups (a block with one group more than the others sets the time)."""
         groups = -(-self.out_features // (TILE_ROWS * cfg.m_tiles))
-        threads = 32 * cfg.k_warps
         regs = int(getattr(kern, "num_regs", 0) or 128)
-        regs_per_warp = -(-regs * 32 // 256) * 256
-        per_sm = min(32, 2048 // threads, 65536 // (cfg.k_warps * regs_per_warp), SMEM_PER_SM // (smem + 1024))
-        resident = max(1, per_sm) * sm_count()
+        resident = loader.resident_blocks(cfg.k_warps, regs, smem, SMEM_PER_SM) * sm_count()
         if groups <= resident:
             return groups
         # several groups per block: give every block the same number (to within one), unless that idles a

@@ -202,8 +202,7 @@ def check(qtype: int, n_tiles: int, cfg: WideConfig) -> None:
 
 def blocks_per_sm(warps: int, regs: int, smem: int) -> int:
     """Blocks of `warps` warps of `regs` registers and `smem` bytes of shared memory one SM holds at once."""
-    regs_per_warp = -(-max(regs, 1) * 32 // 256) * 256
-    return max(1, min(32, 64 // warps, 65536 // (warps * regs_per_warp), SMEM_PER_SM // (smem + 1024)))
+    return loader.resident_blocks(warps, regs, smem, SMEM_PER_SM)
 
 
 def grid(n_out: int, k: int, cfg: WideConfig, regs: int, smem: int, sms: int) -> int:

@@ -729,11 +729,14 @@ def test_split_k_from_the_pack_staging_is_bitwise(
 
 def test_split_choice(monkeypatch) -> None:
     sms = 132
-    assert qg.warps_per_sm(117) == 17 and qg.warps_per_sm(128) == 16 and qg.warps_per_sm(255) == 8
+    # registers are allocated within each of 4 sub-partitions (cuda_occupancy.h): 117 -> 120 registers, 3840 a warp,
+    # 4 warps per 16384-register sub-partition, 16 warps (not 65536 // 3840 = 17)
+    assert qg.warps_per_sm(117) == 16 and qg.warps_per_sm(128) == 16 and qg.warps_per_sm(255) == 8
+    assert qg.warps_per_sm(136) == 12 and qg.warps_per_sm(32) == 64 and qg.warps_per_sm(1) == 64
     if not qg.SPLIT_UP_TO:  # not dispatched (the H100 decode step was not faster): gemv() keeps one block per tile
         assert qg.choose_split(Q4_K, 5120, 17408, 1, sms, 120, 117) == (1, 0)
     monkeypatch.setattr(qg, "SPLIT_UP_TO", {Q4_K: 2, Q6_K: 2, Q8_0: 2, F16: 2})
-    # ffn_down 5120x17408 at one token: 320 tiles of 4 warps (17 chunks each) fill ~57 % of 132 SMs x 17 warps
+    # ffn_down 5120x17408 at one token: 320 tiles of 4 warps (17 chunks each) fill ~61 % of 132 SMs x 16 warps
     # (117-128 registers): split; 2 warps per block fit 8 blocks per SM, 1056 slots, 3 splits (1920 warps)
     assert qg.choose_split(Q4_K, 5120, 17408, 1, sms, 120, 117) == (3, 2)
     assert qg.choose_split(Q6_K, 5120, 17408, 1, sms, 128, 128) == (3, 2)

@@ -122,6 +122,22 @@ def test_27b_shapes(qtype: int, shape: tuple[int, int]) -> None:
         check(W, w64, tokens, rng, W.name, kernel="wide")
 
 
+def test_residency_matches_the_driver() -> None:
+    """quant_wide.blocks_per_sm (loader.resident_blocks: registers per sub-partition) against the driver's own
+    occupancy calculator, for the compiled kernels at the block sizes the launcher uses."""
+    occupancy = getattr(cupy.cuda.driver, "occupancyMaxActiveBlocksPerMultiprocessor", None)
+    if occupancy is None:
+        pytest.skip("this CuPy has no cupy.cuda.driver.occupancyMaxActiveBlocksPerMultiprocessor")
+    for qtype in (qm.Q4_K, qm.Q6_K):
+        for n_tiles in (2, 3, 6, 8):
+            kern = qw.wide_function(qtype, n_tiles, 1)
+            ptr = getattr(kern, "kernel", kern).ptr  # (a RawKernel's cupy.cuda.Function)
+            for warps in (1, 2, 4, 8):
+                for smem in (0, qw.smem_bytes(qtype, n_tiles, 1, min(warps, 8), 2)):
+                    want = occupancy(ptr, 32 * warps, smem)
+                    assert qw.blocks_per_sm(warps, kern.num_regs, smem) == max(1, want), (qtype, n_tiles, warps, smem)
+
+
 def test_reproducible_and_counters_left_zero() -> None:
     rng = np.random.default_rng(5)
     W, _ = _matrix(qm.Q4_K, (5120, 6144), rng)

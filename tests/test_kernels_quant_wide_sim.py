@@ -309,6 +309,14 @@ def test_grid_and_residency() -> None:
     assert qw.blocks_per_sm(4, 81, qw.smem_bytes(Q4_K, 3, 1, 4, 3)) == 3
 
 
+def test_residency_counts_sub_partitions() -> None:
+    # 136 registers (4352 a warp): 3 warps per 16384-register sub-partition, 12 per SM: 3 blocks of 4 warps, but 2 of
+    # 5 (a 65536-register pool would have fit 3 of 5, one block of which then waits for a second wave)
+    assert qw.blocks_per_sm(4, 136, 60_000) == 3 and qw.blocks_per_sm(5, 136, 60_000) == 2
+    assert qw.blocks_per_sm(9, 108, 60_000) == 1 and qw.blocks_per_sm(8, 108, 60_000) == 2
+    assert qw.blocks_per_sm(1, 32, 0) == 32  # the block limit
+
+
 def test_dispatch_widths() -> None:
     for q in (F16, Q8_0, Q4_K, Q6_K):
         assert qw.CROSSOVER[q] > qg.CROSSOVER[q]  # gemv keeps its widths
