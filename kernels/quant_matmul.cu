@@ -1611,15 +1611,17 @@ SS_DEV void wide_chunk(float (&acc)[MT][NT][4], const u8* wst, const uint4* xs, 
 }  // namespace ss
 
 // y[T, N] (+)= x @ W^T, T <= 8 NT, on the tiled device layout (16-byte aligned, rows padded to 16) and packed x (xp,
-// TPAD = 8 NT token rows). Grid: P blocks of 32 WM threads (WM = 1..8), any P >= 1 (the launcher: what fits on the
+// TPAD = 8 NT token rows). Grid: P blocks of 32 (WM + producer) threads (WM = 1..8; producer: 1 for a copying warp
+// on sm_90, ignored elsewhere), any P >= 1 (the launcher: what fits on the
 // GPU at once, at most one per item). accumulate != 0: y += x @ W^T (one add per value); ldy: y's row stride in floats
 // (0: N). part / counters: the split scratch (kernels/quant_gemv.py split_scratch): part >= 2 P WM (MT NT 4) 32 floats,
 // counters >= ceil(ceil(N / 16) / (WM MT)) WM words, zero before the launch and left zero. Dynamic shared memory:
 // stages (512 TPAD + WM MT 16 (MAIN + SIDE)) + 16 stages bytes (quant_wide.smem_bytes).
 template <int QT, int NT, int MT>
-__global__ void SS_BOUNDS(256, 1) qmw_kernel(const u8* __restrict__ W, long long row_bytes, int N, int K,
+__global__ void SS_BOUNDS(288, 1) qmw_kernel(const u8* __restrict__ W, long long row_bytes, int N, int K,
                                              const uint4* __restrict__ xp, int T, float* __restrict__ y, int stages,
-                                             int accumulate, long long ldy, float* part, unsigned int* counters) {
+                                             int accumulate, long long ldy, float* part, unsigned int* counters,
+                                             int producer) {
     using namespace ss;
     using L = Lay<QT>;
     constexpr int BLK = 16 * (L::MAIN + L::SIDE);  // bytes of one full tile block
@@ -1630,7 +1632,10 @@ __global__ void SS_BOUNDS(256, 1) qmw_kernel(const u8* __restrict__ W, long long
 
     const int tid = (int)threadIdx.x;
     const int lane = tid & 31, warp = tid >> 5;
-    const int WM = (int)(blockDim.x >> 5);
+    // producer (sm_90 bulk copies only): one more warp, the last, issues every copy and computes nothing, so no
+    // computing warp waits for a stage to empty
+    const int prod = SS_BULK ? producer : 0;
+    const int WM = (int)(blockDim.x >> 5) - prod;
     const int g = lane >> 2, t = lane & 3;
     const int RT = WM * MT;  // tiles per row block
     const int nch = (K + CHUNK - 1) / CHUNK;
@@ -1673,6 +1678,7 @@ __global__ void SS_BOUNDS(256, 1) qmw_kernel(const u8* __restrict__ W, long long
     const u8* xch = (const u8*)(xp + (i64)ich * 32 * TPAD);
 #if SS_BULK
     const u32 smem_s = smem_addr(smem), full_s = smem_addr(full), empty_s = smem_addr(empty);
+    const int copier = prod ? 32 * WM : 0;  // the thread that issues the copies
 #endif
     auto issue = [&](int idx) {
         if (idx < n_items) {
@@ -1694,7 +1700,7 @@ __global__ void SS_BOUNDS(256, 1) qmw_kernel(const u8* __restrict__ W, long long
             const int valid = imin(RT, ntiles - tile0);
             const int wbytes = C == CHUNK ? BLK : 16 * (main_bytes<QT>(C) + side_bytes<QT>(C));
 #if SS_BULK
-            if (tid == 0) {
+            if (tid == copier) {
                 const u32 dst = smem_s + (u32)(s * SB), bar = full_s + 8u * (u32)s;
                 if (idx >= stages) mbar_wait_s(empty_s + 8u * (u32)s, (u32)(round - 1) & 1u);  // every warp is done with it
                 mbar_expect_tx_s(bar, (u32)(xbytes + valid * wbytes));
@@ -1721,7 +1727,12 @@ __global__ void SS_BOUNDS(256, 1) qmw_kernel(const u8* __restrict__ W, long long
     };
     // Under SS_BULK one thread issues the copies, so only warp 0 walks the issue bookkeeping; elsewhere every
     // thread copies a share of each item.
-    const bool issuer = !SS_BULK || warp == 0;
+    if (prod) {  // the producer warp: every item in order, each once its stage is empty
+        if (warp == WM && lane == 0)
+            for (int i = 0; i < n_items; ++i) issue(i);
+        if (warp == WM) return;
+    }
+    const bool issuer = !prod && (!SS_BULK || warp == 0);
     if (issuer)
         for (int i = 0; i < stages - 1; ++i) issue(i);
 

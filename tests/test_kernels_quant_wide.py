@@ -124,7 +124,7 @@ def test_27b_shapes(qtype: int, shape: tuple[int, int]) -> None:
 
 def test_residency_matches_the_driver() -> None:
     """quant_wide.blocks_per_sm (loader.resident_blocks: registers per sub-partition) against the driver's own
-    occupancy calculator, for the compiled kernels at the block sizes the launcher uses."""
+    occupancy calculator, for the compiled kernels at the block sizes the launcher uses (a producer warp included)."""
     occupancy = getattr(cupy.cuda.driver, "occupancyMaxActiveBlocksPerMultiprocessor", None)
     if occupancy is None:
         pytest.skip("this CuPy has no cupy.cuda.driver.occupancyMaxActiveBlocksPerMultiprocessor")
@@ -132,10 +132,29 @@ def test_residency_matches_the_driver() -> None:
         for n_tiles in (2, 3, 6, 8):
             kern = qw.wide_function(qtype, n_tiles, 1)
             ptr = getattr(kern, "kernel", kern).ptr  # (a RawKernel's cupy.cuda.Function)
-            for warps in (1, 2, 4, 8):
+            for warps in (2, 4, 5, 8, 9):
                 for smem in (0, qw.smem_bytes(qtype, n_tiles, 1, min(warps, 8), 2)):
                     want = occupancy(ptr, 32 * warps, smem)
                     assert qw.blocks_per_sm(warps, kern.num_regs, smem) == max(1, want), (qtype, n_tiles, warps, smem)
+
+
+@pytest.mark.parametrize("tokens", [16, 23, 41, 64])
+def test_producer_warp_same_bits(monkeypatch, tokens: int) -> None:
+    """The producer warp only issues the copies: with the grid fixed, the sums are bitwise those of a launch
+    without it."""
+    if not qw.producer_warps():
+        pytest.skip("no producer warp on this device (sm_90 bulk copies only)")
+    rng = np.random.default_rng(3 + tokens)
+    W, w64 = _matrix(qm.Q4_K, (5120, 6144), rng)
+    x = cupy.asarray((rng.standard_normal((tokens, 6144)) * 0.5).astype(np.float16))
+    px = qm.pack_activations(x)
+    cfg = qw.WideConfig(blocks=200)  # stream-K pieces shared between blocks, the same for both launches
+    assert qw.launch_shape(W, tokens, cfg)["producer"] == 1
+    with_producer = run(W, px, kernel="wide", config=cfg)
+    monkeypatch.setattr(qw, "PRODUCER", False)
+    assert qw.launch_shape(W, tokens, cfg)["producer"] == 0
+    assert np.array_equal(run(W, px, kernel="wide", config=cfg), with_producer)
+    assert rel_error(with_producer, cupy.asnumpy(x).astype(np.float64) @ w64.T) < TOL
 
 
 def test_reproducible_and_counters_left_zero() -> None:

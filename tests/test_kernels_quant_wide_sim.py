@@ -317,6 +317,29 @@ def test_residency_counts_sub_partitions() -> None:
     assert qw.blocks_per_sm(1, 32, 0) == 32  # the block limit
 
 
+@pytest.mark.parametrize("regs,tokens,fit", [(134, 41, 2), (148, 64, 2), (96, 23, 3), (85, 16, 4)])
+def test_grid_counts_the_producer_warp(monkeypatch, regs: int, tokens: int, fit: int) -> None:
+    """The producer warp holds a computing warp's registers: the grid is what one SM holds of blocks with it (at 41
+    tokens 134 registers fit 3 blocks of 4 warps but 2 of 5; at 16, 85 registers 5 of 4 but 4 of 5; at 23 and 64
+    shared memory decides)."""
+
+    class _Kernel:
+        num_regs = regs
+
+    class _W:
+        qtype, shape = Q4_K, (17408, 5120)
+
+    monkeypatch.setattr(qw, "wide_function", lambda *a, **kw: _Kernel())
+    monkeypatch.setattr(qm, "sm_count", lambda: 132)
+    for producer in (1, 0):
+        monkeypatch.setattr(qw, "producer_warps", lambda portable=False, p=producer: p)
+        shape = qw.launch_shape(_W(), tokens)
+        assert shape["producer"] == producer and shape["config"].warps == 4
+        assert shape["blocks"] == 132 * qw.blocks_per_sm(4 + producer, regs, shape["smem"])
+        if producer:
+            assert shape["blocks"] == 132 * fit
+
+
 def test_dispatch_widths() -> None:
     for q in (F16, Q8_0, Q4_K, Q6_K):
         assert qw.CROSSOVER[q] > qg.CROSSOVER[q]  # gemv keeps its widths
@@ -352,7 +375,7 @@ class _SimKernel:
     signature, then runs the launch in the simulation."""
 
     SIGNATURE = ("ptr", np.int64, np.int32, np.int32, "ptr", np.int32, "ptr", np.int32, np.int32, np.int64, "ptr",
-                 "ptr")  # fmt: skip
+                 "ptr", np.int32)  # fmt: skip
 
     def __init__(self, lib, name: str, launches: list):
         qt, nt, mt = (int(v) for v in name[name.index("<") + 1 : -1].split(","))
@@ -364,7 +387,8 @@ class _SimKernel:
         assert len(args) == len(self.SIGNATURE)
         for a, want in zip(args, self.SIGNATURE):
             assert isinstance(a, np.ndarray) if want == "ptr" else type(a) is want, (a, want)
-        W, row_bytes, n, k, xp, tokens, y, stages, accumulate, ldy, part, counters = args
+        W, row_bytes, n, k, xp, tokens, y, stages, accumulate, ldy, part, counters, producer = args
+        assert producer == 0  # the portable path has no producer warp
         (blocks,), (threads,) = grid, block
         self.launches.append({"blocks": blocks, "threads": threads, "smem": shared_mem, "part": part.size})
         assert threads % 32 == 0 and shared_mem <= qw.SMEM_LIMIT
@@ -388,6 +412,7 @@ def test_launcher_end_to_end_on_cpu(sim, monkeypatch, qtype, n_out, k, tokens, c
     monkeypatch.setattr(loader, "get_function", lambda src, name, defines=(), **kw: _SimKernel(sim, name, launches))
     monkeypatch.setattr(qm, "sm_count", lambda: 3)
     monkeypatch.setattr(qm, "_device_id", lambda: 0)
+    monkeypatch.setattr(qw, "producer_warps", lambda portable=False: 0)  # the simulated path copies without one
     nrb_max = qw.row_blocks(n_out, 1, 1)
     scratch = (np.full(1 << 22, np.nan, np.float32), np.zeros(nrb_max * 8, np.uint32))
     sizes = []
