@@ -71,10 +71,19 @@ HIGH_ROWS = 16384
 # ffn_up 42.1 vs 42.6; Q4_K there: ffn_up / ffn_down 32.5 / 32.5 vs 30.6 / 31.4 with 2); 2 from 4 tiles (Q4_K
 # ffn_up at 41: 41.8 with 2, 45.2 with 3 at 2 blocks per SM). Tall matrices: 8 warps, 2 stages (Q6_K output 468 / 583
 # us at 23 / 41 vs 492 / 620 with 4 warps; 3 stages are not among its best three at any width).
+# With the producer warp (below), the sweep (H100, 2026-11-27) moved two of these: at 6 token tiles (41..48 tokens)
+# Q4_K / Q6_K take 3 stages (2 blocks a SM either way, registers decide): ffn_up 36.6 / 43.8 us vs 37.4 / 44.9,
+# Q6_K ffn_down 44.9 vs 45.6; and a K-quant tall matrix takes 2 tiles a warp, 4 warps at 3 / 4 token tiles and 8 at
+# 6 / 8 (TALL_SHAPES): Q6_K output 403.6 vs 470.0 us at 23 tokens, 412.3 vs 499.9 at 32, 519.2 vs 544.1 at 41, 617.0
+# vs 655.7 at 64 (at 16: 387.0 vs 390.0, not taken). The 27B step with both at 3 and 6 tiles (graph replays, widths
+# 17 / 23 / 41 / 48): 0.995 / 0.995 / 0.990 / 0.991; the 4 and 8 tile entries are the sweep's alone.
 M_TILES = 1
 WARPS = 4
-STAGES3_TILES = {14: (2, 3)}  # token tiles at which a type takes 3 stages (2 at the others); the rest: (3,)
+# token tiles at which a type takes 3 stages (2 at the others; a type missing: (3,))
+STAGES3_TILES = {12: (3, 6), 14: (2, 3, 6)}
 TALL_WARPS, TALL_STAGES = 8, 2
+# per type, token tiles -> (m16 tiles per warp, warps) of a tall matrix (elsewhere: M_TILES, TALL_WARPS)
+TALL_SHAPES = {q: {3: (2, 4), 4: (2, 4), 6: (2, 8), 8: (2, 8)} for q in (12, 14)}
 # A producer warp beside the computing warps (sm_90 bulk copies only: the kernel ignores it elsewhere) issues every
 # copy, so no computing warp waits for a stage to empty before it computes. It holds a computing warp's registers,
 # which can cost a block per SM (41 tokens: 3 blocks of 4 warps, 2 of 5); the grid counts it (H100 step replays,
@@ -172,15 +181,16 @@ def warmup(qtypes=tuple(CROSSOVER), n_tiles=range(1, MAX_TOKENS // 8 + 1), m_til
 
 def choose_config(qtype: int, n_out: int, k: int, tokens: int, config: WideConfig | None = None) -> WideConfig:
     """The launch shape for a width with every 0 of `config` filled in: M_TILES tiles per warp, WARPS warps, 3 stages
-    at STAGES3_TILES token tiles and 2 at the others (a tall matrix: TALL_WARPS, TALL_STAGES), as many blocks per SM
+    at STAGES3_TILES token tiles and 2 at the others (a tall matrix: TALL_SHAPES, TALL_STAGES), as many blocks per SM
     as fit; falling back through fewer warps (never more than the matrix has tile groups: a small matrix keeps its
     blocks' warps busy) and then fewer stages until the shape fits in shared memory."""
     cfg = config or WideConfig()
     n_tiles = (min(max(tokens, 1), MAX_TOKENS) + 7) // 8
-    mt = cfg.m_tiles or M_TILES
-    tiles = -(-n_out // TILE_ROWS)
     tall = n_out >= TALL_ROWS
-    want_w = TALL_WARPS if tall else WARPS
+    tall_mt, tall_w = TALL_SHAPES.get(int(qtype), {}).get(n_tiles, (M_TILES, TALL_WARPS))
+    mt = cfg.m_tiles or (tall_mt if tall else M_TILES)
+    tiles = -(-n_out // TILE_ROWS)
+    want_w = tall_w if tall else WARPS
     want_s = TALL_STAGES if tall else 3 if n_tiles in STAGES3_TILES.get(int(qtype), (3,)) else 2
     fits_rows = [w for w in WARP_CHOICES if w <= want_w and w * mt <= max(tiles, mt)] or [1]
     warp_choices = (cfg.warps,) if cfg.warps else tuple(fits_rows)

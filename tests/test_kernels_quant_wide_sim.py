@@ -275,19 +275,27 @@ def test_default_config_fits(qtype, tokens) -> None:
     for shape in ((17408, 5120), (5120, 17408), (248320, 5120), (48, 5120)):
         cfg = qw.choose_config(qtype, *shape, tokens)
         qw.check(qtype, (tokens + 7) // 8, cfg)
-        assert cfg.m_tiles == qw.M_TILES and cfg.blocks_per_sm == 0 and cfg.blocks == 0
+        tall_mt = qw.TALL_SHAPES.get(qtype, {}).get((tokens + 7) // 8, (qw.M_TILES,))[0]
+        assert cfg.m_tiles == (tall_mt if shape[0] >= qw.TALL_ROWS else qw.M_TILES)
+        assert cfg.blocks_per_sm == 0 and cfg.blocks == 0
         assert cfg.warps * cfg.m_tiles <= max(cfg.m_tiles, -(-shape[0] // 16))  # no block of mostly idle warps
 
 
 def test_default_config_rules() -> None:
-    # the swept H100 defaults: 1 tile x 4 warps, 3 stages at 3 token tiles (17..24 tokens; Q6_K from 9), 2 otherwise;
-    # tall matrices 8 warps, 2 stages
+    # the swept H100 defaults: 1 tile x 4 warps, 3 stages at 3 token tiles (17..24 tokens; Q6_K from 9; Q4_K / Q6_K
+    # at 41..48 too), 2 otherwise; tall matrices 2 stages, 1 tile x 8 warps (K-quants: 2 x 4 at 17..32 tokens, 2 x 8
+    # at 41..48 and 57..64)
     for q in (F16, Q8_0, Q4_K, Q6_K):
         s2 = 3 if q == Q6_K else 2
-        for tokens, stages in ((8, 2), (9, s2), (16, s2), (17, 3), (23, 3), (24, 3), (25, 2), (41, 2), (64, 2)):
+        s6 = 3 if q in (Q4_K, Q6_K) else 2
+        for tokens, stages in ((8, 2), (9, s2), (16, s2), (17, 3), (23, 3), (24, 3), (25, 2), (40, 2), (41, s6),
+                               (48, s6), (49, 2), (64, 2)):  # fmt: skip
             assert qw.choose_config(q, 17408, 5120, tokens) == qw.WideConfig(1, 4, stages)
             assert qw.choose_config(q, 5120, 17408, tokens) == qw.WideConfig(1, 4, stages)
-            assert qw.choose_config(q, 248320, 5120, tokens) == qw.WideConfig(1, 8, 2)
+            tall = {3: (2, 4), 4: (2, 4), 6: (2, 8), 8: (2, 8)}.get((tokens + 7) // 8, (1, 8))
+            tall = tall if q in (Q4_K, Q6_K) else (1, 8)
+            assert qw.choose_config(q, 248320, 5120, tokens) == qw.WideConfig(*tall, 2)
+            assert qw.choose_config(q, 248320, 5120, tokens, qw.WideConfig(1)).m_tiles == 1  # an override kept
     # a small matrix: no more warps than it has row tiles; overrides kept, the rest filled in
     assert qw.choose_config(Q4_K, 40, 512, 23) == qw.WideConfig(1, 2, 3)
     assert qw.choose_config(Q4_K, 17408, 5120, 64, qw.WideConfig(warps=8, stages=4)) == qw.WideConfig(1, 8, 4)

@@ -146,8 +146,9 @@ def test_attention_split_bound_holds_for_the_kernel_policy(monkeypatch):
 def test_wide_kernel_split_scratch_is_planned(q27):
     """The wide kernel's stream-K partials (kernels/quant_gemv.split_scratch, dispatched from quant_wide.CROSSOVER
     tokens): quant_wide.scratch_need bounds what a launch takes whatever its registers, and the plan holds one buffer
-    of the largest need per stream (27B: the LM head at 49 tokens, 528 blocks (4 per SM) of 8 warps x one m16 tile x
-    56 padded tokens; two streams: 30,408,704 bytes, the 29.0 MiB an H100 held on 2026-11-26)."""
+    of the largest need per stream (27B: the LM head at 57..64 tokens, 132 blocks (1 per SM by shared memory) of 8
+    warps x two m16 tiles x 64 tokens; two streams: 34,734,080 bytes, 33.1 MiB; 29.0 MiB, as an H100 held on
+    2026-11-26, before the LM head took two m16 tiles a warp)."""
     from kernels import quant_gemv as qg
     from kernels import quant_wide as qw
 
@@ -162,11 +163,11 @@ def test_wide_kernel_split_scratch_is_planned(q27):
                 blocks = qw.grid(n_out, k, c, regs, smem, 132)
                 assert qw.scratch_floats(blocks, (tokens + 7) // 8, c.m_tiles, c.warps) <= part
             assert counters == qw.row_blocks(n_out, c.m_tiles, c.warps) * c.warps
-    assert M.split_scratch_need(w.mats, 132) == (4 * 132 * 8 * 16 * 56, 15520)
-    assert M.split_scratch_bytes(w.mats, 2, 132) == 2 * 4 * (3_784_704 + qg.SCRATCH_FIRST[1]) == 30_408_704
+    assert M.split_scratch_need(w.mats, 132) == (2 * 132 * 8 * 2 * 16 * 64, 15520)
+    assert M.split_scratch_bytes(w.mats, 2, 132) == 2 * 4 * (4_325_376 + qg.SCRATCH_FIRST[1]) == 34_734_080
     remote = M.build_plan(cfg, w, M.PlanSettings(max_ctx=8192, budget=63, device=GPU), None,
                           free={"cuda:0": (80 * GiB, 80 * GiB)}, sms=132).devices[0]
-    assert remote.get("split-K scratch") == 30_408_704
+    assert remote.get("split-K scratch") == 34_734_080
     local = _plan(q27, max_ctx=8192).devices[0]
     assert local.get("split-K scratch") == M.split_scratch_bytes(w.mats | ds.weights.mats, 3, 132)
 
