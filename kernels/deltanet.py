@@ -234,22 +234,34 @@ def _conv_operands(raw: Any, window: Any, weight: Any, out: Any, rows_out: Any) 
     cupy = loader.require()
     raw, ld_raw = _rows(cupy.asarray(raw), "raw", align=1)
     t_max, c = (int(s) for s in raw.shape)
-    if weight.ndim != 2 or int(weight.shape[0]) != c or not 2 <= int(weight.shape[1]) <= 8:
-        raise ValueError(f"conv weight must be (C={c}, K) with K in 2..8, not {tuple(weight.shape)}")
-    kw = int(weight.shape[1])
-    _f32(weight, (c, kw), "conv weight")
-    _f32(window, (kw - 1, c), "conv window")
+    kw = _conv_taps(window, weight, c)
     if out is None:
         out = cupy.empty((t_max, c), dtype=cupy.float32)
     out, ld_out = _rows(out, "out", width=c, align=1)
     if out.dtype != np.float32 or int(out.shape[0]) < t_max:
         raise ValueError(f"out must be float32 with at least {t_max} rows")
-    ld_rows = 0
-    if rows_out is not None:
-        rows_out, ld_rows = _rows(rows_out, "rows_out", width=c, align=1)
-        if rows_out.dtype != np.float32 or int(rows_out.shape[0]) < t_max:
-            raise ValueError(f"rows_out must be float32 with at least {t_max} rows")
+    rows_out, ld_rows = _rows_out(rows_out, c, t_max)
     return raw, ld_raw, kw, out, ld_out, rows_out, ld_rows
+
+
+def _conv_taps(window: Any, weight: Any, c: int) -> int:
+    """K of a checked conv weight (C, K), K in 2..8, and its window (K - 1, C), both float32."""
+    if weight.ndim != 2 or int(weight.shape[0]) != c or not 2 <= int(weight.shape[1]) <= 8:
+        raise ValueError(f"conv weight must be (C={c}, K) with K in 2..8, not {tuple(weight.shape)}")
+    kw = int(weight.shape[1])
+    _f32(weight, (c, kw), "conv weight")
+    _f32(window, (kw - 1, c), "conv window")
+    return kw
+
+
+def _rows_out(rows_out: Any, c: int, t_max: int) -> tuple[Any, int]:
+    """A checked rows_out (float32, C wide, at least t_max rows) and its row stride; (None, 0) for None."""
+    if rows_out is None:
+        return None, 0
+    rows_out, ld_rows = _rows(rows_out, "rows_out", width=c, align=1)
+    if rows_out.dtype != np.float32 or int(rows_out.shape[0]) < t_max:
+        raise ValueError(f"rows_out must be float32 with at least {t_max} rows")
+    return rows_out, ld_rows
 
 
 def _gate_operands(alpha: Any, b: Any, ssm_a: Any, dt_bias: Any, t_max: int, g: Any, beta: Any) -> tuple:
@@ -586,11 +598,7 @@ def decode_step(
     if c != 2 * hk * dk + hv * dv or hv % hk:
         raise ValueError(f"raw has {c} channels; q, k and v of {hk} key and {hv} value heads need "
                          f"{2 * hk * dk + hv * dv} (and Hk | Hv)")
-    if weight.ndim != 2 or int(weight.shape[0]) != c or not 2 <= int(weight.shape[1]) <= 8:
-        raise ValueError(f"conv weight must be (C={c}, K) with K in 2..8, not {tuple(weight.shape)}")
-    kw = int(weight.shape[1])
-    _f32(weight, (c, kw), "conv weight")
-    _f32(window, (kw - 1, c), "conv window")
+    kw = _conv_taps(window, weight, c)
     if alpha.dtype != raw.dtype:
         raise ValueError(f"alpha and b must be of raw's dtype {raw.dtype}, not {alpha.dtype}")
     if alpha.shape != b.shape or alpha.dtype != b.dtype or tuple(alpha.shape) != (1, hv):
@@ -599,10 +607,7 @@ def decode_step(
     b, _ = _rows(b, "b", align=1)
     _f32(ssm_a, (hv,), "ssm_a")
     _f32(dt_bias, (hv,), "dt_bias")
-    if rows_out is not None:
-        rows_out, _ = _rows(rows_out, "rows_out", width=c, align=1)
-        if rows_out.dtype != np.float32:
-            raise ValueError("rows_out must be float32")
+    rows_out, _ = _rows_out(rows_out, c, 1)
     cw, nw = int(cols_per_warp), int(warps)
     if cw not in (4, 8) or not 2 <= nw <= 4 or dv % (cw * nw) or dk % (32 // cw * 8):
         raise ValueError(f"cols_per_warp in (4, 8), warps in 2..4, dv = {dv} a multiple of their product and dk = "
