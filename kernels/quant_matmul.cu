@@ -1634,7 +1634,7 @@ __global__ void SS_BOUNDS(288, 1) qmw_kernel(const u8* __restrict__ W, long long
     const int lane = tid & 31, warp = tid >> 5;
     // producer (sm_90 bulk copies only): one more warp, the last, issues every copy and computes nothing, so no
     // computing warp waits for a stage to empty
-    const int prod = SS_BULK ? producer : 0;
+    const int prod = SS_BULK ? producer : 0;  // the launcher passes 1 only where SS_BULK is 1 (producer_warps)
     const int WM = (int)(blockDim.x >> 5) - prod;
     const int g = lane >> 2, t = lane & 3;
     const int RT = WM * MT;  // tiles per row block

@@ -217,7 +217,9 @@ def check(qtype: int, n_tiles: int, cfg: WideConfig) -> None:
 
 
 def producer_warps(portable: bool = False) -> int:
-    """1 where launches take the producer warp (PRODUCER, an sm_90+ CUDA device, inline PTX allowed), else 0."""
+    """1 where launches take the producer warp (PRODUCER, an sm_90+ CUDA device, inline PTX allowed), else 0. These
+    are the conditions under which the kernel is built with SS_BULK (kernels/bulk.cuh); keep them in step: a
+    kernel without it would count the extra warp as a computing one."""
     if not PRODUCER or portable:
         return 0
     cupy = loader.require()
