@@ -661,16 +661,21 @@ class SimCupy:
         return np.array(x).view(np.ndarray)
 
 
-@pytest.fixture(scope="session")
-def sim_lib(tmp_path_factory):
-    parts = (SOURCE, *sorted(SOURCE.parent.glob("*.cuh")), HARNESS, HARNESS.parent / "cuda_sim.h")
+def _build_sim(tmp_path_factory, harness: Path) -> ctypes.CDLL:
+    """deltanet.cu compiled into `harness` (g++, cached by the sources' digest) and loaded."""
+    parts = (SOURCE, *sorted(SOURCE.parent.glob("*.cuh")), harness, HARNESS.parent / "cuda_sim.h")
     digest = hashlib.sha256(b"".join(p.read_bytes() for p in parts)).hexdigest()[:16]
-    lib_path = tmp_path_factory.mktemp("cuda_sim_dn") / f"cuda_sim_deltanet_{digest}.so"
+    lib_path = tmp_path_factory.mktemp(harness.stem) / f"{harness.stem}_{digest}.so"
     cmd = ["g++", "-std=c++17", "-O1", "-shared", "-fPIC", "-w", f'-DDN_SOURCE="{SOURCE}"', "-o", str(lib_path),
-           str(HARNESS)]  # fmt: skip
+           str(harness)]  # fmt: skip
     done = subprocess.run(cmd, capture_output=True, text=True)
     assert done.returncode == 0, f"g++ failed:\n{done.stderr[-4000:]}"
-    lib = ctypes.CDLL(str(lib_path))
+    return ctypes.CDLL(str(lib_path))
+
+
+@pytest.fixture(scope="session")
+def sim_lib(tmp_path_factory):
+    lib = _build_sim(tmp_path_factory, HARNESS)
     for name, argtypes in _SIGNATURES.items():
         fn = getattr(lib, name)
         fn.argtypes, fn.restype = argtypes, ctypes.c_int
@@ -680,14 +685,7 @@ def sim_lib(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def sim_block_lib(tmp_path_factory):
-    parts = (SOURCE, *sorted(SOURCE.parent.glob("*.cuh")), BLOCK_HARNESS, HARNESS.parent / "cuda_sim.h")
-    digest = hashlib.sha256(b"".join(p.read_bytes() for p in parts)).hexdigest()[:16]
-    lib_path = tmp_path_factory.mktemp("cuda_sim_dn_block") / f"cuda_sim_deltanet_block_{digest}.so"
-    cmd = ["g++", "-std=c++17", "-O1", "-shared", "-fPIC", "-w", f'-DDN_SOURCE="{SOURCE}"', "-o", str(lib_path),
-           str(BLOCK_HARNESS)]  # fmt: skip
-    done = subprocess.run(cmd, capture_output=True, text=True)
-    assert done.returncode == 0, f"g++ failed:\n{done.stderr[-4000:]}"
-    lib = ctypes.CDLL(str(lib_path))
+    lib = _build_sim(tmp_path_factory, BLOCK_HARNESS)
     lib.sim_decode.argtypes = [I32, I32, I32, I32, I32, P, P, P, P, P, P, P, P, I32, I32, I32, I32, F32, F32, P, P,
                                P, I64, P, I32]  # fmt: skip
     lib.sim_decode.restype = ctypes.c_int
