@@ -14,7 +14,9 @@ time is scaled to the 64-block model explicitly: t64 = t_head + t_blocks * 64 / 
 without logits and t_head = t(logits) - t(no logits) (final norm, LM head, copy of the logits to the host).
 The forward passes are the engine's own (models/qwen35_gpu.py, logits copied to the host), so the numbers
 include its Python and launch overhead: --graphs (default) replays captured CUDA graphs, --no-graphs launches
-eagerly, --graphs-compare measures both in one run (eager first).
+eagerly, --graphs-compare measures both in one run (eager first). In the graphs mode each width's captured verify
+graph is also replayed alone (`verify_replay_ms`, `verify_replay_rel`: the device's part, without the host's share,
+which moves the width-1 pass most).
 
 Drafter timing (measured in the graphs mode): `pass_replay_ms` is the captured pass alone (append of 3 context rows,
 the 16-token block, LM head over 15 rows, top-8 log-softmax; graph launch to device idle), `pass_api_ms` the
@@ -53,6 +55,7 @@ WIDTHS = (1, 2, 4, 8, 16, 23, 32, 41, 64)
 ACCEPT = (2, 3, 4, 6)
 SPEC_WIDTH = 23
 PROFILE_STEPS = 20
+REPLAYS = 20             # width_curve: replays of each captured verify graph (median)
 WARM_STEPS = 4           # spec_loop's untimed first row
 COPY_BYTES = 4 << 30
 
@@ -152,7 +155,15 @@ def width_curve(model, timer: Timer, context: int, reps: int, widths, deadline: 
                     runs[lg][w].append(dt)
         done = r
     med = {lg: {w: statistics.median(v) for w, v in d.items() if v} for lg, d in runs.items()}
-    return {"rounds": done, "verify_s": med["all"], "blocks_s": med["none"]}
+    # each width's captured verify graph replayed alone: the device's part of the pass, steadier than the pass
+    # through the API (whose host share moves the width-1 time most)
+    replay = {}
+    for w in widths:
+        g = next((g for k, g in getattr(state, "graphs", {}).items()
+                  if isinstance(k, tuple) and len(k) > 3 and k[0] == w and k[3] == "all"), None)  # fmt: skip
+        if g is not None:
+            replay[w] = _replay_s(g.graph, timer, REPLAYS)
+    return {"rounds": done, "verify_s": med["all"], "blocks_s": med["none"], "replay_s": replay}
 
 
 def plain_decode(model, n_tokens: int, context: int) -> dict[str, Any]:
@@ -522,6 +533,9 @@ def measure(model, r: dict[str, Any], timer: Timer, args, scale: float, roof: fl
         r["blocks_ms"] = {w: round(v * 1e3, 3) for w, v in wc["blocks_s"].items()}
         v1 = wc["verify_s"][widths[0]]
         r["verify_rel"] = {w: round(v / v1, 3) for w, v in wc["verify_s"].items()}
+        if widths[0] in wc["replay_s"]:
+            r["verify_replay_ms"] = {w: round(v * 1e3, 3) for w, v in wc["replay_s"].items()}
+            r["verify_replay_rel"] = {w: round(v / wc["replay_s"][widths[0]], 3) for w, v in wc["replay_s"].items()}
         if scale != 1:
             sc = {w: (wc["verify_s"][w] - wc["blocks_s"][w]) + wc["blocks_s"][w] * scale for w in wc["verify_s"]}
             r["scaled_verify_ms"] = {w: round(v * 1e3, 3) for w, v in sc.items()}
@@ -595,6 +609,9 @@ def print_table(rep: dict[str, Any], path: str) -> None:
     row(f"verify step (chain, checkpoints, all logits) at widths {' / '.join(map(str, widths))}, ms",
         lambda m: " / ".join(f"{m[vkey][w]:.2f}" for w in widths))
     row("same passes without logits, ms", lambda m: " / ".join(f"{m['blocks_ms'][w]:.2f}" for w in widths))
+    row(f"verify graph replayed alone, ms (relative to width {widths[0] if widths else 1})",
+        lambda m: " / ".join(f"{m['verify_replay_ms'][w]:.2f}" for w in widths)
+        + " (" + " / ".join(f"{m['verify_replay_rel'][w]:.2f}" for w in widths) + ")")
     row("plain greedy decode, tok/s (fraction of the roofline)",
         lambda m: f"{m.get('scaled_decode_tps', m['decode']['tps']):.1f} "
                   f"({_f(m.get('decode_fraction_of_roofline'), 3)})")

@@ -1,0 +1,92 @@
+"""bench/decode.py's width curve on a stand-in model (no GPU): the per-width medians of the pass through the API and
+each width's captured verify graph replayed alone, the replays reported beside the passes."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _decode_module():
+    spec = importlib.util.spec_from_file_location("bench_decode", ROOT / "bench" / "decode.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+class _Graph:
+    def __init__(self, width: int, log: list[int]):
+        self.width, self.log = width, log
+
+    def launch(self, stream) -> None:
+        self.log.append(self.width)
+
+
+class _Model:
+    """forward() captures a graph per (width, logits) as the GPU model keys them: (T, is_chain, per_token, logits,
+    capture, s_hint)."""
+
+    cfg = SimpleNamespace(n_vocab=50)
+
+    def __init__(self):
+        self.replayed: list[int] = []
+
+    def new_state(self, n: int):
+        return SimpleNamespace(graphs={}, pending=None, commit=lambda ids: None)
+
+    def forward(self, state, toks, checkpoints=False, logits="last"):
+        key = (len(toks), True, False, logits, (), 512)
+        state.graphs.setdefault(key, SimpleNamespace(graph=_Graph(len(toks), self.replayed)))
+
+
+class _Timer:
+    """Seconds a call "takes": 1 ms per token of the last forward / replay, plus 5 ms of host time for a pass."""
+
+    def __init__(self, model: _Model):
+        self.model = model
+        self.cupy = SimpleNamespace(cuda=SimpleNamespace(get_current_stream=lambda: None))
+
+    def __call__(self, fn):
+        before = len(self.model.replayed)
+        toks = []
+        orig = self.model.forward
+
+        def forward(state, t, **kw):
+            toks.append(len(t))
+            return orig(state, t, **kw)
+
+        self.model.forward = forward
+        try:
+            r = fn()
+        finally:
+            self.model.forward = orig
+        if toks:
+            return 5e-3 + 1e-3 * toks[0], r
+        return 1e-3 * self.model.replayed[before], r
+
+
+def test_width_curve_reports_graph_replays_beside_the_passes() -> None:
+    decode = _decode_module()
+    model = _Model()
+    wc = decode.width_curve(model, _Timer(model), context=8, reps=2, widths=(1, 4, 23), deadline=float("inf"))
+    assert wc["rounds"] == 2
+    assert wc["verify_s"] == pytest.approx({1: 6e-3, 4: 9e-3, 23: 28e-3})  # host time included
+    assert wc["replay_s"] == pytest.approx({1: 1e-3, 4: 4e-3, 23: 23e-3})  # the device's part alone
+    assert model.replayed.count(23) == decode.REPLAYS  # only the logits="all" graph of each width is replayed
+
+
+def test_width_curve_without_graphs_has_no_replays() -> None:
+    decode = _decode_module()
+
+    class _Eager(_Model):
+        def forward(self, state, toks, checkpoints=False, logits="last"):
+            return None
+
+    model = _Eager()
+    wc = decode.width_curve(model, _Timer(model), context=8, reps=1, widths=(1, 2), deadline=float("inf"))
+    assert wc["replay_s"] == {} and set(wc["verify_s"]) == {1, 2}
