@@ -1195,28 +1195,27 @@ class Qwen35GpuModel(TargetModel):
             o = dn.decode_step(proj[:, :cd], state.conv[L], w["ssm_conv1d"], alpha, b, w["ssm_a"], w["ssm_dt"],
                                pair[0], n_k_heads=Hk, final_state=pair[1], alt=pair[1], swap=state.stage.swap,
                                rows_out=raw)
-            return self._out_proj(w["ssm_out"], qm.pack_activations(o.reshape(T, Hv * dv), rms_weight=w["ssm_norm"],
-                                                                    eps=c.rms_eps, gate=proj[:, cd:cd + Hv * dv]),
-                                  sink)
-        if fused and T >= FUSE_CONV_NORM_FROM:  # conv (reading the projection in place, keeping the raw rows), q/k
-            # norm and gates in one launch
-            mixed, g, beta = dn.conv_qk_norm_gate(proj[:, :cd], state.conv[L], w["ssm_conv1d"], alpha, b, w["ssm_a"],
-                                                  w["ssm_dt"], n_k_heads=Hk, head_k_dim=dk, parents=parents,
-                                                  rows_out=raw, out=keep[0], g=keep[1], beta=keep[2])
-        else:
-            if fused:  # the conv reads the projection in place and keeps the raw rows itself
-                mixed = dn.conv_silu(proj[:, :cd], state.conv[L], w["ssm_conv1d"], parents=parents, rows_out=raw,
-                                     out=keep[0])
+        else:  # conv, q/k norm + gates and the walk as separate launches (any width)
+            if fused and T >= FUSE_CONV_NORM_FROM:  # conv (reading the projection in place, keeping the raw
+                # rows), q/k norm and gates in one launch
+                mixed, g, beta = dn.conv_qk_norm_gate(proj[:, :cd], state.conv[L], w["ssm_conv1d"], alpha, b,
+                                                      w["ssm_a"], w["ssm_dt"], n_k_heads=Hk, head_k_dim=dk,
+                                                      parents=parents, rows_out=raw, out=keep[0], g=keep[1],
+                                                      beta=keep[2])
             else:
-                raw[...] = proj[:, :cd]
-                mixed = dn.conv_silu(raw, state.conv[L], w["ssm_conv1d"], parents=parents, out=keep[0])
-            g, beta = dn.qk_norm_gate(mixed, alpha, b, w["ssm_a"], w["ssm_dt"], n_k_heads=Hk, head_k_dim=dk,
-                                      g=keep[1], beta=keep[2])
-        # a tree walks the step's plan (_launches computed it), states it comes back to in shared memory; the
-        # committed state is read only (a commit replays the accepted path), or a chain's final state is written
-        o = dn.gated_delta_tree(mixed[:, :kd], mixed[:, kd:2 * kd], mixed[:, 2 * kd:], g, beta, pair[0],
-                                plan=None if step.is_chain else state.plan[:T],
-                                final_state=None if step.per_token else pair[1], alt=pair[1], swap=state.stage.swap)
+                if fused:  # the conv reads the projection in place and keeps the raw rows itself
+                    mixed = dn.conv_silu(proj[:, :cd], state.conv[L], w["ssm_conv1d"], parents=parents, rows_out=raw,
+                                         out=keep[0])
+                else:
+                    raw[...] = proj[:, :cd]
+                    mixed = dn.conv_silu(raw, state.conv[L], w["ssm_conv1d"], parents=parents, out=keep[0])
+                g, beta = dn.qk_norm_gate(mixed, alpha, b, w["ssm_a"], w["ssm_dt"], n_k_heads=Hk, head_k_dim=dk,
+                                          g=keep[1], beta=keep[2])
+            # a tree walks the step's plan (_launches computed it), states it comes back to in shared memory; the
+            # committed state is read only (a commit replays the accepted path), or a chain's final state is written
+            o = dn.gated_delta_tree(mixed[:, :kd], mixed[:, kd:2 * kd], mixed[:, 2 * kd:], g, beta, pair[0],
+                                    plan=None if step.is_chain else state.plan[:T],
+                                    final_state=None if step.per_token else pair[1], alt=pair[1], swap=state.stage.swap)
         if fused:  # the output norm * silu(z) in ssm_out's pack
             return self._out_proj(w["ssm_out"], qm.pack_activations(o.reshape(T, Hv * dv), rms_weight=w["ssm_norm"],
                                                                     eps=c.rms_eps, gate=proj[:, cd:cd + Hv * dv]),
