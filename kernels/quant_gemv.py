@@ -314,11 +314,6 @@ def persist_grid(n_out: int, k_warps: int, smem: int, regs: int, sms: int, block
     return balanced if 4 * balanced >= 3 * slots else slots
 
 
-def warps_per_sm(regs: int) -> int:
-    """Warps of `regs` registers per thread one SM holds at once (loader.resident_warps)."""
-    return loader.resident_warps(regs)
-
-
 def choose_split(qtype: int, n_out: int, k: int, tokens: int, sms: int, regs: int, tile_regs: int = 0,
                  tile_k_warps: int = 0) -> tuple[int, int]:
     """(splits, k_warps) of the split-K kernel for this matrix and width, or (1, 0): keep one block per tile.
@@ -337,7 +332,7 @@ def choose_split(qtype: int, n_out: int, k: int, tokens: int, sms: int, regs: in
     tiles = -(-n_out // TILE_ROWS)
     nch = -(-k // CHUNK)
     tkw = tile_k_warps or choose_k_warps(qtype, n_out, k, tokens, sms)
-    cap = sms * warps_per_sm(tile_regs or regs)
+    cap = sms * loader.resident_warps(tile_regs or regs)
     if tiles >= sms and (nch < SPLIT_MIN_TILE_CHUNKS * tkw or min(tiles * tkw, cap) >= SPLIT_FILL * cap):
         return 1, 0
     best = (0, 0, 1)  # (warps, k_warps, splits)
@@ -345,7 +340,7 @@ def choose_split(qtype: int, n_out: int, k: int, tokens: int, sms: int, regs: in
         cap_s = min(MAX_SPLITS, nch // max(1, kw * SPLIT_MIN_CHUNKS))
         for splits in range(cap_s, 1, -1):
             smem = smem_split_bytes(qtype, k, tokens, splits)
-            fit = min(32, warps_per_sm(regs) // kw, SMEM_PER_SM // (smem + 1024))
+            fit = min(32, loader.resident_warps(regs) // kw, SMEM_PER_SM // (smem + 1024))
             if tiles * splits <= SPLIT_WAVES * sms * fit:
                 best = max(best, (tiles * splits * kw, kw, splits))
                 break

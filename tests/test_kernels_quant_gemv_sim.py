@@ -22,6 +22,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from kernels import loader
 from kernels import quant_gemv as qg
 from kernels import quant_matmul as qm
 from services.engine import quants
@@ -731,8 +732,8 @@ def test_split_choice(monkeypatch) -> None:
     sms = 132
     # registers are allocated within each of 4 sub-partitions (cuda_occupancy.h): 117 -> 120 registers, 3840 a warp,
     # 4 warps per 16384-register sub-partition, 16 warps (not 65536 // 3840 = 17)
-    assert qg.warps_per_sm(117) == 16 and qg.warps_per_sm(128) == 16 and qg.warps_per_sm(255) == 8
-    assert qg.warps_per_sm(136) == 12 and qg.warps_per_sm(32) == 64 and qg.warps_per_sm(1) == 64
+    assert loader.resident_warps(117) == 16 and loader.resident_warps(128) == 16 and loader.resident_warps(255) == 8
+    assert loader.resident_warps(136) == 12 and loader.resident_warps(32) == 64 and loader.resident_warps(1) == 64
     if not qg.SPLIT_UP_TO:  # not dispatched (the H100 decode step was not faster): gemv() keeps one block per tile
         assert qg.choose_split(Q4_K, 5120, 17408, 1, sms, 120, 117) == (1, 0)
     monkeypatch.setattr(qg, "SPLIT_UP_TO", {Q4_K: 2, Q6_K: 2, Q8_0: 2, F16: 2})
