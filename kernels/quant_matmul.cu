@@ -1612,8 +1612,8 @@ SS_DEV void wide_chunk(float (&acc)[MT][NT][4], const u8* wst, const uint4* xs, 
 
 // y[T, N] (+)= x @ W^T, T <= 8 NT, on the tiled device layout (16-byte aligned, rows padded to 16) and packed x (xp,
 // TPAD = 8 NT token rows). Grid: P blocks of 32 (WM + producer) threads (WM = 1..8; producer: 1 for a copying warp
-// on sm_90, ignored elsewhere), any P >= 1 (the launcher: what fits on the
-// GPU at once, at most one per item). accumulate != 0: y += x @ W^T (one add per value); ldy: y's row stride in floats
+// on sm_90, ignored elsewhere), any P >= 1 (the launcher: what fits on the GPU at once, at most one per item).
+// accumulate != 0: y += x @ W^T (one add per value); ldy: y's row stride in floats
 // (0: N). part / counters: the split scratch (kernels/quant_gemv.py split_scratch): part >= 2 P WM (MT NT 4) 32 floats,
 // counters >= ceil(ceil(N / 16) / (WM MT)) WM words, zero before the launch and left zero. Dynamic shared memory:
 // stages (512 TPAD + WM MT 16 (MAIN + SIDE)) + 16 stages bytes (quant_wide.smem_bytes).
@@ -1725,8 +1725,8 @@ __global__ void SS_BOUNDS(288, 1) qmw_kernel(const u8* __restrict__ W, long long
 #endif
         }
     };
-    // Under SS_BULK one thread issues the copies, so only warp 0 walks the issue bookkeeping; elsewhere every
-    // thread copies a share of each item.
+    // Under SS_BULK one thread issues the copies: the producer warp's lane 0 where there is one, else warp 0's
+    // between its chunks (so only that warp walks the issue bookkeeping); elsewhere every thread copies a share.
     if (prod) {  // the producer warp: every item in order, each once its stage is empty
         if (warp == WM && lane == 0)
             for (int i = 0; i < n_items; ++i) issue(i);
