@@ -80,6 +80,12 @@ RING_TALL_SHAPE = {1: (8, 3), 2: (8, 3), 3: (8, 2)}  # (k_warps, stages) by toke
 # 128 tiles: 4 x 2 5.26 us, 8 x 2 5.55).
 RING_FEW_TILES = 4
 RING_FEW_SHAPE = (8, 2)
+# The same launches on deep matrices (k >= 2 n_out: ffn_down 5120x17408, 68 chunks a tile), by type: Q4_K's warps run
+# 8-9 chunks each and keep ahead with a third slot. H100, 40 launches back to back over cold copies
+# (bench/ring_back_to_back.py): Q4_K 8 x 2 20.56 us, 8 x 3 18.31; Q6_K 27.39 / 30.07 (its slots are 1.4x larger:
+# 8 x 2 kept). 27B Q4_K_M width-1 step replay 0.996 (6880 / 6885 -> 6856 / 6851 us); 8 x 3 on every few-tile Q4_K
+# product (ssm_out, attn_output too) 1.007.
+RING_FEW_DEEP_SHAPE = {12: (8, 3)}
 # choose_split's knobs. The per-tile kernel keeps a matrix of at least one tile per SM whose warps run fewer than
 # SPLIT_MIN_TILE_CHUNKS chunks each (5120x6144: 6; the split's arrival protocol, a fence, an atomic and a second L2
 # round trip, costs more than it saves) or whose blocks fill at least SPLIT_FILL of the warps the SMs can hold
@@ -141,13 +147,13 @@ def ring_smem_bytes(qtype: int, tokens: int, k_warps: int, stages: int, swiglu: 
 
 def ring_shape(qtype: int, n_out: int, k: int, tokens: int, sms: int) -> tuple[int, int]:
     """(k_warps, stages) of a ring launch: RING_TALL_SHAPE for matrices of at least RING_TALL_TILES row tiles (where
-    it fits in shared memory), RING_FEW_SHAPE for one token over 1 to RING_FEW_TILES row tiles a SM, else
-    choose_k_warps' warps and RING_STAGES."""
+    it fits in shared memory), RING_FEW_SHAPE for one token over 1 to RING_FEW_TILES row tiles a SM
+    (RING_FEW_DEEP_SHAPE's on a deep matrix of its types), else choose_k_warps' warps and RING_STAGES."""
     kw, st = RING_TALL_SHAPE.get(tokens, (8, 2))
     tiles = -(-n_out // TILE_ROWS)
     if tiles >= RING_TALL_TILES and ring_smem_bytes(qtype, tokens, kw, st) <= SMEM_LIMIT:
         return min(kw, -(-k // CHUNK)), st
-    kw, st = RING_FEW_SHAPE
+    kw, st = RING_FEW_DEEP_SHAPE.get(qtype, RING_FEW_SHAPE) if k >= 2 * n_out else RING_FEW_SHAPE
     if tokens == 1 and sms <= tiles < RING_FEW_TILES * sms and ring_smem_bytes(qtype, tokens, kw, st) <= SMEM_LIMIT:
         return min(kw, -(-k // CHUNK)), st
     return choose_k_warps(qtype, n_out, k, tokens, sms), RING_STAGES

@@ -517,7 +517,10 @@ def test_ring_shared_memory_and_choice() -> None:
     assert qg.ring_shape(Q4_K, 34816, 5120, 1, 132) == (qg.choose_k_warps(Q4_K, 34816, 5120, 1, 132), qg.RING_STAGES)
     # one token over 1-4 row tiles a SM (ffn_down, ssm_out: 320 tiles on 132 SMs) takes RING_FEW_SHAPE; two tokens
     # keep choose_k_warps' (8 warps there already); a K of few chunks caps the warps
-    assert qg.ring_shape(Q4_K, 5120, 17408, 1, 132) == qg.RING_FEW_SHAPE == (8, 2)
+    assert qg.ring_shape(Q6_K, 5120, 17408, 1, 132) == qg.RING_FEW_SHAPE == (8, 2)
+    assert qg.ring_shape(Q4_K, 5120, 6144, 1, 132) == (8, 2)
+    assert qg.ring_shape(Q4_K, 5120, 17408, 1, 132) == qg.RING_FEW_DEEP_SHAPE[Q4_K] == (8, 3)   # deep: a third slot
+    assert qg.ring_shape(Q4_K, 5120, 17408, 2, 132) == (qg.choose_k_warps(Q4_K, 5120, 17408, 2, 132), qg.RING_STAGES)
     assert qg.ring_shape(Q6_K, 5120, 6144, 1, 132) == (8, 2)
     assert qg.ring_shape(Q6_K, 10240, 5120, 1, 132) == (4, qg.RING_STAGES)   # 640 tiles: 4.8 a SM
     assert qg.ring_shape(Q4_K, 5120, 6144, 2, 132) == (qg.choose_k_warps(Q4_K, 5120, 6144, 2, 132), qg.RING_STAGES)
