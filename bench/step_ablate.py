@@ -7,7 +7,7 @@ interleaved in one process.
 A piece's row is the step's replay time less the step's without it: its marginal cost where it sits, after the
 overlap the step's programmatic dependent launches give it (what fusing it away could win at most; the kernels
 around it move up). The outputs of a step without a piece are garbage; only its time is used. Pieces (PIECES):
-the DeltaNet core (deltanet.decode_step at one token, the tree walk wider: the conv and gates stay), the attention
+the DeltaNet core (deltanet.decode_step at one token; wider, the tree walk alone: conv and gates stay), the attention
 chain (q/k norm + RoPE, the KV store, attention), the residual-stream norm packs (pack_activations with a norm and
 no gate: a step's input / post-attention norms where the products do not stage them), the SwiGLU pack and the
 DeltaNet output norm-gate pack. A skipped pack keeps its first launch (its buffers, made once per shape, are what
@@ -29,7 +29,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "bench"))
 
-from gpu_bench import add_model_source, device_name, json_saver, model_at_context  # noqa: E402
+from gpu_bench import device_name, json_saver, model_at_context  # noqa: E402
 
 
 def _stale(fn: Callable, key: Callable[[tuple, dict], Any]) -> Callable:
@@ -126,7 +126,7 @@ def capture(model: Any, state: Any, width: int, rng: Any) -> Any:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    add_model_source(ap)
+    ap.add_argument("--model", required=True, help="a qwen35 GGUF (`specsplit make-synthetic` writes the 27B one)")
     ap.add_argument("--widths", type=int, nargs="+", default=[1, 23])
     ap.add_argument("--context", type=int, default=512)
     ap.add_argument("--rounds", type=int, default=6, help="interleaved rounds of 8 timed replays a graph")

@@ -71,3 +71,14 @@ def test_a_skipped_pack_launches_once_per_shape() -> None:
     assert norm((a,), {"rms_weight": a, "residual": a}) == ("norm", (1, 8), True)
     assert norm((a,), {"rms_weight": a, "gate": a}) is None   # the norm-gate pack is its own piece
     assert step_ablate._pack_key("gate")((a,), {"rms_weight": a, "gate": a}) is not None
+
+
+def test_the_command_line_needs_a_model_and_skips_without_a_gpu(capsys) -> None:
+    from kernels import loader
+
+    with pytest.raises(SystemExit):
+        step_ablate.main([])                       # --model is required
+    if loader.unavailable_reason() is None:
+        pytest.skip("a GPU is here: the run itself is a device benchmark")
+    assert step_ablate.main(["--model", "absent.gguf", "--widths", "1"]) == 0
+    assert "skipped" in capsys.readouterr().out
