@@ -351,6 +351,8 @@ STAGE_CASES = [
     (Q6_K, 512, 768, 2, 3, 2),
     (Q8_0, 256, 1024, 3, 4, 1),  # 48 (row, token) values: two warps shuffle, the second half idle
     (Q4_K, 768, 256, 3, 1, 2),  # K of one chunk: one warp
+    (Q4_K, 256, 8704, 1, 8, 3),  # a deep one-token product at RING_FEW_DEEP_SHAPE (the 27B's ffn_down): 4-5 chunks a
+                                 # warp through 3 slots
 ]
 
 
