@@ -490,7 +490,6 @@ def gated_delta_tree(
     cols_per_warp (4, 8), warps (1..4 per block): the layout (see kernels/deltanet.cu); depth: tokens whose inputs
     are in flight at once, 2..16 (a cp.async ring of `depth` token slots per warp in shared memory).
     """
-    cupy = loader.require()
     if s0.ndim != 3:
         raise ValueError(f"s0 must be (Hv, dk, dv), not shape {tuple(s0.shape)}")
     hv, dk, dv = (int(s) for s in s0.shape)
@@ -530,17 +529,8 @@ def gated_delta_tree(
             plan = tree_plan(parents, n_tokens=n_tokens, t_max=t_max, portable=portable)
         if plan.dtype != np.int32 or plan.ndim != 1 or int(plan.size) < t_max or not plan.flags.c_contiguous:
             raise ValueError(f"plan must be a contiguous int32 vector of at least {t_max} entries (tree_plan)")
-    if final_state is not None:
-        _f32(final_state, (hv, dk, dv), "final_state")
-    alt_off = _swap_offset(s0, alt, swap, "s0")
-    if swap is not None and final_state is not None and final_state.data.ptr != alt.data.ptr:
-        raise ValueError("with swap, final_state must be alt (the half a chain's final state goes to)")
-    if out is None:
-        out = cupy.empty((t_max, hv * dv), dtype=cupy.float32)
-    out = out.reshape(int(out.shape[0]), -1) if out.ndim == 3 else out
-    out, ld_out = _rows(out, "out", width=hv * dv, align=1)
-    if out.dtype != np.float32 or int(out.shape[0]) < t_max:
-        raise ValueError(f"out must be float32 with at least {t_max} rows")
+    alt_off = _state_operands(s0, final_state, alt, swap)
+    out, ld_out = _out_rows(out, t_max, hv * dv)
     n_slots = walk_stack_slots(t_max) if plan is not None else 0
     pdl = t_max <= PDL_UP_TO
     kern = _fn(f"gdr_tree_walk_kernel<{_ctype(q.dtype, 'q')}, {dk}, {cw}, {depth}>", portable, pdl=pdl)
@@ -612,17 +602,8 @@ def decode_step(
     if cw not in (4, 8) or not 2 <= nw <= 4 or dv % (cw * nw) or dk % (32 // cw * 8):
         raise ValueError(f"cols_per_warp in (4, 8), warps in 2..4, dv = {dv} a multiple of their product and dk = "
                          f"{dk} of {32 // cw * 8}")
-    if final_state is not None:
-        _f32(final_state, (hv, dk, dv), "final_state")
-    alt_off = _swap_offset(s0, alt, swap, "s0")
-    if swap is not None and final_state is not None and final_state.data.ptr != alt.data.ptr:
-        raise ValueError("with swap, final_state must be alt (the half a chain's final state goes to)")
-    if out is None:
-        out = cupy.empty((1, hv * dv), dtype=cupy.float32)
-    out = out.reshape(int(out.shape[0]), -1) if out.ndim == 3 else out
-    out, _ = _rows(out, "out", width=hv * dv, align=1)
-    if out.dtype != np.float32:
-        raise ValueError("out must be float32")
+    alt_off = _state_operands(s0, final_state, alt, swap)
+    out, _ = _out_rows(out, 1, hv * dv)
     scale = dk**-0.5 if q_scale is None else float(q_scale)
     pdl = PDL_UP_TO >= 1
     kern = _fn(f"gdr_decode_kernel<{_ctype(raw.dtype, 'raw')}, {dk}, {cw}, {kw}>", portable, pdl=pdl)
@@ -633,6 +614,30 @@ def decode_step(
           _null() if final_state is None else final_state, _null() if swap is None else swap, np.int64(alt_off), out,
           np.int32(early)), shared_mem=4 * (2 * dk + nw * cw + 2))  # fmt: skip
     return out.reshape(1, hv, dv)
+
+
+def _state_operands(s0: Any, final_state: Any, alt: Any, swap: Any) -> int:
+    """Checks a delta-rule launch's final state against s0 (Hv, dk, dv) and its ping-pong pair; returns alt's offset
+    (_swap_offset)."""
+    if final_state is not None:
+        _f32(final_state, tuple(s0.shape), "final_state")
+    alt_off = _swap_offset(s0, alt, swap, "s0")
+    if swap is not None and final_state is not None and final_state.data.ptr != alt.data.ptr:
+        raise ValueError("with swap, final_state must be alt (the half a chain's final state goes to)")
+    return alt_off
+
+
+def _out_rows(out: Any, t_max: int, width: int) -> tuple[Any, int]:
+    """A delta-rule launch's float32 output rows [>= t_max, width] (made when None; (T, Hv, dv) accepted): (out as
+    rows, its row stride)."""
+    cupy = loader.require()
+    if out is None:
+        out = cupy.empty((t_max, width), dtype=cupy.float32)
+    out = out.reshape(int(out.shape[0]), -1) if out.ndim == 3 else out
+    out, ld_out = _rows(out, "out", width=width, align=1)
+    if out.dtype != np.float32 or int(out.shape[0]) < t_max:
+        raise ValueError(f"out must be float32 with at least {t_max} rows")
+    return out, ld_out
 
 
 def _swap_offset(state: Any, alt: Any, swap: Any, what: str) -> int:
