@@ -184,6 +184,12 @@ STEP_ABS = {
                                                              "SWIGLU_SHAPE": dict.fromkeys((1, 2, 3), (kw, st))})
                   for kw, st in ((0, 2), (0, 3), (0, 4), (2, 4))], (1, 2, 3),
                [("fused 0x2", "pack"), ("fused 0x3", "pack"), ("fused 0x4", "pack"), ("fused 2x4", "pack")]),
+    # the SwiGLU staged by gate|up's cluster pairs (qwen35_gpu.SWIGLU_PAIR_WIDTHS) against the shipped step (the pack at
+    # one and three tokens, the tile-pair blocks at two) and against the tile-pair blocks everywhere
+    "swiglupair": ([("shipped", SMALL, 3, "capture", {}),
+                    ("blocks", SMALL, 3, "capture", {"q35.FUSE_SWIGLU_WIDTHS": (1, 2, 3)}),
+                    ("pairs", SMALL, 3, "capture", {"q35.SWIGLU_PAIR_WIDTHS": (1, 2, 3)})], (1, 2, 3),
+                   [("pairs", "shipped"), ("blocks", "shipped")]),
     # the attention's combine writing attn_output's int16 staging (qwen35_gpu.ATTN_STAGE_UP_TO) or a pack launch
     "attnstage": ([("pack", SMALL, 3, "capture", {"q35.ATTN_STAGE_UP_TO": 0}),
                    ("staged", SMALL, 3, "capture", {"q35.ATTN_STAGE_UP_TO": 3})], (1, 2, 3), [("staged", "pack")]),
@@ -235,6 +241,7 @@ def step(cupy, qm, qg, path: str, context: int, ab: str = "ring") -> list[dict]:
     knobs_shipped.update({f"q35.{name}": getattr(q35, name) for name in ("STAGE_NORMS", "STAGE_UP_TO",
                                                                                 "FUSE_CONV_NORM_FROM",
                                                                                 "FUSE_SWIGLU_WIDTHS",
+                                                                                "SWIGLU_PAIR_WIDTHS",
                                                                                 "ATTN_STAGE_UP_TO",
                                                                                 "FUSE_DECODE_STEP")})
     knobs_shipped["dn.CONV_NORM_WARPS"] = deltanet.CONV_NORM_WARPS
@@ -257,7 +264,8 @@ def step(cupy, qm, qg, path: str, context: int, ab: str = "ring") -> list[dict]:
                     elif ab == "dnpdl":
                         deltanet.PDL, deltanet.PDL_UP_TO = flag, 64
                     elif ab in ("knobs", "v2stages", "packslices", "few", "few2", "stagenorms", "stagewhere",
-                                "convnorm", "swiglu", "attnstage", "dnearly", "attnpdl", "dndecode"):
+                                "convnorm", "swiglu", "swiglupair", "attnstage", "dnearly", "attnpdl",
+                                "dndecode"):
                         set_knobs({**knobs_shipped, **flag})
                     elif ab == "dnsrc":
                         deltanet.SOURCE = dn_source if flag else os.environ["DN_BASE_SOURCE"]

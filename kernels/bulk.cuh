@@ -1,7 +1,8 @@
 // Shared-memory addresses, mbarriers and bulk copies (sm_90: cp.async.bulk global -> shared, completing on an
 // mbarrier), shared by the v2 / wide product kernels (quant_matmul.cu) and the gemv ring kernel (quant_gemv.cu). The
-// includer defines SS_PTX first (1: inline PTX allowed); SS_BULK = 1 where the bulk copies exist, else the kernels
-// take their portable paths. kernels/loader.py pastes this file in place of its #include.
+// includer defines SS_PTX first (1: inline PTX allowed); SS_BULK = 1 where the bulk copies (and thread block
+// clusters) exist, else the kernels take their portable paths. kernels/loader.py pastes this file in place of its
+// #include.
 #ifndef SPECSPLIT_BULK_CUH
 #define SPECSPLIT_BULK_CUH
 
@@ -64,6 +65,24 @@ static __device__ __forceinline__ void bulk_g2s_s(unsigned int dst, const void* 
 static __device__ __forceinline__ void bulk_g2s(void* dst, const void* src, unsigned int bytes,
                                                 unsigned long long* bar) {
     bulk_g2s_s(smem_addr(dst), src, bytes, smem_addr(bar));
+}
+// Thread block clusters (sm_90, a kernel declared __cluster_dims__): the split cluster barrier (every thread of every
+// block of the cluster arrives, then waits; relaxed: orders nothing, for "every block has started") and a store into
+// another block's shared memory (the address of a local shared variable mapped to block `rank` of the cluster).
+static __device__ __forceinline__ void cluster_arrive_relaxed() {
+    asm volatile("barrier.cluster.arrive.relaxed.aligned;\n" ::: "memory");
+}
+static __device__ __forceinline__ void cluster_arrive() {
+    asm volatile("barrier.cluster.arrive.aligned;\n" ::: "memory");
+}
+static __device__ __forceinline__ void cluster_wait() { asm volatile("barrier.cluster.wait.aligned;\n" ::: "memory"); }
+static __device__ __forceinline__ unsigned int cluster_map(unsigned int saddr, unsigned int rank) {
+    unsigned int r;
+    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(r) : "r"(saddr), "r"(rank));
+    return r;
+}
+static __device__ __forceinline__ void st_cluster_f32(unsigned int addr, float v) {
+    asm volatile("st.shared::cluster.f32 [%0], %1;\n" ::"r"(addr), "f"(v) : "memory");
 }
 // one arrival (release: this thread's earlier shared-memory reads are done)
 static __device__ __forceinline__ void mbar_arrive_s(unsigned int bar) {

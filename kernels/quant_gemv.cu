@@ -743,6 +743,49 @@ GV_DEV void finish_swiglu(float (&gate)[4][NT], float (&up)[4][NT], float* red, 
     if (live) xq::put_group16_lanes(q16, F >> 8, NT, p >> 4, n, p & 15, r, word, scale, sum);
 }
 
+// End of a gate|up tile of a cluster pair (gemv_ring_pair_kernel): block `half` 0 ran gate tile p, block 1 up tile p
+// (rows F + 16 p..). Each adds its warps' sums as finish_swiglu adds them (warp order, times a staged input norm's
+// 1 / rms); block 1 stores its 16 NT values into block 0's shared memory (recv: red's second half, which block 0
+// leaves alone) and after the cluster barrier block 0 stages fp16(silu(g) u) as finish_swiglu does: bitwise its
+// staging, with gate|up's own block count and shape. Every thread of both blocks reaches both cluster waits (the
+// first pairs with the arrival the kernel made when it started: block 0 is running before block 1 writes into it).
+// Needs KW > 1 and 16 NT <= threads (the launcher).
+template <int NT>
+GV_DEV void finish_pair(float (&acc)[4][NT], float* red, int half, int p, int F, const float* inv_sm,
+                        uint4* __restrict__ q16) {
+#if SS_BULK
+    const int lane = (int)(threadIdx.x & 31u), warp = (int)(threadIdx.x >> 5);
+    const int KW = (int)(blockDim.x >> 5);
+    const int j = lane >> 2, r4 = lane & 3;
+    row_butterfly<NT>(acc);
+    if (j == 0) {
+#pragma unroll
+        for (int i = 0; i < 4; ++i)
+#pragma unroll
+            for (int n = 0; n < NT; ++n) red[(warp * 16 + r4 + 4 * i) * NT + n] = acc[i][n];
+    }
+    __syncthreads();
+    const int o = (int)threadIdx.x, r = o & 15, n = o >> 4;
+    const bool live = o < 16 * NT;
+    float v = 0.f;
+    if (live) {
+        for (int w = 0; w < KW; ++w) v += red[(w * 16 + r) * NT + n];  // warp order: finish_ring's sums
+        if (inv_sm != nullptr) v *= inv_sm[n];
+    }
+    float* const recv = red + KW * 16 * NT;
+    bk::cluster_wait();  // block 0 has started (the kernel's first arrival)
+    if (half == 1 && live) bk::st_cluster_f32(bk::cluster_map(bk::smem_addr(recv + o), 0u), v);
+    bk::cluster_arrive();  // release: block 1's stores, seen by block 0 after its wait
+    bk::cluster_wait();
+    if (half == 1 || warp * 32 >= 16 * NT) return;  // whole warps from here (they shuffle)
+    const float h = live ? h2f(f2h(silu(v) * recv[o])) : 0.f;
+    u32 word;
+    float scale, sum;
+    xq::group16_lanes(h, word, scale, sum);
+    if (live) xq::put_group16_lanes(q16, F >> 8, NT, p >> 4, n, p & 15, r, word, scale, sum);
+#endif
+}
+
 // One warp's sums over chunks [c0, c1) of the tile at wt (both kernels without persistence): acc[i][n] = row i of
 // the lane . token n over the lane's values. x chunk c is staged as chunk c - cx0; `cur` holds chunk c0's weights
 // already requested (before x was staged, so the two latencies overlap) when c0 is a full chunk. Full chunks in
@@ -1044,13 +1087,16 @@ __global__ void GV_BOUNDS(256) gemv_splitk_kernel(const u8* __restrict__ W, long
 // gate sums in registers; instead of writing y it stages fp16(silu(gate) up) for the down product into stage_q16
 // (finish_swiglu: bitwise gate|up's ring, then pack_silu_kernel's staging). Grid N / 16; y, accumulate and the
 // outgoing norm unused; a staged input norm (in_ssq) as above. Shared memory: red holds both tiles' sums.
+// SWIGLU = 2 (gemv_ring_pair_kernel, clusters of two blocks): W as with 1, grid 2 N / 16; block 2 p runs gate tile p
+// and block 2 p + 1 up tile p, each as the plain ring runs a tile (gate|up's own shape: the sums are bitwise its), and
+// the pair meets in finish_pair, which stages what finish_swiglu stages.
 template <int QT, int NT, int SWIGLU>
-__global__ void GV_BOUNDS(256) gemv_ring_kernel(const u8* __restrict__ W, long long row_bytes, int N, int K,
-                                                float* __restrict__ y, int accumulate, long long ldy,
-                                                const uint4* __restrict__ xq, int stages,
-                                                const float* __restrict__ in_ssq, float eps,
-                                                const float* __restrict__ stage_w, uint4* __restrict__ stage_q16,
-                                                float* __restrict__ stage_ssq) {
+static __device__ __forceinline__ void gemv_ring_body(const u8* __restrict__ W, long long row_bytes, int N, int K,
+                                                      float* __restrict__ y, int accumulate, long long ldy,
+                                                      const uint4* __restrict__ xq, int stages,
+                                                      const float* __restrict__ in_ssq, float eps,
+                                                      const float* __restrict__ stage_w, uint4* __restrict__ stage_q16,
+                                                      float* __restrict__ stage_ssq) {
     using namespace gv;
     using namespace bk;
     using L = Lay<QT>;
@@ -1065,18 +1111,24 @@ __global__ void GV_BOUNDS(256) gemv_ring_kernel(const u8* __restrict__ W, long l
     const int KW = (int)(blockDim.x >> 5);
     const int j = lane >> 2, r4 = lane & 3;
     const int nch = K / CHUNK;
-    const int tile = (int)blockIdx.x;  // SWIGLU: the tile pair (gate rows 16 tile.., up rows N + 16 tile..)
+    // SWIGLU: the tile pair (gate rows 16 tile.., up rows N + 16 tile..); 2: half 1 (the cluster's block 1) runs the up
+    // tile
+    const int half = SWIGLU == 2 ? (int)(blockIdx.x & 1u) : 0;
+    const int tile = SWIGLU == 2 ? (int)(blockIdx.x >> 1) : (int)blockIdx.x;
     const int c0 = (int)(((long long)warp * nch) / KW), c1 = (int)(((long long)(warp + 1) * nch) / KW);
-    const int n = c1 - c0;                  // this warp's chunks of a tile
-    const int items = SWIGLU ? 2 * n : n;   // SWIGLU: the gate tile's, then the up tile's
+    const int n = c1 - c0;                      // this warp's chunks of a tile
+    const int items = SWIGLU == 1 ? 2 * n : n;  // SWIGLU 1: the gate tile's, then the up tile's
+#if SS_BULK
+    if constexpr (SWIGLU == 2) bk::cluster_arrive_relaxed();  // "started" (finish_pair waits for it)
+#endif
 
     u8* const ring = (u8*)gv_smem + (size_t)warp * stages * SLOT;
     float* const red = (float*)((u8*)gv_smem + (size_t)KW * stages * SLOT);  // [1 + SWIGLU][KW][16][NT]
     unsigned long long* const bars =
-        (unsigned long long*)(red + (KW > 1 ? (1 + SWIGLU) * KW * 16 * NT : 0)) + (size_t)warp * stages;
+        (unsigned long long*)(red + (KW > 1 ? (1 + (SWIGLU != 0)) * KW * 16 * NT : 0)) + (size_t)warp * stages;
     // chunk c0 + i's runs: weights, x units, scales, sums (each a contiguous, 16-byte aligned run)
-    const u8* const wsrc = W + (i64)tile * 16 * row_bytes + (i64)c0 * BLK;
-    const u8* const wsrc_up = SWIGLU ? wsrc + (i64)N * row_bytes : nullptr;
+    const u8* const wsrc = W + ((i64)tile * 16 + (half ? N : 0)) * row_bytes + (i64)c0 * BLK;
+    const u8* const wsrc_up = SWIGLU == 1 ? wsrc + (i64)N * row_bytes : nullptr;
     const uint4* const usrc = xq + (i64)c0 * NT * 32;
     const uint4* const ssrc = xq + (i64)nch * NT * 32 + (i64)c0 * NT * 4;
     const uint4* const msrc = ssrc + (i64)nch * NT * 4;
@@ -1096,7 +1148,7 @@ __global__ void GV_BOUNDS(256) gemv_ring_kernel(const u8* __restrict__ W, long l
     // bytes when the weights are issued, so the x copies may follow later (after the grid dependency wait).
     constexpr int W_PART = 1, X_PART = 2;
     auto issue = [&](int item, int slot, int parts) {
-        const bool up = SWIGLU && item >= n;  // (the up tile's chunks read the same x chunks again)
+        const bool up = SWIGLU == 1 && item >= n;  // (the up tile's chunks read the same x chunks again)
         const int i = up ? item - n : item;
         const u8* const wsrc_i = up ? wsrc_up : wsrc;
         u8* const dst = ring + (size_t)slot * SLOT;
@@ -1186,16 +1238,43 @@ __global__ void GV_BOUNDS(256) gemv_ring_kernel(const u8* __restrict__ W, long l
         __syncwarp();  // every lane has read the slot (its values are used above) before it is refilled
         if (i + stages < items) issue(i + stages, slot, W_PART | X_PART);
         slot = slot + 1 == stages ? 0 : slot + 1;
-        if (SWIGLU && i == n - 1) {
+        if (SWIGLU == 1 && i == n - 1) {
 #pragma unroll
             for (int r = 0; r < 4; ++r)
 #pragma unroll
                 for (int t = 0; t < NT; ++t) gate[r][t] = acc[r][t], acc[r][t] = 0.f;
         }
     }
-    if constexpr (SWIGLU != 0)
+    if constexpr (SWIGLU == 1)
         finish_swiglu<NT>(gate, acc, red, tile, N, inv_sm, stage_q16);
+    else if constexpr (SWIGLU == 2)
+        finish_pair<NT>(acc, red, half, tile, N, inv_sm, stage_q16);
     else
         finish_ring<NT>(acc, red, 16 * tile, N, y, ldy, accumulate, inv, inv_sm,
                         NormStage{stage_w, stage_q16, stage_ssq}, wv, yv, 16 * NT <= (int)blockDim.x);
 }
+
+template <int QT, int NT, int SWIGLU>
+__global__ void GV_BOUNDS(256) gemv_ring_kernel(const u8* __restrict__ W, long long row_bytes, int N, int K,
+                                                float* __restrict__ y, int accumulate, long long ldy,
+                                                const uint4* __restrict__ xq, int stages,
+                                                const float* __restrict__ in_ssq, float eps,
+                                                const float* __restrict__ stage_w, uint4* __restrict__ stage_q16,
+                                                float* __restrict__ stage_ssq) {
+    static_assert(SWIGLU == 0 || SWIGLU == 1, "SWIGLU = 2 is gemv_ring_pair_kernel");
+    gemv_ring_body<QT, NT, SWIGLU>(W, row_bytes, N, K, y, accumulate, ldy, xq, stages, in_ssq, eps, stage_w,
+                                   stage_q16, stage_ssq);
+}
+
+#if SS_BULK
+// The SwiGLU staging of a stacked [gate | up] matrix by gate|up's own ring launch shape, a tile pair per cluster of two
+// blocks (gemv_ring_body with SWIGLU = 2; quant_gemv.gemv_swiglu(pair=True)). sm_90 only: HIP, the portable path and
+// the CPU simulation have no clusters (gemv_ring_kernel<QT, NT, 1> stages the same bits there).
+template <int QT, int NT>
+__global__ void __cluster_dims__(2, 1, 1) GV_BOUNDS(256)
+    gemv_ring_pair_kernel(const u8* __restrict__ W, long long row_bytes, int N, int K, const uint4* __restrict__ xq,
+                          int stages, const float* __restrict__ in_ssq, float eps, uint4* __restrict__ stage_q16) {
+    gemv_ring_body<QT, NT, 2>(W, row_bytes, N, K, nullptr, 0, 0, xq, stages, in_ssq, eps, nullptr, stage_q16,
+                              nullptr);
+}
+#endif

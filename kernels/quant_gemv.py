@@ -275,6 +275,32 @@ def ring_function(qtype: int, tokens: int, portable: bool = False, swiglu: bool 
     return fn
 
 
+def clusters_available(portable: bool = False) -> bool:
+    """Whether thread block clusters can run (gemv_ring_pair_kernel): CUDA on sm_90 or later, not the portable
+    build."""
+    cupy = loader.require()
+    return not portable and not getattr(cupy.cuda.runtime, "is_hip", False) and loader.compute_capability() >= 90
+
+
+def pair_function(qtype: int, tokens: int, portable: bool = False) -> Any:
+    """The compiled SwiGLU ring of cluster pairs (gemv_ring_pair_kernel) for one quantized type and width (sm_90; the
+    portable build has no clusters and is refused)."""
+    qtype = int(qtype)
+    if qtype not in _INT:
+        raise ValueError(f"no ring gemv kernel for {qm.type_name(qtype)} (Q8_0, Q4_K, Q6_K only)")
+    if not 1 <= tokens <= MAX_TOKENS:
+        raise ValueError(f"gemv takes 1..{MAX_TOKENS} tokens, not {tokens}")
+    if not clusters_available(portable):
+        raise ValueError("the SwiGLU ring of cluster pairs needs CUDA thread block clusters (sm_90, not the portable "
+                         "build)")
+    fn = loader.get_function(SOURCE, f"gemv_ring_pair_kernel<{qtype}, {tokens}>", (), pdl=not portable)
+    key = ("pair", qtype, tokens, qm._device_id())
+    if key not in _configured:
+        fn.max_dynamic_shared_size_bytes = SMEM_LIMIT
+        _configured[key] = SMEM_LIMIT
+    return fn
+
+
 def split_function(qtype: int, tokens: int, portable: bool = False) -> Any:
     """The compiled split-K kernel for one storage type and width (1..16 tokens)."""
     qtype = int(qtype)
@@ -491,38 +517,46 @@ def _launch_ring(W: Any, packed: Any, out: Any, accumulate: bool, cfg: GemvConfi
     return out
 
 
-# (k_warps, stages) of gemv_swiglu by tokens; absent (or 0): gate|up's own ring shape's. Each block runs two tiles
-# back to back through one ring. Stages do not change the sums; other warps do (then g and u are not bitwise gate|up's
-# ring launch, only within its rounding).
+# (k_warps, stages) of gemv_swiglu by tokens (not its cluster pairs); absent (or 0): gate|up's own ring shape's. Each
+# block runs two tiles back to back through one ring. Stages do not change the sums; other warps do (then g and u are
+# not bitwise gate|up's ring launch, only within its rounding).
 SWIGLU_SHAPE: dict[int, tuple[int, int]] = {2: (0, 3)}
 
 
-def swiglu_shape(qtype: int, n_out: int, k: int, tokens: int, sms: int | None = None) -> tuple[int, int] | None:
+def swiglu_shape(qtype: int, n_out: int, k: int, tokens: int, sms: int | None = None,
+                 pair: bool = False) -> tuple[int, int] | None:
     """(k_warps, stages) of gemv_swiglu on a stacked [gate | up] matrix of n_out rows, or None where it cannot run:
     gate|up's own ring launch's (ring_shape: so gate and up are bitwise what that launch writes) unless SWIGLU_SHAPE
-    says; the warps must stage a 16-value group per (row, token) of a tile (_stages_with's rule on the F = n_out / 2
-    outputs), and x comes with its int16 staging (up to quant_matmul.Q16_TOKENS tokens). sms: the device's SM count
-    (None: the current device's)."""
+    says (not for the cluster pairs, pair=True: their blocks run one tile each, as gate|up's launch does); the warps
+    must stage a 16-value group per (row, token) of a tile (_stages_with's rule on the F = n_out / 2 outputs), and x
+    comes with its int16 staging (up to quant_matmul.Q16_TOKENS tokens). sms: the device's SM count (None: the
+    current device's)."""
     if n_out % 2 or not ring_usable(qtype, k, True) or not 1 <= tokens <= qm.Q16_TOKENS:
         return None
     kw, stages = ring_shape(qtype, n_out, k, tokens, qm.sm_count() if sms is None else sms)
-    want = SWIGLU_SHAPE.get(tokens, (0, 0))
+    want = (0, 0) if pair else SWIGLU_SHAPE.get(tokens, (0, 0))
     kw, stages = min(want[0] or kw, -(-k // CHUNK)), want[1] or stages
     return (kw, stages) if _stages_with(n_out // 2, kw, tokens) else None
 
 
 def gemv_swiglu(W: Any, packed: Any, q16_out: Any = None, *, config: GemvConfig | None = None,
-                portable: bool = False) -> Any:
+                portable: bool = False, pair: bool = False) -> Any:
     """fp16(silu(g) * u) for [g | u] = x @ W^T, W a stacked [gate | up] QuantMatrix (2 F rows, v2 layout), as the int16
     staging (PackedX.q16 layout, F / 256 chunks x T tokens) a ring gemv of the down product reads, in one ring launch:
     no gate|up output, no pack launch. packed: a PackedX with its q16 staging or a quant_matmul.StagedNorm (1..3
     tokens). Bitwise the ring's gate|up product followed by the SwiGLU pack's staging (pack_activations(silu_up=)).
-    q16_out: the uint32 buffer to write (q16_words(F, T); None: a new one). Returns q16_out."""
+    pair: gate|up's own launch (a block per tile, its shape) with each gate tile's block and its up tile's block a
+    cluster of two that meets at the end (gemv_ring_pair_kernel, sm_90: clusters_available); else each block runs a
+    gate tile and then its up tile. q16_out: the uint32 buffer to write (q16_words(F, T); None: a new one). Returns
+    q16_out."""
     cupy = loader.require()
     n_out, k = W.shape
     tokens = qm.check_v2_product(W, packed, None, "gemv", MAX_TOKENS)
     f = n_out // 2
-    shape = swiglu_shape(W.qtype, n_out, k, tokens)
+    if pair and not clusters_available(portable):
+        raise ValueError(f"{W.name}: the SwiGLU ring of cluster pairs needs CUDA thread block clusters (sm_90, not "
+                         f"the portable build)")
+    shape = swiglu_shape(W.qtype, n_out, k, tokens, pair=pair)
     if packed.q16 is None or shape is None:
         raise ValueError(f"{W.name}: the SwiGLU ring takes a stacked [gate | up] {qm.type_name(W.qtype)} matrix of "
                          f"Q8_0 / Q4_K / Q6_K with K a multiple of {CHUNK}, gate rows a multiple of {CHUNK}, 1.."
@@ -545,6 +579,15 @@ def gemv_swiglu(W: Any, packed: Any, q16_out: Any = None, *, config: GemvConfig 
         raise ValueError(f"{W.name}: q16_out must be a contiguous uint32 array of {words} words")
     null = np.uint64(0)
     staged_in = isinstance(packed, qm.StagedNorm)
+    if pair:
+        pair_function(W.qtype, tokens)(
+            (n_out // TILE_ROWS,),
+            (32 * kw,),
+            (W.device_buffer, np.int64(W.row_bytes), np.int32(f), np.int32(k), packed.q16, np.int32(stages),
+             packed.ssq if staged_in else null, np.float32(packed.eps if staged_in else 0.0), q16_out),
+            shared_mem=smem,
+        )
+        return q16_out
     ring_function(W.qtype, tokens, portable, swiglu=True)(
         (f // TILE_ROWS,),
         (32 * kw,),

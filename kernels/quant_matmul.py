@@ -323,13 +323,15 @@ def staged_norm(stream: Any, weight: Any, eps: float) -> StagedNorm:
                       float(eps), tokens, k, stream)
 
 
-def can_fuse_swiglu(gate_up: Any, down: Any, tokens: int, sms: int | None = None) -> bool:
-    """Whether the stacked [gate | up] matrix can stage SwiGLU for `down` at this width (QuantMatrix.swiglu): its
-    SwiGLU ring can run (quant_gemv.swiglu_shape) and down launches the ring gemv from x's int16 staging."""
+def can_fuse_swiglu(gate_up: Any, down: Any, tokens: int, sms: int | None = None, pair: bool = False) -> bool:
+    """Whether the stacked [gate | up] matrix can stage SwiGLU for `down` at this width (QuantMatrix.swiglu; pair: its
+    cluster pairs): its SwiGLU ring can run (quant_gemv.swiglu_shape) and down launches the ring gemv from x's int16
+    staging."""
     if gate_up.kernel != "v2" or down.kernel != "v2":
         return False
     n, k = gate_up.shape
-    return (down.in_features * 2 == n and quant_gemv.swiglu_shape(gate_up.qtype, n, k, tokens, sms) is not None
+    return (down.in_features * 2 == n
+            and quant_gemv.swiglu_shape(gate_up.qtype, n, k, tokens, sms, pair=pair) is not None
             and quant_gemv.ring_takes(down.qtype, n // 2, tokens, True))
 
 
@@ -762,15 +764,15 @@ class QuantMatrix:
                 launch(packed, out[start:stop], splits, portable, config, accumulate)
         return out.reshape(n_out) if squeeze else out
 
-    def swiglu(self, x: Any, *, portable: bool = False, config: Any = None) -> PackedX:
+    def swiglu(self, x: Any, *, portable: bool = False, config: Any = None, pair: bool = False) -> PackedX:
         """silu(g) * u for [g | u] = x @ W^T, this matrix a stacked [gate | up] (2 F rows), as the activations of the
         down product: a PackedX holding only the int16 staging (q16; data None), which the ring gemv reads. One ring
-        launch (quant_gemv.gemv_swiglu), bitwise the product followed by pack_activations(g, silu_up=u)'s staging.
-        x: a PackedX with its staging or a StagedNorm (1..Q16_TOKENS tokens; can_fuse_swiglu says when both sides
-        can); config: a quant_gemv.GemvConfig."""
+        launch (quant_gemv.gemv_swiglu; pair: its cluster pairs), bitwise the product followed by
+        pack_activations(g, silu_up=u)'s staging. x: a PackedX with its staging or a StagedNorm (1..Q16_TOKENS
+        tokens; can_fuse_swiglu says when both sides can); config: a quant_gemv.GemvConfig."""
         if not isinstance(x, (PackedX, StagedNorm)):
             x = pack_activations(x, portable=portable, q16=True)
-        q16 = quant_gemv.gemv_swiglu(self, x, config=config, portable=portable)
+        q16 = quant_gemv.gemv_swiglu(self, x, config=config, portable=portable, pair=pair)
         return PackedX(None, x.tokens, self.out_features // 2, q16=q16)
 
     def _matmul_staged(self, x: Any, out: Any, accumulate: bool, stage: StagedNorm | None, portable: bool,

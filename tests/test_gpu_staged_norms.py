@@ -98,10 +98,17 @@ def test_every_boundary_stages_at_narrow_widths(pair, monkeypatch) -> None:
     monkeypatch.setattr(q35, "STAGE_UP_TO", {"post": 3, "next": 3})
     no, yes = (False,) * n, (True,) * n
     monkeypatch.setattr(q35, "FUSE_SWIGLU_WIDTHS", (1, 2, 3))
+    monkeypatch.setattr(q35, "SWIGLU_PAIR_WIDTHS", ())
+    ones, twos = (1,) * n, (2,) * n  # swi: the tile-pair blocks, the cluster pairs
     for T in (1, 2, 3):
         post, nxt, swi = gpu._norm_plan(T, "all")
         assert post == (False,) + (True,) * (n - 1), T   # layer 0 keeps its pack (the step's input rows)
-        assert nxt == yes and swi == yes, T
+        assert nxt == yes and swi == ones, T
+    monkeypatch.setattr(q35, "SWIGLU_PAIR_WIDTHS", (2,))
+    pairs = q35.qm.quant_gemv.clusters_available()
+    assert gpu._norm_plan(2, "all")[2] == (twos if pairs else ones)
+    assert gpu._norm_plan(1, "all")[2] == ones
+    monkeypatch.setattr(q35, "SWIGLU_PAIR_WIDTHS", ())
     post, nxt, _ = gpu._norm_plan(2, "last")
     assert nxt[-1] is False and all(nxt[:-1])   # a staged output norm covers every row: not for the last only
     assert gpu._norm_plan(4, "all") == (no, no, no)   # v2 from 4 tokens: packs
@@ -110,7 +117,7 @@ def test_every_boundary_stages_at_narrow_widths(pair, monkeypatch) -> None:
     monkeypatch.setattr(q35, "STAGE_NORMS", False)
     assert gpu._norm_plan(1, "all") == (no, no, yes)
     monkeypatch.setattr(q35, "FUSE_SWIGLU_WIDTHS", (2,))
-    assert gpu._norm_plan(1, "all")[2] == no and gpu._norm_plan(2, "all")[2] == yes
+    assert gpu._norm_plan(1, "all")[2] == (0,) * n and gpu._norm_plan(2, "all")[2] == ones
 
 
 @pytest.mark.parametrize("graphs", [False, True])

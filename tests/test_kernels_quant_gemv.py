@@ -452,11 +452,13 @@ def test_swiglu_ring_is_bitwise_the_product_and_its_pack(qtype: int, f: int, k: 
     """QuantMatrix.swiglu (gate|up's ring staging fp16(silu(g) u) for the down product, gemv_ring_kernel<QT, NT, 1>):
     bitwise the staging pack_activations(g, silu_up=u) writes from the ring's own [g | u] product, at 1..3 tokens,
     from a packed x and from a staged norm, at the default shape and others; the down product from it bitwise the
-    one from the pack; inside a CUDA graph the same bits. The 27B's gate|up shape first (1088 tile pairs)."""
+    one from the pack; inside a CUDA graph the same bits. The same for its cluster pairs (gemv_ring_pair_kernel, sm_90:
+    gate|up's own launch shape, pair=True). The 27B's gate|up shape first (1088 tile pairs)."""
     rng = np.random.default_rng(1700 + qtype + f)
     W = qm.QuantMatrix(qtype, cupy.asarray(random_weights(qtype, 2 * f, k, rng)), (2 * f, k), name="gate|up")
     D = qm.QuantMatrix(qtype, cupy.asarray(random_weights(qtype, 256, f, rng)), (256, f), name="down")
     nw = cupy.asarray((0.01 + 0.0025 * rng.standard_normal(k)).astype(np.float32))
+    pairs = qg.clusters_available()
     for tokens in (1, 2, 3):
         fuses = qm.can_fuse_swiglu(W, D, tokens)
         assert fuses == (tokens <= qg.RING_UP_TO[qtype])   # (Q8_0 takes the ring at one token only)
@@ -472,6 +474,10 @@ def test_swiglu_ring_is_bitwise_the_product_and_its_pack(qtype: int, f: int, k: 
             got = W.swiglu(px)
             assert got.data is None and got.tokens == tokens and got.in_features == f
             assert cupy.array_equal(got.q16, want.q16), (tokens, type(px).__name__)
+            if pairs:
+                assert qm.can_fuse_swiglu(W, D, tokens, pair=True) == fuses
+                got = W.swiglu(px, pair=True)
+                assert got.data is None and cupy.array_equal(got.q16, want.q16), (tokens, type(px).__name__, "pair")
             if fuses:
                 assert cupy.array_equal(D.matmul(got), D.matmul(want))
             for kw, stages in ((8, 2), (4, 3)):
@@ -480,16 +486,20 @@ def test_swiglu_ring_is_bitwise_the_product_and_its_pack(qtype: int, f: int, k: 
                     gu = W.matmul(px, kernel="gemv", config=qg.GemvConfig(k_warps=kw, stages=stages, ring=True))
                     want = qm.pack_activations(gu[:, :f], silu_up=gu[:, f:])
                     assert cupy.array_equal(qg.gemv_swiglu(W, px, config=cfg), want.q16), (tokens, cfg)
+                    if pairs:
+                        assert cupy.array_equal(qg.gemv_swiglu(W, px, config=cfg, pair=True), want.q16), (tokens, cfg)
         out = cupy.empty(qm.q16_words(f, tokens), cupy.uint32)
         px = qm.pack_activations(x, q16=True)
         stream = cupy.cuda.Stream(non_blocking=True)
-        with stream:
-            stream.begin_capture()
-            qg.gemv_swiglu(W, px, out)
-            graph = stream.end_capture()
-            graph.launch(stream)
-        stream.synchronize()
-        assert cupy.array_equal(out, W.swiglu(px).q16)
+        for pair in (False, True) if pairs else (False,):
+            out[:] = 0
+            with stream:
+                stream.begin_capture()
+                qg.gemv_swiglu(W, px, out, pair=pair)
+                graph = stream.end_capture()
+                graph.launch(stream)
+            stream.synchronize()
+            assert cupy.array_equal(out, W.swiglu(px).q16), pair
 
 
 def test_swiglu_ring_refusals() -> None:
@@ -512,6 +522,8 @@ def test_swiglu_ring_refusals() -> None:
         qg.gemv_swiglu(W, qm.pack_activations(x, q16=True), config=qg.GemvConfig(k_warps=1))
     with pytest.raises(ValueError, match="uint32"):
         qg.gemv_swiglu(W, qm.pack_activations(x, q16=True), cupy.empty(7, cupy.uint32))
+    with pytest.raises(ValueError, match="clusters"):  # the portable build has none
+        qg.gemv_swiglu(W, qm.pack_activations(x, q16=True), portable=True, pair=True)
 
 
 def test_ring_variant_refuses_what_it_cannot_take() -> None:

@@ -576,6 +576,9 @@ def test_which_products_fuse_swiglu() -> None:
         # the warps are gate|up's own ring launch's (so g and u are bitwise that launch's), the stages SWIGLU_SHAPE's
         kw, stages = qg.ring_shape(Q4_K, 34816, 5120, tokens, 132)
         assert qg.swiglu_shape(Q4_K, 34816, 5120, tokens, 132) == (kw, qg.SWIGLU_SHAPE.get(tokens, (0, stages))[1])
+        # the cluster pairs run gate|up's own launch, SWIGLU_SHAPE or not
+        assert qg.swiglu_shape(Q4_K, 34816, 5120, tokens, 132, pair=True) == (kw, stages)
+        assert qm.can_fuse_swiglu(gate_up, down, tokens, sms=132, pair=True), tokens
     assert not qm.can_fuse_swiglu(gate_up, down, 4, sms=132)                     # no int16 staging from 4 tokens
     assert not qm.can_fuse_swiglu(gate_up, mat(Q4_K, 5120, 17400), 1, sms=132)   # down does not read F values
     assert not qm.can_fuse_swiglu(mat(Q4_K, 2 * 272, 512), mat(Q4_K, 64, 272), 1, sms=132)  # F % 256: part chunks

@@ -89,8 +89,10 @@ def _pdl_kernels() -> dict[str, set[str]]:
     return found
 
 
-def _body(code: str, kernel: str) -> str:
-    m = re.search(r"__global__[^;{]*?\b" + kernel + r"\s*\(", code)
+def _body(code: str, kernel: str, device: bool = False) -> str:
+    """A kernel's body; for a kernel that does not wait itself but calls a shared *_body function (gemv_ring_kernel,
+    gemv_ring_pair_kernel): that function's body."""
+    m = re.search((r"__device__" if device else r"__global__") + r"[^;{]*?\b" + kernel + r"\s*\(", code)
     assert m, kernel
     start = code.index("{", m.end())
     depth, i = 0, start
@@ -98,14 +100,17 @@ def _body(code: str, kernel: str) -> str:
         depth += {"{": 1, "}": -1}.get(code[i], 0)
         i += 1
         if depth == 0:
-            return code[start:i]
+            body = code[start:i]
+            waits = "SS_GRID_WAIT();" in body or "SS_PDL_ENTRY();" in body
+            shared = None if device or waits else re.search(r"\b(\w+_body)<", body)
+            return _body(code, shared.group(1), device=True) if shared else body
 
 
 def test_every_pdl_kernel_waits_for_its_predecessor() -> None:
     """A kernel launched with PDL may start before the previous kernel ends: it must hold at the grid dependency wait
     before it reads anything an earlier kernel wrote. The launchers opt in per kernel; each such kernel waits once."""
     found = _pdl_kernels()
-    assert found.get("quant_gemv.cu") == {"gemv_ring_kernel"}
+    assert found.get("quant_gemv.cu") == {"gemv_ring_kernel", "gemv_ring_pair_kernel"}
     assert found.get("quant_matmul.cu") == {"pack_x_kernel", "pack_rms_kernel", "pack_silu_kernel"}
     assert found.get("deltanet.cu") == {"conv_silu_kernel", "conv_silu_rows_kernel", "qk_norm_gate_kernel",
                                         "conv_qk_norm_gate_kernel", "gdr_tree_walk_kernel", "gdr_decode_kernel"}

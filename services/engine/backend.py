@@ -97,10 +97,11 @@ class GpuMatrix:
         stage: a StagedNorm of `out` to write for the next norm's product (can_stage_norm)."""
         return self.upload().q.matmul(x, out=out, accumulate=accumulate, stage=stage)
 
-    def swiglu(self, x: Any) -> Any:
+    def swiglu(self, x: Any, pair: bool = False) -> Any:
         """silu(g) * u of this stacked [gate | up] matrix's product, staged for the down product's ring gemv (a
-        kernels.quant_matmul.PackedX of int16 staging only; can_fuse_swiglu says when)."""
-        return self.upload().q.swiglu(x)
+        kernels.quant_matmul.PackedX of int16 staging only; can_fuse_swiglu says when). pair: gate|up's own launch
+        shape with each gate tile's block and its up tile's block a thread block cluster (sm_90)."""
+        return self.upload().q.swiglu(x, pair=pair)
 
     @property
     def nbytes(self) -> int:
@@ -221,14 +222,17 @@ def reads_staging(m: Any, tokens: int) -> bool:
     return q.kernel == "v2" and qm.quant_gemv.ring_takes(q.qtype, q.in_features, tokens, True)
 
 
-def can_fuse_swiglu(gate_up: Any, down: Any, tokens: int) -> bool:
+def can_fuse_swiglu(gate_up: Any, down: Any, tokens: int, pair: bool = False) -> bool:
     """Whether gate_up (a stacked [gate | up] GpuMatrix; a GpuStack cannot) stages SwiGLU for down (a GpuMatrix) at
-    this width: kernels.quant_matmul.can_fuse_swiglu."""
+    this width: kernels.quant_matmul.can_fuse_swiglu; pair: with its cluster pairs, which also need the device's
+    thread block clusters."""
     from kernels import quant_matmul as qm
 
     if not (isinstance(gate_up, GpuMatrix) and isinstance(down, GpuMatrix)):
         return False
-    return qm.can_fuse_swiglu(gate_up.upload().q, down.upload().q, tokens)
+    if pair and not qm.quant_gemv.clusters_available():
+        return False
+    return qm.can_fuse_swiglu(gate_up.upload().q, down.upload().q, tokens, pair=pair)
 
 
 def can_stage_norm(producer: Any, consumer: Any, tokens: int) -> bool:

@@ -103,6 +103,12 @@ STAGE_UP_TO = {"post": 2, "next": 3}
 # (bench/gemv_ab.py --step-ab swiglu; docs/gpu_quant_matmul.md "gemv: SwiGLU staged by gate|up"): 1.0025 / 0.980 /
 # 1.0055 at widths 1 / 2 / 3 with 3 ring stages (quant_gemv.SWIGLU_SHAPE), 1.0053 / 0.995 / 1.0016 with gate|up's 2.
 FUSE_SWIGLU_WIDTHS = (2,)
+# Steps of SWIGLU_PAIR_WIDTHS tokens (<= quant_matmul.Q16_TOKENS) stage the SwiGLU with gate|up's own ring launch, each
+# gate tile's block and its up tile's block a thread block cluster of two that meets at the end (QuantMatrix.swiglu(
+# pair=True), sm_90; bitwise the same step); where clusters are missing, FUSE_SWIGLU_WIDTHS decides. H100, 27B Q4_K_M
+# step replays against the shipped step (bench/gemv_ab.py --step-ab swiglupair, two calls): 1.030 / 1.036 at one
+# token (against the pack), 0.991 / 0.991 at two (against the tile-pair blocks), 1.008 / 1.006 at three (the pack).
+SWIGLU_PAIR_WIDTHS: tuple[int, ...] = (2,)
 # Steps of up to ATTN_STAGE_UP_TO tokens whose attn_output product is a ring gemv: the attention's combine kernel
 # also writes o's int16 staging for it (kernels.attention.attention(q16=)), so no pack launch runs between them;
 # bitwise the same step. H100, 27B Q4_K_M step replays (bench/gemv_ab.py --step-ab attnstage): 0.9996 / 0.9986 /
@@ -1066,18 +1072,18 @@ class Qwen35GpuModel(TargetModel):
         """Where this step's norms are staged by the product before them (STAGE_NORMS): (post[i]: layer i's output
         projection stages its post-attention norm for ffn_gate_up; nxt[i]: its ffn_down stages the next layer's
         input norm, or the output norm when the logits cover every row; swi[i]: its ffn_gate_up stages SwiGLU for
-        ffn_down, FUSE_SWIGLU_WIDTHS). Layer 0's mixer keeps the pack: its stream is the step's input rows, which the
-        staged path would add into in place."""
+        ffn_down, _swiglu_mode's 1 / 2, else 0). Layer 0's mixer keeps the pack: its stream is the step's input rows,
+        which the staged path would add into in place."""
         key = (T, logits == "all" or T == 1, logits != "none", STAGE_NORMS, tuple(sorted(STAGE_UP_TO.items())),
                self.fused_launches, qm.Q16_TOKENS, tuple(sorted(qm.quant_gemv.RING_UP_TO.items())),
-               tuple(FUSE_SWIGLU_WIDTHS), tuple(sorted(qm.quant_gemv.SWIGLU_SHAPE.items())))  # (the knobs a bench
+               tuple(FUSE_SWIGLU_WIDTHS), tuple(SWIGLU_PAIR_WIDTHS),
+               tuple(sorted(qm.quant_gemv.SWIGLU_SHAPE.items())))  # (the knobs a bench
         # may turn between steps; SWIGLU_SHAPE's warps decide whether the SwiGLU ring can stage)
         plans = self._norm_plans
         if key not in plans:
             n = len(self.layers)
             post, nxt = [False] * n, [False] * n
-            swi = tuple(self.fused_launches and T in FUSE_SWIGLU_WIDTHS and T <= qm.Q16_TOKENS
-                        and can_fuse_swiglu(w["ffn_gate_up"], w["ffn_down"], T) for w in self.layers)
+            swi = tuple(self._swiglu_mode(w, T) for w in self.layers)
             if STAGE_NORMS and self.fused_launches and T <= qm.Q16_TOKENS:
                 rec = self.cfg.recurrent_layers
                 first = [w["ssm_in"] if rec[i] else w["attn_qkv"] for i, w in enumerate(self.layers)]
@@ -1093,6 +1099,15 @@ class Qwen35GpuModel(TargetModel):
                         nxt[i] = key[1] and key[2] and can_stage_norm(w["ffn_down"], self.output, T)
             plans[key] = (tuple(post), tuple(nxt), swi)
         return plans[key]
+
+    def _swiglu_mode(self, w: dict, T: int) -> int:
+        """How a layer's ffn_gate_up stages SwiGLU at T tokens: 2 its cluster pairs (SWIGLU_PAIR_WIDTHS, where the
+        device has clusters), 1 a block per tile pair (FUSE_SWIGLU_WIDTHS), 0 not at all (the pack)."""
+        if not (self.fused_launches and T <= qm.Q16_TOKENS):
+            return 0
+        if T in SWIGLU_PAIR_WIDTHS and can_fuse_swiglu(w["ffn_gate_up"], w["ffn_down"], T, pair=True):
+            return 2
+        return int(T in FUSE_SWIGLU_WIDTHS and can_fuse_swiglu(w["ffn_gate_up"], w["ffn_down"], T))
 
     def _block(self, i: int, w: dict, x, state: GpuSequenceState, step: _Step, h_in: Any = None,
                plan: tuple = ((), (), ())) -> tuple[Any, Any]:
@@ -1120,7 +1135,7 @@ class Qwen35GpuModel(TargetModel):
                                      residual=x)
             x = px.residual
         if swi and swi[i]:  # the SwiGLU staged by the gate|up ring itself
-            xd = w["ffn_gate_up"].swiglu(px)
+            xd = w["ffn_gate_up"].swiglu(px, pair=swi[i] == 2)
         else:
             gu = w["ffn_gate_up"].matmul(px)
             f = gu.shape[1] // 2
