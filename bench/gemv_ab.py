@@ -190,6 +190,9 @@ STEP_ABS = {
                     ("blocks", SMALL, 3, "capture", {"q35.FUSE_SWIGLU_WIDTHS": (1, 2, 3)}),
                     ("pairs", SMALL, 3, "capture", {"q35.SWIGLU_PAIR_WIDTHS": (1, 2, 3)})], (1, 2, 3),
                    [("pairs", "shipped"), ("blocks", "shipped")]),
+    # a decode token's DeltaNet layer (deltanet.decode_step) on blocks of 2 / 4 / 8 / 16 warps (16: a value head each)
+    "dnwarps": ([(f"{nw} warps", SMALL, 3, "capture", {"q35.DECODE_STEP_WARPS": nw}) for nw in (2, 4, 8, 16)], (1,),
+                [("4 warps", "2 warps"), ("8 warps", "2 warps"), ("16 warps", "2 warps")]),
     # the attention's combine writing attn_output's int16 staging (qwen35_gpu.ATTN_STAGE_UP_TO) or a pack launch
     "attnstage": ([("pack", SMALL, 3, "capture", {"q35.ATTN_STAGE_UP_TO": 0}),
                    ("staged", SMALL, 3, "capture", {"q35.ATTN_STAGE_UP_TO": 3})], (1, 2, 3), [("staged", "pack")]),
@@ -242,6 +245,7 @@ def step(cupy, qm, qg, path: str, context: int, ab: str = "ring") -> list[dict]:
                                                                                 "FUSE_CONV_NORM_FROM",
                                                                                 "FUSE_SWIGLU_WIDTHS",
                                                                                 "SWIGLU_PAIR_WIDTHS",
+                                                                                "DECODE_STEP_WARPS",
                                                                                 "ATTN_STAGE_UP_TO",
                                                                                 "FUSE_DECODE_STEP")})
     knobs_shipped["dn.CONV_NORM_WARPS"] = deltanet.CONV_NORM_WARPS
@@ -265,7 +269,7 @@ def step(cupy, qm, qg, path: str, context: int, ab: str = "ring") -> list[dict]:
                         deltanet.PDL, deltanet.PDL_UP_TO = flag, 64
                     elif ab in ("knobs", "v2stages", "packslices", "few", "few2", "stagenorms", "stagewhere",
                                 "convnorm", "swiglu", "swiglupair", "attnstage", "dnearly", "attnpdl",
-                                "dndecode"):
+                                "dndecode", "dnwarps"):
                         set_knobs({**knobs_shipped, **flag})
                     elif ab == "dnsrc":
                         deltanet.SOURCE = dn_source if flag else os.environ["DN_BASE_SOURCE"]

@@ -840,7 +840,7 @@ __global__ void __launch_bounds__(128) gdr_tree_walk_kernel(
 // ---------------------------------------------------------------------------------------------
 // One decode token of a DeltaNet layer in one launch: the conv + SiLU of its qkv row, the q / k l2 norms, the gates
 // and the state update (conv_silu_rows_kernel, qk_norm_gate_kernel and gdr_tree_walk_kernel on a one-token chain,
-// bit for bit: the same functions in the same order). Block = NW >= 2 warps on NW * CW columns of value head h
+// bit for bit: the same functions in the same order). Block = NW = 2..16 warps on NW * CW columns of value head h
 // (the walk's Lanes layout; grid = Hv * DV / (NW * CW)); every block computes the conv of its key head's q and k
 // channels and of its own v columns (a key head's q and k are recomputed by each of its value heads' blocks: the
 // price of two kernel boundaries fewer), warp 0 / 1 normalise q / k, then each lane updates its state rows.
@@ -851,7 +851,7 @@ __global__ void __launch_bounds__(128) gdr_tree_walk_kernel(
 // read before the grid dependency wait (a PDL launch captured into a graph). Dynamic shared memory: (2 DK + NW CW +
 // 2) floats.
 template <typename TIn, int DK, int CW, int KW>
-__global__ void __launch_bounds__(128) gdr_decode_kernel(
+__global__ void __launch_bounds__(512) gdr_decode_kernel(
     const TIn* __restrict__ raw, const float* __restrict__ window, const float* __restrict__ w,
     float* __restrict__ rows_out, const TIn* __restrict__ alpha, const TIn* __restrict__ b,
     const float* __restrict__ ssm_a, const float* __restrict__ dt_bias, int Hk, int Hv, int DV, int C, float q_scale,

@@ -599,8 +599,8 @@ def decode_step(
     _f32(dt_bias, (hv,), "dt_bias")
     rows_out, _ = _rows_out(rows_out, c, 1)
     cw, nw = int(cols_per_warp), int(warps)
-    if cw not in (4, 8) or not 2 <= nw <= 4 or dv % (cw * nw) or dk % (32 // cw * 8):
-        raise ValueError(f"cols_per_warp in (4, 8), warps in 2..4, dv = {dv} a multiple of their product and dk = "
+    if cw not in (4, 8) or not 2 <= nw <= 16 or dv % (cw * nw) or dk % (32 // cw * 8):
+        raise ValueError(f"cols_per_warp in (4, 8), warps in 2..16, dv = {dv} a multiple of their product and dk = "
                          f"{dk} of {32 // cw * 8}")
     alt_off = _state_operands(s0, final_state, alt, swap)
     out, _ = _out_rows(out, 1, hv * dv)

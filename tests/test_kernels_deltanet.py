@@ -57,7 +57,8 @@ def test_qk_norm_and_gates(f16: bool) -> None:
     cases.check_norm_gate(cupy, rng, 3, 2, 6, 64, f16, portable=True)
 
 
-@pytest.mark.parametrize("f16,swapped,warps,cols", [(False, 0, 2, 8), (True, 1, 2, 8), (False, 1, 4, 4)])
+@pytest.mark.parametrize("f16,swapped,warps,cols", [(False, 0, 2, 8), (True, 1, 2, 8), (False, 1, 4, 4),
+                                                    (True, 0, 16, 8)])
 def test_decode_step_is_the_three_launches(f16: bool, swapped: int, warps: int, cols: int) -> None:
     cases.check_decode_step(cupy, np.random.default_rng(5 + swapped), HK, HV, DK, DV, f16, swapped, False, warps, cols)
 

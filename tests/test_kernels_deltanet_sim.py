@@ -938,8 +938,10 @@ def check_decode_step(xp, rng, Hk: int, Hv: int, dk: int, dv: int, f16: bool, sw
                 mixed = dn.conv_silu(raw, xp.asarray(window), xp.asarray(conv_w))  # (rows: checked below)
                 g, beta = dn.qk_norm_gate(mixed, alpha, b, xp.asarray(ssm_a), xp.asarray(dt_bias), n_k_heads=Hk,
                                           head_k_dim=dk)
+                # (the walk takes up to 4 warps a block; a column's arithmetic does not depend on the block's)
                 o = dn.gated_delta_tree(mixed[:, :kd], mixed[:, kd:2 * kd], mixed[:, 2 * kd:], g, beta, st[0],
-                                        final_state=st[1], alt=st[1], swap=swap, warps=warps, cols_per_warp=cols)
+                                        final_state=st[1], alt=st[1], swap=swap, warps=min(warps, 4),
+                                        cols_per_warp=cols)
             outs.append((xp.asnumpy(o).copy(), xp.asnumpy(st).copy(), xp.asnumpy(rows).copy()))
     finally:
         SimCupy.capturing = False
@@ -970,6 +972,13 @@ def test_decode_step_is_the_three_launches(xp, f16: bool, swapped: int, capturin
                       warps, cols)
 
 
+@pytest.mark.parametrize("warps", [8, 16])
+def test_decode_step_on_wide_blocks(xp, warps: int) -> None:
+    """decode_step on blocks of 8 / 16 warps (16: a value head of 128 columns each) is bit for bit the walk on blocks
+    of 4."""
+    check_decode_step(xp, np.random.default_rng(60 + warps), 1, 2, 128, 128, warps == 16, 0, warps == 8, warps, 8)
+
+
 def test_decode_step_refusals(xp) -> None:
     from kernels import deltanet as dn
 
@@ -981,8 +990,10 @@ def test_decode_step_refusals(xp) -> None:
         dn.decode_step(z(2, C), *args[1:], n_k_heads=Hk)
     with pytest.raises(ValueError, match="channels"):
         dn.decode_step(z(1, C + 4), z(KW - 1, C + 4), z(C + 4, KW), *args[3:], n_k_heads=Hk)
-    with pytest.raises(ValueError, match="warps in 2..4"):
+    with pytest.raises(ValueError, match="warps in 2..16"):
         dn.decode_step(*args, n_k_heads=Hk, warps=1)
+    with pytest.raises(ValueError, match="multiple of their product"):  # 8 warps of 8 columns: 64, dv is 32
+        dn.decode_step(*args, n_k_heads=Hk, warps=8)
     with pytest.raises(ValueError, match="dtype"):
         dn.decode_step(*args[:3], z(1, Hv, dt=np.float16), z(1, Hv, dt=np.float16), *args[5:], n_k_heads=Hk)
 

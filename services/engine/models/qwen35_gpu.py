@@ -123,6 +123,10 @@ FUSE_CONV_NORM_FROM = 2
 # the state update (deltanet.decode_step, the same bits as the three launches). H100, synthetic Q4_K_M, width-1 step
 # replays (bench/gemv_ab.py --step-ab dndecode): 6864 vs 6935 us, 0.990 of the three launches.
 FUSE_DECODE_STEP = True
+# decode_step's warps a block (8 state columns each; a column's arithmetic does not depend on them, so the same bits).
+# H100, 27B Q4_K_M width-1 step replays (bench/gemv_ab.py --step-ab dnwarps): 4 / 8 / 16 warps 0.9954 / 0.9989 /
+# 1.0004 of 2 (192 / 96 / 48 blocks against 384).
+DECODE_STEP_WARPS = 4
 # prompt chunks warm_prefill runs at start-up: every token-tile class of the matmuls up to 64 tokens (8 a tile), one
 # past 64 (64-token pieces and a remainder) and a whole prefill chunk (generate.PREFILL_CHUNK)
 WARM_CHUNKS = (8, 16, 24, 32, 40, 48, 56, 64, 100, 512)
@@ -1209,7 +1213,7 @@ class Qwen35GpuModel(TargetModel):
             # one decode token: conv (keeping the raw row), q/k norm, gates and the state update in one launch
             o = dn.decode_step(proj[:, :cd], state.conv[L], w["ssm_conv1d"], alpha, b, w["ssm_a"], w["ssm_dt"],
                                pair[0], n_k_heads=Hk, final_state=pair[1], alt=pair[1], swap=state.stage.swap,
-                               rows_out=raw)
+                               rows_out=raw, warps=DECODE_STEP_WARPS)
         else:  # conv, q/k norm + gates and the walk as separate launches (any width)
             if fused and T >= FUSE_CONV_NORM_FROM:  # conv (reading the projection in place, keeping the raw
                 # rows), q/k norm and gates in one launch
