@@ -193,6 +193,9 @@ STEP_ABS = {
     # a decode token's DeltaNet layer (deltanet.decode_step) on blocks of 2 / 4 / 8 / 16 warps (16: a value head each)
     "dnwarps": ([(f"{nw} warps", SMALL, 3, "capture", {"q35.DECODE_STEP_WARPS": nw}) for nw in (2, 4, 8, 16)], (1,),
                 [("4 warps", "2 warps"), ("8 warps", "2 warps"), ("16 warps", "2 warps")]),
+    # tree attention with 2 warps a query tile at short contexts (attention.default_kw: SHORT_KW_ROWS) or grid_rows's
+    "attnkw": ([("kw grid_rows", SMALL, 3, "capture", {"att.SHORT_KW_ROWS": 0}),
+                ("kw short", SMALL, 3, "capture", {})], (16, 23, 32), [("kw short", "kw grid_rows")]),
     # the attention's combine writing attn_output's int16 staging (qwen35_gpu.ATTN_STAGE_UP_TO) or a pack launch
     "attnstage": ([("pack", SMALL, 3, "capture", {"q35.ATTN_STAGE_UP_TO": 0}),
                    ("staged", SMALL, 3, "capture", {"q35.ATTN_STAGE_UP_TO": 3})], (1, 2, 3), [("staged", "pack")]),
@@ -252,6 +255,7 @@ def step(cupy, qm, qg, path: str, context: int, ab: str = "ring") -> list[dict]:
     knobs_shipped["dn.EARLY_STATE"] = deltanet.EARLY_STATE
     knobs_shipped["nr.PDL"] = norm_rope.PDL
     knobs_shipped["att.PARTIAL_PDL"] = attention.PARTIAL_PDL
+    knobs_shipped["att.SHORT_KW_ROWS"] = attention.SHORT_KW_ROWS
     dn_pdl_shipped, dn_source = (deltanet.PDL, deltanet.PDL_UP_TO), deltanet.SOURCE
     rows = []
     try:
@@ -269,7 +273,7 @@ def step(cupy, qm, qg, path: str, context: int, ab: str = "ring") -> list[dict]:
                         deltanet.PDL, deltanet.PDL_UP_TO = flag, 64
                     elif ab in ("knobs", "v2stages", "packslices", "few", "few2", "stagenorms", "stagewhere",
                                 "convnorm", "swiglu", "swiglupair", "attnstage", "dnearly", "attnpdl",
-                                "dndecode", "dnwarps"):
+                                "dndecode", "dnwarps", "attnkw"):
                         set_knobs({**knobs_shipped, **flag})
                     elif ab == "dnsrc":
                         deltanet.SOURCE = dn_source if flag else os.environ["DN_BASE_SOURCE"]

@@ -287,6 +287,26 @@ def grid_rows(n_head: int, n_kv_heads: int, tokens: int, kw: int | None = None) 
     return math.ceil(m_tiles / (MAXW // kw)), kw
 
 
+# Warps per m16 tile at short contexts: KW = 2 (half the keys of a split each) for SHORT_KW_TILES m16 tiles of query
+# rows (G T / 16: 11..32 tokens at the 27B's 6 query heads a KV head) when a launch sees at most SHORT_KW_ROWS cache
+# rows (its s_hint + T; the engine's graph buckets of 512 / 1024 / 2048), else grid_rows's. H100, one 27B layer, the
+# launcher's splits for each KW (scratch sweep, session 19; docs/gpu_kernels.md), us f16 / q8_0-tq3_0 KV: S = 512
+# T = 23 21.0 vs 23.1 / 23.9 vs 25.6, S = 2048 T = 23 26.4 vs 36.8 / 35.3 vs 39.2, T = 32 32.6 vs 44.5 / 42.6 vs 46.6;
+# at S = 8192 and beyond KW = 2 loses from 23 tokens (fewer splits: 68.0 vs 58.2 at T = 23), at 41 / 64 tokens and
+# below 11 it does not win.
+SHORT_KW_TILES = (5, 12)
+SHORT_KW_ROWS = 2048
+
+
+def default_kw(n_head: int, n_kv_heads: int, tokens: int, rows: int) -> int:
+    """attention()'s KW when none is given, for a launch over at most `rows` cache rows (s_hint + T): 2 for
+    SHORT_KW_TILES m16 tiles up to SHORT_KW_ROWS rows, else grid_rows's default."""
+    m_tiles = math.ceil(n_head // n_kv_heads * tokens / 16)
+    if SHORT_KW_TILES[0] <= m_tiles <= SHORT_KW_TILES[1] and rows <= SHORT_KW_ROWS:
+        return 2
+    return grid_rows(n_head, n_kv_heads, tokens)[1]
+
+
 WS_CAP_BYTES = 24 << 20  # split workspace bound: it stays in L2 (50 MB on an H100) between the two kernels
 
 
@@ -357,9 +377,10 @@ def attention(
     q: [T, H, D] f32/f16/bf16 (T <= 64, H a multiple of the cache's KV heads); s_len: device int32 [1] or an
     int; mask: uint64 [T] (tree_mask). splits: K splits (None: choose_splits from s_hint, default S when
     s_len is an int, else the cache size). workspace: make_workspace(H, T, D, splits) to reuse buffers. kw: warps
-    per m16 tile of query rows (1, 2 or 4; None: grid_rows's choice). q16: a uint32 buffer (quant_matmul.q16_words(H
-    D, T)) that also receives o's int16 staging (PackedX.q16 of the fp16-rounded o as [T, H D]; f32 / f16 out, D a
-    multiple of 32, H D of 256) for the output projection's gemv ring, so no pack launch runs between them."""
+    per m16 tile of query rows (1, 2 or 4; None: default_kw's for s_hint + T rows). q16: a uint32 buffer
+    (quant_matmul.q16_words(H D, T)) that also receives o's int16 staging (PackedX.q16 of the fp16-rounded o as
+    [T, H D]; f32 / f16 out, D a multiple of 32, H D of 256) for the output projection's gemv ring, so no pack
+    launch runs between them."""
     cupy = loader.require()
     q = cupy.ascontiguousarray(as_device(q))
     if q.data.ptr % 16:  # the kernel reads q rows in 16-byte pieces
@@ -387,6 +408,8 @@ def attention(
                              f"D = {D}, H D = {H * D}, {np.dtype(odt)}")
         if q16.dtype != np.uint32 or int(q16.size) != words or not q16.flags.c_contiguous:
             raise ValueError(f"q16 must be a contiguous uint32 array of {words} words")
+    if kw is None:
+        kw = default_kw(H, Hkv, T, max(0, int(s_hint)) + T)
     if splits is None:
         splits = choose_splits(H, Hkv, D, T, max(0, int(s_hint)), cache.kind, cache.kind_v, kw)
     splits = int(splits)

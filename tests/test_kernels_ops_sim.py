@@ -562,3 +562,16 @@ def test_which_head_shapes_stage_the_output() -> None:
     assert attn_mod.stages_output(4, 128) and attn_mod.stages_output(8, 32)
     assert not attn_mod.stages_output(2, 64)      # 128 values: half a chunk
     assert not attn_mod.stages_output(16, 48)     # a head is not whole warps
+
+
+def test_attention_default_warps_a_tile() -> None:
+    """attention()'s warps per m16 tile when none is given (default_kw): 4 for one tile (decode), 2 for two, 2 for 5..12
+    tiles over at most SHORT_KW_ROWS cache rows (the engine's graph buckets up to 2048), else 1. No GPU: the rule."""
+    from kernels import attention as at
+
+    H, Hkv = 24, 4  # 6 query heads a KV head: ceil(6 T / 16) tiles
+    assert [at.default_kw(H, Hkv, T, 512) for T in (1, 2, 3, 5, 6, 10, 11, 23, 32, 33, 41, 64)] == [
+        4, 4, 2, 2, 1, 1, 2, 2, 2, 1, 1, 1]
+    assert at.default_kw(H, Hkv, 23, 2048) == 2 and at.default_kw(H, Hkv, 23, 2049) == 1
+    assert at.default_kw(H, Hkv, 16, 4096) == at.grid_rows(H, Hkv, 16)[1] == 1
+    assert at.default_kw(H, Hkv, 3, 1 << 20) == 2   # two tiles: grid_rows's 2 at any context

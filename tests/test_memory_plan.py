@@ -140,6 +140,9 @@ def test_attention_split_bound_holds_for_the_kernel_policy(monkeypatch):
                 bound = M.attention_splits_bound(H, Hkv, T, sms, D)
                 picks = [att.choose_splits(H, Hkv, D, T, s) for s in (0, 31, 100, 511, 4096, 65536, 1 << 20)]
                 assert max(picks) <= bound == picks[-1], (H, Hkv, D, T, sms, picks, bound)
+                # attention()'s own warps a tile at short contexts (default_kw) give no more splits
+                for s in (0, 31, 100, 511, 1024 - T, 2048 - T, 4096):
+                    assert att.choose_splits(H, Hkv, D, T, s, kw=att.default_kw(H, Hkv, T, s + T)) <= bound
                 assert bound * H * T * (D + 2) * 4 <= max(att.WS_CAP_BYTES, H * T * (D + 2) * 4)
 
 
