@@ -1123,7 +1123,7 @@ static __device__ __forceinline__ void gemv_ring_body(const u8* __restrict__ W, 
 #endif
 
     u8* const ring = (u8*)gv_smem + (size_t)warp * stages * SLOT;
-    float* const red = (float*)((u8*)gv_smem + (size_t)KW * stages * SLOT);  // [1 + SWIGLU][KW][16][NT]
+    float* const red = (float*)((u8*)gv_smem + (size_t)KW * stages * SLOT);  // [1 + (SWIGLU != 0)][KW][16][NT]
     unsigned long long* const bars =
         (unsigned long long*)(red + (KW > 1 ? (1 + (SWIGLU != 0)) * KW * 16 * NT : 0)) + (size_t)warp * stages;
     // chunk c0 + i's runs: weights, x units, scales, sums (each a contiguous, 16-byte aligned run)

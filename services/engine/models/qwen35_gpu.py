@@ -124,8 +124,8 @@ FUSE_CONV_NORM_FROM = 2
 # replays (bench/gemv_ab.py --step-ab dndecode): 6864 vs 6935 us, 0.990 of the three launches.
 FUSE_DECODE_STEP = True
 # decode_step's warps a block (8 state columns each; a column's arithmetic does not depend on them, so the same bits).
-# H100, 27B Q4_K_M width-1 step replays (bench/gemv_ab.py --step-ab dnwarps): 4 / 8 / 16 warps 0.9954 / 0.9989 /
-# 1.0004 of 2 (192 / 96 / 48 blocks against 384).
+# H100, 27B Q4_K_M width-1 step replays (bench/gemv_ab.py --step-ab dnwarps, two calls): 4 / 8 / 16 warps 0.9954 /
+# 0.9989 / 1.0004 and 0.9944 / 0.9981 / 0.9991 of 2 (192 / 96 / 48 blocks against 384).
 DECODE_STEP_WARPS = 4
 # prompt chunks warm_prefill runs at start-up: every token-tile class of the matmuls up to 64 tokens (8 a tile), one
 # past 64 (64-token pieces and a remainder) and a whole prefill chunk (generate.PREFILL_CHUNK)
@@ -1072,7 +1072,7 @@ class Qwen35GpuModel(TargetModel):
         self.graph_stats["captures"] += 1
         return out
 
-    def _norm_plan(self, T: int, logits: str) -> tuple[tuple[bool, ...], ...]:
+    def _norm_plan(self, T: int, logits: str) -> tuple[tuple[bool, ...], tuple[bool, ...], tuple[int, ...]]:
         """Where this step's norms are staged by the product before them (STAGE_NORMS): (post[i]: layer i's output
         projection stages its post-attention norm for ffn_gate_up; nxt[i]: its ffn_down stages the next layer's
         input norm, or the output norm when the logits cover every row; swi[i]: its ffn_gate_up stages SwiGLU for
