@@ -5,7 +5,7 @@ ring, and ring with programmatic dependent launch, interleaved, by switching qua
 Prints ratios and the fraction of the copy bandwidth each reaches.
 
     python3 bench/gemv_ab.py [--no-matrices] [--widths 2,3,4,8]
-                             [--model PATH [--step-ab ring|small|stack|wide|dnpdl|dnsrc]]
+                             [--model PATH [--step-ab ring|small|stack|wide|dnpdl|dnsrc|NAME]]
                              [--context 512] [--json out.json]
 
 --widths: per matrix and width, the ring against v2 and the per-tile gemv (x packed with its int16 staging).
@@ -17,6 +17,9 @@ against the shipped crossover (quant_wide.CROSSOVER: v2 up to 24 tokens). --step
 tokens with a DeltaNet layer's conv, q/k norm and walk launched with PDL at every width and without it
 (kernels.deltanet.PDL, PDL_UP_TO). --step-ab dnsrc: steps of 1 / 16 / 23 / 41 tokens with the DeltaNet kernels built
 from kernels/deltanet.cu against those from the file $DN_BASE_SOURCE names in kernels/ (another commit's copy).
+Every other NAME is an entry of STEP_ABS that sets module knobs per mode (its comment says which), e.g. swiglupair
+(gate|up's cluster pairs against the shipped SwiGLU at 1 / 2 / 3 tokens), dnwarps (decode_step's warps a block),
+attnkw (tree attention's warps a query tile at short contexts, 16 / 23 / 32 tokens).
 """
 
 from __future__ import annotations
@@ -216,6 +219,31 @@ STEP_ABS = {
 }
 
 
+# The knob modes' names: "NAME" a quant_gemv attribute, "PREFIX.NAME" one of KNOB_MODULES[PREFIX]
+KNOB_MODULES = {"": "kernels.quant_gemv", "qm": "kernels.quant_matmul", "q35": "services.engine.models.qwen35_gpu",
+                "dn": "kernels.deltanet", "nr": "kernels.norm_rope", "att": "kernels.attention"}
+
+
+def knob_owner(name: str) -> tuple[object, str]:
+    """(module, attribute) a STEP_ABS knob name sets; an unknown prefix or a missing attribute is an error (a typo
+    would otherwise add an attribute nothing reads, and the A/B would compare two equal steps)."""
+    import importlib
+
+    prefix, _, attr = name.rpartition(".")
+    if prefix not in KNOB_MODULES:
+        raise ValueError(f"knob {name!r}: no module for prefix {prefix!r} (KNOB_MODULES)")
+    mod = importlib.import_module(KNOB_MODULES[prefix])
+    if not hasattr(mod, attr):
+        raise ValueError(f"knob {name!r}: {KNOB_MODULES[prefix]} has no attribute {attr!r}")
+    return mod, attr
+
+
+def step_knobs() -> list[str]:
+    """Every knob name a STEP_ABS mode sets (each is saved before a run and restored after every mode)."""
+    return sorted({name for modes, _, _ in STEP_ABS.values() for m in modes if isinstance(m[4], dict)
+                   for name in m[4]})
+
+
 def step(cupy, qm, qg, path: str, context: int, ab: str = "ring") -> list[dict]:
     import os
 
@@ -228,34 +256,17 @@ def step(cupy, qm, qg, path: str, context: int, ab: str = "ring") -> list[dict]:
     t0 = time.time()
     model, state, rng = model_at_context(path, context)
     print(f"step: loaded {path} and its context in {time.time() - t0:.0f} s", flush=True)
-    from kernels import attention, deltanet, norm_rope, quant_wide
+    from kernels import deltanet, quant_wide
     from services.engine import backend
 
     shipped, q16_shipped, pdl_env = dict(qg.RING_UP_TO), qm.Q16_TOKENS, os.environ.get(loader.PDL_ENV)
     stack_shipped, wide_shipped = backend.STACK_CONCURRENT, dict(quant_wide.CROSSOVER)
-    from services.engine.models import qwen35_gpu as q35
 
-    def set_knobs(knobs: dict) -> None:   # "NAME": quant_gemv's, "qm.NAME": quant_matmul's, "q35.NAME": the model's
+    def set_knobs(knobs: dict) -> None:
         for name, value in knobs.items():
-            mod = {"qm": qm, "q35": q35, "dn": deltanet, "nr": norm_rope, "att": attention}.get(
-                name.split(".")[0], qg) if "." in name else qg
-            setattr(mod, name.split(".")[-1], value)
+            setattr(*knob_owner(name), value)
 
-    knobs_shipped = {name: getattr(qg, name) for name in ("RING_FEW_TILES", "RING_FEW_SHAPE", "RING_STAGES",
-                                                           "RING_TALL_SHAPE", "SWIGLU_SHAPE")}
-    knobs_shipped.update({f"qm.{name}": getattr(qm, name) for name in ("STAGES_V2", "PACK_RMS_ONE_TOKEN_SCALE")})
-    knobs_shipped.update({f"q35.{name}": getattr(q35, name) for name in ("STAGE_NORMS", "STAGE_UP_TO",
-                                                                                "FUSE_CONV_NORM_FROM",
-                                                                                "FUSE_SWIGLU_WIDTHS",
-                                                                                "SWIGLU_PAIR_WIDTHS",
-                                                                                "DECODE_STEP_WARPS",
-                                                                                "ATTN_STAGE_UP_TO",
-                                                                                "FUSE_DECODE_STEP")})
-    knobs_shipped["dn.CONV_NORM_WARPS"] = deltanet.CONV_NORM_WARPS
-    knobs_shipped["dn.EARLY_STATE"] = deltanet.EARLY_STATE
-    knobs_shipped["nr.PDL"] = norm_rope.PDL
-    knobs_shipped["att.PARTIAL_PDL"] = attention.PARTIAL_PDL
-    knobs_shipped["att.SHORT_KW_ROWS"] = attention.SHORT_KW_ROWS
+    knobs_shipped = {name: getattr(*knob_owner(name)) for name in step_knobs()}  # restored after every mode
     dn_pdl_shipped, dn_source = (deltanet.PDL, deltanet.PDL_UP_TO), deltanet.SOURCE
     rows = []
     try:
@@ -271,9 +282,7 @@ def step(cupy, qm, qg, path: str, context: int, ab: str = "ring") -> list[dict]:
                             quant_wide.CROSSOVER.update({12: 17, 14: 17})
                     elif ab == "dnpdl":
                         deltanet.PDL, deltanet.PDL_UP_TO = flag, 64
-                    elif ab in ("knobs", "v2stages", "packslices", "few", "few2", "stagenorms", "stagewhere",
-                                "convnorm", "swiglu", "swiglupair", "attnstage", "dnearly", "attnpdl",
-                                "dndecode", "dnwarps", "attnkw"):
+                    elif isinstance(flag, dict):  # a mode of module knobs (every other entry's flag is a bool)
                         set_knobs({**knobs_shipped, **flag})
                     elif ab == "dnsrc":
                         deltanet.SOURCE = dn_source if flag else os.environ["DN_BASE_SOURCE"]
