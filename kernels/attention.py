@@ -275,11 +275,16 @@ def _mask(mask: Any, T: int) -> Any:
     return cupy.ascontiguousarray(m)
 
 
+def query_tiles(n_head: int, n_kv_heads: int, tokens: int) -> int:
+    """m16 tiles of a KV head's query rows: G = n_head / n_kv_heads query heads times T tokens, 16 rows a tile."""
+    return math.ceil(n_head // n_kv_heads * tokens / 16)
+
+
 def grid_rows(n_head: int, n_kv_heads: int, tokens: int, kw: int | None = None) -> tuple[int, int]:
     """(blocks along x, KW warps per m16 tile) for T tokens: G*T query rows in MT m16 tiles; a block of
     MAXW warps takes MAXW / KW tiles, its KW warps per tile each take 1/KW of the keys. KW (1, 2 or 4) by
     default: 4 for one m16 tile (decode), 2 for two, else 1 (every K/V tile shared by 4 m16 tiles)."""
-    m_tiles = math.ceil(n_head // n_kv_heads * tokens / 16)
+    m_tiles = query_tiles(n_head, n_kv_heads, tokens)
     if kw is None:
         kw = 4 if m_tiles == 1 else 2 if m_tiles == 2 else 1
     if kw not in (1, 2, 4):
@@ -301,8 +306,7 @@ SHORT_KW_ROWS = 2048
 def default_kw(n_head: int, n_kv_heads: int, tokens: int, rows: int) -> int:
     """attention()'s KW when none is given, for a launch over at most `rows` cache rows (s_hint + T): 2 for
     SHORT_KW_TILES m16 tiles up to SHORT_KW_ROWS rows, else grid_rows's default."""
-    m_tiles = math.ceil(n_head // n_kv_heads * tokens / 16)
-    if SHORT_KW_TILES[0] <= m_tiles <= SHORT_KW_TILES[1] and rows <= SHORT_KW_ROWS:
+    if SHORT_KW_TILES[0] <= query_tiles(n_head, n_kv_heads, tokens) <= SHORT_KW_TILES[1] and rows <= SHORT_KW_ROWS:
         return 2
     return grid_rows(n_head, n_kv_heads, tokens)[1]
 
