@@ -196,6 +196,12 @@ STEP_ABS = {
     # a decode token's DeltaNet layer (deltanet.decode_step) on blocks of 2 / 4 / 8 / 16 warps (16: a value head each)
     "dnwarps": ([(f"{nw} warps", SMALL, 3, "capture", {"q35.DECODE_STEP_WARPS": nw}) for nw in (2, 4, 8, 16)], (1,),
                 [("4 warps", "2 warps"), ("8 warps", "2 warps"), ("16 warps", "2 warps")]),
+    # a decode token's DeltaNet output norm written as ssm_out's staging by decode_step (qwen35_gpu.FUSE_DECODE_NORM,
+    # a block per value head) against the norm pack after decode_step on 4-warp blocks (and on 16-warp blocks)
+    "dnnorm": ([("pack 4w", SMALL, 3, "capture", {"q35.FUSE_DECODE_NORM": False}),
+                ("pack 16w", SMALL, 3, "capture", {"q35.FUSE_DECODE_NORM": False, "q35.DECODE_STEP_WARPS": 16}),
+                ("fused 16w", SMALL, 3, "capture", {"q35.FUSE_DECODE_NORM": True})], (1,),
+               [("fused 16w", "pack 4w"), ("pack 16w", "pack 4w")]),
     # tree attention with 2 warps a query tile at short contexts (attention.default_kw: SHORT_KW_ROWS) or grid_rows's
     "attnkw": ([("kw grid_rows", SMALL, 3, "capture", {"att.SHORT_KW_ROWS": 0}),
                 ("kw short", SMALL, 3, "capture", {})], (16, 23, 32), [("kw short", "kw grid_rows")]),

@@ -20,9 +20,9 @@
 // The per-node checkpoint kernels (gdr_tree_kernel, gdr_tree_staged_kernel, ssm_commit_kernel) that the walk and
 // the commit by replay replaced are in git history (commit 3a971f3); docs/gpu_deltanet.md has the measurements.
 //
-// Includes only pdl.cuh of this folder, else what NVRTC (or hipRTC) provides built in. Inline PTX (fp16
-// conversion, cp.async) has a portable fallback (SPECSPLIT_PORTABLE, HIP, pre-sm_80, the CPU simulation): software
-// fp16, plain copies.
+// Includes only pdl.cuh, half.cuh and xq16.cuh of this folder, else what NVRTC (or hipRTC) provides built in.
+// Inline PTX (fp16 conversion, cp.async) has a portable fallback (SPECSPLIT_PORTABLE, HIP, pre-sm_80, the CPU
+// simulation): software fp16, plain copies.
 
 typedef unsigned int u32;
 typedef unsigned short u16;
@@ -66,6 +66,12 @@ extern "C" __device__ long long dn_trace[256 * 8];
 #else
 #define DN_ASYNC 0
 #endif
+
+// half.cuh (fp16 rounding and SiLU as the packs do them) and xq16.cuh (the gemv's int16 staging): the one-token
+// layer's output norm writes ssm_out's staging with the same bits as quant_matmul.cu's norm pack
+#define SS_PTX DN_PTX
+#include "half.cuh"
+#include "xq16.cuh"
 
 #if DN_HIP
 #define DN_SYNCWARP() __builtin_amdgcn_wave_barrier()
@@ -837,6 +843,52 @@ __global__ void __launch_bounds__(128) gdr_tree_walk_kernel(
     if (s_final && T > 0 && !plan) dn::store_rows(s_final + own, DV, s);
 }
 
+namespace dn {
+
+// One warp: rms_norm(o) * nw * silu(z) of value head h's DV outputs o (shared memory), rounded to fp16, written as
+// its DV / 16 groups of the gemv's int16 staging (PackedX.q16 of one token, Hv DV values in Hv DV / 256 chunks):
+// pack_rms_kernel's per-head arithmetic and put_q16's, lane u < DV / 8 taking values 8 u .. 8 u + 7.
+template <typename TIn>
+DN_DEV void head_norm_q16(const float* o, const TIn* z, const float* nw, float eps, int DV, int h, int Hv,
+                          uint4* q16) {
+    const int lane = threadIdx.x & 31;
+    float sq = 0.0f;
+    for (int d = lane; d < DV; d += 32) {
+        const float v = o[d];
+        sq += v * v;
+    }
+#pragma unroll
+    for (int m = 16; m >= 1; m >>= 1) sq += DN_SHFL_XOR(sq, m);
+    const float inv = 1.0f / sqrtf(sq / (float)DV + eps);
+    const bool has = lane < DV / 8;
+    float f[8];
+#pragma unroll
+    for (int e = 0; e < 8; ++e) {
+        const int d = 8 * lane + e;
+        float v = 0.0f;
+        if (has) {
+            v = o[d] * (inv * nw[d]);
+            v *= hf::silu(load1(z + d));
+        }
+        f[e] = hf::h2f(hf::f2h(v));
+    }
+    float amax, sum;
+    xq::stats8(f, amax, sum);
+    const float pa = DN_SHFL_XOR(amax, 1), ps = DN_SHFL_XOR(sum, 1);  // the group's other half (lane ^ 1)
+    if (!has) return;
+    amax = xq::fmax2(amax, pa);
+    const int k = h * DV + 8 * lane, nch = Hv * DV / 256;  // the unit's first value in the row of Hv DV
+    const int ch = k >> 8, uu = (k & 255) >> 3;
+    q16[(i64)ch * 32 + uu] = xq::quant8(f, xq::inv_scale(amax));
+    if ((uu & 1) == 0) {
+        float* const sc = xq::q16_scales(q16, nch, 1);
+        sc[ch * 16 + (uu >> 1)] = xq::scale_of(amax);
+        sc[nch * 16 + ch * 16 + (uu >> 1)] = sum + ps;  // the low half's sum plus the high half's
+    }
+}
+
+}  // namespace dn
+
 // ---------------------------------------------------------------------------------------------
 // One decode token of a DeltaNet layer in one launch: the conv + SiLU of its qkv row, the q / k l2 norms, the gates
 // and the state update (conv_silu_rows_kernel, qk_norm_gate_kernel and gdr_tree_walk_kernel on a one-token chain,
@@ -848,15 +900,20 @@ __global__ void __launch_bounds__(128) gdr_tree_walk_kernel(
 // and w (C, KW) as conv_silu_kernel's; rows_out (C) f32 or null receives the raw row (the commit's conv window
 // reads it), each channel written by one block; alpha, b: the token's Hv gate projections; s0 / s_final / swap /
 // alt / out as gdr_tree_walk_kernel's for a chain of one token; early: the state, conv weights and window taps are
-// read before the grid dependency wait (a PDL launch captured into a graph). Dynamic shared memory: (2 DK + NW CW +
-// 2) floats.
+// read before the grid dependency wait (a PDL launch captured into a graph).
+// q16 non-null (a block per value head: NW CW = DV <= 256, DV a multiple of 16, Hv DV of 256): the layer's output
+// norm too, rms_norm(o_h) * norm_w * silu(z_h) per head, rounded to fp16 and written as ssm_out's int16 staging
+// (PackedX.q16 of [1, Hv DV]) with the bits of quant_matmul.cu's pack_rms_kernel (its per-head sums: lane l adds
+// d = l, l + 32, ..., then the warp's xor tree), so no pack launch runs between this kernel and the product.
+// z: the token's gate row (Hv DV, raw's type); norm_w: DV floats.
+// Dynamic shared memory: (2 DK + NW CW + 2) floats, (2 DK + 2 NW CW + 2) with q16.
 template <typename TIn, int DK, int CW, int KW>
 __global__ void __launch_bounds__(512) gdr_decode_kernel(
     const TIn* __restrict__ raw, const float* __restrict__ window, const float* __restrict__ w,
     float* __restrict__ rows_out, const TIn* __restrict__ alpha, const TIn* __restrict__ b,
     const float* __restrict__ ssm_a, const float* __restrict__ dt_bias, int Hk, int Hv, int DV, int C, float q_scale,
     float eps, const float* s0, float* s_final, const int* __restrict__ swap, i64 alt, float* __restrict__ out,
-    int early) {
+    const TIn* __restrict__ z, const float* __restrict__ norm_w, float norm_eps, uint4* __restrict__ q16, int early) {
     typedef dn::Lanes<DK, CW> LN;
     constexpr int R = LN::R;
     constexpr int PER = DK / 32;
@@ -932,6 +989,11 @@ __global__ void __launch_bounds__(512) gdr_decode_kernel(
     const float ov = dn::token_update<R, CW>(s, kk, qq, xs[2 * DK + col - col0], xs[n_ch], xs[n_ch + 1]);
     if (lane < CW) out[(i64)h * DV + col] = ov;
     if (s_final) dn::store_rows(s_final + (i64)h * DK * DV + (i64)row0 * DV + col, DV, s);
+    if (q16 == nullptr || ncols != DV) return;  // (the whole block)
+    float* const ob = xs + n_ch + 2;  // the head's DV outputs
+    if (lane < CW) ob[col] = ov;
+    __syncthreads();
+    if (ln.warp == 0) dn::head_norm_q16(ob, z + (i64)h * DV, norm_w, norm_eps, DV, h, Hv, q16);
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -567,6 +567,10 @@ def decode_step(
     cols_per_warp: int = DEFAULT_COLS,
     warps: int = DEFAULT_WARPS,
     portable: bool = False,
+    gate: Any = None,
+    norm_weight: Any = None,
+    norm_eps: float = 1e-6,
+    q16: Any = None,
 ) -> Any:
     """One decode token of a DeltaNet layer in one launch (gdr_decode_kernel): conv_silu (rows_out as there), then
     qk_norm_gate, then gated_delta_tree on a one-token chain, with the same bits; returns out (1, Hv, dv) float32.
@@ -574,7 +578,14 @@ def decode_step(
     raw: (1, C) float16/float32, the token's qkv projection (C = 2 Hk dk + Hv dv: q heads, k heads, v heads); window
     (K-1, C) / weight (C, K) float32 as conv_silu's; alpha, b: (1, Hv) of raw's dtype; ssm_a, dt_bias: (Hv,)
     float32; s0, final_state, alt, swap: gated_delta_tree's for a chain (dk from s0). The conv window is not
-    advanced (the commit does that from rows_out, as after conv_silu)."""
+    advanced (the commit does that from rows_out, as after conv_silu).
+
+    q16: a uint32 buffer of quant_matmul.q16_words(Hv dv, 1) that also receives the layer's output norm
+    rms_norm(out_h) * norm_weight * silu(gate_h) per value head as the output projection's int16 staging
+    (PackedX.q16), the bits of quant_matmul.pack_activations(out, rms_weight=norm_weight, eps=norm_eps,
+    gate=gate).q16, so no pack launch runs before ssm_out's gemv; gate: (1, Hv dv) of raw's dtype; norm_weight:
+    (dv,) float32. Needs a block per value head (warps * cols_per_warp == dv), dv a multiple of 16 up to 256 and
+    Hv dv of 256 (norm_stages says whether a shape can)."""
     cupy = loader.require()
     if s0.ndim != 3:
         raise ValueError(f"s0 must be (Hv, dk, dv), not shape {tuple(s0.shape)}")
@@ -604,16 +615,44 @@ def decode_step(
                          f"{dk} of {32 // cw * 8}")
     alt_off = _state_operands(s0, final_state, alt, swap)
     out, _ = _out_rows(out, 1, hv * dv)
+    if q16 is not None:
+        gate, norm_weight = _norm_operands(q16, gate, norm_weight, raw.dtype, hv, dv, cw, nw)
     scale = dk**-0.5 if q_scale is None else float(q_scale)
     pdl = PDL_UP_TO >= 1
     kern = _fn(f"gdr_decode_kernel<{_ctype(raw.dtype, 'raw')}, {dk}, {cw}, {kw}>", portable, pdl=pdl)
     early = int(_early(pdl, portable))  # the state, conv weights and window ahead of the grid dependency wait
+    smem = 4 * (2 * dk + (2 if q16 is not None else 1) * nw * cw + 2)
     kern((hv * dv // (cw * nw),), (32 * nw,),
          (raw, window, weight, _null() if rows_out is None else rows_out, alpha, b, ssm_a, dt_bias, np.int32(hk),
           np.int32(hv), np.int32(dv), np.int32(c), np.float32(scale), np.float32(eps), s0,
           _null() if final_state is None else final_state, _null() if swap is None else swap, np.int64(alt_off), out,
-          np.int32(early)), shared_mem=4 * (2 * dk + nw * cw + 2))  # fmt: skip
+          _null() if q16 is None else gate, _null() if q16 is None else norm_weight, np.float32(norm_eps),
+          _null() if q16 is None else q16, np.int32(early)), shared_mem=smem)  # fmt: skip
     return out.reshape(1, hv, dv)
+
+
+def norm_stages(hv: int, dv: int, cols_per_warp: int = DEFAULT_COLS) -> bool:
+    """Whether decode_step(q16=) can write the output norm's staging for Hv value heads of dv: a block per head
+    (dv / cols_per_warp warps, at most 16), 16-value groups inside a head, whole 256-value chunks."""
+    return dv % cols_per_warp == 0 and 2 <= dv // cols_per_warp <= 16 and dv % 16 == 0 and (hv * dv) % 256 == 0
+
+
+def _norm_operands(q16: Any, gate: Any, norm_weight: Any, dtype: Any, hv: int, dv: int, cw: int, nw: int) -> tuple:
+    """decode_step's output-norm operands checked: (gate row, norm weight)."""
+    if cw * nw != dv or not norm_stages(hv, dv, cw):
+        raise ValueError(f"the output norm's staging needs a block per value head (warps * cols_per_warp = dv = {dv}, "
+                         f"not {cw * nw}), dv a multiple of 16 and Hv * dv = {hv * dv} of 256")
+    if gate is None or norm_weight is None:
+        raise ValueError("q16 (the output norm's staging) needs gate and norm_weight")
+    if gate.dtype != dtype or tuple(gate.shape) != (1, hv * dv):
+        raise ValueError(f"gate must be (1, Hv * dv = {hv * dv}) of raw's dtype {dtype}, not "
+                         f"{gate.dtype}{tuple(gate.shape)}")
+    gate, _ = _rows(gate, "gate", align=1)
+    _f32(norm_weight, (dv,), "norm_weight")
+    words = -(-(hv * dv) // 256) * (32 * 4 + 16 + 16)  # quant_matmul.q16_words(Hv dv, 1)
+    if q16.dtype != np.uint32 or int(q16.size) != words or not q16.flags.c_contiguous:
+        raise ValueError(f"q16 must be a contiguous uint32 array of {words} words (quant_matmul.q16_words)")
+    return gate, norm_weight
 
 
 def _state_operands(s0: Any, final_state: Any, alt: Any, swap: Any) -> int:

@@ -29,20 +29,23 @@ static int launch(int gx, int threads, Body fn) {
 
 struct DecodeArgs { const void* raw; const float* window; const float* w; float* rows_out; const void* alpha;
                     const void* b; const float* ssm_a; const float* dt; int Hk, Hv, DV, C; float q_scale, eps;
-                    const float* s0; float* s_final; const int* swap; i64 alt; float* out; int early; };
+                    const float* s0; float* s_final; const int* swap; i64 alt; float* out; const void* z;
+                    const float* norm_w; float norm_eps; uint4* q16; int early; };
 static DecodeArgs da;
 template <typename TIn, int DK, int CW>
 static void decode_body() {
     gdr_decode_kernel<TIn, DK, CW, 4>((const TIn*)da.raw, da.window, da.w, da.rows_out, (const TIn*)da.alpha,
                                       (const TIn*)da.b, da.ssm_a, da.dt, da.Hk, da.Hv, da.DV, da.C, da.q_scale,
-                                      da.eps, da.s0, da.s_final, da.swap, da.alt, da.out, da.early);
+                                      da.eps, da.s0, da.s_final, da.swap, da.alt, da.out, (const TIn*)da.z,
+                                      da.norm_w, da.norm_eps, da.q16, da.early);
 }
 extern "C" int sim_decode(int f16, int dk, int cw, int gx, int block, const void* raw, const float* window,
                           const float* w, float* rows_out, const void* alpha, const void* b, const float* ssm_a,
                           const float* dt, int Hk, int Hv, int DV, int C, float q_scale, float eps, const float* s0,
-                          float* s_final, const int* swap, i64 alt, float* out, int early) {
+                          float* s_final, const int* swap, i64 alt, float* out, const void* z,
+                          const float* norm_w, float norm_eps, uint4* q16, int early) {
     da = {raw, window, w, rows_out, alpha, b, ssm_a, dt, Hk, Hv, DV, C, q_scale, eps, s0, s_final, swap, alt, out,
-          early};
+          z, norm_w, norm_eps, q16, early};
     Body fn = nullptr;
 #define DN_PICK_DEC(dk_, cw_) \
     if (dk == dk_ && cw == cw_) fn = f16 ? decode_body<u16, dk_, cw_> : decode_body<float, dk_, cw_>;

@@ -63,6 +63,23 @@ def test_decode_step_is_the_three_launches(f16: bool, swapped: int, warps: int, 
     cases.check_decode_step(cupy, np.random.default_rng(5 + swapped), HK, HV, DK, DV, f16, swapped, False, warps, cols)
 
 
+@pytest.mark.parametrize("f16,swapped", [(False, 0), (True, 1)])
+def test_decode_step_output_norm_is_the_pack(f16: bool, swapped: int) -> None:
+    """decode_step(q16=) at the 27B heads: the staging bit for bit the norm pack's (quant_matmul.pack_activations with
+    the per-head norm and the gate) of the same o, out and the state bit for bit those without it."""
+    from kernels import quant_matmul as qm
+
+    rng = np.random.default_rng(80 + swapped)
+    words = cases.check_decode_norm(cupy, rng, HK, HV, DK, DV, f16, swapped)
+    outs, z, norm_w, _ = cases.decode_norm_case(cupy, np.random.default_rng(80 + swapped), HK, HV, DK, DV, f16,
+                                                swapped)
+    assert np.array_equal(outs[0][2], words)  # the same case
+    o = cupy.asarray(outs[0][0].reshape(1, HV * DV))
+    packed = qm.pack_activations(o, rms_weight=cupy.asarray(norm_w), eps=1e-5,
+                                 gate=cupy.asarray(z.astype(np.float32)), q16=True)
+    assert np.array_equal(cupy.asnumpy(packed.q16), words)
+
+
 def test_decode_step_captured_loads_early_and_matches_eager() -> None:
     """decode_step captured into a CUDA graph (a PDL launch there: the state, conv weights and window read before the
     grid dependency wait) replays bit for bit what the eager launch computes."""

@@ -687,7 +687,7 @@ def sim_lib(tmp_path_factory):
 def sim_block_lib(tmp_path_factory):
     lib = _build_sim(tmp_path_factory, BLOCK_HARNESS)
     lib.sim_decode.argtypes = [I32, I32, I32, I32, I32, P, P, P, P, P, P, P, P, I32, I32, I32, I32, F32, F32, P, P,
-                               P, I64, P, I32]  # fmt: skip
+                               P, I64, P, P, P, F32, P, I32]  # fmt: skip
     lib.sim_decode.restype = ctypes.c_int
     lib.sim_block_smem_bytes.argtypes, lib.sim_block_smem_bytes.restype = [], ctypes.c_size_t
     return lib
@@ -977,6 +977,92 @@ def test_decode_step_on_wide_blocks(xp, warps: int) -> None:
     """decode_step on blocks of 8 / 16 warps (16: a value head of 128 columns each) is bit for bit the walk on blocks
     of 4."""
     check_decode_step(xp, np.random.default_rng(60 + warps), 1, 2, 128, 128, warps == 16, 0, warps == 8, warps, 8)
+
+
+def decode_norm_case(xp, rng, Hk: int, Hv: int, dk: int, dv: int, f16: bool, swapped: int = 0) -> tuple:
+    """decode_step's operands with its output norm's (gate row and norm weight as the engine passes them: views of
+    the projection row), the launch with q16 and the one without: (o with q16, o without, q16 words, the gate row
+    and norm weight as NumPy arrays, o's float64 norm reference rms_norm(o_h) * w * silu(z_h) [Hv dv])."""
+    from kernels import deltanet as dn
+
+    kd = Hk * dk
+    C = 2 * kd + Hv * dv
+    dt = np.float16 if f16 else np.float32
+    proj = rng.standard_normal((1, C + Hv * dv + 2 * Hv)).astype(dt)  # [qkv | z | alpha | b], one row
+    window = xp.asarray(rng.standard_normal((KW - 1, C)).astype(np.float32))
+    conv_w = xp.asarray((rng.standard_normal((C, KW)) * 0.5).astype(np.float32))
+    ssm_a = xp.asarray(-np.exp(rng.standard_normal(Hv) * 0.5).astype(np.float32))
+    dt_bias = xp.asarray(rng.standard_normal(Hv).astype(np.float32))
+    pair = (rng.standard_normal((2, Hv, dk, dv)) * 0.3).astype(np.float32)
+    norm_w = (1 + 0.1 * rng.standard_normal(dv)).astype(np.float32)
+    P_ = xp.asarray(proj)
+    raw, z = P_[:, :C], P_[:, C:C + Hv * dv]
+    alpha, b = P_[:, C + Hv * dv:C + Hv * dv + Hv], P_[:, C + Hv * dv + Hv:]
+    swap = xp.asarray(np.array([swapped], np.int32))
+    words = -(-(Hv * dv) // 256) * 160
+    outs = []
+    for staged in (True, False):
+        st = xp.asarray(pair)
+        q16 = xp.asarray(np.full(words, 0xDEADBEEF, np.uint32)) if staged else None
+        o = dn.decode_step(raw, window, conv_w, alpha, b, ssm_a, dt_bias, st[0], n_k_heads=Hk, final_state=st[1],
+                           alt=st[1], swap=swap, warps=dv // 8, gate=z if staged else None,
+                           norm_weight=xp.asarray(norm_w) if staged else None, norm_eps=1e-5, q16=q16)
+        outs.append((xp.asnumpy(o).copy(), xp.asnumpy(st).copy(), None if q16 is None else xp.asnumpy(q16).copy()))
+    o = outs[0][0].reshape(Hv, dv).astype(np.float64)
+    zz = proj[0, C:C + Hv * dv].astype(np.float64).reshape(Hv, dv)
+    ref = o / np.sqrt((o * o).mean(axis=1, keepdims=True) + 1e-5) * norm_w * (zz / (1 + np.exp(-zz)))
+    return outs, proj[:, C:C + Hv * dv], norm_w, ref.reshape(-1)
+
+
+def check_decode_norm(xp, rng, Hk: int, Hv: int, dk: int, dv: int, f16: bool, swapped: int = 0) -> np.ndarray:
+    """decode_step(q16=): out and the state bit for bit those without it; the staging (every word written) holds the
+    output norm: q * scale within fp16 and int16 rounding of the float64 norm of the kernel's own o, each group's
+    scale max |x| / 32767 and sum its values'. Returns the q16 words."""
+    outs, _, _, ref = decode_norm_case(xp, rng, Hk, Hv, dk, dv, f16, swapped)
+    assert np.array_equal(outs[0][0], outs[1][0]) and np.array_equal(outs[0][1], outs[1][1])
+    words = outs[0][2]
+    nch = Hv * dv // 256
+    q = words[:nch * 32 * 4].view(np.int16).astype(np.float64).reshape(nch * 16, 16)
+    scale = words[nch * 128:nch * 144].view(np.float32).astype(np.float64)
+    sums = words[nch * 144:].view(np.float32).astype(np.float64)
+    g = ref.reshape(nch * 16, 16)
+    amax = np.abs(g).max(axis=1)
+    assert np.allclose(scale, amax / 32767, rtol=2e-3, atol=0)
+    assert np.abs(q).max() == 32767  # every group's largest value at full scale
+    err = np.abs(q * scale[:, None] - g).max(axis=1)
+    assert (err <= amax * (2.0**-10 + 2.0 / 32767)).all(), "staged values off the norm past fp16 + int16 rounding"
+    assert np.allclose(sums, g.sum(axis=1), rtol=0, atol=float(np.abs(g).max()) * 16 * 2.0**-10)
+    return words
+
+
+@pytest.mark.parametrize("f16,swapped,dv", [(False, 0, 128), (True, 1, 128), (False, 1, 32)])
+def test_decode_step_stages_the_output_norm(xp, f16: bool, swapped: int, dv: int) -> None:
+    """The one-token layer's output norm * silu(z) written as ssm_out's int16 staging by decode_step itself (a block
+    per value head; 2 / 4 heads of 128, 8 of 32)."""
+    Hv = 256 // dv * 2
+    check_decode_norm(xp, np.random.default_rng(70 + dv + swapped), 1, Hv, 64 if dv == 32 else 128, dv, f16, swapped)
+
+
+def test_decode_step_norm_refusals(xp) -> None:
+    from kernels import deltanet as dn
+
+    Hk, Hv, dk, dv = 1, 2, 128, 128
+    C = 2 * Hk * dk + Hv * dv
+    z = lambda *shape, dt=np.float32: xp.asarray(np.zeros(shape, dt))  # noqa: E731
+    args = (z(1, C), z(KW - 1, C), z(C, KW), z(1, Hv), z(1, Hv), z(Hv), z(Hv), z(Hv, dk, dv))
+    q16 = xp.asarray(np.zeros(160, np.uint32))
+    norm = dict(gate=z(1, Hv * dv), norm_weight=z(dv), q16=q16)
+    with pytest.raises(ValueError, match="a block per value head"):
+        dn.decode_step(*args, n_k_heads=Hk, warps=4, **norm)
+    with pytest.raises(ValueError, match="needs gate and norm_weight"):
+        dn.decode_step(*args, n_k_heads=Hk, warps=16, q16=q16)
+    with pytest.raises(ValueError, match="gate must be"):
+        dn.decode_step(*args, n_k_heads=Hk, warps=16, **{**norm, "gate": z(1, Hv * dv, dt=np.float16)})
+    with pytest.raises(ValueError, match="norm_weight"):
+        dn.decode_step(*args, n_k_heads=Hk, warps=16, **{**norm, "norm_weight": z(dv + 1)})
+    with pytest.raises(ValueError, match="160 words"):
+        dn.decode_step(*args, n_k_heads=Hk, warps=16, **{**norm, "q16": xp.asarray(np.zeros(159, np.uint32))})
+    assert dn.norm_stages(48, 128) and not dn.norm_stages(3, 128) and not dn.norm_stages(8, 24, 8)
 
 
 def test_decode_step_refusals(xp) -> None:

@@ -127,6 +127,12 @@ FUSE_DECODE_STEP = True
 # H100, 27B Q4_K_M width-1 step replays (bench/gemv_ab.py --step-ab dnwarps, two calls): 4 / 8 / 16 warps 0.9954 /
 # 0.9989 / 1.0004 and 0.9944 / 0.9981 / 0.9991 of 2 (192 / 96 / 48 blocks against 384).
 DECODE_STEP_WARPS = 4
+# ... and with FUSE_DECODE_NORM, where ssm_out's product is a ring gemv reading x's int16 staging, decode_step also
+# computes the layer's output norm * silu(z) and writes that staging (deltanet.decode_step(q16=): a block per value
+# head, dv / 8 warps; the bits of the norm pack it replaces), so no pack launch runs before ssm_out. H100, 27B Q4_K_M
+# width-1 step replays (bench/gemv_ab.py --step-ab dnnorm): 6762 vs 6839 us, 0.9888 of the pack after 4-warp blocks
+# (16-warp blocks with the pack: 1.0024).
+FUSE_DECODE_NORM = True
 # prompt chunks warm_prefill runs at start-up: every token-tile class of the matmuls up to 64 tokens (8 a tile), one
 # past 64 (64-token pieces and a remainder) and a whole prefill chunk (generate.PREFILL_CHUNK)
 WARM_CHUNKS = (8, 16, 24, 32, 40, 48, 56, 64, 100, 512)
@@ -1210,10 +1216,18 @@ class Qwen35GpuModel(TargetModel):
         keep = (state.mixed[L, :T], state.gates[L, 0, :T], state.gates[L, 1, :T]) if step.per_token else (None,) * 3
         pair = state.ssm_pair[:, L]   # [committed, other] when parity is 0, else swapped (the kernel reads swap)
         if fused and FUSE_DECODE_STEP and T == 1 and step.is_chain and not step.per_token:
-            # one decode token: conv (keeping the raw row), q/k norm, gates and the state update in one launch
+            # one decode token: conv (keeping the raw row), q/k norm, gates and the state update in one launch, and
+            # where ssm_out's gemv reads a staging, the output norm * silu(z) written as that staging by it too
+            norm = (FUSE_DECODE_NORM and reads_staging(w["ssm_out"], 1) and dn.norm_stages(Hv, dv)
+                    and int(w["ssm_norm"].size) == dv)
+            q16 = self.be.xp.empty(qm.q16_words(Hv * dv, 1), self.be.xp.uint32) if norm else None
             o = dn.decode_step(proj[:, :cd], state.conv[L], w["ssm_conv1d"], alpha, b, w["ssm_a"], w["ssm_dt"],
                                pair[0], n_k_heads=Hk, final_state=pair[1], alt=pair[1], swap=state.stage.swap,
-                               rows_out=raw, warps=DECODE_STEP_WARPS)
+                               rows_out=raw, warps=dv // dn.DEFAULT_COLS if norm else DECODE_STEP_WARPS,
+                               gate=proj[:, cd:cd + Hv * dv] if norm else None, norm_weight=w["ssm_norm"],
+                               norm_eps=c.rms_eps, q16=q16)
+            if norm:
+                return self._out_proj(w["ssm_out"], qm.PackedX(None, 1, Hv * dv, q16=q16), sink)
         else:  # conv, q/k norm + gates and the walk as separate launches (any width)
             if fused and T >= FUSE_CONV_NORM_FROM:  # conv (reading the projection in place, keeping the raw
                 # rows), q/k norm and gates in one launch
