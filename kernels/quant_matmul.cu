@@ -1847,3 +1847,61 @@ extern "C" __global__ void stream_read_kernel(const uint4* __restrict__ p, long 
     }
     if (accv == 0x9E3779B9u) sink[0] = accv;  // practically never taken; keeps the loads alive
 }
+
+// ---------------------------------------------------------------------------------------------
+// Token-table rows decoded on the device: out[t][k] = value k of row ids[t] of a GGUF table (row_bytes per row,
+// `rows` rows), float32, computed with the float32 operations of services/engine/quants in their order
+// (kquants.dequantize_q4_k, legacy.dequantize_q8_0, F16 / F32 rows: one rounding each, never fused into an
+// fma), so a step's embedded rows equal the NumPy engine's bit for bit. One thread a value, grid (ceil(K / 256), T);
+// ids: int32 [T] on the device (a step's token buffer, read when the kernel runs: graph-safe); an id outside
+// [0, rows) decodes as a row of zeros rather than reading past the table.
+#if defined(__CUDACC__) || defined(__CUDACC_RTC__) || defined(__CUDA_ARCH__) || SS_HIP
+#define SS_FMUL(a, b) __fmul_rn((a), (b))
+#define SS_FSUB(a, b) __fsub_rn((a), (b))
+#else  // CPU simulation: x86-64 without -mfma has no fused multiply-add to contract into
+#define SS_FMUL(a, b) ((a) * (b))
+#define SS_FSUB(a, b) ((a) - (b))
+#endif
+
+namespace ss {
+
+SS_DEV float f16_at(const u8* p) { return h2f((u32)p[0] | ((u32)p[1] << 8)); }
+
+template <int QT>
+SS_DEV float table_value(const u8* row, int k) {
+    if constexpr (QT == 0) {
+        return ((const float*)row)[k];
+    } else if constexpr (QT == 1) {
+        return f16_at(row + 2 * k);
+    } else if constexpr (QT == 8) {  // {f16 d; int8 qs[32]}: d * q
+        const u8* b = row + (k >> 5) * 34;
+        return SS_FMUL(f16_at(b), (float)(i8)b[2 + (k & 31)]);
+    } else {  // Q4_K {f16 d; f16 dmin; u8 scales[12]; u8 qs[128]}: (d sc) q - dmin m
+        static_assert(QT == 12, "table_value: F32, F16, Q8_0 or Q4_K (the tables the engine keeps on the device)");
+        const u8* b = row + (k >> 8) * 144;
+        const int i = k & 255, s = i >> 5, l = i & 31;
+        const u8* sc8 = b + 4;
+        int sc, mn;
+        if (s < 4) {
+            sc = sc8[s] & 63;
+            mn = sc8[s + 4] & 63;
+        } else {
+            sc = (sc8[s + 4] & 15) | ((sc8[s - 4] >> 6) << 4);
+            mn = (sc8[s + 4] >> 4) | ((sc8[s] >> 6) << 4);
+        }
+        const int byte = b[16 + 32 * (s >> 1) + l];  // sub-blocks 2j / 2j + 1: the low / high nibbles of 32 bytes
+        const float q = (float)((s & 1) ? byte >> 4 : byte & 15);
+        return SS_FSUB(SS_FMUL(SS_FMUL(f16_at(b), (float)sc), q), SS_FMUL(f16_at(b + 2), (float)mn));
+    }
+}
+
+}  // namespace ss
+
+template <int QT>
+__global__ void __launch_bounds__(256) embed_rows_kernel(const u8* __restrict__ table, long long row_bytes, int rows,
+                                                         const int* __restrict__ ids, int K, float* __restrict__ out) {
+    const int t = (int)blockIdx.y, k = (int)blockIdx.x * 256 + (int)threadIdx.x;
+    if (k >= K) return;
+    const int id = ids[t];
+    out[(i64)t * K + k] = (id >= 0 && id < rows) ? ss::table_value<QT>(table + (i64)id * row_bytes, k) : 0.0f;
+}

@@ -511,6 +511,42 @@ def pack_activations(
     return PackedX(out, tokens, k, residual_out if residual is not None else None, q16=xq)
 
 
+# token tables embed_rows decodes on the device (ggml ids): F32, F16, Q8_0, Q4_K (memory_plan.GPU_TABLE_TYPES: the
+# tables the GPU engine keeps there; others, e.g. Q6_K, stay on the host and their rows are decoded there)
+EMBED_TYPES = frozenset((0, F16, Q8_0, Q4_K))
+
+
+def embed_rows(table: Any, qtype: int, n_embd: int, ids: Any, *, out: Any = None, portable: bool = False) -> Any:
+    """float32 rows [T, n_embd] of a token table kept packed on the device (embed_rows_kernel, one launch): row
+    ids[t] decoded with the float32 operations of services/engine/quants, so equal to NumpyBackend.embed bit for bit.
+
+    table: cupy uint8 (rows, row bytes), the GGUF rows as stored; ids: cupy int32 (T,) (read when the kernel runs:
+    a captured step's token buffer); an id outside the table gives zeros. out: float32 (T, n_embd) to write."""
+    cupy = loader.require()
+    qtype = int(qtype)
+    if qtype not in EMBED_TYPES:
+        raise ValueError(f"embed_rows decodes {sorted(EMBED_TYPES)} tables, not {type_name(qtype)}")
+    if table.dtype != cupy.uint8 or table.ndim != 2 or not table.flags.c_contiguous:
+        raise ValueError(f"table must be a contiguous uint8 (rows, row bytes) array, not {table.dtype}{table.shape}")
+    rows, row_bytes = (int(v) for v in table.shape)
+    per, nbytes = {0: (1, 4), F16: (1, 2), Q8_0: (32, 34), Q4_K: (256, 144)}[qtype]
+    if n_embd % per or row_bytes != n_embd // per * nbytes:
+        raise ValueError(f"a {type_name(qtype)} row of {n_embd} values is {n_embd // per * nbytes} bytes, not "
+                         f"{row_bytes}")
+    if ids.dtype != cupy.int32 or ids.ndim != 1 or not ids.flags.c_contiguous:
+        raise ValueError(f"ids must be a contiguous int32 vector, not {ids.dtype}{ids.shape}")
+    T = int(ids.shape[0])
+    if out is None:
+        out = cupy.empty((T, n_embd), cupy.float32)
+    elif out.dtype != cupy.float32 or tuple(out.shape) != (T, n_embd) or not out.flags.c_contiguous:
+        raise ValueError(f"out must be a contiguous float32 array of shape {(T, n_embd)}")
+    if T:
+        fn = loader.get_function(SOURCE, f"embed_rows_kernel<{qtype}>", _defines(portable))
+        fn(((n_embd + 255) // 256, T), (256,), (table, np.int64(row_bytes), np.int32(rows), ids, np.int32(n_embd),
+                                                 out))  # fmt: skip
+    return out
+
+
 def pack_rms_smem_bytes(k: int, group: int, gate: bool) -> int:
     """Dynamic shared memory of pack_rms_kernel: the row (x [+ r]) as fp32, z with a gate, and the norm weight."""
     return 4 * (k * (2 if gate else 1) + group)

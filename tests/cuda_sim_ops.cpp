@@ -324,6 +324,21 @@ extern "C" int sim_pack_fused(int mode, int in_f32, int res, int gate, const voi
     return mode == 0 ? launch(blocks, 1, 1, 256) : launch(blocks, 1, 1, 64);
 }
 
+// embed_rows_kernel<qt>: rows ids[0..T) of a (rows, row_bytes) table decoded into out [T, K] float32.
+extern "C" int sim_embed_rows(int qt, const unsigned char* table, long long row_bytes, int rows, const int* ids, int T,
+                              int K, float* out) {
+    g_body = nullptr;
+#define ER(QT) \
+    if (qt == QT) g_body = [=] { embed_rows_kernel<QT>(table, row_bytes, rows, ids, K, out); };
+    ER(0)
+    ER(1)
+    ER(8)
+    ER(12)
+#undef ER
+    if (!g_body) return -1;
+    return launch((K + 255) / 256, T, 1, 256);
+}
+
 // qmv_kernel (v2) on W in device_layout(); accumulate: y += x @ W^T; ldy: y's row stride in floats (0: N).
 extern "C" int sim_qmv_acc(int qt, int nt, int mt, int kw, const unsigned char* W, long long row_bytes, int N, int K,
                            const void* xp, int T, float* y, int splits, int grid_x, int accumulate, long long ldy) {

@@ -37,18 +37,45 @@ def test_tree_shape_matches_tree_mask_and_depths(T):
 
 
 @needs_gpu
-def test_q4_k_rows_decoded_on_the_device_equal_the_host_rows():
+@pytest.mark.parametrize("qtype", [0, 1, 8, 12], ids=["F32", "F16", "Q8_0", "Q4_K"])
+def test_table_rows_decoded_on_the_device_equal_the_host_rows(qtype: int):
+    """quant_matmul.embed_rows (the step's token rows, one launch) bit for bit the NumPy engine's rows, with the
+    device's own fp16 conversion and float32 rounding (the CPU simulation runs the portable path)."""
     import cupy
 
+    from kernels import quant_matmul as qm
     from services.engine.quants import dequantize
+    from tests.quant_twins import random_weights
 
-    rng = np.random.default_rng(5)
+    rng = np.random.default_rng(5 + qtype)
     rows, cols = 300, 512
-    blocks = rng.integers(0, 256, size=(rows, cols // 256, 144), dtype=np.uint8)
-    # finite, varied scales: d and dmin as f16 of either sign
-    blocks[:, :, 0:4] = rng.uniform(-0.02, 0.02, size=(rows, cols // 256, 2)).astype(np.float16).view(np.uint8)
-    table = blocks.reshape(rows, -1)
+    if qtype == 0:
+        table = rng.standard_normal((rows, cols)).astype(np.float32).view(np.uint8)
+    else:
+        table = np.ascontiguousarray(random_weights(qtype, rows, cols, rng))
+    if qtype == QG.Q4_K:  # d and dmin of either sign
+        blocks = table.reshape(rows, -1, 144)
+        blocks[:, :, 0:4] = rng.uniform(-0.02, 0.02, size=(rows, cols // 256, 2)).astype(np.float16).view(np.uint8)
     ids = rng.integers(0, rows, size=23)
-    got = cupy.asnumpy(QG._embed_q4_k(cupy, cupy.asarray(table), cupy.asarray(ids.astype(np.int32))))
-    want = dequantize(table[ids], QG.Q4_K, (len(ids), cols)).astype(np.float32)
-    assert got.dtype == np.float32 and np.array_equal(got, want)
+    got = cupy.asnumpy(qm.embed_rows(cupy.asarray(table), qtype, cols, cupy.asarray(ids.astype(np.int32))))
+    want = (table.view(np.float32)[ids] if qtype == 0
+            else dequantize(table[ids], qtype, (len(ids), cols)).astype(np.float32))
+    assert got.dtype == np.float32 and np.array_equal(got.view(np.uint32), want.view(np.uint32))
+
+
+@needs_gpu
+def test_embed_rows_refusals():
+    import cupy
+
+    from kernels import quant_matmul as qm
+
+    table = cupy.zeros((4, 144), cupy.uint8)
+    ids = cupy.zeros(2, cupy.int32)
+    with pytest.raises(ValueError, match="decodes"):
+        qm.embed_rows(cupy.zeros((4, 210), cupy.uint8), qm.Q6_K, 256, ids)
+    with pytest.raises(ValueError, match="is 288 bytes, not 144"):
+        qm.embed_rows(table, qm.Q4_K, 512, ids)
+    with pytest.raises(ValueError, match="int32"):
+        qm.embed_rows(table, qm.Q4_K, 256, ids.astype(cupy.int64))
+    out = qm.embed_rows(table, qm.Q4_K, 256, cupy.asarray(np.array([-1, 4], np.int32)))  # outside: zeros
+    assert not cupy.asnumpy(out).any()

@@ -240,7 +240,34 @@ def fused_sim(tmp_path_factory):
     lib.sim_pack_fused.argtypes = [I, I, I, I, P, LL, P, P, P, LL, P, I, F, I, I, I, P, I, I, P]
     lib.sim_qmv_acc.restype = C
     lib.sim_qmv_acc.argtypes = [I, I, I, I, P, LL, I, I, P, I, P, I, I, I, LL]
+    lib.sim_embed_rows.restype = C
+    lib.sim_embed_rows.argtypes = [I, P, LL, I, P, I, I, P]
     return lib
+
+
+@pytest.mark.parametrize("qtype", [0, F16, Q8_0, Q4_K], ids=["F32", "F16", "Q8_0", "Q4_K"])
+def test_embed_rows_equal_the_numpy_rows(fused_sim, qtype: int) -> None:
+    """embed_rows_kernel decodes token-table rows bit for bit as the NumPy engine (NumpyBackend.embed: the
+    services/engine/quants dequantizers); ids outside the table give zeros, repeated ids the same row."""
+    from services.engine.backend import NumpyBackend
+    from services.engine.formats import RawTensor
+
+    rng = np.random.default_rng(90 + qtype)
+    rows, k = 37, 768
+    if qtype == 0:
+        raw = rng.standard_normal((rows, k)).astype(np.float32).view(np.uint8)
+    else:
+        raw = np.ascontiguousarray(random_weights(qtype, rows, k, rng))
+    ids = np.array([5, 0, 36, 5, -1, 37, 1 << 30, 17], np.int32)
+    out = np.full((len(ids), k), np.nan, np.float32)
+    assert fused_sim.sim_embed_rows(qtype, raw.ctypes.data, raw.shape[1], rows, ids.ctypes.data, len(ids), k,
+                                    out.ctypes.data) == 0
+    table = RawTensor(name="token_embd.weight", qtype=qtype, shape=(rows, k),
+                      data=raw.view(np.float32) if qtype == 0 else raw, source="test")
+    valid = (ids >= 0) & (ids < rows)
+    want = NumpyBackend().embed(table, ids[valid])
+    assert np.array_equal(out[valid].view(np.uint32), want.view(np.uint32))
+    assert (out[~valid] == 0).all()
 
 
 def unpack_numpy(xp: np.ndarray, k: int, tpad: int) -> np.ndarray:

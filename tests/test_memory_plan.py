@@ -231,6 +231,12 @@ def test_gpu_weights_count_matrices_vectors_and_fallbacks(q27):
     assert w2.gpu == w.gpu - q4 - q6 + 248320 * 5120 * 2
 
 
+def test_gpu_table_types_are_those_the_device_decodes():
+    from kernels import quant_matmul as qm
+
+    assert set(M.GPU_TABLE_TYPES) == set(qm.EMBED_TYPES)
+
+
 def test_numpy_weights_are_float32(q27):
     cfg, w, _ = q27
     n_params = w.f32 // 4

@@ -266,21 +266,26 @@ class GpuEmbedding:
             self.dev = cupy.asarray(np.ascontiguousarray(data).reshape(-1).view(np.uint8).reshape(self.shape[0], -1))
 
     def lookup(self, ids: Any) -> Any:
+        """float32 rows (len(ids), cols): decoded on the device by one launch (quant_matmul.embed_rows, the NumPy
+        rows bit for bit), or for a host table dequantized there and uploaded."""
         from kernels import loader
+        from kernels import quant_matmul as qm
 
         cupy = loader.require()
-        rows, cols = self.shape
         if self.on_host:
             return cupy.asarray(NumpyBackend().embed(self.host, cupy.asnumpy(ids)))
-        sel = self.dev[cupy.asarray(ids)]
-        if self.qtype == _F32:
-            return cupy.ascontiguousarray(sel).view(cupy.float32).reshape(-1, cols)
-        if self.qtype == _F16:
-            return cupy.ascontiguousarray(sel).view(cupy.float16).astype(cupy.float32).reshape(-1, cols)
-        blocks = sel.reshape(-1, cols // 32, 34)
-        d = cupy.ascontiguousarray(blocks[:, :, :2]).view(cupy.float16).astype(cupy.float32)
-        qs = cupy.ascontiguousarray(blocks[:, :, 2:]).view(cupy.int8).astype(cupy.float32)
-        return (d * qs).reshape(-1, cols)
+        return qm.embed_rows(self.dev, self.qtype, self.shape[1], device_ids(ids))
+
+
+def device_ids(ids: Any) -> Any:
+    """Token ids as the contiguous int32 device vector embed_rows reads (no copy when they already are one)."""
+    from kernels import loader
+
+    cupy = loader.require()
+    ids = cupy.asarray(ids).reshape(-1)
+    if ids.dtype != cupy.int32:
+        ids = ids.astype(cupy.int32)
+    return cupy.ascontiguousarray(ids)
 
 
 class CupyBackend:

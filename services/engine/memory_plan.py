@@ -519,9 +519,9 @@ def _attn_workspace(n_head: int, n_kv_head: int, head_dim: int, tokens: int, sms
 
 
 def _embed_scratch(cfg: ModelConfig, T: int) -> int:
-    """Device temporaries of T token rows decoded on the device (qwen35_gpu._embed_q4_k: the gathered blocks, scales,
-    the unpacked codes and a few float32 (T, n_embd) products; GpuEmbedding.lookup for F32 / F16 / Q8_0 less)."""
-    return 6 * T * cfg.n_embd * 4 + 2 * T * cfg.n_embd
+    """Device temporaries of T token rows decoded on the device (kernels.quant_matmul.embed_rows, one launch: the
+    float32 (T, n_embd) rows, and the ids as int32 when a caller's were not)."""
+    return T * cfg.n_embd * 4 + 4 * T
 
 
 def _pack_bytes(k: int, T: int) -> int:

@@ -25,22 +25,20 @@ later steps of that shape write their values (token ids, positions, parents, mas
 buffers and replay. Nothing in the captured launches reads the host or syncs. What outlives a replay (logits
 rows, argmax ids, captured layers) is written into the state's own output buffers, never into the arena.
 
-Host work per step is kept to what must run there (the speculative loop's time outside the graph replays):
-the per-step values go up in one copy from pinned memory (_StepValues), the captured layers stay on the
-device (DeviceRows: the GPU drafter reads them there), a Q4_K token table is decoded on the device inside the
-step (_embed_q4_k; other host-only tables go through host_head_embed's row cache), and a commit (accepted node,
-KV rows to move and their number: one upload; the rows move in one kernels.attention.KVRowMover launch) replays the
-captured graph of its step's shape, whichever path it accepts (budget.py's calibration commits each width once,
-so a pooled state holds them before the first request). States outlive a request: acquire_state /
-release_state keep up to state_pool_size of them (buffers and captured graphs) for the next requests;
-reserve_states makes them at start-up, so that serving allocates no state (what services/engine/memory_plan.py
-counts per slot: GpuSequenceState.nbytes).
+Host work per step is kept to what must run there (the speculative loop's time outside the graph replays): the per-step
+values go up in one copy from pinned memory (_StepValues), the captured layers stay on the device (DeviceRows: the GPU
+drafter reads them there), a Q4_K token table is decoded on the device inside the step (one launch:
+quant_matmul.embed_rows; other host-only tables go through host_head_embed's row cache), and a commit (accepted node, KV
+rows to move and their number: one upload; the rows move in one kernels.attention.KVRowMover launch) replays the
+captured graph of its step's shape, whichever path it accepts (budget.py's calibration commits each width once, so a
+pooled state holds them before the first request). States outlive a request: acquire_state / release_state keep up to
+state_pool_size of them (buffers and captured graphs) for the next requests; reserve_states makes them at start-up, so
+that serving allocates no state (what services/engine/memory_plan.py counts per slot: GpuSequenceState.nbytes).
 
-Pieces done with plain CuPy ops instead of a kernel (each marked FALLBACK below): attention of a tree wider
-than 64 tokens (the attention kernel's mask is one uint64 per token; it decodes Q8_0 / TQ3_0 rows with CuPy),
-Q8_0 and Q4_K embedding rows, the residual adds of
-steps wider than 64 tokens (narrower steps fold norms, SwiGLU and residual adds into the matmuls' activation
-packing and epilogue).
+Pieces done with plain CuPy ops instead of a kernel (each marked FALLBACK below): attention of a tree wider than 64
+tokens (the attention kernel's mask is one uint64 per token; it decodes Q8_0 / TQ3_0 rows with CuPy), the residual adds
+of steps wider than 64 tokens (narrower steps fold norms, SwiGLU and residual adds into the matmuls' activation packing
+and epilogue).
 """
 
 from __future__ import annotations
@@ -64,7 +62,7 @@ from kernels import quant_matmul as qm
 from kernels import sampling as smp
 
 from .. import faults
-from ..backend import CupyBackend, can_fuse_swiglu, can_stage_norm, reads_staging
+from ..backend import CupyBackend, can_fuse_swiglu, can_stage_norm, device_ids, reads_staging
 from ..config import ModelConfig
 from ..device_sampling import draw_rows
 from ..errors import ContextOverflowError, is_out_of_memory
@@ -184,27 +182,6 @@ def _upload(cp: Any, dst: Any, src: np.ndarray) -> None:
 
 
 Q4_K = 12   # GGML type id
-
-
-def _embed_q4_k(cp: Any, table: Any, ids: Any) -> Any:
-    """Rows `ids` (device int) of a device Q4_K table (rows, row bytes), dequantized with the same float32
-    operations in the same order as quants/kquants.dequantize_q4_k (so equal to the host rows bit for bit):
-    value = d * scale * q - dmin * min per 32-value sub-block. Plain CuPy ops, captured with the step."""
-    blk = cp.take(table, ids, axis=0)
-    T = int(blk.shape[0])
-    b = blk.reshape(T, -1, 144)                     # {f16 d; f16 dmin; u8 scales[12]; u8 qs[128]} per 256
-    nb = int(b.shape[1])
-    d = cp.ascontiguousarray(b[:, :, 0:2]).view(cp.float16).astype(cp.float32)       # (T, nb, 1)
-    dmin = cp.ascontiguousarray(b[:, :, 2:4]).view(cp.float16).astype(cp.float32)
-    first, second, third = b[:, :, 4:8], b[:, :, 8:12], b[:, :, 12:16]
-    low6, low4, u4, u6 = np.uint8(63), np.uint8(0x0F), np.uint8(4), np.uint8(6)
-    sc = cp.concatenate([first & low6, (third & low4) | ((first >> u6) << u4)], axis=2)      # (T, nb, 8)
-    mn = cp.concatenate([second & low6, (third >> u4) | ((second >> u6) << u4)], axis=2)
-    qs = b[:, :, 16:144].reshape(T, nb, 4, 1, 32)
-    q = cp.concatenate([qs & low4, qs >> u4], axis=3).reshape(T, nb, 8, 32).astype(cp.float32)
-    d1 = (d * sc.astype(cp.float32))[..., None]
-    m1 = (dmin * mn.astype(cp.float32))[..., None]
-    return (d1 * q - m1).reshape(T, nb * 256)
 
 
 class _StepValues:
@@ -668,7 +645,7 @@ class Qwen35GpuModel(TargetModel):
         # rows are dequantized on the host and written to state.x_in before the launches, like the token ids
         self._host_table = bool(getattr(self.tok_embd, "on_host", False))
         # a Q4_K table (llama.cpp's Q4_K_M files) goes to the device packed after all (the memory plan counts
-        # every stored byte there) and the step's rows are decoded inside the step (_embed_q4_k): the host
+        # every stored byte there) and the step's rows are decoded inside the step (qm.embed_rows): the host
         # dequantization and upload of T rows cost ~0.5 ms of a 27B verify, the drafter's row ~0.4 ms more
         self._embd_dev = None
         if self._host_table and int(getattr(self.tok_embd, "qtype", -1)) == Q4_K and os.environ.get(
@@ -866,7 +843,7 @@ class Qwen35GpuModel(TargetModel):
     def device_embed(self, ids: Any) -> Any:
         """float32 rows (len(ids), n_embd) of device token ids, decoded on the device (not for a host table)."""
         if self._embd_dev is not None:
-            return _embed_q4_k(self.be.xp, self._embd_dev, ids)
+            return qm.embed_rows(self._embd_dev, Q4_K, self.cfg.n_embd, device_ids(ids))
         return self.be.embed(self.tok_embd, ids)
 
     def host_head_embed(self, tokens: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
