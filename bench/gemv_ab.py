@@ -203,7 +203,7 @@ STEP_ABS = {
                 ("fused 16w", SMALL, 3, "capture", {"q35.FUSE_DECODE_NORM": True})], (1,),
                [("fused 16w", "pack 4w"), ("pack 16w", "pack 4w")]),
     # tree attention with 2 warps a query tile at short contexts (attention.default_kw: SHORT_KW_ROWS) or grid_rows's
-    "attnkw": ([("kw grid_rows", SMALL, 3, "capture", {"att.SHORT_KW_ROWS": 0}),
+    "attnkw": ([("kw grid_rows", SMALL, 3, "capture", {"att.SHORT_KW_ROWS": 0, "att.SHORT_KW_ROWS_F16": 0}),
                 ("kw short", SMALL, 3, "capture", {})], (16, 23, 32), [("kw short", "kw grid_rows")]),
     # the attention's combine writing attn_output's int16 staging (qwen35_gpu.ATTN_STAGE_UP_TO) or a pack launch
     "attnstage": ([("pack", SMALL, 3, "capture", {"q35.ATTN_STAGE_UP_TO": 0}),

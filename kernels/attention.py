@@ -294,19 +294,24 @@ def grid_rows(n_head: int, n_kv_heads: int, tokens: int, kw: int | None = None) 
 
 # Warps per m16 tile at short contexts: KW = 2 (half the keys of a split each) for SHORT_KW_TILES m16 tiles of query
 # rows (G T / 16: 11..32 tokens at the 27B's 6 query heads a KV head) when a launch sees at most SHORT_KW_ROWS cache
-# rows (its s_hint + T; the engine's graph buckets of 512 / 1024 / 2048), else grid_rows's. H100, one 27B layer, the
-# launcher's splits for each KW (scratch sweep, session 19; docs/gpu_kernels.md), us f16 / q8_0-tq3_0 KV: S = 512
-# T = 23 21.0 vs 23.1 / 23.9 vs 25.6, S = 2048 T = 23 26.4 vs 36.8 / 35.3 vs 39.2, T = 32 32.6 vs 44.5 / 42.6 vs 46.6;
-# at S = 8192 and beyond KW = 2 loses from 23 tokens (fewer splits: 68.0 vs 58.2 at T = 23), at 41 / 64 tokens and
+# rows (its s_hint + T; the engine's graph buckets of 512 / 1024 / 2048), SHORT_KW_ROWS_F16 with f16 K and V (4096),
+# else grid_rows's. H100, one 27B layer, the launcher's splits for each KW (scratch sweeps, sessions 19 and 20;
+# docs/gpu_kernels.md), us f16 / q8_0-tq3_0 KV: S = 512 T = 23 21.0 vs 23.1 / 23.9 vs 25.6, S = 2048 T = 23 26.4 vs
+# 36.8 / 35.3 vs 39.2, T = 32 32.6 vs 44.5 / 42.6 vs 46.6; S = 4096 T = 16 / 23 / 32 f16 30.1 / 36.4 / 43.3 vs 37.6 /
+# 44.3 / 52.0 but q8_0-tq3_0 41.3 / 52.9 / 64.9 vs 42.2 / 51.4 / 59.8; at S = 8192 and beyond KW = 2 loses from 23
+# tokens (68.3 vs 58.8 at T = 23), with its own splits, KW = 1's, 1.5x or 2x its own alike; at 41 / 64 tokens and
 # below 11 it does not win.
 SHORT_KW_TILES = (5, 12)
 SHORT_KW_ROWS = 2048
+SHORT_KW_ROWS_F16 = 4096
 
 
-def default_kw(n_head: int, n_kv_heads: int, tokens: int, rows: int) -> int:
+def default_kw(n_head: int, n_kv_heads: int, tokens: int, rows: int, f16: bool = False) -> int:
     """attention()'s KW when none is given, for a launch over at most `rows` cache rows (s_hint + T): 2 for
-    SHORT_KW_TILES m16 tiles up to SHORT_KW_ROWS rows, else grid_rows's default."""
-    if SHORT_KW_TILES[0] <= query_tiles(n_head, n_kv_heads, tokens) <= SHORT_KW_TILES[1] and rows <= SHORT_KW_ROWS:
+    SHORT_KW_TILES m16 tiles up to SHORT_KW_ROWS rows (SHORT_KW_ROWS_F16 when K and V are f16: f16), else
+    grid_rows's default."""
+    limit = SHORT_KW_ROWS_F16 if f16 else SHORT_KW_ROWS
+    if SHORT_KW_TILES[0] <= query_tiles(n_head, n_kv_heads, tokens) <= SHORT_KW_TILES[1] and rows <= limit:
         return 2
     return grid_rows(n_head, n_kv_heads, tokens)[1]
 
@@ -413,7 +418,7 @@ def attention(
         if q16.dtype != np.uint32 or int(q16.size) != words or not q16.flags.c_contiguous:
             raise ValueError(f"q16 must be a contiguous uint32 array of {words} words")
     if kw is None:
-        kw = default_kw(H, Hkv, T, max(0, int(s_hint)) + T)
+        kw = default_kw(H, Hkv, T, max(0, int(s_hint)) + T, f16=cache.kind == "f16" and cache.kind_v == "f16")
     if splits is None:
         splits = choose_splits(H, Hkv, D, T, max(0, int(s_hint)), cache.kind, cache.kind_v, kw)
     splits = int(splits)

@@ -566,7 +566,8 @@ def test_which_head_shapes_stage_the_output() -> None:
 
 def test_attention_default_warps_a_tile() -> None:
     """attention()'s warps per m16 tile when none is given (default_kw): 4 for one tile (decode), 2 for two, 2 for 5..12
-    tiles over at most SHORT_KW_ROWS cache rows (the engine's graph buckets up to 2048), else 1. No GPU: the rule."""
+    tiles over at most SHORT_KW_ROWS cache rows (the engine's graph buckets up to 2048; 4096 with f16 K and V), else 1.
+    No GPU: the rule."""
     from kernels import attention as at
 
     H, Hkv = 24, 4  # 6 query heads a KV head: ceil(6 T / 16) tiles
@@ -574,4 +575,6 @@ def test_attention_default_warps_a_tile() -> None:
         4, 4, 2, 2, 1, 1, 2, 2, 2, 1, 1, 1]
     assert at.default_kw(H, Hkv, 23, 2048) == 2 and at.default_kw(H, Hkv, 23, 2049) == 1
     assert at.default_kw(H, Hkv, 16, 4096) == at.grid_rows(H, Hkv, 16)[1] == 1
+    # f16 K and V: 2 up to SHORT_KW_ROWS_F16 rows
+    assert at.default_kw(H, Hkv, 23, 4096, f16=True) == 2 and at.default_kw(H, Hkv, 23, 4097, f16=True) == 1
     assert at.default_kw(H, Hkv, 3, 1 << 20) == 2   # two tiles: grid_rows's 2 at any context

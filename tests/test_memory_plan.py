@@ -141,8 +141,10 @@ def test_attention_split_bound_holds_for_the_kernel_policy(monkeypatch):
                 picks = [att.choose_splits(H, Hkv, D, T, s) for s in (0, 31, 100, 511, 4096, 65536, 1 << 20)]
                 assert max(picks) <= bound == picks[-1], (H, Hkv, D, T, sms, picks, bound)
                 # attention()'s own warps a tile at short contexts (default_kw) give no more splits
-                for s in (0, 31, 100, 511, 1024 - T, 2048 - T, 4096):
-                    assert att.choose_splits(H, Hkv, D, T, s, kw=att.default_kw(H, Hkv, T, s + T)) <= bound
+                for s in (0, 31, 100, 511, 1024 - T, 2048 - T, 4096 - T, 4096):
+                    for f16 in (False, True):
+                        kw = att.default_kw(H, Hkv, T, s + T, f16=f16)
+                        assert att.choose_splits(H, Hkv, D, T, s, kw=kw) <= bound
                 assert bound * H * T * (D + 2) * 4 <= max(att.WS_CAP_BYTES, H * T * (D + 2) * 4)
 
 
