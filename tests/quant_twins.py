@@ -66,6 +66,18 @@ def random_weights(qtype: int, n_out: int, k: int, rng: np.random.Generator) -> 
     return raw.reshape(n_out, -1)
 
 
+def random_table(qtype: int, rows: int, k: int, rng: np.random.Generator) -> np.ndarray:
+    """A token table's stored rows (rows, row bytes) uint8 for kernels.quant_matmul.embed_rows: F32 (qtype 0) values,
+    or random_weights' blocks with a Q4_K table's d and dmin of either sign."""
+    if qtype == 0:
+        return rng.standard_normal((rows, k)).astype(np.float32).view(np.uint8)
+    table = np.ascontiguousarray(random_weights(qtype, rows, k, rng))
+    if qtype == qm.Q4_K:
+        table.reshape(rows, -1, 144)[:, :, 0:4] = (
+            rng.uniform(-0.02, 0.02, size=(rows, k // 256, 2)).astype(np.float16).view(np.uint8))
+    return table
+
+
 def dequantize(qtype: int, raw: np.ndarray, n_out: int, k: int) -> np.ndarray:
     """NumPy twin -> float64 [n_out, k]."""
     if qtype == qm.F16:

@@ -45,17 +45,11 @@ def test_table_rows_decoded_on_the_device_equal_the_host_rows(qtype: int):
 
     from kernels import quant_matmul as qm
     from services.engine.quants import dequantize
-    from tests.quant_twins import random_weights
+    from tests.quant_twins import random_table
 
     rng = np.random.default_rng(5 + qtype)
     rows, cols = 300, 512
-    if qtype == 0:
-        table = rng.standard_normal((rows, cols)).astype(np.float32).view(np.uint8)
-    else:
-        table = np.ascontiguousarray(random_weights(qtype, rows, cols, rng))
-    if qtype == QG.Q4_K:  # d and dmin of either sign
-        blocks = table.reshape(rows, -1, 144)
-        blocks[:, :, 0:4] = rng.uniform(-0.02, 0.02, size=(rows, cols // 256, 2)).astype(np.float16).view(np.uint8)
+    table = random_table(qtype, rows, cols, rng)
     ids = rng.integers(0, rows, size=23)
     got = cupy.asnumpy(qm.embed_rows(cupy.asarray(table), qtype, cols, cupy.asarray(ids.astype(np.int32))))
     want = (table.view(np.float32)[ids] if qtype == 0

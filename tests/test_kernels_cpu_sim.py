@@ -251,13 +251,11 @@ def test_embed_rows_equal_the_numpy_rows(fused_sim, qtype: int) -> None:
     services/engine/quants dequantizers); ids outside the table give zeros, repeated ids the same row."""
     from services.engine.backend import NumpyBackend
     from services.engine.formats import RawTensor
+    from tests.quant_twins import random_table
 
     rng = np.random.default_rng(90 + qtype)
     rows, k = 37, 768
-    if qtype == 0:
-        raw = rng.standard_normal((rows, k)).astype(np.float32).view(np.uint8)
-    else:
-        raw = np.ascontiguousarray(random_weights(qtype, rows, k, rng))
+    raw = random_table(qtype, rows, k, rng)
     ids = np.array([5, 0, 36, 5, -1, 37, 1 << 30, 17], np.int32)
     out = np.full((len(ids), k), np.nan, np.float32)
     assert fused_sim.sim_embed_rows(qtype, raw.ctypes.data, raw.shape[1], rows, ids.ctypes.data, len(ids), k,
