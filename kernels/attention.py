@@ -308,7 +308,7 @@ SHORT_KW_ROWS_F16 = 4096
 
 def default_kw(n_head: int, n_kv_heads: int, tokens: int, rows: int, f16: bool = False) -> int:
     """attention()'s KW when none is given, for a launch over at most `rows` cache rows (s_hint + T): 2 for
-    SHORT_KW_TILES m16 tiles up to SHORT_KW_ROWS rows (SHORT_KW_ROWS_F16 when K and V are f16: f16), else
+    SHORT_KW_TILES m16 tiles up to SHORT_KW_ROWS rows (SHORT_KW_ROWS_F16 with f16=True: K and V both f16), else
     grid_rows's default."""
     limit = SHORT_KW_ROWS_F16 if f16 else SHORT_KW_ROWS
     if SHORT_KW_TILES[0] <= query_tiles(n_head, n_kv_heads, tokens) <= SHORT_KW_TILES[1] and rows <= limit:
