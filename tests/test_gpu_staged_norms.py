@@ -138,10 +138,13 @@ def test_staged_step_matches_numpy_and_the_packed_step(pair, graphs: bool, monke
 
 @pytest.mark.parametrize("graphs", [False, True])
 def test_stagings_without_packs_are_the_same_step(pair, graphs: bool, monkeypatch) -> None:
-    """ffn_gate_up's ring staging SwiGLU for ffn_down (FUSE_SWIGLU_WIDTHS, here at every width it can run) and the
-    attention writing attn_output's staging (ATTN_STAGE_UP_TO) give the same logits, bit for bit, as the packs (with
-    and without staged norms, eager and captured), and within the tolerance of the NumPy engine."""
+    """ffn_gate_up's ring staging SwiGLU for ffn_down (FUSE_SWIGLU_WIDTHS, here at every width it can run), the
+    attention writing attn_output's staging (ATTN_STAGE_UP_TO) and a decode token's DeltaNet layer writing ssm_out's
+    (FUSE_DECODE_NORM: the one-token steps) give the same logits, bit for bit, as the packs (with and without staged
+    norms, eager and captured), and within the tolerance of the NumPy engine."""
     cpu, gpu = pair
+    rec = next(w for i, w in enumerate(gpu.layers) if gpu.cfg.recurrent_layers[i])
+    assert q35.reads_staging(rec["ssm_out"], 1) and q35.dn.norm_stages(gpu.cfg.ssm_n_v_heads, gpu.cfg.ssm_head_v_dim)
     monkeypatch.setattr(q35, "STAGE_UP_TO", {"post": 3, "next": 3})
     ids, steps = _tokens(6)
     want = _run(cpu, ids, steps, graphs)
@@ -149,9 +152,11 @@ def test_stagings_without_packs_are_the_same_step(pair, graphs: bool, monkeypatc
         monkeypatch.setattr(q35, "STAGE_NORMS", stage)
         monkeypatch.setattr(q35, "FUSE_SWIGLU_WIDTHS", (1, 2, 3))
         monkeypatch.setattr(q35, "ATTN_STAGE_UP_TO", 3)
+        monkeypatch.setattr(q35, "FUSE_DECODE_NORM", True)
         fused = _run(gpu, ids, steps, graphs)
         monkeypatch.setattr(q35, "FUSE_SWIGLU_WIDTHS", ())
         monkeypatch.setattr(q35, "ATTN_STAGE_UP_TO", 0)
+        monkeypatch.setattr(q35, "FUSE_DECODE_NORM", False)
         packed = _run(gpu, ids, steps, graphs)
         for i, (w, a, b) in enumerate(zip(want, fused, packed)):
             assert np.array_equal(a, b), (stage, i)
