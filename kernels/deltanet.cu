@@ -847,7 +847,7 @@ namespace dn {
 
 // One warp: rms_norm(o) * nw * silu(z) of value head h's DV outputs o (shared memory), rounded to fp16, written as
 // its DV / 16 groups of the gemv's int16 staging (PackedX.q16 of one token, Hv DV values in Hv DV / 256 chunks):
-// pack_rms_kernel's per-head arithmetic and put_q16's, lane u < DV / 8 taking values 8 u .. 8 u + 7.
+// pack_rms_kernel's per-head arithmetic and xq::put_unit8 (put_q16's), lane u < DV / 8 taking values 8 u .. 8 u + 7.
 template <typename TIn>
 DN_DEV void head_norm_q16(const float* o, const TIn* z, const float* nw, float eps, int DV, int h, int Hv,
                           uint4* q16) {
@@ -872,19 +872,8 @@ DN_DEV void head_norm_q16(const float* o, const TIn* z, const float* nw, float e
         }
         f[e] = hf::h2f(hf::f2h(v));
     }
-    float amax, sum;
-    xq::stats8(f, amax, sum);
-    const float pa = DN_SHFL_XOR(amax, 1), ps = DN_SHFL_XOR(sum, 1);  // the group's other half (lane ^ 1)
-    if (!has) return;
-    amax = xq::fmax2(amax, pa);
-    const int k = h * DV + 8 * lane, nch = Hv * DV / 256;  // the unit's first value in the row of Hv DV
-    const int ch = k >> 8, uu = (k & 255) >> 3;
-    q16[(i64)ch * 32 + uu] = xq::quant8(f, xq::inv_scale(amax));
-    if ((uu & 1) == 0) {
-        float* const sc = xq::q16_scales(q16, nch, 1);
-        sc[ch * 16 + (uu >> 1)] = xq::scale_of(amax);
-        sc[nch * 16 + ch * 16 + (uu >> 1)] = sum + ps;  // the low half's sum plus the high half's
-    }
+    const int k = h * DV + 8 * lane;  // the unit's first value in the row of Hv DV
+    xq::put_unit8(q16, Hv * DV / 256, 1, k >> 8, 0, (k & 255) >> 3, f, has);
 }
 
 }  // namespace dn

@@ -521,20 +521,7 @@ SS_DEV void put_q16(uint4* q16, int nch, int T, int ch, int n, int uu, const u32
     float f[8];
 #pragma unroll
     for (int e = 0; e < 8; ++e) f[e] = h2f(h[e]);
-    float amax, sum;
-    xq::stats8(f, amax, sum);
-    const int lane = (int)(threadIdx.x & 31u);
-    const float pa = SS_SHFL(amax, lane ^ 1), ps = SS_SHFL(sum, lane ^ 1);
-    if (n >= T) return;
-    const bool lo = (uu & 1) == 0;
-    amax = xq::fmax2(amax, pa);
-    const long long cn = (long long)ch * T + n;
-    q16[cn * 32 + uu] = xq::quant8(f, xq::inv_scale(amax));
-    if (lo) {
-        float* const sc = xq::q16_scales(q16, nch, T);
-        sc[cn * 16 + (uu >> 1)] = xq::scale_of(amax);
-        sc[(long long)nch * T * 16 + cn * 16 + (uu >> 1)] = sum + ps;  // the low half's sum plus the high half's
-    }
+    xq::put_unit8(q16, nch, T, ch, n, uu, f, n < T);
 }
 
 }  // namespace ss

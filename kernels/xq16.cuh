@@ -107,6 +107,27 @@ static __device__ __forceinline__ void put_group16_lanes(uint4* q16, int nch, in
     }
 }
 
+// One 8-value unit uu (values 8 uu .. 8 uu + 7 of chunk ch) of token n, from its values f[0..7]; units uu and uu ^ 1
+// (one 16-value group) are lanes l and l ^ 1 of a warp, whose halves' maxima and sums meet by shuffle: every lane
+// of the warp calls it, `live` says whether this lane has a unit to write. The low half's lane writes the scale and
+// the sum (its 8 values' sum plus the high half's).
+static __device__ __forceinline__ void put_unit8(uint4* q16, int nch, int T, int ch, int n, int uu, const float* f,
+                                                 bool live) {
+    float amax, sum;
+    stats8(f, amax, sum);
+    const int lane = (int)(threadIdx.x & 31u);
+    const float pa = XQ_SHFL(amax, lane ^ 1), ps = XQ_SHFL(sum, lane ^ 1);
+    if (!live) return;
+    amax = fmax2(amax, pa);
+    const long long cn = (long long)ch * T + n;
+    q16[cn * 32 + uu] = quant8(f, inv_scale(amax));
+    if ((uu & 1) == 0) {
+        float* const sc = q16_scales(q16, nch, T);
+        sc[cn * 16 + (uu >> 1)] = scale_of(amax);
+        sc[(long long)nch * T * 16 + cn * 16 + (uu >> 1)] = sum + ps;
+    }
+}
+
 }  // namespace xq
 
 #endif  // SPECSPLIT_XQ16_CUH
