@@ -559,6 +559,16 @@ GV_DEV void row_butterfly(float (&acc)[4][NT]) {
         }
 }
 
+// After row_butterfly, lanes j == 0 (lane r4 < 4) of warp w hold rows r4, r4 + 4, .. of the tile: each stores them into
+// red[w][16][NT] (rows in order, tokens inner), where the block's warps meet.
+template <int NT>
+GV_DEV void store_warp_sums(const float (&acc)[4][NT], float* red, int w, int r4) {
+#pragma unroll
+    for (int i = 0; i < 4; ++i)
+#pragma unroll
+        for (int n = 0; n < NT; ++n) red[(w * 16 + r4 + 4 * i) * NT + n] = acc[i][n];
+}
+
 // A product whose output is the residual stream can stage the next RMSNorm for the product that reads it (a "staged
 // norm"): y = rms_norm(s) * w feeds a ring gemv as s * w with the norm's 1 / rms applied to the consumer's sums
 // (W (c z) = c (W z), c a scalar per token). A 16-row tile of this product is one 16-value group of the consumer's
@@ -636,12 +646,7 @@ GV_DEV void finish_ring(float (&acc)[4][NT], float* red, int row0, int N, float*
         }
         return;
     }
-    if (j == 0) {
-#pragma unroll
-        for (int i = 0; i < 4; ++i)
-#pragma unroll
-            for (int n = 0; n < NT; ++n) red[(warp * 16 + r4 + 4 * i) * NT + n] = acc[i][n];
-    }
+    if (j == 0) store_warp_sums<NT>(acc, red, warp, r4);
     __syncthreads();
     float fin = 0.f;  // the value thread o < 16 NT wrote
     for (int o = (int)threadIdx.x; o < 16 * NT; o += nthreads) {
@@ -715,13 +720,8 @@ GV_DEV void finish_swiglu(float (&gate)[4][NT], float (&up)[4][NT], float* red, 
     row_butterfly<NT>(gate);
     row_butterfly<NT>(up);
     if (j == 0) {
-#pragma unroll
-        for (int i = 0; i < 4; ++i)
-#pragma unroll
-            for (int n = 0; n < NT; ++n) {
-                red[(warp * 16 + r4 + 4 * i) * NT + n] = gate[i][n];
-                red[((KW + warp) * 16 + r4 + 4 * i) * NT + n] = up[i][n];
-            }
+        store_warp_sums<NT>(gate, red, warp, r4);
+        store_warp_sums<NT>(up, red, KW + warp, r4);
     }
     __syncthreads();
     if (warp * 32 >= 16 * NT) return;  // whole warps from here (they shuffle)
@@ -758,12 +758,7 @@ GV_DEV void finish_pair(float (&acc)[4][NT], float* red, int half, int p, int F,
     const int KW = (int)(blockDim.x >> 5);
     const int j = lane >> 2, r4 = lane & 3;
     row_butterfly<NT>(acc);
-    if (j == 0) {
-#pragma unroll
-        for (int i = 0; i < 4; ++i)
-#pragma unroll
-            for (int n = 0; n < NT; ++n) red[(warp * 16 + r4 + 4 * i) * NT + n] = acc[i][n];
-    }
+    if (j == 0) store_warp_sums<NT>(acc, red, warp, r4);
     __syncthreads();
     const int o = (int)threadIdx.x, r = o & 15, n = o >> 4;
     const bool live = o < 16 * NT;
@@ -1039,10 +1034,7 @@ __global__ void GV_BOUNDS(256) gemv_splitk_kernel(const u8* __restrict__ W, long
     row_butterfly<NT>(acc);
     float* const tp = part + (i64)tile * GW * 16 * NT;
     if (j == 0) {
-#pragma unroll
-        for (int i = 0; i < 4; ++i)
-#pragma unroll
-            for (int n = 0; n < NT; ++n) tp[(g * 16 + r4 + 4 * i) * NT + n] = acc[i][n];
+        store_warp_sums<NT>(acc, tp, g, r4);
         __threadfence();  // the sums are visible device-wide before the block's arrival is counted
     }
     __syncthreads();
