@@ -192,9 +192,14 @@ __global__ __launch_bounds__(256) void argmax_partial_kernel(const void* __restr
     }
 }
 
-// One warp per row: idx[row] (int32) and val[row] (the max logit, f32).
+// One warp per row: idx[row] (int32) and val[row] (the max logit, f32). next_tok non-null (a one-token chain step's
+// logits): the next such step's values too, so that it runs with no upload (decode_ahead): its token (the last row's
+// argmax), its committed length s_len[0] + 1 and position (the same), and the other half of the ping-pong DeltaNet
+// state (*swap ^= 1; swap may be null).
 __global__ __launch_bounds__(128) void argmax_final_kernel(const u64* __restrict__ part, int chunks, int rows,
-                                                           int* __restrict__ idx, float* __restrict__ val) {
+                                                           int* __restrict__ idx, float* __restrict__ val,
+                                                           int* __restrict__ next_tok, int* __restrict__ next_pos,
+                                                           int* __restrict__ s_len, int* __restrict__ swap) {
     using namespace sss;
     const int row = (int)(blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5)), lane = (int)(threadIdx.x & 31u);
     if (row >= rows) return;
@@ -202,8 +207,16 @@ __global__ __launch_bounds__(128) void argmax_final_kernel(const u64* __restrict
     for (int c = lane; c < chunks; c += 32) best = umax(best, part[(i64)row * chunks + c]);
     for (int m = 16; m >= 1; m >>= 1) best = umax(best, SS_SHFL_XOR(best, m));
     if (lane == 0) {
-        idx[row] = (int)(0xFFFFFFFFu - (u32)(best & 0xFFFFFFFFull));
+        const int id = (int)(0xFFFFFFFFu - (u32)(best & 0xFFFFFFFFull));
+        idx[row] = id;
         val[row] = key_value(best);
+        if (next_tok && row == rows - 1) {
+            const int s = s_len[0] + 1;
+            next_tok[0] = id;
+            next_pos[0] = s;
+            s_len[0] = s;
+            if (swap) swap[0] ^= 1;
+        }
     }
 }
 

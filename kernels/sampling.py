@@ -75,11 +75,20 @@ def make_argmax_workspace(rows: int, chunks: int) -> Any:
     return cupy.empty((rows, chunks), dtype=cupy.uint64)
 
 
-def argmax(logits: Any, *, chunks: int | None = None, workspace: Any = None, out: tuple[Any, Any] | None = None):
+def argmax(logits: Any, *, chunks: int | None = None, workspace: Any = None, out: tuple[Any, Any] | None = None,
+           feed: tuple[Any, Any, Any, Any] | None = None):
     """(int32 [rows] index of each row's maximum (lowest on ties), f32 [rows] that maximum). NaN counts as
-    the maximum, like np.argmax."""
+    the maximum, like np.argmax. feed = (tokens, positions, s_len, swap), int32 device arrays of a one-token chain
+    step's values (swap may be None): the same launch writes the next such step's there: tokens[0] = the last row's
+    argmax, s_len[0] += 1, positions[0] = the new s_len[0], swap[0] ^= 1 (twin: advance_twin)."""
     cupy = loader.require()
     x, rows, n, ld = _rows(logits)
+    nxt = (_NULL,) * 4
+    if feed is not None:
+        for a in feed[:3] + ((feed[3],) if feed[3] is not None else ()):
+            if not (isinstance(a, cupy.ndarray) and a.dtype == cupy.int32 and a.size >= 1):
+                raise ValueError("feed takes int32 device arrays (tokens, positions, s_len, swap)")
+        nxt = tuple(a if a is not None else _NULL for a in feed)
     nch = chunks or chunks_for(rows, n)
     chunk = math.ceil(n / nch)
     nch = math.ceil(n / chunk)
@@ -92,9 +101,18 @@ def argmax(logits: Any, *, chunks: int | None = None, workspace: Any = None, out
         (nch, rows), (THREADS,), (x, np.int64(ld), np.int32(n), np.int32(chunk), part)
     )
     loader.get_function(SOURCE, "argmax_final_kernel")(
-        ((rows + 3) // 4,), (128,), (part, np.int32(nch), np.int32(rows), idx, val)
+        ((rows + 3) // 4,), (128,), (part, np.int32(nch), np.int32(rows), idx, val, *nxt)
     )
     return idx, val
+
+
+def advance_twin(ids: np.ndarray, tokens: np.ndarray, positions: np.ndarray, s_len: np.ndarray,
+                 swap: np.ndarray | None) -> None:
+    """argmax(feed=)'s NumPy twin: a one-token chain step's values advanced to the next step's, in place."""
+    s = int(s_len[0]) + 1
+    tokens[0], positions[0], s_len[0] = int(ids[-1]), s, s
+    if swap is not None:
+        swap[0] ^= 1
 
 
 def make_topk_workspace(rows: int, chunks: int, k: int) -> tuple[Any, Any, Any]:

@@ -218,13 +218,14 @@ extern "C" int sim_attn_combine(int to, int tg, int rg, const float* ws_o, const
 
 #if OPS_FAMILY == 3
 extern "C" int sim_argmax(int ti, const void* x, long long ld, int rows, int n, int chunks, int chunk,
-                          unsigned long long* part, int* idx, float* val) {
+                          unsigned long long* part, int* idx, float* val, int* next_tok, int* next_pos, int* s_len,
+                          int* swap) {
     g_body = nullptr;
     if (ti == 0) g_body = [=] { argmax_partial_kernel<0>(x, ld, n, chunk, part); };
     if (ti == 1) g_body = [=] { argmax_partial_kernel<1>(x, ld, n, chunk, part); };
     if (!g_body) return -1;
     int err = launch(chunks, rows, 1, 256);
-    g_body = [=] { argmax_final_kernel(part, chunks, rows, idx, val); };
+    g_body = [=] { argmax_final_kernel(part, chunks, rows, idx, val, next_tok, next_pos, s_len, swap); };
     return err + launch((rows + 3) / 4, 1, 1, 128);
 }
 

@@ -720,3 +720,83 @@ def test_mixed_type_stack_in_a_graph_runs_later_products_on_a_side_stream(tokens
         got = cupy.asnumpy(y)
         want = cupy.asnumpy(stack.matmul(qm.pack_activations(x0)))
         assert np.array_equal(got, want)
+
+
+def _step_by_step(gpu, st, tok: int, n: int) -> list[int]:
+    """n greedy tokens after tok by forward + commit, the host reading each token before the next step."""
+    out = []
+    for _ in range(n):
+        r = gpu.forward(st, [tok], logits="last")
+        st.commit([0])
+        tok = int(r.logits.argmax_rows()[0])
+        out.append(tok)
+    return out
+
+
+def _prefilled(gpu, ids, max_ctx: int):
+    st = gpu.new_state(max_ctx)
+    tok = int(gpu.forward(st, ids, logits="last").logits.argmax_rows()[-1])
+    st.commit(range(len(ids)))
+    return st, tok
+
+
+@needs_gpu
+@pytest.mark.parametrize("prompt_len, n, stop_after", [(None, 40, None), (None, 40, 7), (500, 30, None)],
+                         ids=["whole", "closed-early", "across-a-graph-bucket"])
+def test_decode_ahead_equals_decoding_step_by_step(prompt_len, n, stop_after):
+    """decode_ahead (one graph a step: the step, its commit and the next step's values written on the device; each
+    step enqueued before the host reads the token before it) gives the tokens of forward + commit one at a time, and
+    leaves the state as they do: the same length and committed half, and the same logits for the next token. A
+    generator closed early has also run and committed the step after the last token read. The 500-token prompt
+    crosses S's first graph bucket (512) mid-run: a capture among replays."""
+    _, gpu, ids, _ = models()
+    if prompt_len is not None:
+        ids = list(np.random.default_rng(3).integers(0, gpu.cfg.n_vocab, size=prompt_len))
+    sa, tok = _prefilled(gpu, ids, 1024)
+    sb, tok_b = _prefilled(gpu, ids, 1024)
+    assert tok == tok_b
+    k = n if stop_after is None else stop_after
+    gen = gpu.decode_ahead(sb, tok, n)
+    got = [next(gen) for _ in range(k)] if stop_after is not None else list(gen)
+    gen.close()
+    fed = k if stop_after is None else k + 1   # closed early: the step feeding got[-1] ran too
+    want = _step_by_step(gpu, sa, tok, fed)    # feeds tok and want[:fed - 1]
+    assert got == want[:k]
+    assert (sb.n_past, sb.parity, sb.pending) == (sa.n_past, sa.parity, None)
+    ra, rb = gpu.forward(sa, [want[-1]], logits="last"), gpu.forward(sb, [want[-1]], logits="last")
+    assert _max_diff(ra.logits, rb.logits) <= 1e-5
+
+
+@needs_gpu
+def test_decode_ahead_stops_at_the_context_end_and_serves_generate(monkeypatch):
+    """generate() and the speculative loop without a drafter decode ahead when greedy (the NumPy engine's tokens),
+    one graph replay a token once warm; a stop id ends the request (the step after it runs), and the pooled state
+    serves the next request alike; a full context ends decoding like the step-by-step loop."""
+    from services.engine.generate import generate
+    from services.engine.speculative import speculative_generate
+
+    cpu, gpu, ids, _ = models()
+    calls = []
+    real = gpu.decode_ahead
+    monkeypatch.setattr(gpu, "decode_ahead", lambda *a: calls.append(a[2]) or real(*a))
+    want = generate(cpu, ids, 30).token_ids
+    assert generate(gpu, ids, 30).token_ids == want and calls == [29]
+    replays, captures = gpu.graph_stats["replays"], gpu.graph_stats["captures"]
+    assert generate(gpu, ids, 30).token_ids == want and gpu.graph_stats["captures"] == captures
+    assert gpu.graph_stats["replays"] - replays == 29       # (the prompt runs eagerly)
+    assert speculative_generate(gpu, None, ids, 30).token_ids == want and calls[-1] == 29
+    stop = want[12]
+    first = want.index(stop)
+    res = generate(gpu, ids, 30, stop_ids=[stop])
+    assert res.token_ids == want[:first + 1] and res.finish_reason == "stop"
+    assert generate(gpu, ids, 30).token_ids == want
+    ctx = len(ids) + 9
+    full = generate(cpu, ids, 30, max_ctx=ctx)
+    res = generate(gpu, ids, 30, max_ctx=ctx)
+    assert res.token_ids == full.token_ids and res.finish_reason == full.finish_reason == "length"
+    gpu.decode_ahead_on = False
+    try:
+        n = len(calls)
+        assert generate(gpu, ids, 30).token_ids == want and len(calls) == n
+    finally:
+        gpu.decode_ahead_on = True

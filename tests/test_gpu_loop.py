@@ -73,3 +73,66 @@ def test_embed_rows_refusals():
         qm.embed_rows(table, qm.Q4_K, 256, ids.astype(cupy.int64))
     out = qm.embed_rows(table, qm.Q4_K, 256, cupy.asarray(np.array([-1, 4], np.int32)))  # outside: zeros
     assert not cupy.asnumpy(out).any()
+
+
+def test_commit_values_go_up_only_when_they_change(monkeypatch):
+    """A commit's values (accepted node, swap, rows moved) are uploaded unless the device holds the same already and
+    no rows move: consecutive decode commits send once, so decode_ahead never rewrites a pinned buffer whose copy may
+    still wait in the stream. (CPU: NumPy stands in for device memory.)"""
+    from types import SimpleNamespace
+
+    fake = SimpleNamespace(zeros=lambda n, dt: np.zeros(n, dt), uint8=np.uint8,
+                           cuda=SimpleNamespace(alloc_pinned_memory=bytearray))
+    sent = []
+    monkeypatch.setattr(QG, "_upload", lambda cp, dst, src: sent.append(src.copy()) or dst.__setitem__(..., src))
+    cs = QG._CommitValues(fake, 8)
+    for accepted, swap, moved, n_sent in [(3, 0, 0, 1), (0, 0, 0, 2), (0, 0, 0, 2), (0, 0, 0, 2), (0, 1, 0, 3),
+                                          (2, 1, 2, 4), (2, 1, 2, 5), (2, 1, 0, 6), (2, 1, 0, 6)]:
+        cs.stage(accepted, swap, moved)
+        if moved:
+            cs.h_dst[:moved], cs.h_src[:moved] = [10, 11], [12, 13]
+        cs.upload()
+        assert len(sent) == n_sent
+        assert (int(cs.accepted[0]), int(cs.swap[0]), int(cs.moved[0])) == (accepted, swap, moved)
+        if moved:
+            assert cs.dst[:moved].tolist() == [10, 11] and cs.src[:moved].tolist() == [12, 13]
+
+
+def test_plain_decoding_runs_ahead_only_when_greedy_and_closes_early():
+    """generate's plain loop and the speculative loop without a drafter hand greedy, unpenalized decoding to a target
+    that can decode ahead (the GPU model's decode_ahead), with the tokens left to make, and close it when a stop id
+    ends the request (its step enqueued ahead is then dropped); other sampling decodes one step at a time."""
+    from services.engine.generate import generate
+    from services.engine.sampling import SamplingParams
+    from services.engine.speculative import speculative_generate
+    from tests.dflash_models import make_tiny_target
+
+    target = make_tiny_target()
+    script = [5, 9, 2, 7, 7, 1, 4, 8, 3, 6, 0, 2]
+    log = []
+
+    def decode_ahead(state, token, limit):
+        log.append(("start", token, limit))
+        try:
+            yield from script[:limit]
+        finally:
+            log.append(("closed",))
+
+    target.can_decode_ahead = lambda state: True
+    target.decode_ahead = decode_ahead
+    prompt = [1, 2, 3]
+    first = generate(target, prompt, 1).token_ids[0]
+    res = generate(target, prompt, 6)
+    assert res.token_ids == [first] + script[:5] and res.finish_reason == "length"
+    assert log == [("start", first, 5), ("closed",)]
+    log.clear()
+    res = generate(target, prompt, 10, stop_ids=[7])
+    assert res.token_ids == [first] + script[:4] and res.finish_reason == "stop"
+    assert log == [("start", first, 9), ("closed",)]
+    log.clear()
+    res = speculative_generate(target, None, prompt, 10, stop_ids=[7])
+    assert res.token_ids == [first] + script[:4] and log == [("start", first, 9), ("closed",)]
+    log.clear()
+    sampled = generate(target, prompt, 6, SamplingParams(temperature=0.8, seed=1))
+    penalized = generate(target, prompt, 6, SamplingParams(repetition_penalty=1.3))
+    assert log == [] and len(sampled.token_ids) == len(penalized.token_ids) == 6

@@ -498,6 +498,21 @@ def test_argmax_vocab(rows: int) -> None:
     assert cupy.asnumpy(idx16).tolist() == np.argmax(x.astype(np.float16), axis=1).tolist()
 
 
+def test_argmax_feeds_the_next_decode_step() -> None:
+    """argmax(feed=) on the device: advance_twin's values (the next step's token, S, position, DeltaNet half)."""
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((1, 248320)).astype(np.float32)
+    vals = [np.array(v, np.int32) for v in ([7, 0], [100, 3], [100], [0])]
+    want = [v.copy() for v in vals]
+    sp.advance_twin(np.argmax(x, axis=1), *want)
+    dev = [cupy.asarray(v) for v in vals]
+    idx, _ = sp.argmax(cupy.asarray(x), feed=tuple(dev))
+    assert cupy.asnumpy(idx).tolist() == np.argmax(x, axis=1).tolist()
+    assert [cupy.asnumpy(d).tolist() for d in dev] == [w.tolist() for w in want]
+    with pytest.raises(ValueError, match="int32 device arrays"):
+        sp.argmax(cupy.asarray(x), feed=(dev[0].astype(cupy.int64), dev[1], dev[2], None))
+
+
 @pytest.mark.parametrize("rows,k,temp", [(1, 8, 1.0), (16, 8, 0.8), (23, 4, 1.0), (3, 1, 1.5)])
 def test_topk_logprobs_vocab(rows: int, k: int, temp: float) -> None:
     rng = np.random.default_rng(rows + k)

@@ -47,7 +47,7 @@ SIGNATURES = {
     "sim_kv_move_rows": [P, P, I, I, LL, P, P, P, I],
     "sim_attn_partial": [I, I, I, I, I, P, P, P, P, P, I, I, I, LL, F, P, P, I, I],
     "sim_attn_combine": [I, I, I, P, P, I, I, I, I, I, P, LL, LL, P, P],
-    "sim_argmax": [I, P, LL, I, I, I, I, P, P, P],
+    "sim_argmax": [I, P, LL, I, I, I, I, P, P, P, P, P, P, P],
     "sim_topk": [I, I, P, LL, I, I, I, I, F, P, P, P, P, P],
     "sim_conv_rows": [I, P, LL, P, P, P, I, I, P, LL, P, LL, I],
 }
@@ -495,11 +495,36 @@ def test_argmax(libs, code: int) -> None:
     part = np.zeros((rows, chunks), np.uint64)
     idx = np.full(rows, -5, np.int32)
     val = np.full(rows, np.nan, np.float32)
-    err = libs["sampling"].sim_argmax(code, ptr(xs), n, rows, n, chunks, chunk, ptr(part), ptr(idx), ptr(val))
+    err = libs["sampling"].sim_argmax(code, ptr(xs), n, rows, n, chunks, chunk, ptr(part), ptr(idx), ptr(val),
+                                      None, None, None, None)  # fmt: skip
     assert err == 0
     ref = np.argmax(decode(xs, code), axis=-1)
     assert idx.tolist() == ref.tolist() == [1300, 0, n - 1]
     assert np.array_equal(val, decode(xs, code).max(axis=-1).astype(np.float32))
+
+
+@pytest.mark.parametrize("with_swap", [True, False])
+def test_argmax_feeds_the_next_decode_step(libs, with_swap: bool) -> None:
+    """argmax(feed=): the last row's argmax becomes the next step's token, S and its position advance by one and the
+    DeltaNet half flips (kernels.sampling.advance_twin); nothing else of the step values moves."""
+    from kernels.sampling import advance_twin
+
+    rng = np.random.default_rng(9)
+    rows, n, chunks = 1, 3000, 3
+    x = rng.standard_normal((rows, n)).astype(np.float32)
+    x[0, 2222] = 7.0
+    part = np.zeros((rows, chunks), np.uint64)
+    idx, val = np.zeros(rows, np.int32), np.zeros(rows, np.float32)
+    vals = {k: np.array([v, -9], np.int32) for k, v in (("tok", 5), ("pos", 40), ("s", 40), ("swap", 1))}
+    want = {k: v.copy() for k, v in vals.items()}
+    advance_twin(np.argmax(x, axis=-1), want["tok"], want["pos"], want["s"], want["swap"] if with_swap else None)
+    err = libs["sampling"].sim_argmax(0, ptr(x), n, rows, n, chunks, -(-n // chunks), ptr(part), ptr(idx), ptr(val),
+                                      ptr(vals["tok"]), ptr(vals["pos"]), ptr(vals["s"]),
+                                      ptr(vals["swap"]) if with_swap else None)  # fmt: skip
+    assert err == 0 and idx[0] == 2222
+    assert {k: v.tolist() for k, v in vals.items()} == {k: v.tolist() for k, v in want.items()}
+    assert want["tok"].tolist() == [2222, -9] and want["s"].tolist() == want["pos"].tolist() == [41, -9]
+    assert want["swap"].tolist() == ([0, -9] if with_swap else [1, -9])
 
 
 @pytest.mark.parametrize("code,k,temp", [(0, 1, 1.0), (0, 3, 0.7), (0, 8, 1.0), (1, 4, 1.3)])

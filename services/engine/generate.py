@@ -103,22 +103,46 @@ def _plain_loop(model: TargetModel, state, prompt_ids: Sequence[int], max_tokens
     res.prompt_ms = (time.perf_counter() - t0) * 1e3
     t1 = time.perf_counter()
     history = list(prompt_ids) if params.penalized else None    # what repetition penalties look back on
-    while True:
-        tok = sample_row(logits, -1, params, rng, history)
-        res.token_ids.append(tok)
-        if history is not None:
-            history.append(tok)
-        yield [tok]
-        if tok in stop:
-            res.finish_reason = "stop"
-            break
-        if len(res.token_ids) >= max_tokens or state.n_past + 1 > state.max_ctx:
-            res.finish_reason = "length"
-            break
-        out = model.forward(state, [tok], logits="last")
-        state.commit([0])
-        logits = out.logits        # (1, vocab); on a GPU model the row stays there when greedy
+    tok = sample_row(logits, -1, params, rng, history)
+    logits = None
+    rest = plain_tokens(model, state, tok, max_tokens - 1, params, rng, history)
+    try:
+        while True:
+            res.token_ids.append(tok)
+            if history is not None:
+                history.append(tok)
+            yield [tok]
+            if tok in stop:
+                res.finish_reason = "stop"
+                break
+            tok = next(rest, None)
+            if tok is None:     # max_tokens, or the context is full
+                res.finish_reason = "length"
+                break
+    finally:
+        rest.close()
     res.decode_ms = (time.perf_counter() - t1) * 1e3
+
+
+def plain_tokens(model: TargetModel, state, token: int, limit: int, params: SamplingParams, rng,
+                 history: list[int] | None = None) -> Iterator[int]:
+    """Plain decoding after `token` (decided, not yet fed): up to `limit` more tokens, fewer when the context is
+    full; one target pass and commit each. `history` (penalized params) must hold every token up to the one last
+    yielded. Greedy decoding on a GPU target that can (can_decode_ahead) runs a step ahead of the host there
+    (decode_ahead: the same tokens and state). Close the generator when stopping early."""
+    if limit < 1:
+        return
+    if params.greedy and not params.penalized and getattr(model, "can_decode_ahead", lambda _: False)(state):
+        yield from model.decode_ahead(state, token, limit)
+        return
+    for _ in range(limit):
+        if state.n_past + 1 > state.max_ctx:
+            return
+        out = model.forward(state, [token], logits="last")
+        state.commit([0])
+        token = sample_row(out.logits, -1, params, rng, history)   # on a GPU model the row stays there when greedy
+        out = None     # a GPU result still held when its graph replays next is copied first
+        yield token
 
 
 def generate(model: TargetModel, prompt_ids: Sequence[int], max_tokens: int,

@@ -19,7 +19,7 @@ import numpy as np
 from .budget import BudgetTuner
 from .ddtree import DraftTree, build_chain, build_ddtree, topk_logprobs
 from .errors import SpecsplitError
-from .generate import GenerationResult, check_request, prefill
+from .generate import GenerationResult, check_request, plain_tokens, prefill
 from .models.base import TargetModel
 from .sampling import SamplingParams, make_rng, sample, sample_row
 
@@ -316,6 +316,19 @@ def _spec_loop(target: TargetModel, proposer: Proposer | None, prompt_ids: Seque
                 stats.fallback, stats.fallback_reason = True, str(e)
                 proposer = None
             draft_ms = (time.perf_counter() - td) * 1e3
+        if proposer is None:    # no drafter (any more): the rest is plain decoding (a GPU target runs it ahead)
+            rest = plain_tokens(target, state, root, max_tokens - len(res.token_ids), params, rng, history)
+            try:
+                for root in rest:
+                    chunk, done = emit([root])
+                    yield chunk
+                    if done:
+                        break
+            finally:
+                rest.close()
+            if not done:        # the context is full
+                res.finish_reason = "length"
+            break
         if top is None:                                     # plain decoding step
             out = target.forward(state, [root], logits="last")
             state.commit([0])

@@ -49,7 +49,7 @@ import warnings
 import weakref
 from bisect import insort
 from collections import OrderedDict
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -278,6 +278,7 @@ class GpuSequenceState:
         self.out_max = cp.empty(max_tree, cp.float32)
         self.out_captured = None
         self.handed: list[Any] = []   # weakrefs to the DeviceLogits / DeviceRows last returned over out_*
+        self.ahead: tuple[np.ndarray, list[Any]] | None = None   # decode_ahead's pinned ids and events
         # captured steps of this state by shape (see Qwen35GpuModel.forward); they hold the addresses of the
         # buffers above, so replacing a buffer drops them; the graph arena drops them when it grows
         self.graphs: dict[tuple, _StepGraph | None] = {}
@@ -388,9 +389,9 @@ class GpuSequenceState:
             if self.rec_layers and not p.per_token and not whole:
                 raise ValueError("a chain forward without checkpoints can only be committed whole")
             cs = self.commit_stage
-            cs.h_accepted[0] = path[-1]
-            cs.h_swap[0] = self.parity
-            cs.h_moved[0] = moved
+            # (swap is read by the per-token replay only: a chain's commit sends 0, so that the values of consecutive
+            # decode commits repeat and go up once, and none is rewritten while decode_ahead's may wait in the stream)
+            cs.stage(path[-1], self.parity if p.per_token else 0, moved)
             if moved:   # rows before `first` are already in place; from there on the path's rows move down
                 base = self.n_past
                 cs.h_dst[:moved] = np.arange(base + first, base + len(path))
@@ -469,9 +470,22 @@ class _CommitValues:
         self.h_dst = self.host[16:16 + 8 * max_tree].view(np.int64)
         self.src = self.dev[16 + 8 * max_tree:].view(np.int64)
         self.h_src = self.host[16 + 8 * max_tree:].view(np.int64)
+        self._sent: tuple[int, int, int] | None = None   # (accepted, swap, moved) the device holds, when no rows move
+        self._due = True
+
+    def stage(self, accepted: int, swap: int, moved: int) -> None:
+        """Write a commit's values (rows to move: h_dst / h_src, by the caller); upload() sends them unless the device
+        holds these already (a commit that moves no rows, after one with the same values)."""
+        vals = (int(accepted), int(swap), int(moved))
+        self._due = moved > 0 or vals != self._sent
+        if self._due:
+            self.h_accepted[0], self.h_swap[0], self.h_moved[0] = vals
+        self._sent = vals if moved == 0 else None
 
     def upload(self) -> None:
-        _upload(self.cp, self.dev, self.host)
+        if self._due:
+            _upload(self.cp, self.dev, self.host)
+        self._due = False
 
 
 class DeviceLogits:
@@ -641,6 +655,10 @@ class Qwen35GpuModel(TargetModel):
             "0", "false", "no", "off")
         # why steps cannot be captured on this model (None: they can)
         self.graph_blocker: str | None = None
+        # greedy plain decoding a step ahead of the host (decode_ahead); SPECSPLIT_DECODE_AHEAD=0 or
+        # `model.decode_ahead_on = False`: one step at a time, the host reading each token before the next step
+        self.decode_ahead_on = os.environ.get("SPECSPLIT_DECODE_AHEAD", "1").strip().lower() not in (
+            "0", "false", "no", "off")
         # a token table whose type the device cannot decode (GpuEmbedding.on_host, e.g. Q4_K / Q6_K): the step's
         # rows are dequantized on the host and written to state.x_in before the launches, like the token ids
         self._host_table = bool(getattr(self.tok_embd, "on_host", False))
@@ -742,9 +760,9 @@ class Qwen35GpuModel(TargetModel):
 
     def warm_prefill(self, capture: Sequence[int] = (), chunks: Sequence[int] = WARM_CHUNKS) -> int:
         """Run and commit a prompt chunk of each width in `chunks` that fits a pooled state (as generate.prefill
-        does, capturing `capture`), then a plain decode step, so that every kernel a prompt may launch is fetched
-        now (an NVRTC build is 0.4-0.5 s on a cold cache) and not during a request, and the plain step's graphs are
-        on that state. Returns how many kernels were fetched."""
+        does, capturing `capture`), then a plain decode step and two of decode_ahead, so that every kernel a prompt
+        may launch is fetched now (an NVRTC build is 0.4-0.5 s on a cold cache) and not during a request, and the
+        plain steps' graphs are on that state. Returns how many kernels were fetched."""
         room = self.pooled_ctx() or 0
         sizes = [int(n) for n in chunks if int(n) < room]
         if not sizes:
@@ -764,6 +782,9 @@ class Qwen35GpuModel(TargetModel):
             st.reset()
             self.forward(st, [0], logits="last")
             st.commit([0])
+            if self.can_decode_ahead(st):   # and greedy plain decoding's graph (decode_ahead)
+                for _ in self.decode_ahead(st, 0, 2):
+                    pass
         finally:
             st.reset()
             self.release_state(st)
@@ -889,13 +910,41 @@ class Qwen35GpuModel(TargetModel):
         them). Per-step values go up in one copy from pinned memory. Returns when the step has run (callers
         read the result next, and their timings stay honest)."""
         cp = self.be.xp
-        tokens, par, is_chain = check_step(tokens, parents, self.cfg.n_vocab)
-        faults.check("forward")
-        T = len(tokens)
         if logits not in ("all", "last", "none", "rows"):
             raise ValueError(f"logits must be 'all', 'last', 'none' or 'rows', not {logits!r}")
         if logits == "rows":    # DeviceLogits already copies a row to the host only when it is read
             logits = "all"
+        lg, amax, cap, graph = self._enqueue(state, tokens, parents, capture, checkpoints, logits)
+        T = state.pending.n_tokens
+        rows_idx = {"all": np.arange(T), "last": np.array([T - 1]), "none": np.array([], dtype=np.int64)}[logits]
+        out = None
+        n_ids = len(rows_idx)
+        if lg is not None:
+            ids = state.argmax_host[:n_ids] if n_ids <= state.argmax_host.size else _pinned(cp, n_ids, np.int32)
+            cp.asnumpy(amax, out=ids, blocking=False)    # T ids into pinned memory, in stream order
+        # the captured rows stay on the device (the drafter beside the target reads them there; np.asarray
+        # copies them to the host)
+        captured = DeviceRows(cap) if cap is not None else None
+        cp.cuda.get_current_stream().synchronize()
+        if lg is not None:
+            out = DeviceLogits(lg, ids.copy())           # the pinned buffer is the next step's
+        if graph:   # over the state's output buffers, which the next graph step rewrites: it copies them first
+            state.handed = [weakref.ref(r) for r in (out, captured) if r is not None]
+        return ForwardResult(logits=out, logit_rows=rows_idx, captured=captured)
+
+    def _enqueue(self, state: GpuSequenceState, tokens: Sequence[int], parents: Sequence[int] | None,
+                 capture: Sequence[int], checkpoints: bool, logits: str, ahead: int = 0) -> tuple[Any, Any, Any, bool]:
+        """A step's work put in the stream (forward without the wait): per-step values, then the graph replay or the
+        launches; the step is state's pending one. ahead (decode_ahead's one-token steps, committed inside their
+        launches: _ahead_launches): 1, its values from the host; 2, the values the step before advanced on the
+        device (`tokens` is not read). Returns (logits rows, their argmax, captured rows: device arrays or None;
+        whether a graph ran it)."""
+        cp = self.be.xp
+        tokens, par, is_chain = check_step(tokens, parents, self.cfg.n_vocab)
+        faults.check("forward")
+        T = len(tokens)
+        if ahead and not (T == 1 and logits == "last" and not capture and not checkpoints and self.embeds_on_device):
+            raise ValueError("a step ahead is a one-token decode step with its token row decoded on the device")
         per_token = checkpoints or not is_chain
         if per_token and T > state.max_tree:
             raise ValueError(f"a tree or checkpointed forward takes at most {state.max_tree} tokens on the GPU")
@@ -912,12 +961,16 @@ class Qwen35GpuModel(TargetModel):
         st.h_s_len[0] = S
         st.h_swap[0] = state.parity
         positions = None
+        if ahead == 2:      # (the step before wrote them on the device)
+            mask = None
         if mask is not None:
             # every step of up to ATTN_TOKENS reads its ancestor mask from the state, an eager chunk wider than the
             # state's planned width too (a prompt of width + 1 .. 64 tokens): a mask left by an earlier step would
             # hide the chunk's own tokens from each other
             st.h_mask[:T] = mask
-        if small:
+        if small and ahead == 2:
+            positions = state.positions[:T]
+        elif small:
             st.h_positions[:T] = S + depth
             st.h_tokens[:T] = tokens
             if not is_chain:
@@ -935,7 +988,8 @@ class Qwen35GpuModel(TargetModel):
                 x0 = cp.asarray(self.host_head_embed(tokens))
         elif not small:
             x0 = self.device_embed(cp.asarray(tokens))
-        st.upload(rows)
+        if ahead != 2:
+            st.upload(rows)
         # graphs for the steps a request repeats (decode, verify trees and checkpointed chains); a prompt chunk (a
         # chain of several tokens without checkpoints) runs eagerly: its length rarely comes again, and a capture
         # costs about twice an eager pass, mid-request, and a place among the state's GRAPHS_PER_STATE
@@ -951,31 +1005,84 @@ class Qwen35GpuModel(TargetModel):
             self.graph_stats["detached"] += state.detach_results()
             if capture:   # made (or remade) here, outside any measured or captured allocation
                 state.ensure_capture(len(capture))
-            key = (T, is_chain, per_token, logits, tuple(capture), s_hint)
-            lg, amax, cap = self._graph_step(state, step, key, logits, capture)
+            key = (T, is_chain, per_token, logits, tuple(capture), s_hint) + (("ahead",) if ahead else ())
+            lg, amax, cap = self._graph_step(state, step, key, logits, capture, ahead=bool(ahead))
         else:
             self.graph_stats["eager"] += 1
-            lg, amax, cap = self._launches(state, step, logits, capture, x0)
-        state.pending = GpuPending(n_tokens=T, parents=par, per_token=per_token, is_chain=is_chain)
+            lg, amax, cap = (self._ahead_launches(state, step) if ahead
+                             else self._launches(state, step, logits, capture, x0))
         state.graphs_on = self.use_graphs and self.graph_blocker is None
-        rows_idx = {"all": np.arange(T), "last": np.array([T - 1]), "none": np.array([], dtype=np.int64)}[logits]
-        out = None
-        n_ids = len(rows_idx)
-        if lg is not None:
-            ids = state.argmax_host[:n_ids] if n_ids <= state.argmax_host.size else _pinned(cp, n_ids, np.int32)
-            cp.asnumpy(amax, out=ids, blocking=False)    # T ids into pinned memory, in stream order
-        # the captured rows stay on the device (the drafter beside the target reads them there; np.asarray
-        # copies them to the host)
-        captured = DeviceRows(cap) if cap is not None else None
-        cp.cuda.get_current_stream().synchronize()
-        if lg is not None:
-            out = DeviceLogits(lg, ids.copy())           # the pinned buffer is the next step's
-        if graph:   # over the state's output buffers, which the next graph step rewrites: it copies them first
-            state.handed = [weakref.ref(r) for r in (out, captured) if r is not None]
-        return ForwardResult(logits=out, logit_rows=rows_idx, captured=captured)
+        if ahead:   # committed by its own launches: what commit() does on the host
+            state.n_past += 1
+            if state.rec_layers:
+                state.parity ^= 1
+        else:
+            state.pending = GpuPending(n_tokens=T, parents=par, per_token=per_token, is_chain=is_chain)
+        return lg, amax, cap, graph
+
+    def can_decode_ahead(self, state: Any) -> bool:
+        """Whether greedy plain decoding on this state can run a step ahead of the host (decode_ahead): switched on
+        (decode_ahead_on), a GPU state with nothing pending, steps replayed as graphs, token rows decoded on the
+        device."""
+        return (self.decode_ahead_on and isinstance(state, GpuSequenceState) and state.pending is None
+                and not self._host_table and self.use_graphs and self.graph_blocker is None)
+
+    def decode_ahead(self, state: GpuSequenceState, token: int, limit: int) -> Iterator[int]:
+        """Greedy plain decoding from `token` (decided, not yet fed): yields up to `limit` tokens, each the argmax
+        (lowest id on ties) after the one before, fewer when the context is full: the tokens and states that
+        forward(state, [t], logits="last") + commit([0]) one token at a time give. Each step is one graph replay
+        that also commits it and writes the next step's values on the device (its argmax as the token, S + 1,
+        the other DeltaNet half: _ahead_launches), and step i + 1 is put in the stream before the host reads step
+        i's token: the device does not wait for the host between steps (the per-token host work, the caller's
+        included, runs while the step before does), and a step uploads nothing. A caller that stops early (a
+        stop id) finds the step enqueued after the last token it read run and committed: the state then holds
+        that token too (n_past one more than the step-by-step loop leaves)."""
+        if not self.can_decode_ahead(state):
+            raise ValueError("decode_ahead needs a GPU state with nothing pending, graphs on and the token rows "
+                             "decoded on the device (can_decode_ahead)")
+        n = int(limit)
+        if n < 1:
+            return
+        cp = self.be.xp
+        stream = cp.cuda.get_current_stream()
+        if state.ahead is None:   # two pinned ids and two events: a step's and the one enqueued after it
+            state.ahead = (_pinned(cp, 2, np.int32), [cp.cuda.Event(disable_timing=True) for _ in range(2)])
+        ids, done = state.ahead
+        # the step values and the commit's (accepted node 0: the conv windows' commit the steps run) go up from
+        # pinned buffers that copies already in the stream may still read
+        stream.synchronize()
+        state.commit_stage.stage(0, 0, 0)
+        state.commit_stage.upload()
+
+        def enqueue(i: int) -> None:
+            _, amax, _, _ = self._enqueue(state, [int(token) if i == 0 else 0], None, (), False, "last",
+                                          ahead=1 if i == 0 else 2)
+            cp.asnumpy(amax, out=ids[i % 2:i % 2 + 1], blocking=False)
+            done[i % 2].record(stream)
+
+        enqueue(0)
+        try:
+            for i in range(n):
+                more = i + 1 < n and state.n_past + 1 <= state.max_ctx
+                if more:
+                    enqueue(i + 1)
+                done[i % 2].synchronize()
+                yield int(ids[i % 2])
+                if not more:
+                    return
+        finally:
+            stream.synchronize()   # (a step enqueued after the last token read ends before the state is handed on)
+
+    def _ahead_launches(self, state: GpuSequenceState, step: _Step) -> tuple[Any, Any, Any]:
+        """A decode_ahead step's launches: the one-token step, whose argmax also writes the next step's values
+        (sampling.argmax(feed=): token, S + 1, position, DeltaNet half), then its commit (the conv windows; a chain
+        step's final DeltaNet state is already in the half the advanced swap names)."""
+        out = self._launches(state, step, "last", [], into_state=True, feed=True)
+        state._commit_launches(GpuPending(n_tokens=1, parents=step.parents, per_token=False, is_chain=True))
+        return out
 
     def _launches(self, state: GpuSequenceState, step: _Step, logits: str, capture: list[int],
-                  x0: Any = None, into_state: bool = False) -> tuple[Any, Any, Any]:
+                  x0: Any = None, into_state: bool = False, feed: bool = False) -> tuple[Any, Any, Any]:
         """Every launch of a step; without x0 (the embedded rows, given for long chunks) it reads the step's
         values only from the state's device buffers (what a graph captures). Returns (logits, argmax, captured)
         as device arrays (or None): the logits rows, each row's argmax (int32) and the captured layers; written
@@ -1010,14 +1117,18 @@ class Qwen35GpuModel(TargetModel):
             if into_state:
                 out = self.output.matmul(h, out=state.out_logits[:n])
                 # greedy acceptance reads only these (lowest id on ties, as np.argmax)
-                amax, _ = smp.argmax(out, out=(state.out_ids[:n], state.out_max[:n]))
+                nxt = None
+                if feed:   # (decode_ahead: the next step's values, written after every launch that reads them)
+                    nxt = (state.tokens[:1], state.positions[:1], state.s_len,
+                           state.stage.swap if state.rec_layers else None)
+                amax, _ = smp.argmax(out, out=(state.out_ids[:n], state.out_max[:n]), feed=nxt)
             else:
                 out = self.output.matmul(h)
                 amax, _ = smp.argmax(out)
         return out, amax, captured
 
     def _graph_step(self, state: GpuSequenceState, step: _Step, key: tuple, logits: str,
-                    capture: list[int]) -> tuple[Any, Any, Any]:
+                    capture: list[int], ahead: bool = False) -> tuple[Any, Any, Any]:
         """Replay the state's graph for this shape; without one: eager warm-up (this step's results), then
         capture over the device's graph arena. A failed capture turns graphs off for the model (with a warning)
         and keeps the eager result; a failed allocation is raised (the request fails, graphs stay on). Returns
@@ -1030,9 +1141,13 @@ class Qwen35GpuModel(TargetModel):
             g.replays += 1
             self.graph_stats["replays"] += 1
             return g.logits, g.argmax, g.captured
+        # (decode_ahead enqueues a step while the one before runs: a capture may grow the arena, dropping the graphs
+        # over the old one, so that one ends first; elsewhere the stream is idle here)
+        cp.cuda.get_current_stream().synchronize()
         # warm-up: builds every kernel, fills every cache (nothing may load or upload while capturing) and
         # measures the arena the capture needs (the capture makes the same allocations in the same order)
-        launches = lambda: self._launches(state, step, logits, capture, into_state=True)  # noqa: E731
+        launches = ((lambda: self._ahead_launches(state, step)) if ahead  # noqa: E731
+                    else lambda: self._launches(state, step, logits, capture, into_state=True))
         probe = _GraphHeap(cp, None)
         with cp.cuda.using_allocator(probe.malloc):
             out = launches()
