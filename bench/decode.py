@@ -166,15 +166,84 @@ def width_curve(model, timer: Timer, context: int, reps: int, widths, deadline: 
     return {"rounds": done, "verify_s": med["all"], "blocks_s": med["none"], "replay_s": replay}
 
 
-def plain_decode(model, n_tokens: int, context: int) -> dict[str, Any]:
-    """Greedy decode through services.engine.generate (prefill of `context` tokens, then one token per pass)."""
+def plain_decode(model, n_tokens: int, context: int, rounds: int = 3) -> dict[str, Any]:
+    """Greedy decode through services.engine.generate (prefill of `context` tokens, then one token per pass): as
+    served (a GPU model decodes a step ahead of the host), one step at a time (the host reads each token before the
+    next step: decode_ahead_on off), and the device's bound: the decode step's graph and its commit's replayed back
+    to back with no host work between them. Interleaved rounds, medians. Rates are decode passes a second: the
+    tokens after the first (which the prompt's pass gives) over the decode time; the served response's
+    predicted_per_second counts the first too (llama.cpp's convention: n / (n - 1) passes, 1.6 % more at 64)."""
     from services.engine.generate import generate
 
     ids = list(np.random.default_rng(1).integers(0, model.cfg.n_vocab, size=context))
     generate(model, ids, 4)                          # warm: the decode-shaped launches
-    res = generate(model, ids, n_tokens)
-    t = res.timings()
-    return {"tokens": len(res.token_ids), "tps": t["predicted_per_second"], "prompt_ms": round(res.prompt_ms, 1)}
+    ahead = hasattr(model, "decode_ahead_on")
+    runs: dict[str, list[float]] = {"tps": [], "step_tps": [], "replay_tps": []}
+    res = None
+
+    def rate(r) -> float:
+        return (len(r.token_ids) - 1) / (r.decode_ms / 1e3)
+
+    for _ in range(rounds):
+        res = generate(model, ids, n_tokens)
+        runs["tps"].append(rate(res))
+        if ahead:
+            model.decode_ahead_on = False
+            try:
+                runs["step_tps"].append(rate(generate(model, ids, n_tokens)))
+            finally:
+                model.decode_ahead_on = True
+        for k, v in _decode_replay_tps(model, context, n_tokens).items():
+            runs.setdefault(k, []).append(v)
+    out = {"tokens": len(res.token_ids), "prompt_ms": round(res.prompt_ms, 1), "rounds": rounds}
+    out.update({k: round(statistics.median(v), 2) for k, v in runs.items() if v})
+    for k in ("step_tps", "replay_tps", "ahead_replay_tps"):
+        if k in out:
+            out[f"tps_over_{k}"] = round(out["tps"] / out[k], 4)
+    return out
+
+
+def _decode_replay_tps(model, context: int, n: int) -> dict[str, float]:
+    """Tokens/s of graphs replayed n times back to back, no host work between them: replay_tps, the decode step's
+    graph + its commit's (one step at a time); ahead_replay_tps, decode_ahead's graph (step, commit and the next
+    step's values in one). Empty without graphs."""
+    try:
+        import cupy
+    except ImportError:
+        return {}
+    st = model.acquire_state(context + n + 16) if hasattr(model, "acquire_state") else None
+    if st is None or not hasattr(st, "graphs"):
+        return {}
+    out = {}
+    stream = cupy.cuda.get_current_stream()
+
+    def timed(graphs) -> float:
+        stream.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(n):
+            for g in graphs:
+                g.launch(stream)
+        stream.synchronize()
+        return n / (time.perf_counter() - t0)
+
+    try:
+        prefill(model, st, np.random.default_rng(2).integers(0, model.cfg.n_vocab, size=context))
+        for _ in range(2):
+            model.forward(st, [1], logits="last")
+            st.commit([0])
+        step = next((g for k, g in st.graphs.items() if k[:5] == (1, True, False, "last", ()) and len(k) == 6), None)
+        commit = st.commit_graphs.get((1, True, False))
+        if step is not None and commit is not None:
+            out["replay_tps"] = timed([step.graph, commit])
+        if getattr(model, "can_decode_ahead", lambda _: False)(st):
+            for _ in model.decode_ahead(st, 1, 2):   # its graph (each replay then advances S by one on the device)
+                pass
+            ahead = next((g for k, g in st.graphs.items() if k[-1] == "ahead"), None)
+            if ahead is not None:
+                out["ahead_replay_tps"] = timed([ahead.graph])
+    finally:
+        model.release_state(st)
+    return out
 
 
 def forced_acceptance(model, timer: Timer, context: int, steps: int, deadline: float) -> dict[int, dict]:
@@ -615,6 +684,9 @@ def print_table(rep: dict[str, Any], path: str) -> None:
     row("plain greedy decode, tok/s (fraction of the roofline)",
         lambda m: f"{m.get('scaled_decode_tps', m['decode']['tps']):.1f} "
                   f"({_f(m.get('decode_fraction_of_roofline'), 3)})")
+    row("  measured: served (a step ahead) / one step at a time; graphs back to back: ahead's / step + commit, tok/s",
+        lambda m: " / ".join(_f(m["decode"].get(k), 1) for k in ("tps", "step_tps")) + "; "
+        + " / ".join(_f(m["decode"].get(k), 1) for k in ("ahead_replay_tps", "replay_tps")))
     accepts = list(next(iter(modes.values()), {}).get("spec_projection", {}))
     if accepts:
         row(f"forced acceptance {' / '.join(map(str, accepts))} per width-{SPEC_WIDTH} step (drafter excluded), "

@@ -90,3 +90,12 @@ def test_width_curve_without_graphs_has_no_replays() -> None:
     model = _Eager()
     wc = decode.width_curve(model, _Timer(model), context=8, reps=1, widths=(1, 2), deadline=float("inf"))
     assert wc["replay_s"] == {} and set(wc["verify_s"]) == {1, 2}
+
+
+def test_plain_decode_reports_what_the_model_has():
+    """plain_decode on a NumPy model: the served rate only (no decode-ahead switch to turn, no graphs to replay)."""
+    from tests.dflash_models import make_tiny_target
+
+    d = _decode_module().plain_decode(make_tiny_target(), 6, 5, rounds=2)
+    assert d["tokens"] == 6 and d["rounds"] == 2 and d["tps"] > 0
+    assert "step_tps" not in d and "replay_tps" not in d
