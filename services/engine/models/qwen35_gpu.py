@@ -31,9 +31,12 @@ drafter reads them there), a Q4_K token table is decoded on the device inside th
 quant_matmul.embed_rows; other host-only tables go through host_head_embed's row cache), and a commit (accepted node, KV
 rows to move and their number: one upload; the rows move in one kernels.attention.KVRowMover launch) replays the
 captured graph of its step's shape, whichever path it accepts (budget.py's calibration commits each width once, so a
-pooled state holds them before the first request). States outlive a request: acquire_state / release_state keep up to
-state_pool_size of them (buffers and captured graphs) for the next requests; reserve_states makes them at start-up, so
-that serving allocates no state (what services/engine/memory_plan.py counts per slot: GpuSequenceState.nbytes).
+pooled state holds them before the first request). Greedy plain decoding has no host work between steps at all
+(decode_ahead): each step is one graph that commits itself and writes the next step's values on the device, and it is
+put in the stream before the host reads the token before it. States outlive a request: acquire_state / release_state
+keep up to state_pool_size of them (buffers and captured graphs) for the next requests; reserve_states makes them at
+start-up, so that serving allocates no state (what services/engine/memory_plan.py counts per slot:
+GpuSequenceState.nbytes).
 
 Pieces done with plain CuPy ops instead of a kernel (each marked FALLBACK below): attention of a tree wider than 64
 tokens (the attention kernel's mask is one uint64 per token; it decodes Q8_0 / TQ3_0 rows with CuPy), the residual adds
