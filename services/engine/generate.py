@@ -129,7 +129,8 @@ def plain_tokens(model: TargetModel, state, token: int, limit: int, params: Samp
     """Plain decoding after `token` (decided, not yet fed): up to `limit` more tokens, fewer when the context is
     full; one target pass and commit each. `history` (penalized params) must hold every token up to the one last
     yielded. Greedy decoding on a GPU target that can (can_decode_ahead) runs a step ahead of the host there
-    (decode_ahead: the same tokens and state). Close the generator when stopping early."""
+    (decode_ahead: the same tokens and states; closed early, the step after the last token read has run too). Close
+    the generator when stopping early."""
     if limit < 1:
         return
     if params.greedy and not params.penalized and getattr(model, "can_decode_ahead", lambda _: False)(state):

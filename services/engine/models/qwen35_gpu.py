@@ -392,8 +392,8 @@ class GpuSequenceState:
             if self.rec_layers and not p.per_token and not whole:
                 raise ValueError("a chain forward without checkpoints can only be committed whole")
             cs = self.commit_stage
-            # (swap is read by the per-token replay only: a chain's commit sends 0, so that the values of consecutive
-            # decode commits repeat and go up once, and none is rewritten while decode_ahead's may wait in the stream)
+            # (swap is read by the per-token replay only: a chain's commit sends 0, so that consecutive one-token
+            # commits repeat their values and they go up once)
             cs.stage(path[-1], self.parity if p.per_token else 0, moved)
             if moved:   # rows before `first` are already in place; from there on the path's rows move down
                 base = self.n_past
@@ -938,8 +938,8 @@ class Qwen35GpuModel(TargetModel):
     def _enqueue(self, state: GpuSequenceState, tokens: Sequence[int], parents: Sequence[int] | None,
                  capture: Sequence[int], checkpoints: bool, logits: str, ahead: int = 0) -> tuple[Any, Any, Any, bool]:
         """A step's work put in the stream (forward without the wait): per-step values, then the graph replay or the
-        launches; the step is state's pending one. ahead (decode_ahead's one-token steps, committed inside their
-        launches: _ahead_launches): 1, its values from the host; 2, the values the step before advanced on the
+        launches; the step becomes the state's pending one. ahead (decode_ahead's one-token steps, which commit
+        themselves: _ahead_launches): 1, its values from the host; 2, the values the step before advanced on the
         device (`tokens` is not read). Returns (logits rows, their argmax, captured rows: device arrays or None;
         whether a graph ran it)."""
         cp = self.be.xp
