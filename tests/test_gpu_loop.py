@@ -77,8 +77,7 @@ def test_embed_rows_refusals():
 
 def test_commit_values_go_up_only_when_they_change(monkeypatch):
     """A commit's values (accepted node, swap, rows moved) are uploaded unless the device holds the same already and
-    no rows move: consecutive decode commits send once, so decode_ahead never rewrites a pinned buffer whose copy may
-    still wait in the stream. (CPU: NumPy stands in for device memory.)"""
+    no rows move: consecutive one-token commits send once. (CPU: NumPy stands in for device memory.)"""
     from types import SimpleNamespace
 
     fake = SimpleNamespace(zeros=lambda n, dt: np.zeros(n, dt), uint8=np.uint8,
@@ -101,7 +100,8 @@ def test_commit_values_go_up_only_when_they_change(monkeypatch):
 def test_plain_decoding_runs_ahead_only_when_greedy_and_closes_early():
     """generate's plain loop and the speculative loop without a drafter hand greedy, unpenalized decoding to a target
     that can decode ahead (the GPU model's decode_ahead), with the tokens left to make, and close it when a stop id
-    ends the request (its step enqueued ahead is then dropped); other sampling decodes one step at a time."""
+    ends the request (decode_ahead then lets the step it enqueued after that token end); other sampling decodes one
+    step at a time."""
     from services.engine.generate import generate
     from services.engine.sampling import SamplingParams
     from services.engine.speculative import speculative_generate
