@@ -179,6 +179,7 @@ def test_an_eager_chunk_wider_than_the_state_reads_its_own_mask(fake_cp):
                                   graph_blocker=None, graph_stats={"eager": 0}, device_embed=lambda ids: ids,
                                   _launches=launches)
     model._enqueue = lambda *a, **kw: Qwen35GpuModel._enqueue(model, *a, **kw)
+    model._stage_values = lambda *a: Qwen35GpuModel._stage_values(model, *a)
     st = GpuSequenceState(cfg, 256, "f16", "f16", max_tree=1)
     Qwen35GpuModel.forward(model, st, [3], logits="none")          # a decode step: its one-token mask
     st.pending, st.n_past = None, 1

@@ -942,7 +942,6 @@ class Qwen35GpuModel(TargetModel):
         themselves: _ahead_launches): 1, its values from the host; 2, the values the step before advanced on the
         device (`tokens` is not read). Returns (logits rows, their argmax, captured rows: device arrays or None;
         whether a graph ran it)."""
-        cp = self.be.xp
         tokens, par, is_chain = check_step(tokens, parents, self.cfg.n_vocab)
         faults.check("forward")
         T = len(tokens)
@@ -956,43 +955,12 @@ class Qwen35GpuModel(TargetModel):
         for lid in capture:
             if not 0 <= lid < self.cfg.n_layer:
                 raise ValueError(f"capture layer {lid} outside the model's {self.cfg.n_layer} layers")
-        # per-step values: written into the state's pinned staging buffer, then one copy to the device
         S = state.n_past
-        st = state.stage
         small = T <= state.max_tree
-        depth, mask = _tree_shape(par, is_chain, T)
-        st.h_s_len[0] = S
-        st.h_swap[0] = state.parity
-        positions = None
-        if ahead == 2:      # (the step before wrote them on the device)
-            mask = None
-        if mask is not None:
-            # every step of up to ATTN_TOKENS reads its ancestor mask from the state, an eager chunk wider than the
-            # state's planned width too (a prompt of width + 1 .. 64 tokens): a mask left by an earlier step would
-            # hide the chunk's own tokens from each other
-            st.h_mask[:T] = mask
-        if small and ahead == 2:
-            positions = state.positions[:T]
-        elif small:
-            st.h_positions[:T] = S + depth
-            st.h_tokens[:T] = tokens
-            if not is_chain:
-                st.h_parents[:T] = par
-            positions = state.positions[:T]
-        else:   # a long prefill chunk (a chain): its positions apart, eager launches
-            positions = cp.arange(S, S + T, dtype=cp.int32)
-        x0 = None
-        rows = 0
-        if self._host_table:
-            if small:   # dequantized straight into the pinned staging rows
-                self.host_head_embed(tokens, out=st.h_rows[:T])
-                rows = T
-            else:
-                x0 = cp.asarray(self.host_head_embed(tokens))
-        elif not small:
-            x0 = self.device_embed(cp.asarray(tokens))
-        if ahead != 2:
-            st.upload(rows)
+        if ahead == 2:   # the step before wrote this step's values on the device: nothing to stage or upload
+            positions, x0 = state.positions[:T], None
+        else:
+            positions, x0 = self._stage_values(state, tokens, par, is_chain)
         # graphs for the steps a request repeats (decode, verify trees and checkpointed chains); a prompt chunk (a
         # chain of several tokens without checkpoints) runs eagerly: its length rarely comes again, and a capture
         # costs about twice an eager pass, mid-request, and a place among the state's GRAPHS_PER_STATE
@@ -1022,6 +990,43 @@ class Qwen35GpuModel(TargetModel):
         else:
             state.pending = GpuPending(n_tokens=T, parents=par, per_token=per_token, is_chain=is_chain)
         return lg, amax, cap, graph
+
+    def _stage_values(self, state: GpuSequenceState, tokens: np.ndarray, par: np.ndarray,
+                      is_chain: bool) -> tuple[Any, Any]:
+        """A step's values written into the state's pinned staging buffer, then one copy to the device. Returns
+        (positions: a device view, x0: the embedded rows of a chunk wider than the state's width, else None)."""
+        cp = self.be.xp
+        T, S = len(tokens), state.n_past
+        st = state.stage
+        small = T <= state.max_tree
+        depth, mask = _tree_shape(par, is_chain, T)
+        st.h_s_len[0] = S
+        st.h_swap[0] = state.parity
+        if mask is not None:
+            # every step of up to ATTN_TOKENS reads its ancestor mask from the state, an eager chunk wider than the
+            # state's planned width too (a prompt of width + 1 .. 64 tokens): a mask left by an earlier step would
+            # hide the chunk's own tokens from each other
+            st.h_mask[:T] = mask
+        if small:
+            st.h_positions[:T] = S + depth
+            st.h_tokens[:T] = tokens
+            if not is_chain:
+                st.h_parents[:T] = par
+            positions = state.positions[:T]
+        else:   # a long prefill chunk (a chain): its positions apart, eager launches
+            positions = cp.arange(S, S + T, dtype=cp.int32)
+        x0 = None
+        rows = 0
+        if self._host_table:
+            if small:   # dequantized straight into the pinned staging rows
+                self.host_head_embed(tokens, out=st.h_rows[:T])
+                rows = T
+            else:
+                x0 = cp.asarray(self.host_head_embed(tokens))
+        elif not small:
+            x0 = self.device_embed(cp.asarray(tokens))
+        st.upload(rows)
+        return positions, x0
 
     def can_decode_ahead(self, state: Any) -> bool:
         """Whether greedy plain decoding on this state can run a step ahead of the host (decode_ahead): switched on
