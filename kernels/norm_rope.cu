@@ -32,6 +32,7 @@ typedef long long i64;
 
 #define SS_DEV static __device__ __forceinline__
 #include "pdl.cuh"
+#include "head_norm.cuh"
 
 #if SS_HIP
 #define SS_SYNCWARP()                    \
@@ -196,45 +197,18 @@ __global__ __launch_bounds__(128) void head_norm_kernel(
     const i64 yo = (i64)row * D;
 
     float v[V];
-    float ss = 0.0f;
 #pragma unroll
-    for (int m = 0; m < V; ++m) {
-        v[m] = ld<TI>(x, xo + lane + 32 * m);
-        ss += v[m] * v[m];
-    }
-    ss = warp_sum(ss);
-    const float inv = 1.0f / sqrtf(ss / (float)D + eps);
-#pragma unroll
-    for (int m = 0; m < V; ++m) v[m] *= inv * (w != nullptr ? w[lane + 32 * m] : 1.0f);
+    for (int m = 0; m < V; ++m) v[m] = ld<TI>(x, xo + lane + 32 * m);
+    hn::rms_weight<D>(v, lane, w, eps);  // kernels/head_norm.cuh (attention.cu's one-token layer shares it)
 
     if constexpr (MODE == 1) {
 #pragma unroll
         for (int m = 0; m < V; ++m) st<TO>(y, yo + lane + 32 * m, v[m] * silu(ld<TI>(z, yo + lane + 32 * m)));
         return;
     }
-    if (n_rot <= 0) {
+    hn::rope<D>(v, lane, buf[wid], n_rot, n_rot > 0 ? (float)pos[t] : 0.0f, inv_freq);
 #pragma unroll
-        for (int m = 0; m < V; ++m) st<TO>(y, yo + lane + 32 * m, v[m]);
-        return;
-    }
-    // RoPE pairs dim i with i + n_rot/2: exchange through this warp's row of shared memory.
-#pragma unroll
-    for (int m = 0; m < V; ++m) buf[wid][lane + 32 * m] = v[m];
-    SS_SYNCWARP();
-    const int half = n_rot >> 1;
-    const float p = (float)pos[t];
-#pragma unroll
-    for (int m = 0; m < V; ++m) {
-        const int i = lane + 32 * m;
-        float o = v[m];
-        if (i < n_rot) {
-            const int f = i < half ? i : i - half;
-            const float ang = p * inv_freq[f];
-            const float c = cosf(ang), sn = sinf(ang);
-            o = i < half ? o * c - buf[wid][i + half] * sn : o * c + buf[wid][i - half] * sn;
-        }
-        st<TO>(y, yo + i, o);
-    }
+    for (int m = 0; m < V; ++m) st<TO>(y, yo + lane + 32 * m, v[m]);
 }
 
 // ---------------------------------------------------------------------------------------------
