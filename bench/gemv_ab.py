@@ -219,6 +219,14 @@ STEP_ABS = {
     # a decode token's DeltaNet layer in one launch (qwen35_gpu.FUSE_DECODE_STEP: deltanet.decode_step) or three
     "dndecode": ([("three", SMALL, 3, "capture", {"q35.FUSE_DECODE_STEP": False}),
                   ("one", SMALL, 3, "capture", {"q35.FUSE_DECODE_STEP": True})], (1,), [("one", "three")]),
+    # a one-token step's attention layer in one launch (qwen35_gpu.FUSE_DECODE_ATTN: attention.decode_attention) or
+    # its chain of four (q/k norm + RoPE, KV store, partial, combine)
+    "attndecode": ([("chain", SMALL, 3, "capture", {"q35.FUSE_DECODE_ATTN": False}),
+                    ("one", SMALL, 3, "capture", {"q35.FUSE_DECODE_ATTN": True}),
+                    ("one pdl", SMALL, 3, "capture", {"q35.FUSE_DECODE_ATTN": True, "att.DECODE_PDL": True}),
+                    ("one 256 keys", SMALL, 3, "capture",
+                     {"q35.FUSE_DECODE_ATTN": True, "att.DECODE_KEYS_PER_SPLIT": 256})],
+                   (1,), [("one", "chain"), ("one pdl", "chain"), ("one 256 keys", "chain")]),
     "v2stages": ([("shipped", SMALL, 3, "capture", {}), ("v2 3 stages", SMALL, 3, "capture", {"qm.STAGES_V2": 3}),
                   ("v2 4 stages", SMALL, 3, "capture", {"qm.STAGES_V2": 4})], (8, 16, 23),
                  [("v2 3 stages", "shipped"), ("v2 4 stages", "shipped")]),

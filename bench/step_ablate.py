@@ -85,13 +85,30 @@ def _patches(piece: str, cupy: Any) -> list[tuple[Any, str, Any]]:
                     cupy, lambda a, kw: (int(a[0].shape[0]), int(a[5].shape[0]), int(a[5].shape[2]))))]
     if piece == "attention chain":
         return [(att, "attention", _empty_like_rows(cupy, lambda a, kw: tuple(a[0].shape))),
+                (att, "decode_attention", _empty_like_rows(cupy, lambda a, kw: tuple(a[0].shape))),
                 (nr, "qk_norm_rope", lambda q, k, *a, **kw: (q, k)),
                 (att.KVCacheLayer, "store", lambda self, *a, **kw: None)]
+    if piece == "KV store":
+        return [(att.KVCacheLayer, "store", lambda self, *a, **kw: None)]
+    if piece == "q/k norm + RoPE":
+        made: dict[tuple, Any] = {}
+
+        def norm_rope(q: Any, k: Any, *a: Any, **kw: Any) -> tuple[Any, Any]:
+            key = (tuple(q.shape), tuple(k.shape), str(q.dtype))
+            if key not in made:  # contiguous outputs, as the kernel's: attention then copies nothing
+                made[key] = (cupy.empty(q.shape, q.dtype), cupy.empty(k.shape, k.dtype))
+            return made[key]
+
+        return [(nr, "qk_norm_rope", norm_rope)]
+    if piece == "attention kernels":  # (a one-token step's whole chain is the one decode_attention launch)
+        return [(att, "attention", _empty_like_rows(cupy, lambda a, kw: tuple(a[0].shape))),
+                (att, "decode_attention", _empty_like_rows(cupy, lambda a, kw: tuple(a[0].shape)))]
     kind = {"norm packs": "norm", "SwiGLU pack": "silu_up", "norm-gate pack": "gate"}[piece]
     return [(qm, "pack_activations", _stale(qm.pack_activations, _pack_key(kind)))]
 
 
-PIECES = ("deltanet core", "attention chain", "norm packs", "SwiGLU pack", "norm-gate pack")
+PIECES = ("deltanet core", "attention chain", "norm packs", "SwiGLU pack", "norm-gate pack", "KV store",
+          "q/k norm + RoPE", "attention kernels")
 
 
 @contextlib.contextmanager
@@ -130,6 +147,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--widths", type=int, nargs="+", default=[1, 23])
     ap.add_argument("--context", type=int, default=512)
     ap.add_argument("--rounds", type=int, default=6, help="interleaved rounds of 8 timed replays a graph")
+    ap.add_argument("--pieces", nargs="+", choices=PIECES, default=list(PIECES), help="the pieces to leave out")
     ap.add_argument("--json")
     args = ap.parse_args(argv)
     t0 = time.time()
@@ -145,7 +163,7 @@ def main(argv: list[str] | None = None) -> int:
     save = json_saver(rep, args.json, t0)
     entries: dict[tuple[int, str], Any] = {}
     for width in args.widths:
-        for piece in (None, *PIECES):
+        for piece in (None, *args.pieces):
             with without(piece, cupy):
                 entries[(width, piece or "step")] = capture(model, state, width, rng)
     times: dict[tuple[int, str], list[float]] = {k: [] for k in entries}
@@ -166,7 +184,7 @@ def main(argv: list[str] | None = None) -> int:
         step = statistics.median(times[(width, "step")])
         rows = {"step_us": step}
         print(f"width {width}: step {step:.1f} us")
-        for piece in PIECES:
+        for piece in args.pieces:
             t = statistics.median(times[(width, piece)])
             rows[piece] = {"without_us": t, "cost_us": step - t}
             print(f"  {piece:16s} without {t:9.1f} us: costs {step - t:7.1f} us ({(step - t) / step:6.1%})")

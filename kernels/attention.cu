@@ -59,6 +59,7 @@ typedef long long i64;
 #define SS_SHFL(v, src) __shfl_sync(0xffffffffu, (v), (src))
 #define SS_SHFL_XOR(v, m) __shfl_xor_sync(0xffffffffu, (v), (m))
 #endif
+#include "head_norm.cuh"
 
 namespace ssa {
 
@@ -66,6 +67,9 @@ constexpr int KT = 32;     // keys per tile
 constexpr int MAXW = 4;    // warps per block
 constexpr int QPAD = 8;    // halves of padding per Q row in shared memory
 constexpr int MAX_SPLITS = 1024;  // attn_combine_kernel's shared weights
+constexpr int DEC_WARPS = 4;      // attn_decode_kernel's warps a block (warp roles: q, k, v, gate)
+constexpr int DEC_KPW = KT / DEC_WARPS;  // its keys of a tile a warp
+constexpr int DEC_MIN_TILES = 2;         // its committed tiles a split at least (the others' blocks exit)
 
 SS_DEV float bits_f(u32 u) { return __uint_as_float(u); }
 SS_DEV u32 f_bits(float f) { return __float_as_uint(f); }
@@ -242,6 +246,22 @@ SS_DEV void cp_commit() {
 SS_DEV void cp_wait_prev() {  // all but the most recent group have landed
 #if SS_PTX
     asm volatile("cp.async.wait_group 1;\n" ::: "memory");
+#endif
+}
+
+SS_DEV void cp_wait_all() {
+#if SS_PTX
+    asm volatile("cp.async.wait_group 0;\n" ::: "memory");
+#endif
+}
+
+// A float another block of this launch wrote before its __threadfence: read at L2, never from a line this SM's L1
+// may hold (quant_gemv.cu's ld_partial).
+SS_DEV float ld_cg(const float* p) {
+#if SS_PTX
+    return __ldcg(p);
+#else
+    return *(const volatile float*)p;
 #endif
 }
 
@@ -481,6 +501,145 @@ SS_DEV void deq_tile(const u8* raw, u16* out, float* nrm, int key0, int n, int t
     }
 }
 
+
+// ---------------------------------------------------------------------------------------------
+// The one-token layer's row helpers (attn_decode_kernel): lane l of a warp holds values [E l, E l + E) of a row,
+// E = D / 32.
+
+// TQ3_0's Walsh-Hadamard butterfly over GR-value groups of such rows: stages below E in registers, the others
+// across lanes (a group is GR / E consecutive lanes); the serial butterfly's sums and differences, bit for bit.
+template <int GR, int E>
+SS_DEV void wht_lanes(float (&y)[E], int lane) {
+#pragma unroll
+    for (int h = 1; h < E; h *= 2) {
+#pragma unroll
+        for (int j = 0; j < E; ++j) {
+            if (j & h) continue;
+            const float a = y[j], b = y[j + h];
+            y[j] = a + b;
+            y[j + h] = a - b;
+        }
+    }
+#pragma unroll
+    for (int m = 1; m * E < GR; m *= 2) {
+#pragma unroll
+        for (int j = 0; j < E; ++j) {
+            const float p = SS_SHFL_XOR(y[j], m);
+            y[j] = (lane & m) ? p - y[j] : y[j] + p;
+        }
+    }
+}
+
+// This lane's values of a stored row of kind KIND (raw bytes, e.g. in shared memory) as f32: f16 values, Q8_0
+// d q, TQ3_0 centroid * norm (the rotated domain, as attention reads it).
+template <int KIND, int D>
+SS_DEV void row_values(const u8* row, int lane, float (&x)[D / 32]) {
+    constexpr int E = D / 32;
+    const int v0 = lane * E;
+    if constexpr (KIND == 0) {
+#pragma unroll
+        for (int j = 0; j < E; ++j) x[j] = h2f(((const u16*)row)[v0 + j]);
+    } else if constexpr (KIND == 1) {
+        const u8* blk = row + (v0 / 32) * 34;
+        const float d = h2f(*(const u16*)blk);
+#pragma unroll
+        for (int j = 0; j < E; ++j) x[j] = d * (float)(i8)blk[2 + v0 % 32 + j];
+    } else {
+        const u8* blk = row + (v0 / 32) * 14;
+        const float nrm = h2f(*(const u16*)blk);
+#pragma unroll
+        for (int j = 0; j < E; ++j) {
+            const int i = v0 % 32 + j;
+            const u32 c = ((u32)(blk[2 + i / 4] >> (2 * (i & 3))) & 3u) | ((((u32)blk[10 + i / 8] >> (i & 7)) & 1u) << 2);
+            x[j] = tq3_centroid(c) * nrm;
+        }
+    }
+}
+
+// Stores the warp's row x as kind KIND at dst (when `write`: the row lies inside the cache) and hands back in x the
+// values as stored (row_values' of them). f16 and Q8_0: store_unit's arithmetic, bit for bit. TQ3_0: its group's
+// two sums (squares of x, of the centroids) added as a lane butterfly instead of in value order, so a norm may
+// differ by a rounding and a value within float32 rounding of a centroid midpoint by one code (as tq3.py's matrix
+// product does from the butterfly); 16-bit stores only (store_unit's note).
+template <int KIND, int D>
+SS_DEV void store_row(float (&x)[D / 32], u8* dst, int lane, bool write) {
+    constexpr int E = D / 32, LB = 32 / E;  // LB: lanes of a 32-value block
+    const int v0 = lane * E;
+    if constexpr (KIND == 0) {
+#pragma unroll
+        for (int j = 0; j < E; ++j) {
+            const u32 h = f2h(x[j]);
+            if (write) ((u16*)dst)[v0 + j] = (u16)h;
+            x[j] = h2f(h);
+        }
+    } else if constexpr (KIND == 1) {
+        float amax = 0.0f;
+#pragma unroll
+        for (int j = 0; j < E; ++j) amax = fmaxf(amax, fabsf(x[j]));
+#pragma unroll
+        for (int m = 1; m < LB; m <<= 1) amax = fmaxf(amax, SS_SHFL_XOR(amax, m));
+        const float d = amax / 127.0f;
+        const float id = d != 0.0f ? 1.0f / d : 0.0f;
+        const u32 hd = f2h(d);
+        const float ds = h2f(hd);
+        u16* blk = (u16*)(dst + (v0 / 32) * 34);
+        if (write && lane % LB == 0) blk[0] = (u16)hd;
+#pragma unroll
+        for (int j = 0; j < E; j += 2) {
+            const int q0 = (int)roundf(x[j] * id), q1 = (int)roundf(x[j + 1] * id);
+            if (write) blk[1 + (v0 % 32 + j) / 2] = (u16)((u32)(u8)(i8)q0 | ((u32)(u8)(i8)q1 << 8));
+            x[j] = ds * (float)(i8)q0;
+            x[j + 1] = ds * (float)(i8)q1;
+        }
+    } else {
+        constexpr int GR = D % 128 == 0 ? 128 : 64, GL = GR / E;  // rotation group, its lanes
+        const int i0 = v0 % GR;
+        float ss = 0.0f;
+#pragma unroll
+        for (int j = 0; j < E; ++j) ss += x[j] * x[j];
+#pragma unroll
+        for (int m = 1; m < GL; m <<= 1) ss += SS_SHFL_XOR(ss, m);
+        const float nrm = sqrtf(ss);
+        const float inv = nrm > 1e-10f ? 1.0f / nrm : 0.0f;
+#pragma unroll
+        for (int j = 0; j < E; ++j) x[j] = x[j] * inv * tq3_sign1(i0 + j);
+        wht_lanes<GR, E>(x, lane);
+        u32 c[E], lo = 0u, hi = 0u;
+        float r2 = 0.0f;
+#pragma unroll
+        for (int j = 0; j < E; ++j) {
+            c[j] = tq3_code<GR>(x[j] * tq3_sign2(i0 + j) * tq3_rscale<GR>());
+            const float cv = tq3_centroid(c[j]);
+            r2 += cv * cv;
+            lo |= (c[j] & 3u) << (2 * j);
+            hi |= (c[j] >> 2) << j;
+        }
+#pragma unroll
+        for (int m = 1; m < GL; m <<= 1) r2 += SS_SHFL_XOR(r2, m);
+        const float recon = sqrtf(r2);
+        const u32 h = f2h(recon > 1e-10f ? nrm / recon : nrm);
+        const int lead = lane & ~(LB - 1);  // the 32-value block's codes meet in its first lane
+        u64 lo64 = 0u;
+        u32 hi32 = 0u;
+#pragma unroll
+        for (int i = 0; i < LB; ++i) {
+            lo64 |= (u64)(u32)SS_SHFL((int)lo, lead + i) << (2 * E * i);
+            hi32 |= (u32)SS_SHFL((int)hi, lead + i) << (E * i);
+        }
+        if (write && lane == lead) {
+            u16* blk = (u16*)(dst + (v0 / 32) * 14);
+            blk[0] = (u16)h;
+#pragma unroll
+            for (int w = 0; w < 4; ++w) blk[1 + w] = (u16)(lo64 >> (16 * w));
+            blk[5] = (u16)(hi32 & 0xFFFFu);
+            blk[6] = (u16)(hi32 >> 16);
+        }
+        const float ns = h2f(h);
+#pragma unroll
+        for (int j = 0; j < E; ++j) x[j] = tq3_centroid(c[j]) * ns;
+    }
+}
+
 }  // namespace ssa
 
 // One store unit of one side: a value (f16), a 32-value block (Q8_0, quantized like ggml's
@@ -626,7 +785,7 @@ __global__ __launch_bounds__(128, 2) void attn_partial_kernel(
         };
         if constexpr (KK == 2) {
             // TQ3_0 keys stay rotated: rotate the query row instead (<Rq, Rk> = <q, k>). Lane l holds values
-            // l*E .. l*E+E-1; butterfly stages below E run in registers, the others across lanes.
+            // l*E .. l*E+E-1 (wht_lanes).
             constexpr int E = D / 32, GR = D % 128 == 0 ? 128 : 64, RB = 4;
             for (int r0 = 0; r0 < 16; r0 += RB) {
                 float x[RB][E];
@@ -641,24 +800,7 @@ __global__ __launch_bounds__(128, 2) void attn_partial_kernel(
                 for (int rr = 0; rr < RB; ++rr) {
 #pragma unroll
                     for (int j = 0; j < E; ++j) x[rr][j] *= tq3_sign1((lane * E + j) % GR);
-#pragma unroll
-                    for (int h = 1; h < E; h *= 2) {
-#pragma unroll
-                        for (int j = 0; j < E; ++j) {
-                            if (j & h) continue;
-                            const float a = x[rr][j], b = x[rr][j + h];
-                            x[rr][j] = a + b;
-                            x[rr][j + h] = a - b;
-                        }
-                    }
-#pragma unroll
-                    for (int m = 1; m * E < GR; m *= 2) {
-#pragma unroll
-                        for (int j = 0; j < E; ++j) {
-                            const float p = SS_SHFL_XOR(x[rr][j], m);
-                            x[rr][j] = (lane & m) ? p - x[rr][j] : x[rr][j] + p;
-                        }
-                    }
+                    wht_lanes<GR, E>(x[rr], lane);
 #pragma unroll
                     for (int j = 0; j < E; ++j) {
                         const int d = lane * E + j;
@@ -1060,6 +1202,280 @@ __global__ __launch_bounds__(256) void attn_combine_kernel(const float* __restri
         xq::group16_lanes(h2f(f2h(v)), word, scale, sum);
         const int k = head * D + d;
         xq::put_group16_lanes(q16, (H * D) >> 8, T, k >> 8, t, (k & 255) >> 4, k & 15, word, scale, sum);
+    }
+}
+
+// One decode token's attention layer in one launch (T = 1, a chain; attention.py `decode_attention`): a query head's
+// q row and its KV head's new k row normed and rotated (head_norm.cuh: head_norm_kernel's bits), the new k and v rows
+// stored into cache row S (store_row), and o = softmax(q K^T / sqrt(D)) V over rows 0..S on CUDA cores in f32 (one
+// query row: nothing to fill an m16 tile with), times sigmoid(gate), written as f32 and, with q16, as the output
+// projection's int16 staging (the bits attn_combine_kernel writes from the same values).
+// Grid (NS, Hkv, G): block (z, kvh, h) serves query head kvh G + h with DEC_WARPS warps. It walks split z of the
+// committed rows [0, S) (nse <= NS splits of at least DEC_MIN_TILES tiles; blocks past nse exit) in KT-row tiles
+// through cp.async, two in flight (under PDL the first two are requested before the grid wait: no kernel of a step
+// writes committed rows); split 0 also takes row S (its blocks all norm and quantize the new k and v; the h = 0 one
+// stores them). Warp roles before the walk: 0 the q row, 1 the new k, 2 the new v, 3 the
+// gate's sigmoid. Warp w then takes keys DEC_KPW w .. of each tile, lane l values [E l, E l + E) of every row
+// (E = D / 32). The warps' (m, l, O) meet in warp 0; with nse > 1 it writes the block's partial to ws and the head's
+// last block to arrive (counters[kvh G + h], self-resetting for the next launch) combines all nse in split order,
+// whichever block that is. Shared memory (decode_smem_bytes): the tile stages, then the q row, the new k and v
+// rows, sigmoid(gate) and the other warps' parked partials.
+template <int KK, int KV, int D, int TI>
+__global__ __launch_bounds__(128) void attn_decode_kernel(
+    const void* __restrict__ q, i64 q_head, const void* __restrict__ gate, i64 g_head, const void* __restrict__ k,
+    const void* __restrict__ v, i64 kv_head, const float* __restrict__ q_w, const float* __restrict__ k_w,
+    const int* __restrict__ pos, const float* __restrict__ inv_freq, int n_rot, float eps, u8* __restrict__ kc,
+    u8* __restrict__ vc, const int* __restrict__ s_len, i64 ctx, float scale_log2, float* __restrict__ ws_o,
+    float* __restrict__ ws_ml, unsigned int* __restrict__ counters, float* __restrict__ out,
+    uint4* __restrict__ q16) {
+    using namespace ssa;
+    using L = Layout<KK, KV, D>;
+    constexpr int E = D / 32, NW = DEC_WARPS, KPW = KT / NW, PR = D + 2;  // PR: floats of a parked partial
+    extern __shared__ uint4 ssa_smem[];
+    u8* const stages = (u8*)ssa_smem;
+    float* const qf = (float*)((u8*)ssa_smem + 2 * L::STAGE);
+    float* const newk = qf + D;   // row S as stored (split 0)
+    float* const newv = newk + D;
+    float* const gsig = newv + D;  // sigmoid(gate) (1 without a gate)
+    float* const park = gsig + D;  // warps 1..NW-1's (O, m, l)
+
+    const int tid = (int)threadIdx.x, lane = tid & 31, wid = tid >> 5;
+    const int z = (int)blockIdx.x, kvh = (int)blockIdx.y, h = (int)blockIdx.z;
+    const int NS = (int)gridDim.x, G = (int)gridDim.z, H = G * (int)gridDim.y, head = kvh * G + h;
+    const int S = s_len[0];
+    // the splits that get rows: at least DEC_MIN_TILES tiles each (fewer partials to combine at short S)
+    const int ntiles = (S + KT - 1) / KT, want = (ntiles + DEC_MIN_TILES - 1) / DEC_MIN_TILES;
+    const int nse = want < 1 ? 1 : want < NS ? want : NS;
+    if (z >= nse) return;  // (the whole block, before anything)
+    const int per = (ntiles + nse - 1) / nse;
+    const int tb = z * per, te = tb + per < ntiles ? tb + per : ntiles;
+    const u8* kbase = kc + (i64)kvh * ctx * L::RBK;
+    const u8* vbase = vc + (i64)kvh * ctx * L::RBV;
+    auto issue = [&](int tile, int stage) {
+        u8* dk = stages + stage * L::STAGE;
+        const int nvalid = S - tile * KT;  // rows past S: zeros (row S is this launch's own)
+        for (int c = tid; c < L::STAGE / 16; c += NW * 32) {
+            if (16 * c < L::TK)
+                cp16(dk + 16 * c, kbase + (i64)tile * L::TK + 16 * c, 16 * c < nvalid * L::RBK);
+            else {
+                const int o = 16 * c - L::TK;
+                cp16(dk + 16 * c, vbase + (i64)tile * L::TV + o, o < nvalid * L::RBV);
+            }
+        }
+    };
+    if (tb < te) issue(tb, 0);
+    cp_commit();
+    if (tb + 1 < te) issue(tb + 1, 1);
+    cp_commit();
+    SS_GRID_LAUNCH_DEPENDENTS();
+    SS_GRID_WAIT();
+
+    if (wid == 0 || (z == 0 && wid < 3)) {  // the q row; split 0: the new k and v rows, stored
+        float x[E];
+        const void* src = wid == 0 ? q : wid == 1 ? k : v;
+        const i64 off = wid == 0 ? (i64)head * q_head : (i64)kvh * kv_head;
+#pragma unroll
+        for (int m = 0; m < E; ++m) x[m] = ld<TI>(src, off + lane + 32 * m);
+        float* row = wid == 0 ? qf : wid == 1 ? newk : newv;
+        if (wid < 2) {
+            hn::rms_weight<D>(x, lane, wid == 0 ? q_w : k_w, eps);
+            hn::rope<D>(x, lane, row, n_rot, n_rot > 0 ? (float)pos[0] : 0.0f, inv_freq);
+        }
+#pragma unroll
+        for (int m = 0; m < E; ++m) row[lane + 32 * m] = x[m];
+        if (wid > 0) {  // to this lane's E consecutive values, stored; the stored values stay for row S's turn
+            __syncwarp();
+#pragma unroll
+            for (int j = 0; j < E; ++j) x[j] = row[lane * E + j];
+            __syncwarp();
+            const bool write = h == 0 && S < ctx;
+            if (wid == 1)
+                store_row<KK, D>(x, kc + ((i64)kvh * ctx + S) * L::RBK, lane, write);
+            else
+                store_row<KV, D>(x, vc + ((i64)kvh * ctx + S) * L::RBV, lane, write);
+#pragma unroll
+            for (int j = 0; j < E; ++j) row[lane * E + j] = x[j];
+        }
+    } else if (wid == 3) {
+#pragma unroll
+        for (int j = 0; j < E; ++j) {
+            const int d = lane * E + j;
+            gsig[d] = gate != nullptr ? 1.0f / (1.0f + expf(-ld<TI>(gate, (i64)head * g_head + d))) : 1.0f;
+        }
+    }
+    __syncthreads();
+
+    // this lane's q values, pre-scaled to log2 units (TQ3_0 K: rotated, as the keys are stored)
+    float qr[E];
+#pragma unroll
+    for (int j = 0; j < E; ++j) qr[j] = qf[lane * E + j];
+    if constexpr (KK == 2) {
+        constexpr int GR = D % 128 == 0 ? 128 : 64;
+#pragma unroll
+        for (int j = 0; j < E; ++j) qr[j] *= tq3_sign1((lane * E + j) % GR);
+        wht_lanes<GR, E>(qr, lane);
+#pragma unroll
+        for (int j = 0; j < E; ++j) qr[j] *= tq3_sign2((lane * E + j) % GR) * tq3_rscale<GR>();
+    }
+#pragma unroll
+    for (int j = 0; j < E; ++j) qr[j] *= scale_log2;
+    float m_run = neg_inf(), l_run = 0.0f, o[E];
+#pragma unroll
+    for (int j = 0; j < E; ++j) o[j] = 0.0f;
+
+    for (int t = tb; t < te; ++t) {
+        cp_wait_prev();  // tile t has landed (the newest group may be t + 1's)
+        __syncthreads();
+        const u8* st = stages + ((t - tb) & 1) * L::STAGE;
+        const int key0 = wid * KPW, n = S - t * KT - key0;  // this warp's keys of the tile that are rows < S
+        if (n > 0) {
+            float s[KPW];
+#pragma unroll
+            for (int i = 0; i < KPW; ++i) {
+                float kx[E];
+                row_values<KK, D>(st + (key0 + i) * L::RBK, lane, kx);
+                float a = 0.0f;
+#pragma unroll
+                for (int j = 0; j < E; ++j) a += qr[j] * kx[j];
+                s[i] = a;
+            }
+#pragma unroll
+            for (int m = 16; m >= 1; m >>= 1) {
+#pragma unroll
+                for (int i = 0; i < KPW; ++i) s[i] += SS_SHFL_XOR(s[i], m);
+            }
+            float mx = m_run;
+#pragma unroll
+            for (int i = 0; i < KPW; ++i)
+                if (i < n) mx = fmaxf(mx, s[i]);
+            const float c = exp2f(m_run - mx);  // m_run = -inf: 0
+            l_run *= c;
+#pragma unroll
+            for (int j = 0; j < E; ++j) o[j] *= c;
+#pragma unroll
+            for (int i = 0; i < KPW; ++i) {
+                if (i >= n) continue;
+                const float pw = exp2f(s[i] - mx);
+                float vx[E];
+                row_values<KV, D>(st + L::TK + (key0 + i) * L::RBV, lane, vx);
+                l_run += pw;
+#pragma unroll
+                for (int j = 0; j < E; ++j) o[j] += pw * vx[j];
+            }
+            m_run = mx;
+        }
+        __syncthreads();  // every warp is done with the stage before it is refilled
+        if (t + 2 < te) issue(t + 2, (t - tb) & 1);
+        cp_commit();
+    }
+    if (z == 0 && wid == NW - 1) {  // row S: the values just stored
+        float a = 0.0f;
+#pragma unroll
+        for (int j = 0; j < E; ++j) a += qr[j] * newk[lane * E + j];
+#pragma unroll
+        for (int m = 16; m >= 1; m >>= 1) a += SS_SHFL_XOR(a, m);
+        const float mx = fmaxf(m_run, a), c = exp2f(m_run - mx), pw = exp2f(a - mx);
+        l_run = l_run * c + pw;
+#pragma unroll
+        for (int j = 0; j < E; ++j) o[j] = o[j] * c + pw * newv[lane * E + j];
+        m_run = mx;
+    }
+
+    // the warps' partials meet in warp 0 (warp order)
+    if (wid > 0) {
+        float* p = park + (wid - 1) * PR;
+#pragma unroll
+        for (int j = 0; j < E; ++j) p[lane * E + j] = o[j];
+        if (lane == 0) {
+            p[D] = m_run;
+            p[D + 1] = l_run;
+        }
+    }
+    cp_wait_all();
+    __syncthreads();
+    if (wid > 0) return;
+    for (int w = 1; w < NW; ++w) {
+        const float* p = park + (w - 1) * PR;
+        const float m2 = p[D], l2 = p[D + 1];
+        const float mm = fmaxf(m_run, m2);
+        const float mu = mm == neg_inf() ? 0.0f : mm;
+        const float a = exp2f(m_run - mu), b = exp2f(m2 - mu);
+        l_run = l_run * a + l2 * b;
+        m_run = mm;
+#pragma unroll
+        for (int j = 0; j < E; ++j) o[j] = o[j] * a + p[lane * E + j] * b;
+    }
+    if (nse > 1) {  // this block's partial to ws; the head's last block combines the nse of them in split order
+        const i64 row = (i64)z * H + head;
+#pragma unroll
+        for (int j = 0; j < E; ++j) ws_o[row * D + lane * E + j] = o[j];
+        if (lane == 0) {
+            ws_ml[2 * row] = m_run;
+            ws_ml[2 * row + 1] = l_run;
+        }
+        __threadfence();  // the partial is visible device-wide before this block's arrival is counted
+        __syncwarp();     // (every lane's part of it)
+        int is_last = 0;
+        if (lane == 0) {
+            const unsigned int ticket = atomicAdd(counters + head, 1u);
+            __threadfence();  // (last block) the others' partials are read after their arrivals were seen
+            is_last = ticket == (unsigned int)(nse - 1);
+            if (is_last) counters[head] = 0u;  // every block has counted: ready for the next launch
+        }
+        if (!SS_SHFL(is_last, 0)) return;
+        float mx = neg_inf();
+        for (int zz = 0; zz < nse; ++zz) {
+            const i64 r = (i64)zz * H + head;
+            if (ld_cg(ws_ml + 2 * r + 1) > 0.0f) mx = fmaxf(mx, ld_cg(ws_ml + 2 * r));
+        }
+        l_run = 0.0f;
+#pragma unroll
+        for (int j = 0; j < E; ++j) o[j] = 0.0f;
+        for (int zz = 0; zz < nse; ++zz) {
+            const i64 r = (i64)zz * H + head;
+            const float l = ld_cg(ws_ml + 2 * r + 1);
+            if (!(l > 0.0f)) continue;
+            const float w = exp2f(ld_cg(ws_ml + 2 * r) - mx);
+            l_run += w * l;
+#pragma unroll
+            for (int j = 0; j < E; ++j) o[j] += w * ld_cg(ws_o + r * D + lane * E + j);
+        }
+    }
+    float y[E];
+#pragma unroll
+    for (int j = 0; j < E; ++j) y[j] = l_run > 0.0f ? o[j] / l_run : 0.0f;
+    if constexpr (KV == 2) {  // a weighted sum of rotated V rows: inverse-rotate it once
+        constexpr int GR = D % 128 == 0 ? 128 : 64;
+#pragma unroll
+        for (int j = 0; j < E; ++j) y[j] *= tq3_sign2((lane * E + j) % GR);
+        wht_lanes<GR, E>(y, lane);
+#pragma unroll
+        for (int j = 0; j < E; ++j) y[j] *= tq3_sign1((lane * E + j) % GR) * tq3_rscale<GR>();
+    }
+#pragma unroll
+    for (int j = 0; j < E; ++j) {
+        y[j] *= gsig[lane * E + j];
+        out[(i64)head * D + lane * E + j] = y[j];
+    }
+    if (q16 == nullptr) return;
+    if constexpr (E == 8) {  // lane l's 8 values are a unit of the staging, its group partner lane l ^ 1
+        float f[8];
+#pragma unroll
+        for (int j = 0; j < 8; ++j) f[j] = h2f(f2h(y[j]));
+        const int k0 = head * D + 8 * lane;
+        xq::put_unit8(q16, (H * D) >> 8, 1, k0 >> 8, 0, (k0 & 255) >> 3, f, true);
+    } else {  // lane-strided again (a group's 16 values in 16 lanes), through the q row's buffer
+#pragma unroll
+        for (int j = 0; j < E; ++j) qf[lane * E + j] = y[j];
+        __syncwarp();
+#pragma unroll
+        for (int m = 0; m < E; ++m) {
+            u32 word;
+            float scale, sum;
+            xq::group16_lanes(h2f(f2h(qf[lane + 32 * m])), word, scale, sum);
+            const int kk = head * D + lane + 32 * m;
+            xq::put_group16_lanes(q16, (H * D) >> 8, 1, kk >> 8, 0, (kk & 255) >> 4, kk & 15, word, scale, sum);
+        }
     }
 }
 

@@ -145,6 +145,9 @@ class KVCacheLayer:
         self.row_bytes_v = row_bytes(kind_v, head_dim)
         self.k = cupy.zeros(self.n_kv_heads * self.ctx * self.row_bytes, dtype=cupy.uint8)
         self.v = cupy.zeros(self.n_kv_heads * self.ctx * self.row_bytes_v, dtype=cupy.uint8)
+        # decode_attention's arrival counters, one a query head (each launch leaves them at zero); not in nbytes (the
+        # rows'): the memory plan counts them apart ("KV decode counters")
+        self.counters = cupy.zeros(self.n_kv_heads * DECODE_MAX_GROUP, dtype=cupy.uint32)
 
     @property
     def kind_k(self) -> str:
@@ -470,5 +473,146 @@ def attention(
         (D,),
         (ws_o, ws_ml, np.int32(splits), np.int32(T), np.int32(H), np.int32(Hkv), np.int32(D),
          gate if gate is not None else NULL, np.int64(g_tok), np.int64(g_head), out, q16 if q16 is not None else NULL),
+    )  # fmt: skip
+    return out
+
+
+# One decode token's attention layer in one launch (attn_decode_kernel): the q/k head norms and RoPE, the KV store and
+# the attention of a one-token chain step on CUDA cores, replacing qk_norm_rope + KVCacheLayer.store + attention (four
+# launches) where the step's graph sees at most DECODE_MAX_ROWS cache rows (its s_hint + 1); past that the
+# tensor-core chain. A block serves one query head over up to DECODE_KEYS_PER_SPLIT committed rows; more rows take
+# more blocks a head, at most DECODE_BLOCKS_PER_SM a SM over the query heads. H100, 27B heads (24 over 4 KV heads,
+# 256 dims), q8_0 K / tq3_0 V, 20 launches a graph, us a launch (scratch micro-benchmark, session 22): S = 40 one
+# launch 8.8-9.3 (1..4 blocks a head) against 35.2 for the chain (13.7 its attention kernels alone); S = 500 17.7-18.6
+# (4..8 blocks) against 39.1; S = 2000 36.8-44.6 against 46.0 and S = 6000 74.8 against 70.9: a block per head decodes
+# each K / V tile once a query head, so its cost grows with S faster than the tensor cores'; the chain overlaps its
+# launches with the products around it in a step, so past ~1k rows the one launch would lose. 27B Q4_K_M width-1 step
+# replays (bench/gemv_ab.py --step-ab attndecode) against the chain: 0.9875 / 0.9894 at contexts 512 / 1000; under PDL
+# 0.9881-0.9892 (its early blocks would wait beside the qkv product's); 256 / 32 keys a block 0.9936 / 1.0005. The first
+# version (a block per KV head and split, its G heads in registers: 218 registers, a whole SM a block) ran 1.0195.
+DECODE_WARPS = 4  # ssa::DEC_WARPS
+DECODE_KEYS_PER_SPLIT = 128
+DECODE_BLOCKS_PER_SM = 4
+DECODE_MAX_ROWS = 1024
+DECODE_MAX_GROUP = 16  # query heads a KV head (the arrival counters a cache keeps)
+DECODE_PDL = False  # under PDL in a captured step its first tiles would stream before the grid wait
+
+
+def decode_splits(n_head: int, s_hint: int) -> int:
+    """Blocks a query head of decode_attention for a launch over at most s_hint committed rows."""
+    want = math.ceil((max(0, int(s_hint)) + 1) / DECODE_KEYS_PER_SPLIT)
+    return max(1, min(want, math.ceil(DECODE_BLOCKS_PER_SM * _sm_count_now() / n_head), MAX_SPLITS))
+
+
+def decode_smem_bytes(kind: str, kind_v: str, head_dim: int) -> int:
+    """Dynamic shared memory of attn_decode_kernel: two stages of K + V tiles; the q row, the new k and v rows,
+    sigmoid(gate), and DECODE_WARPS - 1 parked partials (O, m, l)."""
+    stage = KT * (row_bytes(kind, head_dim) + row_bytes(kind_v, head_dim))
+    return 2 * stage + 4 * (4 * head_dim + (DECODE_WARPS - 1) * (head_dim + 2))
+
+
+def decode_supported(cache: KVCacheLayer, n_head: int, s_hint: int) -> bool:
+    """Whether decode_attention takes a one-token step of n_head query heads over this cache for a graph of at most
+    s_hint committed rows."""
+    Hkv = cache.n_kv_heads
+    return (cache.head_dim in HEAD_DIMS and n_head % Hkv == 0 and 1 <= n_head // Hkv <= DECODE_MAX_GROUP
+            and int(s_hint) + 1 <= DECODE_MAX_ROWS)
+
+
+def decode_attention(
+    q: Any,
+    k: Any,
+    v: Any,
+    cache: KVCacheLayer,
+    s_len: Any,
+    positions: Any,
+    q_norm: Any,
+    k_norm: Any,
+    n_rot: int,
+    theta: float,
+    eps: float,
+    *,
+    gate: Any = None,
+    s_hint: int | None = None,
+    splits: int | None = None,
+    out: Any = None,
+    q16: Any = None,
+    portable: bool = False,
+) -> Any:
+    """One token's attention layer: q' = rope(rms_norm(q) * q_norm), k' likewise with k_norm, (k', v) stored into cache
+    row s_len[0], then o [1, H, D] = softmax(q' K^T / sqrt(D)) V over rows 0 .. s_len[0] (times sigmoid(gate) if
+    given), in one launch (qk_norm_rope + KVCacheLayer.store + attention's result, up to rounding: f32 on CUDA cores
+    where attention rounds to fp16 for its tensor cores; f16 and Q8_0 rows stored bit for bit as store() does).
+
+    q, gate: [1, H, D] (the head axis may be strided, as in the q|gate projection); k, v: [1, Hkv, D] with the same
+    head stride; f32 / f16. s_len, positions: device int32 [1] (or ints). splits: blocks a query head (None:
+    decode_splits for s_hint, default the cache size). q16: as attention()'s (o's int16 staging for the output
+    projection, written beside out). The caller checks S + 1 <= max_ctx (the device cannot raise)."""
+    cupy = loader.require()
+    q, _, H, D, _, q_head = norm_rope._head_view(q, "q")
+    k, Tk, Hk, Dk, _, k_head = norm_rope._head_view(k, "k")
+    v, Tv, Hv, Dv, _, v_head = norm_rope._head_view(v, "v")
+    Hkv = cache.n_kv_heads
+    if int(q.shape[0]) != 1 or Tk != 1 or Tv != 1:
+        raise ValueError("decode_attention takes one token (q, k, v of shape [1, heads, head_dim])")
+    if (Hk, Dk) != (Hkv, cache.head_dim) or (Hv, Dv) != (Hkv, cache.head_dim) or D != cache.head_dim:
+        raise ValueError(f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} do not fit a cache of {Hkv} KV "
+                         f"heads of dim {cache.head_dim}")
+    ti = type_code(q)
+    if ti == 2 or type_code(k) != ti or type_code(v) != ti:
+        raise ValueError(f"q, k, v must share one type, f32 or f16, not {q.dtype} / {k.dtype} / {v.dtype}")
+    if k_head != v_head:
+        v = cupy.ascontiguousarray(v)
+        k = cupy.ascontiguousarray(k)
+        k_head = v_head = D
+    if H % Hkv or not 1 <= H // Hkv <= DECODE_MAX_GROUP:
+        raise ValueError(f"{H} query heads over {Hkv} KV heads: the one-token kernel takes 1..{DECODE_MAX_GROUP} a "
+                         "KV head")
+    if not (0 <= n_rot <= D and n_rot % 2 == 0):
+        raise ValueError(f"n_rot {n_rot} must be even and <= head_dim {D}")
+    if isinstance(s_len, (int, np.integer)) and int(s_len) + 1 > cache.max_ctx:
+        raise ValueError(f"S + 1 = {int(s_len) + 1} rows exceed the cache's {cache.max_ctx}")
+    G = H // Hkv
+    if gate is not None:
+        gate, Tg, Hg, Dg, _, g_head = norm_rope._head_view(gate, "gate")
+        if (Tg, Hg, Dg) != (1, H, D) or type_code(gate) != ti:
+            raise ValueError(f"gate must be like q {tuple(q.shape)} {q.dtype}, not {tuple(gate.shape)} {gate.dtype}")
+    else:
+        g_head = 0
+    if s_hint is None:
+        s_hint = int(s_len) if isinstance(s_len, (int, np.integer)) else cache.max_ctx - 1
+    ns = decode_splits(H, s_hint) if splits is None else int(splits)
+    if not 1 <= ns <= MAX_SPLITS:
+        raise ValueError(f"splits must be in 1..{MAX_SPLITS}, not {ns}")
+    if out is None:
+        out = cupy.empty((1, H, D), dtype=cupy.float32)
+    elif out.dtype != cupy.float32 or tuple(out.shape) != (1, H, D) or not out.flags.c_contiguous:
+        raise ValueError(f"out must be a contiguous float32 array of shape {(1, H, D)}")
+    if q16 is not None:
+        words = -(-H * D // 256) * 160
+        if not stages_output(H, D):
+            raise ValueError(f"o's int16 staging takes D a multiple of 32 and H D of 256, not D = {D}, H D = {H * D}")
+        if q16.dtype != np.uint32 or int(q16.size) != words or not q16.flags.c_contiguous:
+            raise ValueError(f"q16 must be a contiguous uint32 array of {words} words")
+    ws_o = cupy.empty((ns, H, D), cupy.float32) if ns > 1 else out
+    ws_ml = cupy.empty((ns, H, 2), cupy.float32) if ns > 1 else out
+    defines = ("SPECSPLIT_PORTABLE",) if portable else ()
+    kern = loader.get_function(SOURCE, f"attn_decode_kernel<{cache.code}, {cache.code_v}, {D}, {ti}>", defines,
+                               pdl=DECODE_PDL and norm_rope.PDL and not portable)
+    smem = decode_smem_bytes(cache.kind, cache.kind_v, D)
+    key = ("decode", cache.code, cache.code_v, D, ti, defines, int(cupy.cuda.runtime.getDevice()))
+    if smem > 48 * 1024 and key not in _smem_set:
+        kern.max_dynamic_shared_size_bytes = smem
+        _smem_set.add(key)
+    inv = norm_rope.rope_inv_freq(n_rot, theta) if n_rot else None
+    kern(
+        (ns, Hkv, G),
+        (32 * DECODE_WARPS,),
+        (q, np.int64(q_head), gate if gate is not None else NULL, np.int64(g_head), k, v, np.int64(k_head),
+         norm_rope._weight(q_norm, D, "q norm weight"), norm_rope._weight(k_norm, D, "k norm weight"),
+         norm_rope._positions(positions, 1), inv if inv is not None else NULL, np.int32(n_rot), np.float32(eps),
+         cache.k, cache.v, _s_len(s_len), np.int64(cache.ctx), np.float32(1.0 / math.sqrt(D) / math.log(2.0)),
+         ws_o, ws_ml, cache.counters, out, q16 if q16 is not None else NULL),
+        shared_mem=smem,
     )  # fmt: skip
     return out

@@ -45,14 +45,14 @@ static int launch(unsigned gx, unsigned gy, unsigned gz, unsigned threads) {
 
 // As launch(), the blocks in another order: 0 as launch() does, 1 the reverse, 2 a fixed shuffle. Kernels whose
 // last block to arrive finishes a row's work must not depend on which block that is.
-static int launch_ordered(unsigned gx, unsigned gy, unsigned threads, int order) {
-    std::vector<unsigned> ids = sim::block_order(gx * gy, order == 2 ? 0x9E3779B97F4A7C15ull : 0ull);
+static int launch_ordered(unsigned gx, unsigned gy, unsigned threads, int order, unsigned gz = 1) {
+    std::vector<unsigned> ids = sim::block_order(gx * gy * gz, order == 2 ? 0x9E3779B97F4A7C15ull : 0ull);
     if (order == 1) std::reverse(ids.begin(), ids.end());
     int errors = 0;
-    sim::gdim = {gx, gy, 1};
+    sim::gdim = {gx, gy, gz};
     sim::bdim = {threads, 1, 1};
     for (unsigned id : ids) {
-        sim::bid = {id % gx, id / gx, 0};
+        sim::bid = {id % gx, id / gx % gy, id / (gx * gy)};
         std::memset(ssa_smem, 0xA5, sizeof(ssa_smem));
         errors += simb::run_block((int)threads, trampoline);
     }
@@ -138,6 +138,7 @@ extern "C" int sim_kv_store(int kk, int kv, int ti, const void* k, const void* v
     KS(0, 2, 0)
     KS(0, 2, 1)
     KS(2, 0, 0)
+    KS(0, 1, 0)
 #undef KS
     if (!g_body) return -1;
     return launch(3, 1, 1, 64);  // a small grid: the grid-stride loop covers the rest
@@ -148,6 +149,31 @@ extern "C" int sim_kv_move_rows(const unsigned long long* bases, const int* unit
                                 const long long* dst, const long long* src, const int* count, int threads) {
     g_body = [=] { kv_move_rows_kernel(bases, units, ctx, dst, src, count); };
     return launch((unsigned)Hkv, (unsigned)n_buf, 1, (unsigned)threads);
+}
+
+// attn_decode_kernel over an (ns, Hkv, G) grid, its blocks in launch_ordered's `order`.
+extern "C" int sim_attn_decode(int kk, int kv, int D, int ti, int G, const void* q, long long q_head,
+                               const void* gate, long long g_head, const void* k, const void* v, long long kv_head,
+                               const float* q_w, const float* k_w, const int* pos, const float* inv_freq, int n_rot,
+                               float eps, unsigned char* kc, unsigned char* vc, const int* s_len, long long ctx,
+                               float scale_log2, float* ws_o, float* ws_ml, unsigned int* counters, float* out,
+                               void* q16, int ns, int Hkv, int order) {
+    g_body = nullptr;
+#define AD(KK, KV, DD, TI)                                                                                         \
+    if (kk == KK && kv == KV && D == DD && ti == TI)                                                               \
+        g_body = [=] {                                                                                           \
+            attn_decode_kernel<KK, KV, DD, TI>(q, q_head, gate, g_head, k, v, kv_head, q_w, k_w, pos, inv_freq, n_rot, \
+                                               eps, kc, vc, s_len, ctx, scale_log2, ws_o, ws_ml, counters, out,   \
+                                               (uint4*)q16);                                                      \
+        };
+    AD(1, 2, 256, 0)
+    AD(0, 0, 128, 0)
+    AD(2, 2, 64, 1)
+    AD(2, 0, 128, 0)
+    AD(0, 1, 256, 1)
+#undef AD
+    if (!g_body) return -1;
+    return launch_ordered((unsigned)ns, (unsigned)Hkv, 128, order, (unsigned)G);
 }
 
 extern "C" int sim_attn_partial(int kk, int kv, int D, int tq, int kw, const void* q, const unsigned char* kc,

@@ -23,7 +23,8 @@ class _Cupy:
         return np.empty(shape, dtype)
 
 
-@pytest.mark.parametrize("piece", ["deltanet core", "attention chain", "norm packs", "SwiGLU pack", "norm-gate pack"])
+@pytest.mark.parametrize("piece", ["deltanet core", "attention chain", "norm packs", "SwiGLU pack", "norm-gate pack",
+                                   "KV store", "q/k norm + RoPE", "attention kernels"])
 def test_each_piece_patches_real_attributes_and_restores_them(piece: str) -> None:
     assert piece in step_ablate.PIECES
     patches = step_ablate._patches(piece, _Cupy)
@@ -49,6 +50,12 @@ def test_stand_in_outputs_have_the_launchers_shapes() -> None:
     assert att["attention"](np.zeros((3, 4, 64)), None).shape == (3, 4, 64)
     k = object()
     assert att["qk_norm_rope"](q, k, None, None)[1] is k
+    # left out alone, the norm hands attention contiguous rows of q's and k's shapes (no copy kernel appears)
+    nr = {name: fn for _, name, fn in step_ablate._patches("q/k norm + RoPE", _Cupy)}
+    qv, kv = np.zeros((2, 4, 16), np.float32)[:, :, ::2], np.zeros((2, 1, 8), np.float32)
+    qo, ko = nr["qk_norm_rope"](qv, kv, None, None)
+    assert qo.shape == (2, 4, 8) and ko.shape == (2, 1, 8) and qo.flags.c_contiguous
+    assert nr["qk_norm_rope"](qv, kv, None, None)[0] is qo
 
 
 def test_a_skipped_pack_launches_once_per_shape() -> None:

@@ -294,6 +294,101 @@ def test_attention_graph_replay_with_new_length_and_tree() -> None:
             assert cupy.asnumpy(idx).tolist() == np.argmax(cupy.asnumpy(flat), axis=1).tolist()
 
 
+DECODE_KINDS = [("q8_0", "tq3_0"), ("f16", "f16"), ("q8_0", "q8_0"), ("tq3_0", "tq3_0"), ("tq3_0", "f16")]
+
+
+def _decode_chain(q, k, v, gate, cache, S, pos, q_w, k_w, n_rot, theta, eps):
+    """What decode_attention replaces: qk_norm_rope, store, attention (f32 throughout until the tensor cores)."""
+    qn, kn = nr.qk_norm_rope(q, k, q_w, k_w, pos, n_rot, theta, eps)
+    cache.store(kn, v, S)
+    return at.attention(qn, cache, S, at.tree_mask([-1]), gate=gate), kn
+
+
+@pytest.mark.parametrize("kinds", DECODE_KINDS)
+@pytest.mark.parametrize("S", [0, 45, 700])
+def test_decode_attention_is_the_chain_at_the_27b_shape(kinds, S: int) -> None:
+    """One token's q/k norm + RoPE, store and attention in one launch (attn_decode_kernel) against the four launches
+    it replaces on a copy of the same cache: row S stored with the same bytes (TQ3_0: as check_tq3_bytes allows),
+    o within the chain's fp16 tolerance (the one launch is f32 throughout), o's int16 staging the pack's, for one
+    block a query head, the launcher's split and more blocks than rows."""
+    rng = np.random.default_rng(S + 10 * len(kinds[0]) + len(kinds[1]))
+    H, Hkv, D, n_rot, theta, eps = 24, 4, 256, 64, 1e7, 1e-6
+    cache, _, _ = make_cache(kinds[0], Hkv, D, S, 0, rng, max_ctx=S + 40, kind_v=kinds[1])
+    qkv = cupy.asarray(rng.standard_normal((1, (2 * H + 2 * Hkv) * D)).astype(np.float32) * 1.5)
+    qg = qkv[:, :2 * H * D].reshape(1, H, 2 * D)
+    q, gate = qg[..., :D], qg[..., D:]
+    k = qkv[:, 2 * H * D:(2 * H + Hkv) * D].reshape(1, Hkv, D)
+    v = qkv[:, (2 * H + Hkv) * D:].reshape(1, Hkv, D)
+    q_w = cupy.asarray((1 + 0.2 * rng.standard_normal(D)).astype(np.float32))
+    k_w = cupy.asarray((1 + 0.2 * rng.standard_normal(D)).astype(np.float32))
+    pos = cupy.asarray([S + 5], dtype=cupy.int32)
+    chain_cache = at.KVCacheLayer(Hkv, D, S + 40, *kinds)
+    chain_cache.k[...] = cache.k
+    chain_cache.v[...] = cache.v
+    want, kn = _decode_chain(q, k, v, gate, chain_cache, S, pos, q_w, k_w, n_rot, theta, eps)
+    want = host(want)
+    for splits in (1, None, 7):
+        cache.k[...] = chain_cache.k  # rows < S as they were; row S rewritten below
+        out = cupy.full((1, H, D), np.nan, cupy.float32)
+        q16 = cupy.full(H * D // 256 * 160, 0xDEADBEEF, cupy.uint32)
+        at.decode_attention(q, k, v, cache, cupy.asarray([S], cupy.int32), pos, q_w, k_w, n_rot, theta, eps, gate=gate,
+                            splits=splits, out=out, q16=q16)
+        assert rel(host(out), want) < ATTN_TOL, f"splits={splits}"
+        assert np.array_equal(host(q16), q16_twin(host(out).reshape(1, H * D).astype(np.float16)))
+        assert (host(cache.counters) == 0).all()
+        for side, kind, src in ((0, kinds[0], kn), (1, kinds[1], v)):
+            got, ref = cache.raw_rows(S + 1)[side], chain_cache.raw_rows(S + 1)[side]
+            assert np.array_equal(got[:S], ref[:S])
+            if kind == "tq3_0":
+                check_tq3_bytes(got[S:], host(src), tq3)
+            else:
+                assert np.array_equal(got[S], ref[S]), f"{kind} row S"
+
+
+def test_decode_attention_graph_replays_new_lengths_and_refuses_bad_shapes() -> None:
+    # S and the position live in device buffers: one captured launch serves successive tokens (each stores its row
+    # S and attends to it), with the splits fixed by s_hint; bad shapes are refused before any launch
+    rng = np.random.default_rng(21)
+    H, Hkv, D, n_rot, theta, eps = 24, 4, 256, 64, 1e7, 1e-6
+    cache, _, _ = make_cache("q8_0", Hkv, D, 600, 0, rng, max_ctx=1024, kind_v="tq3_0")
+    qkv = cupy.asarray(rng.standard_normal((1, (2 * H + 2 * Hkv) * D)).astype(np.float32))
+    qg = qkv[:, :2 * H * D].reshape(1, H, 2 * D)
+    k = qkv[:, 2 * H * D:(2 * H + Hkv) * D].reshape(1, Hkv, D)
+    v = qkv[:, (2 * H + Hkv) * D:].reshape(1, Hkv, D)
+    q_w, k_w = cupy.ones(D, cupy.float32), cupy.ones(D, cupy.float32)
+    s_d, p_d = cupy.asarray([0], cupy.int32), cupy.asarray([0], cupy.int32)
+    out = cupy.empty((1, H, D), cupy.float32)
+
+    def step():
+        at.decode_attention(qg[..., :D], k, v, cache, s_d, p_d, q_w, k_w, n_rot, theta, eps, gate=qg[..., D:],
+                            s_hint=1000, out=out)
+
+    stream = cupy.cuda.Stream(non_blocking=True)
+    with stream:
+        step()
+        stream.synchronize()
+        stream.begin_capture()
+        step()
+        graph = stream.end_capture()
+        for S in (600, 17, 601, 0):
+            s_d.set(np.array([S], np.int32))
+            p_d.set(np.array([S], np.int32))
+            graph.launch(stream)
+            stream.synchronize()
+            got = host(out)
+            ref_cache = at.KVCacheLayer(Hkv, D, 1024, "q8_0", "tq3_0")
+            ref_cache.k[...] = cache.k
+            ref_cache.v[...] = cache.v
+            want, _ = _decode_chain(qg[..., :D], k, v, qg[..., D:], ref_cache, S, p_d, q_w, k_w, n_rot, theta, eps)
+            assert rel(got, host(want)) < ATTN_TOL, f"S={S}"
+    with pytest.raises(ValueError, match="one token"):
+        at.decode_attention(cupy.zeros((2, H, D), cupy.float32), k, v, cache, 0, [0], q_w, k_w, n_rot, theta, eps)
+    with pytest.raises(ValueError, match="do not fit"):
+        at.decode_attention(qg[..., :D], k[:, :2], v, cache, 0, [0], q_w, k_w, n_rot, theta, eps)
+    with pytest.raises(ValueError, match="exceed"):
+        at.decode_attention(qg[..., :D], k, v, cache, 1024, [0], q_w, k_w, n_rot, theta, eps)
+
+
 def test_kv_row_mover_graph_replays_any_path() -> None:
     # a commit's KV compaction in every cache of a state, one captured launch: the rows and their number live in
     # device buffers, so one graph serves paths of any length (none, past the kernel's 32-row chunks, the widest)

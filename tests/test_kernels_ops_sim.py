@@ -46,6 +46,8 @@ SIGNATURES = {
     "sim_kv_store": [I, I, I, P, P, P, P, P, I, I, I, LL],
     "sim_kv_move_rows": [P, P, I, I, LL, P, P, P, I],
     "sim_attn_partial": [I, I, I, I, I, P, P, P, P, P, I, I, I, LL, F, P, P, I, I],
+    "sim_attn_decode": [I, I, I, I, I, P, LL, P, LL, P, P, LL, P, P, P, P, I, F, P, P, P, LL, F, P, P, P, P, P, I,
+                        I, I],
     "sim_attn_combine": [I, I, I, P, P, I, I, I, I, I, P, LL, LL, P, P],
     "sim_argmax": [I, P, LL, I, I, I, I, P, P, P, P, P, P, P],
     "sim_topk": [I, I, P, LL, I, I, I, I, F, P, P, P, P, P],
@@ -409,6 +411,106 @@ def test_attention_tq3_0(libs, kinds, D, tq, T, G, Hkv, S, tree, splits, ti_new)
     y, ref = run_attention(libs["attention"], kinds, D, tq, T, G, Hkv, S, parents, splits, rng, ti_new=ti_new)
     assert np.isfinite(y).all()
     assert rel(y, ref) < 3e-3  # the twin reads the same TQ3_0 bytes: fp16 q / weights / dequantized K, V
+
+
+DECODE_CASES = [
+    # K, V, D, ti (q/k/v type), G, Hkv, S, blocks a query head
+    (1, 2, 256, 0, 6, 2, 70, 3),  # the 27B's shape and default KV: 2 splits of 2 / 1 tiles, the third block exits
+    (1, 2, 256, 0, 6, 1, 0, 2),  # no committed rows: only row S (block 0), block 1 empty
+    (0, 0, 128, 0, 2, 2, 100, 1),  # one block: no workspace, four tiles (the double buffer refilled)
+    (0, 0, 128, 0, 2, 1, 40, 3),  # two tiles: one split takes them (blocks 1, 2 exit), no workspace
+    (2, 2, 64, 1, 4, 2, 200, 4),  # f16 projection, TQ3_0 K (rotated q) and V, 64-value groups, 4 splits of 2 / 1 tiles
+    (2, 0, 128, 0, 3, 1, 33, 2),  # TQ3_0 K, f16 V
+    (0, 1, 256, 1, 1, 3, 64, 2),  # Q8_0 V, one query head a KV head, S on a tile boundary
+]
+
+
+@pytest.mark.parametrize("kk,kv,D,ti,G,Hkv,S,ns", DECODE_CASES)
+def test_attn_decode_is_the_chain_of_norm_store_and_attention(libs, kk, kv, D, ti, G, Hkv, S, ns) -> None:
+    """attn_decode_kernel (one token's q/k norm + RoPE, KV store and attention in one launch) against the twins:
+    the new k / v rows stored as KVCacheLayer.store stores the head-normed rows (f16, Q8_0 bit for bit; TQ3_0 as
+    check_tq3_bytes allows), o against kvcache.KVCache.attend over the stored rows times sigmoid(gate), o's int16
+    staging bit for bit the pack's, the same bits whichever block combines, and the arrival counters back at 0."""
+    lib, nr_lib = libs["attention"], libs["norm_rope"]
+    rng = np.random.default_rng(S * 7 + D + 31 * kk + kv + G)
+    H, eps, theta, n_rot = G * Hkv, 1e-6, 10000.0, D // 4
+    ctx = 32 * math.ceil((S + 6) / 32)
+    names = [KV_NAMES[kk], KV_NAMES[kv]]
+    rbk, rbv = attn_mod.row_bytes(names[0], D), attn_mod.row_bytes(names[1], D)
+    kc0 = np.full(Hkv * ctx * rbk, 0xFF, np.uint8)
+    vc0 = np.full(Hkv * ctx * rbv, 0xFF, np.uint8)
+    if S:
+        k_old = rng.standard_normal((S, Hkv, D)).astype(np.float32)
+        v_old = rng.standard_normal((S, Hkv, D)).astype(np.float32)
+        assert lib.sim_kv_store(kk, kv, 0, ptr(k_old), ptr(v_old), ptr(kc0), ptr(vc0), ptr(np.zeros(1, np.int32)), S,
+                                Hkv, D, ctx) == 0  # fmt: skip
+    # the attention layer's projection row: q|gate per head, then k, then v (ti's type)
+    row = rng.standard_normal((2 * H + 2 * Hkv) * D).astype(np.float32) * 1.3
+    row = encode(row, ti)
+    item = row.itemsize
+    base = row.ctypes.data
+    q_w = (1.0 + 0.2 * rng.standard_normal(D)).astype(np.float32)
+    k_w = (1.0 + 0.2 * rng.standard_normal(D)).astype(np.float32)
+    pos = np.array([S + 3], np.int32)
+    inv_freq = attn_mod.norm_rope._inv_freq_host(n_rot, theta)
+    s_len = np.array([S], np.int32)
+    scale = np.float32(1.0 / math.sqrt(D) / math.log(2.0))
+    results = []
+    for order in (0, 1, 2):
+        kc, vc = kc0.copy(), vc0.copy()
+        ws_o = np.full((ns, H, D), np.nan, np.float32)
+        ws_ml = np.full((ns, H, 2), np.nan, np.float32)
+        counters = np.zeros(H, np.uint32)
+        out = empty((1, H, D), 0)
+        q16 = np.full(H * D // 256 * 160, 0xDEADBEEF, np.uint32) if H * D % 256 == 0 else None
+        err = lib.sim_attn_decode(kk, kv, D, ti, G, base, 2 * D, base + D * item, 2 * D, base + 2 * H * D * item,
+                                  base + (2 * H + Hkv) * D * item, D, ptr(q_w), ptr(k_w), ptr(pos), ptr(inv_freq),
+                                  n_rot, eps, ptr(kc), ptr(vc), ptr(s_len), ctx, scale, ptr(ws_o), ptr(ws_ml),
+                                  ptr(counters), ptr(out), ptr(q16), ns, Hkv, order)  # fmt: skip
+        assert err == 0, f"simulation error (or no instance for {kk}, {kv}, {D}, {ti}, {G})"
+        assert (counters == 0).all()  # self-resetting: the next launch (a graph replay) starts from 0
+        results.append((out.copy(), kc, vc, q16))
+    for out, kc, vc, q16 in results[1:]:  # whichever block arrives last, the same bits
+        assert np.array_equal(out, results[0][0]) and np.array_equal(kc, results[0][1])
+        assert np.array_equal(vc, results[0][2])
+        assert q16 is None or np.array_equal(q16, results[0][3])
+    out, kc, vc, q16 = results[0]
+    assert np.isfinite(out).all()
+    kc3, vc3 = kc.reshape(Hkv, ctx, rbk), vc.reshape(Hkv, ctx, rbv)
+    assert np.array_equal(kc3[:, :S], kc0.reshape(Hkv, ctx, rbk)[:, :S])   # committed rows untouched
+    assert np.array_equal(vc3[:, :S], vc0.reshape(Hkv, ctx, rbv)[:, :S])
+    assert (kc3[:, S + 1:] == 0xFF).all() and (vc3[:, S + 1:] == 0xFF).all()  # nothing past row S
+
+    vals = decode(row, ti).astype(np.float32)
+    qg = vals[: 2 * H * D].reshape(1, H, 2 * D)
+    q, gate = qg[..., :D], qg[..., D:]
+    k = vals[2 * H * D:(2 * H + Hkv) * D].reshape(1, Hkv, D)
+    v = vals[(2 * H + Hkv) * D:].reshape(1, Hkv, D)
+    if ti == 0:  # head_norm_kernel's rows, then store(): the same stored bytes (TQ3_0 up to its sums' order)
+        qn, kn = empty((1, H, D), 0), empty((1, Hkv, D), 0)
+        assert nr_lib.sim_head_norm(0, 0, D, 0, ptr(np.ascontiguousarray(q)), 0, D, H, ptr(q_w), ptr(qn),
+                                    ptr(k), 0, D, Hkv, ptr(k_w), ptr(kn), 1, None, ptr(pos), ptr(inv_freq), n_rot,
+                                    eps) == 0  # fmt: skip
+        kc_w, vc_w = kc0.copy(), vc0.copy()
+        assert lib.sim_kv_store(kk, kv, 0, ptr(kn), ptr(np.ascontiguousarray(v)), ptr(kc_w), ptr(vc_w), ptr(s_len),
+                                1, Hkv, D, ctx) == 0  # fmt: skip
+        for kind, got, want in ((kk, kc3, kc_w.reshape(Hkv, ctx, rbk)), (kv, vc3, vc_w.reshape(Hkv, ctx, rbv))):
+            if kind < 2:
+                assert np.array_equal(got[:, S], want[:, S])
+        q_ref = qn
+    else:
+        q_ref = layers.rope_neox(layers.rms_norm(q, q_w, eps), pos, n_rot, theta).astype(np.float32)
+        kn = layers.rope_neox(layers.rms_norm(k, k_w, eps), pos, n_rot, theta).astype(np.float32)
+    for kind, got, src in ((kk, kc3, kn), (kv, vc3, v)):
+        if kind == 2:
+            check_tq3_bytes(np.ascontiguousarray(got[:, S:S + 1].transpose(1, 0, 2)), np.asarray(src, np.float32), tq3)
+    twin = kvcache.KVCache(twin_store(names[0], np.ascontiguousarray(kc3[:, :S + 1].transpose(1, 0, 2)), S + 1, Hkv, D),
+                           twin_store(names[1], np.ascontiguousarray(vc3[:, :S + 1].transpose(1, 0, 2)), S + 1, Hkv, D))
+    ref = twin.attend(np.asarray(q_ref, np.float32), S + 1, np.ones((1, S + 1), bool)).astype(np.float64)
+    ref = ref * layers.sigmoid(gate.astype(np.float64))
+    assert rel(out.astype(np.float64), ref) < 1e-4  # f32 throughout; K and V exact in their stored form
+    if q16 is not None:
+        assert np.array_equal(q16, q16_twin(out.reshape(1, H * D).astype(np.float16)))
 
 
 WIDTH_KINDS = [(0, 0), (1, 1), (2, 2), (1, 2)]

@@ -114,7 +114,8 @@ def test_every_pdl_kernel_waits_for_its_predecessor() -> None:
     assert found.get("quant_matmul.cu") == {"pack_x_kernel", "pack_rms_kernel", "pack_silu_kernel"}
     assert found.get("deltanet.cu") == {"conv_silu_kernel", "conv_silu_rows_kernel", "qk_norm_gate_kernel",
                                         "conv_qk_norm_gate_kernel", "gdr_tree_walk_kernel", "gdr_decode_kernel"}
-    assert found.get("attention.cu") == {"kv_store_kernel", "attn_partial_kernel", "attn_combine_kernel"}
+    assert found.get("attention.cu") == {"kv_store_kernel", "attn_partial_kernel", "attn_combine_kernel",
+                                         "attn_decode_kernel"}
     assert found.get("norm_rope.cu") == {"head_norm_kernel"}
     assert "#define SS_GRID_WAIT()" in (KERNELS / "pdl.cuh").read_text()
     for source, names in found.items():

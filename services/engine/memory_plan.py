@@ -695,7 +695,15 @@ def gpu_state_bytes(cfg: ModelConfig, max_ctx: int, kv_k: str, kv_v: str, max_tr
         "step values": stage + 16 + 2 * 8 * max_tree,
         # kernels.attention.KVRowMover's tables: a pointer and a row width per K and V buffer
         "KV row mover": 2 * n_attn * (8 + 4),
+        # kernels.attention.decode_attention's arrival counters (KVCacheLayer.counters): a word per query head slot
+        "KV decode counters": n_attn * cfg.n_head_kv * _decode_group_slots() * 4,
     }
+
+
+def _decode_group_slots() -> int:
+    from kernels import attention as att
+
+    return att.DECODE_MAX_GROUP
 
 
 def gpu_sampler_bytes(rows: int, n_vocab: int, window: int) -> int:

@@ -134,6 +134,10 @@ DECODE_STEP_WARPS = 4
 # width-1 step replays (bench/gemv_ab.py --step-ab dnnorm): 6762 vs 6839 us, 0.9888 of the pack after 4-warp blocks
 # (16-warp blocks with the pack: 1.0024).
 FUSE_DECODE_NORM = True
+# A one-token chain step's attention layer in one launch (attention.decode_attention: q/k norm + RoPE, the KV store
+# and the attention on CUDA cores, with o's staging for attn_output) where its graph sees at most
+# attention.DECODE_MAX_ROWS cache rows; replaces qk_norm_rope, store, attn_partial and attn_combine.
+FUSE_DECODE_ATTN = True
 # prompt chunks warm_prefill runs at start-up: every token-tile class of the matmuls up to 64 tokens (8 a tile), one
 # past 64 (64-token pieces and a remainder) and a whole prefill chunk (generate.PREFILL_CHUNK)
 WARM_CHUNKS = (8, 16, 24, 32, 40, 48, 56, 64, 100, 512)
@@ -334,6 +338,7 @@ class GpuSequenceState:
     def nbytes(self) -> int:
         """Device bytes this state holds (what memory_plan.gpu_state_bytes counts per slot)."""
         arrays = [c.k for c in self.kv.values()] + [c.v for c in self.kv.values()]
+        arrays += [c.counters for c in self.kv.values()]
         arrays += [self.stage.dev, self.commit_stage.dev, self.out_logits, self.out_ids, self.out_max]
         if self.rec_layers:
             arrays += [self.ssm_pair, self.mixed, self.gates, self.plan, self.conv, self.raw]
@@ -1275,9 +1280,19 @@ class Qwen35GpuModel(TargetModel):
         q, gate = qg[..., :D], qg[..., D:]
         k = qkv[:, 2 * H * D:(2 * H + Hkv) * D].reshape(T, Hkv, D)
         v = qkv[:, (2 * H + Hkv) * D:].reshape(T, Hkv, D)
+        cache = state.kv[i]
+        if (self.fused_launches and FUSE_DECODE_ATTN and T == 1 and step.is_chain
+                and att.decode_supported(cache, H, step.s_hint)):
+            # one launch: the head norms and RoPE, the store and the attention of the one token
+            q16 = None
+            if ATTN_STAGE_UP_TO >= 1 and reads_staging(w["attn_output"], 1) and att.stages_output(H, D):
+                q16 = self.be.xp.empty(qm.q16_words(H * D, 1), self.be.xp.uint32)
+            o = att.decode_attention(q, k, v, cache, state.s_len, step.positions, w["attn_q_norm"], w["attn_k_norm"],
+                                     c.n_rot, c.rope_theta, c.rms_eps, gate=gate, s_hint=step.s_hint, q16=q16)
+            x = o.reshape(1, H * D) if q16 is None else qm.PackedX(None, 1, H * D, q16=q16)
+            return self._out_proj(w["attn_output"], x, sink)
         q, k = nr.qk_norm_rope(q, k, w["attn_q_norm"], w["attn_k_norm"], step.positions, c.n_rot, c.rope_theta,
                                c.rms_eps)
-        cache = state.kv[i]
         cache.store(k, v, state.s_len)
         q16 = None  # o's int16 staging for attn_output, written by the attention itself
         if (self.fused_launches and T <= min(ATTN_STAGE_UP_TO, ATTN_TOKENS)
