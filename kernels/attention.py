@@ -511,6 +511,14 @@ def decode_smem_bytes(kind: str, kind_v: str, head_dim: int) -> int:
     return 2 * stage + 4 * (4 * head_dim + (DECODE_WARPS - 1) * (head_dim + 2))
 
 
+def make_decode_workspace(n_head: int, head_dim: int, splits: int) -> tuple[Any, Any]:
+    """decode_attention's split partials for `splits` blocks a head (allocate once before capturing a graph: a buffer
+    allocated inside a capture and freed after it would still be written by every replay)."""
+    cupy = loader.require()
+    return (cupy.empty((splits, n_head, head_dim), dtype=cupy.float32),
+            cupy.empty((splits, n_head, 2), dtype=cupy.float32))  # fmt: skip
+
+
 def decode_supported(cache: KVCacheLayer, n_head: int, s_hint: int) -> bool:
     """Whether decode_attention takes a one-token step of n_head query heads over this cache for a graph of at most
     s_hint committed rows."""
@@ -537,6 +545,7 @@ def decode_attention(
     splits: int | None = None,
     out: Any = None,
     q16: Any = None,
+    workspace: tuple[Any, Any] | None = None,
     portable: bool = False,
 ) -> Any:
     """One token's attention layer: q' = rope(rms_norm(q) * q_norm), k' likewise with k_norm, (k', v) stored into cache
@@ -547,7 +556,8 @@ def decode_attention(
     q, gate: [1, H, D] (the head axis may be strided, as in the q|gate projection); k, v: [1, Hkv, D] with the same
     head stride; f32 / f16. s_len, positions: device int32 [1] (or ints). splits: blocks a query head (None:
     decode_splits for s_hint, default the cache size). q16: as attention()'s (o's int16 staging for the output
-    projection, written beside out). The caller checks S + 1 <= max_ctx (the device cannot raise)."""
+    projection, written beside out). workspace: make_decode_workspace(H, D, splits) to reuse (with splits > 1). The
+    caller checks S + 1 <= max_ctx (the device cannot raise)."""
     cupy = loader.require()
     q, _, H, D, _, q_head = norm_rope._head_view(q, "q")
     k, Tk, Hk, Dk, _, k_head = norm_rope._head_view(k, "k")
@@ -594,8 +604,14 @@ def decode_attention(
             raise ValueError(f"o's int16 staging takes D a multiple of 32 and H D of 256, not D = {D}, H D = {H * D}")
         if q16.dtype != np.uint32 or int(q16.size) != words or not q16.flags.c_contiguous:
             raise ValueError(f"q16 must be a contiguous uint32 array of {words} words")
-    ws_o = cupy.empty((ns, H, D), cupy.float32) if ns > 1 else out
-    ws_ml = cupy.empty((ns, H, 2), cupy.float32) if ns > 1 else out
+    if ns == 1:  # one block a head: no partials (the kernel never touches the workspace)
+        ws_o = ws_ml = out
+    elif workspace is None:
+        ws_o, ws_ml = make_decode_workspace(H, D, ns)
+    else:
+        ws_o, ws_ml = workspace
+        if tuple(ws_o.shape) != (ns, H, D) or tuple(ws_ml.shape) != (ns, H, 2):
+            raise ValueError(f"workspace does not fit {ns} splits of {H} heads (make_decode_workspace)")
     defines = ("SPECSPLIT_PORTABLE",) if portable else ()
     kern = loader.get_function(SOURCE, f"attn_decode_kernel<{cache.code}, {cache.code_v}, {D}, {ti}>", defines,
                                pdl=DECODE_PDL and norm_rope.PDL and not portable)

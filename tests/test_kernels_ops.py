@@ -358,10 +358,13 @@ def test_decode_attention_graph_replays_new_lengths_and_refuses_bad_shapes() -> 
     q_w, k_w = cupy.ones(D, cupy.float32), cupy.ones(D, cupy.float32)
     s_d, p_d = cupy.asarray([0], cupy.int32), cupy.asarray([0], cupy.int32)
     out = cupy.empty((1, H, D), cupy.float32)
+    splits = at.decode_splits(H, 1000)
+    assert splits > 1   # the partials meet through the workspace, made before the capture (it outlives it)
+    ws = at.make_decode_workspace(H, D, splits)
 
     def step():
         at.decode_attention(qg[..., :D], k, v, cache, s_d, p_d, q_w, k_w, n_rot, theta, eps, gate=qg[..., D:],
-                            s_hint=1000, out=out)
+                            s_hint=1000, out=out, workspace=ws)
 
     stream = cupy.cuda.Stream(non_blocking=True)
     with stream:
@@ -387,6 +390,9 @@ def test_decode_attention_graph_replays_new_lengths_and_refuses_bad_shapes() -> 
         at.decode_attention(qg[..., :D], k[:, :2], v, cache, 0, [0], q_w, k_w, n_rot, theta, eps)
     with pytest.raises(ValueError, match="exceed"):
         at.decode_attention(qg[..., :D], k, v, cache, 1024, [0], q_w, k_w, n_rot, theta, eps)
+    with pytest.raises(ValueError, match="workspace does not fit"):
+        at.decode_attention(qg[..., :D], k, v, cache, 0, [0], q_w, k_w, n_rot, theta, eps, splits=splits + 1,
+                            workspace=ws)
 
 
 def test_kv_row_mover_graph_replays_any_path() -> None:
