@@ -227,6 +227,10 @@ STEP_ABS = {
                     ("one 256 keys", SMALL, 3, "capture",
                      {"q35.FUSE_DECODE_ATTN": True, "att.DECODE_KEYS_PER_SPLIT": 256})],
                    (1,), [("one", "chain"), ("one pdl", "chain"), ("one 256 keys", "chain")]),
+    # the SwiGLU pack writing ffn_down's int16 staging alone (qwen35_gpu.SWIGLU_STAGING_ONLY) or the fp16 x too
+    "swigluonly": ([("full", SMALL, 3, "capture", {"q35.SWIGLU_STAGING_ONLY": False}),
+                    ("staging only", SMALL, 3, "capture", {"q35.SWIGLU_STAGING_ONLY": True})], (1, 2, 3),
+                   [("staging only", "full")]),
     "v2stages": ([("shipped", SMALL, 3, "capture", {}), ("v2 3 stages", SMALL, 3, "capture", {"qm.STAGES_V2": 3}),
                   ("v2 4 stages", SMALL, 3, "capture", {"qm.STAGES_V2": 4})], (8, 16, 23),
                  [("v2 3 stages", "shipped"), ("v2 4 stages", "shipped")]),

@@ -780,9 +780,10 @@ __global__ void __launch_bounds__(256) pack_rms_kernel(const void* __restrict__ 
 }
 
 // xp = fp16(silu(g) * u) in pack_x_kernel's layout (SwiGLU into ffn_down); g, u rows with strides ldg, ldu (the
-// halves of one [T, 2K] gate|up product); with q16 also the gemv staging. Grid-stride over the units in natural
-// order (pack_x_kernel's); each reads its 8 values of g and u as 16-byte vectors when both are 16-byte aligned (rows
-// and strides), else one by one.
+// halves of one [T, 2K] gate|up product); with q16 also the gemv staging; xp null: the staging only (for a ring
+// gemv, which reads nothing else), over the T real rows. Grid-stride over the units in natural order
+// (pack_x_kernel's); each reads its 8 values of g and u as 16-byte vectors when both are 16-byte aligned (rows and
+// strides), else one by one.
 template <int IN_F32>
 __global__ void pack_silu_kernel(const void* __restrict__ g, long long ldg, const void* __restrict__ up,
                                  long long ldu, int T, int K, int TPAD, uint4* __restrict__ xp,
@@ -792,11 +793,12 @@ __global__ void pack_silu_kernel(const void* __restrict__ g, long long ldg, cons
     constexpr int IS = IN_F32 ? 4 : 2;
     const bool vec = aligned16(g, ldg * IS) && aligned16(up, ldu * IS);
     const int nch = (K + CHUNK - 1) / CHUNK;
-    const long long total = (long long)nch * TPAD * 32;
+    const int TP = xp != nullptr ? TPAD : T;  // no fp16 x (the staging only): no padding rows to zero either
+    const long long total = (long long)nch * TP * 32;
     for (long long v = (long long)blockIdx.x * blockDim.x + threadIdx.x; v < total;
          v += (long long)gridDim.x * blockDim.x) {
         int ch, n, uu, m;
-        const long long u = natural_unit(v, K, TPAD, ch, n, uu, m);
+        const long long u = natural_unit(v, K, TP, ch, n, uu, m);
         const int k = ch * CHUNK + 8 * uu;
         const bool has = uu < 4 * m;
         u32 h[8];
@@ -822,7 +824,7 @@ __global__ void pack_silu_kernel(const void* __restrict__ g, long long ldg, cons
                 h[e] = f2h(silu(ld_act<IN_F32>(g, (long long)n * ldg + k + e)) *
                            ld_act<IN_F32>(up, (long long)n * ldu + k + e));
         }
-        if (has) xp[u] = pack8(h);
+        if (has && xp != nullptr) xp[u] = pack8(h);
         if (q16 != nullptr) put_q16(q16, nch, T, ch, n, uu, h);
     }
 }

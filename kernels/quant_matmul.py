@@ -417,6 +417,7 @@ def pack_activations(
     portable: bool = False,
     out: Any = None,
     q16: bool | None = None,
+    staging_only: bool = False,
 ) -> PackedX:
     """x: cupy (or numpy) [T, K] or [K] float16/float32, T <= 64, K a multiple of 32 -> PackedX (one launch).
 
@@ -429,6 +430,8 @@ def pack_activations(
       * silu_up (like x): silu(x) * silu_up (SwiGLU: x the gate half, silu_up the up half; row strides free).
     Arithmetic matches kernels/norm_rope.cu, so the result equals packing that module's output bit for bit.
     q16: also write the gemv kernel's int16 staging (PackedX.q16); None: for up to Q16_TOKENS tokens.
+    staging_only (silu_up only): the staging and no fp16 x (PackedX.data None: for a product that reads the staging
+    alone, a ring gemv: backend.reads_staging), the same staging bits from a launch over the real rows only.
     """
     cupy = loader.require()
     x = _rows_2d(x, "activations")
@@ -441,19 +444,24 @@ def pack_activations(
         raise ValueError("residual and gate apply to a normalised pack (rms_weight)")
     if rms_weight is not None and silu_up is not None:
         raise ValueError("pack_activations fuses either a norm (rms_weight) or silu(x) * up, not both")
+    if staging_only and (silu_up is None or q16 is False or out is not None):
+        raise ValueError("staging_only packs SwiGLU (silu_up) into the int16 staging alone (no q16=False, no out)")
     f32 = x.dtype == np.float32
     item = x.dtype.itemsize
     ldx = x.strides[0] // item if tokens > 1 else k
     padded = 8 * ((tokens + 7) // 8)
     size = k * padded
-    if out is None:
+    if staging_only:
+        pass
+    elif out is None:
         out = cupy.empty(size, dtype=cupy.uint16)
     elif out.dtype != cupy.uint16 or out.size != size or not out.flags.c_contiguous:
         raise ValueError(f"out must be a contiguous uint16 array of {size} elements")
-    units = -(-k // 256) * padded * 32  # pack_x / pack_silu: one thread per 16-byte unit (tail chunks padded to 32)
+    # pack_x / pack_silu: one thread per 16-byte unit (tail chunks padded to 32), of the real rows only without x
+    units = -(-k // 256) * (tokens if staging_only else padded) * 32
     blocks = max(1, min((units + 255) // 256, 8192))
     if q16 is None:
-        q16 = tokens <= Q16_TOKENS
+        q16 = staging_only or tokens <= Q16_TOKENS
     xq = cupy.empty(q16_words(k, tokens), dtype=cupy.uint32) if q16 else None
     xq_arg = xq if xq is not None else np.uint64(0)
 
@@ -468,8 +476,8 @@ def pack_activations(
         ldu = up.strides[0] // item if tokens > 1 else k
         kern = pack_silu_function(f32, portable, q16)
         kern((blocks,), (256,), (x, np.int64(ldx), up, np.int64(ldu), np.int32(tokens), np.int32(k), np.int32(padded),
-                                 out, xq_arg))  # fmt: skip
-        return PackedX(out, tokens, k, q16=xq)
+                                 out if not staging_only else np.uint64(0), xq_arg))  # fmt: skip
+        return PackedX(None if staging_only else out, tokens, k, q16=xq)
     if rms_weight is None:
         pack_function(f32, portable, q16)((blocks,), (256,), (x, np.int64(ldx), np.int32(tokens), np.int32(k),
                                                          np.int32(padded), out, xq_arg))  # fmt: skip

@@ -212,8 +212,8 @@ extern "C" int sim_gemv_ring_swiglu(int qt, int nt, const unsigned char* W, long
     return run_blocks((unsigned)(F / 16), kw, order_seed);
 }
 
-// pack_silu_kernel<1> (fp32 g and up, rows T x K with stride ld) writing only the gemv staging q16 (no fp16 pack:
-// xp null is not allowed, so a scratch one), blocks of 64 threads as sim_pack
+// pack_silu_kernel<1> (fp32 g and up, rows T x K with stride ld) writing the gemv staging q16 and, unless xp is
+// null (the staging alone), the fp16 pack; blocks of 64 threads as sim_pack
 static struct {
     const float *g, *u;
     long long ld;

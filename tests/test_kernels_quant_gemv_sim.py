@@ -428,16 +428,28 @@ def run_ring_swiglu(lib, qtype: int, raw: np.ndarray, k: int, xq: np.ndarray, to
     return out
 
 
-def sim_pack_silu(lib, g: np.ndarray, u: np.ndarray) -> np.ndarray:
-    """pack_silu_kernel on the CPU from fp32 g, u [T, F]: its gemv staging words."""
+def sim_pack_silu(lib, g: np.ndarray, u: np.ndarray, staging_only: bool = False) -> np.ndarray:
+    """pack_silu_kernel on the CPU from fp32 g, u [T, F]: its gemv staging words (staging_only: xp null, as
+    pack_activations(staging_only=True) launches it)."""
     tokens, f = g.shape
     gu = np.ascontiguousarray(np.concatenate([g, u], axis=1), np.float32)
     xp = aligned_zeros(f * 8 * ((tokens + 7) // 8) * 2)
     out = aligned_zeros(4 * qm.q16_words(f, tokens)).view(np.uint32)
     out[...] = 0xDEADBEEF
     lib.sim_pack_silu(gu.ctypes.data, gu[:, f:].ctypes.data, 2 * f, tokens, f, 8 * ((tokens + 7) // 8),
-                      xp.ctypes.data, out.ctypes.data)
+                      None if staging_only else xp.ctypes.data, out.ctypes.data)
     return out
+
+
+@pytest.mark.parametrize("tokens,f", [(1, 512), (2, 768), (3, 1280)])
+def test_pack_silu_staging_only_writes_the_same_staging(sim, tokens: int, f: int) -> None:
+    """pack_silu_kernel without its fp16 x (xp null: a grid over the real rows only) writes every staging word, with
+    the bits of the full pack's."""
+    rng = np.random.default_rng(tokens * 7 + f)
+    g = rng.standard_normal((tokens, f)).astype(np.float32) * 2
+    u = rng.standard_normal((tokens, f)).astype(np.float32)
+    full, only = sim_pack_silu(sim, g, u), sim_pack_silu(sim, g, u, staging_only=True)
+    assert not (only == 0xDEADBEEF).any() and np.array_equal(only, full)
 
 
 def q16_values(words: np.ndarray, k: int, tokens: int) -> np.ndarray:

@@ -192,6 +192,23 @@ def _half_diff(a, b) -> tuple[int, float]:
     return int((a != b).sum()), float((np.abs(a - b) / ulp).max())
 
 
+@pytest.mark.parametrize("tokens", [1, 2, 3])
+def test_silu_pack_staging_only_is_the_full_packs_staging(tokens: int) -> None:
+    """pack_activations(silu_up=, staging_only=True): no fp16 x (PackedX.data None), a launch over the real rows
+    only, and the int16 staging bit for bit the full pack's; refused where it cannot stand alone."""
+    rng = np.random.default_rng(tokens)
+    k = 17408
+    gu = cupy.asarray(rng.standard_normal((tokens, 2 * k)).astype(np.float32) * 2)
+    full = qm.pack_activations(gu[:, :k], silu_up=gu[:, k:], q16=True)
+    only = qm.pack_activations(gu[:, :k], silu_up=gu[:, k:], staging_only=True)
+    assert only.data is None and only.q16 is not None
+    assert cupy.array_equal(only.q16, full.q16)
+    with pytest.raises(ValueError, match="staging_only"):
+        qm.pack_activations(gu[:, :k], staging_only=True)
+    with pytest.raises(ValueError, match="staging_only"):
+        qm.pack_activations(gu[:, :k], silu_up=gu[:, k:], staging_only=True, q16=False)
+
+
 @pytest.mark.parametrize("tokens,k,dtype", [(1, 5120, np.float32), (5, 1248, np.float32), (23, 512, np.float16),
                                             (64, 1024, np.float32)])
 def test_fused_packs_equal_the_separate_launches(tokens: int, k: int, dtype) -> None:

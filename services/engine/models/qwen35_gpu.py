@@ -134,6 +134,11 @@ DECODE_STEP_WARPS = 4
 # width-1 step replays (bench/gemv_ab.py --step-ab dnnorm): 6762 vs 6839 us, 0.9888 of the pack after 4-warp blocks
 # (16-warp blocks with the pack: 1.0024).
 FUSE_DECODE_NORM = True
+# The SwiGLU pack writes only ffn_down's int16 staging where ffn_down is a ring gemv (backend.reads_staging), not the
+# fp16 x that only other kernels read nor its padding rows (at one token 7 of 8): the same staging bits. H100, 27B
+# Q4_K_M step replays (bench/gemv_ab.py --step-ab swigluonly): 0.9991 / 1.0001 / 0.9972 of the full pack at widths
+# 1 / 2 / 3.
+SWIGLU_STAGING_ONLY = True
 # A one-token chain step's attention layer in one launch (attention.decode_attention: q/k norm + RoPE, the KV store
 # and the attention on CUDA cores, with o's staging for attn_output) where its graph sees at most
 # attention.DECODE_MAX_ROWS cache rows; replaces qk_norm_rope, store, attn_partial and attn_combine.
@@ -1254,7 +1259,9 @@ class Qwen35GpuModel(TargetModel):
         else:
             gu = w["ffn_gate_up"].matmul(px)
             f = gu.shape[1] // 2
-            xd = qm.pack_activations(gu[:, :f], silu_up=gu[:, f:])
+            # a ring ffn_down reads the staging alone: no fp16 x (nor its padding rows) to write
+            only = SWIGLU_STAGING_ONLY and self.fused_launches and reads_staging(w["ffn_down"], step.T)
+            xd = qm.pack_activations(gu[:, :f], silu_up=gu[:, f:], staging_only=only)
         staged = None
         if nxt and nxt[i]:
             norm = self.layers[i + 1]["attn_norm"] if i + 1 < len(self.layers) else self.output_norm
