@@ -371,6 +371,31 @@ SS_DEV u32 tq3_pair_h2(u32 low4, u32 h2) {
     return byte_perm(0x2c35257eu, 0x321a2f8bu, sel) | ((neg & 1u) << 15) | ((neg & 2u) << 30);
 }
 
+// TQ3_0's Walsh-Hadamard butterfly over GR-value groups of rows whose lane l holds values [E l, E l + E): stages
+// below E in registers, the others across lanes (a group is GR / E consecutive lanes), each the serial butterfly's
+// sums and differences, bit for bit (E = GR: one thread's whole group, tq3_quantize_group's).
+template <int GR, int E>
+SS_DEV void wht_lanes(float (&y)[E], int lane) {
+#pragma unroll
+    for (int h = 1; h < E; h *= 2) {
+#pragma unroll
+        for (int j = 0; j < E; ++j) {
+            if (j & h) continue;
+            const float a = y[j], b = y[j + h];
+            y[j] = a + b;
+            y[j + h] = a - b;
+        }
+    }
+#pragma unroll
+    for (int m = 1; m * E < GR; m *= 2) {
+#pragma unroll
+        for (int j = 0; j < E; ++j) {
+            const float p = SS_SHFL_XOR(y[j], m);
+            y[j] = (lane & m) ? p - y[j] : y[j] + p;
+        }
+    }
+}
+
 // Quantize one G-value group (src values off .. off + G - 1) into G / 32 blocks at dst (2-byte aligned):
 // norm, unit vector, in-register Walsh-Hadamard butterfly, nearest centroid, corrected norm in f16.
 template <int G, int TI>
@@ -386,16 +411,7 @@ SS_DEV void tq3_quantize_group(const void* src, i64 off, u8* dst) {
     const float inv = nrm > 1e-10f ? 1.0f / nrm : 0.0f;
 #pragma unroll
     for (int i = 0; i < G; ++i) y[i] = y[i] * inv * tq3_sign1(i);
-#pragma unroll
-    for (int h = 1; h < G; h *= 2) {
-#pragma unroll
-        for (int i = 0; i < G; ++i) {
-            if (i & h) continue;
-            const float a = y[i], b = y[i + h];
-            y[i] = a + b;
-            y[i + h] = a - b;
-        }
-    }
+    wht_lanes<G, G>(y, 0);
     u32 lo[G / 16], hi[G / 32];  // 2 low bits: 16 values a word; the high bit: 32 a word
 #pragma unroll
     for (int w = 0; w < G / 16; ++w) lo[w] = 0u;
@@ -505,30 +521,6 @@ SS_DEV void deq_tile(const u8* raw, u16* out, float* nrm, int key0, int n, int t
 // ---------------------------------------------------------------------------------------------
 // The one-token layer's row helpers (attn_decode_kernel): lane l of a warp holds values [E l, E l + E) of a row,
 // E = D / 32.
-
-// TQ3_0's Walsh-Hadamard butterfly over GR-value groups of such rows: stages below E in registers, the others
-// across lanes (a group is GR / E consecutive lanes); the serial butterfly's sums and differences, bit for bit.
-template <int GR, int E>
-SS_DEV void wht_lanes(float (&y)[E], int lane) {
-#pragma unroll
-    for (int h = 1; h < E; h *= 2) {
-#pragma unroll
-        for (int j = 0; j < E; ++j) {
-            if (j & h) continue;
-            const float a = y[j], b = y[j + h];
-            y[j] = a + b;
-            y[j + h] = a - b;
-        }
-    }
-#pragma unroll
-    for (int m = 1; m * E < GR; m *= 2) {
-#pragma unroll
-        for (int j = 0; j < E; ++j) {
-            const float p = SS_SHFL_XOR(y[j], m);
-            y[j] = (lane & m) ? p - y[j] : y[j] + p;
-        }
-    }
-}
 
 // This lane's values of a stored row of kind KIND (raw bytes, e.g. in shared memory) as f32: f16 values, Q8_0
 // d q, TQ3_0 centroid * norm (the rotated domain, as attention reads it).
