@@ -129,9 +129,11 @@ class KVCacheLayer:
     """One layer's K and V cache on the GPU: head-major [Hkv][ctx][D] rows of f16, GGUF Q8_0 or TQ3_0 blocks.
 
     `kind` is K's type and V's unless `kind_v` is given. `kind`, `code` and `row_bytes` describe K (they are
-    V's too when both sides agree); `kind_v`, `code_v` and `row_bytes_v` describe V."""
+    V's too when both sides agree); `kind_v`, `code_v` and `row_bytes_v` describe V. decode_counters: the arrival
+    counters decode_attention needs (`counters`; None without)."""
 
-    def __init__(self, n_kv_heads: int, head_dim: int, max_ctx: int, kind: str = "f16", kind_v: str | None = None):
+    def __init__(self, n_kv_heads: int, head_dim: int, max_ctx: int, kind: str = "f16", kind_v: str | None = None,
+                 decode_counters: bool = False):
         cupy = loader.require()
         kind_v = kind if kind_v is None else kind_v
         self.code = _check_kind(kind, head_dim)
@@ -145,9 +147,10 @@ class KVCacheLayer:
         self.row_bytes_v = row_bytes(kind_v, head_dim)
         self.k = cupy.zeros(self.n_kv_heads * self.ctx * self.row_bytes, dtype=cupy.uint8)
         self.v = cupy.zeros(self.n_kv_heads * self.ctx * self.row_bytes_v, dtype=cupy.uint8)
-        # decode_attention's arrival counters, one a query head (each launch leaves them at zero); not in nbytes (the
-        # rows'): the memory plan counts them apart ("KV decode counters")
-        self.counters = cupy.zeros(self.n_kv_heads * DECODE_MAX_GROUP, dtype=cupy.uint32)
+        # decode_attention's arrival counters, one a query head (each launch leaves them at zero), for a cache that
+        # asks for them (a target's); not in nbytes (the rows'): the memory plan counts them apart
+        self.counters = (cupy.zeros(self.n_kv_heads * DECODE_MAX_GROUP, dtype=cupy.uint32) if decode_counters
+                         else None)
 
     @property
     def kind_k(self) -> str:
@@ -523,8 +526,8 @@ def decode_supported(cache: KVCacheLayer, n_head: int, s_hint: int) -> bool:
     """Whether decode_attention takes a one-token step of n_head query heads over this cache for a graph of at most
     s_hint committed rows."""
     Hkv = cache.n_kv_heads
-    return (cache.head_dim in HEAD_DIMS and n_head % Hkv == 0 and 1 <= n_head // Hkv <= DECODE_MAX_GROUP
-            and int(s_hint) + 1 <= DECODE_MAX_ROWS)
+    return (cache.counters is not None and cache.head_dim in HEAD_DIMS and n_head % Hkv == 0
+            and 1 <= n_head // Hkv <= DECODE_MAX_GROUP and int(s_hint) + 1 <= DECODE_MAX_ROWS)
 
 
 def decode_attention(
@@ -563,6 +566,8 @@ def decode_attention(
     k, Tk, Hk, Dk, _, k_head = norm_rope._head_view(k, "k")
     v, Tv, Hv, Dv, _, v_head = norm_rope._head_view(v, "v")
     Hkv = cache.n_kv_heads
+    if cache.counters is None:
+        raise ValueError("decode_attention needs a cache made with decode_counters=True")
     if int(q.shape[0]) != 1 or Tk != 1 or Tv != 1:
         raise ValueError("decode_attention takes one token (q, k, v of shape [1, heads, head_dim])")
     if (Hk, Dk) != (Hkv, cache.head_dim) or (Hv, Dv) != (Hkv, cache.head_dim) or D != cache.head_dim:

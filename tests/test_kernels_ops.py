@@ -170,7 +170,7 @@ def random_tree(T: int, rng) -> list[int]:
 def make_cache(kind: str, Hkv: int, D: int, S: int, T: int, rng, max_ctx: int | None = None, kind_v=None,
                ramp: float = 0.0):  # fmt: skip
     """ramp: key row j scaled by 1 + ramp * j (scores grow along the context)."""
-    cache = at.KVCacheLayer(Hkv, D, max_ctx or S + T + 40, kind, kind_v)
+    cache = at.KVCacheLayer(Hkv, D, max_ctx or S + T + 40, kind, kind_v, decode_counters=True)
     cache.k.fill(0xFF)  # stale NaN bytes past the written rows must not leak into the result
     cache.v.fill(0xFF)
     k = rng.standard_normal((S + T, Hkv, D)).astype(np.float32)
@@ -390,6 +390,10 @@ def test_decode_attention_graph_replays_new_lengths_and_refuses_bad_shapes() -> 
         at.decode_attention(qg[..., :D], k[:, :2], v, cache, 0, [0], q_w, k_w, n_rot, theta, eps)
     with pytest.raises(ValueError, match="exceed"):
         at.decode_attention(qg[..., :D], k, v, cache, 1024, [0], q_w, k_w, n_rot, theta, eps)
+    bare = at.KVCacheLayer(Hkv, D, 1024, "q8_0", "tq3_0")   # a drafter's caches keep no counters
+    assert bare.counters is None and not at.decode_supported(bare, H, 100) and at.decode_supported(cache, H, 100)
+    with pytest.raises(ValueError, match="decode_counters"):
+        at.decode_attention(qg[..., :D], k, v, bare, 0, [0], q_w, k_w, n_rot, theta, eps)
     with pytest.raises(ValueError, match="workspace does not fit"):
         at.decode_attention(qg[..., :D], k, v, cache, 0, [0], q_w, k_w, n_rot, theta, eps, splits=splits + 1,
                             workspace=ws)

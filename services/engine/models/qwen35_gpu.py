@@ -246,7 +246,7 @@ class GpuSequenceState:
         self.kv_types = (kv_k, kv_v)
         self.attn_layers = [i for i, r in enumerate(cfg.recurrent_layers) if not r]
         self.rec_layers = [i for i, r in enumerate(cfg.recurrent_layers) if r]
-        self.kv = {i: att.KVCacheLayer(cfg.n_head_kv, cfg.head_dim, self.max_ctx, kv_k, kv_v)
+        self.kv = {i: att.KVCacheLayer(cfg.n_head_kv, cfg.head_dim, self.max_ctx, kv_k, kv_v, decode_counters=True)
                    for i in self.attn_layers}
         # a tree step's commit moves the accepted path's KV rows of every layer in one launch
         self.mover = att.KVRowMover(list(self.kv.values())) if self.kv else None
