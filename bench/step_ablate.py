@@ -84,10 +84,8 @@ def _patches(piece: str, cupy: Any) -> list[tuple[Any, str, Any]]:
                 (dn, "gated_delta_tree", _empty_like_rows(
                     cupy, lambda a, kw: (int(a[0].shape[0]), int(a[5].shape[0]), int(a[5].shape[2]))))]
     if piece == "attention chain":
-        return [(att, "attention", _empty_like_rows(cupy, lambda a, kw: tuple(a[0].shape))),
-                (att, "decode_attention", _empty_like_rows(cupy, lambda a, kw: tuple(a[0].shape))),
-                (nr, "qk_norm_rope", lambda q, k, *a, **kw: (q, k)),
-                (att.KVCacheLayer, "store", lambda self, *a, **kw: None)]
+        return _patches("attention kernels", cupy) + [(nr, "qk_norm_rope", lambda q, k, *a, **kw: (q, k)),
+                                                      (att.KVCacheLayer, "store", lambda self, *a, **kw: None)]
     if piece == "KV store":
         return [(att.KVCacheLayer, "store", lambda self, *a, **kw: None)]
     if piece == "q/k norm + RoPE":
