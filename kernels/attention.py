@@ -371,6 +371,18 @@ def stages_output(n_head: int, head_dim: int) -> bool:
     return head_dim % 32 == 0 and (n_head * head_dim) % 256 == 0
 
 
+def _check_q16(q16: Any, n_head: int, head_dim: int, tokens: int, out_dtype: Any) -> None:
+    """o's int16 staging (q16=) of attention / decode_attention: a shape that can write it (stages_output, an f32 /
+    f16 output) and a buffer of quant_matmul.q16_words(H D, T) words."""
+    H, D = n_head, head_dim
+    if not stages_output(H, D) or np.dtype(out_dtype) not in (np.float32, np.float16):
+        raise ValueError(f"o's int16 staging takes D a multiple of 32, H D of 256 and an f32 / f16 output, not "
+                         f"D = {D}, H D = {H * D}, {np.dtype(out_dtype)}")
+    words = -(-H * D // 256) * tokens * 160
+    if q16.dtype != np.uint32 or int(q16.size) != words or not q16.flags.c_contiguous:
+        raise ValueError(f"q16 must be a contiguous uint32 array of {words} words")
+
+
 def attention(
     q: Any,
     cache: KVCacheLayer,
@@ -417,12 +429,7 @@ def attention(
     tq = type_code(q)
     to, odt = out_code(out_dtype, 0)
     if q16 is not None:
-        words = -(-H * D // 256) * T * 160
-        if not stages_output(H, D) or to == 2:
-            raise ValueError(f"o's int16 staging takes D a multiple of 32, H D of 256 and an f32 / f16 output, not "
-                             f"D = {D}, H D = {H * D}, {np.dtype(odt)}")
-        if q16.dtype != np.uint32 or int(q16.size) != words or not q16.flags.c_contiguous:
-            raise ValueError(f"q16 must be a contiguous uint32 array of {words} words")
+        _check_q16(q16, H, D, T, odt)
     if kw is None:
         kw = default_kw(H, Hkv, T, max(0, int(s_hint)) + T, f16=cache.kind == "f16" and cache.kind_v == "f16")
     if splits is None:
@@ -604,11 +611,7 @@ def decode_attention(
     elif out.dtype != cupy.float32 or tuple(out.shape) != (1, H, D) or not out.flags.c_contiguous:
         raise ValueError(f"out must be a contiguous float32 array of shape {(1, H, D)}")
     if q16 is not None:
-        words = -(-H * D // 256) * 160
-        if not stages_output(H, D):
-            raise ValueError(f"o's int16 staging takes D a multiple of 32 and H D of 256, not D = {D}, H D = {H * D}")
-        if q16.dtype != np.uint32 or int(q16.size) != words or not q16.flags.c_contiguous:
-            raise ValueError(f"q16 must be a contiguous uint32 array of {words} words")
+        _check_q16(q16, H, D, 1, np.float32)
     if ns == 1:  # one block a head: no partials (the kernel never touches the workspace)
         ws_o = ws_ml = out
     elif workspace is None:

@@ -705,3 +705,16 @@ def test_attention_default_warps_a_tile() -> None:
     # f16 K and V: 2 up to SHORT_KW_ROWS_F16 rows
     assert at.default_kw(H, Hkv, 23, 4096, f16=True) == 2 and at.default_kw(H, Hkv, 23, 4097, f16=True) == 1
     assert at.default_kw(H, Hkv, 3, 1 << 20) == 2   # two tiles: grid_rows's 2 at any context
+
+
+def test_staging_buffer_checks_are_shared_by_both_attention_launchers() -> None:
+    """attention(q16=) and decode_attention(q16=) refuse the same way (kernels.attention._check_q16, host only): a
+    head shape or output type that cannot write o's staging, a buffer of the wrong size."""
+    attn_mod._check_q16(np.zeros(24 * 160, np.uint32), 24, 256, 1, np.float32)
+    attn_mod._check_q16(np.zeros(24 * 3 * 160, np.uint32), 24, 256, 3, np.float16)
+    with pytest.raises(ValueError, match="H D of 256"):
+        attn_mod._check_q16(np.zeros(160, np.uint32), 2, 64, 1, np.float32)
+    with pytest.raises(ValueError, match="f32 / f16 output"):
+        attn_mod._check_q16(np.zeros(24 * 160, np.uint32), 24, 256, 1, np.uint16)
+    with pytest.raises(ValueError, match="3840 words"):
+        attn_mod._check_q16(np.zeros(100, np.uint32), 24, 256, 1, np.float32)
