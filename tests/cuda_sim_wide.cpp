@@ -43,7 +43,7 @@ static void (*g_body)() = nullptr;
 template <int QT, int NT, int MT>
 static void qmw_body() {
     qmw_kernel<QT, NT, MT>(wa.W, wa.row_bytes, wa.N, wa.K, wa.xp, wa.T, wa.y, wa.stages, wa.accumulate, wa.ldy, wa.part,
-                           wa.counters, 1);  // (a producer warp: the bulk-copy path's only, ignored here)
+                           wa.counters, 1, 1);  // (a producer warp and the y tile: the bulk-copy path's only, ignored here)
 }
 
 template <int QT, int NT, int MT>

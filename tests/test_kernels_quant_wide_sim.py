@@ -383,7 +383,7 @@ class _SimKernel:
     signature, then runs the launch in the simulation."""
 
     SIGNATURE = ("ptr", np.int64, np.int32, np.int32, "ptr", np.int32, "ptr", np.int32, np.int32, np.int64, "ptr",
-                 "ptr", np.int32)  # fmt: skip
+                 "ptr", np.int32, np.int32)  # fmt: skip
 
     def __init__(self, lib, name: str, launches: list):
         qt, nt, mt = (int(v) for v in name[name.index("<") + 1 : -1].split(","))
@@ -395,8 +395,8 @@ class _SimKernel:
         assert len(args) == len(self.SIGNATURE)
         for a, want in zip(args, self.SIGNATURE):
             assert isinstance(a, np.ndarray) if want == "ptr" else type(a) is want, (a, want)
-        W, row_bytes, n, k, xp, tokens, y, stages, accumulate, ldy, part, counters, producer = args
-        assert producer == 0  # the portable path has no producer warp
+        W, row_bytes, n, k, xp, tokens, y, stages, accumulate, ldy, part, counters, producer, ytile = args
+        assert producer == 0 and ytile == 0  # the portable path has no producer warp and no bulk reduce-adds
         (blocks,), (threads,) = grid, block
         self.launches.append({"blocks": blocks, "threads": threads, "smem": shared_mem, "part": part.size})
         assert threads % 32 == 0 and shared_mem <= qw.SMEM_LIMIT
@@ -421,6 +421,7 @@ def test_launcher_end_to_end_on_cpu(sim, monkeypatch, qtype, n_out, k, tokens, c
     monkeypatch.setattr(qm, "sm_count", lambda: 3)
     monkeypatch.setattr(qm, "_device_id", lambda: 0)
     monkeypatch.setattr(qw, "producer_warps", lambda portable=False: 0)  # the simulated path copies without one
+    monkeypatch.setattr(qw, "bulk_adds", lambda portable=False: False)  # ... and adds into y itself
     nrb_max = qw.row_blocks(n_out, 1, 1)
     scratch = (np.full(1 << 22, np.nan, np.float32), np.zeros(nrb_max * 8, np.uint32))
     sizes = []
