@@ -53,7 +53,11 @@ CROSSOVER = {1: 17, 8: 25, 12: 25, 14: 25}  # F16, Q8_0, Q4_K, Q6_K
 # in the 27B step (graph replay, interleaved) these crossovers beat 9 everywhere: -0.4 / -1.0 / -0.9 / -0.8 % at 12 /
 # 16 / 20 / 23 tokens (17 for both: -0.5 / -1.1 / +0.1 / 0.0 %). Tall (the output matrix): still from 9 (v2 592 vs
 # wide 441 us at 23).
-DEEP_CROSSOVER = {12: 24, 14: 17}  # Q4_K, Q6_K (F16 / Q8_0: no sweep yet)
+# With the bulk reduce-adds (BULK_ADDS) the wide kernel's accumulating ffn_down pulls ahead of v2's at 17..24 tokens on
+# Q4_K too (23 tokens: 31.7 vs 34.6 us); step replays (bench/gemv_ab.py --step-ab deepq4, H100, 2026-11-27, three
+# rounds) with Q4_K from 17 against 24: 0.9972 / 0.9976 / 0.9977 at widths 17 / 20 / 23 (from 20: 0.9996 / 0.9979 /
+# 0.9976).
+DEEP_CROSSOVER = {12: 17, 14: 17}  # Q4_K, Q6_K (F16 / Q8_0: no sweep yet)
 TALL_CROSSOVER = {12: 9, 14: 9}  # tall matrices (a type missing: DEEP_CROSSOVER)
 TALL_ROWS = 65536  # a matrix of this many rows or more is "tall"
 # High (HIGH_ROWS rows or more, neither deep nor tall: the 27B's stacked ffn_gate|up of 34816 rows and the DeltaNet

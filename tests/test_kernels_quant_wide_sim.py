@@ -364,9 +364,10 @@ def test_dispatch_widths() -> None:
         for shape in ((34816, 5120), (17408, 5120), (16384, 5120), (65535, 5120)):  # gate|up, ffn_up: HIGH_CROSSOVER
             assert not qw.prefer_wide(q, high_first - 1, *shape) and qw.prefer_wide(q, high_first, *shape)
     # H100 2026-11-26: v2 up to 24 tokens on ffn_up / ssm_out; the wide kernel from 9 on the K-quants' output matrix;
-    # on ffn_down from 24 (Q4_K) / 17 (Q6_K) since v2 lost its per-load index math (from 9 before); F16 from 17
+    # on ffn_down from 24 (Q4_K) / 17 (Q6_K) since v2 lost its per-load index math (from 9 before); F16 from 17;
+    # 2026-11-27 (bulk reduce-adds): Q4_K's ffn_down from 17 as well
     assert qw.CROSSOVER[Q4_K] == qw.CROSSOVER[Q6_K] == 25 and qw.TALL_CROSSOVER[Q4_K] == qw.TALL_CROSSOVER[Q6_K] == 9
-    assert (qw.DEEP_CROSSOVER[Q4_K], qw.DEEP_CROSSOVER[Q6_K]) == (24, 17)
+    assert (qw.DEEP_CROSSOVER[Q4_K], qw.DEEP_CROSSOVER[Q6_K]) == (17, 17)
     # 2026-11-27: high matrices (the stacked gate|up, the DeltaNet input stack) from 17 on the K-quants
     assert qw.HIGH_CROSSOVER == {Q4_K: 17, Q6_K: 17} and qw.HIGH_ROWS == 16384
 
