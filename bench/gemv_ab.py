@@ -238,6 +238,9 @@ STEP_ABS = {
     # Q4_K deep matrices (ffn_down) on the wide kernel from 17 / 20 tokens or from 24 (quant_wide.DEEP_CROSSOVER)
     "deepq4": ([(f"deep from {d}", SMALL, 3, "capture", {"qw.DEEP_CROSSOVER": {12: d, 14: 17}}) for d in (24, 20, 17)],
                (17, 20, 23), [("deep from 20", "deep from 24"), ("deep from 17", "deep from 24")]),
+    # a block's last row block added up at once when its one other sharer's pieces are in (quant_wide.PEEK) or not
+    "peek": ([("store-count-read", SMALL, 3, "capture", {"qw.PEEK": False}),
+              ("peek", SMALL, 3, "capture", {"qw.PEEK": True})], (17, 23, 32, 41), [("peek", "store-count-read")]),
     "v2stages": ([("shipped", SMALL, 3, "capture", {}), ("v2 3 stages", SMALL, 3, "capture", {"qm.STAGES_V2": 3}),
                   ("v2 4 stages", SMALL, 3, "capture", {"qm.STAGES_V2": 4})], (8, 16, 23),
                  [("v2 3 stages", "shipped"), ("v2 4 stages", "shipped")]),

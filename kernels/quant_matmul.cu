@@ -1595,6 +1595,20 @@ SS_DEV unsigned int count_in(unsigned int* counter, unsigned int last) {
 #endif
 }
 
+// The row block's counter as lane 0 sees it, with acquire semantics: the pieces of every arrival it counts are
+// visible to the warp after a warp barrier (read with ld_partial).
+SS_DEV unsigned int peek_count(unsigned int* counter) {
+#if SS_PTX
+    unsigned int v;
+    asm volatile("ld.acquire.gpu.global.u32 %0, [%1];\n" : "=r"(v) : "l"(counter) : "memory");
+    return v;
+#else
+    const unsigned int v = atomicAdd(counter, 0u);
+    __threadfence();
+    return v;
+#endif
+}
+
 // acc += this warp's MT tiles of one chunk times all TPAD tokens. wst: the warp's first tile block in the stage
 // (tiles BLK bytes apart); xs: the chunk's packed x in the stage; C: the chunk's length (256, or a F16 / Q8_0 tail).
 template <int QT, int NT, int MT>
@@ -1653,12 +1667,14 @@ SS_DEV void wide_chunk(float (&acc)[MT][NT][4], const u8* wst, const uint4* xs, 
 // (0: N). part / counters: the split scratch (kernels/quant_gemv.py split_scratch): part >= 2 P WM (MT NT 4) 32 floats,
 // counters >= ceil(ceil(N / 16) / (WM MT)) WM words, zero before the launch and left zero. Dynamic shared memory:
 // stages (512 TPAD + WM MT 16 (MAIN + SIDE)) + 16 stages bytes, plus with ytile != 0 (sm_90 bulk copies only) a tile
-// of WM MT 16 TPAD floats through which an accumulating launch adds into y (quant_wide.smem_bytes).
+// of WM MT 16 TPAD floats through which an accumulating launch adds into y (quant_wide.smem_bytes). peek != 0: a
+// block's last row block, shared with one other block, is added up by its warps without storing their pieces when
+// the other block's have arrived (quant_wide.PEEK).
 template <int QT, int NT, int MT>
 __global__ void SS_BOUNDS(288, 1) qmw_kernel(const u8* __restrict__ W, long long row_bytes, int N, int K,
                                              const uint4* __restrict__ xp, int T, float* __restrict__ y, int stages,
                                              int accumulate, long long ldy, float* part, unsigned int* counters,
-                                             int producer, int ytile) {
+                                             int producer, int ytile, int peek) {
     using namespace ss;
     using L = Lay<QT>;
     constexpr int BLK = 16 * (L::MAIN + L::SIDE);  // bytes of one full tile block
@@ -1815,7 +1831,40 @@ __global__ void SS_BOUNDS(288, 1) qmw_kernel(const u8* __restrict__ W, long long
         const i64 first = (i64)rb * nch;
         const i64 fb = ((first + 1) * P - 1) / total, lb = ((first + nch) * P - 1) / total;  // blocks sharing rb
         bool writer = true;
-        if (fb != lb) {
+        bool added = false;
+        if (fb != lb && peek && idx == n_items && lb - fb == 1) {
+            // This block's last row block, shared with one other block, which took the row block's last chunks as
+            // its first items, long done: if its pieces have arrived, add them to this warp's sums at once (block
+            // order, this warp's own from registers: the sums the store-count-read path forms) instead of storing,
+            // counting in and reading back: one round trip to L2 at the block's end instead of three or four.
+            unsigned int seen = 0u;
+            if (lane == 0) seen = peek_count(counters + (i64)rb * WM + warp);
+            seen = SS_SHFL(seen, 0);
+            if (seen == (unsigned int)(lb - fb)) {
+                SS_SYNCWARP();  // the lanes read after lane 0's acquire
+                float own[MT][NT][4];
+#pragma unroll
+                for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+                    for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+                        for (int i = 0; i < 4; ++i) own[mt][nt][i] = acc[mt][nt][i], acc[mt][nt][i] = 0.f;
+                for (i64 bb = fb; bb <= lb; ++bb) {
+                    const i64 sl = 2 * bb + ((bb * total / P) >= first ? 0 : 1);
+                    const float* const src = part + (sl * WM + warp) * NACC * 32 + lane;
+#pragma unroll
+                    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+                        for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+                            for (int i = 0; i < 4; ++i)
+                                acc[mt][nt][i] += bb == b ? own[mt][nt][i] : ld_partial(src + ((mt * NT + nt) * 4 + i) * 32);
+                }
+                if (lane == 0) counters[(i64)rb * WM + warp] = 0u;  // the other piece counted, this one never will
+                added = true;
+            }
+        }
+        if (fb != lb && !added) {
             const int slot = (int)(2 * b + (i0 >= first ? 0 : 1));
             float* const mine = part + ((i64)slot * WM + warp) * NACC * 32 + lane;
 #pragma unroll

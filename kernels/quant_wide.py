@@ -99,6 +99,10 @@ PRODUCER = True
 # whose load stalled the writing warps while the memory system streamed weights (bench probe, H100, 23 tokens, per
 # launch: Q4_K 34816x5120 60.8 -> 51.4 us, Q4_K 5120x17408 36.2 -> 31.5, Q6_K 5120x17408 43.4 -> 39.9; the same bits).
 BULK_ADDS = True
+# A block's last row block, shared with one other block (the stream-K split of a matrix of more chunks a block than a
+# row block has), is added up by its warps at once when the other block's pieces have arrived (it took that row
+# block's last chunks as its first items), without storing this block's pieces, counting in and reading them back.
+PEEK = True
 WARP_CHOICES = (8, 4, 2, 1)  # what choose_config falls back through when a shape does not fit (or a small matrix)
 STAGE_CHOICES = (4, 3, 2)
 
@@ -321,7 +325,7 @@ def wide(
         (32 * (cfg.warps + shape["producer"]),),
         (W.device_buffer, np.int64(W.row_bytes), np.int32(n_out), np.int32(k), packed.data, np.int32(tokens), out,
          np.int32(cfg.stages), np.int32(bool(accumulate)), np.int64(qm.out_stride(out)), part, counters,
-         np.int32(shape["producer"]), np.int32(shape["ytile"])),
+         np.int32(shape["producer"]), np.int32(shape["ytile"]), np.int32(bool(PEEK))),
         shared_mem=shape["smem"],
     )  # fmt: skip
     return out

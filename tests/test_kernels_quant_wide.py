@@ -157,6 +157,27 @@ def test_producer_warp_same_bits(monkeypatch, tokens: int) -> None:
     assert rel_error(with_producer, cupy.asnumpy(x).astype(np.float64) @ w64.T) < TOL
 
 
+@pytest.mark.parametrize("tokens", [17, 23, 41])
+def test_peek_same_bits(monkeypatch, tokens: int) -> None:
+    """A block's last row block added up at once when its one other sharer's pieces are in (quant_wide.PEEK): the
+    same bits as storing, counting in and reading back, for 2-sharer splits (gate|up-like) and many-sharer ones
+    (ffn_down-like), plain and accumulating; the counters left zero."""
+    rng = np.random.default_rng(61 + tokens)
+    for shape in ((34816, 5120), (5120, 17408)):
+        W, w64 = _matrix(qm.Q4_K, shape, rng)
+        x = cupy.asarray((rng.standard_normal((tokens, shape[1])) * 0.5).astype(np.float16))
+        px = qm.pack_activations(x)
+        y0 = rng.standard_normal((tokens, shape[0])).astype(np.float32)
+        got = {}
+        for peek in (True, False):
+            monkeypatch.setattr(qw, "PEEK", peek)
+            got[peek] = (run(W, px, kernel="wide"), run(W, px, y0, kernel="wide", accumulate=True))
+        assert np.array_equal(got[True][0], got[False][0]) and np.array_equal(got[True][1], got[False][1]), shape
+        assert rel_error(got[True][0], cupy.asnumpy(x).astype(np.float64) @ w64.T) < TOL
+    for sc in qg._scratch.values():
+        assert not bool(sc.counters.any()), "the arrival counters must be left zero"
+
+
 def test_reproducible_and_counters_left_zero() -> None:
     rng = np.random.default_rng(5)
     W, _ = _matrix(qm.Q4_K, (5120, 6144), rng)
