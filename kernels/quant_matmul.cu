@@ -1068,21 +1068,27 @@ SS_DEV void cp_async_wait_keep(int keep) {  // wait until at most `keep` (0..3) 
 // Start copying the MT tile blocks of chunk ch (each `bytes` long, tiles `tile_stride` apart in global
 // memory, `blk_stride` apart in the stage buffer). stage_s / bar_s: the same stage and mbarrier as shared-memory
 // addresses (the bulk copy uses those; the other paths the pointers).
+// Only the group's `valid` (1..MT) tiles that exist are read: the last group of a matrix of an odd tile count has
+// one, and the layout ends with that tile (plus PAD_BYTES); the missing tile's rows are computed from stale stage
+// bytes and never written.
 template <int MT>
 SS_DEV void issue_blocks(u8* stage, u32 stage_s, u32 bar_s, const u8* src, i64 tile_stride, int bytes, int blk_stride,
-                         int lane) {
+                         int lane, int valid) {
 #if SS_BULK
     (void)stage;
     if (lane == 0) {
-        mbar_expect_tx_s(bar_s, (u32)(MT * bytes));
+        mbar_expect_tx_s(bar_s, (u32)(valid * bytes));
 #pragma unroll
-        for (int m = 0; m < MT; ++m) bulk_g2s_s(stage_s + (u32)(m * blk_stride), src + m * tile_stride, (u32)bytes, bar_s);
+        for (int m = 0; m < MT; ++m)
+            if (m < valid) bulk_g2s_s(stage_s + (u32)(m * blk_stride), src + m * tile_stride, (u32)bytes, bar_s);
     }
 #else
     (void)stage_s, (void)bar_s;
 #pragma unroll
     for (int m = 0; m < MT; ++m)
-        for (int u = lane; u < (bytes >> 4); u += 32) cp_async16(stage + m * blk_stride + 16 * u, src + m * tile_stride + 16 * u);
+        if (m < valid)
+            for (int u = lane; u < (bytes >> 4); u += 32)
+                cp_async16(stage + m * blk_stride + 16 * u, src + m * tile_stride + 16 * u);
     cp_async_commit();
 #endif
 }
@@ -1344,17 +1350,20 @@ __global__ void SS_BOUNDS(256, (MT == 1 && NT == 1 && QT != 14) ? 4 : 1) qmv_ker
     int ic = 0, sx = 0;
     const u8* src = W + (i64)blockIdx.x * MT * tile_stride + (i64)c0 * BLK;
     const i64 next_group = (i64)gridDim.x * MT * tile_stride - (i64)n * BLK;  // past a group's last chunk -> the next
+    const int ntiles = (N + 15) / 16;
+    int itile = (int)blockIdx.x * MT;  // the first tile of the group being issued
     auto issue_next = [&](int idx) {
         if (idx < total) {
             const int ch = c0 + ic;
             const int rest = K - ch * CHUNK;  // a tail chunk (F16, Q8_0) is shorter
             const int bytes = rest >= CHUNK ? BLK : 16 * (main_bytes<QT>(rest) + side_bytes<QT>(rest));
             issue_blocks<MT>(wsm + sx * STAGE_BYTES, wsm_s + (u32)(sx * STAGE_BYTES), bars_s + 8u * (u32)sx, src,
-                             tile_stride, bytes, BLK, lane);
+                             tile_stride, bytes, BLK, lane, imin(MT, ntiles - itile));
             src += BLK;
             if (++ic == n) {
                 ic = 0;
                 src += next_group;
+                itile += (int)gridDim.x * MT;
             }
         } else {
 #if !SS_BULK

@@ -257,6 +257,56 @@ def test_float32_activations_are_rounded_to_fp16_on_cpu(sim) -> None:
     check_twin(p, y)
 
 
+# v2's last row group on a matrix of an odd tile count, read with a guard page right after the launcher's slack: a
+# read past the layout faults, so the launch runs in a child process (a fault is its exit status, not a crashed run)
+_GUARD_CHILD = r"""
+import ctypes, mmap, sys
+import numpy as np
+lib_path, w_path, xp_path, y_path = sys.argv[1:5]
+qt, nt, mt, kw, n, k, t, row_bytes, grid = (int(v) for v in sys.argv[5:14])
+lib = ctypes.CDLL(lib_path)
+I, LL, P = ctypes.c_int, ctypes.c_longlong, ctypes.c_void_p
+lib.sim_qmv.restype = I
+lib.sim_qmv.argtypes = [I, I, I, I, I, P, LL, I, I, P, I, P, I, LL, I]
+w, xp = np.load(w_path), np.load(xp_path)
+page = mmap.PAGESIZE
+size = -(-w.nbytes // page) * page
+region = mmap.mmap(-1, size + page, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+base = ctypes.addressof(ctypes.c_char.from_buffer(region))
+libc = ctypes.CDLL(None)
+libc.mprotect.argtypes = [P, ctypes.c_size_t, I]
+assert libc.mprotect(base + size, page, 0) == 0  # PROT_NONE after the buffer
+arr = np.frombuffer(region, dtype=np.uint8, count=size)
+arr[size - w.nbytes :] = w  # the buffer ends where the guard page begins
+y = np.full((t, n), np.nan, np.float32)
+err = lib.sim_qmv(qt, nt, mt, kw, 2, base + size - w.nbytes, row_bytes, n, k, xp.ctypes.data, t, y.ctypes.data, 0, 0,
+                  grid)
+np.save(y_path, y)
+sys.exit(0 if err == 0 else 3)
+"""
+
+
+@needs_gxx
+@pytest.mark.parametrize("qtype,n_out,k", [(Q4_K, 77, 768), (Q6_K, 48, 512)])
+def test_v2_reads_no_tile_past_the_matrix(sim, tmp_path, qtype: int, n_out: int, k: int) -> None:
+    """With two m16 tiles a warp, the last row group of a matrix of an odd tile count has one tile: v2 copies that
+    one only. (It copied both, reading up to a tile block past the layout and its 1 KiB of slack: harmless where
+    the allocation had readable memory after it, an illegal address where it did not.)"""
+    tokens = 32
+    p = Problem(sim, qtype, n_out, k, tokens, seed=n_out + k)
+    assert (-(-n_out // 16)) % 2 == 1
+    for name, arr in (("w", p.w), ("xp", p.xp)):
+        np.save(tmp_path / f"{name}.npy", arr)
+    groups = -(-n_out // 32)
+    args = [sys.executable, "-c", _GUARD_CHILD, sim._name, str(tmp_path / "w.npy"), str(tmp_path / "xp.npy"),
+            str(tmp_path / "y.npy"), *map(str, (qtype, p.nt, 2, 1, n_out, k, tokens, p.raw.shape[1], groups))]
+    done = subprocess.run(args, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, f"the launch read past the matrix (exit {done.returncode}): {done.stderr[-2000:]}"
+    y = np.load(tmp_path / "y.npy")
+    assert np.array_equal(y, p.v2(2)), "the guarded launch differs from the same launch with slack after the matrix"
+    check_twin(p, y)
+
+
 # --- the launcher's pure-Python parts ---------------------------------------------------------------------------
 
 
