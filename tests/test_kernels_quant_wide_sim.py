@@ -257,17 +257,21 @@ def test_float32_activations_are_rounded_to_fp16_on_cpu(sim) -> None:
     check_twin(p, y)
 
 
-# v2's last row group on a matrix of an odd tile count, read with a guard page right after the launcher's slack: a
-# read past the layout faults, so the launch runs in a child process (a fault is its exit status, not a crashed run)
+# A launch over a matrix whose device layout (with the launcher's slack) ends right before a guard page: a read past
+# it faults, so the launch runs in a child process (a fault is its exit status, not a crashed test run). kernel: "qmv"
+# (v2; grid = its persistent blocks) or "qmw" (the wide kernel: warps = kw, stages 2, grid blocks, part / counters
+# sized by the parent).
 _GUARD_CHILD = r"""
 import ctypes, mmap, sys
 import numpy as np
-lib_path, w_path, xp_path, y_path = sys.argv[1:5]
-qt, nt, mt, kw, n, k, t, row_bytes, grid = (int(v) for v in sys.argv[5:14])
+lib_path, kernel, w_path, xp_path, y_path = sys.argv[1:6]
+qt, nt, mt, kw, n, k, t, row_bytes, grid, part_floats, n_counters = (int(v) for v in sys.argv[6:17])
 lib = ctypes.CDLL(lib_path)
-I, LL, P = ctypes.c_int, ctypes.c_longlong, ctypes.c_void_p
+I, LL, P, ULL = ctypes.c_int, ctypes.c_longlong, ctypes.c_void_p, ctypes.c_ulonglong
 lib.sim_qmv.restype = I
 lib.sim_qmv.argtypes = [I, I, I, I, I, P, LL, I, I, P, I, P, I, LL, I]
+lib.sim_qmw.restype = I
+lib.sim_qmw.argtypes = [I, I, I, I, I, P, LL, I, I, P, I, P, I, LL, P, P, I, ULL, I]
 w, xp = np.load(w_path), np.load(xp_path)
 page = mmap.PAGESIZE
 size = -(-w.nbytes // page) * page
@@ -279,11 +283,29 @@ assert libc.mprotect(base + size, page, 0) == 0  # PROT_NONE after the buffer
 arr = np.frombuffer(region, dtype=np.uint8, count=size)
 arr[size - w.nbytes :] = w  # the buffer ends where the guard page begins
 y = np.full((t, n), np.nan, np.float32)
-err = lib.sim_qmv(qt, nt, mt, kw, 2, base + size - w.nbytes, row_bytes, n, k, xp.ctypes.data, t, y.ctypes.data, 0, 0,
-                  grid)
+W = base + size - w.nbytes
+if kernel == "qmv":
+    err = lib.sim_qmv(qt, nt, mt, kw, 2, W, row_bytes, n, k, xp.ctypes.data, t, y.ctypes.data, 0, 0, grid)
+else:
+    part = np.full(part_floats, np.nan, np.float32)
+    counters = np.zeros(n_counters, np.uint32)
+    err = lib.sim_qmw(qt, nt, mt, kw, 2, W, row_bytes, n, k, xp.ctypes.data, t, y.ctypes.data, 0, 0,
+                      part.ctypes.data, counters.ctypes.data, grid, 0, 1)
 np.save(y_path, y)
 sys.exit(0 if err == 0 else 3)
 """
+
+
+def _guarded(sim, tmp_path, p: Problem, kernel: str, mt: int, kw: int, grid: int, part_floats: int = 0,
+             n_counters: int = 0) -> np.ndarray:
+    for name, arr in (("w", p.w), ("xp", p.xp)):
+        np.save(tmp_path / f"{name}.npy", arr)
+    args = [sys.executable, "-c", _GUARD_CHILD, sim._name, kernel, str(tmp_path / "w.npy"), str(tmp_path / "xp.npy"),
+            str(tmp_path / "y.npy"), *map(str, (p.qtype, p.nt, mt, kw, p.n_out, p.k, p.tokens, p.raw.shape[1], grid,
+                                                part_floats, n_counters))]  # fmt: skip
+    done = subprocess.run(args, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, f"the launch read past the matrix (exit {done.returncode}): {done.stderr[-2000:]}"
+    return np.load(tmp_path / "y.npy")
 
 
 @needs_gxx
@@ -292,18 +314,26 @@ def test_v2_reads_no_tile_past_the_matrix(sim, tmp_path, qtype: int, n_out: int,
     """With two m16 tiles a warp, the last row group of a matrix of an odd tile count has one tile: v2 copies that
     one only. (It copied both, reading up to a tile block past the layout and its 1 KiB of slack: harmless where
     the allocation had readable memory after it, an illegal address where it did not.)"""
-    tokens = 32
-    p = Problem(sim, qtype, n_out, k, tokens, seed=n_out + k)
+    p = Problem(sim, qtype, n_out, k, 32, seed=n_out + k)
     assert (-(-n_out // 16)) % 2 == 1
-    for name, arr in (("w", p.w), ("xp", p.xp)):
-        np.save(tmp_path / f"{name}.npy", arr)
-    groups = -(-n_out // 32)
-    args = [sys.executable, "-c", _GUARD_CHILD, sim._name, str(tmp_path / "w.npy"), str(tmp_path / "xp.npy"),
-            str(tmp_path / "y.npy"), *map(str, (qtype, p.nt, 2, 1, n_out, k, tokens, p.raw.shape[1], groups))]
-    done = subprocess.run(args, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, f"the launch read past the matrix (exit {done.returncode}): {done.stderr[-2000:]}"
-    y = np.load(tmp_path / "y.npy")
+    y = _guarded(sim, tmp_path, p, "qmv", 2, 1, -(-n_out // 32))
     assert np.array_equal(y, p.v2(2)), "the guarded launch differs from the same launch with slack after the matrix"
+    check_twin(p, y)
+
+
+@needs_gxx
+@pytest.mark.parametrize("qtype,n_out,k,tokens,mt,warps,blocks", [(Q4_K, 77, 768, 23, 1, 4, 5),
+                                                                  (Q6_K, 48, 512, 41, 2, 2, 3),
+                                                                  (Q8_0, 45, 1248, 9, 2, 4, 2)])
+def test_wide_reads_nothing_past_the_matrix(sim, tmp_path, qtype, n_out, k, tokens, mt, warps, blocks) -> None:
+    """The wide kernel's partial last row block (fewer tiles than the block's warps own) and split pieces, the layout
+    ending right before a guard page: it copies the row block's tiles that exist, nothing past them."""
+    p = Problem(sim, qtype, n_out, k, tokens, seed=n_out + tokens)
+    assert (-(-n_out // 16)) % (mt * warps) != 0  # a partial last row block
+    part = qw.scratch_floats(blocks, p.nt, mt, warps)
+    counters = qw.row_blocks(n_out, mt, warps) * warps
+    y = _guarded(sim, tmp_path, p, "qmw", mt, warps, blocks, part, counters)
+    assert np.array_equal(y, p.wide(mt, warps, 2, blocks)[0])
     check_twin(p, y)
 
 
