@@ -231,6 +231,16 @@ STEP_ABS = {
     "swigluonly": ([("full", SMALL, 3, "capture", {"q35.SWIGLU_STAGING_ONLY": False}),
                     ("staging only", SMALL, 3, "capture", {"q35.SWIGLU_STAGING_ONLY": True})], (1, 2, 3),
                    [("staging only", "full")]),
+    # accumulating v2 / wide launches adding into y by bulk reduce-adds (quant_wide.BULK_ADDS) or a load-add-store
+    "bulkadd": ([("load-add-store", SMALL, 3, "capture", {"qw.BULK_ADDS": False}),
+                 ("bulk adds", SMALL, 3, "capture", {"qw.BULK_ADDS": True})], (16, 23, 32, 41),
+                [("bulk adds", "load-add-store")]),
+    # Q4_K deep matrices (ffn_down) on the wide kernel from 17 / 20 tokens or from 24 (quant_wide.DEEP_CROSSOVER)
+    "deepq4": ([(f"deep from {d}", SMALL, 3, "capture", {"qw.DEEP_CROSSOVER": {12: d, 14: 17}}) for d in (24, 20, 17)],
+               (17, 20, 23), [("deep from 20", "deep from 24"), ("deep from 17", "deep from 24")]),
+    # a block's last row block added up at once when its one other sharer's pieces are in (quant_wide.PEEK) or not
+    "peek": ([("store-count-read", SMALL, 3, "capture", {"qw.PEEK": False}),
+              ("peek", SMALL, 3, "capture", {"qw.PEEK": True})], (17, 23, 32, 41), [("peek", "store-count-read")]),
     "v2stages": ([("shipped", SMALL, 3, "capture", {}), ("v2 3 stages", SMALL, 3, "capture", {"qm.STAGES_V2": 3}),
                   ("v2 4 stages", SMALL, 3, "capture", {"qm.STAGES_V2": 4})], (8, 16, 23),
                  [("v2 3 stages", "shipped"), ("v2 4 stages", "shipped")]),
@@ -239,7 +249,8 @@ STEP_ABS = {
 
 # The knob modes' names: "NAME" a quant_gemv attribute, "PREFIX.NAME" one of KNOB_MODULES[PREFIX]
 KNOB_MODULES = {"": "kernels.quant_gemv", "qm": "kernels.quant_matmul", "q35": "services.engine.models.qwen35_gpu",
-                "dn": "kernels.deltanet", "nr": "kernels.norm_rope", "att": "kernels.attention"}
+                "dn": "kernels.deltanet", "nr": "kernels.norm_rope", "att": "kernels.attention",
+                "qw": "kernels.quant_wide"}
 
 
 def knob_owner(name: str) -> tuple[object, str]:

@@ -89,6 +89,25 @@ static __device__ __forceinline__ void mbar_arrive_s(unsigned int bar) {
     asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
 }
 static __device__ __forceinline__ void mbar_arrive(unsigned long long* bar) { mbar_arrive_s(smem_addr(bar)); }
+// Shared -> global the other way: a bulk reduce-add of `bytes` (a multiple of 16, both ends 16-byte aligned) of fp32
+// values into global memory (each element dst[i] += src[i], one IEEE add at L2, rounded to nearest: what a thread's
+// load-add-store would leave, subnormal results apart, without the warp waiting on the load). Issued by one thread,
+// grouped by bulk_commit; bulk_wait_read: its earlier groups are done reading shared memory (the tile may be
+// rewritten); bulk_wait: they are done, writes included. fence_async_smem orders this thread's earlier st.shared
+// before the bulk copies that read them (the async proxy).
+static __device__ __forceinline__ void bulk_s2g_add_f32(void* dst, unsigned int src, unsigned int bytes) {
+    asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;\n" ::"l"(dst), "r"(src),
+                 "r"(bytes)
+                 : "memory");
+}
+static __device__ __forceinline__ void bulk_commit() { asm volatile("cp.async.bulk.commit_group;\n" ::: "memory"); }
+static __device__ __forceinline__ void bulk_wait_read() {
+    asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory");
+}
+static __device__ __forceinline__ void bulk_wait() { asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory"); }
+static __device__ __forceinline__ void fence_async_smem() {
+    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+}
 #endif
 
 }  // namespace bk

@@ -1093,6 +1093,34 @@ SS_DEV void issue_blocks(u8* stage, u32 stage_s, u32 bar_s, const u8* src, i64 t
 #endif
 }
 
+#if SS_BULK
+// y[n][row0 .. row0 + 16 MT) += this warp's sums for tokens n < T, as one bulk reduce-add a token from `tile` (the
+// warp's 16 MT x 8 NT floats of shared memory, token-major) issued by lane 0: the warp goes on without waiting for
+// y's old values (a load-add-store stalls it there; at 23 tokens that was 10-25 % of an accumulating launch, while
+// the memory system streams the weights). One add per value, as the load-add-store: the same sums. y + n ld + row0
+// 16-byte aligned for every n (the caller checks y and ld).
+template <int NT, int MT>
+SS_DEV void add_tile_bulk(float* y, i64 ld, int row0, int T, const float (&acc)[MT][NT][4], float* tile, int g,
+                          int t, int lane) {
+    constexpr int ROWS = 16 * MT;
+    if (lane == 0) bulk_wait_read();  // the tile's previous adds have read it
+    __syncwarp();
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+            for (int i = 0; i < 4; ++i) tile[(8 * nt + 2 * t + (i & 1)) * ROWS + 16 * mt + g + 8 * (i >> 1)] = acc[mt][nt][i];
+    fence_async_smem();
+    __syncwarp();
+    if (lane == 0) {
+        const u32 src = smem_addr(tile);
+        for (int n = 0; n < T; ++n) bulk_s2g_add_f32(y + (i64)n * ld + row0, src + (u32)(4 * ROWS * n), 4u * ROWS);
+        bulk_commit();
+    }
+}
+#endif
+
 // Per-row, per-chunk scales for lane t as broadcast half2 words.
 //   Q4_K: {d*sc[2t], d*sc[2t+1], -dmin*m[2t], -dmin*m[2t+1]};  Q6_K: d*scales[4t+k], k = 0..3;
 //   Q8_0: d of blocks 2t, 2t+1.   `side` = this row's side data.
@@ -1300,7 +1328,8 @@ SS_DEV void tail_mma(float (&acc)[MT][NT][4], const u8* wst, const uint4* xl, in
 template <int QT, int NT, int MT>
 __global__ void SS_BOUNDS(256, (MT == 1 && NT == 1 && QT != 14) ? 4 : 1) qmv_kernel(const u8* __restrict__ W, long long row_bytes, int N, int K,
                                                   const uint4* __restrict__ xp, int T, float* __restrict__ y,
-                                                  int stages, int accumulate = 0, long long ldy = 0) {
+                                                  int stages, int accumulate = 0, long long ldy = 0,
+                                                  int ytile = 0) {
     using namespace ss;
     using L = Lay<QT>;
     constexpr int CBF = L::MAIN + L::SIDE;  // bytes per row of a full chunk
@@ -1334,6 +1363,13 @@ __global__ void SS_BOUNDS(256, (MT == 1 && NT == 1 && QT != 14) ? 4 : 1) qmv_ker
     const i64 ld = ldy > 0 ? ldy : N;         // y's row stride in floats (a column slice of a wider output)
 
 #if SS_BULK
+    // accumulate by bulk reduce-adds (add_tile_bulk) where the launcher reserved a tile a warp after the mbarriers,
+    // K is not split across blocks (atomics) and y's rows are 16-byte aligned; else by the load-add-store below.
+    // From two token tiles only (quant_matmul.py: BULK_ADD_TILES): the narrow variant's 64 registers would spill.
+    const bool bulk_add = NT >= 2 && ytile && accumulate && gridDim.y == 1 && ((unsigned long long)y & 15u) == 0 &&
+                          (ld & 3) == 0;
+    const int ytl_off = (KW * stages * STAGE_BYTES + (KW > 1 ? 2 * KW * NACC * 128 : 0) + 8 * KW * stages + 15) & ~15;
+    float* const ytl = (float*)(smem + ytl_off) + warp * (MT * 16 * TPAD);
     if (total > 0) {
         if (lane == 0) {
             for (int i = 0; i < stages; ++i) mbar_init(bars + i, 1u);
@@ -1473,6 +1509,12 @@ __global__ void SS_BOUNDS(256, (MT == 1 && NT == 1 && QT != 14) ? 4 : 1) qmv_ker
                         }
             }
         }
+#if SS_BULK
+        if (writer && bulk_add && row0 + 16 * MT <= N) {
+            add_tile_bulk<NT, MT>(y, ld, row0, T, acc, ytl, g, t, lane);
+            writer = false;
+        }
+#endif
         if (writer) {
             const bool atomic = gridDim.y > 1;
 #pragma unroll
@@ -1500,6 +1542,11 @@ __global__ void SS_BOUNDS(256, (MT == 1 && NT == 1 && QT != 14) ? 4 : 1) qmv_ker
             }
         }
     }
+#if SS_BULK
+    if (bulk_add && lane == 0) bulk_wait();  // the adds are done before the block (and its shared memory) goes
+#else
+    (void)ytile;
+#endif
 }
 
 // =============================================================================================
@@ -1554,6 +1601,20 @@ SS_DEV unsigned int count_in(unsigned int* counter, unsigned int last) {
     __threadfence();  // (last warp) the others' sums are read after their arrivals were seen
     (void)last;
     return old;
+#endif
+}
+
+// The row block's counter as lane 0 sees it, with acquire semantics: the pieces of every arrival it counts are
+// visible to the warp after a warp barrier (read with ld_partial).
+SS_DEV unsigned int peek_count(unsigned int* counter) {
+#if SS_PTX
+    unsigned int v;
+    asm volatile("ld.acquire.gpu.global.u32 %0, [%1];\n" : "=r"(v) : "l"(counter) : "memory");
+    return v;
+#else
+    const unsigned int v = atomicAdd(counter, 0u);
+    __threadfence();
+    return v;
 #endif
 }
 
@@ -1614,12 +1675,15 @@ SS_DEV void wide_chunk(float (&acc)[MT][NT][4], const u8* wst, const uint4* xs, 
 // accumulate != 0: y += x @ W^T (one add per value); ldy: y's row stride in floats
 // (0: N). part / counters: the split scratch (kernels/quant_gemv.py split_scratch): part >= 2 P WM (MT NT 4) 32 floats,
 // counters >= ceil(ceil(N / 16) / (WM MT)) WM words, zero before the launch and left zero. Dynamic shared memory:
-// stages (512 TPAD + WM MT 16 (MAIN + SIDE)) + 16 stages bytes (quant_wide.smem_bytes).
+// stages (512 TPAD + WM MT 16 (MAIN + SIDE)) + 16 stages bytes, plus with ytile != 0 (sm_90 bulk copies only) a tile
+// of WM MT 16 TPAD floats through which an accumulating launch adds into y (quant_wide.smem_bytes). peek != 0: a
+// block's last row block, shared with one other block, is added up by its warps without storing their pieces when
+// the other block's have arrived (quant_wide.PEEK).
 template <int QT, int NT, int MT>
 __global__ void SS_BOUNDS(288, 1) qmw_kernel(const u8* __restrict__ W, long long row_bytes, int N, int K,
                                              const uint4* __restrict__ xp, int T, float* __restrict__ y, int stages,
                                              int accumulate, long long ldy, float* part, unsigned int* counters,
-                                             int producer) {
+                                             int producer, int ytile, int peek) {
     using namespace ss;
     using L = Lay<QT>;
     constexpr int BLK = 16 * (L::MAIN + L::SIDE);  // bytes of one full tile block
@@ -1655,6 +1719,9 @@ __global__ void SS_BOUNDS(288, 1) qmw_kernel(const u8* __restrict__ W, long long
     const LaneK lk = lane_consts<QT>(g, t);
 
 #if SS_BULK
+    // accumulate by bulk reduce-adds (add_tile_bulk) where the launcher reserved a tile a warp after the barriers and
+    // y's rows are 16-byte aligned; else (and on the other paths) by the load-add-store below
+    const bool bulk_add = ytile && accumulate && ((unsigned long long)y & 15u) == 0 && (ld & 3) == 0;
     u64* const full = (u64*)(smem + stages * SB);
     u64* const empty = full + stages;
     if (tid == 0) {
@@ -1773,7 +1840,40 @@ __global__ void SS_BOUNDS(288, 1) qmw_kernel(const u8* __restrict__ W, long long
         const i64 first = (i64)rb * nch;
         const i64 fb = ((first + 1) * P - 1) / total, lb = ((first + nch) * P - 1) / total;  // blocks sharing rb
         bool writer = true;
-        if (fb != lb) {
+        bool added = false;
+        if (fb != lb && peek && idx == n_items && lb - fb == 1) {
+            // This block's last row block, shared with one other block, which took the row block's last chunks as
+            // its first items, long done: if its pieces have arrived, add them to this warp's sums at once (block
+            // order, this warp's own from registers: the sums the store-count-read path forms) instead of storing,
+            // counting in and reading back: one round trip to L2 at the block's end instead of three or four.
+            unsigned int seen = 0u;
+            if (lane == 0) seen = peek_count(counters + (i64)rb * WM + warp);
+            seen = SS_SHFL(seen, 0);
+            if (seen == (unsigned int)(lb - fb)) {
+                SS_SYNCWARP();  // the lanes read after lane 0's acquire
+                float own[MT][NT][4];
+#pragma unroll
+                for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+                    for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+                        for (int i = 0; i < 4; ++i) own[mt][nt][i] = acc[mt][nt][i], acc[mt][nt][i] = 0.f;
+                for (i64 bb = fb; bb <= lb; ++bb) {
+                    const i64 sl = 2 * bb + ((bb * total / P) >= first ? 0 : 1);
+                    const float* const src = part + (sl * WM + warp) * NACC * 32 + lane;
+#pragma unroll
+                    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+                        for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+                            for (int i = 0; i < 4; ++i)
+                                acc[mt][nt][i] += bb == b ? own[mt][nt][i] : ld_partial(src + ((mt * NT + nt) * 4 + i) * 32);
+                }
+                if (lane == 0) counters[(i64)rb * WM + warp] = 0u;  // the other piece counted, this one never will
+                added = true;
+            }
+        }
+        if (fb != lb && !added) {
             const int slot = (int)(2 * b + (i0 >= first ? 0 : 1));
             float* const mine = part + ((i64)slot * WM + warp) * NACC * 32 + lane;
 #pragma unroll
@@ -1813,6 +1913,12 @@ __global__ void SS_BOUNDS(288, 1) qmw_kernel(const u8* __restrict__ W, long long
         }
         if (writer) {
             const int row0 = (rb * RT + warp * MT) * 16;
+#if SS_BULK
+            if (bulk_add && row0 + 16 * MT <= N) {
+                add_tile_bulk<NT, MT>(y, ld, row0, T, acc, (float*)(empty + stages) + warp * (MT * 16 * TPAD), g, t, lane);
+                continue;
+            }
+#endif
 #pragma unroll
             for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
@@ -1828,6 +1934,11 @@ __global__ void SS_BOUNDS(288, 1) qmw_kernel(const u8* __restrict__ W, long long
                     }
         }
     }
+#if SS_BULK
+    if (bulk_add && lane == 0) bulk_wait();  // the adds are done before the block (and its shared memory) goes
+#else
+    (void)ytile;
+#endif
 }
 
 // Streaming-read probe for bench/roofline.py: reads n16 16-byte words, four loads in flight per thread.

@@ -100,12 +100,17 @@ class QmvConfig:
     stages: int = 3
     splits: int = 1
 
-    def smem_bytes(self, qtype: int, n_tiles: int = MAX_TOKENS // 8) -> int:
-        """Dynamic shared memory of one block (copy stages, partial-sum buffers, mbarriers) for n_tiles."""
+    def smem_bytes(self, qtype: int, n_tiles: int = MAX_TOKENS // 8, ytile: bool = False) -> int:
+        """Dynamic shared memory of one block (copy stages, partial-sum buffers, mbarriers) for n_tiles; ytile: and,
+        16-byte aligned after them, the tile a warp through which an accumulating launch adds into y (sm_90 bulk
+        reduce-adds, quant_wide.bulk_adds)."""
         main, side = _CHUNK_ROW_BYTES[int(qtype)]
         ring = self.k_warps * self.stages
         reduce = 2 * self.k_warps * self.m_tiles * n_tiles * 4 * 32 * 4 if self.k_warps > 1 else 0
-        return ring * self.m_tiles * TILE_ROWS * (main + side) + reduce + 8 * ring
+        base = ring * self.m_tiles * TILE_ROWS * (main + side) + reduce + 8 * ring
+        if not ytile:
+            return base
+        return -(-base // 16) * 16 + self.k_warps * self.m_tiles * TILE_ROWS * 8 * n_tiles * 4
 
     def check(self, qtype: int, n_tiles: int = MAX_TOKENS // 8) -> None:
         if self.m_tiles not in (1, 2):
@@ -887,6 +892,16 @@ class QuantMatrix:
         s = max(1, min(cfg.splits, self.n_chunks()))
         smem = cfg.smem_bytes(self.qtype, packed.n_tiles)
         kern = qmv_function(self.qtype, packed.n_tiles, cfg.m_tiles, smem, portable)
+        grid_x = self.grid_v2(cfg, kern, smem)
+        # an accumulating launch without K splits adds into y by bulk reduce-adds where they exist and the tile keeps
+        # the grid (the blocks a SM)
+        ytile = False
+        if accumulate and s == 1 and packed.n_tiles >= 2 and quant_wide.bulk_adds(portable):
+            tiled = cfg.smem_bytes(self.qtype, packed.n_tiles, True)
+            ytile = tiled <= SMEM_LIMIT and self.grid_v2(cfg, kern, tiled) == grid_x
+            if ytile:
+                smem = tiled
+                kern = qmv_function(self.qtype, packed.n_tiles, cfg.m_tiles, smem, portable)
         if s > 1 and not accumulate:  # the splits add into y with atomics (accumulate: into y as it is)
             if out.flags.c_contiguous:
                 stream = cupy.cuda.get_current_stream()
@@ -894,7 +909,7 @@ class QuantMatrix:
             else:  # a column slice: only its own columns
                 out.fill(0)
         kern(
-            (self.grid_v2(cfg, kern, smem), s),
+            (grid_x, s),
             (32 * cfg.k_warps,),
             (
                 self._buf,
@@ -907,6 +922,7 @@ class QuantMatrix:
                 np.int32(cfg.stages),
                 np.int32(bool(accumulate)),
                 np.int64(out_stride(out)),
+                np.int32(ytile),
             ),
             shared_mem=smem,
         )

@@ -53,7 +53,11 @@ CROSSOVER = {1: 17, 8: 25, 12: 25, 14: 25}  # F16, Q8_0, Q4_K, Q6_K
 # in the 27B step (graph replay, interleaved) these crossovers beat 9 everywhere: -0.4 / -1.0 / -0.9 / -0.8 % at 12 /
 # 16 / 20 / 23 tokens (17 for both: -0.5 / -1.1 / +0.1 / 0.0 %). Tall (the output matrix): still from 9 (v2 592 vs
 # wide 441 us at 23).
-DEEP_CROSSOVER = {12: 24, 14: 17}  # Q4_K, Q6_K (F16 / Q8_0: no sweep yet)
+# With the bulk reduce-adds (BULK_ADDS) the wide kernel's accumulating ffn_down pulls ahead of v2's at 17..24 tokens on
+# Q4_K too (23 tokens: 31.7 vs 34.6 us); step replays (bench/gemv_ab.py --step-ab deepq4, H100, 2026-11-27, three
+# rounds) with Q4_K from 17 against 24: 0.9972 / 0.9976 / 0.9977 at widths 17 / 20 / 23 (from 20: 0.9996 / 0.9979 /
+# 0.9976).
+DEEP_CROSSOVER = {12: 17, 14: 17}  # Q4_K, Q6_K (F16 / Q8_0: no sweep yet)
 TALL_CROSSOVER = {12: 9, 14: 9}  # tall matrices (a type missing: DEEP_CROSSOVER)
 TALL_ROWS = 65536  # a matrix of this many rows or more is "tall"
 # High (HIGH_ROWS rows or more, neither deep nor tall: the 27B's stacked ffn_gate|up of 34816 rows and the DeltaNet
@@ -90,6 +94,15 @@ TALL_SHAPES = {q: {3: (2, 4), 4: (2, 4), 6: (2, 8), 8: (2, 8)} for q in (12, 14)
 # synthetic Q4_K_M, widths 17 / 23 / 32 / 41 / 64: 0.977 / 0.981 / 0.975 / 0.988 / 0.967 of the launches without
 # it; taking it only where it keeps the blocks per SM: 0.974 / 0.977 / 0.996 / 0.998 / 0.966).
 PRODUCER = True
+# An accumulating launch (y += x @ W^T: the residual adds of ffn_down and the mixers' output projections) adds its
+# sums into y by bulk reduce-adds from a shared-memory tile a warp (kernels/bulk.cuh) instead of a load-add-store,
+# whose load stalled the writing warps while the memory system streamed weights (bench probe, H100, 23 tokens, per
+# launch: Q4_K 34816x5120 60.8 -> 51.4 us, Q4_K 5120x17408 36.2 -> 31.5, Q6_K 5120x17408 43.4 -> 39.9; the same bits).
+BULK_ADDS = True
+# A block's last row block, shared with one other block (the stream-K split of a matrix of more chunks a block than a
+# row block has), is added up by its warps at once when the other block's pieces have arrived (it took that row
+# block's last chunks as its first items), without storing this block's pieces, counting in and reading them back.
+PEEK = True
 WARP_CHOICES = (8, 4, 2, 1)  # what choose_config falls back through when a shape does not fit (or a small matrix)
 STAGE_CHOICES = (4, 3, 2)
 
@@ -115,10 +128,12 @@ def chunk_block_bytes(qtype: int) -> int:
     return TILE_ROWS * (main + side)
 
 
-def smem_bytes(qtype: int, n_tiles: int, m_tiles: int, warps: int, stages: int) -> int:
+def smem_bytes(qtype: int, n_tiles: int, m_tiles: int, warps: int, stages: int, ytile: bool = False) -> int:
     """Dynamic shared memory of one block: per stage a chunk of packed x for 8 n_tiles tokens and the block's
-    warps x m_tiles tile blocks, plus the stage's two mbarriers."""
-    return stages * (512 * 8 * n_tiles + warps * m_tiles * chunk_block_bytes(qtype) + BARRIER_BYTES)
+    warps x m_tiles tile blocks, plus the stage's two mbarriers; ytile: and the tile a warp through which an
+    accumulating launch adds its sums into y (bulk reduce-adds, sm_90)."""
+    tile = warps * m_tiles * TILE_ROWS * 8 * n_tiles * 4 if ytile else 0
+    return stages * (512 * 8 * n_tiles + warps * m_tiles * chunk_block_bytes(qtype) + BARRIER_BYTES) + tile
 
 
 def row_blocks(n_out: int, m_tiles: int, warps: int) -> int:
@@ -216,6 +231,15 @@ def check(qtype: int, n_tiles: int, cfg: WideConfig) -> None:
         raise ValueError(f"{cfg} needs {smem} bytes of shared memory at {8 * n_tiles} tokens (limit {SMEM_LIMIT})")
 
 
+def bulk_adds(portable: bool = False) -> bool:
+    """Whether an accumulating launch may add into y by bulk reduce-adds (BULK_ADDS, sm_90+ CUDA, inline PTX allowed:
+    the conditions under which the kernel is built with SS_BULK)."""
+    if not BULK_ADDS or portable:
+        return False
+    cupy = loader.require()
+    return not getattr(cupy.cuda.runtime, "is_hip", False) and loader.compute_capability() >= 90
+
+
 def producer_warps(portable: bool = False) -> int:
     """1 where launches take the producer warp (PRODUCER, an sm_90+ CUDA device, inline PTX allowed), else 0. These
     are the conditions under which the kernel is built with SS_BULK (kernels/bulk.cuh); keep them in step: a
@@ -254,19 +278,26 @@ def scratch_need(qtype: int, n_out: int, k: int, tokens: int, sms: int) -> tuple
     return scratch_floats(blocks, n_tiles, cfg.m_tiles, cfg.warps), counters
 
 
-def launch_shape(W: Any, tokens: int, config: WideConfig | None = None, portable: bool = False) -> dict:
-    """What a launch of W at this width runs as: the resolved config, registers, shared memory, grid, row blocks."""
+def launch_shape(W: Any, tokens: int, config: WideConfig | None = None, portable: bool = False,
+                 accumulate: bool = False) -> dict:  # fmt: skip
+    """What a launch of W at this width runs as: the resolved config, registers, shared memory, grid, row blocks, and
+    whether an accumulating launch takes the y tile (bulk reduce-adds; not where the tile would not fit)."""
     n_out, k = W.shape
     n_tiles = (tokens + 7) // 8
     cfg = choose_config(W.qtype, n_out, k, tokens, config)
     check(W.qtype, n_tiles, cfg)
     kern = wide_function(W.qtype, n_tiles, cfg.m_tiles, portable)
     regs = int(getattr(kern, "num_regs", 0) or 255)
-    smem = smem_bytes(W.qtype, n_tiles, cfg.m_tiles, cfg.warps, cfg.stages)
     prod = producer_warps(portable)
+    smem = smem_bytes(W.qtype, n_tiles, cfg.m_tiles, cfg.warps, cfg.stages)
     blocks = grid(n_out, k, cfg, regs, smem, qm.sm_count(), prod)
+    ytile = False
+    if accumulate and bulk_adds(portable):  # the tile only where it keeps the grid (blocks a SM, so the split)
+        tiled = smem_bytes(W.qtype, n_tiles, cfg.m_tiles, cfg.warps, cfg.stages, True)
+        ytile = tiled <= SMEM_LIMIT and grid(n_out, k, cfg, regs, tiled, qm.sm_count(), prod) == blocks
+        smem = tiled if ytile else smem
     return {"config": cfg, "kernel": kern, "regs": regs, "smem": smem, "blocks": blocks, "producer": prod,
-            "row_blocks": row_blocks(n_out, cfg.m_tiles, cfg.warps)}  # fmt: skip
+            "row_blocks": row_blocks(n_out, cfg.m_tiles, cfg.warps), "ytile": ytile}  # fmt: skip
 
 
 def wide(
@@ -284,7 +315,7 @@ def wide(
     qm.check_out). accumulate=True adds into out (each value once, after its sum is complete)."""
     n_out, k = W.shape
     tokens = qm.check_v2_product(W, packed, out, "wide", MAX_TOKENS)
-    shape = launch_shape(W, tokens, config, portable)
+    shape = launch_shape(W, tokens, config, portable, accumulate)
     cfg, blocks = shape["config"], shape["blocks"]
     part, counters = quant_gemv.split_scratch(
         shape["row_blocks"] * cfg.warps, scratch_floats(blocks, packed.n_tiles, cfg.m_tiles, cfg.warps)
@@ -294,7 +325,7 @@ def wide(
         (32 * (cfg.warps + shape["producer"]),),
         (W.device_buffer, np.int64(W.row_bytes), np.int32(n_out), np.int32(k), packed.data, np.int32(tokens), out,
          np.int32(cfg.stages), np.int32(bool(accumulate)), np.int64(qm.out_stride(out)), part, counters,
-         np.int32(shape["producer"])),
+         np.int32(shape["producer"]), np.int32(shape["ytile"]), np.int32(bool(PEEK))),
         shared_mem=shape["smem"],
     )  # fmt: skip
     return out

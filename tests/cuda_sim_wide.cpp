@@ -39,11 +39,13 @@ static struct {
     unsigned int* counters;
 } wa;
 static void (*g_body)() = nullptr;
+static int sim_peek = 1;  // qmw_kernel's peek (sim_wide_peek)
 
 template <int QT, int NT, int MT>
 static void qmw_body() {
     qmw_kernel<QT, NT, MT>(wa.W, wa.row_bytes, wa.N, wa.K, wa.xp, wa.T, wa.y, wa.stages, wa.accumulate, wa.ldy, wa.part,
-                           wa.counters, 1);  // (a producer warp: the bulk-copy path's only, ignored here)
+                           wa.counters, 1, 1, sim_peek);  // (a producer warp and the y tile: the bulk-copy path's only,
+                                                          // ignored here)
 }
 
 template <int QT, int NT, int MT>
@@ -123,6 +125,9 @@ extern "C" int sim_qmw(int qt, int nt, int mt, int warps, int stages, const unsi
     wa = {W, row_bytes, N, K, (const uint4*)xp, T, y, stages, accumulate, ldy, part, counters};
     return launch((unsigned)blocks, 32u * (unsigned)warps, order_seed, resident);
 }
+
+// qmw_kernel's `peek` for the launches that follow (1 as the launcher's default, 0 the store-count-read path alone)
+extern "C" void sim_wide_peek(int peek) { sim_peek = peek; }
 
 // qmv_kernel (v2) with kw K-warps, grid_x persistent blocks, no K split across blocks.
 extern "C" int sim_qmv(int qt, int nt, int mt, int kw, int stages, const unsigned char* W, long long row_bytes, int N,

@@ -277,6 +277,41 @@ def test_accumulate_adds_the_product_into_out(qtype: int, n_out: int, k: int, to
         W.matmul(x, accumulate=True)
 
 
+@pytest.mark.parametrize("tokens", [9, 23, 41])
+def test_v2_accumulate_by_bulk_adds_same_bits(monkeypatch, tokens: int) -> None:
+    """On sm_90 an accumulating v2 launch (two token tiles or more, no K splits) adds its sums into y by bulk
+    reduce-adds from a shared-memory tile: bitwise the load-add-store's y, with K-warps reducing in the block, in an
+    aligned column slice and an unaligned one (which takes the load-add-store), the columns beside untouched."""
+    from kernels import quant_wide as qw
+
+    if not qw.bulk_adds():
+        pytest.skip("no bulk reduce-adds on this device (sm_90 bulk copies only)")
+    rng = np.random.default_rng(77 + tokens)
+    for qtype, (n_out, k), cfg in ((qm.Q4_K, (5120, 6144), None), (qm.Q6_K, (1024, 5120), None),
+                                   (qm.Q4_K, (640, 4096), qm.QmvConfig(1, 4, 2)), (qm.Q8_0, (96, 2048), None)):
+        raw = random_weights(qtype, n_out, k, rng)
+        W = qm.QuantMatrix(qtype, raw, (n_out, k))
+        x = cupy.asarray((rng.standard_normal((tokens, k)) * 0.5).astype(np.float16))
+        px = qm.pack_activations(x)
+        y0 = cupy.asarray(rng.standard_normal((tokens, n_out)).astype(np.float32))
+        outs = {}
+        for bulk in (True, False):
+            monkeypatch.setattr(qw, "BULK_ADDS", bulk)
+            for off in (0, 4, 1):
+                wide = cupy.full((tokens, n_out + 8), SENTINEL, cupy.float32)
+                view = wide[:, off : off + n_out]
+                view[...] = y0
+                W.matmul(px, out=view, accumulate=True, kernel="v2", config=cfg)
+                host = cupy.asnumpy(wide)
+                assert (host[:, :off] == SENTINEL).all() and (host[:, off + n_out :] == SENTINEL).all()
+                outs[bulk, off] = view.copy()
+        for key, out in outs.items():
+            assert cupy.array_equal(out, outs[False, 0]), f"{NAMES[qtype]} {n_out}x{k} T={tokens}: {key} differs"
+        ref = cupy.asnumpy(y0).astype(np.float64) + cupy.asnumpy(x).astype(np.float64) @ dequantize(
+            qtype, raw, n_out, k).T
+        assert rel_error(cupy.asnumpy(outs[True, 4]), ref) < TOL
+
+
 # --- products into a column slice of a wider output (row stride ldy: the stacked projections) --------------------
 
 SENTINEL = 7.25  # the columns beside the slice must keep it

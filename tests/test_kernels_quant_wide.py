@@ -157,6 +157,27 @@ def test_producer_warp_same_bits(monkeypatch, tokens: int) -> None:
     assert rel_error(with_producer, cupy.asnumpy(x).astype(np.float64) @ w64.T) < TOL
 
 
+@pytest.mark.parametrize("tokens", [17, 23, 41])
+def test_peek_same_bits(monkeypatch, tokens: int) -> None:
+    """A block's last row block added up at once when its one other sharer's pieces are in (quant_wide.PEEK): the
+    same bits as storing, counting in and reading back, for 2-sharer splits (gate|up-like) and many-sharer ones
+    (ffn_down-like), plain and accumulating; the counters left zero."""
+    rng = np.random.default_rng(61 + tokens)
+    for shape in ((34816, 5120), (5120, 17408)):
+        W, w64 = _matrix(qm.Q4_K, shape, rng)
+        x = cupy.asarray((rng.standard_normal((tokens, shape[1])) * 0.5).astype(np.float16))
+        px = qm.pack_activations(x)
+        y0 = rng.standard_normal((tokens, shape[0])).astype(np.float32)
+        got = {}
+        for peek in (True, False):
+            monkeypatch.setattr(qw, "PEEK", peek)
+            got[peek] = (run(W, px, kernel="wide"), run(W, px, y0, kernel="wide", accumulate=True))
+        assert np.array_equal(got[True][0], got[False][0]) and np.array_equal(got[True][1], got[False][1]), shape
+        assert rel_error(got[True][0], cupy.asnumpy(x).astype(np.float64) @ w64.T) < TOL
+    for sc in qg._scratch.values():
+        assert not bool(sc.counters.any()), "the arrival counters must be left zero"
+
+
 def test_reproducible_and_counters_left_zero() -> None:
     rng = np.random.default_rng(5)
     W, _ = _matrix(qm.Q4_K, (5120, 6144), rng)
@@ -218,6 +239,45 @@ def test_strided_out_and_accumulate(cfg) -> None:
     px = qm.pack_activations(cupy.asarray((rng.standard_normal((tokens, k)) * 0.5).astype(np.float16)))
     y0 = cupy.asarray(rng.standard_normal((tokens, n_out)).astype(np.float32))
     check_strided_out(W, px, y0, str(cfg), kernel="wide", config=cfg)
+
+
+@pytest.mark.parametrize("tokens", [17, 23, 41, 64])
+def test_accumulate_by_bulk_adds_same_bits(monkeypatch, tokens: int) -> None:
+    """On sm_90 an accumulating launch adds its sums into y by bulk reduce-adds from a shared-memory tile: bitwise
+    the load-add-store's y (the path taken without bulk copies, or where y's rows are not 16-byte aligned), split
+    row blocks and a column slice included, the columns beside it untouched. The tile is taken only where it keeps
+    the grid (the stream-K split, so the order of the sums): Q6_K 1024 x 5120 from 33 tokens would lose a block a
+    SM to it and adds the old way."""
+    if not qw.bulk_adds():
+        pytest.skip("no bulk reduce-adds on this device (sm_90 bulk copies only)")
+    rng = np.random.default_rng(31 + tokens)
+    for qtype, shape in ((qm.Q4_K, (5120, 6144)), (qm.Q6_K, (1024, 5120))):
+        W, w64 = _matrix(qtype, shape, rng)
+        n_out, k = shape
+        x = cupy.asarray((rng.standard_normal((tokens, k)) * 0.5).astype(np.float16))
+        px = qm.pack_activations(x)
+        y0 = cupy.asarray(rng.standard_normal((tokens, n_out)).astype(np.float32))
+        for cfg in (None, qw.WideConfig(blocks=200)):
+            outs = {}
+            shapes = {}
+            for bulk in (True, False):
+                monkeypatch.setattr(qw, "BULK_ADDS", bulk)
+                shapes[bulk] = qw.launch_shape(W, tokens, cfg, accumulate=True)
+                for off in (0, 4, 1):  # 1: rows not 16-byte aligned, the kernel adds the old way
+                    wide = cupy.full((tokens, n_out + 8), 7.25, cupy.float32)
+                    view = wide[:, off : off + n_out]
+                    view[...] = y0
+                    W.matmul(px, out=view, accumulate=True, kernel="wide", config=cfg)
+                    host = cupy.asnumpy(wide)
+                    assert (host[:, :off] == 7.25).all() and (host[:, off + n_out :] == 7.25).all()
+                    outs[bulk, off] = view.copy()
+            label = f"{NAMES[qtype]} {shape} tokens={tokens} {cfg}"
+            assert shapes[True]["blocks"] == shapes[False]["blocks"] and not shapes[False]["ytile"], label
+            assert shapes[True]["ytile"] or (qtype == qm.Q6_K and tokens > 32 and cfg is None), label
+            for key, out in outs.items():
+                assert cupy.array_equal(out, outs[False, 0]), f"{label}: {key} differs from the load-add-store"
+            got = cupy.asnumpy(outs[True, 4] - y0).astype(np.float64)
+            assert rel_error(got, cupy.asnumpy(x).astype(np.float64) @ w64.T) < TOL, label
 
 
 @pytest.mark.parametrize("qtype", TYPES, ids=NAMES.get)

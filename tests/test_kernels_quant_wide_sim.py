@@ -58,6 +58,8 @@ def sim(tmp_path_factory) -> ctypes.CDLL:
     I, LL, P, ULL = ctypes.c_int, ctypes.c_longlong, ctypes.c_void_p, ctypes.c_ulonglong
     lib.sim_qmw.restype = I
     lib.sim_qmw.argtypes = [I, I, I, I, I, P, LL, I, I, P, I, P, I, LL, P, P, I, ULL, I]
+    lib.sim_wide_peek.restype = None
+    lib.sim_wide_peek.argtypes = [I]
     lib.sim_qmv.restype = I
     lib.sim_qmv.argtypes = [I, I, I, I, I, P, LL, I, I, P, I, P, I, LL, I]
     lib.sim_pack.restype = None
@@ -218,16 +220,23 @@ def test_interleaved_blocks_on_cpu(sim, qtype, n_out, k, tokens, cfg, resident) 
     pieces, while other blocks store, count, add up and reset the counter. The output is bitwise the one-at-a-time
     output whatever the interleaving, and every launch leaves the counters zero for the next on the same scratch. The
     pieces are poisoned before each launch (a stale piece of the previous launch would hide a read before its store;
-    storing after counting in, for one, fails here and passes one block at a time)."""
+    storing after counting in, for one, fails here and passes one block at a time). The same with the peek
+    (quant_wide.PEEK: a block's last row block added up at once when the one other sharer's pieces are in) on and
+    off: the same bits whichever path each warp takes."""
     mt, warps, stages, blocks = cfg
     assert max(pieces(n_out, k, mt, warps, min(blocks, qw.row_blocks(n_out, mt, warps) * -(-k // 256)))) >= 2
     p = Problem(sim, qtype, n_out, k, tokens, seed=3 * k + tokens)
     y0, (part, counters) = p.wide(*cfg)
     check_twin(p, y0)
-    for seed in (1, 2, 3, 0xC0FFEE):
-        part[:] = np.nan
-        y, _ = p.wide(*cfg, seed=seed, scratch=(part, counters), resident=resident)
-        assert np.array_equal(y, y0), f"interleaving {seed}"
+    try:
+        for peek in (1, 0):
+            sim.sim_wide_peek(peek)
+            for seed in (1, 2, 3, 0xC0FFEE):
+                part[:] = np.nan
+                y, _ = p.wide(*cfg, seed=seed, scratch=(part, counters), resident=resident)
+                assert np.array_equal(y, y0), f"interleaving {seed}, peek {peek}"
+    finally:
+        sim.sim_wide_peek(1)
 
 
 @needs_gxx
@@ -444,9 +453,10 @@ def test_dispatch_widths() -> None:
         for shape in ((34816, 5120), (17408, 5120), (16384, 5120), (65535, 5120)):  # gate|up, ffn_up: HIGH_CROSSOVER
             assert not qw.prefer_wide(q, high_first - 1, *shape) and qw.prefer_wide(q, high_first, *shape)
     # H100 2026-11-26: v2 up to 24 tokens on ffn_up / ssm_out; the wide kernel from 9 on the K-quants' output matrix;
-    # on ffn_down from 24 (Q4_K) / 17 (Q6_K) since v2 lost its per-load index math (from 9 before); F16 from 17
+    # on ffn_down from 24 (Q4_K) / 17 (Q6_K) since v2 lost its per-load index math (from 9 before); F16 from 17;
+    # 2026-11-27 (bulk reduce-adds): Q4_K's ffn_down from 17 as well
     assert qw.CROSSOVER[Q4_K] == qw.CROSSOVER[Q6_K] == 25 and qw.TALL_CROSSOVER[Q4_K] == qw.TALL_CROSSOVER[Q6_K] == 9
-    assert (qw.DEEP_CROSSOVER[Q4_K], qw.DEEP_CROSSOVER[Q6_K]) == (24, 17)
+    assert (qw.DEEP_CROSSOVER[Q4_K], qw.DEEP_CROSSOVER[Q6_K]) == (17, 17)
     # 2026-11-27: high matrices (the stacked gate|up, the DeltaNet input stack) from 17 on the K-quants
     assert qw.HIGH_CROSSOVER == {Q4_K: 17, Q6_K: 17} and qw.HIGH_ROWS == 16384
 
@@ -463,7 +473,7 @@ class _SimKernel:
     signature, then runs the launch in the simulation."""
 
     SIGNATURE = ("ptr", np.int64, np.int32, np.int32, "ptr", np.int32, "ptr", np.int32, np.int32, np.int64, "ptr",
-                 "ptr", np.int32)  # fmt: skip
+                 "ptr", np.int32, np.int32, np.int32)  # fmt: skip
 
     def __init__(self, lib, name: str, launches: list):
         qt, nt, mt = (int(v) for v in name[name.index("<") + 1 : -1].split(","))
@@ -475,8 +485,10 @@ class _SimKernel:
         assert len(args) == len(self.SIGNATURE)
         for a, want in zip(args, self.SIGNATURE):
             assert isinstance(a, np.ndarray) if want == "ptr" else type(a) is want, (a, want)
-        W, row_bytes, n, k, xp, tokens, y, stages, accumulate, ldy, part, counters, producer = args
-        assert producer == 0  # the portable path has no producer warp
+        W, row_bytes, n, k, xp, tokens, y, stages, accumulate, ldy, part, counters, producer, ytile, peek = args
+        assert peek == int(qw.PEEK)
+        self.lib.sim_wide_peek(int(peek))
+        assert producer == 0 and ytile == 0  # the portable path has no producer warp and no bulk reduce-adds
         (blocks,), (threads,) = grid, block
         self.launches.append({"blocks": blocks, "threads": threads, "smem": shared_mem, "part": part.size})
         assert threads % 32 == 0 and shared_mem <= qw.SMEM_LIMIT
@@ -501,6 +513,7 @@ def test_launcher_end_to_end_on_cpu(sim, monkeypatch, qtype, n_out, k, tokens, c
     monkeypatch.setattr(qm, "sm_count", lambda: 3)
     monkeypatch.setattr(qm, "_device_id", lambda: 0)
     monkeypatch.setattr(qw, "producer_warps", lambda portable=False: 0)  # the simulated path copies without one
+    monkeypatch.setattr(qw, "bulk_adds", lambda portable=False: False)  # ... and adds into y itself
     nrb_max = qw.row_blocks(n_out, 1, 1)
     scratch = (np.full(1 << 22, np.nan, np.float32), np.zeros(nrb_max * 8, np.uint32))
     sizes = []
