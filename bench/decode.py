@@ -24,7 +24,9 @@ whole draft_topk call (per-step values and features uploaded, top-8 ids / log-pr
 the same pass launched eagerly; `ratio_to_verify23` = pass_replay / width-23 verify (the issue's target: <= 0.15;
 `_scaled` against the verify scaled to the full block count). The drafter keeps its full 5 layers when the target
 is shortened. `long_context` repeats the pass past the sliding window (2048), where the 4 sliding layers gather
-their window into a scratch cache first (dflash_gpu._window_attention). The speculative loop (`spec_loop`): per
+their window into a scratch cache first (dflash_gpu._window_attention); there `ratio_to_verify23` still divides by the
+verify at `--context`, and `ratio_to_verify23_at_ctx` (`_replay_at_ctx`: graph against graph) by a width-23 verify
+measured at the same long context. The speculative loop (`spec_loop`): per
 step draft_topk (k=8) -> DDTree of 22 nodes -> tree verify (23 tokens, checkpoints, captured features, all logits)
 -> greedy argmax of the rows -> commit of a forced path of a tokens (root + the top-1 chain's first a-1 nodes)
 -> next draft from those features. Its
@@ -566,12 +568,28 @@ def measure_drafter(model, r: dict[str, Any], timer: Timer, args, scale: float, 
     try:
         # last: a capture failure of the windowed path would turn the drafter's graphs off
         if args.long_context > 0 and time.perf_counter() < deadline:
-            d["long_context"] = _time_pass(dr, timer, args.long_context, args.reps)
-            ratios(d["long_context"])
-            log(f"drafter pass past the window: {d['long_context']}")
+            d["long_context"] = lc = _time_pass(dr, timer, args.long_context, args.reps)
+            ratios(lc)
+            long_context_ratios(model, timer, lc, args.long_context, min(args.reps, 3), scale, deadline)
+            log(f"drafter pass past the window: {lc}")
     except Exception:
         d["long_error"] = _err()
     save()
+
+
+def long_context_ratios(model, timer: Timer, lc: dict[str, Any], context: int, reps: int, scale: float,
+                        deadline: float) -> None:
+    """Like with like: the drafter's pass at `context` (lc, from _time_pass) against a width-23 verify at the same
+    committed context (its attention reads as many rows), the pass's replay against the verify's graph alone too."""
+    wc = width_curve(model, timer, context, reps, (SPEC_WIDTH,), deadline)
+    v, b = wc["verify_s"][SPEC_WIDTH], wc["blocks_s"][SPEC_WIDTH]
+    lc["verify23_at_ctx_ms"] = round(((v - b) + b * scale) * 1e3, 3)
+    rp = wc["replay_s"].get(SPEC_WIDTH)
+    if rp and scale == 1 and lc.get("pass_replay_ms"):
+        lc["verify23_replay_at_ctx_ms"] = round(rp * 1e3, 3)
+        lc["ratio_to_verify23_replay_at_ctx"] = round(lc["pass_replay_ms"] / (rp * 1e3), 4)
+    if lc.get("pass_replay_ms"):
+        lc["ratio_to_verify23_at_ctx"] = round(lc["pass_replay_ms"] / lc["verify23_at_ctx_ms"], 4)
 
 
 def spec_with_drafter(model, dr, d: dict[str, Any], r: dict[str, Any], timer: Timer, args, scale: float,
@@ -697,6 +715,11 @@ def print_table(rep: dict[str, Any], path: str) -> None:
         row(f"drafter pass at {name.replace('_', ' ')}: replay / API / eager ms; replay / width-{SPEC_WIDTH} verify "
             f"(scaled)", lambda m, n=name: "{pass_replay_ms:.3f} / {pass_api_ms:.3f} / {pass_eager_ms:.3f}; "
             "{ratio_to_verify23_scaled:.3f}".format(**m["drafter"][n]))
+    row(f"drafter pass at long context against a width-{SPEC_WIDTH} verify at the same context: verify ms (its graph "
+        "alone); replay / verify (/ verify graph alone)", lambda m: "{verify23_at_ctx_ms:.2f} ({}); {:.3f} ({})".format(
+            _f(m["drafter"]["long_context"].get("verify23_replay_at_ctx_ms"), 2),
+            m["drafter"]["long_context"]["ratio_to_verify23_at_ctx"],
+            _f(m["drafter"]["long_context"].get("ratio_to_verify23_replay_at_ctx"), 3), **m["drafter"]["long_context"]))
     loops = list(next(iter(modes.values()), {}).get("drafter", {}).get("spec_loop", {}))
     if loops:
         row(f"speculative loop with the GPU drafter, forced acceptance {' / '.join(map(str, loops))}: tok/s "

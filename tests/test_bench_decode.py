@@ -99,3 +99,18 @@ def test_plain_decode_reports_what_the_model_has():
     d = _decode_module().plain_decode(make_tiny_target(), 6, 5, rounds=2)
     assert d["tokens"] == 6 and d["rounds"] == 2 and d["tps"] > 0
     assert "step_tps" not in d and "replay_tps" not in d
+
+
+def test_long_context_drafter_ratio_divides_by_a_verify_at_the_same_context() -> None:
+    decode = _decode_module()
+    model = _Model()
+    contexts = []
+    new_state = model.new_state
+    model.new_state = lambda n: contexts.append(n) or new_state(n)
+    lc = {"pass_replay_ms": 2.3}
+    decode.long_context_ratios(model, _Timer(model), lc, context=2600, reps=2, scale=1.0, deadline=float("inf"))
+    assert contexts and contexts[0] >= 2600 + decode.SPEC_WIDTH      # the verify's state holds the long context
+    assert lc["verify23_at_ctx_ms"] == pytest.approx(28.0)            # the pass through the API (host time in)
+    assert lc["verify23_replay_at_ctx_ms"] == pytest.approx(23.0)     # its graph alone
+    assert lc["ratio_to_verify23_at_ctx"] == pytest.approx(2.3 / 28.0, abs=1e-4)
+    assert lc["ratio_to_verify23_replay_at_ctx"] == pytest.approx(0.1)
