@@ -241,6 +241,17 @@ STEP_ABS = {
     # a block's last row block added up at once when its one other sharer's pieces are in (quant_wide.PEEK) or not
     "peek": ([("store-count-read", SMALL, 3, "capture", {"qw.PEEK": False}),
               ("peek", SMALL, 3, "capture", {"qw.PEEK": True})], (17, 23, 32, 41), [("peek", "store-count-read")]),
+    # every K-quant matrix on the wide kernel from 17 tokens (quant_wide.CROSSOVER; the 5120 x 6144 projections and
+    # the attention's q|k|v stack take v2 up to 24 as shipped)
+    "xover17": ([("shipped", SMALL, 3, "capture", {}),
+                 ("all from 17", SMALL, 3, "capture", {"qw.CROSSOVER": {1: 17, 8: 25, 12: 17, 14: 17}})],
+                (17, 20, 23), [("all from 17", "shipped")]),
+    # the high and deep K-quant matrices on the wide kernel from 9 / 13 tokens (quant_wide.HIGH_CROSSOVER /
+    # DEEP_CROSSOVER; shipped: 17)
+    "wide9": ([("shipped", SMALL, 3, "capture", {})]
+              + [(f"high+deep from {d}", SMALL, 3, "capture",
+                  {"qw.HIGH_CROSSOVER": {12: d, 14: d}, "qw.DEEP_CROSSOVER": {12: d, 14: d}}) for d in (9, 13)],
+              (9, 12, 16), [("high+deep from 9", "shipped"), ("high+deep from 13", "shipped")]),
     "v2stages": ([("shipped", SMALL, 3, "capture", {}), ("v2 3 stages", SMALL, 3, "capture", {"qm.STAGES_V2": 3}),
                   ("v2 4 stages", SMALL, 3, "capture", {"qm.STAGES_V2": 4})], (8, 16, 23),
                  [("v2 3 stages", "shipped"), ("v2 4 stages", "shipped")]),
