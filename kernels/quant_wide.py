@@ -57,14 +57,18 @@ CROSSOVER = {1: 17, 8: 25, 12: 25, 14: 25}  # F16, Q8_0, Q4_K, Q6_K
 # Q4_K too (23 tokens: 31.7 vs 34.6 us); step replays (bench/gemv_ab.py --step-ab deepq4, H100, 2026-11-27, three
 # rounds) with Q4_K from 17 against 24: 0.9972 / 0.9976 / 0.9977 at widths 17 / 20 / 23 (from 20: 0.9996 / 0.9979 /
 # 0.9976).
-DEEP_CROSSOVER = {12: 17, 14: 17}  # Q4_K, Q6_K (F16 / Q8_0: no sweep yet)
+# Session 24 (H100, the step with the bulk adds and the peek: bench/gemv_ab.py --step-ab wide9, three rounds): the
+# high and deep K-quant matrices from 9 against 17: 0.9975 / 0.9975 / 0.9971 at widths 9 / 12 / 16 (from 13: 1.0002 /
+# 1.0003 / 0.9970); every other K-quant matrix from 17 instead of 25 lost (--step-ab xover17: 1.0039 / 1.0046 / 1.0047
+# at 17 / 20 / 23).
+DEEP_CROSSOVER = {12: 9, 14: 9}  # Q4_K, Q6_K (F16 / Q8_0: no sweep yet)
 TALL_CROSSOVER = {12: 9, 14: 9}  # tall matrices (a type missing: DEEP_CROSSOVER)
 TALL_ROWS = 65536  # a matrix of this many rows or more is "tall"
 # High (HIGH_ROWS rows or more, neither deep nor tall: the 27B's stacked ffn_gate|up of 34816 rows and the DeltaNet
 # input stack of 16480) from 17 tokens, since the wide kernel's bookkeeping and split fences went (3c57947): Q4_K
 # ffn_up 30.6 vs v2 31.1 us at 23 tokens (29.3 vs 28.8 at 16), and the 27B step (graph replay, H100, 2026-11-27)
 # -2.5 / -2.3 / -2.4 % at widths 17 / 20 / 23; Q4_K's deep matrices from 17 as well gave back a third of that.
-HIGH_CROSSOVER = {12: 17, 14: 17}  # (a type missing: CROSSOVER)
+HIGH_CROSSOVER = {12: 9, 14: 9}  # (a type missing: CROSSOVER; from 9 since session 24, above DEEP_CROSSOVER)
 HIGH_ROWS = 16384
 # Default launch shape (choose_config): m16 tiles per warp, warps per block, copy stages by token tiles, with as
 # many blocks per SM as fit. The sweep's best shapes were nearly all 1 tile x 4 warps (64 rows per block): more,

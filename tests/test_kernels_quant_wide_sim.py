@@ -456,9 +456,10 @@ def test_dispatch_widths() -> None:
     # on ffn_down from 24 (Q4_K) / 17 (Q6_K) since v2 lost its per-load index math (from 9 before); F16 from 17;
     # 2026-11-27 (bulk reduce-adds): Q4_K's ffn_down from 17 as well
     assert qw.CROSSOVER[Q4_K] == qw.CROSSOVER[Q6_K] == 25 and qw.TALL_CROSSOVER[Q4_K] == qw.TALL_CROSSOVER[Q6_K] == 9
-    assert (qw.DEEP_CROSSOVER[Q4_K], qw.DEEP_CROSSOVER[Q6_K]) == (17, 17)
-    # 2026-11-27: high matrices (the stacked gate|up, the DeltaNet input stack) from 17 on the K-quants
-    assert qw.HIGH_CROSSOVER == {Q4_K: 17, Q6_K: 17} and qw.HIGH_ROWS == 16384
+    # 2026-11-27: high matrices (the stacked gate|up, the DeltaNet input stack) from 17 on the K-quants; session 24:
+    # the deep and high ones from 9
+    assert (qw.DEEP_CROSSOVER[Q4_K], qw.DEEP_CROSSOVER[Q6_K]) == (9, 9)
+    assert qw.HIGH_CROSSOVER == {Q4_K: 9, Q6_K: 9} and qw.HIGH_ROWS == 16384
 
 
 def test_stream_k_split_restatement() -> None:
