@@ -10,7 +10,9 @@
 // rotated rows and attn_combine_kernel inverse-rotates it once (twin: services/engine/kvcache.py attend).
 // Rows 0..S-1 are the committed context, rows S..S+T-1 the T new tokens (kv_store_kernel writes them).
 // S is read from a device int (s_len[0]) and the tree's ancestor mask from a device array (mask[t] bit u:
-// new token u is visible to new token t), so a captured CUDA graph replays with new lengths and trees.
+// new token u is visible to new token t), so a captured CUDA graph replays with new lengths and trees. window > 0
+// (a sliding layer past its window, the DFlash drafter's) hides committed key j from new token t unless
+// j >= S - (window - 1) + t, and the splits then cover only the tiles from the first key a token sees.
 //
 // attn_partial_kernel: grid (ceil(MT / MTB), Hkv, splits), MT = ceil(G*T / 16) m16 tiles of query rows
 // (row r = t*G + g reads q head kvh*G + g), block = 4 warps sharing each K/V tile in shared memory, so a
@@ -701,8 +703,8 @@ __global__ __launch_bounds__(256) void kv_store_kernel(const void* __restrict__ 
 template <int KK, int KV, int D, int TQ, int KW>
 __global__ __launch_bounds__(128, 2) void attn_partial_kernel(
     const void* __restrict__ q, const u8* __restrict__ kc, const u8* __restrict__ vc, const int* __restrict__ s_len,
-    const u64* __restrict__ mask, int T, int H, int Hkv, i64 ctx, float scale_log2, float* __restrict__ ws_o,
-    float* __restrict__ ws_ml) {
+    const u64* __restrict__ mask, int window, int T, int H, int Hkv, i64 ctx, float scale_log2,
+    float* __restrict__ ws_o, float* __restrict__ ws_ml) {
     SS_PDL_ENTRY();
     using namespace ssa;
     using L = Layout<KK, KV, D>;
@@ -728,9 +730,13 @@ __global__ __launch_bounds__(128, 2) void attn_partial_kernel(
     const int mt = (int)blockIdx.x * MTB + mtl;      // this warp's m16 tile
     const bool active = mt * 16 < R;
     const int S = s_len[0], n = S + T;
+    // window > 0 (a sliding layer whose window cuts the context): new token t sees the committed keys from
+    // S - (window - 1) + t on, so the splits cover the tiles from the first key any token sees
+    const int wlo = window > 0 ? S - (window - 1) : 0;
+    const int t0 = wlo > 0 ? wlo / KT : 0;
     const int ntiles = (n + KT - 1) / KT;
-    const int per = (ntiles + splits - 1) / splits;
-    const int tb = z * per, te = tb + per < ntiles ? tb + per : ntiles;
+    const int per = (ntiles - t0 + splits - 1) / splits;
+    const int tb = t0 + z * per, te = tb + per < ntiles ? tb + per : ntiles;
 
     const u8* kbase = kc + (i64)kvh * ctx * L::RBK;
     const u8* vbase = vc + (i64)kvh * ctx * L::RBV;
@@ -825,7 +831,7 @@ __global__ __launch_bounds__(128, 2) void attn_partial_kernel(
         }
     }
     // Row state: rows g and g+8 of the tile.
-    int tok[2];
+    int tok[2], klo[2];
     bool rok[2];
     u64 mbits[2];
     float m_run[2], l_run[2];
@@ -833,6 +839,7 @@ __global__ __launch_bounds__(128, 2) void attn_partial_kernel(
         const int r = mt * 16 + g + 8 * i;
         rok[i] = active && r < R;
         tok[i] = rok[i] ? r / G : 0;
+        klo[i] = window > 0 ? wlo + tok[i] : 0;  // the row's first visible committed key
         mbits[i] = rok[i] ? mask[tok[i]] : 0ull;
         m_run[i] = neg_inf();
         l_run[i] = 0.0f;
@@ -929,11 +936,12 @@ __global__ __launch_bounds__(128, 2) void attn_partial_kernel(
             } else {
                 qk_range(0, D / 16, s, nullptr, 0);
             }
-            // Mask (only a tile that reaches the new keys or past n needs one: every committed key is visible, and
-            // rows past R hold zero queries whose results are never written), then online softmax in the exp2
+            // Mask (only a tile that reaches the new keys or past n, or a window's bounds, needs one: every other
+            // committed key is visible, and rows past R hold zero queries whose results are never written), then
+            // online softmax in the exp2
             // domain for rows g (i = 0) and g + 8 (i = 1). The running max moves only when a tile's max exceeds it
             // by more than 8 (weights stay <= 2^8, exact enough in fp16), so most tiles skip rescaling O.
-            const bool edge = key0 + KT > S;
+            const bool edge = key0 + KT > S || (window > 0 && key0 < wlo + T - 1);
             float alpha[2];
 #pragma unroll
             for (int i = 0; i < 2; ++i) {
@@ -945,7 +953,8 @@ __global__ __launch_bounds__(128, 2) void attn_partial_kernel(
                         float& sv = s[nt][2 * i + e];
                         if (edge) {
                             const int j = key0 + kw0 + 8 * nt + 2 * t4 + e;
-                            const bool vis = rok[i] && (j < S || (j < n && ((mbits[i] >> (j - S)) & 1ull)));
+                            const bool vis =
+                                rok[i] && (j < S ? j >= klo[i] : (j < n && ((mbits[i] >> (j - S)) & 1ull)));
                             sv = vis ? sv : neg_inf();
                         }
                         mx = fmaxf(mx, sv);

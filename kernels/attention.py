@@ -398,6 +398,7 @@ def attention(
     portable: bool = False,
     kw: int | None = None,
     q16: Any = None,
+    window: int = 0,
 ) -> Any:
     """o [T, H, D] = softmax(q K^T / sqrt(D) + mask) V over cache rows [0, S + T), times sigmoid(gate) if given.
 
@@ -407,7 +408,8 @@ def attention(
     per m16 tile of query rows (1, 2 or 4; None: default_kw's for s_hint + T rows). q16: a uint32 buffer
     (quant_matmul.q16_words(H D, T)) that also receives o's int16 staging (PackedX.q16 of the fp16-rounded o as
     [T, H D]; f32 / f16 out, D a multiple of 32, H D of 256) for the output projection's gemv ring, so no pack
-    launch runs between them."""
+    launch runs between them. window > 0: a sliding layer's window (the DFlash drafter's): new token t sees committed
+    row j only from S - (window - 1) + t on, read in place (s_hint: the rows a split plan counts, at most window)."""
     cupy = loader.require()
     q = cupy.ascontiguousarray(as_device(q))
     if q.data.ptr % 16:  # the kernel reads q rows in 16-byte pieces
@@ -424,6 +426,11 @@ def attention(
         raise ValueError(f"S + T = {int(s_len) + T} rows exceed the cache's {cache.max_ctx}")
     if s_hint is None:
         s_hint = int(s_len) if isinstance(s_len, (int, np.integer)) else cache.max_ctx - T
+    window = int(window)
+    if window < 0:
+        raise ValueError(f"window must be >= 0 (0: none), not {window}")
+    if window:
+        s_hint = min(int(s_hint), window)
     s_dev = _s_len(s_len)
     m_dev = _mask(mask, T)
     tq = type_code(q)
@@ -461,8 +468,8 @@ def attention(
     kern(
         (gx, Hkv, splits),
         (32 * MAXW,),
-        (q, cache.k, cache.v, s_dev, m_dev, np.int32(T), np.int32(H), np.int32(Hkv), np.int64(cache.ctx), scale_log2,
-         ws_o, ws_ml),
+        (q, cache.k, cache.v, s_dev, m_dev, np.int32(window), np.int32(T), np.int32(H), np.int32(Hkv),
+         np.int64(cache.ctx), scale_log2, ws_o, ws_ml),
         shared_mem=smem,
     )  # fmt: skip
 

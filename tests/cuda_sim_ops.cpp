@@ -177,14 +177,15 @@ extern "C" int sim_attn_decode(int kk, int kv, int D, int ti, int G, const void*
 }
 
 extern "C" int sim_attn_partial(int kk, int kv, int D, int tq, int kw, const void* q, const unsigned char* kc,
-                                const unsigned char* vc, const int* s_len, const unsigned long long* mask, int T,
-                                int H, int Hkv, long long ctx, float scale_log2, float* ws_o, float* ws_ml, int gx,
-                                int splits) {
+                                const unsigned char* vc, const int* s_len, const unsigned long long* mask,
+                                int window, int T, int H, int Hkv, long long ctx, float scale_log2, float* ws_o,
+                                float* ws_ml, int gx, int splits) {
     g_body = nullptr;
 #define AP(KK, KV, DD, TQ, KW)                                                                                       \
     if (kk == KK && kv == KV && D == DD && tq == TQ && kw == KW)                                                     \
         g_body = [=] {                                                                                               \
-            attn_partial_kernel<KK, KV, DD, TQ, KW>(q, kc, vc, s_len, mask, T, H, Hkv, ctx, scale_log2, ws_o, ws_ml); \
+            attn_partial_kernel<KK, KV, DD, TQ, KW>(q, kc, vc, s_len, mask, window, T, H, Hkv, ctx, scale_log2, ws_o, \
+                                                    ws_ml);                                                       \
         };
     AP(0, 0, 64, 0, 4)
     AP(1, 1, 64, 0, 4)

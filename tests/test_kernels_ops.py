@@ -214,6 +214,45 @@ def test_attention_qwen36_shape(kind: str, T: int) -> None:
         assert np.array_equal(host(q16), q16_twin(host(out).reshape(T, H * D).astype(np.float16)))
 
 
+@pytest.mark.parametrize("kind", ["f16", "q8_0"])
+@pytest.mark.parametrize("S,window", [(2600, 2048), (517, 100), (300, 2048)])
+def test_attention_window_reads_the_window_in_place(kind: str, S: int, window: int) -> None:
+    """A sliding layer past its window (the DFlash drafter's block of 16, causal): token t sees committed rows from
+    S - (window - 1) + t on; a window wider than the context hides nothing (bitwise the plain launch); a device S
+    inside a graph replays with a new length."""
+    rng = np.random.default_rng(S + window)
+    H, Hkv, D, T = 32, 8, 128, 16
+    cache, _, _ = make_cache(kind, Hkv, D, S, T, rng, max_ctx=S + T + 64)
+    q = cupy.asarray(rng.standard_normal((T, H, D)).astype(np.float16))
+    parents = list(range(-1, T - 1))
+    mask = cupy.asarray(at.tree_mask(parents))
+    kd, vd = cache.rows(S + T)
+    seen = np.arange(S)[None, :] >= S - (window - 1) + np.arange(T)[:, None]
+    visible = np.concatenate([seen, layers.ancestor_matrix(np.asarray(parents))], axis=1)
+    ref = layers.masked_attention(host(q).astype(np.float64), kd.astype(np.float64), vd.astype(np.float64), visible)
+    for splits in (None, 1, 3):
+        out = at.attention(q, cache, S, mask, splits=splits, window=window)
+        assert rel(host(out), ref) < ATTN_TOL, f"splits={splits}"
+    if S + T <= window:
+        assert np.array_equal(host(at.attention(q, cache, S, mask, splits=3, window=window)),
+                              host(at.attention(q, cache, S, mask, splits=3)))
+    s_dev = cupy.full(1, S - 7, cupy.int32)   # a graph captured at S - 7, replayed at S
+    ws = at.make_workspace(H, T, D, 4)
+    out = cupy.empty((T, H, D), cupy.float32)
+    stream = cupy.cuda.Stream(non_blocking=True)
+    with stream:
+        at.attention(q, cache, s_dev, mask, splits=4, window=window, out=out, workspace=ws)  # kernels built
+        stream.begin_capture()
+        at.attention(q, cache, s_dev, mask, splits=4, window=window, out=out, workspace=ws)
+        graph = stream.end_capture()
+        s_dev.fill(S)
+        graph.launch(stream)
+    stream.synchronize()
+    assert rel(host(out), ref) < ATTN_TOL
+    with pytest.raises(ValueError, match="window"):
+        at.attention(q, cache, S, mask, window=-1)
+
+
 def test_attention_staging_refusals() -> None:
     rng = np.random.default_rng(3)
     cache, _, _ = make_cache("f16", 1, 64, 20, 1, rng)

@@ -45,7 +45,7 @@ SIGNATURES = {
     "sim_gate_mul": [I, I, I, P, P, LL, LL, P, I, I, I, I],
     "sim_kv_store": [I, I, I, P, P, P, P, P, I, I, I, LL],
     "sim_kv_move_rows": [P, P, I, I, LL, P, P, P, I],
-    "sim_attn_partial": [I, I, I, I, I, P, P, P, P, P, I, I, I, LL, F, P, P, I, I],
+    "sim_attn_partial": [I, I, I, I, I, P, P, P, P, P, I, I, I, I, LL, F, P, P, I, I],
     "sim_attn_decode": [I, I, I, I, I, P, LL, P, LL, P, P, LL, P, P, P, P, I, F, P, P, P, LL, F, P, P, P, P, P, I,
                         I, I],
     "sim_attn_combine": [I, I, I, P, P, I, I, I, I, I, P, LL, LL, P, P],
@@ -289,11 +289,12 @@ def test_kv_move_rows_count_zero_and_in_order(libs) -> None:
 
 def run_attention(lib, kv, D: int, tq: int, T: int, G: int, Hkv: int, S: int, parents, splits: int,
                   rng, gate_f16: bool = False, ti_new: int | None = None, kw: int | None = None,
-                  k_ramp: float = 0.0):  # fmt: skip
+                  k_ramp: float = 0.0, window: int = 0):  # fmt: skip
     """kv: one kind code for K and V, or a (K, V) pair. Stores S committed rows (f32 input) and T new rows
     (f16 input when ti_new is 1), checks the stored bytes, runs attention; returns (y, twin). tq: q as f32, f16
     or bf16 (0, 1, 2); kw: warps per m16 tile (None: the launcher's choice); k_ramp: key row j scaled by
-    1 + k_ramp * j, so later tiles hold larger scores (the running max moves tile after tile)."""
+    1 + k_ramp * j, so later tiles hold larger scores (the running max moves tile after tile); window > 0: new token
+    t sees committed row j only from S - (window - 1) + t on (a sliding layer past its window)."""
     kk, kv = (kv, kv) if isinstance(kv, int) else kv
     H = G * Hkv
     ctx = 32 * math.ceil((S + T + 5) / 32)
@@ -338,8 +339,8 @@ def run_attention(lib, kv, D: int, tq: int, T: int, G: int, Hkv: int, S: int, pa
     ws_o = np.full((parts, H * T, D), np.nan, np.float32)
     ws_ml = np.full((parts, H * T, 2), np.nan, np.float32)
     scale = np.float32(1.0 / math.sqrt(D) / math.log(2.0))
-    err = lib.sim_attn_partial(kk, kv, D, tq, kw, ptr(qx), ptr(kc), ptr(vc), ptr(s_len), ptr(mask), T, H, Hkv, ctx,
-                               scale, ptr(ws_o), ptr(ws_ml), gx, splits)  # fmt: skip
+    err = lib.sim_attn_partial(kk, kv, D, tq, kw, ptr(qx), ptr(kc), ptr(vc), ptr(s_len), ptr(mask), window, T, H,
+                               Hkv, ctx, scale, ptr(ws_o), ptr(ws_ml), gx, splits)  # fmt: skip
     assert err == 0, f"simulation error (or no instance for K={kk} V={kv} D={D} tq={tq} KW={kw})"
     rg = attn_mod.tq3_group(D) if kv == 2 else 0
     # where the shapes allow, the combine also writes the output projection's int16 staging of o (every word)
@@ -356,7 +357,10 @@ def run_attention(lib, kv, D: int, tq: int, T: int, G: int, Hkv: int, S: int, pa
     assert err == 0
     if q16 is not None:  # bitwise the pack's staging of the output (pack_x_kernel rounds it to fp16 first)
         assert np.array_equal(q16, q16_twin(out.reshape(T, H * D).astype(np.float16)))
-    visible = np.concatenate([np.ones((T, S), bool), layers.ancestor_matrix(np.asarray(parents))], axis=1)
+    seen = np.ones((T, S), bool)
+    if window > 0:
+        seen = np.arange(S)[None, :] >= S - (window - 1) + np.arange(T)[:, None]
+    visible = np.concatenate([seen, layers.ancestor_matrix(np.asarray(parents))], axis=1)
     twin = kvcache.KVCache(twin_store(KV_NAMES[kk], stored(kc, rbk), S + T, Hkv, D),
                            twin_store(KV_NAMES[kv], stored(vc, rbv), S + T, Hkv, D))  # fmt: skip
     ref = twin.attend(decode(qx, tq).astype(np.float32), S + T, visible).astype(np.float64)
@@ -390,6 +394,25 @@ def test_attention(libs, kv, D, tq, T, G, Hkv, S, tree, splits) -> None:
     y, ref = run_attention(libs["attention"], kv, D, tq, T, G, Hkv, S, parents, splits, rng)
     assert np.isfinite(y).all()
     assert rel(y, ref) < 3e-3  # fp16 q (pre-scaled) and softmax weights; K/V exact in their stored form
+
+
+WINDOW_CASES = [
+    # kv, D, tq, T, G, Hkv, S, tree, splits, window
+    (0, 64, 1, 23, 3, 1, 100, False, 3, 30),  # the first visible key mid-tile; a split of hidden tiles only
+    (1, 128, 0, 16, 4, 1, 150, False, 2, 40),  # the drafter's 16-token block, q8_0 K / V
+    (0, 64, 0, 1, 6, 2, 70, False, 2, 10),  # one token: the last 9 committed rows
+    (0, 64, 0, 5, 6, 1, 45, True, 2, 100),  # a window wider than the context: every committed row
+]
+
+
+@pytest.mark.parametrize("kv,D,tq,T,G,Hkv,S,tree,splits,window", WINDOW_CASES)
+def test_attention_window(libs, kv, D, tq, T, G, Hkv, S, tree, splits, window) -> None:
+    """A sliding layer past its window (the DFlash drafter's): token t sees committed rows from S - (W-1) + t on."""
+    rng = np.random.default_rng(S + window)
+    parents = random_tree(T, rng) if tree else list(range(-1, T - 1))
+    y, ref = run_attention(libs["attention"], kv, D, tq, T, G, Hkv, S, parents, splits, rng, window=window)
+    assert np.isfinite(y).all()
+    assert rel(y, ref) < 3e-3
 
 
 TQ3_CASES = [
