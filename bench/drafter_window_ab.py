@@ -3,11 +3,10 @@
     python3 bench/drafter_window_ab.py --model TARGET.gguf --draft DRAFTER.gguf [--context 512] [--long 2600]
 
 One pass (3 appended feature rows, a 16-token block, top-8), graph replay, median of 20, on a fresh session per
-variant, at the short context and past the window: `shipped`; `no gather` (the sliding layers' window rows are not
-gathered into the scratch cache: the attention reads whatever it holds; timing only); `full attention` (the sliding
-layers attend to the whole context as the full ones do, no window: timing only); `no sliding attention` (the sliding
-layers' attention left out: its output is the zero q rows; timing only). Ratios to the shipped pass at the short
-context are printed last.
+variant, at the short context and past the window: `shipped` (the sliding layers pass their window to the attention
+kernel, which reads the window's tiles in place); `full attention` (the sliding layers attend to the whole context as
+the full ones do, no window: timing only); `no sliding attention` (the sliding layers' attention left out: its output
+is the zero q rows; timing only). Ratios to the shipped pass at the short context are printed last.
 """
 
 from __future__ import annotations
@@ -59,45 +58,34 @@ def main(argv: list[str]) -> int:
     from gpu_bench import load_gpu_model
 
     from services.engine.models import dflash_gpu
-    from services.engine.models.dflash_gpu import DFlashGpuDrafter, load_gpu_drafter
+    from services.engine.models.dflash_gpu import load_gpu_drafter
 
     model, _, _ = load_gpu_model(args.model)
     dr = load_gpu_drafter(args.draft, model)
     print(f"drafter: {dr.cfg.n_layer} layers, sliding {dr.cfg.layer_causal}, window {dr.cfg.sliding_window}, "
           f"heads {dr.cfg.n_head} / {dr.cfg.n_head_kv} x {dr.cfg.head_dim}", flush=True)
-    shipped_window = DFlashGpuDrafter._window_attention
-    shipped_windowed = DFlashGpuDrafter._windowed
-    att = dflash_gpu.att
+    shipped_attention = dflash_gpu.att.attention
 
-    def no_gather(self, q, cache, s, T, mask, rows):
-        cp = self.xp
-        n_all, n_edge = self._window_shape(T)
-        qp = cp.zeros((T + n_edge, self.cfg.n_head, self.cfg.head_dim), q.dtype)
-        qp[:T] = q
-        return att.attention(qp, s.win, s.win_len[T], mask, s_hint=n_all)[:T]
+    def full_attention(q, cache, s_len, mask, **kw):
+        kw["window"] = 0
+        return shipped_attention(q, cache, s_len, mask, **kw)
 
-    def no_attention(self, q, cache, s, T, mask, rows):
-        return q * 0
+    def no_sliding_attention(q, cache, s_len, mask, **kw):
+        return q * 0 if kw.get("window") else shipped_attention(q, cache, s_len, mask, **kw)
 
-    variants = {
-        "shipped": (shipped_window, shipped_windowed),
-        "no gather": (no_gather, shipped_windowed),
-        "full attention": (shipped_window, lambda self, start, T: False),
-        "no sliding attention": (no_attention, shipped_windowed),
-    }
+    variants = {"shipped": shipped_attention, "full attention": full_attention,
+                "no sliding attention": no_sliding_attention}
     rows = {}
     try:
         for _rep in range(2):
-            for name, (win, windowed) in variants.items():
-                DFlashGpuDrafter._window_attention = win
-                DFlashGpuDrafter._windowed = windowed
+            for name, attention in variants.items():
+                dflash_gpu.att.attention = attention
                 for ctx in (args.context, args.long):
                     if ctx == args.context and name != "shipped":
                         continue
                     rows.setdefault((name, ctx), []).append(pass_replay_ms(dr, cupy, ctx))
     finally:
-        DFlashGpuDrafter._window_attention = shipped_window
-        DFlashGpuDrafter._windowed = shipped_windowed
+        dflash_gpu.att.attention = shipped_attention
     base = statistics.median(rows[("shipped", args.context)])
     for (name, ctx), v in rows.items():
         m = statistics.median(v)

@@ -79,15 +79,11 @@ def test_gpu_state_holds_what_the_plan_counts(fake_cp, max_ctx, kinds, max_tree,
 
 @pytest.mark.parametrize("rows, host_rows", [(4096 + 16, False), (1000, True), (40, False)])
 def test_gpu_draft_session_holds_what_the_plan_counts(fake_cp, rows, host_rows):
-    from services.engine.models.dflash_gpu import DFlashGpuDrafter, GpuDraftSession
+    from services.engine.models.dflash_gpu import GpuDraftSession
 
     for shape in _configs():
         dc = shape.drafter
         s = GpuDraftSession(dc, rows, max_rows=rows, host_rows=host_rows)
-        # the window scratch the verifier's reserve_sessions makes for the sliding layers
-        view = types.SimpleNamespace(xp=fake_cp, cfg=dc)
-        view._window_shape = lambda T, v=view: DFlashGpuDrafter._window_shape(v, T)
-        DFlashGpuDrafter._window_scratch(view, s, dc.block_size)
         planned = M.gpu_session_bytes(M.drafter_shape_of(dc), rows, host_rows)
         assert s.nbytes == sum(planned.values()), (shape.size_label, planned)
         assert s.capacity == rows

@@ -466,7 +466,7 @@ DEFAULT_SMS = 132              # SMs assumed when the GPU cannot be asked (an H1
 GRAPH_NODE_BYTES = 8 << 10
 STEP_NODES_PER_LAYER, STEP_NODES_EXTRA = 16, 40
 COMMIT_NODES_PER_ATTN_LAYER, COMMIT_NODES_EXTRA = 4, 4
-DRAFT_NODES_PER_LAYER, DRAFT_NODES_PER_WINDOWED_LAYER, DRAFT_NODES_EXTRA = 20, 10, 40
+DRAFT_NODES_PER_LAYER, DRAFT_NODES_EXTRA = 20, 40
 SMALL_ALLOCS_PER_BLOCK = 48    # allocations of a block, each rounded up to 512 bytes by the arena
 ARENA_ALIGN = 512
 
@@ -570,8 +570,8 @@ def gpu_commit_scratch(cfg: ModelConfig, width: int, kv_k: str, kv_v: str) -> in
 
 def gpu_draft_scratch(cfg: ModelConfig, d: DrafterShape, sms: int, rows: int = GPU_MAX_APPEND) -> int:
     """Every allocation of one GPU drafter pass (dflash_gpu._block_pass + _head) appending `rows` feature rows: the
-    append's products, one block layer's (the window attention's gathers and padded queries on a sliding layer),
-    the embedded block and the head: the logits of block - 1 rows, the top-k partials, ids, log-probs."""
+    append's products, one block layer's (a sliding layer reads its window in place), the embedded block and the
+    head: the logits of block - 1 rows, the top-k partials, ids, log-probs."""
     B, E, F, H, Hkv, D = d.block_size, d.n_embd, d.n_ff, d.n_head, d.n_head_kv, d.head_dim
     n, P = rows, _pad8(rows)
     append = P * d.n_features * 2 + 2 * n * E * 4 + 2 * (P * E * 2 + n * 2 * Hkv * D * 4 + 2 * n * Hkv * D * 4)
@@ -579,13 +579,6 @@ def gpu_draft_scratch(cfg: ModelConfig, d: DrafterShape, sms: int, rows: int = G
     layer = (B * E * 4 + PB * E * 2 + 3 * B * H * D * 4 + B * 2 * Hkv * D * 4 + 2 * B * Hkv * D * 4
              + _attn_workspace(H, Hkv, D, B, sms) + B * H * D * 4 + PB * H * D * 2 + B * E * 4 + 2 * B * E * 4
              + PB * E * 2 + B * 2 * F * 4 + B * F * 4 + PB * F * 2 + 2 * B * E * 4)
-    if d.sliding_window is not None and d.n_causal:
-        W = d.sliding_window
-        n_edge = min(B - 1, W - 1)
-        win_rows = max(W - B, 0) + B + n_edge
-        rb = 2 * D
-        layer += (3 * win_rows * 4 + 2 * Hkv * win_rows * rb + 2 * (B + n_edge) * H * D * 4
-                  + _attn_workspace(H, Hkv, D, B + n_edge, sms))
     layer += SMALL_ALLOCS_PER_BLOCK * ARENA_ALIGN
     V, R = cfg.n_vocab, B - 1
     head = R * E * 4 + R * V * 4 + R * math.ceil(V / 1024) * (2 + 2 * GPU_TOPK) * 4 + 2 * R * GPU_TOPK * 4 \
@@ -727,10 +720,6 @@ def gpu_session_bytes(d: DrafterShape, rows: int, host_rows: bool = False) -> di
     kv = d.n_layer * 2 * d.n_head_kv * _round_up(rows, CUDA_KV_TILE) * d.head_dim * 2
     vals = _round_up(4 * (2 + GPU_MAX_APPEND + 2 * B), 256) + (B * 4 * d.n_embd if host_rows else 0)
     other = vals + GPU_MAX_APPEND * d.n_features * 4
-    if d.sliding_window is not None and d.n_causal:
-        n_edge = min(B - 1, d.sliding_window - 1)
-        win = max(d.sliding_window - B, 0) + B + n_edge
-        other += 2 * d.n_head_kv * _round_up(win, CUDA_KV_TILE) * d.head_dim * 2 + 4 + (B + n_edge) * 8
     return {"drafter context cache": kv, "drafter session buffers": other}
 
 
@@ -741,8 +730,7 @@ def graph_nodes(cfg: ModelConfig, drafter: DrafterShape | None) -> tuple[int, in
     commit = COMMIT_NODES_PER_ATTN_LAYER * n_attn + COMMIT_NODES_EXTRA
     draft = 0
     if drafter is not None:
-        draft = (DRAFT_NODES_PER_LAYER * drafter.n_layer + DRAFT_NODES_EXTRA
-                 + (DRAFT_NODES_PER_WINDOWED_LAYER * drafter.n_causal if drafter.sliding_window else 0))
+        draft = DRAFT_NODES_PER_LAYER * drafter.n_layer + DRAFT_NODES_EXTRA
     return step, commit, draft
 
 
@@ -909,7 +897,7 @@ def _gpu_drafter_items(cfg: ModelConfig, d: DrafterShape, s: PlanSettings, width
         Item("drafter context cache", n * ses["drafter context cache"],
              f"{n} slot(s) x {d.n_layer} layers x {rows} rows, f16"),
         Item("drafter session buffers", n * ses["drafter session buffers"],
-             "pass values, appended features" + (", window scratch" if d.sliding_window else "")),
+             "pass values, appended features"),
         Item("drafter CUDA graphs", n * GPU_GRAPHS_PER_SESSION * draft_nodes * GRAPH_NODE_BYTES,
              f"{n} slot(s) x {GPU_GRAPHS_PER_SESSION} passes of ~{draft_nodes} nodes"),
     ]

@@ -8,15 +8,14 @@ the target is a Qwen35GpuModel on the same device (no second copy).
 
 Per-step values (the context length before and after the append, the positions, the block's first token) live in one
 device int32 buffer of the session and the new feature rows in a device buffer, so a captured pass replays for every
-step of its shape: (rows appended, whether a sliding layer's window cuts the context, the attention's S bucket). A
+step of its shape: (rows appended, the attention's S bucket). A
 step appends at most a block and its bonus token (graph_append rows); a longer append (a prompt, the plain steps of
 a drafter pause) runs eagerly first, then the pass with nothing to append, so capture_passes captures every pass of
 a step at start-up (each pooled session, the first S bucket) and requests replay them. Attention: kernels.attention
 over the session's f16 KVCacheLayer (context rows, then the block's rows at `start`), mask all-ones (full layers,
-bidirectional) or causal (sliding layers) - exact while every query's window covers the whole context (start + block
-<= window). Past that, a sliding layer gathers its window's rows into a scratch cache (a CuPy take of 16-byte units,
-indices from the device start) and runs the same kernel with the rows at the window's edge as extra "new tokens"
-under a per-step mask (_window_attention), still inside the graph.
+bidirectional) or causal (sliding layers); a sliding layer passes its window to the kernel, which hides committed
+row j from block token t unless j >= start - (window - 1) + t (SpecForge's per-query window) and reads only the tiles
+from the first row a token sees, in place (nothing is hidden while start + block <= window).
 
 Sessions outlive a request: GpuProposer takes one from the drafter's pool (acquire_session) and returns it on
 close, so a request replays the graphs an earlier one captured (session_pool_size of them kept; the verifier sets
@@ -55,16 +54,6 @@ GRAPHS_PER_SESSION = 64
 # matrices of a layer uploaded as one (q stays apart: the context rows need only k | v); memory_plan.GPU_DRAFTER_STACKS
 STACKS = {"attn_kv": ("attn_k", "attn_v"), "ffn_gate_up": ("ffn_gate", "ffn_up")}
 _ARANGE_APPEND = np.arange(MAX_APPEND, dtype=np.int32)
-
-
-def _row_units(buf: Any, n_heads: int, ctx: int, row_bytes: int) -> Any:
-    """A cache side's bytes as [heads, ctx, units] of the widest element (16, 8, 4, 2 or 1 bytes) dividing a row:
-    a gather of whole rows then moves a few wide elements per row instead of every byte."""
-    cp = nr.loader.require()
-    for size, dt in ((16, cp.complex128), (8, cp.uint64), (4, cp.uint32), (2, cp.uint16)):
-        if row_bytes % size == 0:
-            return buf.view(dt).reshape(n_heads, ctx, row_bytes // size)
-    return buf.reshape(n_heads, ctx, row_bytes)
 
 
 @dataclass
@@ -109,11 +98,6 @@ class GpuDraftSession:
         self.feats = cp.zeros((MAX_APPEND, cfg.n_features), cp.float32)
         # a pass's top-k ids and log-probabilities (bits) side by side, copied here in one transfer
         self.h_top = QG._pinned(cp, (B - 1) * 2 * TOPK, np.int32).reshape(B - 1, 2 * TOPK)
-        # windowed sliding layers (DFlashGpuDrafter._window_attention): scratch cache, then per block width the
-        # attention's S (n_all) and the per-step mask
-        self.win: att.KVCacheLayer | None = None
-        self.win_len: dict[int, Any] = {}
-        self.win_mask: dict[int, Any] = {}
         self.graphs: dict[tuple, _DraftGraph] = {}
         QG.graph_arena(cp).register(self)
 
@@ -124,9 +108,6 @@ class GpuDraftSession:
     def nbytes(self) -> int:
         """Device bytes this session holds (what memory_plan.gpu_session_bytes counts per slot)."""
         arrays = [c.k for c in self.kv] + [c.v for c in self.kv] + [self.stage, self.feats]
-        if self.win is not None:
-            arrays += [self.win.k, self.win.v]
-        arrays += list(self.win_len.values()) + list(self.win_mask.values())
         return sum(int(a.nbytes) for a in arrays)
 
     # views into vals (kernel arguments point into the one buffer)
@@ -230,9 +211,9 @@ class DFlashGpuDrafter:
                 raise ModelFormatError(source, f"tensor '{name}' of shape {list(shape)}",
                                        "it missing" if got is None else f"shape {list(got)}")
         B = cfg.block_size
-        if B > att.MAX_TOKENS or (any(cfg.layer_causal) and cfg.sliding_window and 2 * B - 1 > att.MAX_TOKENS):
+        if B > att.MAX_TOKENS:
             raise ValueError(f"{source}: a block of {B} tokens does not fit the attention kernel's "
-                             f"{att.MAX_TOKENS}-token mask (a windowed sliding layer needs 2 * block - 1)")
+                             f"{att.MAX_TOKENS}-token mask")
         be = backend
         self.fc = be.weight(t["dflash_fc.weight"]).upload()
         self.hidden_norm = be.array(t["dflash_hidden_norm.weight"])
@@ -317,19 +298,16 @@ class DFlashGpuDrafter:
         return self.new_session()
 
     def reserve_sessions(self, n: int, max_ctx: int) -> None:
-        """Make the pool `n` sessions holding max_ctx context rows and a block (and the sliding layers' window
-        scratch) now, at start-up: a request of up to max_ctx tokens then grows none, and every byte the memory
-        plan counts per slot for the drafter is taken before the first request."""
+        """Make the pool `n` sessions holding max_ctx context rows and a block now, at start-up: a request of up to
+        max_ctx tokens then grows none, and every byte the memory plan counts per slot for the drafter is taken
+        before the first request."""
         self.max_rows = int(max_ctx) + self.block_size
         with self._pool_lock:
             self.session_pool_size = int(n)
             self._pool.clear()
         made = []
         for _ in range(int(n)):
-            s = self.new_session(self.max_rows)
-            if self.cfg.sliding_window is not None and any(self.cfg.layer_causal):
-                self._window_scratch(s, self.block_size)
-            made.append(s)
+            made.append(self.new_session(self.max_rows))
         with self._pool_lock:
             self._pool.extend(made)
 
@@ -431,15 +409,16 @@ class DFlashGpuDrafter:
 
     # -- block ---------------------------------------------------------------------------------------
     def _windowed(self, start: int, T: int) -> bool:
-        """Whether a sliding layer's window hides context rows from some block query (start + T > W)."""
+        """Whether a sliding layer's window hides context rows from some block query (start + T > W): the attention
+        kernel then reads only the window's tiles (reported by bench/decode.py)."""
         W = self.cfg.sliding_window
         return W is not None and any(self.cfg.layer_causal) and start + T > W
 
-    def _block_pass(self, s: GpuDraftSession, T: int, n_new: int, s_hint: int, masks: tuple[Any, Any, Any],
+    def _block_pass(self, s: GpuDraftSession, T: int, n_new: int, s_hint: int, masks: tuple[Any, Any],
                     x0: Any = None) -> Any:
         """Every launch of a pass, reading per-step values only from the session's device buffers: append the
         n_new feature rows in s.feats, then the block of T tokens at s_start. masks: (full layers, sliding
-        layers, sliding layers when the window cuts the context or None). Returns the final hidden rows."""
+        layers). Returns the final hidden rows."""
         c, eps = self.cfg, self.cfg.rms_eps
         H, Hkv, D = c.n_head, c.n_head_kv, c.head_dim
         if n_new:
@@ -453,7 +432,7 @@ class DFlashGpuDrafter:
         else:
             x = self.be.embed(self.tok_embd, s.tokens[:T])
         pos = s.blk_pos[:T]
-        win_rows = None
+        window = c.sliding_window or 0
         for i, w in enumerate(self.layers):
             h = qm.pack_activations(nr.rms_norm(x, w["attn_norm"], eps))     # packed once for both products
             q = w["attn_q"].matmul(h).reshape(T, H, D)
@@ -463,83 +442,15 @@ class DFlashGpuDrafter:
             q, k = nr.qk_norm_rope(q, k, w["attn_q_norm"], w["attn_k_norm"], pos, D, c.rope_theta, eps)
             cache = s.kv[i]
             cache.store(k, v, s.s_start)          # the block's rows after the context (overwritten next append)
-            causal = c.layer_causal[i]
-            if causal and masks[2] is not None:
-                if win_rows is None:   # the same rows for every sliding layer of the pass
-                    win_rows = self._window_rows(s, T)
-                o = self._window_attention(q, cache, s, T, masks[2], win_rows)
+            if c.layer_causal[i]:
+                o = att.attention(q, cache, s.s_start, masks[1], s_hint=s_hint, window=window)
             else:
-                o = att.attention(q, cache, s.s_start, masks[1] if causal else masks[0], s_hint=s_hint)
+                o = att.attention(q, cache, s.s_start, masks[0], s_hint=s_hint)
             h, x = nr.rms_norm(w["attn_output"].matmul(o.reshape(T, H * D)), w["post_attention_norm"], eps,
                                residual=x)
             gu = w["ffn_gate_up"].matmul(h)
             x = x + w["ffn_down"].matmul(nr.silu_mul(gu[:, :c.n_ff], gu[:, c.n_ff:]))   # residual add: CuPy
         return x
-
-    def _window_shape(self, T: int) -> tuple[int, int]:
-        """(n_all, n_edge) of a windowed pass: context rows every block query sees (the last W - T before start)
-        and the rows before them that only the first queries see (query t sees edge row j iff j >= t)."""
-        W = self.cfg.sliding_window
-        return max(W - T, 0), min(T - 1, W - 1)
-
-    def _window_mask(self, s: GpuDraftSession, start: int, T: int) -> Any:
-        """Device uint64 mask of a windowed pass over the scratch rows [all | block | edge] (see _window_attention),
-        written for this step; the scratch cache is made here too (never inside a capture)."""
-        cp, c = self.xp, self.cfg
-        W = c.sliding_window
-        n_all, n_edge = self._window_shape(T)
-        Tq = T + n_edge
-        self._window_scratch(s, T)
-        t = np.arange(T)[:, None]
-        j = np.arange(n_edge)[None, :]
-        edge = ((j >= t) & (start - (W - 1) + j >= 0)).astype(np.uint64) << (T + j).astype(np.uint64)
-        m = np.empty(Tq, np.uint64)
-        m[:T] = ((np.uint64(1) << (np.arange(T) + 1).astype(np.uint64)) - np.uint64(1)) | edge.sum(axis=1,
-                                                                                                   dtype=np.uint64)
-        m[T:] = np.uint64(1) << np.arange(T, Tq).astype(np.uint64)     # padding queries: themselves only
-        s.win_mask[T][...] = cp.asarray(m)
-        return s.win_mask[T]
-
-    def _window_scratch(self, s: GpuDraftSession, T: int) -> None:
-        """The session's scratch cache of a windowed pass of T tokens and its per-width S and mask buffers."""
-        cp, c = self.xp, self.cfg
-        n_all, n_edge = self._window_shape(T)
-        Tq = T + n_edge
-        if s.win is None or s.win.max_ctx < n_all + Tq:
-            s.win = att.KVCacheLayer(c.n_head_kv, c.head_dim, n_all + Tq, "f16")
-            s.graphs.clear()
-        if s.win_len.get(T) is None:
-            s.win_len[T] = cp.full(1, n_all, cp.int32)
-            s.win_mask[T] = cp.zeros(Tq, cp.uint64)
-
-    def _window_rows(self, s: GpuDraftSession, T: int) -> Any:
-        """The cache rows a windowed pass gathers, [n_all rows every query sees | the block | n_edge edge rows]
-        (see _window_attention), from s_start on the device (graph-safe)."""
-        cp, W = self.xp, self.cfg.sliding_window
-        n_all, n_edge = self._window_shape(T)
-        return cp.concatenate([s.s_start - n_all + cp.arange(n_all, dtype=cp.int32),
-                               s.s_start + cp.arange(T, dtype=cp.int32),
-                               cp.maximum(s.s_start - (W - 1) + cp.arange(n_edge, dtype=cp.int32), 0)])
-
-    def _window_attention(self, q: Any, cache: att.KVCacheLayer, s: GpuDraftSession, T: int, mask: Any,
-                          rows: Any) -> Any:
-        """A sliding layer's attention when its window cuts the context (SpecForge's per-query window: context
-        position p visible to query t iff p >= start + t - (W-1)), on the attention kernel: the window's rows
-        (_window_rows) are gathered into a scratch cache as [n_all rows every query sees | the block | n_edge edge
-        rows] and the block is padded with n_edge queries, so the edge rows and the block are "new tokens" under a
-        per-step mask. The gather moves 16-byte units straight into the scratch (cupy.take into a view of it): a
-        take over the caches' bytes cost 0.48 ms of a 2.2 ms pass at 27B shapes (H100)."""
-        cp, c = self.xp, self.cfg
-        H, D = c.n_head, c.head_dim
-        n_all, n_edge = self._window_shape(T)
-        win = s.win
-        for src, dst, rb, rb_win in ((cache.k, win.k, cache.row_bytes, win.row_bytes),
-                                     (cache.v, win.v, cache.row_bytes_v, win.row_bytes_v)):
-            cp.take(_row_units(src, cache.n_kv_heads, cache.ctx, rb), rows, axis=1,
-                    out=_row_units(dst, win.n_kv_heads, win.ctx, rb_win)[:, :rows.size])
-        qp = cp.zeros((T + n_edge, H, D), q.dtype)
-        qp[:T] = q
-        return att.attention(qp, win, s.win_len[T], mask, s_hint=n_all)[:T]
 
     def _head(self, x: Any) -> tuple[Any, Any, Any, Any]:
         """(logits, top-k ids, top-k log-probs at temperature 1, both side by side as int32 bits) of hidden
@@ -587,8 +498,7 @@ class DFlashGpuDrafter:
         session.reserve(start + self.block_size)
         self._set_step(session, start, 0, ids)
         x0 = cp.asarray(self.host_embed(ids)) if self._host_table else None
-        win = self._window_mask(session, start, T) if self._windowed(start, T) else None
-        masks = (cp.full(T, (1 << T) - 1, dtype=cp.uint64), cp.asarray(att.tree_mask(np.arange(-1, T - 1))), win)
+        masks = (cp.full(T, (1 << T) - 1, dtype=cp.uint64), cp.asarray(att.tree_mask(np.arange(-1, T - 1))))
         x = self._block_pass(session, T, 0, start, masks, x0)
         logits = self.output.matmul(nr.rms_norm(x, self.output_norm, self.cfg.rms_eps))
         return np.asarray(cp.asnumpy(logits), dtype=np.float32)
@@ -622,11 +532,10 @@ class DFlashGpuDrafter:
         self._set_step(s, start, n, np.array([last_token]), row0)
         if n:   # device rows (the GPU target's): a device copy; host rows: an upload
             s.feats[:n] = feats if isinstance(feats, cp.ndarray) else cp.asarray(feats, dtype=cp.float32)
-        windowed = self._windowed(start, B)
-        masks = (self._mask_full, self._mask_causal, self._window_mask(s, start, B) if windowed else None)
+        masks = (self._mask_full, self._mask_causal)
         if graphs:
             s_hint = QG._s_bucket(start + B, s.capacity) - B
-            out = self._graph_pass(s, (n, windowed, s_hint), lambda: self._head(
+            out = self._graph_pass(s, (n, s_hint), lambda: self._head(
                 self._block_pass(s, B, n, s_hint, masks)[1:]))
         else:
             self.graph_stats["eager"] += 1
