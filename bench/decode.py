@@ -23,8 +23,8 @@ the 16-token block, LM head over 15 rows, top-8 log-softmax; graph launch to dev
 whole draft_topk call (per-step values and features uploaded, top-8 ids / log-probs downloaded), `pass_eager_ms`
 the same pass launched eagerly; `ratio_to_verify23` = pass_replay / width-23 verify (the issue's target: <= 0.15;
 `_scaled` against the verify scaled to the full block count). The drafter keeps its full 5 layers when the target
-is shortened. `long_context` repeats the pass past the sliding window (2048), where the 4 sliding layers gather
-their window into a scratch cache first (dflash_gpu._window_attention); there `ratio_to_verify23` still divides by the
+is shortened. `long_context` repeats the pass past the sliding window (2048), where the 4 sliding layers' attention
+reads only their window's tiles (the kernel's `window`); there `ratio_to_verify23` still divides by the
 verify at `--context`, and `ratio_to_verify23_at_ctx` (`_replay_at_ctx`: graph against graph) by a width-23 verify
 measured at the same long context. The speculative loop (`spec_loop`): per
 step draft_topk (k=8) -> DDTree of 22 nodes -> tree verify (23 tokens, checkpoints, captured features, all logits)
