@@ -938,9 +938,9 @@ __global__ __launch_bounds__(128, 2) void attn_partial_kernel(
             }
             // Mask (only a tile that reaches the new keys or past n, or a window's bounds, needs one: every other
             // committed key is visible, and rows past R hold zero queries whose results are never written), then
-            // online softmax in the exp2
-            // domain for rows g (i = 0) and g + 8 (i = 1). The running max moves only when a tile's max exceeds it
-            // by more than 8 (weights stay <= 2^8, exact enough in fp16), so most tiles skip rescaling O.
+            // online softmax in the exp2 domain for rows g (i = 0) and g + 8 (i = 1). The running max moves only
+            // when a tile's max exceeds it by more than 8 (weights stay <= 2^8, exact enough in fp16), so most tiles
+            // skip rescaling O.
             const bool edge = key0 + KT > S || (window > 0 && key0 < wlo + T - 1);
             float alpha[2];
 #pragma unroll
