@@ -398,6 +398,17 @@ SS_DEV void wht_lanes(float (&y)[E], int lane) {
     }
 }
 
+// A query row rotated as TQ3_0 stores its keys (lane l holds values [E l, E l + E) of GR-value groups): signs,
+// Walsh-Hadamard butterfly, signs and scale; <Rq, Rk> = <q, k>, so rotated keys are scored without unrotating them.
+template <int GR, int E>
+SS_DEV void tq3_rotate_lanes(float (&x)[E], int lane) {
+#pragma unroll
+    for (int j = 0; j < E; ++j) x[j] *= tq3_sign1((lane * E + j) % GR);
+    wht_lanes<GR, E>(x, lane);
+#pragma unroll
+    for (int j = 0; j < E; ++j) x[j] *= tq3_sign2((lane * E + j) % GR) * tq3_rscale<GR>();
+}
+
 // Quantize one G-value group (src values off .. off + G - 1) into G / 32 blocks at dst (2-byte aligned):
 // norm, unit vector, in-register Walsh-Hadamard butterfly, nearest centroid, corrected norm in f16.
 template <int G, int TI>
@@ -796,15 +807,10 @@ __global__ __launch_bounds__(128, 2) void attn_partial_kernel(
                 }
 #pragma unroll
                 for (int rr = 0; rr < RB; ++rr) {
+                    tq3_rotate_lanes<GR, E>(x[rr], lane);
 #pragma unroll
-                    for (int j = 0; j < E; ++j) x[rr][j] *= tq3_sign1((lane * E + j) % GR);
-                    wht_lanes<GR, E>(x[rr], lane);
-#pragma unroll
-                    for (int j = 0; j < E; ++j) {
-                        const int d = lane * E + j;
-                        const float y = x[rr][j] * tq3_sign2(d % GR) * tq3_rscale<GR>();
-                        qs[(r0 + rr) * L::QROW + d] = (u16)(ok[rr] ? f2h(y * scale_log2) : 0u);
-                    }
+                    for (int j = 0; j < E; ++j)
+                        qs[(r0 + rr) * L::QROW + lane * E + j] = (u16)(ok[rr] ? f2h(x[rr][j] * scale_log2) : 0u);
                 }
             }
         } else {
@@ -1310,14 +1316,7 @@ __global__ __launch_bounds__(128) void attn_decode_kernel(
     float qr[E];
 #pragma unroll
     for (int j = 0; j < E; ++j) qr[j] = qf[lane * E + j];
-    if constexpr (KK == 2) {
-        constexpr int GR = D % 128 == 0 ? 128 : 64;
-#pragma unroll
-        for (int j = 0; j < E; ++j) qr[j] *= tq3_sign1((lane * E + j) % GR);
-        wht_lanes<GR, E>(qr, lane);
-#pragma unroll
-        for (int j = 0; j < E; ++j) qr[j] *= tq3_sign2((lane * E + j) % GR) * tq3_rscale<GR>();
-    }
+    if constexpr (KK == 2) tq3_rotate_lanes<D % 128 == 0 ? 128 : 64, E>(qr, lane);
 #pragma unroll
     for (int j = 0; j < E; ++j) qr[j] *= scale_log2;
     float m_run = neg_inf(), l_run = 0.0f, o[E];
