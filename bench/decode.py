@@ -305,7 +305,8 @@ def _time_pass(dr, timer: Timer, ctx: int, reps: int, n_new: int = 3) -> dict[st
     s = dr.new_session()
     dt, _ = timer(lambda: dr.append_context(s, feats[:ctx], ctx))
     res: dict[str, Any] = {"ctx": ctx, "n_new": n_new, "prompt_append_ms": round(dt * 1e3, 2),
-                           "windowed": dr._windowed(ctx + n_new, dr.block_size)}
+                           "windowed": bool(dr.cfg.sliding_window and any(dr.cfg.layer_causal)
+                                            and ctx + n_new + dr.block_size > dr.cfg.sliding_window)}
     start = ctx + n_new
 
     def once() -> None:

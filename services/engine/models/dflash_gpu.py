@@ -408,12 +408,6 @@ class DFlashGpuDrafter:
         session.n_ctx = start
 
     # -- block ---------------------------------------------------------------------------------------
-    def _windowed(self, start: int, T: int) -> bool:
-        """Whether a sliding layer's window hides context rows from some block query (start + T > W): the attention
-        kernel then reads only the window's tiles (reported by bench/decode.py)."""
-        W = self.cfg.sliding_window
-        return W is not None and any(self.cfg.layer_causal) and start + T > W
-
     def _block_pass(self, s: GpuDraftSession, T: int, n_new: int, s_hint: int, masks: tuple[Any, Any],
                     x0: Any = None) -> Any:
         """Every launch of a pass, reading per-step values only from the session's device buffers: append the
