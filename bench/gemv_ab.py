@@ -252,6 +252,23 @@ STEP_ABS = {
               + [(f"high+deep from {d}", SMALL, 3, "capture",
                   {"qw.HIGH_CROSSOVER": {12: d, 14: d}, "qw.DEEP_CROSSOVER": {12: d, 14: d}}) for d in (9, 13)],
               (9, 12, 16), [("high+deep from 9", "shipped"), ("high+deep from 13", "shipped")]),
+    # programmatic dependent launch in the verify widths' products: the wide kernel's producer copies its first
+    # stages' weights before the grid dependency wait (quant_wide.PDL), v2's warps theirs (qm.V2_PDL), and the packs
+    # between them launch early too (qm.PACK_PDL_WIDE: kind -> first width)
+    "widepdl": ([("shipped", SMALL, 3, "capture", {"qw.PDL": False, "qm.V2_PDL": False, "qm.PACK_PDL_WIDE": {}}),
+                 ("wide pdl", SMALL, 3, "capture", {"qw.PDL": True, "qm.V2_PDL": False, "qm.PACK_PDL_WIDE": {}}),
+                 ("wide+v2 pdl", SMALL, 3, "capture", {"qw.PDL": True, "qm.V2_PDL": True, "qm.PACK_PDL_WIDE": {}}),
+                 ("+packs pdl", SMALL, 3, "capture", {"qw.PDL": True, "qm.V2_PDL": True,
+                                                      "qm.PACK_PDL_WIDE": {"x": 4, "rms": 4, "silu": 4}})],
+                (9, 16, 23, 41),
+                [("wide pdl", "shipped"), ("wide+v2 pdl", "shipped"), ("+packs pdl", "shipped")]),
+    # which packs under PDL beside the wide kernel's (quant_wide.PDL on in every mode)
+    "packpdl": ([("wide pdl", SMALL, 3, "capture", {"qw.PDL": True, "qm.PACK_PDL_WIDE": {}}),
+                 ("+silu", SMALL, 3, "capture", {"qw.PDL": True, "qm.PACK_PDL_WIDE": {"silu": 4}}),
+                 ("+rms", SMALL, 3, "capture", {"qw.PDL": True, "qm.PACK_PDL_WIDE": {"rms": 4}}),
+                 ("+all", SMALL, 3, "capture", {"qw.PDL": True, "qm.PACK_PDL_WIDE": {"x": 4, "rms": 4, "silu": 4}})],
+                (9, 16, 23, 32, 41, 64),
+                [("+silu", "wide pdl"), ("+rms", "wide pdl"), ("+all", "wide pdl")]),
     "v2stages": ([("shipped", SMALL, 3, "capture", {}), ("v2 3 stages", SMALL, 3, "capture", {"qm.STAGES_V2": 3}),
                   ("v2 4 stages", SMALL, 3, "capture", {"qm.STAGES_V2": 4})], (8, 16, 23),
                  [("v2 3 stages", "shipped"), ("v2 4 stages", "shipped")]),

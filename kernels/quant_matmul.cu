@@ -1409,6 +1409,11 @@ __global__ void SS_BOUNDS(256, (MT == 1 && NT == 1 && QT != 14) ? 4 : 1) qmv_ker
         sx = sx + 1 == stages ? 0 : sx + 1;
     };
     for (int i = 0; i < stages - 1; ++i) issue_next(i);
+    // the first stages' weights are requested before the grid dependency wait (kernels/pdl.cuh): under programmatic
+    // dependent launch they stream while the kernel before this one (the pack of x) still runs; x and y come from
+    // earlier kernels
+    SS_GRID_LAUNCH_DEPENDENTS();
+    SS_GRID_WAIT();
 
     int item = 0, si = 0;
     for (int gi = 0; gi < my_groups; ++gi) {
@@ -1745,7 +1750,7 @@ __global__ void SS_BOUNDS(288, 1) qmw_kernel(const u8* __restrict__ W, long long
     const u32 smem_s = smem_addr(smem), full_s = smem_addr(full), empty_s = smem_addr(empty);
     const int copier = prod ? 32 * WM : 0;  // the thread that issues the copies
 #endif
-    auto issue = [&](int idx) {
+    auto issue = [&](int idx, bool with_x) {  // with_x false (sm_90 bulk path): the weights alone, x by issue_x
         if (idx < n_items) {
             const int rb = irb, ch = ich, s = isx, round = iround;  // idx / stages
             const u8* const wsrc = wrow + (i64)ch * BLK;
@@ -1769,11 +1774,12 @@ __global__ void SS_BOUNDS(288, 1) qmw_kernel(const u8* __restrict__ W, long long
                 const u32 dst = smem_s + (u32)(s * SB), bar = full_s + 8u * (u32)s;
                 if (idx >= stages) mbar_wait_s(empty_s + 8u * (u32)s, (u32)(round - 1) & 1u);  // every warp is done with it
                 mbar_expect_tx_s(bar, (u32)(xbytes + valid * wbytes));
-                bulk_g2s_s(dst, xsrc, (u32)xbytes, bar);
+                if (with_x) bulk_g2s_s(dst, xsrc, (u32)xbytes, bar);
                 for (int m = 0; m < valid; ++m)
                     bulk_g2s_s(dst + (u32)(XB + m * BLK), wsrc + m * tile_stride, (u32)wbytes, bar);
             }
 #else
+            (void)with_x;
             u8* const dst = smem + s * SB;
             const int nthreads = (int)blockDim.x;
             for (int u = tid; u < (xbytes >> 4); u += nthreads) cp_async16(dst + 16 * u, xsrc + 16 * u);
@@ -1792,14 +1798,37 @@ __global__ void SS_BOUNDS(288, 1) qmw_kernel(const u8* __restrict__ W, long long
     };
     // Under SS_BULK one thread issues the copies: the producer warp's lane 0 where there is one, else warp 0's
     // between its chunks (so only that warp walks the issue bookkeeping); elsewhere every thread copies a share.
+    // The producer fills every stage with its item's weights before the grid dependency wait (kernels/pdl.cuh): under
+    // programmatic dependent launch they stream while the kernel before this one (the pack of x) still runs; x, y,
+    // the split scratch and its counters come from earlier kernels. Its wait and the computing warps' are two: the
+    // producer's alone would do (the wait makes the earlier grids' writes visible to this whole grid, and a computing
+    // warp reads nothing before a stage whose x was copied after it), but every reading thread waits, as elsewhere.
     if (prod) {  // the producer warp: every item in order, each once its stage is empty
-        if (warp == WM && lane == 0)
-            for (int i = 0; i < n_items; ++i) issue(i);
+#if SS_BULK
+        if (warp == WM && lane == 0) {
+            const int pre = imin(stages, n_items);  // items ahead of the wait: every stage is empty
+            for (int i = 0; i <= n_items; ++i) {  // (one loop: two cost the kernel registers)
+                if (i == pre) {
+                    SS_GRID_LAUNCH_DEPENDENTS();
+                    SS_GRID_WAIT();
+                    for (int e = 0; e < pre; ++e) {  // the early items' x: item e < stages sits in stage e
+                        const int ch = (int)((i0 + e) % nch);
+                        const int xbytes = 2 * imin(CHUNK, K - ch * CHUNK) * TPAD;
+                        bulk_g2s_s(smem_s + (u32)(e * SB), (const u8*)(xp + (i64)ch * 32 * TPAD), (u32)xbytes,
+                                   full_s + 8u * (u32)e);
+                    }
+                }
+                if (i < n_items) issue(i, i >= pre);
+            }
+        }
+#endif
         if (warp == WM) return;
     }
+    SS_GRID_LAUNCH_DEPENDENTS();
+    SS_GRID_WAIT();
     const bool issuer = !prod && (!SS_BULK || warp == 0);
     if (issuer)
-        for (int i = 0; i < stages - 1; ++i) issue(i);
+        for (int i = 0; i < stages - 1; ++i) issue(i, true);
 
     int rb = (int)(i0 / nch), ch0 = (int)(i0 - (i64)rb * nch);  // the row block being computed, its first chunk here
     int cs = 0, cround = 0;  // the stage of the item being computed (idx % stages) and its round (idx / stages)
@@ -1815,7 +1844,7 @@ __global__ void SS_BOUNDS(288, 1) qmw_kernel(const u8* __restrict__ W, long long
 #pragma unroll
                 for (int i = 0; i < 4; ++i) acc[mt][nt][i] = 0.f;
         for (int c = 0; c < seg; ++c, ++idx) {
-            if (issuer) issue(idx + stages - 1);  // into the stage item idx - 1 used
+            if (issuer) issue(idx + stages - 1, true);  // into the stage item idx - 1 used
             const int s = cs;
 #if SS_BULK
             mbar_wait_s(full_s + 8u * (u32)s, (u32)cround & 1u);

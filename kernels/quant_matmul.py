@@ -219,11 +219,13 @@ def qmm_function(qtype: int, n_tiles: int, portable: bool = False) -> Any:
     return fn
 
 
-def qmv_function(qtype: int, n_tiles: int, m_tiles: int, smem: int, portable: bool = False) -> Any:
-    """The compiled v2 kernel for one storage type, token-tile count (1..8) and m16 tiles per warp (1, 2)."""
+def qmv_function(qtype: int, n_tiles: int, m_tiles: int, smem: int, portable: bool = False, pdl: bool = False) -> Any:
+    """The compiled v2 kernel for one storage type, token-tile count (1..8) and m16 tiles per warp (1, 2); pdl: its
+    launches may use programmatic dependent launch (V2_PDL; a launch without K splits, whose y no memset zeroes)."""
     qtype = _check_kernel_args(qtype, n_tiles)
     defines = _defines(portable)
-    fn = loader.get_function(SOURCE, f"qmv_kernel<{qtype}, {n_tiles}, {m_tiles}>", defines)
+    fn = loader.get_function(SOURCE, f"qmv_kernel<{qtype}, {n_tiles}, {m_tiles}>", defines,
+                             pdl=pdl and V2_PDL and not portable)
     key = ("qmv", qtype, n_tiles, m_tiles, defines, _device_id())
     if smem > 48 * 1024 and _smem_configured_max.get(key, 0) < smem:
         fn.max_dynamic_shared_size_bytes = SMEM_LIMIT
@@ -236,6 +238,22 @@ def qmv_function(qtype: int, n_tiles: int, m_tiles: int, smem: int, portable: bo
 # H100, 27B decode step (bench/gemv_ab.py): 8.16 -> 7.92 ms. Not for wider packs: there the step got 0.8 % slower, and
 # 2.8 % (width 1) / 9.6 % (width 23) slower with every kernel of the step launched that way.
 # (never with `portable`: that build compiles the grid dependency wait out, kernels/pdl.cuh)
+# The packs of wider steps (no staging) under PDL too, by kind ("x", "rms", "silu") from the width given, beside the
+# wide kernel's (quant_wide.PDL). Step replays against the wide kernel's alone (bench/gemv_ab.py --step-ab packpdl,
+# H100, three rounds) at widths 9 / 16 / 23 / 32 / 41 / 64: the SwiGLU pack 1.0109 / 1.0116 / 0.9875 / 0.9948 /
+# 0.9956 / 0.9959; the norm packs 1.0013 / 1.0004 / 1.0124 / 0.9720 / 0.9762 / 0.9916; all 1.0137 / 1.0164 / 1.0021 /
+# 0.9681 / 0.9711 / 0.9871. A norm pack's block holds its row in 40 KB of shared memory: early, beside a product of
+# three blocks a SM (up to 24 tokens) it keeps one of the next product's blocks off its SM until it ends.
+PACK_PDL_WIDE: dict[str, int] = {"silu": 17, "rms": 25, "x": 25}
+# v2 under PDL: its warps request their first stages' weights before the grid dependency wait (widepdl: 1.0274 of
+# the step without any at width 23 against the wide kernel's alone 0.9825)
+V2_PDL = False
+
+
+def _pack_pdl(kind: str, tokens: int) -> bool:
+    return tokens >= PACK_PDL_WIDE.get(kind, MAX_TOKENS + 1)
+
+
 def pack_function(in_f32: bool, portable: bool = False, pdl: bool = False) -> Any:
     return loader.get_function(SOURCE, f"pack_x_kernel<{1 if in_f32 else 0}>", _defines(portable),
                                pdl=pdl and not portable)
@@ -479,13 +497,14 @@ def pack_activations(
     if silu_up is not None:
         up = like_x(silu_up, "silu_up", contiguous=False)
         ldu = up.strides[0] // item if tokens > 1 else k
-        kern = pack_silu_function(f32, portable, q16)
+        kern = pack_silu_function(f32, portable, q16 or _pack_pdl("silu", tokens))
         kern((blocks,), (256,), (x, np.int64(ldx), up, np.int64(ldu), np.int32(tokens), np.int32(k), np.int32(padded),
                                  out if not staging_only else np.uint64(0), xq_arg))  # fmt: skip
         return PackedX(None if staging_only else out, tokens, k, q16=xq)
     if rms_weight is None:
-        pack_function(f32, portable, q16)((blocks,), (256,), (x, np.int64(ldx), np.int32(tokens), np.int32(k),
-                                                         np.int32(padded), out, xq_arg))  # fmt: skip
+        kern = pack_function(f32, portable, q16 or _pack_pdl("x", tokens))
+        kern((blocks,), (256,), (x, np.int64(ldx), np.int32(tokens), np.int32(k), np.int32(padded), out,
+                                 xq_arg))  # fmt: skip
         return PackedX(out, tokens, k, q16=xq)
 
     w = cupy.asarray(rms_weight, dtype=cupy.float32).reshape(-1)
@@ -516,7 +535,7 @@ def pack_activations(
     if smem > SMEM_LIMIT - PACK_RMS_STATIC_SMEM:
         limit = SMEM_LIMIT - PACK_RMS_STATIC_SMEM
         raise ValueError(f"a fused norm over {k} values needs {smem} bytes of shared memory (limit {limit})")
-    kern = pack_rms_function(f32, residual is not None, gated, portable, smem, pdl=q16)
+    kern = pack_rms_function(f32, residual is not None, gated, portable, smem, pdl=q16 or _pack_pdl("rms", tokens))
     slices = pack_rms_slices(k, group, tokens)
     kern((pack_rms_grid(tokens, k, padded, slices),), (256,),
          (x, np.int64(ldx), r, s, z, np.int64(ldz), w, np.int32(group), np.float32(eps), np.int32(tokens),
@@ -891,7 +910,8 @@ class QuantMatrix:
         cfg.check(self.qtype, packed.n_tiles)
         s = max(1, min(cfg.splits, self.n_chunks()))
         smem = cfg.smem_bytes(self.qtype, packed.n_tiles)
-        kern = qmv_function(self.qtype, packed.n_tiles, cfg.m_tiles, smem, portable)
+        pdl = s == 1  # (K splits: a memset zeroes y before the launch)
+        kern = qmv_function(self.qtype, packed.n_tiles, cfg.m_tiles, smem, portable, pdl)
         grid_x = self.grid_v2(cfg, kern, smem)
         # an accumulating launch without K splits adds into y by bulk reduce-adds where they exist and the tile keeps
         # the grid (the blocks a SM)
@@ -901,7 +921,7 @@ class QuantMatrix:
             ytile = tiled <= SMEM_LIMIT and self.grid_v2(cfg, kern, tiled) == grid_x
             if ytile:
                 smem = tiled
-                kern = qmv_function(self.qtype, packed.n_tiles, cfg.m_tiles, smem, portable)
+                kern = qmv_function(self.qtype, packed.n_tiles, cfg.m_tiles, smem, portable, pdl)
         if s > 1 and not accumulate:  # the splits add into y with atomics (accumulate: into y as it is)
             if out.flags.c_contiguous:
                 stream = cupy.cuda.get_current_stream()

@@ -107,6 +107,12 @@ BULK_ADDS = True
 # row block has), is added up by its warps at once when the other block's pieces have arrived (it took that row
 # block's last chunks as its first items), without storing this block's pieces, counting in and reading them back.
 PEEK = True
+# Programmatic dependent launch (kernels/pdl.cuh, loader.get_function's pdl) inside captured steps: the producer warp
+# fills every stage with its item's weights before the grid dependency wait, so a launch's first weights stream while
+# the pack ahead of it still runs, and it lets the next kernel launch early. H100, synthetic 27B Q4_K_M, step graph
+# replays (bench/gemv_ab.py --step-ab widepdl, three rounds, 2026-11-27): 0.9706 / 0.9708 / 0.9825 / 0.9862 of the
+# step without it at widths 9 / 16 / 23 / 41 (v2 the same way, quant_matmul.V2_PDL, gave back 0.7-4.5 %: off).
+PDL = True
 WARP_CHOICES = (8, 4, 2, 1)  # what choose_config falls back through when a shape does not fit (or a small matrix)
 STAGE_CHOICES = (4, 3, 2)
 
@@ -181,7 +187,7 @@ def wide_function(qtype: int, n_tiles: int, m_tiles: int, portable: bool = False
     if m_tiles not in (1, 2):
         raise ValueError(f"m_tiles must be 1 or 2, not {m_tiles}")
     defines = _defines(portable)
-    fn = loader.get_function(SOURCE, f"qmw_kernel<{qtype}, {n_tiles}, {m_tiles}>", defines)
+    fn = loader.get_function(SOURCE, f"qmw_kernel<{qtype}, {n_tiles}, {m_tiles}>", defines, pdl=PDL and not portable)
     key = (qtype, n_tiles, m_tiles, defines, qm._device_id())
     if key not in _configured:
         fn.max_dynamic_shared_size_bytes = SMEM_LIMIT  # opt in above the 48 KiB default once

@@ -111,7 +111,8 @@ def test_every_pdl_kernel_waits_for_its_predecessor() -> None:
     before it reads anything an earlier kernel wrote. The launchers opt in per kernel; each such kernel waits once."""
     found = _pdl_kernels()
     assert found.get("quant_gemv.cu") == {"gemv_ring_kernel", "gemv_ring_pair_kernel"}
-    assert found.get("quant_matmul.cu") == {"pack_x_kernel", "pack_rms_kernel", "pack_silu_kernel"}
+    assert found.get("quant_matmul.cu") == {"pack_x_kernel", "pack_rms_kernel", "pack_silu_kernel", "qmv_kernel",
+                                            "qmw_kernel"}
     assert found.get("deltanet.cu") == {"conv_silu_kernel", "conv_silu_rows_kernel", "qk_norm_gate_kernel",
                                         "conv_qk_norm_gate_kernel", "gdr_tree_walk_kernel", "gdr_decode_kernel"}
     assert found.get("attention.cu") == {"kv_store_kernel", "attn_partial_kernel", "attn_combine_kernel",
@@ -124,7 +125,10 @@ def test_every_pdl_kernel_waits_for_its_predecessor() -> None:
         for name in names:
             body = _body(code, name)
             waits = body.count("SS_GRID_WAIT();") + body.count("SS_PDL_ENTRY();")
-            assert waits == 1, f"{source}: {name} must wait exactly once"
+            # qmw_kernel's producer warp waits on its own path (after its early weight copies), the other warps
+            # after it: once for every thread
+            want = 2 if name == "qmw_kernel" else 1
+            assert waits == want, f"{source}: {name} must wait exactly once on every thread's path"
 
 
 # ---- on a GPU ------------------------------------------------------------------------------------------------
@@ -142,14 +146,23 @@ def _gpu():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("mode", ["off", "capture"])
-def test_graph_of_pdl_launches_equals_eager(mode: str, monkeypatch) -> None:
+@pytest.mark.parametrize("tokens", [1, 23])
+def test_graph_of_pdl_launches_equals_eager(mode: str, tokens: int, monkeypatch) -> None:
     """A decode-like chain (norm pack -> gate|up gemv -> SwiGLU pack -> down gemv adding into the residual, one token:
     the packs write the int16 staging and the products run on the gemv ring kernel) captured with PDL and replayed on
     fresh inputs equals the same chain launched eagerly without PDL, bit for bit. The matrices are large enough (tens
-    of us per kernel) that a consumer starting early would read stale values."""
+    of us per kernel) that a consumer starting early would read stale values. At 23 tokens (a verify) with every
+    wide-step PDL switch on (quant_wide.PDL, quant_matmul.V2_PDL and PACK_PDL_WIDE): the chain twice, its products on
+    the wide kernel (whose producer warp copies weights before the wait) and on v2, the residual adds of both."""
     cupy = _gpu()
     from kernels import quant_matmul as qm
+    from kernels import quant_wide
     from tests.quant_twins import random_weights
+
+    if tokens > 1:
+        monkeypatch.setattr(quant_wide, "PDL", True)
+        monkeypatch.setattr(qm, "V2_PDL", True)
+        monkeypatch.setattr(qm, "PACK_PDL_WIDE", {"x": 4, "rms": 4, "silu": 4})
 
     rng = np.random.default_rng(7)
     d, f = 4096, 11008
@@ -157,21 +170,23 @@ def test_graph_of_pdl_launches_equals_eager(mode: str, monkeypatch) -> None:
     down = qm.QuantMatrix(qm.Q6_K, random_weights(qm.Q6_K, d, f, rng), (d, f), name="down")
     # small norm weights: random quants give |gate|, |up| in the thousands at unit scale, and silu(g) * u past fp16
     norm_w = cupy.asarray((0.01 * rng.standard_normal(d)).astype(np.float32))
-    x = cupy.empty((1, d), dtype=cupy.float32)
-    gu = cupy.empty((1, 2 * f), dtype=cupy.float32)
+    x = cupy.empty((tokens, d), dtype=cupy.float32)
+    gu = cupy.empty((tokens, 2 * f), dtype=cupy.float32)
 
     from kernels import quant_gemv as qg
 
     assert qg.prefer_ring(qm.Q4_K, 1) and qg.prefer_ring(qm.Q6_K, 1) and qm.Q16_TOKENS >= 1  # the chain PDL serves
 
     keep: list = []  # the packs' buffers of the captured chain stay allocated for the graph's lifetime
+    kernels = [("gemv", "gemv")] if tokens == 1 else [("wide", "v2"), ("v2", "wide")]
 
     def chain() -> None:
-        px = qm.pack_activations(x, rms_weight=norm_w)
-        up.matmul(px, out=gu, kernel="gemv")
-        ps = qm.pack_activations(gu[:, :f], silu_up=gu[:, f:])
-        down.matmul(ps, out=x, accumulate=True, kernel="gemv")
-        keep.extend((px, ps))
+        for k_up, k_down in kernels:
+            px = qm.pack_activations(x, rms_weight=norm_w)
+            up.matmul(px, out=gu, kernel=k_up)
+            ps = qm.pack_activations(gu[:, :f], silu_up=gu[:, f:])
+            down.matmul(ps, out=x, accumulate=True, kernel=k_down)
+            keep.extend((px, ps))
 
     def eager(x0: np.ndarray) -> np.ndarray:
         monkeypatch.setenv(loader.PDL_ENV, "off")
@@ -180,7 +195,7 @@ def test_graph_of_pdl_launches_equals_eager(mode: str, monkeypatch) -> None:
         cupy.cuda.Device().synchronize()
         return cupy.asnumpy(x)
 
-    inputs = [rng.standard_normal((1, d)).astype(np.float32) for _ in range(6)]
+    inputs = [rng.standard_normal((tokens, d)).astype(np.float32) for _ in range(6)]
     want = [eager(x0) for x0 in inputs]
     assert all(np.isfinite(w).all() for w in want), "the reference chain overflowed: the comparison would mean nothing"
     monkeypatch.setenv(loader.PDL_ENV, mode)
