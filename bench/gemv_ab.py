@@ -269,6 +269,24 @@ STEP_ABS = {
                  ("+all", SMALL, 3, "capture", {"qw.PDL": True, "qm.PACK_PDL_WIDE": {"x": 4, "rms": 4, "silu": 4}})],
                 (9, 16, 23, 32, 41, 64),
                 [("+silu", "wide pdl"), ("+rms", "wide pdl"), ("+all", "wide pdl")]),
+    # the high and deep K-quant matrices on the wide kernel from 4 tokens (shipped: 9), the narrowest v2 widths
+    "wide4": ([("shipped", SMALL, 3, "capture", {}),
+               ("high+deep from 4", SMALL, 3, "capture",
+                {"qw.HIGH_CROSSOVER": {12: 4, 14: 4}, "qw.DEEP_CROSSOVER": {12: 4, 14: 4}})],
+              (4, 6, 8), [("high+deep from 4", "shipped")]),
+    # every K-quant matrix on the wide kernel from 4 tokens (quant_wide.CROSSOVER, HIGH_ / DEEP_CROSSOVER) against the
+    # high and deep ones alone from 4
+    "all4": ([("high+deep from 4", SMALL, 3, "capture",
+               {"qw.HIGH_CROSSOVER": {12: 4, 14: 4}, "qw.DEEP_CROSSOVER": {12: 4, 14: 4}}),
+              ("all from 4", SMALL, 3, "capture", {"qw.CROSSOVER": {1: 17, 8: 25, 12: 4, 14: 4},
+               "qw.HIGH_CROSSOVER": {12: 4, 14: 4}, "qw.DEEP_CROSSOVER": {12: 4, 14: 4}})],
+             (4, 8, 12, 16), [("all from 4", "high+deep from 4")]),
+    # the tall matrix (the LM head) on the wide kernel from 4 tokens too (quant_wide.TALL_CROSSOVER; shipped: 9)
+    "tall4": ([("high+deep from 4", SMALL, 3, "capture",
+                {"qw.HIGH_CROSSOVER": {12: 4, 14: 4}, "qw.DEEP_CROSSOVER": {12: 4, 14: 4}}),
+               ("+tall from 4", SMALL, 3, "capture", {"qw.HIGH_CROSSOVER": {12: 4, 14: 4},
+                "qw.DEEP_CROSSOVER": {12: 4, 14: 4}, "qw.TALL_CROSSOVER": {12: 4, 14: 4}})],
+              (4, 6, 8), [("+tall from 4", "high+deep from 4")]),
     "v2stages": ([("shipped", SMALL, 3, "capture", {}), ("v2 3 stages", SMALL, 3, "capture", {"qm.STAGES_V2": 3}),
                   ("v2 4 stages", SMALL, 3, "capture", {"qm.STAGES_V2": 4})], (8, 16, 23),
                  [("v2 3 stages", "shipped"), ("v2 4 stages", "shipped")]),

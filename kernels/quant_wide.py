@@ -61,14 +61,18 @@ CROSSOVER = {1: 17, 8: 25, 12: 25, 14: 25}  # F16, Q8_0, Q4_K, Q6_K
 # high and deep K-quant matrices from 9 against 17: 0.9975 / 0.9975 / 0.9971 at widths 9 / 12 / 16 (from 13: 1.0002 /
 # 1.0003 / 0.9970); every other K-quant matrix from 17 instead of 25 lost (--step-ab xover17: 1.0039 / 1.0046 / 1.0047
 # at 17 / 20 / 23).
-DEEP_CROSSOVER = {12: 9, 14: 9}  # Q4_K, Q6_K (F16 / Q8_0: no sweep yet)
+# Session 25 (the wide kernel under PDL, PDL above): the high and deep K-quant matrices from 4 against 9 (bench/
+# gemv_ab.py --step-ab wide4, H100, three rounds): 0.932 / 0.927 / 0.931 at widths 4 / 6 / 8; every K-quant matrix
+# from 4 (--step-ab all4) 1.032 / 1.033 / 1.040 / 1.037 of that at 4 / 8 / 12 / 16, the LM head from 4 too (tall4)
+# 1.001-1.002: neither taken.
+DEEP_CROSSOVER = {12: 4, 14: 4}  # Q4_K, Q6_K (F16 / Q8_0: no sweep yet)
 TALL_CROSSOVER = {12: 9, 14: 9}  # tall matrices (a type missing: DEEP_CROSSOVER)
 TALL_ROWS = 65536  # a matrix of this many rows or more is "tall"
 # High (HIGH_ROWS rows or more, neither deep nor tall: the 27B's stacked ffn_gate|up of 34816 rows and the DeltaNet
 # input stack of 16480) from 17 tokens, since the wide kernel's bookkeeping and split fences went (3c57947): Q4_K
 # ffn_up 30.6 vs v2 31.1 us at 23 tokens (29.3 vs 28.8 at 16), and the 27B step (graph replay, H100, 2026-11-27)
 # -2.5 / -2.3 / -2.4 % at widths 17 / 20 / 23; Q4_K's deep matrices from 17 as well gave back a third of that.
-HIGH_CROSSOVER = {12: 9, 14: 9}  # (a type missing: CROSSOVER; from 9 since session 24, above DEEP_CROSSOVER)
+HIGH_CROSSOVER = {12: 4, 14: 4}  # (a type missing: CROSSOVER; from 9 in session 24, from 4 in 25: DEEP_CROSSOVER)
 HIGH_ROWS = 16384
 # Default launch shape (choose_config): m16 tiles per warp, warps per block, copy stages by token tiles, with as
 # many blocks per SM as fit. The sweep's best shapes were nearly all 1 tile x 4 warps (64 rows per block): more,

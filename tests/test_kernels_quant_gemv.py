@@ -21,6 +21,7 @@ import cupy  # noqa: E402
 
 from kernels import quant_gemv as qg  # noqa: E402
 from kernels import quant_matmul as qm  # noqa: E402
+from kernels import quant_wide as qw  # noqa: E402
 from tests.quant_twins import (  # noqa: E402
     NAMES,
     check_matmul,
@@ -116,7 +117,8 @@ def test_portable_fallback_path(qtype: int) -> None:
     "qtype,shape", [(qm.Q4_K, (5120, 17408)), (qm.Q6_K, (17408, 5120)), (qm.Q8_0, (5120, 17408))], ids=str
 )
 def test_large_shape_and_dispatch(qtype: int, shape: tuple[int, int]) -> None:
-    # Qwen3.6-27B ffn shapes; matmul() takes gemv up to the crossover width, v2 above
+    # Qwen3.6-27B ffn shapes; matmul() takes gemv up to the crossover width (the ring up to RING_UP_TO), above it v2
+    # or, on the high and deep matrices from their crossovers, the wide kernel (quant_wide.prefer_wide)
     rng = np.random.default_rng(900 + qtype + shape[0])
     raw = random_weights(qtype, *shape, rng)
     W = qm.QuantMatrix(qtype, raw, shape, name=f"{NAMES[qtype]} {shape}")
@@ -129,7 +131,9 @@ def test_large_shape_and_dispatch(qtype: int, shape: tuple[int, int]) -> None:
             assert rel_error(auto, x.astype(np.float64) @ w64.T) < TOL
     wide = max(qg.CROSSOVER[qtype], qg.RING_UP_TO.get(qtype, 0)) + 1
     x = (rng.standard_normal((wide, shape[1])) * 0.5).astype(np.float16)
-    assert np.array_equal(run(W, x), run(W, x, kernel="v2"))
+    above = "wide" if qw.prefer_wide(qtype, wide, *shape) else "v2"
+    assert above == ("v2" if qtype == qm.Q8_0 else "wide")  # ffn_down is deep, ffn_up high
+    assert np.array_equal(run(W, x), run(W, x, kernel=above))
     check(W, w64, 1, rng, W.name, kernel="gemv", config=qg.GemvConfig(k_warps=1))
 
 

@@ -299,8 +299,8 @@ def test_float32_input_and_dispatch() -> None:
     x = rng.standard_normal((29, shape[1])).astype(np.float32)
     y = run(W, x, kernel="wide")
     assert rel_error(y, x.astype(np.float16).astype(np.float64) @ w64.T) < TOL  # fp32 input is rounded to fp16
-    # matmul() picks the wide kernel from its crossover width, v2 below it (above gemv's widths); a deep matrix
-    # (k >= 2 n_out) from DEEP_CROSSOVER
+    # matmul() picks the wide kernel from its crossover width, v2 below it (above gemv's widths, the ring's at most); a
+    # deep matrix (k >= 2 n_out) from DEEP_CROSSOVER
     px = qm.pack_activations(cupy.asarray(x))
     assert np.array_equal(run(W, px), run(W, px, kernel="wide"))
     deep, _ = _matrix(qm.Q4_K, (384, 1024), rng)
@@ -308,9 +308,10 @@ def test_float32_input_and_dispatch() -> None:
         assert qw.prefer_wide(qm.Q4_K, first, *M.shape) and not qw.prefer_wide(qm.Q4_K, first - 1, *M.shape)
         pf = qm.pack_activations(cupy.asarray(x[:first]))
         assert np.array_equal(run(M, pf), run(M, pf, kernel="wide"))
-        if first - 1 > qg.CROSSOVER[qm.Q4_K]:
+        if first - 1 > qg.CROSSOVER[qm.Q4_K]:  # below: v2, or the gemv ring up to its widths (x with its staging)
             pn = qm.pack_activations(cupy.asarray(x[: first - 1]))
-            assert np.array_equal(run(M, pn), run(M, pn, kernel="v2"))
+            below = "gemv" if first - 1 <= qg.RING_UP_TO.get(qm.Q4_K, 0) else "v2"
+            assert np.array_equal(run(M, pn), run(M, pn, kernel=below))
     with pytest.raises(ValueError):
         W.matmul(px, kernel="wide", splits=2)
     with pytest.raises(ValueError):

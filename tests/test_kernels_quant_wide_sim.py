@@ -457,9 +457,10 @@ def test_dispatch_widths() -> None:
     # 2026-11-27 (bulk reduce-adds): Q4_K's ffn_down from 17 as well
     assert qw.CROSSOVER[Q4_K] == qw.CROSSOVER[Q6_K] == 25 and qw.TALL_CROSSOVER[Q4_K] == qw.TALL_CROSSOVER[Q6_K] == 9
     # 2026-11-27: high matrices (the stacked gate|up, the DeltaNet input stack) from 17 on the K-quants; session 24:
-    # the deep and high ones from 9
-    assert (qw.DEEP_CROSSOVER[Q4_K], qw.DEEP_CROSSOVER[Q6_K]) == (9, 9)
-    assert qw.HIGH_CROSSOVER == {Q4_K: 9, Q6_K: 9} and qw.HIGH_ROWS == 16384
+    # the deep and high ones from 9; session 25 (the wide kernel under PDL): from 4, past the ring's widths
+    assert (qw.DEEP_CROSSOVER[Q4_K], qw.DEEP_CROSSOVER[Q6_K]) == (4, 4)
+    assert qw.HIGH_CROSSOVER == {Q4_K: 4, Q6_K: 4} and qw.HIGH_ROWS == 16384
+    assert all(qw.HIGH_CROSSOVER[q] > qg.RING_UP_TO[q] for q in (Q4_K, Q6_K))
 
 
 def test_stream_k_split_restatement() -> None:
