@@ -287,6 +287,10 @@ STEP_ABS = {
                ("+tall from 4", SMALL, 3, "capture", {"qw.HIGH_CROSSOVER": {12: 4, 14: 4},
                 "qw.DEEP_CROSSOVER": {12: 4, 14: 4}, "qw.TALL_CROSSOVER": {12: 4, 14: 4}})],
               (4, 6, 8), [("+tall from 4", "high+deep from 4")]),
+    # the norm packs under PDL from 4 tokens against the shipped 25 (quant_matmul.PACK_PDL_WIDE)
+    "rmspdl": ([("rms from 25", SMALL, 3, "capture", {"qm.PACK_PDL_WIDE": {"silu": 17, "rms": 25, "x": 25}}),
+                ("rms from 4", SMALL, 3, "capture", {"qm.PACK_PDL_WIDE": {"silu": 17, "rms": 4, "x": 25}})],
+               (4, 9, 16, 23), [("rms from 4", "rms from 25")]),
     "v2stages": ([("shipped", SMALL, 3, "capture", {}), ("v2 3 stages", SMALL, 3, "capture", {"qm.STAGES_V2": 3}),
                   ("v2 4 stages", SMALL, 3, "capture", {"qm.STAGES_V2": 4})], (8, 16, 23),
                  [("v2 3 stages", "shipped"), ("v2 4 stages", "shipped")]),

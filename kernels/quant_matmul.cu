@@ -627,8 +627,10 @@ constexpr int PACK_VEC = 6;  // pack_rms_kernel: 16-byte loads per thread and in
 // touches for a per-head norm (head_norm_kernel's order: lane l sums d = l, l + 32, ...), z and w of the slice.
 // So the packed values stay bit-identical to the two-launch path whatever the slice count. The units are packed in
 // natural order (natural_unit), and with q16 each row block also writes its chunks' gemv staging (put_q16).
-// Dynamic shared memory (pack_rms_smem_bytes in kernels/quant_matmul.py): 4 (K (1 + GATE) + GROUP [w]) bytes,
-// each array indexed by its position in the row (a slice fills its part).
+// Dynamic shared memory (pack_rms_smem_bytes in kernels/quant_matmul.py): 4 (K (1 + GATE) + W) bytes, x [+ r] and z
+// indexed by their position in the row (a slice fills its part); w: a row norm's slice alone (W = the most values a
+// slice packs), a per-head norm's GROUP values. (Under PDL this block may sit on a SM beside a product's blocks: the
+// less it holds, the fewer of the next product's blocks it keeps off.)
 template <int IN_F32, int RES, int GATE>
 __global__ void __launch_bounds__(256) pack_rms_kernel(const void* __restrict__ xin, long long ldx,
                                                        const void* __restrict__ r, void* __restrict__ s,
@@ -659,7 +661,7 @@ __global__ void __launch_bounds__(256) pack_rms_kernel(const void* __restrict__ 
 
     float* const sv = (float*)ss_smem;         // [K] x + r
     float* const sz = sv + K;                  // [K] z (GATE)
-    float* const sw = sz + (GATE ? K : 0);     // [group] w
+    float* const sw = sz + (GATE ? K : 0);     // w: [k_hi - k_lo] a row norm's slice, else [group]
     // vector ranges (first vector, count): x / r / s, z, w (4 floats per vector; a row norm's w: the slice only)
     const int xa = a_lo / VE, xn = (a_hi - a_lo) / VE;
     const int za = k_lo / VE, zn = GATE ? (k_hi - k_lo) / VE : 0;
@@ -709,11 +711,13 @@ __global__ void __launch_bounds__(256) pack_rms_kernel(const void* __restrict__ 
                     for (int e = 0; e < VE; e += 4) st_f4(sz + (za + q) * VE + e, v + e);
                 }
             }
-            if (q < wn) ((uint4*)sw)[wa + q] = aw[b];
+            if (q < wn) ((uint4*)sw)[q] = aw[b];
         }
     }
-    if (!wvec)
-        for (int i = tid; i < wg; i += 256) sw[i] = w[i];  // a group of 4 k + 2 values: no 16-byte loads
+    if (!wvec) {  // a group of 4 k + 2 values: no 16-byte loads
+        const int w_lo = whole ? k_lo : 0, w_n = wg == 0 ? 0 : whole ? k_hi - k_lo : wg;
+        for (int i = tid; i < w_n; i += 256) sw[i] = w[w_lo + i];
+    }
     __syncthreads();
     if (whole) {
         float sq = 0.0f;
@@ -751,7 +755,7 @@ __global__ void __launch_bounds__(256) pack_rms_kernel(const void* __restrict__ 
 #pragma unroll
             for (int e = 0; e < 8; ++e) h[e] = 0u;
         } else if (whole || (group & 7) == 0) {  // the unit's 8 values share one norm (and one head's weights)
-            const int head = whole ? 0 : k / group, wk = whole ? k : k - head * group;
+            const int head = whole ? 0 : k / group, wk = whole ? k - k_lo : k - head * group;
             const float inv = inv_g[head];
 #pragma unroll
             for (int e = 0; e < 8; ++e) {

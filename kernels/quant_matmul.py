@@ -242,8 +242,9 @@ def qmv_function(qtype: int, n_tiles: int, m_tiles: int, smem: int, portable: bo
 # wide kernel's (quant_wide.PDL). Step replays against the wide kernel's alone (bench/gemv_ab.py --step-ab packpdl,
 # H100, three rounds) at widths 9 / 16 / 23 / 32 / 41 / 64: the SwiGLU pack 1.0109 / 1.0116 / 0.9875 / 0.9948 /
 # 0.9956 / 0.9959; the norm packs 1.0013 / 1.0004 / 1.0124 / 0.9720 / 0.9762 / 0.9916; all 1.0137 / 1.0164 / 1.0021 /
-# 0.9681 / 0.9711 / 0.9871. A norm pack's block holds its row in 40 KB of shared memory: early, beside a product of
-# three blocks a SM (up to 24 tokens) it keeps one of the next product's blocks off its SM until it ends.
+# 0.9681 / 0.9711 / 0.9871. With a norm pack's block holding its slice's weights alone (27 KB of shared memory at
+# the 27B's rows instead of 40 KB), the norm packs from 4 against 25 (--step-ab rmspdl): 0.9908 / 0.9965 / 0.9982 /
+# 1.0188 at widths 4 / 9 / 16 / 23: kept at 25.
 PACK_PDL_WIDE: dict[str, int] = {"silu": 17, "rms": 25, "x": 25}
 # v2 under PDL: its warps request their first stages' weights before the grid dependency wait (widepdl: 1.0274 of
 # the step without any at width 23 against the wide kernel's alone 0.9825)
@@ -531,12 +532,12 @@ def pack_activations(
         z = _aligned16(z, ldz)
         ldz = z.strides[0] // item if tokens > 1 else k
     gated = gate is not None
-    smem = pack_rms_smem_bytes(k, group, gated)
+    slices = pack_rms_slices(k, group, tokens)
+    smem = pack_rms_smem_bytes(k, group, gated, slices)
     if smem > SMEM_LIMIT - PACK_RMS_STATIC_SMEM:
         limit = SMEM_LIMIT - PACK_RMS_STATIC_SMEM
         raise ValueError(f"a fused norm over {k} values needs {smem} bytes of shared memory (limit {limit})")
     kern = pack_rms_function(f32, residual is not None, gated, portable, smem, pdl=q16 or _pack_pdl("rms", tokens))
-    slices = pack_rms_slices(k, group, tokens)
     kern((pack_rms_grid(tokens, k, padded, slices),), (256,),
          (x, np.int64(ldx), r, s, z, np.int64(ldz), w, np.int32(group), np.float32(eps), np.int32(tokens),
           np.int32(k), np.int32(padded), out, np.int32(slices), xq_arg), shared_mem=smem)  # fmt: skip
@@ -579,9 +580,12 @@ def embed_rows(table: Any, qtype: int, n_embd: int, ids: Any, *, out: Any = None
     return out
 
 
-def pack_rms_smem_bytes(k: int, group: int, gate: bool) -> int:
-    """Dynamic shared memory of pack_rms_kernel: the row (x [+ r]) as fp32, z with a gate, and the norm weight."""
-    return 4 * (k * (2 if gate else 1) + group)
+def pack_rms_smem_bytes(k: int, group: int, gate: bool, slices: int = 1) -> int:
+    """Dynamic shared memory of pack_rms_kernel over `slices` blocks a row: the row (x [+ r]) as fp32, z with a gate,
+    and the norm weight (a row norm's: the most values one slice packs; a per-head norm's: the group)."""
+    nch = -(-k // 256)
+    w_values = min(k, -(-nch // max(1, slices)) * 256) if group >= k else group
+    return 4 * (k * (2 if gate else 1) + w_values)
 
 
 def pack_rms_slices(k: int, group: int, tokens: int) -> int:

@@ -28,6 +28,27 @@ alignas(16) uint4 ssa_smem[(232 * 1024) / 16];  // attention.cu's dynamic shared
 static std::function<void()> g_body;
 static void trampoline() { g_body(); }
 
+// sim_smem_high: with tracking on, one past the highest byte of the dynamic shared memory any block of the launches
+// since changed from the 0xA5 it starts on (a kernel must stay within what its launcher reserves)
+static bool g_track_smem = false;
+static long long g_smem_high = 0;
+
+static void note_smem_high() {
+    if (!g_track_smem) return;
+    const unsigned char* b = reinterpret_cast<const unsigned char*>(ssa_smem);
+    long long i = (long long)sizeof(ssa_smem);
+    while (i > g_smem_high && b[i - 1] == 0xA5) --i;
+    if (i > g_smem_high) g_smem_high = i;
+}
+
+// track != 0: start tracking from zero; returns the high-water mark so far (and stops tracking when track is 0)
+extern "C" long long sim_smem_high(int track) {
+    const long long high = g_smem_high;
+    g_track_smem = track != 0;
+    if (track) g_smem_high = 0;
+    return high;
+}
+
 // Runs g_body as every block of a (gx, gy, gz) grid of `threads` threads; returns the simulation errors.
 static int launch(unsigned gx, unsigned gy, unsigned gz, unsigned threads) {
     int errors = 0;
@@ -39,6 +60,7 @@ static int launch(unsigned gx, unsigned gy, unsigned gz, unsigned threads) {
                 sim::bid = {x, y, z};
                 std::memset(ssa_smem, 0xA5, sizeof(ssa_smem));  // stale shared memory must not matter
                 errors += simb::run_block((int)threads, trampoline);
+                note_smem_high();
             }
     return errors;
 }

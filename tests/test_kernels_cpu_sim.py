@@ -242,6 +242,8 @@ def fused_sim(tmp_path_factory):
     lib.sim_qmv_acc.argtypes = [I, I, I, I, P, LL, I, I, P, I, P, I, I, I, LL]
     lib.sim_embed_rows.restype = C
     lib.sim_embed_rows.argtypes = [I, P, LL, I, P, I, I, P]
+    lib.sim_smem_high.restype = LL
+    lib.sim_smem_high.argtypes = [I]
     return lib
 
 
@@ -328,11 +330,16 @@ def test_fused_norm_pack_matches_twin_on_cpu(fused_sim, dtype, tokens, k, group,
     xp.view(np.uint16)[:] = 0x7E00  # NaN poison: every unit, padding included, must be written
     xq = aligned_zeros(4 * qm.q16_words(k, tokens)).view(np.uint32)
     xq[:] = 0xDEADBEEF
+    fused_sim.sim_smem_high(1)
     err = fused_sim.sim_pack_fused(0, int(dtype == np.float32), res, gate, x.ctypes.data, k, r.ctypes.data,
                                    s.ctypes.data, zs[:, k:].ctypes.data, 2 * k, w.ctypes.data, group, 1e-6, tokens,
                                    k, tpad, xp.ctypes.data, tokens * slices + pad_blocks, slices,
                                    xq.ctypes.data)  # fmt: skip
+    high = fused_sim.sim_smem_high(0)
     assert err == 0
+    # within the launcher's reservation (a row norm's weights: its slice alone), and it is the reservation's end that
+    # the last array reaches (so the bound is tight: a slice's weights stored at their row positions would fail)
+    assert 0 < high <= qm.pack_rms_smem_bytes(k, group, bool(gate), slices)
     got = unpack_numpy(xp, k, tpad)
     assert not got[tokens:].any(), "padding tokens must be zero"
     assert np.array_equal(xq, q16_twin(got[:tokens])), "the gemv staging (PackedX.q16) of the packed values"
