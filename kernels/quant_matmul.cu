@@ -1754,7 +1754,8 @@ __global__ void SS_BOUNDS(288, 1) qmw_kernel(const u8* __restrict__ W, long long
     const u32 smem_s = smem_addr(smem), full_s = smem_addr(full), empty_s = smem_addr(empty);
     const int copier = prod ? 32 * WM : 0;  // the thread that issues the copies
 #endif
-    auto issue = [&](int idx, bool with_x) {  // with_x false (sm_90 bulk path): the weights alone, x by issue_x
+    auto issue = [&](int idx, bool with_x) {  // with_x false (sm_90 bulk path): the weights alone (the producer
+                                              // copies that x after its grid dependency wait)
         if (idx < n_items) {
             const int rb = irb, ch = ich, s = isx, round = iround;  // idx / stages
             const u8* const wsrc = wrow + (i64)ch * BLK;

@@ -235,16 +235,16 @@ def qmv_function(qtype: int, n_tiles: int, m_tiles: int, smem: int, portable: bo
 
 # Programmatic dependent launch (kernels/pdl.cuh, loader.get_function's pdl) for the packs that write the one-token
 # staging (PackedX.q16): their consumer, the gemv ring kernel, requests its first weights before it waits for them.
-# H100, 27B decode step (bench/gemv_ab.py): 8.16 -> 7.92 ms. Not for wider packs: there the step got 0.8 % slower, and
-# 2.8 % (width 1) / 9.6 % (width 23) slower with every kernel of the step launched that way.
-# (never with `portable`: that build compiles the grid dependency wait out, kernels/pdl.cuh)
-# The packs of wider steps (no staging) under PDL too, by kind ("x", "rms", "silu") from the width given, beside the
-# wide kernel's (quant_wide.PDL). Step replays against the wide kernel's alone (bench/gemv_ab.py --step-ab packpdl,
-# H100, three rounds) at widths 9 / 16 / 23 / 32 / 41 / 64: the SwiGLU pack 1.0109 / 1.0116 / 0.9875 / 0.9948 /
-# 0.9956 / 0.9959; the norm packs 1.0013 / 1.0004 / 1.0124 / 0.9720 / 0.9762 / 0.9916; all 1.0137 / 1.0164 / 1.0021 /
-# 0.9681 / 0.9711 / 0.9871. With a norm pack's block holding its slice's weights alone (27 KB of shared memory at
-# the 27B's rows instead of 40 KB), the norm packs from 4 against 25 (--step-ab rmspdl): 0.9908 / 0.9965 / 0.9982 /
-# 1.0188 at widths 4 / 9 / 16 / 23: kept at 25.
+# H100, 27B decode step (bench/gemv_ab.py): 8.16 -> 7.92 ms. (Never with `portable`: that build compiles the grid
+# dependency wait out, kernels/pdl.cuh.) Session 7, while v2 took every verify width: the wider packs under PDL made
+# the step 0.8 % slower, and every kernel of the step launched that way 2.8 % (width 1) / 9.6 % (width 23).
+# Session 25: the packs of wider steps (no staging) under PDL, by kind ("x", "rms", "silu") from the width given,
+# beside the wide kernel's (quant_wide.PDL: its first weights stream before its grid dependency wait). Step replays
+# against the wide kernel's alone (bench/gemv_ab.py --step-ab packpdl, H100, three rounds) at widths 9 / 16 / 23 /
+# 32 / 41 / 64: the SwiGLU pack 1.0109 / 1.0116 / 0.9875 / 0.9948 / 0.9956 / 0.9959; the norm packs 1.0013 / 1.0004 /
+# 1.0124 / 0.9720 / 0.9762 / 0.9916; all 1.0137 / 1.0164 / 1.0021 / 0.9681 / 0.9711 / 0.9871. With a norm pack's
+# block holding its slice's weights alone (27 KB of shared memory at the 27B's rows instead of 40 KB), the norm packs
+# from 4 against 25 (--step-ab rmspdl): 0.9908 / 0.9965 / 0.9982 / 1.0188 at widths 4 / 9 / 16 / 23: kept at 25.
 PACK_PDL_WIDE: dict[str, int] = {"silu": 17, "rms": 25, "x": 25}
 # v2 under PDL: its warps request their first stages' weights before the grid dependency wait (widepdl: 1.0274 of
 # the step without any at width 23 against the wide kernel's alone 0.9825)
@@ -252,6 +252,7 @@ V2_PDL = False
 
 
 def _pack_pdl(kind: str, tokens: int) -> bool:
+    """Whether a pack of this kind at this width (above the staging's) launches under PDL (PACK_PDL_WIDE)."""
     return tokens >= PACK_PDL_WIDE.get(kind, MAX_TOKENS + 1)
 
 

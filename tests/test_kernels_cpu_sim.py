@@ -337,8 +337,8 @@ def test_fused_norm_pack_matches_twin_on_cpu(fused_sim, dtype, tokens, k, group,
                                    xq.ctypes.data)  # fmt: skip
     high = fused_sim.sim_smem_high(0)
     assert err == 0
-    # within the launcher's reservation (a row norm's weights: its slice alone), and it is the reservation's end that
-    # the last array reaches (so the bound is tight: a slice's weights stored at their row positions would fail)
+    # every block stays within the launcher's reservation (a row norm's weights: its slice's alone; a slice's weights
+    # stored at their row positions write past it)
     assert 0 < high <= qm.pack_rms_smem_bytes(k, group, bool(gate), slices)
     got = unpack_numpy(xp, k, tpad)
     assert not got[tokens:].any(), "padding tokens must be zero"
