@@ -8,11 +8,26 @@
 
 #if SS_PTX && defined(__CUDA_ARCH__) && (__CUDA_ARCH__ >= 900)
 #define SS_BULK 1
+#define SS_SIM_BULK 0
+#elif defined(SPECSPLIT_SIM_BULK) && !defined(__CUDACC__) && !defined(__HIPCC__) && !defined(__HIPCC_RTC__)
+// The CPU simulation of the bulk path (tests/cuda_sim_wide.cpp built with -DSPECSPLIT_SIM_BULK): the functions below
+// in plain C++ on the harness's fibers, so the CPU tests run the sm_90 path's protocol (producer warp, mbarrier
+// phases and transaction counts, bulk reduce-adds) and not only the portable one. Copies complete when issued.
+#define SS_BULK 1
+#define SS_SIM_BULK 1
 #else
 #define SS_BULK 0
+#define SS_SIM_BULK 0
 #endif
 
 namespace bk {
+
+#if SS_SIM_BULK
+// the running block's dynamic shared memory (the harness defines it: each resident block has its own)
+char* sim_smem_base();
+// set when a simulated mbarrier wait gave up (a protocol that never completes the phase): the harness reports it
+extern int sim_bulk_stuck;
+#endif
 
 // A shared-memory pointer as the 32-bit address PTX takes (a kernel converts its base pointers once and steps
 // through its stages by adding: a generic pointer would be converted again for every use)
@@ -21,12 +36,63 @@ static __device__ __forceinline__ unsigned int smem_addr(const void* p) {
     unsigned int s;
     asm("{ .reg .u64 a; cvta.to.shared.u64 a, %1; cvt.u32.u64 %0, a; }\n" : "=r"(s) : "l"(p));
     return s;
+#elif SS_SIM_BULK
+    return (unsigned int)((const char*)p - sim_smem_base());  // an offset into the block's shared memory
 #else
     return (unsigned int)(unsigned long long)p;
 #endif
 }
 
-#if SS_BULK
+#if SS_SIM_BULK
+// A simulated mbarrier in its 8 bytes: the low word the transaction count (signed), then 12 bits of pending arrivals,
+// 12 bits of the arrival count, the phase bit. A phase completes when no arrival and no byte is pending.
+static inline unsigned long long* sim_bar(unsigned int s) { return (unsigned long long*)(sim_smem_base() + s); }
+static inline void sim_bar_update(unsigned int s, int arrivals, int tx) {
+    unsigned long long& b = *sim_bar(s);
+    int txc = (int)(unsigned int)(b & 0xFFFFFFFFull) + tx;
+    unsigned int hi = (unsigned int)(b >> 32), pending = (hi & 0xFFFu) - (unsigned int)arrivals;
+    const unsigned int count = (hi >> 12) & 0xFFFu;
+    unsigned int phase = (hi >> 24) & 1u;
+    if (pending == 0u && txc == 0) pending = count, phase ^= 1u;
+    b = ((unsigned long long)((phase << 24) | (count << 12) | (pending & 0xFFFu)) << 32) | (unsigned int)txc;
+}
+static inline void mbar_init(unsigned long long* bar, unsigned int count) {
+    *bar = (unsigned long long)(((count & 0xFFFu) << 12) | (count & 0xFFFu)) << 32;
+}
+static inline void mbar_fence_init() {}
+static inline void mbar_expect_tx_s(unsigned int bar, unsigned int bytes) { sim_bar_update(bar, 1, (int)bytes); }
+static inline void mbar_expect_tx(unsigned long long* bar, unsigned int bytes) {
+    mbar_expect_tx_s(smem_addr(bar), bytes);
+}
+static inline void mbar_arrive_s(unsigned int bar) { sim_bar_update(bar, 1, 0); }
+static inline void mbar_arrive(unsigned long long* bar) { mbar_arrive_s(smem_addr(bar)); }
+// spins (letting the other fibers run) until the phase of this parity has completed
+static inline void mbar_wait_s(unsigned int bar, unsigned int parity) {
+    for (long spins = 0; ((*sim_bar(bar) >> 56) & 1ull) == parity; ++spins) {
+        if (spins > 2000000) {  // nothing completes it: give up (wrong results follow; the harness reports it)
+            sim_bulk_stuck = 1;
+            return;
+        }
+        simb::yield(simb::RUN);
+    }
+}
+static inline void mbar_wait(unsigned long long* bar, unsigned int parity) { mbar_wait_s(smem_addr(bar), parity); }
+static inline void bulk_g2s_s(unsigned int dst, const void* src, unsigned int bytes, unsigned int bar) {
+    std::memcpy(sim_smem_base() + dst, src, bytes);
+    sim_bar_update(bar, 0, -(int)bytes);
+}
+static inline void bulk_g2s(void* dst, const void* src, unsigned int bytes, unsigned long long* bar) {
+    bulk_g2s_s(smem_addr(dst), src, bytes, smem_addr(bar));
+}
+static inline void bulk_s2g_add_f32(void* dst, unsigned int src, unsigned int bytes) {
+    const float* s = (const float*)(sim_smem_base() + src);
+    for (unsigned int i = 0; i < bytes / 4u; ++i) ((float*)dst)[i] += s[i];
+}
+static inline void bulk_commit() {}
+static inline void bulk_wait_read() {}
+static inline void bulk_wait() {}
+static inline void fence_async_smem() {}
+#elif SS_BULK
 static __device__ __forceinline__ void mbar_init(unsigned long long* bar, unsigned int count) {
     asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(smem_addr(bar)), "r"(count) : "memory");
 }

@@ -26,6 +26,17 @@ static uint4 (*sim_smem)[] = reinterpret_cast<uint4 (*)[]>(&ss_smem);
 #include QMM_SOURCE
 #undef ss_smem
 
+#if SS_SIM_BULK
+// built with -DSPECSPLIT_SIM_BULK: the kernels take their sm_90 bulk-copy path, its copies and mbarriers simulated
+// in kernels/bulk.cuh on the running block's shared memory
+namespace bk {
+char* sim_smem_base() { return reinterpret_cast<char*>(*sim_smem); }
+int sim_bulk_stuck = 0;
+}  // namespace bk
+#endif
+// 1 where this build runs the bulk-copy path (and qmw_kernel's producer warp)
+extern "C" int sim_bulk() { return SS_SIM_BULK; }
+
 static struct {
     const u8* W;
     long long row_bytes;
@@ -45,7 +56,7 @@ template <int QT, int NT, int MT>
 static void qmw_body() {
     qmw_kernel<QT, NT, MT>(wa.W, wa.row_bytes, wa.N, wa.K, wa.xp, wa.T, wa.y, wa.stages, wa.accumulate, wa.ldy, wa.part,
                            wa.counters, 1, 1, sim_peek);  // (a producer warp and the y tile: the bulk-copy path's only,
-                                                          // ignored here)
+                                                          // ignored by the portable build)
 }
 
 template <int QT, int NT, int MT>
@@ -123,7 +134,13 @@ extern "C" int sim_qmw(int qt, int nt, int mt, int warps, int stages, const unsi
         resident > MAX_RESIDENT)
         return -1;
     wa = {W, row_bytes, N, K, (const uint4*)xp, T, y, stages, accumulate, ldy, part, counters};
+#if SS_SIM_BULK
+    bk::sim_bulk_stuck = 0;
+    const int errors = launch((unsigned)blocks, 32u * (unsigned)(warps + 1), order_seed, resident);  // + the producer
+    return errors + bk::sim_bulk_stuck;
+#else
     return launch((unsigned)blocks, 32u * (unsigned)warps, order_seed, resident);
+#endif
 }
 
 // qmw_kernel's `peek` for the launches that follow (1 as the launcher's default, 0 the store-count-read path alone)
@@ -135,7 +152,12 @@ extern "C" int sim_qmv(int qt, int nt, int mt, int kw, int stages, const unsigne
     g_body = pick<false>(qt, nt, mt);
     if (!g_body || kw < 1 || kw > 8 || grid_x < 1) return -1;
     wa = {W, row_bytes, N, K, (const uint4*)xp, T, y, stages, accumulate, ldy, nullptr, nullptr};
+#if SS_SIM_BULK
+    bk::sim_bulk_stuck = 0;
+    return launch((unsigned)grid_x, 32u * (unsigned)kw, 0ull, 1) + bk::sim_bulk_stuck;
+#else
     return launch((unsigned)grid_x, 32u * (unsigned)kw, 0ull, 1);
+#endif
 }
 
 #include "cuda_sim_pack.h"

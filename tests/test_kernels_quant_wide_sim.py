@@ -7,6 +7,13 @@ row tiles, v2's dequantization and fragment order with B read from shared memory
 row blocks past the last tile, the stream-K split of (row block, chunk) items over the blocks with the per-warp
 arrival counters and the last warp adding the pieces (blocks run in grid order and in permutations, so any piece can
 arrive last), accumulate, a strided output. Plus the launcher's pure-Python parts (kernels/quant_wide.py).
+
+Every test of the `sim` fixture runs twice: on the portable path, and on the sm_90 bulk-copy path that GPUs of compute
+capability 9.0 run (-DSPECSPLIT_SIM_BULK: kernels/bulk.cuh simulates cp.async.bulk, the mbarriers' arrival and
+transaction counts and phases, and the bulk reduce-adds on the fibers; copies complete as they are issued), so the
+producer warp (its weights ahead of the grid dependency wait, x after), the stage ring's full / empty barriers and the
+y tile of accumulating launches are checked without a GPU. What the simulation cannot show: timing (the copies'
+overlap) and programmatic dependent launch itself (no kernel runs before this one).
 """
 
 from __future__ import annotations
@@ -42,14 +49,18 @@ needs_gxx = pytest.mark.skipif(
 )
 
 
-@pytest.fixture(scope="session")
-def sim(tmp_path_factory) -> ctypes.CDLL:
+@pytest.fixture(scope="session", params=["portable", "bulk"])
+def sim(request, tmp_path_factory) -> ctypes.CDLL:
+    """The simulation library: the kernels' portable path, or (bulk) their sm_90 path with kernels/bulk.cuh's bulk
+    copies, mbarriers and reduce-adds simulated (-DSPECSPLIT_SIM_BULK: qmw_kernel with its producer warp, v2 with its
+    per-warp mbarrier rings, accumulating launches through the y tile)."""
     parts = (SOURCE, *sorted(SOURCE.parent.glob("*.cuh")), HARNESS,
              HARNESS.with_name("cuda_sim.h"), HARNESS.with_name("cuda_sim_pack.h"))
     digest = hashlib.sha256(b"".join(p.read_bytes() for p in parts)).hexdigest()[:16]
-    lib_path = tmp_path_factory.mktemp("cuda_sim_wide") / f"cuda_sim_wide_{digest}.so"
+    lib_path = tmp_path_factory.mktemp("cuda_sim_wide") / f"cuda_sim_wide_{request.param}_{digest}.so"
+    bulk = ["-DSPECSPLIT_SIM_BULK"] if request.param == "bulk" else []
     cmd = [
-        "g++", "-std=c++17", "-O1", "-shared", "-fPIC", "-w", f'-DQMM_SOURCE="{SOURCE}"', "-o", str(lib_path),
+        "g++", "-std=c++17", "-O1", "-shared", "-fPIC", "-w", *bulk, f'-DQMM_SOURCE="{SOURCE}"', "-o", str(lib_path),
         str(HARNESS),
     ]  # fmt: skip
     done = subprocess.run(cmd, capture_output=True, text=True)
@@ -65,6 +76,9 @@ def sim(tmp_path_factory) -> ctypes.CDLL:
     lib.sim_pack.restype = None
     lib.sim_pack.argtypes = [I, P, LL, I, I, I, P]
     lib.smem = np.ctypeslib.as_array((ctypes.c_uint8 * (232 * 1024)).in_dll(lib, "ss_smem"))
+    lib.sim_bulk.restype = I
+    lib.bulk = bool(lib.sim_bulk())
+    assert lib.bulk == (request.param == "bulk")
     return lib
 
 
@@ -107,7 +121,8 @@ class Problem:
             part = np.full(qw.scratch_floats(blocks, self.nt, mt, warps), np.nan, np.float32)
             scratch = (part, np.zeros(nrb * warps, np.uint32))
         part, counters = scratch
-        smem = qw.smem_bytes(self.qtype, self.nt, mt, warps, stages)
+        # (the bulk path adds an accumulating launch's sums into y through a tile a warp after the stages)
+        smem = qw.smem_bytes(self.qtype, self.nt, mt, warps, stages, ytile=self.lib.bulk and accumulate)
         err = self.lib.sim_qmw(self.qtype, self.nt, mt, warps, stages, self.w.ctypes.data, self.raw.shape[1],
                                self.n_out, self.k, self.xp.ctypes.data, self.tokens, y.ctypes.data, int(accumulate),
                                ld, part.ctypes.data, counters.ctypes.data, blocks, seed, resident)  # fmt: skip
