@@ -15,6 +15,8 @@
 // phases and transaction counts, bulk reduce-adds) and not only the portable one. Copies complete when issued.
 #define SS_BULK 1
 #define SS_SIM_BULK 1
+#include <cstring>
+#include <vector>
 #else
 #define SS_BULK 0
 #define SS_SIM_BULK 0
@@ -25,8 +27,9 @@ namespace bk {
 #if SS_SIM_BULK
 // the running block's dynamic shared memory (the harness defines it: each resident block has its own)
 char* sim_smem_base();
-// set when a simulated mbarrier wait gave up (a protocol that never completes the phase): the harness reports it
-extern int sim_bulk_stuck;
+// set when a simulated mbarrier wait gave up (a protocol that never completes the phase) or a kernel reached what is
+// not simulated (clusters): the harness reports it as a simulation error
+extern int sim_bulk_error;
 #endif
 
 // A shared-memory pointer as the 32-bit address PTX takes (a kernel converts its base pointers once and steps
@@ -46,9 +49,38 @@ static __device__ __forceinline__ unsigned int smem_addr(const void* p) {
 #if SS_SIM_BULK
 // A simulated mbarrier in its 8 bytes: the low word the transaction count (signed), then 12 bits of pending arrivals,
 // 12 bits of the arrival count, the phase bit. A phase completes when no arrival and no byte is pending.
-static inline unsigned long long* sim_bar(unsigned int s) { return (unsigned long long*)(sim_smem_base() + s); }
-static inline void sim_bar_update(unsigned int s, int arrivals, int tx) {
-    unsigned long long& b = *sim_bar(s);
+// Bulk copies and reduce-adds are asynchronous: each is performed when issued or (chosen at random, seeded by the
+// harness) later: a copy when a thread waits on its mbarrier, a reduce-add when its thread waits for its bulk groups.
+// So a kernel that reads a stage before waiting for it, or rewrites a tile before its adds have read it, sees stale
+// bytes in some runs, and one that refills a stage too early overwrites bytes another warp still reads.
+struct SimPending {
+    int kind;  // 0: copy global -> shared (completes on bar), 1: reduce-add shared -> global (thread's group)
+    int thread;
+    unsigned long long* bar;
+    char* dst;
+    const char* src;
+    unsigned int bytes;
+};
+static inline std::vector<SimPending>& sim_pending() {
+    static std::vector<SimPending> q;
+    return q;
+}
+static inline unsigned long long& sim_rng() {
+    static unsigned long long r = 1;
+    return r;
+}
+// the harness: before a launch, drop what an earlier one left and seed the choices (0: every operation at its issue)
+static inline void sim_bulk_reset(unsigned long long seed) {
+    sim_pending().clear();
+    sim_rng() = seed;
+}
+static inline bool sim_defer() {
+    if (sim_rng() == 0) return false;
+    sim_rng() = sim_rng() * 6364136223846793005ull + 1442695040888963407ull;
+    return (sim_rng() >> 40) & 1u;
+}
+static inline void sim_bar_update(unsigned long long* bp, int arrivals, int tx) {
+    unsigned long long& b = *bp;
     int txc = (int)(unsigned int)(b & 0xFFFFFFFFull) + tx;
     unsigned int hi = (unsigned int)(b >> 32), pending = (hi & 0xFFFu) - (unsigned int)arrivals;
     const unsigned int count = (hi >> 12) & 0xFFFu;
@@ -56,21 +88,48 @@ static inline void sim_bar_update(unsigned int s, int arrivals, int tx) {
     if (pending == 0u && txc == 0) pending = count, phase ^= 1u;
     b = ((unsigned long long)((phase << 24) | (count << 12) | (pending & 0xFFFu)) << 32) | (unsigned int)txc;
 }
+static inline unsigned long long* sim_bar(unsigned int s) { return (unsigned long long*)(sim_smem_base() + s); }
+static inline void sim_perform(const SimPending& p) {
+    if (p.kind == 0) {
+        std::memcpy(p.dst, p.src, p.bytes);
+        sim_bar_update(p.bar, 0, -(int)p.bytes);
+    } else {
+        for (unsigned int i = 0; i < p.bytes / 4u; ++i) ((float*)p.dst)[i] += ((const float*)p.src)[i];
+    }
+}
+// performs the pending operations of one kind that match (a copy's mbarrier, a reduce-add's thread), in issue order
+static inline void sim_complete(int kind, const unsigned long long* bar, int thread) {
+    std::vector<SimPending>& q = sim_pending();
+    for (size_t i = 0; i < q.size();) {
+        if (q[i].kind == kind && (kind == 0 ? q[i].bar == bar : q[i].thread == thread)) {
+            const SimPending p = q[i];
+            q.erase(q.begin() + (long)i);
+            sim_perform(p);
+        } else {
+            ++i;
+        }
+    }
+}
 static inline void mbar_init(unsigned long long* bar, unsigned int count) {
     *bar = (unsigned long long)(((count & 0xFFFu) << 12) | (count & 0xFFFu)) << 32;
 }
 static inline void mbar_fence_init() {}
-static inline void mbar_expect_tx_s(unsigned int bar, unsigned int bytes) { sim_bar_update(bar, 1, (int)bytes); }
+static inline void mbar_expect_tx_s(unsigned int bar, unsigned int bytes) {
+    sim_bar_update(sim_bar(bar), 1, (int)bytes);
+}
 static inline void mbar_expect_tx(unsigned long long* bar, unsigned int bytes) {
     mbar_expect_tx_s(smem_addr(bar), bytes);
 }
-static inline void mbar_arrive_s(unsigned int bar) { sim_bar_update(bar, 1, 0); }
+static inline void mbar_arrive_s(unsigned int bar) { sim_bar_update(sim_bar(bar), 1, 0); }
 static inline void mbar_arrive(unsigned long long* bar) { mbar_arrive_s(smem_addr(bar)); }
-// spins (letting the other fibers run) until the phase of this parity has completed
+// spins (letting the other fibers run, and the copies on this barrier land) until the phase of this parity completed
 static inline void mbar_wait_s(unsigned int bar, unsigned int parity) {
-    for (long spins = 0; ((*sim_bar(bar) >> 56) & 1ull) == parity; ++spins) {
+    unsigned long long* const b = sim_bar(bar);
+    for (long spins = 0;; ++spins) {
+        sim_complete(0, b, 0);
+        if (((*b >> 56) & 1ull) != parity) return;
         if (spins > 2000000) {  // nothing completes it: give up (wrong results follow; the harness reports it)
-            sim_bulk_stuck = 1;
+            sim_bulk_error = 1;
             return;
         }
         simb::yield(simb::RUN);
@@ -78,19 +137,32 @@ static inline void mbar_wait_s(unsigned int bar, unsigned int parity) {
 }
 static inline void mbar_wait(unsigned long long* bar, unsigned int parity) { mbar_wait_s(smem_addr(bar), parity); }
 static inline void bulk_g2s_s(unsigned int dst, const void* src, unsigned int bytes, unsigned int bar) {
-    std::memcpy(sim_smem_base() + dst, src, bytes);
-    sim_bar_update(bar, 0, -(int)bytes);
+    const SimPending p{0, simb::cur, sim_bar(bar), sim_smem_base() + dst, (const char*)src, bytes};
+    if (sim_defer())
+        sim_pending().push_back(p);
+    else
+        sim_perform(p);
 }
 static inline void bulk_g2s(void* dst, const void* src, unsigned int bytes, unsigned long long* bar) {
     bulk_g2s_s(smem_addr(dst), src, bytes, smem_addr(bar));
 }
 static inline void bulk_s2g_add_f32(void* dst, unsigned int src, unsigned int bytes) {
-    const float* s = (const float*)(sim_smem_base() + src);
-    for (unsigned int i = 0; i < bytes / 4u; ++i) ((float*)dst)[i] += s[i];
+    const SimPending p{1, simb::cur, nullptr, (char*)dst, sim_smem_base() + src, bytes};
+    if (sim_defer())
+        sim_pending().push_back(p);
+    else
+        sim_perform(p);
 }
+// Thread block clusters are not simulated (no CPU test launches a cluster kernel: gemv_ring_pair_kernel): reaching
+// one of these is a simulation error.
+static inline void cluster_arrive_relaxed() { sim_bulk_error = 1; }
+static inline void cluster_arrive() { sim_bulk_error = 1; }
+static inline void cluster_wait() { sim_bulk_error = 1; }
+static inline unsigned int cluster_map(unsigned int saddr, unsigned int) { return sim_bulk_error = 1, saddr; }
+static inline void st_cluster_f32(unsigned int, float) { sim_bulk_error = 1; }
 static inline void bulk_commit() {}
-static inline void bulk_wait_read() {}
-static inline void bulk_wait() {}
+static inline void bulk_wait_read() { sim_complete(1, nullptr, simb::cur); }
+static inline void bulk_wait() { sim_complete(1, nullptr, simb::cur); }
 static inline void fence_async_smem() {}
 #elif SS_BULK
 static __device__ __forceinline__ void mbar_init(unsigned long long* bar, unsigned int count) {

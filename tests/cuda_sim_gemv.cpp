@@ -14,8 +14,22 @@
 alignas(16) uint4 ss_smem[16];  // quant_matmul.cu's kernels are not run here (pack_x_kernel uses no shared memory)
 alignas(16) uint4 gv_smem[(232 * 1024) / 16];
 
+#ifdef SPECSPLIT_SIM_BULK
+#define __cluster_dims__(...)  // (the cluster kernel compiles; no test launches it: kernels/bulk.cuh)
+#endif
 #include QMM_SOURCE
 #include GEMV_SOURCE
+
+#if SS_SIM_BULK
+// built with -DSPECSPLIT_SIM_BULK: the ring kernel takes its sm_90 bulk-copy path, its copies and mbarriers simulated in
+// kernels/bulk.cuh on the block's shared memory
+namespace bk {
+char* sim_smem_base() { return reinterpret_cast<char*>(gv_smem); }
+int sim_bulk_error = 0;
+}  // namespace bk
+#endif
+// 1 where this build runs the bulk-copy path
+extern "C" int sim_bulk() { return SS_SIM_BULK; }
 
 struct Args {
     const u8* W;
@@ -38,11 +52,22 @@ static int run_blocks(unsigned blocks, int kw, unsigned long long order_seed) {
     int errors = 0;
     sim::gdim = {blocks, 1, 1};
     sim::bdim = {32u * (unsigned)kw, 1, 1};
+#if SS_SIM_BULK
+    bk::sim_bulk_error = 0;
+    bk::sim_bulk_reset(2 * order_seed + 1);  // which bulk copies land late: seeded like the block order
+#endif
     for (unsigned b : order) {
         sim::bid = {b, 0, 0};
         std::memset(gv_smem, 0xA5, sizeof(gv_smem));
         errors += simb::run_block(32 * kw, g_body);
+#if SS_SIM_BULK
+        errors += bk::sim_pending().empty() ? 0 : 1;  // a copy nobody waited for
+        bk::sim_pending().clear();
+#endif
     }
+#if SS_SIM_BULK
+    errors += bk::sim_bulk_error;
+#endif
     return errors;
 }
 

@@ -31,7 +31,7 @@ static uint4 (*sim_smem)[] = reinterpret_cast<uint4 (*)[]>(&ss_smem);
 // in kernels/bulk.cuh on the running block's shared memory
 namespace bk {
 char* sim_smem_base() { return reinterpret_cast<char*>(*sim_smem); }
-int sim_bulk_stuck = 0;
+int sim_bulk_error = 0;
 }  // namespace bk
 #endif
 // 1 where this build runs the bulk-copy path (and qmw_kernel's producer warp)
@@ -100,6 +100,17 @@ static uint4* place_smem(int slot) { return slot == 0 ? ss_smem : resident_smem[
 static int launch(unsigned blocks, unsigned threads, unsigned long long order_seed, int resident) {
     const std::vector<unsigned> order = sim::block_order(blocks, order_seed);
     int errors = 0;
+#if SS_SIM_BULK
+    bk::sim_bulk_reset(2 * order_seed + 1);  // which bulk operations land late: seeded like the block order
+    // a block that leaves a bulk operation unperformed (a copy nobody waited for, an add never waited on) is an error
+    auto leftover = [] {
+        const bool left = !bk::sim_pending().empty();
+        bk::sim_pending().clear();
+        return left ? 1 : 0;
+    };
+#else
+    auto leftover = [] { return 0; };
+#endif
     sim::gdim = {blocks, 1, 1};
     sim::bdim = {threads, 1, 1};
     if (resident > 1) {
@@ -114,12 +125,13 @@ static int launch(unsigned blocks, unsigned threads, unsigned long long order_se
                                     sim_smem = reinterpret_cast<uint4 (*)[]>(place_smem(slot));
                                 });
         sim_smem = reinterpret_cast<uint4 (*)[]>(&ss_smem);
-        return errors;
+        return errors + leftover();
     }
     for (unsigned b : order) {
         sim::bid = {b, 0, 0};
         std::memset(ss_smem, 0xA5, sizeof(ss_smem));  // stale shared memory must not matter
         errors += simb::run_block((int)threads, g_body);
+        errors += leftover();
     }
     return errors;
 }
@@ -135,9 +147,9 @@ extern "C" int sim_qmw(int qt, int nt, int mt, int warps, int stages, const unsi
         return -1;
     wa = {W, row_bytes, N, K, (const uint4*)xp, T, y, stages, accumulate, ldy, part, counters};
 #if SS_SIM_BULK
-    bk::sim_bulk_stuck = 0;
+    bk::sim_bulk_error = 0;
     const int errors = launch((unsigned)blocks, 32u * (unsigned)(warps + 1), order_seed, resident);  // + the producer
-    return errors + bk::sim_bulk_stuck;
+    return errors + bk::sim_bulk_error;
 #else
     return launch((unsigned)blocks, 32u * (unsigned)warps, order_seed, resident);
 #endif
@@ -153,8 +165,8 @@ extern "C" int sim_qmv(int qt, int nt, int mt, int kw, int stages, const unsigne
     if (!g_body || kw < 1 || kw > 8 || grid_x < 1) return -1;
     wa = {W, row_bytes, N, K, (const uint4*)xp, T, y, stages, accumulate, ldy, nullptr, nullptr};
 #if SS_SIM_BULK
-    bk::sim_bulk_stuck = 0;
-    return launch((unsigned)grid_x, 32u * (unsigned)kw, 0ull, 1) + bk::sim_bulk_stuck;
+    bk::sim_bulk_error = 0;
+    return launch((unsigned)grid_x, 32u * (unsigned)kw, 0ull, 1) + bk::sim_bulk_error;
 #else
     return launch((unsigned)grid_x, 32u * (unsigned)kw, 0ull, 1);
 #endif

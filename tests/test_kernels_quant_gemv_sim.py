@@ -8,6 +8,11 @@ persistent variant too (blocks walking several tiles, prefetch depth 1 / 2 acros
 buffers), bitwise against the per-tile kernel; the ring variant (each warp's chunks and x through a ring of
 shared-memory slots, copied by its lanes on this path), bitwise against the per-tile kernel too. Also the launcher's
 pure-Python parts (shared-memory size, k_warps choice, persistent grid, dispatch rule).
+
+The ring tests run twice: on the portable path and on the sm_90 path the H100 runs (-DSPECSPLIT_SIM_BULK:
+kernels/bulk.cuh simulates the bulk copies and mbarriers; a copy lands when issued or, at random, only when its
+mbarrier is waited for, so a warp that reads its slot before waiting sees stale bytes). The cluster pair kernel is not
+simulated.
 """
 
 from __future__ import annotations
@@ -43,19 +48,23 @@ needs_gxx = pytest.mark.skipif(
 )
 
 
-@pytest.fixture(scope="session")
-def sim(tmp_path_factory) -> ctypes.CDLL:
+def build_sim(tmp_path_factory, bulk: bool = False) -> ctypes.CDLL:
+    """The simulation library: the kernels' portable path, or (bulk) the ring kernel's sm_90 path with kernels/
+    bulk.cuh's bulk copies and mbarriers simulated (-DSPECSPLIT_SIM_BULK)."""
     parts = (SOURCE, QMM_SOURCE, *sorted(SOURCE.parent.glob("*.cuh")), HARNESS,
              HARNESS.with_name("cuda_sim.h"))
     digest = hashlib.sha256(b"".join(p.read_bytes() for p in parts)).hexdigest()[:16]
-    lib_path = tmp_path_factory.mktemp("cuda_sim_gemv") / f"cuda_sim_gemv_{digest}.so"
+    name = f"cuda_sim_gemv_{'bulk_' if bulk else ''}{digest}.so"
+    lib_path = tmp_path_factory.mktemp("cuda_sim_gemv") / name
     cmd = [
-        "g++", "-std=c++17", "-O1", "-shared", "-fPIC", "-w", f'-DGEMV_SOURCE="{SOURCE}"',
-        f'-DQMM_SOURCE="{QMM_SOURCE}"', "-o", str(lib_path), str(HARNESS),
+        "g++", "-std=c++17", "-O1", "-shared", "-fPIC", "-w", *(["-DSPECSPLIT_SIM_BULK"] if bulk else []),
+        f'-DGEMV_SOURCE="{SOURCE}"', f'-DQMM_SOURCE="{QMM_SOURCE}"', "-o", str(lib_path), str(HARNESS),
     ]  # fmt: skip
     done = subprocess.run(cmd, capture_output=True, text=True)
     assert done.returncode == 0, f"g++ failed:\n{done.stderr[-4000:]}"
     lib = ctypes.CDLL(str(lib_path))
+    lib.sim_bulk.restype = ctypes.c_int
+    assert lib.sim_bulk() == int(bulk)
     lib.sim_gemv.restype = ctypes.c_int
     lib.sim_gemv.argtypes = [
         ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_longlong, ctypes.c_int, ctypes.c_int, ctypes.c_void_p,
@@ -80,6 +89,22 @@ def sim(tmp_path_factory) -> ctypes.CDLL:
     lib.sim_pack_silu.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_longlong, ctypes.c_int, ctypes.c_int,
                                   ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p]
     return lib
+
+
+@pytest.fixture(scope="session")
+def sim(tmp_path_factory) -> ctypes.CDLL:
+    return build_sim(tmp_path_factory)
+
+
+@pytest.fixture(scope="session")
+def sim_bulk(tmp_path_factory) -> ctypes.CDLL:
+    return build_sim(tmp_path_factory, bulk=True)
+
+
+@pytest.fixture(params=["portable", "bulk"])
+def ring_sim(request) -> ctypes.CDLL:
+    """The ring tests' library: both builds (the ring kernel's portable path and the sm_90 one the H100 runs)."""
+    return request.getfixturevalue("sim" if request.param == "portable" else "sim_bulk")
 
 
 def aligned_zeros(nbytes: int) -> np.ndarray:
@@ -304,10 +329,11 @@ RING_CASES = [
 
 @needs_gxx
 @pytest.mark.parametrize("qtype,n_out,k,tokens,kw,stages", RING_CASES)
-def test_ring_matches_twin_and_per_tile_kernel(sim, qtype: int, n_out: int, k: int, tokens: int, kw: int,
+def test_ring_matches_twin_and_per_tile_kernel(ring_sim, qtype: int, n_out: int, k: int, tokens: int, kw: int,
                                                stages: int) -> None:
     """The ring kernel: the per-tile kernel's output bit for bit at the same k_warps (same sums in the same order),
     within the twin's tolerance; accumulating and into a column slice of wider rows; any block order."""
+    sim = ring_sim
     rng = np.random.default_rng(qtype * 53 + n_out + k + tokens + stages)
     raw = random_weights(qtype, n_out, k, rng)
     x = (rng.standard_normal((tokens, k)) * 0.5).astype(np.float16)
@@ -358,11 +384,12 @@ STAGE_CASES = [
 
 @needs_gxx
 @pytest.mark.parametrize("qtype,n_out,k,tokens,kw,stages", STAGE_CASES)
-def test_ring_stages_the_next_norm(sim, qtype: int, n_out: int, k: int, tokens: int, kw: int, stages: int) -> None:
+def test_ring_stages_the_next_norm(ring_sim, qtype: int, n_out: int, k: int, tokens: int, kw: int, stages: int) -> None:
     """A ring product accumulating into the residual stream writes the next norm's staging of what it wrote: the
     stream itself bitwise the unstaged launch's, the int16 staging of stream * w and the per-tile sums of squares
     bitwise their NumPy twin (tests/quant_twins.py staged_norm_twin). One warp (K of one chunk) cannot stage: its
     launch leaves the buffers alone (the launcher refuses it)."""
+    sim = ring_sim
     rng = np.random.default_rng(qtype + n_out + k + tokens)
     raw = random_weights(qtype, n_out, k, rng)
     x = (rng.standard_normal((tokens, k)) * 0.5).astype(np.float16)
@@ -383,11 +410,12 @@ def test_ring_stages_the_next_norm(sim, qtype: int, n_out: int, k: int, tokens: 
 @needs_gxx
 @pytest.mark.parametrize("qtype,kw,stages,tokens", [(Q4_K, 4, 2, 1), (Q6_K, 2, 3, 2), (Q8_0, 3, 2, 3),
                                                     (Q4_K, 1, 2, 2)])
-def test_ring_reads_a_staged_norm(sim, qtype: int, kw: int, stages: int, tokens: int) -> None:
+def test_ring_reads_a_staged_norm(ring_sim, qtype: int, kw: int, stages: int, tokens: int) -> None:
     """Producer -> consumer through a staged norm: a ring product accumulating into the stream s stages rms_norm(s) * w
     for the next ring product, which scales its sums by 1 / rms from the per-tile sums of squares. The consumer's
     output is its unscaled output (from the same staging) times staged_inv_twin bitwise, and the chain matches
     rms_norm(s) * w @ W2^T in float64 within the ring's tolerance."""
+    sim = ring_sim
     rng = np.random.default_rng(qtype * 7 + kw + tokens)
     d, k0, n2 = 512, 768, 48
     raw1 = random_weights(qtype, d, k0, rng)
@@ -472,11 +500,12 @@ SWIGLU_CASES = [
 
 @needs_gxx
 @pytest.mark.parametrize("qtype,f,k,tokens,kw,stages,staged", SWIGLU_CASES)
-def test_ring_stages_swiglu_bitwise(sim, qtype: int, f: int, k: int, tokens: int, kw: int, stages: int,
+def test_ring_stages_swiglu_bitwise(ring_sim, qtype: int, f: int, k: int, tokens: int, kw: int, stages: int,
                                     staged: bool) -> None:
     """gate|up's ring with the SwiGLU staging (gemv_ring_kernel<QT, NT, 1>): bitwise the plain ring launch of the
     same [gate | up] matrix at the same warps followed by pack_silu_kernel's staging of its two halves, whatever the
     block order, from a packed x or a staged norm; and within the ring's tolerance of float64 silu(x W_g) (x W_u)."""
+    sim = ring_sim
     rng = np.random.default_rng(qtype * 11 + f + k + tokens + stages)
     raw = random_weights(qtype, 2 * f, k, rng)
     eps, in_ssq = 1e-6, None
@@ -505,8 +534,9 @@ def test_ring_stages_swiglu_bitwise(sim, qtype: int, f: int, k: int, tokens: int
 
 
 @needs_gxx
-def test_ring_refuses_what_it_cannot_take(sim) -> None:
+def test_ring_refuses_what_it_cannot_take(ring_sim) -> None:
     """No staging (x must come from PackedX.q16), F16, zero stages: the harness's launch is refused, not run."""
+    sim = ring_sim
     raw = random_weights(Q4_K, 16, 256, np.random.default_rng(0))
     laid = qm.device_layout(Q4_K, raw)
     y = np.zeros((1, 16), np.float32)

@@ -10,10 +10,11 @@ arrive last), accumulate, a strided output. Plus the launcher's pure-Python part
 
 Every test of the `sim` fixture runs twice: on the portable path, and on the sm_90 bulk-copy path that GPUs of compute
 capability 9.0 run (-DSPECSPLIT_SIM_BULK: kernels/bulk.cuh simulates cp.async.bulk, the mbarriers' arrival and
-transaction counts and phases, and the bulk reduce-adds on the fibers; copies complete as they are issued), so the
-producer warp (its weights ahead of the grid dependency wait, x after), the stage ring's full / empty barriers and the
-y tile of accumulating launches are checked without a GPU. What the simulation cannot show: timing (the copies'
-overlap) and programmatic dependent launch itself (no kernel runs before this one).
+transaction counts and phases, and the bulk reduce-adds on the fibers; each copy or add lands when issued or, at
+random, only when its mbarrier or its thread's bulk group is waited for), so the producer warp (its weights ahead of
+the grid dependency wait, x after), the stage ring's full / empty barriers and the y tile of accumulating launches are
+checked without a GPU. What the simulation cannot show: timing and programmatic dependent launch itself (no kernel
+runs before this one).
 """
 
 from __future__ import annotations
@@ -255,11 +256,13 @@ def test_interleaved_blocks_on_cpu(sim, qtype, n_out, k, tokens, cfg, resident) 
 
 
 @needs_gxx
-@pytest.mark.parametrize("blocks", [1, 3])
-def test_accumulate_and_strided_output_on_cpu(sim, blocks) -> None:
+@pytest.mark.parametrize("blocks,n_out", [(1, 72), (3, 72), (1, 264)])
+def test_accumulate_and_strided_output_on_cpu(sim, blocks, n_out) -> None:
     """accumulate=True adds the finished sum once (bitwise y0 + the product, split or not); a product into a column
-    slice of wider rows (row stride ldy) equals the contiguous one and leaves the other columns alone."""
-    n_out, k, tokens, cfg = 72, 1024, 21, (2, 2, 2, blocks)
+    slice of wider rows (row stride ldy) equals the contiguous one and leaves the other columns alone. (264 rows in
+    one block: on the bulk path each warp adds through its y tile several times, so a tile rewritten before its
+    earlier adds have read it would show.)"""
+    k, tokens, cfg = 1024, 21, (2, 2, 2, blocks)
     p = Problem(sim, Q4_K, n_out, k, tokens, seed=blocks)
     plain, _ = p.wide(*cfg, seed=blocks)
     y0 = p.rng.standard_normal((tokens, n_out)).astype(np.float32)
