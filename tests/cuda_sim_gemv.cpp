@@ -3,7 +3,8 @@
 // g++ -std=c++17 -DGEMV_SOURCE='"path"' -DQMM_SOURCE='"path"': both .cu files compile as plain C++ (no
 // __CUDA_ARCH__, so inline PTX takes its portable path: software fp16 conversion, byte permutes in C++). Every
 // thread of a block is a fiber (tests/cuda_sim.h block mode), so the kernel's __syncthreads and xor shuffles run
-// for real. x is packed by quant_matmul.cu's own pack_x_kernel, so the test checks the layout the GPU sees.
+// for real. x is packed by quant_matmul.cu's own pack_x_kernel, so the test checks the layout the GPU sees. With
+// -DSPECSPLIT_SIM_BULK the ring kernel takes its sm_90 path (kernels/bulk.cuh simulates its bulk copies and mbarriers).
 #define SIM_BLOCK
 #include <cmath>
 #include <utility>

@@ -9,6 +9,8 @@
 // arrive), and several at a time interleaved (simb::run_grid: a block paused between storing its piece and counting
 // itself in, or between counting and reading the others', while others run). qmv_kernel (v2) runs here too, as the
 // bitwise reference for row blocks one block covers.
+// With -DSPECSPLIT_SIM_BULK the kernels take their sm_90 path instead (kernels/bulk.cuh simulates its bulk copies,
+// mbarriers and reduce-adds): qmw_kernel with its producer warp, mbarrier stage rings, y tiles.
 #define SIM_BLOCK
 #include <utility>
 #include <vector>
