@@ -61,9 +61,12 @@ static void qmw_body() {
                                                           // ignored by the portable build)
 }
 
+static int sim_v2_ytile = 0;  // qmv_kernel's y tile (sim_v2_ytile): its bulk reduce-adds (the bulk-copy path only)
+
 template <int QT, int NT, int MT>
 static void qmv_body() {
-    qmv_kernel<QT, NT, MT>(wa.W, wa.row_bytes, wa.N, wa.K, wa.xp, wa.T, wa.y, wa.stages, wa.accumulate, wa.ldy);
+    qmv_kernel<QT, NT, MT>(wa.W, wa.row_bytes, wa.N, wa.K, wa.xp, wa.T, wa.y, wa.stages, wa.accumulate, wa.ldy,
+                           sim_v2_ytile);
 }
 
 template <int QT, int MT, bool WIDE>
@@ -159,6 +162,10 @@ extern "C" int sim_qmw(int qt, int nt, int mt, int warps, int stages, const unsi
 
 // qmw_kernel's `peek` for the launches that follow (1 as the launcher's default, 0 the store-count-read path alone)
 extern "C" void sim_wide_peek(int peek) { sim_peek = peek; }
+
+// qmv_kernel's `ytile` for the launches that follow (1: an accumulating launch adds through its warps' y tiles, as the
+// launcher's does where the tile fits; ignored by the portable build)
+extern "C" void sim_v2_ytile_set(int ytile) { sim_v2_ytile = ytile; }
 
 // qmv_kernel (v2) with kw K-warps, grid_x persistent blocks, no K split across blocks.
 extern "C" int sim_qmv(int qt, int nt, int mt, int kw, int stages, const unsigned char* W, long long row_bytes, int N,

@@ -72,6 +72,8 @@ def sim(request, tmp_path_factory) -> ctypes.CDLL:
     lib.sim_qmw.argtypes = [I, I, I, I, I, P, LL, I, I, P, I, P, I, LL, P, P, I, ULL, I]
     lib.sim_wide_peek.restype = None
     lib.sim_wide_peek.argtypes = [I]
+    lib.sim_v2_ytile_set.restype = None
+    lib.sim_v2_ytile_set.argtypes = [I]
     lib.sim_qmv.restype = I
     lib.sim_qmv.argtypes = [I, I, I, I, I, P, LL, I, I, P, I, P, I, LL, I]
     lib.sim_pack.restype = None
@@ -133,11 +135,13 @@ class Problem:
         assert (self.lib.smem[smem:] == SMEM_CANARY).all(), "shared memory written past smem_bytes()"
         return y, scratch
 
-    def v2(self, mt: int, kw: int = 1) -> np.ndarray:
-        y = np.full((self.tokens, self.n_out), np.nan, np.float32)
-        groups = -(-self.n_out // (16 * mt))
+    def v2(self, mt: int, kw: int = 1, y0: np.ndarray | None = None, groups: int = 0) -> np.ndarray:
+        """v2 (qmv_kernel) with `groups` persistent blocks (0: a row group each); y0: accumulate into a copy of it."""
+        y = np.full((self.tokens, self.n_out), np.nan, np.float32) if y0 is None else y0.copy()
+        groups = groups or -(-self.n_out // (16 * mt))
         err = self.lib.sim_qmv(self.qtype, self.nt, mt, kw, 2, self.w.ctypes.data, self.raw.shape[1], self.n_out,
-                               self.k, self.xp.ctypes.data, self.tokens, y.ctypes.data, 0, 0, groups)  # fmt: skip
+                               self.k, self.xp.ctypes.data, self.tokens, y.ctypes.data, int(y0 is not None), 0,
+                               groups)  # fmt: skip
         assert err == 0
         return y
 
@@ -275,6 +279,23 @@ def test_accumulate_and_strided_output_on_cpu(sim, blocks, n_out) -> None:
         p.wide(*cfg, y=wide[:, off:], accumulate=flag, ld=ld, seed=7)
         assert np.array_equal(wide[:, off : off + n_out], ref)
         assert (wide[:, :off] == 7.25).all() and (wide[:, off + n_out :] == 7.25).all()
+
+
+@needs_gxx
+@pytest.mark.parametrize("kw", [1, 2])
+def test_v2_accumulates_through_its_y_tiles_on_cpu(sim, kw) -> None:
+    """v2 adding into y through its warps' y tiles (bulk reduce-adds, the launcher's accumulating launches from two
+    token tiles; the bulk build runs them, the portable one its load-add-store): bitwise y0 + the plain product, with
+    persistent blocks walking several row groups, so each warp's tile is rewritten between adds."""
+    p = Problem(sim, Q4_K, 160, 1024, 21, seed=40 + kw)
+    plain = p.v2(1, kw, groups=3)
+    y0 = p.rng.standard_normal((p.tokens, p.n_out)).astype(np.float32)
+    sim.sim_v2_ytile_set(1)
+    try:
+        acc = p.v2(1, kw, y0=y0, groups=3)
+    finally:
+        sim.sim_v2_ytile_set(0)
+    assert np.array_equal(acc, y0 + plain)
 
 
 @needs_gxx
