@@ -117,11 +117,7 @@ static inline void mbar_fence_init() {}
 static inline void mbar_expect_tx_s(unsigned int bar, unsigned int bytes) {
     sim_bar_update(sim_bar(bar), 1, (int)bytes);
 }
-static inline void mbar_expect_tx(unsigned long long* bar, unsigned int bytes) {
-    mbar_expect_tx_s(smem_addr(bar), bytes);
-}
 static inline void mbar_arrive_s(unsigned int bar) { sim_bar_update(sim_bar(bar), 1, 0); }
-static inline void mbar_arrive(unsigned long long* bar) { mbar_arrive_s(smem_addr(bar)); }
 // spins (letting the other fibers run, and the copies on this barrier land) until the phase of this parity completed
 static inline void mbar_wait_s(unsigned int bar, unsigned int parity) {
     unsigned long long* const b = sim_bar(bar);
@@ -135,16 +131,12 @@ static inline void mbar_wait_s(unsigned int bar, unsigned int parity) {
         simb::yield(simb::RUN);
     }
 }
-static inline void mbar_wait(unsigned long long* bar, unsigned int parity) { mbar_wait_s(smem_addr(bar), parity); }
 static inline void bulk_g2s_s(unsigned int dst, const void* src, unsigned int bytes, unsigned int bar) {
     const SimPending p{0, simb::cur, sim_bar(bar), sim_smem_base() + dst, (const char*)src, bytes};
     if (sim_defer())
         sim_pending().push_back(p);
     else
         sim_perform(p);
-}
-static inline void bulk_g2s(void* dst, const void* src, unsigned int bytes, unsigned long long* bar) {
-    bulk_g2s_s(smem_addr(dst), src, bytes, smem_addr(bar));
 }
 static inline void bulk_s2g_add_f32(void* dst, unsigned int src, unsigned int bytes) {
     const SimPending p{1, simb::cur, nullptr, (char*)dst, sim_smem_base() + src, bytes};
@@ -174,9 +166,6 @@ static __device__ __forceinline__ void mbar_fence_init() {
 static __device__ __forceinline__ void mbar_expect_tx_s(unsigned int bar, unsigned int bytes) {
     asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
 }
-static __device__ __forceinline__ void mbar_expect_tx(unsigned long long* bar, unsigned int bytes) {
-    mbar_expect_tx_s(smem_addr(bar), bytes);
-}
 static __device__ __forceinline__ void mbar_wait_s(unsigned int bar, unsigned int parity) {
     asm volatile(
         "{\n"
@@ -190,19 +179,12 @@ static __device__ __forceinline__ void mbar_wait_s(unsigned int bar, unsigned in
         "r"(parity)
         : "memory");
 }
-static __device__ __forceinline__ void mbar_wait(unsigned long long* bar, unsigned int parity) {
-    mbar_wait_s(smem_addr(bar), parity);
-}
 static __device__ __forceinline__ void bulk_g2s_s(unsigned int dst, const void* src, unsigned int bytes,
                                                   unsigned int bar) {
     asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::"r"(
                      dst),
                  "l"(src), "r"(bytes), "r"(bar)
                  : "memory");
-}
-static __device__ __forceinline__ void bulk_g2s(void* dst, const void* src, unsigned int bytes,
-                                                unsigned long long* bar) {
-    bulk_g2s_s(smem_addr(dst), src, bytes, smem_addr(bar));
 }
 // Thread block clusters (sm_90, a kernel declared __cluster_dims__): the split cluster barrier (every thread of every
 // block of the cluster arrives, then waits; relaxed: orders nothing, for "every block has started") and a store into
@@ -226,7 +208,6 @@ static __device__ __forceinline__ void st_cluster_f32(unsigned int addr, float v
 static __device__ __forceinline__ void mbar_arrive_s(unsigned int bar) {
     asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
 }
-static __device__ __forceinline__ void mbar_arrive(unsigned long long* bar) { mbar_arrive_s(smem_addr(bar)); }
 // Shared -> global the other way: a bulk reduce-add of `bytes` (a multiple of 16, both ends 16-byte aligned) of fp32
 // values into global memory (each element dst[i] += src[i], one IEEE add at L2, rounded to nearest: what a thread's
 // load-add-store would leave, subnormal results apart, without the warp waiting on the load). Issued by one thread,
@@ -246,6 +227,21 @@ static __device__ __forceinline__ void bulk_wait() { asm volatile("cp.async.bulk
 static __device__ __forceinline__ void fence_async_smem() {
     asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
 }
+#endif
+
+#if SS_BULK
+// the generic-pointer forms (both the device's and the simulation's)
+static __device__ __forceinline__ void mbar_expect_tx(unsigned long long* bar, unsigned int bytes) {
+    mbar_expect_tx_s(smem_addr(bar), bytes);
+}
+static __device__ __forceinline__ void mbar_wait(unsigned long long* bar, unsigned int parity) {
+    mbar_wait_s(smem_addr(bar), parity);
+}
+static __device__ __forceinline__ void bulk_g2s(void* dst, const void* src, unsigned int bytes,
+                                                unsigned long long* bar) {
+    bulk_g2s_s(smem_addr(dst), src, bytes, smem_addr(bar));
+}
+static __device__ __forceinline__ void mbar_arrive(unsigned long long* bar) { mbar_arrive_s(smem_addr(bar)); }
 #endif
 
 }  // namespace bk
