@@ -291,6 +291,10 @@ STEP_ABS = {
     "rmspdl": ([("rms from 25", SMALL, 3, "capture", {"qm.PACK_PDL_WIDE": {"silu": 17, "rms": 25, "x": 25}}),
                 ("rms from 4", SMALL, 3, "capture", {"qm.PACK_PDL_WIDE": {"silu": 17, "rms": 4, "x": 25}})],
                (4, 9, 16, 23), [("rms from 4", "rms from 25")]),
+    # a wide writer's split pieces loaded two at a time before their adds (quant_wide.PIECE_GROUP) or one at a time
+    "pieces": ([("one at a time", SMALL, 3, "capture", {"qw.PIECE_GROUP": False}),
+                ("two at a time", SMALL, 3, "capture", {"qw.PIECE_GROUP": True})], (17, 20, 23),
+               [("two at a time", "one at a time")]),
     "v2stages": ([("shipped", SMALL, 3, "capture", {}), ("v2 3 stages", SMALL, 3, "capture", {"qm.STAGES_V2": 3}),
                   ("v2 4 stages", SMALL, 3, "capture", {"qm.STAGES_V2": 4})], (8, 16, 23),
                  [("v2 3 stages", "shipped"), ("v2 4 stages", "shipped")]),

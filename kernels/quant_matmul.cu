@@ -1688,6 +1688,20 @@ SS_DEV void wide_chunk(float (&acc)[MT][NT][4], const u8* wst, const uint4* xs, 
 // of WM MT 16 TPAD floats through which an accumulating launch adds into y (quant_wide.smem_bytes). peek != 0: a
 // block's last row block, shared with one other block, is added up by its warps without storing their pieces when
 // the other block's have arrived (quant_wide.PEEK).
+// A writer's pieces read at once (qmw_kernel's split row blocks): 2 where the registers that costs keep the
+// launch's blocks a SM without spilling (sm_90 ptxas: Q4_K at 3 token tiles 96 -> 127 registers, still 3 blocks of
+// 4 + 1 warps, which the stages' shared memory allows), else 1 (Q4_K at 2 tiles 89 -> 103 would lose a block, Q6_K at
+// 3 tiles 118 -> 141 too; at 6 and 8 tiles every type reaches the 168 cap and spills). SPECSPLIT_QMW_PIECES_ONE: 1
+// everywhere (quant_wide.PIECE_GROUP).
+template <int QT, int NT, int MT>
+struct QmwPieceGroup {
+#ifdef SPECSPLIT_QMW_PIECES_ONE
+    static constexpr int value = 1;
+#else
+    static constexpr int value = QT == 12 && NT == 3 && MT == 1 ? 2 : 1;
+#endif
+};
+
 template <int QT, int NT, int MT>
 __global__ void SS_BOUNDS(288, 1) qmw_kernel(const u8* __restrict__ W, long long row_bytes, int N, int K,
                                              const uint4* __restrict__ xp, int T, float* __restrict__ y, int stages,
@@ -1699,6 +1713,7 @@ __global__ void SS_BOUNDS(288, 1) qmw_kernel(const u8* __restrict__ W, long long
     constexpr int TPAD = 8 * NT;
     constexpr int XB = 512 * TPAD;  // bytes of a full chunk of packed x
     constexpr int NACC = MT * NT * 4;
+    constexpr int PG = QmwPieceGroup<QT, NT, MT>::value;  // a writer's pieces read at once
     extern __shared__ uint4 ss_smem[];
 
     const int tid = (int)threadIdx.x;
@@ -1932,15 +1947,31 @@ __global__ void SS_BOUNDS(288, 1) qmw_kernel(const u8* __restrict__ W, long long
                     for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
                         for (int i = 0; i < 4; ++i) acc[mt][nt][i] = 0.f;
-                for (i64 bb = fb; bb <= lb; ++bb) {
-                    const i64 sl = 2 * bb + ((bb * total / P) >= first ? 0 : 1);  // bb's first or last row block
-                    const float* const src = part + (sl * WM + warp) * NACC * 32 + lane;
+                // The pieces' loads go out PG at a time before their adds (in block order, as ever): one round trip
+                // to L2 per PG pieces, not per piece. (ffn_down's row blocks are shared by 5-7 blocks at 23 tokens:
+                // their writers' chains of reads end the launch.)
+                for (i64 b0 = fb; b0 <= lb; b0 += PG) {
+                    float v[PG][NACC];
 #pragma unroll
-                    for (int mt = 0; mt < MT; ++mt)
+                    for (int u = 0; u < PG; ++u) {
+                        const i64 bb = b0 + u;
+                        if (bb <= lb) {
+                            const i64 sl = 2 * bb + ((bb * total / P) >= first ? 0 : 1);  // bb's first or last row block
+                            const float* const src = part + (sl * WM + warp) * NACC * 32 + lane;
 #pragma unroll
-                        for (int nt = 0; nt < NT; ++nt)
+                            for (int e = 0; e < NACC; ++e) v[u][e] = ld_partial(src + e * 32);
+                        }
+                    }
 #pragma unroll
-                            for (int i = 0; i < 4; ++i) acc[mt][nt][i] += ld_partial(src + ((mt * NT + nt) * 4 + i) * 32);
+                    for (int u = 0; u < PG; ++u)
+                        if (b0 + u <= lb) {
+#pragma unroll
+                            for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+                                for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+                                    for (int i = 0; i < 4; ++i) acc[mt][nt][i] += v[u][(mt * NT + nt) * 4 + i];
+                        }
                 }
                 if (lane == 0) counters[(i64)rb * WM + warp] = 0u;  // every piece has counted: ready for the next launch
             }

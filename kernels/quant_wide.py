@@ -117,6 +117,10 @@ PEEK = True
 # replays (bench/gemv_ab.py --step-ab widepdl, three rounds, 2026-11-27): 0.9706 / 0.9708 / 0.9825 / 0.9862 of the
 # step without it at widths 9 / 16 / 23 / 41 (v2 the same way, quant_matmul.V2_PDL, gave back 0.7-4.5 %: off).
 PDL = True
+# A writer of a split row block (the last of its blocks to count in) loads the pieces two at a time before adding them
+# in block order (the same sums), one round trip to L2 per two pieces; where the kernel's registers allow it (Q4_K at
+# 17..24 tokens: quant_matmul.cu QmwPieceGroup). False: one at a time everywhere.
+PIECE_GROUP = True
 WARP_CHOICES = (8, 4, 2, 1)  # what choose_config falls back through when a shape does not fit (or a small matrix)
 STAGE_CHOICES = (4, 3, 2)
 
@@ -178,7 +182,7 @@ def prefer_wide(qtype: int, tokens: int, n_out: int = 0, k: int = 0) -> bool:
 
 
 def _defines(portable: bool) -> tuple[str, ...]:
-    return ("SPECSPLIT_PORTABLE",) if portable else ()
+    return (("SPECSPLIT_PORTABLE",) if portable else ()) + (() if PIECE_GROUP else ("SPECSPLIT_QMW_PIECES_ONE",))
 
 
 def wide_function(qtype: int, n_tiles: int, m_tiles: int, portable: bool = False) -> Any:

@@ -178,6 +178,29 @@ def test_peek_same_bits(monkeypatch, tokens: int) -> None:
         assert not bool(sc.counters.any()), "the arrival counters must be left zero"
 
 
+@pytest.mark.parametrize("tokens", [17, 23])
+def test_pieces_two_at_a_time_same_bits(monkeypatch, tokens: int) -> None:
+    """A writer loading its row block's pieces two at a time (quant_wide.PIECE_GROUP: Q4_K at 17..24 tokens) adds
+    them in the same block order as one at a time: the same bits on ffn_down's 5-7 pieces a row block and gate|up's
+    2-3, plain and accumulating, with the same grid."""
+    rng = np.random.default_rng(91 + tokens)
+    for shape in ((5120, 17408), (34816, 5120)):
+        W, w64 = _matrix(qm.Q4_K, shape, rng)
+        x = cupy.asarray((rng.standard_normal((tokens, shape[1])) * 0.5).astype(np.float16))
+        px = qm.pack_activations(x)
+        y0 = rng.standard_normal((tokens, shape[0])).astype(np.float32)
+        got, blocks = {}, {}
+        for group in (True, False):
+            monkeypatch.setattr(qw, "PIECE_GROUP", group)
+            blocks[group] = qw.launch_shape(W, tokens)["blocks"]
+            got[group] = (run(W, px, kernel="wide"), run(W, px, y0, kernel="wide", accumulate=True))
+        assert blocks[True] == blocks[False], shape
+        assert np.array_equal(got[True][0], got[False][0]) and np.array_equal(got[True][1], got[False][1]), shape
+        assert rel_error(got[True][0], cupy.asnumpy(x).astype(np.float64) @ w64.T) < TOL
+    for sc in qg._scratch.values():
+        assert not bool(sc.counters.any()), "the arrival counters must be left zero"
+
+
 def test_reproducible_and_counters_left_zero() -> None:
     rng = np.random.default_rng(5)
     W, _ = _matrix(qm.Q4_K, (5120, 6144), rng)
