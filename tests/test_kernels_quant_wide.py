@@ -157,25 +157,35 @@ def test_producer_warp_same_bits(monkeypatch, tokens: int) -> None:
     assert rel_error(with_producer, cupy.asnumpy(x).astype(np.float64) @ w64.T) < TOL
 
 
-@pytest.mark.parametrize("tokens", [17, 23, 41])
-def test_peek_same_bits(monkeypatch, tokens: int) -> None:
-    """A block's last row block added up at once when its one other sharer's pieces are in (quant_wide.PEEK): the
-    same bits as storing, counting in and reading back, for 2-sharer splits (gate|up-like) and many-sharer ones
-    (ffn_down-like), plain and accumulating; the counters left zero."""
-    rng = np.random.default_rng(61 + tokens)
-    for shape in ((34816, 5120), (5120, 17408)):
+def switch_same_bits(monkeypatch, switch: str, tokens: int, seed: int, shapes) -> dict:
+    """Launches of Q4_K matrices of `shapes` at this width, plain and accumulating, with quant_wide's `switch` on and
+    off: the same bits either way (and the product within TOL of the float64 one); the counters left zero. Returns
+    the launch shapes by switch value."""
+    rng = np.random.default_rng(seed)
+    launches = {}
+    for shape in shapes:
         W, w64 = _matrix(qm.Q4_K, shape, rng)
         x = cupy.asarray((rng.standard_normal((tokens, shape[1])) * 0.5).astype(np.float16))
         px = qm.pack_activations(x)
         y0 = rng.standard_normal((tokens, shape[0])).astype(np.float32)
         got = {}
-        for peek in (True, False):
-            monkeypatch.setattr(qw, "PEEK", peek)
-            got[peek] = (run(W, px, kernel="wide"), run(W, px, y0, kernel="wide", accumulate=True))
+        for on in (True, False):
+            monkeypatch.setattr(qw, switch, on)
+            launches[shape, on] = qw.launch_shape(W, tokens)
+            got[on] = (run(W, px, kernel="wide"), run(W, px, y0, kernel="wide", accumulate=True))
         assert np.array_equal(got[True][0], got[False][0]) and np.array_equal(got[True][1], got[False][1]), shape
         assert rel_error(got[True][0], cupy.asnumpy(x).astype(np.float64) @ w64.T) < TOL
     for sc in qg._scratch.values():
         assert not bool(sc.counters.any()), "the arrival counters must be left zero"
+    return launches
+
+
+@pytest.mark.parametrize("tokens", [17, 23, 41])
+def test_peek_same_bits(monkeypatch, tokens: int) -> None:
+    """A block's last row block added up at once when its one other sharer's pieces are in (quant_wide.PEEK): the
+    same bits as storing, counting in and reading back, for 2-sharer splits (gate|up-like) and many-sharer ones
+    (ffn_down-like), plain and accumulating; the counters left zero."""
+    switch_same_bits(monkeypatch, "PEEK", tokens, 61 + tokens, ((34816, 5120), (5120, 17408)))
 
 
 @pytest.mark.parametrize("tokens", [17, 23])
@@ -183,22 +193,10 @@ def test_pieces_two_at_a_time_same_bits(monkeypatch, tokens: int) -> None:
     """A writer loading its row block's pieces two at a time (quant_wide.PIECE_GROUP: Q4_K at 17..24 tokens) adds
     them in the same block order as one at a time: the same bits on ffn_down's 5-7 pieces a row block and gate|up's
     2-3, plain and accumulating, with the same grid."""
-    rng = np.random.default_rng(91 + tokens)
-    for shape in ((5120, 17408), (34816, 5120)):
-        W, w64 = _matrix(qm.Q4_K, shape, rng)
-        x = cupy.asarray((rng.standard_normal((tokens, shape[1])) * 0.5).astype(np.float16))
-        px = qm.pack_activations(x)
-        y0 = rng.standard_normal((tokens, shape[0])).astype(np.float32)
-        got, blocks = {}, {}
-        for group in (True, False):
-            monkeypatch.setattr(qw, "PIECE_GROUP", group)
-            blocks[group] = qw.launch_shape(W, tokens)["blocks"]
-            got[group] = (run(W, px, kernel="wide"), run(W, px, y0, kernel="wide", accumulate=True))
-        assert blocks[True] == blocks[False], shape
-        assert np.array_equal(got[True][0], got[False][0]) and np.array_equal(got[True][1], got[False][1]), shape
-        assert rel_error(got[True][0], cupy.asnumpy(x).astype(np.float64) @ w64.T) < TOL
-    for sc in qg._scratch.values():
-        assert not bool(sc.counters.any()), "the arrival counters must be left zero"
+    shapes = ((5120, 17408), (34816, 5120))
+    launches = switch_same_bits(monkeypatch, "PIECE_GROUP", tokens, 91 + tokens, shapes)
+    for shape in shapes:
+        assert launches[shape, True]["blocks"] == launches[shape, False]["blocks"], shape
 
 
 def test_reproducible_and_counters_left_zero() -> None:
