@@ -1678,16 +1678,6 @@ SS_DEV void wide_chunk(float (&acc)[MT][NT][4], const u8* wst, const uint4* xs, 
 
 }  // namespace ss
 
-// y[T, N] (+)= x @ W^T, T <= 8 NT, on the tiled device layout (16-byte aligned, rows padded to 16) and packed x (xp,
-// TPAD = 8 NT token rows). Grid: P blocks of 32 (WM + producer) threads (WM = 1..8; producer: 1 for a copying warp
-// on sm_90, ignored elsewhere), any P >= 1 (the launcher: what fits on the GPU at once, at most one per item).
-// accumulate != 0: y += x @ W^T (one add per value); ldy: y's row stride in floats
-// (0: N). part / counters: the split scratch (kernels/quant_gemv.py split_scratch): part >= 2 P WM (MT NT 4) 32 floats,
-// counters >= ceil(ceil(N / 16) / (WM MT)) WM words, zero before the launch and left zero. Dynamic shared memory:
-// stages (512 TPAD + WM MT 16 (MAIN + SIDE)) + 16 stages bytes, plus with ytile != 0 (sm_90 bulk copies only) a tile
-// of WM MT 16 TPAD floats through which an accumulating launch adds into y (quant_wide.smem_bytes). peek != 0: a
-// block's last row block, shared with one other block, is added up by its warps without storing their pieces when
-// the other block's have arrived (quant_wide.PEEK).
 // A writer's pieces read at once (qmw_kernel's split row blocks): 2 where the registers that costs keep the
 // launch's blocks a SM without spilling (sm_90 ptxas: Q4_K at 3 token tiles 96 -> 127 registers, still 3 blocks of
 // 4 + 1 warps, which the stages' shared memory allows), else 1 (Q4_K at 2 tiles 89 -> 103 would lose a block, Q6_K at
@@ -1702,6 +1692,16 @@ struct QmwPieceGroup {
 #endif
 };
 
+// y[T, N] (+)= x @ W^T, T <= 8 NT, on the tiled device layout (16-byte aligned, rows padded to 16) and packed x (xp,
+// TPAD = 8 NT token rows). Grid: P blocks of 32 (WM + producer) threads (WM = 1..8; producer: 1 for a copying warp
+// on sm_90, ignored elsewhere), any P >= 1 (the launcher: what fits on the GPU at once, at most one per item).
+// accumulate != 0: y += x @ W^T (one add per value); ldy: y's row stride in floats
+// (0: N). part / counters: the split scratch (kernels/quant_gemv.py split_scratch): part >= 2 P WM (MT NT 4) 32 floats,
+// counters >= ceil(ceil(N / 16) / (WM MT)) WM words, zero before the launch and left zero. Dynamic shared memory:
+// stages (512 TPAD + WM MT 16 (MAIN + SIDE)) + 16 stages bytes, plus with ytile != 0 (sm_90 bulk copies only) a tile
+// of WM MT 16 TPAD floats through which an accumulating launch adds into y (quant_wide.smem_bytes). peek != 0: a
+// block's last row block, shared with one other block, is added up by its warps without storing their pieces when
+// the other block's have arrived (quant_wide.PEEK).
 template <int QT, int NT, int MT>
 __global__ void SS_BOUNDS(288, 1) qmw_kernel(const u8* __restrict__ W, long long row_bytes, int N, int K,
                                              const uint4* __restrict__ xp, int T, float* __restrict__ y, int stages,
