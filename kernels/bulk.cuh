@@ -74,6 +74,13 @@ static inline void sim_bulk_reset(unsigned long long seed) {
     sim_pending().clear();
     sim_rng() = seed;
 }
+// the harness, after a block: 1 if it left a bulk operation unperformed (a copy nobody waited for, an add never waited
+// on), which is an error; the leftovers are dropped
+static inline int sim_bulk_leftover() {
+    const bool left = !sim_pending().empty();
+    sim_pending().clear();
+    return left ? 1 : 0;
+}
 static inline bool sim_defer() {
     if (sim_rng() == 0) return false;
     sim_rng() = sim_rng() * 6364136223846793005ull + 1442695040888963407ull;
