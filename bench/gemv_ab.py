@@ -295,6 +295,27 @@ STEP_ABS = {
     "pieces": ([("one at a time", SMALL, 3, "capture", {"qw.PIECE_GROUP": False}),
                 ("two at a time", SMALL, 3, "capture", {"qw.PIECE_GROUP": True})], (17, 20, 23),
                [("two at a time", "one at a time")]),
+    # the ring gemv (int16 staging from the packs) for the K-quant products up to 8 tokens against the shipped 3, alone
+    # and with the norms, SwiGLU and the attention's output staged by the products before them up to 8 as well
+    "ring8": ([("shipped", SMALL, 3, "capture", {}),
+               ("ring to 8", {8: 1, 12: 8, 14: 8}, 8, "capture", {})],
+              (4, 6, 8), [("ring to 8", "shipped")]),
+    "ring8s": ([("ring to 8", {8: 1, 12: 8, 14: 8}, 8, "capture", {}),
+                ("ring+staged", {8: 1, 12: 8, 14: 8}, 8, "capture",
+                 {"q35.STAGE_UP_TO": {"post": 2, "next": 8}, "q35.FUSE_SWIGLU_WIDTHS": (2, 3, 4, 5, 6, 7, 8),
+                  "q35.ATTN_STAGE_UP_TO": 8})],
+               (4, 6, 8), [("ring+staged", "ring to 8")]),
+    # the "high" rule of the wide kernel's dispatch (quant_wide.HIGH_ROWS, from HIGH_CROSSOVER tokens) from 10240 or
+    # 6144 rows instead of 16384: the attention's q|k|v and q|k stacks (14336 / 13312 rows) and the DeltaNet attn_qkv of
+    # the more-bits layers (Q6_K, 10240), then the DeltaNet gate stack (6240) too
+    "high": ([("shipped", SMALL, 3, "capture", {}),
+              ("high from 10240", SMALL, 3, "capture", {"qw.HIGH_ROWS": 10240}),
+              ("high from 6144", SMALL, 3, "capture", {"qw.HIGH_ROWS": 6144})],
+             (4, 8, 16, 23), [("high from 10240", "shipped"), ("high from 6144", "shipped")]),
+    # the 10240..16383-row stacks on the wide kernel from 17 tokens (quant_wide.MID_CROSSOVER) against v2 up to 24
+    "mid": ([("v2 to 24", SMALL, 3, "capture", {"qw.MID_CROSSOVER": {}}),
+             ("mid from 17", SMALL, 3, "capture", {"qw.MID_CROSSOVER": {12: 17, 14: 17}})],
+            (16, 17, 20, 23), [("mid from 17", "v2 to 24")]),
     "v2stages": ([("shipped", SMALL, 3, "capture", {}), ("v2 3 stages", SMALL, 3, "capture", {"qm.STAGES_V2": 3}),
                   ("v2 4 stages", SMALL, 3, "capture", {"qm.STAGES_V2": 4})], (8, 16, 23),
                  [("v2 3 stages", "shipped"), ("v2 4 stages", "shipped")]),

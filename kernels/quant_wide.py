@@ -74,6 +74,15 @@ TALL_ROWS = 65536  # a matrix of this many rows or more is "tall"
 # -2.5 / -2.3 / -2.4 % at widths 17 / 20 / 23; Q4_K's deep matrices from 17 as well gave back a third of that.
 HIGH_CROSSOVER = {12: 4, 14: 4}  # (a type missing: CROSSOVER; from 9 in session 24, from 4 in 25: DEEP_CROSSOVER)
 HIGH_ROWS = 16384
+# Mid-high (MID_ROWS..HIGH_ROWS - 1 rows, neither deep nor tall: the attention's q|k|v and q|k stacks of 14336 / 13312
+# rows, the DeltaNet attn_qkv of 10240 rows that the more-bits layers keep apart as Q6_K) from 17 tokens. Session 27
+# (H100; scratch/s27_v2sweep.py, graph replays over weight copies): at 23 tokens Q4_K 14336 x 5120 wide 23.6 us vs v2
+# 30.2, Q6_K 10240 x 5120 22.9 vs 27.0; at 16 22.0 vs 22.8 and 22.7 vs 24.0. The 27B step (bench/gemv_ab.py --step-ab
+# high, three rounds) with the high rule from 10240 rows at every width: 1.0076 / 1.0076 / 1.0049 / 0.9919 at widths 4
+# / 8 / 16 / 23 (from 6144 rows, the DeltaNet gate stack of 6240 too: 1.0079 / 1.0076 / 1.0071 / 0.9955), so these from
+# 17 only; the 5120 x 6144 projections and the 6240-row gate stack keep v2 (at 23: 15.6 vs 15.3 us, 14.7 vs 13.7).
+MID_CROSSOVER = {12: 17, 14: 17}  # (a type missing: CROSSOVER)
+MID_ROWS = 10240
 # Default launch shape (choose_config): m16 tiles per warp, warps per block, copy stages by token tiles, with as
 # many blocks per SM as fit. The sweep's best shapes were nearly all 1 tile x 4 warps (64 rows per block): more,
 # smaller blocks per SM hide the dequantization of one behind another's copies better than 8 warps x 2 tiles (the
@@ -169,7 +178,7 @@ def prefer_wide(qtype: int, tokens: int, n_out: int = 0, k: int = 0) -> bool:
     """matmul()'s choice for an n_out x k matrix in the v2 layout above gemv's widths: this kernel from
     CROSSOVER[qtype] tokens, from TALL_CROSSOVER[qtype] on a tall matrix (n_out >= TALL_ROWS), from
     DEEP_CROSSOVER[qtype] on a deep one (k >= 2 n_out), from HIGH_CROSSOVER[qtype] on another of HIGH_ROWS rows or
-    more (shape unknown, 0: the CROSSOVER)."""
+    more, from MID_CROSSOVER[qtype] on one of MID_ROWS..HIGH_ROWS - 1 rows (shape unknown, 0: the CROSSOVER)."""
     qtype = int(qtype)
     first = CROSSOVER.get(qtype, MAX_TOKENS + 1)
     if n_out > 0 and (k >= 2 * n_out or n_out >= TALL_ROWS):
@@ -178,6 +187,8 @@ def prefer_wide(qtype: int, tokens: int, n_out: int = 0, k: int = 0) -> bool:
             first = TALL_CROSSOVER.get(qtype, first)
     elif n_out >= HIGH_ROWS:
         first = HIGH_CROSSOVER.get(qtype, first)
+    elif n_out >= MID_ROWS:
+        first = MID_CROSSOVER.get(qtype, first)
     return first <= tokens <= MAX_TOKENS
 
 

@@ -490,8 +490,12 @@ def test_dispatch_widths() -> None:
         for shape, first in (((5120, 17408), deep_first), ((248320, 5120), qw.TALL_CROSSOVER.get(q, deep_first))):
             assert qg.CROSSOVER[q] < first <= qw.CROSSOVER[q]  # deep from DEEP_CROSSOVER, tall from TALL_CROSSOVER
             assert not qw.prefer_wide(q, first - 1, *shape) and qw.prefer_wide(q, first, *shape)
-        for shape in ((5120, 6144), (12288, 5120), (16383, 5120), (8192, 16383)):  # the projections: CROSSOVER
+        for shape in ((5120, 6144), (6240, 5120), (10239, 5120), (8192, 16383)):  # the projections: CROSSOVER
             assert not qw.prefer_wide(q, qw.CROSSOVER[q] - 1, *shape) and qw.prefer_wide(q, qw.CROSSOVER[q], *shape)
+        mid_first = qw.MID_CROSSOVER.get(q, qw.CROSSOVER[q])
+        assert qg.CROSSOVER[q] < mid_first <= qw.CROSSOVER[q]
+        for shape in ((10240, 5120), (13312, 5120), (14336, 5120), (16383, 5120)):  # q|k|v, q|k, attn_qkv: MID_
+            assert not qw.prefer_wide(q, mid_first - 1, *shape) and qw.prefer_wide(q, mid_first, *shape)
         high_first = qw.HIGH_CROSSOVER.get(q, qw.CROSSOVER[q])
         assert qg.CROSSOVER[q] < high_first <= qw.CROSSOVER[q]
         for shape in ((34816, 5120), (17408, 5120), (16384, 5120), (65535, 5120)):  # gate|up, ffn_up: HIGH_CROSSOVER
@@ -504,6 +508,8 @@ def test_dispatch_widths() -> None:
     # the deep and high ones from 9; session 25 (the wide kernel under PDL): from 4, past the ring's widths
     assert (qw.DEEP_CROSSOVER[Q4_K], qw.DEEP_CROSSOVER[Q6_K]) == (4, 4)
     assert qw.HIGH_CROSSOVER == {Q4_K: 4, Q6_K: 4} and qw.HIGH_ROWS == 16384
+    # session 27: the 10240..16383-row stacks (the attention's q|k|v, the DeltaNet attn_qkv kept apart) from 17
+    assert qw.MID_CROSSOVER == {Q4_K: 17, Q6_K: 17} and qw.MID_ROWS == 10240
     assert all(qw.HIGH_CROSSOVER[q] > qg.RING_UP_TO[q] for q in (Q4_K, Q6_K))
 
 
