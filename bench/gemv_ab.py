@@ -316,6 +316,13 @@ STEP_ABS = {
     "mid": ([("v2 to 24", SMALL, 3, "capture", {"qw.MID_CROSSOVER": {}}),
              ("mid from 17", SMALL, 3, "capture", {"qw.MID_CROSSOVER": {12: 17, 14: 17}})],
             (16, 17, 20, 23), [("mid from 17", "v2 to 24")]),
+    # the wide kernel's stages: an accumulating launch takes fewer stages with the bulk adds' y tile where its default
+    # stages leave no room for it (quant_wide.ACC_TILE_STAGES), and then 3 stages at 4 token tiles (STAGES3_TILES)
+    "wstages": ([("shipped", SMALL, 3, "capture", {"qw.ACC_TILE_STAGES": False}),
+                 ("acc tile", SMALL, 3, "capture", {"qw.ACC_TILE_STAGES": True}),
+                 ("acc tile+3 at 4 tiles", SMALL, 3, "capture",
+                  {"qw.ACC_TILE_STAGES": True, "qw.STAGES3_TILES": {12: (3, 4, 6), 14: (2, 3, 4, 6)}})],
+                (32, 41, 48), [("acc tile", "shipped"), ("acc tile+3 at 4 tiles", "shipped")]),
     "v2stages": ([("shipped", SMALL, 3, "capture", {}), ("v2 3 stages", SMALL, 3, "capture", {"qm.STAGES_V2": 3}),
                   ("v2 4 stages", SMALL, 3, "capture", {"qm.STAGES_V2": 4})], (8, 16, 23),
                  [("v2 3 stages", "shipped"), ("v2 4 stages", "shipped")]),

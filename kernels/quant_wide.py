@@ -12,7 +12,7 @@ matrices: prefer_wide). Design and numbers: docs/gpu_quant_matmul.md ("wide").
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -116,6 +116,12 @@ PRODUCER = True
 # whose load stalled the writing warps while the memory system streamed weights (bench probe, H100, 23 tokens, per
 # launch: Q4_K 34816x5120 60.8 -> 51.4 us, Q4_K 5120x17408 36.2 -> 31.5, Q6_K 5120x17408 43.4 -> 39.9; the same bits).
 BULK_ADDS = True
+# An accumulating launch whose default stages leave no room for the y tile of the bulk adds at the same grid takes
+# fewer stages with the tile instead (its config's stages not given): session 27 (H100, scratch/s27_widesweep.py) Q6_K
+# ffn_down 5120 x 17408 accumulating at 41 tokens: 3 stages and the load-add-store 51.0 us, 2 stages and the bulk adds
+# 43.6 (its 3 stages of 38 KB and the 12 KB tile no longer fit two blocks a SM). The 27B step (bench/gemv_ab.py
+# --step-ab wstages, three rounds): 0.9997 / 0.9835 / 0.9804 at widths 32 / 41 / 48.
+ACC_TILE_STAGES = True
 # A block's last row block, shared with one other block (the stream-K split of a matrix of more chunks a block than a
 # row block has), is added up by its warps at once when the other block's pieces have arrived (it took that row
 # block's last chunks as its first items), without storing this block's pieces, counting in and reading them back.
@@ -295,14 +301,24 @@ def grid(n_out: int, k: int, cfg: WideConfig, regs: int, smem: int, sms: int, pr
     return max(1, min(items, per_sm * sms))
 
 
+def tile_stages(cfg: WideConfig, config: WideConfig | None = None) -> tuple[int, ...]:
+    """The stages an accumulating launch of resolved shape cfg tries with the bulk adds' y tile, in order: cfg's, then
+    (ACC_TILE_STAGES, where the caller's config left the stages open) fewer, down to 2."""
+    if ACC_TILE_STAGES and not (config is not None and config.stages):
+        return tuple(range(cfg.stages, 1, -1))
+    return (cfg.stages,)
+
+
 def scratch_need(qtype: int, n_out: int, k: int, tokens: int, sms: int) -> tuple[int, int]:
     """(partial-sum floats, counters) of quant_gemv.split_scratch that a default launch at this width takes at most,
     without the compiled kernel: its grid with the register limit left out (registers only lower the blocks that fit;
     from 25 tokens shared memory already keeps one block per SM). What the memory plan sizes the scratch by."""
     n_tiles = (min(max(tokens, 1), MAX_TOKENS) + 7) // 8
     cfg = choose_config(qtype, n_out, k, tokens)
-    smem = smem_bytes(qtype, n_tiles, cfg.m_tiles, cfg.warps, cfg.stages)
-    blocks = grid(n_out, k, cfg, 1, smem, sms)
+    # (an accumulating launch may take fewer stages with the y tile, where that fits as many blocks or more)
+    blocks = max(grid(n_out, k, replace(cfg, stages=st), 1, smem_bytes(qtype, n_tiles, cfg.m_tiles, cfg.warps, st,
+                                                                       st != cfg.stages), sms)
+                 for st in tile_stages(cfg))
     counters = row_blocks(n_out, cfg.m_tiles, cfg.warps) * cfg.warps
     return scratch_floats(blocks, n_tiles, cfg.m_tiles, cfg.warps), counters
 
@@ -322,9 +338,13 @@ def launch_shape(W: Any, tokens: int, config: WideConfig | None = None, portable
     blocks = grid(n_out, k, cfg, regs, smem, qm.sm_count(), prod)
     ytile = False
     if accumulate and bulk_adds(portable):  # the tile only where it keeps the grid (blocks a SM, so the split)
-        tiled = smem_bytes(W.qtype, n_tiles, cfg.m_tiles, cfg.warps, cfg.stages, True)
-        ytile = tiled <= SMEM_LIMIT and grid(n_out, k, cfg, regs, tiled, qm.sm_count(), prod) == blocks
-        smem = tiled if ytile else smem
+        for st in tile_stages(cfg, config):
+            c = replace(cfg, stages=st)
+            tiled = smem_bytes(W.qtype, n_tiles, c.m_tiles, c.warps, st, True)
+            if tiled <= SMEM_LIMIT and grid(n_out, k, c, regs, tiled, qm.sm_count(), prod) >= blocks:
+                cfg, ytile, smem = c, True, tiled
+                blocks = grid(n_out, k, c, regs, tiled, qm.sm_count(), prod)
+                break
     return {"config": cfg, "kernel": kern, "regs": regs, "smem": smem, "blocks": blocks, "producer": prod,
             "row_blocks": row_blocks(n_out, cfg.m_tiles, cfg.warps), "ytile": ytile}  # fmt: skip
 

@@ -450,6 +450,42 @@ def test_grid_and_residency() -> None:
     assert qw.blocks_per_sm(4, 81, qw.smem_bytes(Q4_K, 3, 1, 4, 3)) == 3
 
 
+@pytest.mark.parametrize("tokens", [41, 48])
+def test_accumulating_launch_takes_fewer_stages_for_the_y_tile(monkeypatch, tokens: int) -> None:
+    """Q6_K ffn_down at 6 token tiles: 3 stages of 38 KB and the 12 KB y tile do not fit two blocks a SM, so an
+    accumulating launch takes 2 stages with the tile (ACC_TILE_STAGES); a plain one keeps 3; a config that names its
+    stages, or the knob off, keeps them without the tile. The memory plan's scratch_need covers each grid."""
+
+    class _Kernel:
+        num_regs = 133
+
+    class _W:
+        qtype, shape = Q6_K, (5120, 17408)
+
+    monkeypatch.setattr(qw, "wide_function", lambda *a, **kw: _Kernel())
+    monkeypatch.setattr(qm, "sm_count", lambda: 132)
+    monkeypatch.setattr(qw, "bulk_adds", lambda portable=False: True)
+    monkeypatch.setattr(qw, "producer_warps", lambda portable=False: 1)
+    plain = qw.launch_shape(_W(), tokens)
+    acc = qw.launch_shape(_W(), tokens, accumulate=True)
+    assert plain["config"].stages == 3 and not plain["ytile"]
+    assert acc["config"].stages == 2 and acc["ytile"] and acc["blocks"] >= plain["blocks"] == 264
+    assert acc["smem"] == qw.smem_bytes(Q6_K, 6, 1, 4, 2, ytile=True)
+    forced = qw.launch_shape(_W(), tokens, qw.WideConfig(stages=3), accumulate=True)
+    assert forced["config"].stages == 3 and not forced["ytile"]
+    part, _ = qw.scratch_need(Q6_K, 5120, 17408, tokens, 132)
+    for shape in (plain, acc, forced):
+        assert part >= qw.scratch_floats(shape["blocks"], 6, 1, 4)
+    monkeypatch.setattr(qw, "ACC_TILE_STAGES", False)
+    off = qw.launch_shape(_W(), tokens, accumulate=True)
+    assert off["config"].stages == 3 and not off["ytile"]
+    # Q4_K's 3 stages leave room for the tile: unchanged
+    _W.qtype = Q4_K
+    monkeypatch.setattr(qw, "ACC_TILE_STAGES", True)
+    q4 = qw.launch_shape(_W(), tokens, accumulate=True)
+    assert q4["config"].stages == 3 and q4["ytile"]
+
+
 def test_residency_counts_sub_partitions() -> None:
     # 136 registers (4352 a warp): 3 warps per 16384-register sub-partition, 12 per SM: 3 blocks of 4 warps, but 2 of
     # 5 (a 65536-register pool would have fit 3 of 5, one block of which then waits for a second wave)
