@@ -101,7 +101,10 @@ MID_ROWS = 10240
 M_TILES = 1
 WARPS = 4
 # token tiles at which a type takes 3 stages (2 at the others; a type missing: (3,))
-STAGES3_TILES = {12: (3, 6), 14: (2, 3, 6)}
+# Session 27 (the sweep again, scratch/s27_widesweep.py): 3 stages at 4 token tiles too (32 tokens: Q4_K 5120 x 6144
+# 15.9 vs 16.6 us, ffn_down 31.0 vs 31.8, the DeltaNet input 28.0 vs 28.7, Q6_K ffn_down 37.4 vs 39.0); the step
+# (--step-ab wstages, with ACC_TILE_STAGES) 0.9847 at width 32 (41 / 48, which take 6 tiles: unchanged).
+STAGES3_TILES = {12: (3, 4, 6), 14: (2, 3, 4, 6)}
 TALL_WARPS, TALL_STAGES = 8, 2
 # per type, token tiles -> (m16 tiles per warp, warps) of a tall matrix (elsewhere: M_TILES, TALL_WARPS)
 TALL_SHAPES = {q: {3: (2, 4), 4: (2, 4), 6: (2, 8), 8: (2, 8)} for q in (12, 14)}
