@@ -323,6 +323,12 @@ STEP_ABS = {
                  ("acc tile+3 at 4 tiles", SMALL, 3, "capture",
                   {"qw.ACC_TILE_STAGES": True, "qw.STAGES3_TILES": {12: (3, 4, 6), 14: (2, 3, 4, 6)}})],
                 (32, 41, 48), [("acc tile", "shipped"), ("acc tile+3 at 4 tiles", "shipped")]),
+    # the stacked gate|up (VERY_HIGH_ROWS rows or more) at 6 token tiles as 8 warps x 2 tiles (quant_wide.
+    # VERY_HIGH_SHAPES; the sweep: 60.3 vs 63.6 us at 41 tokens) or 4 x 2
+    "veryhigh": ([("shipped", SMALL, 3, "capture", {"qw.VERY_HIGH_SHAPES": {}}),
+                  ("8x2 at 6 tiles", SMALL, 3, "capture", {"qw.VERY_HIGH_SHAPES": {12: {6: (2, 8)}, 14: {6: (2, 8)}}}),
+                  ("4x2 at 6 tiles", SMALL, 3, "capture", {"qw.VERY_HIGH_SHAPES": {12: {6: (2, 4)}, 14: {6: (2, 4)}}})],
+                 (41, 48), [("8x2 at 6 tiles", "shipped"), ("4x2 at 6 tiles", "shipped")]),
     "v2stages": ([("shipped", SMALL, 3, "capture", {}), ("v2 3 stages", SMALL, 3, "capture", {"qm.STAGES_V2": 3}),
                   ("v2 4 stages", SMALL, 3, "capture", {"qm.STAGES_V2": 4})], (8, 16, 23),
                  [("v2 3 stages", "shipped"), ("v2 4 stages", "shipped")]),

@@ -105,6 +105,10 @@ WARPS = 4
 # 15.9 vs 16.6 us, ffn_down 31.0 vs 31.8, the DeltaNet input 28.0 vs 28.7, Q6_K ffn_down 37.4 vs 39.0); the step
 # (--step-ab wstages, with ACC_TILE_STAGES) 0.9847 at width 32 (41 / 48, which take 6 tiles: unchanged).
 STAGES3_TILES = {12: (3, 4, 6), 14: (2, 3, 4, 6)}
+# per type, token tiles -> (m16 tiles per warp, warps) of a matrix of VERY_HIGH_ROWS rows or more that is neither deep
+# nor tall (the 27B's stacked gate|up of 34816 rows); empty: M_TILES, WARPS
+VERY_HIGH_SHAPES: dict[int, dict[int, tuple[int, int]]] = {}
+VERY_HIGH_ROWS = 32768
 TALL_WARPS, TALL_STAGES = 8, 2
 # per type, token tiles -> (m16 tiles per warp, warps) of a tall matrix (elsewhere: M_TILES, TALL_WARPS)
 TALL_SHAPES = {q: {3: (2, 4), 4: (2, 4), 6: (2, 8), 8: (2, 8)} for q in (12, 14)}
@@ -241,9 +245,11 @@ def choose_config(qtype: int, n_out: int, k: int, tokens: int, config: WideConfi
     n_tiles = (min(max(tokens, 1), MAX_TOKENS) + 7) // 8
     tall = n_out >= TALL_ROWS
     tall_mt, tall_w = TALL_SHAPES.get(int(qtype), {}).get(n_tiles, (M_TILES, TALL_WARPS))
-    mt = cfg.m_tiles or (tall_mt if tall else M_TILES)
+    high = not tall and n_out >= VERY_HIGH_ROWS and k < 2 * n_out
+    high_mt, high_w = VERY_HIGH_SHAPES.get(int(qtype), {}).get(n_tiles, (M_TILES, WARPS)) if high else (M_TILES, WARPS)
+    mt = cfg.m_tiles or (tall_mt if tall else high_mt)
     tiles = -(-n_out // TILE_ROWS)
-    want_w = tall_w if tall else WARPS
+    want_w = tall_w if tall else high_w
     want_s = TALL_STAGES if tall else 3 if n_tiles in STAGES3_TILES.get(int(qtype), (3,)) else 2
     fits_rows = [w for w in WARP_CHOICES if w <= want_w and w * mt <= max(tiles, mt)] or [1]
     warp_choices = (cfg.warps,) if cfg.warps else tuple(fits_rows)
