@@ -106,8 +106,12 @@ WARPS = 4
 # (--step-ab wstages, with ACC_TILE_STAGES) 0.9847 at width 32 (41 / 48, which take 6 tiles: unchanged).
 STAGES3_TILES = {12: (3, 4, 6), 14: (2, 3, 4, 6)}
 # per type, token tiles -> (m16 tiles per warp, warps) of a matrix of VERY_HIGH_ROWS rows or more that is neither deep
-# nor tall (the 27B's stacked gate|up of 34816 rows); empty: M_TILES, WARPS
-VERY_HIGH_SHAPES: dict[int, dict[int, tuple[int, int]]] = {}
+# nor tall (the 27B's stacked gate|up of 34816 rows); elsewhere M_TILES, WARPS. Session 27 (H100): at 6 token tiles 8
+# warps x 2 tiles (256 rows a block, one block a SM: x staged once for 4x the rows), Q4_K gate|up at 41 tokens 60.3 vs
+# 63.6 us (scratch/s27_widesweep.py); the 27B step (bench/gemv_ab.py --step-ab veryhigh, three rounds) 0.9878 / 0.9882
+# at widths 41 / 48 (4 warps x 2 tiles: 1.018 / 1.014). The DeltaNet input stack of 16480 rows kept 4 x 1 in the sweep.
+# Q4_K only: no Q6_K matrix of the 27B is that high (and 3 of its stages would not fit in shared memory).
+VERY_HIGH_SHAPES: dict[int, dict[int, tuple[int, int]]] = {12: {6: (2, 8)}}
 VERY_HIGH_ROWS = 32768
 TALL_WARPS, TALL_STAGES = 8, 2
 # per type, token tiles -> (m16 tiles per warp, warps) of a tall matrix (elsewhere: M_TILES, TALL_WARPS)

@@ -429,6 +429,14 @@ def test_default_config_rules() -> None:
             tall = tall if q in (Q4_K, Q6_K) else (1, 8)
             assert qw.choose_config(q, 248320, 5120, tokens) == qw.WideConfig(*tall, 2)
             assert qw.choose_config(q, 248320, 5120, tokens, qw.WideConfig(1)).m_tiles == 1  # an override kept
+    # the stacked Q4_K gate|up (34816 rows: VERY_HIGH_ROWS) at 6 token tiles: 2 tiles x 8 warps (session 27); the
+    # 16480-row DeltaNet input stack, the other widths and types the default
+    for tokens in (41, 48):
+        assert qw.choose_config(Q4_K, 34816, 5120, tokens) == qw.WideConfig(2, 8, 3)
+        assert qw.choose_config(Q4_K, 16480, 5120, tokens) == qw.WideConfig(1, 4, 3)
+        assert qw.choose_config(Q6_K, 34816, 5120, tokens) == qw.WideConfig(1, 4, 3)
+    for tokens in (23, 32, 64):
+        assert qw.choose_config(Q4_K, 34816, 5120, tokens).m_tiles == 1
     # a small matrix: no more warps than it has row tiles; overrides kept, the rest filled in
     assert qw.choose_config(Q4_K, 40, 512, 23) == qw.WideConfig(1, 2, 3)
     assert qw.choose_config(Q4_K, 17408, 5120, 64, qw.WideConfig(warps=8, stages=4)) == qw.WideConfig(1, 8, 4)
