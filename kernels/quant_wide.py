@@ -350,13 +350,13 @@ def launch_shape(W: Any, tokens: int, config: WideConfig | None = None, portable
     smem = smem_bytes(W.qtype, n_tiles, cfg.m_tiles, cfg.warps, cfg.stages)
     blocks = grid(n_out, k, cfg, regs, smem, qm.sm_count(), prod)
     ytile = False
-    if accumulate and bulk_adds(portable):  # the tile only where it keeps the grid (blocks a SM, so the split)
-        for st in tile_stages(cfg, config):
+    if accumulate and bulk_adds(portable):  # the tile only where it keeps the blocks a SM (so the split) or adds some:
+        for st in tile_stages(cfg, config):  # at cfg's stages, else (ACC_TILE_STAGES) at fewer
             c = replace(cfg, stages=st)
             tiled = smem_bytes(W.qtype, n_tiles, c.m_tiles, c.warps, st, True)
-            if tiled <= SMEM_LIMIT and grid(n_out, k, c, regs, tiled, qm.sm_count(), prod) >= blocks:
-                cfg, ytile, smem = c, True, tiled
-                blocks = grid(n_out, k, c, regs, tiled, qm.sm_count(), prod)
+            tiled_blocks = grid(n_out, k, c, regs, tiled, qm.sm_count(), prod) if tiled <= SMEM_LIMIT else 0
+            if tiled_blocks >= blocks:
+                cfg, ytile, smem, blocks = c, True, tiled, tiled_blocks
                 break
     return {"config": cfg, "kernel": kern, "regs": regs, "smem": smem, "blocks": blocks, "producer": prod,
             "row_blocks": row_blocks(n_out, cfg.m_tiles, cfg.warps), "ytile": ytile}  # fmt: skip
