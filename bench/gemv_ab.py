@@ -295,16 +295,10 @@ STEP_ABS = {
     "pieces": ([("one at a time", SMALL, 3, "capture", {"qw.PIECE_GROUP": False}),
                 ("two at a time", SMALL, 3, "capture", {"qw.PIECE_GROUP": True})], (17, 20, 23),
                [("two at a time", "one at a time")]),
-    # the ring gemv (int16 staging from the packs) for the K-quant products up to 8 tokens against the shipped 3, alone
-    # and with the norms, SwiGLU and the attention's output staged by the products before them up to 8 as well
+    # the ring gemv (int16 staging from the packs) for the K-quant products up to 8 tokens against the shipped 3
     "ring8": ([("shipped", SMALL, 3, "capture", {}),
                ("ring to 8", {8: 1, 12: 8, 14: 8}, 8, "capture", {})],
               (4, 6, 8), [("ring to 8", "shipped")]),
-    "ring8s": ([("ring to 8", {8: 1, 12: 8, 14: 8}, 8, "capture", {}),
-                ("ring+staged", {8: 1, 12: 8, 14: 8}, 8, "capture",
-                 {"q35.STAGE_UP_TO": {"post": 2, "next": 8}, "q35.FUSE_SWIGLU_WIDTHS": (2, 3, 4, 5, 6, 7, 8),
-                  "q35.ATTN_STAGE_UP_TO": 8})],
-               (4, 6, 8), [("ring+staged", "ring to 8")]),
     # the "high" rule of the wide kernel's dispatch (quant_wide.HIGH_ROWS, from HIGH_CROSSOVER tokens) from 10240 or
     # 6144 rows instead of 16384: the attention's q|k|v and q|k stacks (14336 / 13312 rows) and the DeltaNet attn_qkv of
     # the more-bits layers (Q6_K, 10240), then the DeltaNet gate stack (6240) too
