@@ -148,7 +148,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--pieces", nargs="+", choices=PIECES, default=list(PIECES), help="the pieces to leave out")
     ap.add_argument("--json")
     args = ap.parse_args(argv)
-    t0 = time.time()
+    t0 = time.perf_counter()
     from kernels import loader
 
     reason = loader.unavailable_reason()

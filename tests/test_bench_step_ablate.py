@@ -197,3 +197,4 @@ def test_main_attributes_each_piece_its_cost(monkeypatch, tmp_path) -> None:
         for piece, cost in _PIECE_US.items():
             assert rows[piece]["cost_us"] == pytest.approx(cost), (width, piece)
     assert all(v for v in model._in_place().values()), "a launcher was left patched"
+    assert 0 <= rep["elapsed_s"] < 600   # the run's own seconds (a wall clock minus perf_counter once gave -1.8e9)
