@@ -323,6 +323,15 @@ STEP_ABS = {
                   ("8x2 at 6 tiles", SMALL, 3, "capture", {"qw.VERY_HIGH_SHAPES": {12: {6: (2, 8)}, 14: {6: (2, 8)}}}),
                   ("4x2 at 6 tiles", SMALL, 3, "capture", {"qw.VERY_HIGH_SHAPES": {12: {6: (2, 4)}, 14: {6: (2, 4)}}})],
                  (41, 48), [("8x2 at 6 tiles", "shipped"), ("4x2 at 6 tiles", "shipped")]),
+    # the gate|up stack's wide launch writing ffn_down's packed x itself (qwen35_gpu.FUSE_WIDE_SWIGLU) against the
+    # product and the SwiGLU pack: at the shipped token tiles (quant_wide.SWIGLU_TILES), at 2 tiles too, and at the
+    # shipped tiles with 8 tile pairs a row block (quant_wide.SWIGLU_WARPS, 4 shipped)
+    "wswiglu": ([("pack", SMALL, 3, "capture", {"q35.FUSE_WIDE_SWIGLU": False}),
+                 ("fused", SMALL, 3, "capture", {"q35.FUSE_WIDE_SWIGLU": True}),
+                 ("fused 1-4 tiles", SMALL, 3, "capture", {"q35.FUSE_WIDE_SWIGLU": True,
+                                                           "qw.SWIGLU_TILES": {12: (1, 2, 3, 4), 14: (1, 2, 3, 4)}}),
+                 ("fused 8w", SMALL, 3, "capture", {"q35.FUSE_WIDE_SWIGLU": True, "qw.SWIGLU_WARPS": 8})],
+                (4, 8, 16, 23, 32), [("fused", "pack"), ("fused 1-4 tiles", "pack"), ("fused 8w", "pack")]),
     "v2stages": ([("shipped", SMALL, 3, "capture", {}), ("v2 3 stages", SMALL, 3, "capture", {"qm.STAGES_V2": 3}),
                   ("v2 4 stages", SMALL, 3, "capture", {"qm.STAGES_V2": 4})], (8, 16, 23),
                  [("v2 3 stages", "shipped"), ("v2 4 stages", "shipped")]),

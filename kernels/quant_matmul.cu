@@ -1584,6 +1584,13 @@ __global__ void SS_BOUNDS(256, (MT == 1 && NT == 1 && QT != 14) ? 4 : 1) qmv_ker
 
 namespace ss {
 
+// qmw_kernel's stage slot m of a row block: its m-th tile from the row block's first, or (SW) the gate tile m / 2 or
+// (m odd) its up tile, `units` tiles further
+template <int SW>
+SS_DEV i64 tile_at(int m, int units) {
+    return SW ? (i64)(m >> 1) + (m & 1) * (i64)units : (i64)m;
+}
+
 // Reads a float another block of this launch wrote before its __threadfence: at L2 (ld.global.cg), never from a
 // line this SM's L1 may hold.
 SS_DEV float ld_partial(const float* p) {
@@ -1676,6 +1683,40 @@ SS_DEV void wide_chunk(float (&acc)[MT][NT][4], const u8* wst, const uint4* xs, 
     }
 }
 
+// qmw_kernel<.., SW = 1>'s writer: gate tile `tile` (acc[0]) and its up tile (acc[1]) summed, it writes
+// fp16(silu(g) u) as the down product's packed x (xp: pack_x_kernel's layout for K = F, TPAD = 8 NT token rows; the
+// tile's 16 values are two units of each token row), with pack_silu_kernel's arithmetic, so bitwise that pack of the
+// same sums; token rows >= T are zeros, as the pack writes them. Per 8 x 8 block of (rows, tokens) a
+// lane holds rows g, tokens 2t, 2t + 1; two shuffles transpose it so that lane (g, t) holds token g's rows 2t, 2t + 1,
+// and one more puts pack8's word t of the unit in lane t (a quad writes the unit's 16 bytes, a warp 8 token rows'
+// units). Warp-collective.
+template <int NT>
+SS_DEV void swiglu_units(const float (&acc)[2][NT][4], uint4* __restrict__ xp, int tile, int T, int g, int t,
+                         int lane) {
+    constexpr int TPAD = 8 * NT;
+    const int ch = tile >> 4, j = tile & 15;  // the down product's chunk of K and the tile's 16-value slot in it
+    u32* const base = (u32*)(xp + (i64)ch * 32 * TPAD + (j >> 2)) + t;
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+        for (int hr = 0; hr < 2; ++hr) {
+            u32 h[2];
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+                const float gv = acc[0][nt][2 * hr + e], uv = acc[1][nt][2 * hr + e];
+                h[e] = 8 * nt + 2 * t + e < T ? f2h(silu(gv) * uv) : 0u;
+            }
+            const u32 v = h[0] | (h[1] << 16);  // rows 8 hr + g, tokens 8 nt + 2t, + 1
+            // (row r, token c) of the block is in lane 4 r + c / 2, half c & 1
+            const u32 a = SS_SHFL(v, 8 * t + (g >> 1)), b = SS_SHFL(v, 8 * t + 4 + (g >> 1));
+            const u32 lo = (g & 1) ? a >> 16 : a & 0xFFFFu, hi = (g & 1) ? b >> 16 : b & 0xFFFFu;  // rows 2t, 2t + 1
+            // pack8's words: x = (h0, h2), y = (h1, h3), z = (h4, h6), w = (h5, h7); lane t has (h 2t, h 2t+1)
+            const u32 r = SS_SHFL((t & 1) ? lo : hi, lane ^ 1);
+            const u32 word = (t & 1) ? (r | (hi << 16)) : (lo | (r << 16));
+            base[(i64)(2 * (j & 3) + hr) * 16 * TPAD + 16 * (8 * nt + g)] = word;  // unit (pair 2 (j & 3) + hr, token)
+        }
+}
+
 }  // namespace ss
 
 // A writer's pieces read at once (qmw_kernel's split row blocks): 2 where the registers that costs keep the
@@ -1702,7 +1743,11 @@ struct QmwPieceGroup {
 // of WM MT 16 TPAD floats through which an accumulating launch adds into y (quant_wide.smem_bytes). peek != 0: a
 // block's last row block, shared with one other block, is added up by its warps without storing their pieces when
 // the other block's have arrived (quant_wide.PEEK).
-template <int QT, int NT, int MT>
+// SW = 1 (MT = 2; quant_wide.wide_swiglu): W is a stacked [gate | up] of N = 2 F rows (F a multiple of 256); a warp's
+// two tiles are gate tile p and up tile p (rows 16 p and F + 16 p on), a row block WM such pairs, and the writer of
+// a pair puts fp16(silu(g) u) into y, which is then the down product's packed x (uint4 *, pack_x_kernel's layout for
+// K = F; swiglu_units); accumulate must be 0.
+template <int QT, int NT, int MT, int SW = 0>
 __global__ void SS_BOUNDS(288, 1) qmw_kernel(const u8* __restrict__ W, long long row_bytes, int N, int K,
                                              const uint4* __restrict__ xp, int T, float* __restrict__ y, int stages,
                                              int accumulate, long long ldy, float* part, unsigned int* counters,
@@ -1714,6 +1759,7 @@ __global__ void SS_BOUNDS(288, 1) qmw_kernel(const u8* __restrict__ W, long long
     constexpr int XB = 512 * TPAD;  // bytes of a full chunk of packed x
     constexpr int NACC = MT * NT * 4;
     constexpr int PG = QmwPieceGroup<QT, NT, MT>::value;  // a writer's pieces read at once
+    static_assert(SW == 0 || MT == 2, "qmw_kernel SwiGLU: a warp's two tiles are a gate tile and its up tile");
     extern __shared__ uint4 ss_smem[];
 
     const int tid = (int)threadIdx.x;
@@ -1726,7 +1772,9 @@ __global__ void SS_BOUNDS(288, 1) qmw_kernel(const u8* __restrict__ W, long long
     const int RT = WM * MT;  // tiles per row block
     const int nch = (K + CHUNK - 1) / CHUNK;
     const int ntiles = (N + 15) / 16;
-    const int nrb = (ntiles + RT - 1) / RT;
+    const int units = SW ? ntiles >> 1 : ntiles;  // what the row blocks cover: tiles, or (SW) gate / up tile pairs
+    const int RU = SW ? WM : RT;                  // of them a row block
+    const int nrb = (units + RU - 1) / RU;
     const i64 total = (i64)nrb * nch;
     // The items are split over P = min(grid, items) blocks, so every block of the split has at least one item: a
     // row block's sharers fb..lb below are then exactly the blocks that arrive on its counter. (Split over the whole
@@ -1763,7 +1811,7 @@ __global__ void SS_BOUNDS(288, 1) qmw_kernel(const u8* __restrict__ W, long long
     // stages were walked before it; wrow / xch: its row block's first tile block of chunk 0 / its chunk of packed x
     // (advanced by additions, and the stages addressed as shared memory: no 64-bit index math or divisions per item)
     int irb = (int)(i0 / nch), ich = (int)(i0 - (i64)irb * nch), isx = 0, iround = 0;
-    const u8* wrow = W + (i64)irb * RT * tile_stride;
+    const u8* wrow = W + (i64)irb * RU * tile_stride;
     const u8* xch = (const u8*)(xp + (i64)ich * 32 * TPAD);
 #if SS_BULK
     const u32 smem_s = smem_addr(smem), full_s = smem_addr(full), empty_s = smem_addr(empty);
@@ -1778,7 +1826,7 @@ __global__ void SS_BOUNDS(288, 1) qmw_kernel(const u8* __restrict__ W, long long
             if (++ich == nch) {
                 ich = 0;
                 ++irb;
-                wrow += (i64)RT * tile_stride;
+                wrow += (i64)RU * tile_stride;
                 xch = (const u8*)xp;
             } else {
                 xch += 512 * TPAD;
@@ -1786,8 +1834,7 @@ __global__ void SS_BOUNDS(288, 1) qmw_kernel(const u8* __restrict__ W, long long
             if (++isx == stages) isx = 0, ++iround;
             const int C = imin(CHUNK, K - ch * CHUNK);
             const int xbytes = 2 * C * TPAD;
-            const int tile0 = rb * RT;
-            const int valid = imin(RT, ntiles - tile0);
+            const int valid = SW ? 2 * imin(WM, units - rb * WM) : imin(RT, ntiles - rb * RT);  // stage tile blocks
             const int wbytes = C == CHUNK ? BLK : 16 * (main_bytes<QT>(C) + side_bytes<QT>(C));
 #if SS_BULK
             if (tid == copier) {
@@ -1796,7 +1843,7 @@ __global__ void SS_BOUNDS(288, 1) qmw_kernel(const u8* __restrict__ W, long long
                 mbar_expect_tx_s(bar, (u32)(xbytes + valid * wbytes));
                 if (with_x) bulk_g2s_s(dst, xsrc, (u32)xbytes, bar);
                 for (int m = 0; m < valid; ++m)
-                    bulk_g2s_s(dst + (u32)(XB + m * BLK), wsrc + m * tile_stride, (u32)wbytes, bar);
+                    bulk_g2s_s(dst + (u32)(XB + m * BLK), wsrc + tile_at<SW>(m, units) * tile_stride, (u32)wbytes, bar);
             }
 #else
             (void)with_x;
@@ -1806,7 +1853,7 @@ __global__ void SS_BOUNDS(288, 1) qmw_kernel(const u8* __restrict__ W, long long
             const int wu = wbytes >> 4;
             for (int u = tid; u < valid * wu; u += nthreads) {
                 const int m = u / wu, r = u - m * wu;
-                cp_async16(dst + XB + m * BLK + 16 * r, wsrc + m * tile_stride + 16 * r);
+                cp_async16(dst + XB + m * BLK + 16 * r, wsrc + tile_at<SW>(m, units) * tile_stride + 16 * r);
             }
             cp_async_commit();
 #endif
@@ -1855,7 +1902,8 @@ __global__ void SS_BOUNDS(288, 1) qmw_kernel(const u8* __restrict__ W, long long
     for (int idx = 0; idx < n_items; ++rb, ch0 = 0) {
         // this block's piece of row block rb: chunks ch0 .. ch0 + seg - 1, accumulated from zero
         const int seg = imin(nch - ch0, n_items - idx);
-        const bool busy = (rb * RT + warp * MT) < ntiles;  // (a warp past the last tile only keeps pace)
+        // (a warp past the last tile only keeps pace)
+        const bool busy = SW ? rb * WM + warp < units : (rb * RT + warp * MT) < ntiles;
         float acc[MT][NT][4];
 #pragma unroll
         for (int mt = 0; mt < MT; ++mt)
@@ -1975,6 +2023,10 @@ __global__ void SS_BOUNDS(288, 1) qmw_kernel(const u8* __restrict__ W, long long
                 }
                 if (lane == 0) counters[(i64)rb * WM + warp] = 0u;  // every piece has counted: ready for the next launch
             }
+        }
+        if constexpr (SW != 0) {
+            if (writer && busy) swiglu_units<NT>(acc, (uint4*)y, rb * WM + warp, T, g, t, lane);
+            continue;
         }
         if (writer) {
             const int row0 = (rb * RT + warp * MT) * 16;

@@ -842,7 +842,16 @@ class QuantMatrix:
         down product: a PackedX holding only the int16 staging (q16; data None), which the ring gemv reads. One ring
         launch (quant_gemv.gemv_swiglu; pair: its cluster pairs), bitwise the product followed by
         pack_activations(g, silu_up=u)'s staging. x: a PackedX with its staging or a StagedNorm (1..Q16_TOKENS
-        tokens; can_fuse_swiglu says when both sides can); config: a quant_gemv.GemvConfig."""
+        tokens; can_fuse_swiglu says when both sides can); config: a quant_gemv.GemvConfig.
+        Wider (x a PackedX of fp16 data and more than Q16_TOKENS tokens, or config a WideConfig): one wide launch
+        (quant_wide.wide_swiglu; quant_wide.can_swiglu says when), a PackedX of fp16 data alone: pack_activations(g,
+        silu_up=u) of the launch's sums (deterministic; its split row blocks' pieces fall where its own split puts
+        them)."""
+        if isinstance(config, quant_wide.WideConfig) or (
+                isinstance(x, PackedX) and x.data is not None and x.tokens > Q16_TOKENS):
+            if not isinstance(x, PackedX):
+                x = pack_activations(x, portable=portable)
+            return quant_wide.wide_swiglu(self, x, config=config, portable=portable)
         if not isinstance(x, (PackedX, StagedNorm)):
             x = pack_activations(x, portable=portable, q16=True)
         q16 = quant_gemv.gemv_swiglu(self, x, config=config, portable=portable, pair=pair)

@@ -213,18 +213,20 @@ def _defines(portable: bool) -> tuple[str, ...]:
     return (("SPECSPLIT_PORTABLE",) if portable else ()) + (() if PIECE_GROUP else ("SPECSPLIT_QMW_PIECES_ONE",))
 
 
-def wide_function(qtype: int, n_tiles: int, m_tiles: int, portable: bool = False) -> Any:
-    """The compiled kernel for one storage type, token-tile count (1..8) and m16 tiles per warp (1, 2)."""
+def wide_function(qtype: int, n_tiles: int, m_tiles: int, portable: bool = False, swiglu: bool = False) -> Any:
+    """The compiled kernel for one storage type, token-tile count (1..8) and m16 tiles per warp (1, 2); swiglu: its
+    SwiGLU instance (wide_swiglu; m_tiles 2)."""
     qtype = int(qtype)
     if qtype not in qm.SUPPORTED_QTYPES:
         raise ValueError(f"no GPU wide kernel for {qm.type_name(qtype)}")
     if not 1 <= n_tiles <= MAX_TOKENS // 8:
         raise ValueError(f"n_tiles must be 1..{MAX_TOKENS // 8}, not {n_tiles}")
-    if m_tiles not in (1, 2):
-        raise ValueError(f"m_tiles must be 1 or 2, not {m_tiles}")
+    if m_tiles not in (1, 2) or (swiglu and m_tiles != 2):
+        raise ValueError(f"m_tiles must be 1 or 2 (2 for SwiGLU), not {m_tiles}")
     defines = _defines(portable)
-    fn = loader.get_function(SOURCE, f"qmw_kernel<{qtype}, {n_tiles}, {m_tiles}>", defines, pdl=PDL and not portable)
-    key = (qtype, n_tiles, m_tiles, defines, qm._device_id())
+    mt = f"{m_tiles}, 1" if swiglu else m_tiles
+    fn = loader.get_function(SOURCE, f"qmw_kernel<{qtype}, {n_tiles}, {mt}>", defines, pdl=PDL and not portable)
+    key = (qtype, n_tiles, m_tiles, bool(swiglu), defines, qm._device_id())
     if key not in _configured:
         fn.max_dynamic_shared_size_bytes = SMEM_LIMIT  # opt in above the 48 KiB default once
         _configured[key] = SMEM_LIMIT
@@ -325,26 +327,35 @@ def tile_stages(cfg: WideConfig, config: WideConfig | None = None) -> tuple[int,
 def scratch_need(qtype: int, n_out: int, k: int, tokens: int, sms: int) -> tuple[int, int]:
     """(partial-sum floats, counters) of quant_gemv.split_scratch that a default launch at this width takes at most,
     without the compiled kernel: its grid with the register limit left out (registers only lower the blocks that fit;
-    from 25 tokens shared memory already keeps one block per SM). What the memory plan sizes the scratch by."""
+    from 25 tokens shared memory already keeps one block per SM), and a SwiGLU launch's (wide_swiglu) where the
+    matrix could be a [gate | up] stack. What the memory plan sizes the scratch by."""
     n_tiles = (min(max(tokens, 1), MAX_TOKENS) + 7) // 8
     cfg = choose_config(qtype, n_out, k, tokens)
     # (an accumulating launch may take fewer stages with the y tile, where that fits as many blocks or more)
     blocks = max(grid(n_out, k, replace(cfg, stages=st), 1, smem_bytes(qtype, n_tiles, cfg.m_tiles, cfg.warps, st,
                                                                        st != cfg.stages), sms)
                  for st in tile_stages(cfg))
-    counters = row_blocks(n_out, cfg.m_tiles, cfg.warps) * cfg.warps
-    return scratch_floats(blocks, n_tiles, cfg.m_tiles, cfg.warps), counters
+    part, counters = scratch_floats(blocks, n_tiles, cfg.m_tiles, cfg.warps), row_blocks(n_out, cfg.m_tiles,
+                                                                                          cfg.warps) * cfg.warps
+    if (int(qtype) in SWIGLU_TYPES and n_out % (2 * CHUNK) == 0
+            and swiglu_width(qtype, tokens)):  # a [gate | up] stack's SwiGLU launch
+        sw = choose_config(qtype, n_out, k, tokens, swiglu_config(qtype, tokens))
+        sw_blocks = grid(n_out, k, sw, 1, smem_bytes(qtype, n_tiles, sw.m_tiles, sw.warps, sw.stages), sms)
+        part = max(part, scratch_floats(sw_blocks, n_tiles, sw.m_tiles, sw.warps))
+        counters = max(counters, row_blocks(n_out, sw.m_tiles, sw.warps) * sw.warps)
+    return part, counters
 
 
 def launch_shape(W: Any, tokens: int, config: WideConfig | None = None, portable: bool = False,
-                 accumulate: bool = False) -> dict:  # fmt: skip
+                 accumulate: bool = False, swiglu: bool = False) -> dict:  # fmt: skip
     """What a launch of W at this width runs as: the resolved config, registers, shared memory, grid, row blocks, and
-    whether an accumulating launch takes the y tile (bulk reduce-adds; not where the tile would not fit)."""
+    whether an accumulating launch takes the y tile (bulk reduce-adds; not where the tile would not fit). swiglu: the
+    SwiGLU instance's (wide_swiglu: config's m_tiles must be 2)."""
     n_out, k = W.shape
     n_tiles = (tokens + 7) // 8
     cfg = choose_config(W.qtype, n_out, k, tokens, config)
     check(W.qtype, n_tiles, cfg)
-    kern = wide_function(W.qtype, n_tiles, cfg.m_tiles, portable)
+    kern = wide_function(W.qtype, n_tiles, cfg.m_tiles, portable, swiglu)
     regs = int(getattr(kern, "num_regs", 0) or 255)
     prod = producer_warps(portable)
     smem = smem_bytes(W.qtype, n_tiles, cfg.m_tiles, cfg.warps, cfg.stages)
@@ -391,3 +402,92 @@ def wide(
         shared_mem=shape["smem"],
     )  # fmt: skip
     return out
+
+
+# SwiGLU in the gate|up launch (wide_swiglu): from quant_gemv's widths on (Q16_TOKENS + 1: the ring gemv stages its own
+# below) wherever the gate|up stack runs on this kernel, its writers put fp16(silu(g) u) straight into ffn_down's
+# packed x: no [T, 2 F] f32 output and no pack launch between the two products (the same values up to the rounding of
+# split row blocks' sums, whose pieces fall elsewhere: wide_swiglu). The launch shape: SWIGLU_SHAPES
+# (type -> token tiles -> warps, i.e. gate / up tile pairs a row block), else SWIGLU_WARPS; m_tiles is 2 (a warp's
+# gate tile and up tile).
+SWIGLU_TYPES = frozenset((12, 14))  # Q4_K, Q6_K
+# the token tiles (8 tokens each) at which steps take the SwiGLU launch; others the product and the pack. Registers
+# (nvcc 13.0 sm_90 ptxas): Q4_K 108 / 121 / 128 / 152 / 168 at 1 / 2 / 3 / 4 / 5..7 tiles, 196 bytes of spills at 8;
+# Q6_K 128 / 137 / 156 / 166 at 1..4, spills from 5. H100, the 27B's Q4_K gate|up 34816 x 5120 alone
+# (scratch/s28_swiglu.py, graph replays over weight copies): the launch / the product + the pack 0.960 / 0.960 / 0.943
+# / 0.943 at 8 / 16 / 23 / 32 tokens with 4 warps (2 warps: 0.986 / 0.995 / 1.138 / 1.577; 8 warps: 1.054 / 1.058 /
+# 1.020 / 0.944), but 1.217 / 1.223 at 41 / 48 (8 warps 1.029 / 1.028: at 6 token tiles two tiles a warp leave one
+# block a SM). The 27B step (bench/gemv_ab.py --step-ab wswiglu, graph replays, three rounds): 0.986 / 1.0137 / 0.9754 /
+# 0.9939 at widths 8 / 16 / 23 / 32 with 4 warps (8 warps 1.0068 / 1.0059 / 0.994 / 0.9946), so not at 2 tiles
+# (9..16 tokens). Q6_K follows Q4_K (the 27B has no Q6_K gate|up to measure).
+SWIGLU_TILES = {12: (1, 3, 4), 14: (1, 3, 4)}
+
+
+def swiglu_width(qtype: int, tokens: int) -> bool:
+    """Whether a step of this width takes the SwiGLU launch on a stack of this type (SWIGLU_TILES; above quant_gemv's
+    ring widths, whose gate|up stages SwiGLU itself)."""
+    return qm.Q16_TOKENS < tokens <= MAX_TOKENS and (tokens + 7) // 8 in SWIGLU_TILES.get(int(qtype), ())
+SWIGLU_WARPS = 4
+SWIGLU_SHAPES: dict[int, dict[int, int]] = {}
+
+
+def can_swiglu(gate_up: Any, down: Any, tokens: int) -> bool:
+    """Whether wide_swiglu can stand in for gate_up's product and the SwiGLU pack at this width: a stacked [gate | up]
+    of 2 F rows in the v2 layout that the dispatch runs on this kernel (prefer_wide), F a multiple of 256 (whole
+    chunks of down's K) and down's in-features, and a width down reads as packed fp16 x (above the ring gemv's) of
+    SWIGLU_TILES' token tiles (swiglu_width)."""
+    n_out, k = gate_up.shape
+    f = n_out // 2
+    qtype = int(gate_up.qtype)
+    return (getattr(gate_up, "kernel", None) == "v2" and qtype in SWIGLU_TYPES and n_out == 2 * f and f % CHUNK == 0
+            and down.shape[1] == f and swiglu_width(qtype, tokens)
+            and prefer_wide(qtype, tokens, n_out, k))  # fmt: skip
+
+
+def swiglu_config(qtype: int, tokens: int, config: WideConfig | None = None) -> WideConfig:
+    """wide_swiglu's launch shape before choose_config fills it: m_tiles 2, SWIGLU_SHAPES' / SWIGLU_WARPS' warps."""
+    cfg = config or WideConfig()
+    if cfg.m_tiles not in (0, 2):
+        raise ValueError(f"a SwiGLU launch runs 2 tiles a warp (a gate tile and its up tile), not {cfg.m_tiles}")
+    n_tiles = (min(max(tokens, 1), MAX_TOKENS) + 7) // 8
+    warps = cfg.warps or SWIGLU_SHAPES.get(int(qtype), {}).get(n_tiles, SWIGLU_WARPS)
+    return replace(cfg, m_tiles=2, warps=warps)
+
+
+def wide_swiglu(W: Any, packed: Any, *, out: Any = None, config: WideConfig | None = None,
+                portable: bool = False) -> Any:  # fmt: skip
+    """fp16(silu(g) * u) for [g | u] = x @ W^T, W a stacked [gate | up] QuantMatrix (2 F rows, v2 layout, F a
+    multiple of 256), as a PackedX of F features for the down product (its fp16 data only): one launch, with
+    quant_matmul.pack_activations(g, silu_up=u)'s arithmetic on the product's sums. Those are bitwise a plain launch's
+    where one block covers each row block; split row blocks add their pieces in a fixed order (the same bits launch
+    after launch), but where this launch's split puts them (its row blocks pair gate and up tiles), so the last bit
+    may differ from the plain product's. out: a contiguous uint16 array of F x padded tokens halves to write (None: a
+    new one)."""
+    n_out, k = W.shape
+    f = n_out // 2
+    tokens = qm.check_v2_product(W, packed, None, "wide", MAX_TOKENS)
+    if packed.data is None:
+        raise ValueError(f"{W.name}: the wide kernel reads packed fp16 x; this PackedX holds the int16 staging alone")
+    if int(W.qtype) not in SWIGLU_TYPES or n_out != 2 * f or f % CHUNK:
+        raise ValueError(f"{W.name}: a SwiGLU launch takes a Q4_K / Q6_K [gate | up] stack of 2 F rows, F a multiple "
+                         f"of {CHUNK}; not {qm.type_name(W.qtype)} with {n_out} rows")
+    cupy = loader.require()
+    size = f * packed.padded_tokens
+    if out is None:
+        out = cupy.empty(size, dtype=cupy.uint16)
+    elif out.dtype != cupy.uint16 or out.size != size or not out.flags.c_contiguous:
+        raise ValueError(f"out must be a contiguous uint16 array of {size} elements")
+    shape = launch_shape(W, tokens, swiglu_config(W.qtype, tokens, config), portable, swiglu=True)
+    cfg, blocks = shape["config"], shape["blocks"]
+    part, counters = quant_gemv.split_scratch(
+        shape["row_blocks"] * cfg.warps, scratch_floats(blocks, packed.n_tiles, cfg.m_tiles, cfg.warps)
+    )
+    shape["kernel"](
+        (blocks,),
+        (32 * (cfg.warps + shape["producer"]),),
+        (W.device_buffer, np.int64(W.row_bytes), np.int32(n_out), np.int32(k), packed.data, np.int32(tokens), out,
+         np.int32(cfg.stages), np.int32(0), np.int64(0), part, counters, np.int32(shape["producer"]), np.int32(0),
+         np.int32(bool(PEEK))),
+        shared_mem=shape["smem"],
+    )  # fmt: skip
+    return qm.PackedX(out, tokens, f)

@@ -61,6 +61,29 @@ static void qmw_body() {
                                                           // ignored by the portable build)
 }
 
+// qmw_kernel<QT, NT, 2, 1>: the SwiGLU launch of a stacked [gate | up] (sim_wide_swiglu), y its packed output
+template <int QT, int NT>
+static void qmw_swiglu_body() {
+    qmw_kernel<QT, NT, 2, 1>(wa.W, wa.row_bytes, wa.N, wa.K, wa.xp, wa.T, wa.y, wa.stages, 0, 0, wa.part, wa.counters, 1,
+                             0, sim_peek);
+}
+static int sim_swiglu = 0;
+
+template <int QT>
+static void (*pick_swiglu(int nt))() {
+    switch (nt) {
+        case 1: return qmw_swiglu_body<QT, 1>;
+        case 2: return qmw_swiglu_body<QT, 2>;
+        case 3: return qmw_swiglu_body<QT, 3>;
+        case 4: return qmw_swiglu_body<QT, 4>;
+        case 5: return qmw_swiglu_body<QT, 5>;
+        case 6: return qmw_swiglu_body<QT, 6>;
+        case 7: return qmw_swiglu_body<QT, 7>;
+        case 8: return qmw_swiglu_body<QT, 8>;
+    }
+    return nullptr;
+}
+
 static int sim_v2_ytile = 0;  // qmv_kernel's y tile (sim_v2_ytile): its bulk reduce-adds (the bulk-copy path only)
 
 template <int QT, int NT, int MT>
@@ -87,6 +110,14 @@ static void (*pick_nt(int nt))() {
 template <bool WIDE>
 static void (*pick(int qt, int nt, int mt))() {
     if (mt != 1 && mt != 2) return nullptr;
+    if (WIDE && sim_swiglu) {
+        if (mt != 2) return nullptr;
+        switch (qt) {
+            case 12: return pick_swiglu<12>(nt);
+            case 14: return pick_swiglu<14>(nt);
+        }
+        return nullptr;
+    }
     switch (qt) {
         case 1: return mt == 1 ? pick_nt<1, 1, WIDE>(nt) : pick_nt<1, 2, WIDE>(nt);
         case 8: return mt == 1 ? pick_nt<8, 1, WIDE>(nt) : pick_nt<8, 2, WIDE>(nt);
@@ -157,6 +188,10 @@ extern "C" int sim_qmw(int qt, int nt, int mt, int warps, int stages, const unsi
 
 // qmw_kernel's `peek` for the launches that follow (1 as the launcher's default, 0 the store-count-read path alone)
 extern "C" void sim_wide_peek(int peek) { sim_peek = peek; }
+
+// qmw_kernel's SwiGLU instance (SW = 1; Q4_K / Q6_K, MT 2) for the sim_qmw launches that follow: y is then the down
+// product's packed x (uint16), N the stacked rows, accumulate ignored
+extern "C" void sim_wide_swiglu(int on) { sim_swiglu = on; }
 
 // qmv_kernel's `ytile` for the launches that follow (1: an accumulating launch adds through its warps' y tiles, as the
 // launcher's does where the tile fits; ignored by the portable build)

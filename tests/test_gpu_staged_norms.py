@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 from kernels import loader
+from kernels import quant_wide as qw
 
 _REASON = loader.unavailable_reason()
 if _REASON is not None:
@@ -66,15 +67,15 @@ def pair(tmp_path_factory):
 WIDTHS = (1, 2, 3, 1, 3, 2, 1)   # chain steps of 1..3 tokens: every staged width
 
 
-def _run(model, ids: list[int], steps: list[int], graphs: bool) -> list[np.ndarray]:
-    """Prefill ids, then chains of WIDTHS tokens from steps (teacher-forced): every logits row of every step."""
+def _run(model, ids: list[int], steps: list[int], graphs: bool, widths: tuple[int, ...] = WIDTHS) -> list[np.ndarray]:
+    """Prefill ids, then chains of `widths` tokens from steps (teacher-forced): every logits row of every step."""
     if hasattr(model, "use_graphs"):
         model.use_graphs = graphs
     st = model.new_state(256)
     model.forward(st, ids, logits="last")
     st.commit(range(len(ids)))
     out, j = [], 0
-    for w in WIDTHS:
+    for w in widths:
         r = model.forward(st, steps[j:j + w], logits="all")
         st.commit(range(w))
         out.extend(np.asarray(r.logits, np.float64).reshape(w, -1))
@@ -82,10 +83,10 @@ def _run(model, ids: list[int], steps: list[int], graphs: bool) -> list[np.ndarr
     return out
 
 
-def _tokens(seed: int) -> tuple[list[int], list[int]]:
-    """A 40-token prompt and the tokens of WIDTHS' steps."""
+def _tokens(seed: int, widths: tuple[int, ...] = WIDTHS) -> tuple[list[int], list[int]]:
+    """A 40-token prompt and the tokens of the steps of `widths`."""
     rng = np.random.default_rng(seed)
-    return [int(t) for t in rng.integers(0, 400, 40)], [int(t) for t in rng.integers(0, 400, sum(WIDTHS))]
+    return [int(t) for t in rng.integers(0, 400, 40)], [int(t) for t in rng.integers(0, 400, sum(widths))]
 
 
 def _rel(a: np.ndarray, b: np.ndarray) -> float:
@@ -161,3 +162,39 @@ def test_stagings_without_packs_are_the_same_step(pair, graphs: bool, monkeypatc
         for i, (w, a, b) in enumerate(zip(want, fused, packed)):
             assert np.array_equal(a, b), (stage, i)
             assert _rel(a, w) < REL_TOL, (stage, i, _rel(a, w))
+
+
+WIDE_WIDTHS = (25, 41, 32)   # chain steps where this model's ffn_gate_up (2048 x 512 Q4_K) runs on the wide kernel
+SWIGLU_WIDTHS = (25, 32)     # ... and as its SwiGLU launch (quant_wide.SWIGLU_TILES: 4 token tiles, not 6)
+# GPU vs NumPy at these widths: fp16 x into the wide products (and fp16 silu(g) u), max |a - b| / std 0.021 on an H100
+# for the step with the pack and with the SwiGLU launch alike (row 5 of the three steps); 0.04: ~2x that
+WIDE_REL_TOL = 0.04
+
+
+@pytest.mark.parametrize("graphs", [False, True])
+def test_wide_swiglu_launch_matches_the_pack(pair, graphs: bool, monkeypatch) -> None:
+    """Where ffn_gate_up runs on the wide kernel (at SWIGLU_TILES' token tiles), its SwiGLU launch
+    (FUSE_WIDE_SWIGLU: fp16(silu(g) u) written as ffn_down's packed x) runs instead of the product and the SwiGLU
+    pack: within the tolerance of the NumPy engine and of the packed step (its split row blocks' sums round where its
+    own split puts them), the same bits eager and captured; wider steps keep the pack."""
+    cpu, gpu = pair
+    w = next(iter(gpu.layers))
+    assert [T for T in WIDE_WIDTHS if q35.can_wide_swiglu(w["ffn_gate_up"], w["ffn_down"], T)] == list(SWIGLU_WIDTHS)
+    ids, steps = _tokens(8, WIDE_WIDTHS)
+    want = _run(cpu, ids, steps, graphs, WIDE_WIDTHS)
+    calls: list[int] = []
+    real = qw.wide_swiglu
+    monkeypatch.setattr(qw, "wide_swiglu", lambda *a, **kw: calls.append(a[1].tokens) or real(*a, **kw))
+    fused = _run(gpu, ids, steps, graphs, WIDE_WIDTHS)
+    assert set(calls) == set(SWIGLU_WIDTHS)
+    monkeypatch.setattr(q35, "FUSE_WIDE_SWIGLU", False)
+    calls.clear()
+    packed = _run(gpu, ids, steps, graphs, WIDE_WIDTHS)
+    assert not calls
+    for i, (ref, a, b) in enumerate(zip(want, fused, packed)):
+        assert _rel(a, ref) < WIDE_REL_TOL, (i, _rel(a, ref), _rel(b, ref))
+        assert _rel(a, b) < REL_TOL, (i, _rel(a, b))
+    if graphs:
+        monkeypatch.setattr(q35, "FUSE_WIDE_SWIGLU", True)
+        eager = _run(gpu, ids, steps, False, WIDE_WIDTHS)
+        assert all(np.array_equal(a, e) for a, e in zip(fused, eager))

@@ -340,3 +340,55 @@ def test_float32_input_and_dispatch() -> None:
     v1 = qm.QuantMatrix(qm.Q4_K, random_weights(qm.Q4_K, *shape, rng), shape, kernel="v1")
     with pytest.raises(ValueError):
         v1.matmul(px, kernel="wide")
+
+
+def _unpacked(px: qm.PackedX) -> np.ndarray:
+    """[padded tokens, K] float16 of a PackedX's data (the inverse of pack_x_kernel's unit map)."""
+    from tests.test_kernels_cpu_sim import unpack_numpy
+
+    return unpack_numpy(cupy.asnumpy(px.data), px.in_features, px.padded_tokens)
+
+
+@pytest.mark.parametrize("qtype,f,k", [(qm.Q4_K, 1024, 2048), (qm.Q6_K, 512, 1536)], ids=str)
+def test_swiglu_launch(qtype: int, f: int, k: int) -> None:
+    """quant_wide.wide_swiglu (QuantMatrix.swiglu above the ring's widths) on a stacked [gate | up]: with one block a
+    row block, bitwise the plain launch's product (the same whole-row-block sums) through pack_activations' SwiGLU
+    pack; with the default split, within fp16 of that, the same bits launch after launch and in a CUDA graph, padding
+    rows zero, and within the bound of the float64 twin."""
+    rng = np.random.default_rng(300 + qtype)
+    W, w64 = _matrix(qtype, (2 * f, k), rng)
+    for tokens in (4, 9, 23, 41, 64):
+        x = cupy.asarray((rng.standard_normal((tokens, k)) * 0.005).astype(np.float16))  # silu(g) u inside fp16
+        px = qm.pack_activations(x)
+        nrb = qw.row_blocks(2 * f, 2, 4)
+        whole = qw.WideConfig(2, 4, 2, blocks=nrb)
+        fused = qw.wide_swiglu(W, px, config=whole)
+        gu = W.matmul(px, kernel="wide", config=whole)
+        packed = qm.pack_activations(gu[:, :f], silu_up=gu[:, f:])
+        assert cupy.array_equal(fused.data, packed.data), f"T={tokens}"
+        got = W.swiglu(px)  # the default launch (stream-K pieces)
+        assert got.q16 is None and got.in_features == f and got.tokens == tokens
+        for _ in range(2):
+            assert cupy.array_equal(W.swiglu(px).data, got.data), f"T={tokens}: not reproducible"
+        h = _unpacked(got).astype(np.float64)
+        assert (h[tokens:] == 0).all()
+        y = cupy.asnumpy(x).astype(np.float64) @ w64.T
+        ref = y[:, :f] / (1 + np.exp(-y[:, :f])) * y[:, f:]
+        assert rel_error(h[:tokens], ref) < TOL, f"T={tokens}"
+        assert rel_error(h[:tokens], _unpacked(packed).astype(np.float64)[:tokens]) < TOL
+    for sc in qg._scratch.values():
+        assert not bool(sc.counters.any()), "the arrival counters must be left zero"
+    stream = cupy.cuda.Stream(non_blocking=True)
+    with stream:
+        out = cupy.full(f * px.padded_tokens, 0xFFFF, cupy.uint16)
+        stream.synchronize()
+        stream.begin_capture()
+        try:
+            qw.wide_swiglu(W, px, out=out)
+        finally:
+            graph = stream.end_capture()
+        for _ in range(3):
+            out.fill(0xFFFF)
+            graph.launch(stream)
+            stream.synchronize()
+            assert cupy.array_equal(out, got.data)

@@ -78,6 +78,10 @@ def sim(request, tmp_path_factory) -> ctypes.CDLL:
     lib.sim_qmv.argtypes = [I, I, I, I, I, P, LL, I, I, P, I, P, I, LL, I]
     lib.sim_pack.restype = None
     lib.sim_pack.argtypes = [I, P, LL, I, I, I, P]
+    lib.sim_pack_silu.restype = None
+    lib.sim_pack_silu.argtypes = [P, LL, P, LL, I, I, I, P]
+    lib.sim_wide_swiglu.restype = None
+    lib.sim_wide_swiglu.argtypes = [I]
     lib.smem = np.ctypeslib.as_array((ctypes.c_uint8 * (232 * 1024)).in_dll(lib, "ss_smem"))
     lib.sim_bulk.restype = I
     lib.bulk = bool(lib.sim_bulk())
@@ -94,7 +98,8 @@ def aligned_zeros(nbytes: int) -> np.ndarray:
 class Problem:
     """One matrix in the v2 layout (16-byte aligned, with the launcher's slack) and x packed by pack_x_kernel."""
 
-    def __init__(self, lib, qtype: int, n_out: int, k: int, tokens: int, seed: int, f32: bool = False):
+    def __init__(self, lib, qtype: int, n_out: int, k: int, tokens: int, seed: int, f32: bool = False,
+                 x_scale: float = 0.5):  # fmt: skip
         rng = np.random.default_rng(seed)
         self.lib, self.qtype, self.n_out, self.k, self.tokens = lib, qtype, n_out, k, tokens
         self.raw = random_weights(qtype, n_out, k, rng)
@@ -103,7 +108,7 @@ class Problem:
         self.w[: laid.nbytes] = laid
         self.nt = (tokens + 7) // 8
         self.tpad = 8 * self.nt
-        x = rng.standard_normal((tokens, k)) * 0.5
+        x = rng.standard_normal((tokens, k)) * x_scale
         self.x = x.astype(np.float32 if f32 else np.float16)
         self.xp = aligned_zeros(k * self.tpad * 2)
         lib.sim_pack(int(f32), self.x.ctypes.data, k, tokens, k, self.tpad, self.xp.ctypes.data)
@@ -564,6 +569,90 @@ def test_stream_k_split_restatement() -> None:
     assert pieces(17408, 5120, 2, 8, 68) == [1] * 68
 
 
+def swiglu_launch(p: Problem, warps: int, stages: int, blocks: int, *, seed: int = 0, resident: int = 1) -> np.ndarray:
+    """qmw_kernel<QT, NT, 2, 1> on p's stacked [gate | up] (p.n_out = 2 F rows), simulated: the down product's packed
+    x (uint16, F x TPAD halves), every half written (poisoned before), the counters left zero."""
+    f = p.n_out // 2
+    out = aligned_zeros(f * p.tpad * 2).view(np.uint16)
+    out[:] = 0xFFFF  # a NaN no pack writes
+    part = np.full(qw.scratch_floats(blocks, p.nt, 2, warps), np.nan, np.float32)
+    counters = np.zeros(qw.row_blocks(p.n_out, 2, warps) * warps, np.uint32)
+    p.lib.sim_wide_swiglu(1)
+    try:
+        err = p.lib.sim_qmw(p.qtype, p.nt, 2, warps, stages, p.w.ctypes.data, p.raw.shape[1], p.n_out, p.k,
+                            p.xp.ctypes.data, p.tokens, out.ctypes.data, 0, 0, part.ctypes.data, counters.ctypes.data,
+                            blocks, seed, resident)  # fmt: skip
+    finally:
+        p.lib.sim_wide_swiglu(0)
+    assert err == 0, "simulation error (divergent warp or deadlock)"
+    assert not counters.any(), "the arrival counters must be left zero"
+    assert (p.lib.smem[qw.smem_bytes(p.qtype, p.nt, 2, warps, stages):] == SMEM_CANARY).all()
+    assert (out != 0xFFFF).all(), f"{int((out == 0xFFFF).sum())} halves unwritten"
+    return out
+
+
+def product_then_pack(p: Problem, warps: int, stages: int) -> np.ndarray:
+    """The same through the plain kernel (a block per row block: each tile's sums as any whole-row-block launch forms
+    them) and pack_silu_kernel, both simulated."""
+    f = p.n_out // 2
+    y, _ = p.wide(2, warps, stages, qw.row_blocks(p.n_out, 2, warps))
+    ref = aligned_zeros(f * p.tpad * 2).view(np.uint16)
+    p.lib.sim_pack_silu(y.ctypes.data, p.n_out, y[:, f:].ctypes.data, p.n_out, p.tokens, f, p.tpad, ref.ctypes.data)
+    return ref
+
+
+def swiglu_twin(p: Problem) -> np.ndarray:
+    """float64 silu(g) u [T, F] of the NumPy twin's product."""
+    y = p.reference()
+    f = p.n_out // 2
+    g, u = y[:, :f], y[:, f:]
+    return g / (1 + np.exp(-g)) * u
+
+
+SWIGLU_X = 2e-3  # x's scale in the SwiGLU problems: silu(g) u of the random weights' products well inside fp16
+SWIGLU_CASES = [
+    # qtype, F, k, tokens, warps, stages
+    (Q4_K, 256, 512, 23, 2, 3),  # 16 tile pairs, 8 row blocks
+    (Q6_K, 512, 768, 41, 4, 2),  # 6 token tiles
+    (Q4_K, 256, 256, 64, 3, 2),  # 8 token tiles; 16 pairs over row blocks of 3: the last warps past the last pair
+    (Q4_K, 512, 1024, 5, 1, 4),  # one token tile, 3 padding rows
+]
+
+
+@needs_gxx
+@pytest.mark.parametrize("qtype,f,k,tokens,warps,stages", SWIGLU_CASES)
+def test_swiglu_launch_is_product_then_pack_bitwise_on_cpu(sim, qtype, f, k, tokens, warps, stages) -> None:
+    """Row blocks one block covers: the SwiGLU launch's packed x is bitwise the product's y through pack_silu_kernel
+    (padding rows zero as the pack writes them), and within fp16 of the float64 twin."""
+    from tests.test_kernels_cpu_sim import unpack_numpy
+
+    p = Problem(sim, qtype, 2 * f, k, tokens, seed=7 * f + k + tokens, x_scale=SWIGLU_X)
+    got = swiglu_launch(p, warps, stages, qw.row_blocks(p.n_out, 2, warps))
+    assert np.array_equal(got, product_then_pack(p, warps, stages))
+    x = unpack_numpy(got, f, p.tpad).astype(np.float64)
+    assert (x[tokens:] == 0).all()
+    ref = swiglu_twin(p)
+    assert np.linalg.norm(x[:tokens] - ref) / np.linalg.norm(ref) < TOL
+
+
+@needs_gxx
+@pytest.mark.parametrize("qtype,f,k,tokens,warps,stages", SWIGLU_CASES[:3])
+def test_swiglu_launch_split_is_deterministic_on_cpu(sim, qtype, f, k, tokens, warps, stages) -> None:
+    """Row blocks shared by several blocks (pieces through the split scratch, the peek): the same bits whatever the
+    order blocks run and arrive in (grid order, permutations, several resident at once), within fp16 of the twin."""
+    from tests.test_kernels_cpu_sim import unpack_numpy
+
+    p = Problem(sim, qtype, 2 * f, k, tokens, seed=3 * f + k + tokens, x_scale=SWIGLU_X)
+    blocks = 3 * qw.row_blocks(p.n_out, 2, warps) + 1
+    first = swiglu_launch(p, warps, stages, blocks)
+    for seed, resident in ((5, 1), (9, 1), (13, 4)):
+        assert np.array_equal(swiglu_launch(p, warps, stages, blocks, seed=seed, resident=resident), first), seed
+    x = unpack_numpy(first, f, p.tpad).astype(np.float64)
+    ref = swiglu_twin(p)
+    assert (x[tokens:] == 0).all()
+    assert np.linalg.norm(x[:tokens] - ref) / np.linalg.norm(ref) < TOL
+
+
 class _SimKernel:
     """Stands in for the compiled qmw_kernel<QT, NT, MT>: checks each argument's type against the kernel's C
     signature, then runs the launch in the simulation."""
@@ -572,8 +661,9 @@ class _SimKernel:
                  "ptr", np.int32, np.int32, np.int32)  # fmt: skip
 
     def __init__(self, lib, name: str, launches: list):
-        qt, nt, mt = (int(v) for v in name[name.index("<") + 1 : -1].split(","))
+        qt, nt, mt, *sw = (int(v) for v in name[name.index("<") + 1 : -1].split(","))
         self.lib, self.qt, self.nt, self.mt, self.launches = lib, qt, nt, mt, launches
+        self.swiglu = bool(sw and sw[0])
         self.num_regs = 128
         self.max_dynamic_shared_size_bytes = 0
 
@@ -586,11 +676,17 @@ class _SimKernel:
         self.lib.sim_wide_peek(int(peek))
         assert producer == 0 and ytile == 0  # the portable path has no producer warp and no bulk reduce-adds
         (blocks,), (threads,) = grid, block
-        self.launches.append({"blocks": blocks, "threads": threads, "smem": shared_mem, "part": part.size})
+        self.launches.append({"blocks": blocks, "threads": threads, "smem": shared_mem, "part": part.size,
+                              "swiglu": self.swiglu})  # fmt: skip
         assert threads % 32 == 0 and shared_mem <= qw.SMEM_LIMIT
-        err = self.lib.sim_qmw(self.qt, self.nt, self.mt, threads // 32, int(stages), W.ctypes.data, int(row_bytes),
-                               int(n), int(k), xp.ctypes.data, int(tokens), y.ctypes.data, int(accumulate), int(ldy),
-                               part.ctypes.data, counters.ctypes.data, blocks, 11, 1)  # fmt: skip
+        assert not (self.swiglu and (accumulate or ldy or y.dtype != np.uint16)), "a SwiGLU launch writes packed x"
+        self.lib.sim_wide_swiglu(int(self.swiglu))
+        try:
+            err = self.lib.sim_qmw(self.qt, self.nt, self.mt, threads // 32, int(stages), W.ctypes.data,
+                                   int(row_bytes), int(n), int(k), xp.ctypes.data, int(tokens), y.ctypes.data,
+                                   int(accumulate), int(ldy), part.ctypes.data, counters.ctypes.data, blocks, 11, 1)
+        finally:
+            self.lib.sim_wide_swiglu(0)
         assert err == 0
         assert (self.lib.smem[shared_mem:] == SMEM_CANARY).all(), "the launch reserves too little shared memory"
 
@@ -632,3 +728,83 @@ def test_launcher_end_to_end_on_cpu(sim, monkeypatch, qtype, n_out, k, tokens, c
     assert sizes == [(qw.row_blocks(n_out, cfg.m_tiles, cfg.warps) * cfg.warps,
                       qw.scratch_floats(launch["blocks"], (tokens + 7) // 8, cfg.m_tiles, cfg.warps))]  # fmt: skip
     assert not scratch[1].any()
+
+
+@needs_gxx
+@pytest.mark.parametrize("qtype,f,k,tokens,config", [(Q4_K, 512, 1024, 23, None), (Q6_K, 256, 768, 41, None),
+                                                      (Q4_K, 256, 512, 9, qw.WideConfig(warps=2, stages=3, blocks=5))])
+def test_swiglu_launcher_end_to_end_on_cpu(sim, monkeypatch, qtype, f, k, tokens, config) -> None:
+    """quant_wide.wide_swiglu() and QuantMatrix.swiglu's wide path as the engine calls them, the launch going to the
+    simulation: the SwiGLU kernel instance, its arguments, grid, shared memory and scratch; the packed x it returns
+    within fp16 of the twin; its refusals."""
+    from kernels import loader
+    from tests.test_kernels_cpu_sim import unpack_numpy
+
+    launches: list = []
+    monkeypatch.setattr(loader, "get_function", lambda src, name, defines=(), **kw: _SimKernel(sim, name, launches))
+    monkeypatch.setattr(loader, "require", lambda: np)
+    monkeypatch.setattr(qm, "sm_count", lambda: 3)
+    monkeypatch.setattr(qm, "_device_id", lambda: 0)
+    monkeypatch.setattr(qw, "producer_warps", lambda portable=False: 0)
+    scratch = (np.full(1 << 22, np.nan, np.float32), np.zeros(1 << 12, np.uint32))
+    monkeypatch.setattr(qg, "split_scratch", lambda tiles, floats: scratch)
+    p = Problem(sim, qtype, 2 * f, k, tokens, seed=f + k + tokens, x_scale=SWIGLU_X)
+    W = type("W", (), {"shape": (2 * f, k), "qtype": qtype, "kernel": "v2", "name": "w", "row_bytes": p.raw.shape[1],
+                       "device_buffer": p.w})()  # fmt: skip
+    down = type("D", (), {"shape": (k, f)})()
+    assert qw.can_swiglu(W, down, tokens) == (qw.prefer_wide(qtype, tokens, 2 * f, k)
+                                              and (tokens + 7) // 8 in qw.SWIGLU_TILES[qtype])
+    assert not qw.can_swiglu(W, down, 8 * max(qw.SWIGLU_TILES[qtype]) + 1)
+    assert not qw.can_swiglu(W, down, qm.Q16_TOKENS)
+    assert not qw.can_swiglu(W, type("D", (), {"shape": (k, f + 1)})(), 23)  # not the down product of this stack
+    packed = qm.PackedX(p.xp.view(np.uint16), tokens, k)
+    got = qw.wide_swiglu(W, packed, config=config)
+    assert isinstance(got, qm.PackedX) and got.in_features == f and got.tokens == tokens and got.q16 is None
+    x = unpack_numpy(got.data, f, p.tpad).astype(np.float64)
+    ref = swiglu_twin(p)
+    assert (x[tokens:] == 0).all() and np.linalg.norm(x[:tokens] - ref) / np.linalg.norm(ref) < TOL
+    (launch,) = launches
+    cfg = qw.choose_config(qtype, 2 * f, k, tokens, qw.swiglu_config(qtype, tokens, config))
+    assert launch["swiglu"] and cfg.m_tiles == 2
+    assert launch["threads"] == 32 * cfg.warps
+    assert launch["smem"] == qw.smem_bytes(qtype, (tokens + 7) // 8, 2, cfg.warps, cfg.stages)
+    assert not scratch[1].any()
+    out = np.zeros(f * p.tpad, np.uint16)
+    assert qw.wide_swiglu(W, packed, out=out, config=config).data is out and np.array_equal(out, got.data)
+    with pytest.raises(ValueError, match="uint16"):
+        qw.wide_swiglu(W, packed, out=np.zeros(f * p.tpad + 8, np.uint16))
+    with pytest.raises(ValueError, match="2 tiles a warp"):
+        qw.wide_swiglu(W, packed, config=qw.WideConfig(m_tiles=1))
+    odd = type("W", (), {"shape": (2 * f + 32, k), "qtype": qtype, "kernel": "v2", "name": "odd"})()
+    with pytest.raises(ValueError, match="gate \\| up"):
+        qw.wide_swiglu(odd, packed)
+
+
+def test_scratch_need_covers_the_swiglu_launch() -> None:
+    """The memory plan sizes the split scratch by scratch_need: on a [gate | up] stack it bounds the SwiGLU launch's
+    partials and counters too (2 tiles a warp: other row blocks and grids than the plain launch's)."""
+    for qtype, n_out, k in ((Q4_K, 34816, 5120), (Q6_K, 2048, 1024), (Q4_K, 1024, 4096)):
+        for tokens in (t for t in range(1, 65) if qw.swiglu_width(qtype, t)):
+            part, counters = qw.scratch_need(qtype, n_out, k, tokens, 132)
+            c = qw.choose_config(qtype, n_out, k, tokens, qw.swiglu_config(qtype, tokens))
+            smem = qw.smem_bytes(qtype, (tokens + 7) // 8, 2, c.warps, c.stages)
+            for regs in (64, 128, 168):
+                blocks = qw.grid(n_out, k, c, regs, smem, 132)
+                assert qw.scratch_floats(blocks, (tokens + 7) // 8, 2, c.warps) <= part, (n_out, tokens)
+            assert qw.row_blocks(n_out, 2, c.warps) * c.warps <= counters
+
+
+def test_backend_wide_swiglu_rule() -> None:
+    """backend.can_wide_swiglu, which the qwen35 GPU step asks: quant_wide.can_swiglu on the uploaded matrices of a
+    stacked [gate | up] GpuMatrix and its down GpuMatrix (the 27B's Q4_K shapes), never on anything else."""
+    from services.engine.backend import GpuMatrix, can_wide_swiglu
+
+    def gpu(shape: tuple[int, int]) -> GpuMatrix:
+        m = GpuMatrix(Q4_K, np.zeros((1, 1), np.uint8), shape, "m")
+        m.q = type("Q", (), {"shape": shape, "qtype": Q4_K, "kernel": "v2"})()  # (uploaded: upload() keeps it)
+        return m
+
+    gu, down = gpu((34816, 5120)), gpu((5120, 17408))
+    assert [t for t in range(1, 65) if can_wide_swiglu(gu, down, t)] == [*range(qm.Q16_TOKENS + 1, 9), *range(17, 33)]
+    assert not can_wide_swiglu(gu, gpu((5120, 17392)), 23)  # not this stack's down product
+    assert not can_wide_swiglu(gu.q, down, 23) and not can_wide_swiglu(gu, down.q, 23)  # not GpuMatrix wrappers

@@ -100,7 +100,8 @@ class GpuMatrix:
     def swiglu(self, x: Any, pair: bool = False) -> Any:
         """silu(g) * u of this stacked [gate | up] matrix's product, staged for the down product's ring gemv (a
         kernels.quant_matmul.PackedX of int16 staging only; can_fuse_swiglu says when). pair: gate|up's own launch
-        shape with each gate tile's block and its up tile's block a thread block cluster (sm_90)."""
+        shape with each gate tile's block and its up tile's block a thread block cluster (sm_90). Wider x (a PackedX
+        of fp16 data): the wide kernel's SwiGLU launch, the down product's packed x (can_wide_swiglu says when)."""
         return self.upload().q.swiglu(x, pair=pair)
 
     @property
@@ -233,6 +234,16 @@ def can_fuse_swiglu(gate_up: Any, down: Any, tokens: int, pair: bool = False) ->
     if pair and not qm.quant_gemv.clusters_available():
         return False
     return qm.can_fuse_swiglu(gate_up.upload().q, down.upload().q, tokens, pair=pair)
+
+
+def can_wide_swiglu(gate_up: Any, down: Any, tokens: int) -> bool:
+    """Whether gate_up (a stacked [gate | up] GpuMatrix; a GpuStack cannot) runs as the wide kernel's SwiGLU launch
+    for down (a GpuMatrix) at this width, writing down's packed x itself (kernels.quant_wide.can_swiglu)."""
+    from kernels import quant_wide
+
+    if not (isinstance(gate_up, GpuMatrix) and isinstance(down, GpuMatrix)):
+        return False
+    return quant_wide.can_swiglu(gate_up.upload().q, down.upload().q, tokens)
 
 
 def can_stage_norm(producer: Any, consumer: Any, tokens: int) -> bool:

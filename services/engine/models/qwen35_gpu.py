@@ -65,7 +65,7 @@ from kernels import quant_matmul as qm
 from kernels import sampling as smp
 
 from .. import faults
-from ..backend import CupyBackend, can_fuse_swiglu, can_stage_norm, device_ids, reads_staging
+from ..backend import CupyBackend, can_fuse_swiglu, can_stage_norm, can_wide_swiglu, device_ids, reads_staging
 from ..config import ModelConfig
 from ..device_sampling import draw_rows
 from ..errors import ContextOverflowError, is_out_of_memory
@@ -110,6 +110,12 @@ FUSE_SWIGLU_WIDTHS = (2,)
 # step replays against the shipped step (bench/gemv_ab.py --step-ab swiglupair, two calls): 1.030 / 1.036 at one
 # token (against the pack), 0.991 / 0.991 at two (against the tile-pair blocks), 1.008 / 1.006 at three (the pack).
 SWIGLU_PAIR_WIDTHS: tuple[int, ...] = (2,)
+# Wider steps whose ffn_gate_up runs on the wide kernel (quant_wide.can_swiglu: from quant_matmul.Q16_TOKENS + 1 tokens
+# where the dispatch takes it) run it as the SwiGLU launch (QuantMatrix.swiglu -> quant_wide.wide_swiglu): its writers
+# put fp16(silu(gate) up) straight into ffn_down's packed x, so neither the [T, 2 F] f32 output nor the SwiGLU pack is
+# there; the same step up to the rounding of split row blocks' sums (their pieces fall where the launch's own split
+# puts them; deterministic either way).
+FUSE_WIDE_SWIGLU = True
 # Steps of up to ATTN_STAGE_UP_TO tokens whose attn_output product is a ring gemv: the attention's combine kernel
 # also writes o's int16 staging for it (kernels.attention.attention(q16=)), so no pack launch runs between them;
 # bitwise the same step. H100, 27B Q4_K_M step replays (bench/gemv_ab.py --step-ab attnstage): 0.9996 / 0.9986 /
@@ -1256,6 +1262,9 @@ class Qwen35GpuModel(TargetModel):
             x = px.residual
         if swi and swi[i]:  # the SwiGLU staged by the gate|up ring itself
             xd = w["ffn_gate_up"].swiglu(px, pair=swi[i] == 2)
+        elif (FUSE_WIDE_SWIGLU and isinstance(px, qm.PackedX) and px.data is not None
+              and can_wide_swiglu(w["ffn_gate_up"], w["ffn_down"], step.T)):  # ... or by the wide gate|up launch
+            xd = w["ffn_gate_up"].swiglu(px)
         else:
             gu = w["ffn_gate_up"].matmul(px)
             f = gu.shape[1] // 2
