@@ -7,7 +7,8 @@ next to the weight tiles, so x is read from L2 once per block instead of once pe
 is split evenly over the blocks (stream-K), and row blocks shared by several blocks are added up in a fixed order
 through the split scratch of kernels/quant_gemv.py: deterministic. `QuantMatrix.matmul` takes this kernel from
 `CROSSOVER[qtype]` tokens (`DEEP_CROSSOVER` on deep, `TALL_CROSSOVER` on very tall, `HIGH_CROSSOVER` on other high
-matrices: prefer_wide). Design and numbers: docs/gpu_quant_matmul.md ("wide").
+matrices: prefer_wide). `wide_swiglu(W, packed)` runs a stacked [gate | up] as the SwiGLU launch, whose writers put
+fp16(silu(g) u) straight into the down product's packed x. Design and numbers: docs/gpu_quant_matmul.md ("wide").
 """
 
 from __future__ import annotations
