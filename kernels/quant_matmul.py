@@ -849,6 +849,8 @@ class QuantMatrix:
         them)."""
         if isinstance(config, quant_wide.WideConfig) or (
                 isinstance(x, PackedX) and x.data is not None and x.tokens > Q16_TOKENS):
+            if isinstance(x, StagedNorm):
+                raise ValueError(f"{self.name}: a staged norm is read by the ring gemv only, not the wide kernel")
             if not isinstance(x, PackedX):
                 x = pack_activations(x, portable=portable)
             return quant_wide.wide_swiglu(self, x, config=config, portable=portable)

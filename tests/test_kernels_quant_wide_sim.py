@@ -808,3 +808,12 @@ def test_backend_wide_swiglu_rule() -> None:
     assert [t for t in range(1, 65) if can_wide_swiglu(gu, down, t)] == [*range(qm.Q16_TOKENS + 1, 9), *range(17, 33)]
     assert not can_wide_swiglu(gu, gpu((5120, 17392)), 23)  # not this stack's down product
     assert not can_wide_swiglu(gu.q, down, 23) and not can_wide_swiglu(gu, down.q, 23)  # not GpuMatrix wrappers
+
+
+def test_swiglu_refuses_a_staged_norm() -> None:
+    """QuantMatrix.swiglu's wide path (a WideConfig, or a PackedX above the ring's widths) reads packed fp16 x: a
+    StagedNorm (the ring gemv's input) is refused by name rather than packed as if it were activations."""
+    fake = type("W", (), {"name": "blk.0.ffn_gate_up"})()
+    staged = qm.StagedNorm.__new__(qm.StagedNorm)
+    with pytest.raises(ValueError, match="blk.0.ffn_gate_up: a staged norm is read by the ring gemv only"):
+        qm.QuantMatrix.swiglu(fake, staged, config=qw.WideConfig())
