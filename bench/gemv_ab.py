@@ -332,6 +332,19 @@ STEP_ABS = {
                                                            "qw.SWIGLU_TILES": {12: (1, 2, 3, 4), 14: (1, 2, 3, 4)}}),
                  ("fused 8w", SMALL, 3, "capture", {"q35.FUSE_WIDE_SWIGLU": True, "qw.SWIGLU_WARPS": 8})],
                 (4, 8, 16, 23, 32), [("fused", "pack"), ("fused 1-4 tiles", "pack"), ("fused 8w", "pack")]),
+    # the SwiGLU launch at 2 token tiles too (9..16 tokens, where the shipped shape lost the step), in other shapes
+    # (quant_wide.SWIGLU_SHAPES: tile pairs a row block x stages)
+    "wswiglu2": ([("pack", SMALL, 3, "capture", {"q35.FUSE_WIDE_SWIGLU": False})]
+                 + [(f"fused {w}x{st or 'd'}", SMALL, 3, "capture",
+                     {"qw.SWIGLU_TILES": {12: (1, 2, 3, 4), 14: (1, 2, 3, 4)}, "qw.SWIGLU_SHAPES": {12: {2: (w, st)}}})
+                    for w, st in ((4, 0), (4, 3), (2, 3), (2, 4), (8, 0))], (12, 16),
+                 [(f"fused {w}x{st or 'd'}", "pack") for w, st in ((4, 0), (4, 3), (2, 3), (2, 4), (8, 0))]),
+    # the SwiGLU launch's stages at one and two token tiles (shipped: choose_config's 2 at one, 3 at two)
+    "wswiglu3": ([("pack", SMALL, 3, "capture", {"q35.FUSE_WIDE_SWIGLU": False}),
+                  ("fused", SMALL, 3, "capture", {}),
+                  ("3 stages at 1 tile", SMALL, 3, "capture", {"qw.SWIGLU_SHAPES": {12: {1: (4, 3), 2: (4, 3)}}}),
+                  ("4 stages at 2 tiles", SMALL, 3, "capture", {"qw.SWIGLU_SHAPES": {12: {2: (4, 4)}}})], (4, 8, 16),
+                 [("fused", "pack"), ("3 stages at 1 tile", "fused"), ("4 stages at 2 tiles", "fused")]),
     "v2stages": ([("shipped", SMALL, 3, "capture", {}), ("v2 3 stages", SMALL, 3, "capture", {"qm.STAGES_V2": 3}),
                   ("v2 4 stages", SMALL, 3, "capture", {"qm.STAGES_V2": 4})], (8, 16, 23),
                  [("v2 3 stages", "shipped"), ("v2 4 stages", "shipped")]),

@@ -408,9 +408,7 @@ def wide(
 # SwiGLU in the gate|up launch (wide_swiglu): from quant_gemv's widths on (Q16_TOKENS + 1: the ring gemv stages its own
 # below) wherever the gate|up stack runs on this kernel, its writers put fp16(silu(g) u) straight into ffn_down's
 # packed x: no [T, 2 F] f32 output and no pack launch between the two products (the same values up to the rounding of
-# split row blocks' sums, whose pieces fall elsewhere: wide_swiglu). The launch shape: SWIGLU_SHAPES
-# (type -> token tiles -> warps, i.e. gate / up tile pairs a row block), else SWIGLU_WARPS; m_tiles is 2 (a warp's
-# gate tile and up tile).
+# split row blocks' sums, whose pieces fall elsewhere: wide_swiglu). m_tiles is 2: a warp's gate tile and its up tile.
 SWIGLU_TYPES = frozenset((12, 14))  # Q4_K, Q6_K
 # the token tiles (8 tokens each) at which steps take the SwiGLU launch; others the product and the pack. Registers
 # (nvcc 13.0 sm_90 ptxas): Q4_K 108 / 121 / 128 / 152 / 168 at 1 / 2 / 3 / 4 / 5..7 tiles, 196 bytes of spills at 8;
@@ -419,17 +417,21 @@ SWIGLU_TYPES = frozenset((12, 14))  # Q4_K, Q6_K
 # / 0.943 at 8 / 16 / 23 / 32 tokens with 4 warps (2 warps: 0.986 / 0.995 / 1.138 / 1.577; 8 warps: 1.054 / 1.058 /
 # 1.020 / 0.944), but 1.217 / 1.223 at 41 / 48 (8 warps 1.029 / 1.028: at 6 token tiles two tiles a warp leave one
 # block a SM). The 27B step (bench/gemv_ab.py --step-ab wswiglu, graph replays, three rounds): 0.986 / 1.0137 / 0.9754 /
-# 0.9939 at widths 8 / 16 / 23 / 32 with 4 warps (8 warps 1.0068 / 1.0059 / 0.994 / 0.9946), so not at 2 tiles
-# (9..16 tokens). Q6_K follows Q4_K (the 27B has no Q6_K gate|up to measure).
-SWIGLU_TILES = {12: (1, 3, 4), 14: (1, 3, 4)}
+# 0.9939 at widths 8 / 16 / 23 / 32 with 4 warps (8 warps 1.0068 / 1.0059 / 0.994 / 0.9946); at 2 tiles (9..16
+# tokens) with 3 stages instead of choose_config's 2 (--step-ab wswiglu2): 0.9703 / 0.9691 at 12 / 16 (alone 0.919 /
+# 0.915; 2 warps x 3 stages 1.0103 / 1.0065, 2 x 4 1.0015 / 0.9972, 8 warps 1.0049 / 1.0024). Q6_K follows Q4_K (the
+# 27B has no Q6_K gate|up to measure).
+SWIGLU_TILES = {12: (1, 2, 3, 4), 14: (1, 2, 3, 4)}
+# The launch shape: SWIGLU_SHAPES (type -> token tiles -> (warps, i.e. gate / up tile pairs a row block, and stages;
+# 0: the default)), else SWIGLU_WARPS and choose_config's stages
+SWIGLU_WARPS = 4
+SWIGLU_SHAPES: dict[int, dict[int, tuple[int, int]]] = {12: {2: (4, 3)}, 14: {2: (4, 3)}}
 
 
 def swiglu_width(qtype: int, tokens: int) -> bool:
     """Whether a step of this width takes the SwiGLU launch on a stack of this type (SWIGLU_TILES; above quant_gemv's
     ring widths, whose gate|up stages SwiGLU itself)."""
     return qm.Q16_TOKENS < tokens <= MAX_TOKENS and (tokens + 7) // 8 in SWIGLU_TILES.get(int(qtype), ())
-SWIGLU_WARPS = 4
-SWIGLU_SHAPES: dict[int, dict[int, int]] = {}
 
 
 def can_swiglu(gate_up: Any, down: Any, tokens: int) -> bool:
@@ -446,13 +448,14 @@ def can_swiglu(gate_up: Any, down: Any, tokens: int) -> bool:
 
 
 def swiglu_config(qtype: int, tokens: int, config: WideConfig | None = None) -> WideConfig:
-    """wide_swiglu's launch shape before choose_config fills it: m_tiles 2, SWIGLU_SHAPES' / SWIGLU_WARPS' warps."""
+    """wide_swiglu's launch shape before choose_config fills it: m_tiles 2, SWIGLU_SHAPES' warps and stages (else
+    SWIGLU_WARPS and choose_config's stages) where `config` leaves them 0."""
     cfg = config or WideConfig()
     if cfg.m_tiles not in (0, 2):
         raise ValueError(f"a SwiGLU launch runs 2 tiles a warp (a gate tile and its up tile), not {cfg.m_tiles}")
     n_tiles = (min(max(tokens, 1), MAX_TOKENS) + 7) // 8
-    warps = cfg.warps or SWIGLU_SHAPES.get(int(qtype), {}).get(n_tiles, SWIGLU_WARPS)
-    return replace(cfg, m_tiles=2, warps=warps)
+    warps, stages = SWIGLU_SHAPES.get(int(qtype), {}).get(n_tiles, (0, 0))
+    return replace(cfg, m_tiles=2, warps=cfg.warps or warps or SWIGLU_WARPS, stages=cfg.stages or stages)
 
 
 def wide_swiglu(W: Any, packed: Any, *, out: Any = None, config: WideConfig | None = None,

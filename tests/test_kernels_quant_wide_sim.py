@@ -805,7 +805,7 @@ def test_backend_wide_swiglu_rule() -> None:
         return m
 
     gu, down = gpu((34816, 5120)), gpu((5120, 17408))
-    assert [t for t in range(1, 65) if can_wide_swiglu(gu, down, t)] == [*range(qm.Q16_TOKENS + 1, 9), *range(17, 33)]
+    assert [t for t in range(1, 65) if can_wide_swiglu(gu, down, t)] == list(range(qm.Q16_TOKENS + 1, 33))
     assert not can_wide_swiglu(gu, gpu((5120, 17392)), 23)  # not this stack's down product
     assert not can_wide_swiglu(gu.q, down, 23) and not can_wide_swiglu(gu, down.q, 23)  # not GpuMatrix wrappers
 
@@ -817,3 +817,16 @@ def test_swiglu_refuses_a_staged_norm() -> None:
     staged = qm.StagedNorm.__new__(qm.StagedNorm)
     with pytest.raises(ValueError, match="blk.0.ffn_gate_up: a staged norm is read by the ring gemv only"):
         qm.QuantMatrix.swiglu(fake, staged, config=qw.WideConfig())
+
+
+def test_swiglu_config(monkeypatch) -> None:
+    """swiglu_config: 2 tiles a warp always; SWIGLU_SHAPES' warps and stages at their token tiles, else SWIGLU_WARPS
+    and choose_config's stages; what the caller's config sets wins."""
+    monkeypatch.setattr(qw, "SWIGLU_SHAPES", {Q4_K: {2: (2, 3), 3: (8, 0)}})
+    assert qw.swiglu_config(Q4_K, 16) == qw.WideConfig(m_tiles=2, warps=2, stages=3)
+    assert qw.swiglu_config(Q4_K, 23) == qw.WideConfig(m_tiles=2, warps=8, stages=0)
+    assert qw.swiglu_config(Q4_K, 32) == qw.WideConfig(m_tiles=2, warps=qw.SWIGLU_WARPS, stages=0)
+    assert qw.swiglu_config(Q6_K, 16) == qw.WideConfig(m_tiles=2, warps=qw.SWIGLU_WARPS, stages=0)
+    assert qw.swiglu_config(Q4_K, 16, qw.WideConfig(warps=4, blocks=7)) == qw.WideConfig(2, 4, 3, blocks=7)
+    cfg = qw.choose_config(Q4_K, 34816, 5120, 16, qw.swiglu_config(Q4_K, 16))
+    assert (cfg.m_tiles, cfg.warps, cfg.stages) == (2, 2, 3)
