@@ -387,9 +387,14 @@ def wide(
 
     out: float32 [T, W.out_features], rows contiguous and possibly strided (a column slice of a wider output:
     qm.check_out). accumulate=True adds into out (each value once, after its sum is complete)."""
-    n_out, k = W.shape
     tokens = qm.check_v2_product(W, packed, out, "wide", MAX_TOKENS)
-    shape = launch_shape(W, tokens, config, portable, accumulate)
+    _launch(W, packed, out, launch_shape(W, tokens, config, portable, accumulate), accumulate, qm.out_stride(out))
+    return out
+
+
+def _launch(W: Any, packed: Any, y: Any, shape: dict, accumulate: bool = False, ldy: int = 0) -> None:
+    """One qmw_kernel launch of a resolved launch_shape (wide, wide_swiglu): its split scratch, grid and arguments."""
+    n_out, k = W.shape
     cfg, blocks = shape["config"], shape["blocks"]
     part, counters = quant_gemv.split_scratch(
         shape["row_blocks"] * cfg.warps, scratch_floats(blocks, packed.n_tiles, cfg.m_tiles, cfg.warps)
@@ -397,12 +402,11 @@ def wide(
     shape["kernel"](
         (blocks,),
         (32 * (cfg.warps + shape["producer"]),),
-        (W.device_buffer, np.int64(W.row_bytes), np.int32(n_out), np.int32(k), packed.data, np.int32(tokens), out,
-         np.int32(cfg.stages), np.int32(bool(accumulate)), np.int64(qm.out_stride(out)), part, counters,
+        (W.device_buffer, np.int64(W.row_bytes), np.int32(n_out), np.int32(k), packed.data, np.int32(packed.tokens),
+         y, np.int32(cfg.stages), np.int32(bool(accumulate)), np.int64(ldy), part, counters,
          np.int32(shape["producer"]), np.int32(shape["ytile"]), np.int32(bool(PEEK))),
         shared_mem=shape["smem"],
     )  # fmt: skip
-    return out
 
 
 # SwiGLU in the gate|up launch (wide_swiglu): from quant_gemv's widths on (Q16_TOKENS + 1: the ring gemv stages its own
@@ -467,7 +471,7 @@ def wide_swiglu(W: Any, packed: Any, *, out: Any = None, config: WideConfig | No
     after launch), but where this launch's split puts them (its row blocks pair gate and up tiles), so the last bit
     may differ from the plain product's. out: a contiguous uint16 array of F x padded tokens halves to write (None: a
     new one)."""
-    n_out, k = W.shape
+    n_out = W.shape[0]
     f = n_out // 2
     tokens = qm.check_v2_product(W, packed, None, "wide", MAX_TOKENS)
     if packed.data is None:
@@ -481,17 +485,5 @@ def wide_swiglu(W: Any, packed: Any, *, out: Any = None, config: WideConfig | No
         out = cupy.empty(size, dtype=cupy.uint16)
     elif out.dtype != cupy.uint16 or out.size != size or not out.flags.c_contiguous:
         raise ValueError(f"out must be a contiguous uint16 array of {size} elements")
-    shape = launch_shape(W, tokens, swiglu_config(W.qtype, tokens, config), portable, swiglu=True)
-    cfg, blocks = shape["config"], shape["blocks"]
-    part, counters = quant_gemv.split_scratch(
-        shape["row_blocks"] * cfg.warps, scratch_floats(blocks, packed.n_tiles, cfg.m_tiles, cfg.warps)
-    )
-    shape["kernel"](
-        (blocks,),
-        (32 * (cfg.warps + shape["producer"]),),
-        (W.device_buffer, np.int64(W.row_bytes), np.int32(n_out), np.int32(k), packed.data, np.int32(tokens), out,
-         np.int32(cfg.stages), np.int32(0), np.int64(0), part, counters, np.int32(shape["producer"]), np.int32(0),
-         np.int32(bool(PEEK))),
-        shared_mem=shape["smem"],
-    )  # fmt: skip
+    _launch(W, packed, out, launch_shape(W, tokens, swiglu_config(W.qtype, tokens, config), portable, swiglu=True))
     return qm.PackedX(out, tokens, f)
