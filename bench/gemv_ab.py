@@ -345,6 +345,13 @@ STEP_ABS = {
                   ("3 stages at 1 tile", SMALL, 3, "capture", {"qw.SWIGLU_SHAPES": {12: {1: (4, 3), 2: (4, 3)}}}),
                   ("4 stages at 2 tiles", SMALL, 3, "capture", {"qw.SWIGLU_SHAPES": {12: {2: (4, 4)}}})], (4, 8, 16),
                  [("fused", "pack"), ("3 stages at 1 tile", "fused"), ("4 stages at 2 tiles", "fused")]),
+    # the plain wide kernel with 3 stages at 2 token tiles too (quant_wide.STAGES3_TILES; the SwiGLU launch gained 3 %
+    # of the step from it at 9..16 tokens), Q4_K alone and Q4_K + Q6_K (not yet run)
+    "wstages2": ([("shipped", SMALL, 3, "capture", {}),
+                  ("q4k 3 at 2 tiles", SMALL, 3, "capture", {"qw.STAGES3_TILES": {12: (2, 3, 4, 6), 14: (2, 3, 4, 6)}}),
+                  ("q4k q6k 3 at 1-2 tiles", SMALL, 3, "capture",
+                   {"qw.STAGES3_TILES": {12: (1, 2, 3, 4, 6), 14: (1, 2, 3, 4, 6)}})], (4, 8, 12, 16),
+                 [("q4k 3 at 2 tiles", "shipped"), ("q4k q6k 3 at 1-2 tiles", "shipped")]),
     "v2stages": ([("shipped", SMALL, 3, "capture", {}), ("v2 3 stages", SMALL, 3, "capture", {"qm.STAGES_V2": 3}),
                   ("v2 4 stages", SMALL, 3, "capture", {"qm.STAGES_V2": 4})], (8, 16, 23),
                  [("v2 3 stages", "shipped"), ("v2 4 stages", "shipped")]),
