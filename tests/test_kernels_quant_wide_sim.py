@@ -613,9 +613,9 @@ SWIGLU_X = 2e-3  # x's scale in the SwiGLU problems: silu(g) u of the random wei
 SWIGLU_CASES = [
     # qtype, F, k, tokens, warps, stages
     (Q4_K, 256, 512, 23, 2, 3),  # 16 tile pairs, 8 row blocks
-    (Q6_K, 512, 768, 41, 4, 2),  # 6 token tiles
+    (Q6_K, 256, 512, 41, 4, 2),  # 6 token tiles, 4 row blocks
     (Q4_K, 256, 256, 64, 3, 2),  # 8 token tiles; 16 pairs over row blocks of 3: the last warps past the last pair
-    (Q4_K, 512, 1024, 5, 1, 4),  # one token tile, 3 padding rows
+    (Q4_K, 512, 512, 5, 1, 4),  # one token tile, 3 padding rows
 ]
 
 
@@ -645,7 +645,7 @@ def test_swiglu_launch_split_is_deterministic_on_cpu(sim, qtype, f, k, tokens, w
     p = Problem(sim, qtype, 2 * f, k, tokens, seed=3 * f + k + tokens, x_scale=SWIGLU_X)
     blocks = 3 * qw.row_blocks(p.n_out, 2, warps) + 1
     first = swiglu_launch(p, warps, stages, blocks)
-    for seed, resident in ((5, 1), (9, 1), (13, 4)):
+    for seed, resident in ((5, 1), (13, 4)):
         assert np.array_equal(swiglu_launch(p, warps, stages, blocks, seed=seed, resident=resident), first), seed
     x = unpack_numpy(first, f, p.tpad).astype(np.float64)
     ref = swiglu_twin(p)
@@ -731,7 +731,7 @@ def test_launcher_end_to_end_on_cpu(sim, monkeypatch, qtype, n_out, k, tokens, c
 
 
 @needs_gxx
-@pytest.mark.parametrize("qtype,f,k,tokens,config", [(Q4_K, 512, 1024, 23, None), (Q6_K, 256, 768, 41, None),
+@pytest.mark.parametrize("qtype,f,k,tokens,config", [(Q4_K, 256, 512, 23, None), (Q6_K, 256, 512, 41, None),
                                                       (Q4_K, 256, 512, 9, qw.WideConfig(warps=2, stages=3, blocks=5))])
 def test_swiglu_launcher_end_to_end_on_cpu(sim, monkeypatch, qtype, f, k, tokens, config) -> None:
     """quant_wide.wide_swiglu() and QuantMatrix.swiglu's wide path as the engine calls them, the launch going to the
