@@ -336,10 +336,9 @@ def scratch_need(qtype: int, n_out: int, k: int, tokens: int, sms: int) -> tuple
     blocks = max(grid(n_out, k, replace(cfg, stages=st), 1, smem_bytes(qtype, n_tiles, cfg.m_tiles, cfg.warps, st,
                                                                        st != cfg.stages), sms)
                  for st in tile_stages(cfg))
-    part, counters = scratch_floats(blocks, n_tiles, cfg.m_tiles, cfg.warps), row_blocks(n_out, cfg.m_tiles,
-                                                                                          cfg.warps) * cfg.warps
-    if (int(qtype) in SWIGLU_TYPES and n_out % (2 * CHUNK) == 0
-            and swiglu_width(qtype, tokens)):  # a [gate | up] stack's SwiGLU launch
+    part = scratch_floats(blocks, n_tiles, cfg.m_tiles, cfg.warps)
+    counters = row_blocks(n_out, cfg.m_tiles, cfg.warps) * cfg.warps
+    if swiglu_stack(qtype, n_out) and swiglu_width(qtype, tokens):  # a [gate | up] stack's SwiGLU launch
         sw = choose_config(qtype, n_out, k, tokens, swiglu_config(qtype, tokens))
         sw_blocks = grid(n_out, k, sw, 1, smem_bytes(qtype, n_tiles, sw.m_tiles, sw.warps, sw.stages), sms)
         part = max(part, scratch_floats(sw_blocks, n_tiles, sw.m_tiles, sw.warps))
@@ -432,6 +431,12 @@ SWIGLU_WARPS = 4
 SWIGLU_SHAPES: dict[int, dict[int, tuple[int, int]]] = {12: {2: (4, 3)}, 14: {2: (4, 3)}}
 
 
+def swiglu_stack(qtype: int, n_out: int) -> bool:
+    """Whether a matrix of this type and row count can be a SwiGLU launch's [gate | up] stack: Q4_K / Q6_K, 2 F rows
+    with F a multiple of 256 (whole chunks of the down product's K)."""
+    return int(qtype) in SWIGLU_TYPES and n_out % (2 * CHUNK) == 0
+
+
 def swiglu_width(qtype: int, tokens: int) -> bool:
     """Whether a step of this width takes the SwiGLU launch on a stack of this type (SWIGLU_TILES; above quant_gemv's
     ring widths, whose gate|up stages SwiGLU itself)."""
@@ -444,11 +449,9 @@ def can_swiglu(gate_up: Any, down: Any, tokens: int) -> bool:
     chunks of down's K) and down's in-features, and a width down reads as packed fp16 x (above the ring gemv's) of
     SWIGLU_TILES' token tiles (swiglu_width)."""
     n_out, k = gate_up.shape
-    f = n_out // 2
-    qtype = int(gate_up.qtype)
-    return (getattr(gate_up, "kernel", None) == "v2" and qtype in SWIGLU_TYPES and n_out == 2 * f and f % CHUNK == 0
-            and down.shape[1] == f and swiglu_width(qtype, tokens)
-            and prefer_wide(qtype, tokens, n_out, k))  # fmt: skip
+    return (getattr(gate_up, "kernel", None) == "v2" and swiglu_stack(gate_up.qtype, n_out)
+            and down.shape[1] == n_out // 2 and swiglu_width(gate_up.qtype, tokens)
+            and prefer_wide(gate_up.qtype, tokens, n_out, k))  # fmt: skip
 
 
 def swiglu_config(qtype: int, tokens: int, config: WideConfig | None = None) -> WideConfig:
@@ -476,7 +479,7 @@ def wide_swiglu(W: Any, packed: Any, *, out: Any = None, config: WideConfig | No
     tokens = qm.check_v2_product(W, packed, None, "wide", MAX_TOKENS)
     if packed.data is None:
         raise ValueError(f"{W.name}: the wide kernel reads packed fp16 x; this PackedX holds the int16 staging alone")
-    if int(W.qtype) not in SWIGLU_TYPES or n_out != 2 * f or f % CHUNK:
+    if not swiglu_stack(W.qtype, n_out):
         raise ValueError(f"{W.name}: a SwiGLU launch takes a Q4_K / Q6_K [gate | up] stack of 2 F rows, F a multiple "
                          f"of {CHUNK}; not {qm.type_name(W.qtype)} with {n_out} rows")
     cupy = loader.require()
