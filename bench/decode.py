@@ -329,10 +329,15 @@ def _time_pass(dr, timer: Timer, ctx: int, reps: int, n_new: int = 3) -> dict[st
     return res
 
 
-def spec_loop(model, dr, timer: Timer, context: int, steps: int, deadline: float) -> dict[int, dict]:
-    """The speculative loop with the GPU drafter and a forced acceptance length a (see the module docstring)."""
+def spec_loop(model, dr, timer: Timer, context: int, steps: int, deadline: float,
+              overlap: bool = True) -> dict[int, dict]:
+    """The speculative loop with the GPU drafter and a forced acceptance length a (see the module docstring).
+    overlap (the engine's order, speculative.begin_propose): the next draft is queued before the step's commit and
+    the host builds the next tree while the commit runs; a step is then the time from one step's end to the next's.
+    Without: draft, tree, verify, accept and commit one after another, the device idle between steps."""
     from services.engine.ddtree import build_ddtree
     from services.engine.models.dflash_gpu import GpuProposer
+    from services.engine.speculative import begin_propose
 
     rng = np.random.default_rng(3)
     n_vocab = model.cfg.n_vocab
@@ -347,7 +352,7 @@ def spec_loop(model, dr, timer: Timer, context: int, steps: int, deadline: float
         warm = row == 0
         # DECODE_PROFILE=PATH: after the timed steps of the last acceptance length, PROFILE_STEPS more under
         # cProfile (host-side costs by function; the timed steps run without it)
-        prof_path = os.environ.get("DECODE_PROFILE") if a == ACCEPT[-1] and not warm else None
+        prof_path = os.environ.get("DECODE_PROFILE") if a == ACCEPT[-1] and not warm and overlap else None
         n_steps = (WARM_STEPS if warm else steps + 1) + (PROFILE_STEPS if prof_path else 0)
         state = model.new_state(context + (n_steps + 1) * SPEC_WIDTH + 8)
         res = model.forward(state, rng.integers(0, n_vocab, size=context), capture=layer_ids, logits="last")
@@ -356,15 +361,21 @@ def spec_loop(model, dr, timer: Timer, context: int, steps: int, deadline: float
         prop = GpuProposer(dr)
         parts: dict[str, list[float]] = {"step": [], "draft": [], "tree": [], "verify": [], "accept": []}
         prof = None
+        pending, t_end = None, 0.0
         for s in range(n_steps):
             if prof_path and s == steps + 1:
                 import cProfile
 
                 prof = cProfile.Profile()
                 prof.enable()
-            timer.cupy.cuda.Device().synchronize()
-            t0 = time.perf_counter()
-            top_ids, top_lp = prop.propose(feats, root, state.n_past, 8)
+            if pending is None:     # serial, or the first step: from an idle device
+                timer.cupy.cuda.Device().synchronize()
+                t0 = time.perf_counter()
+                pending = begin_propose(prop, feats, root, state.n_past, 8)
+            else:                   # overlapped: this step began where the last one ended
+                t0 = t_end
+            top_ids, top_lp = pending()
+            pending = None
             t1 = time.perf_counter()
             tree = build_ddtree(top_ids, top_lp, SPEC_WIDTH - 1)
             tokens, parents = tree.verify_batch(root)
@@ -374,15 +385,20 @@ def spec_loop(model, dr, timer: Timer, context: int, steps: int, deadline: float
             lg = res.logits
             amax = lg.argmax_rows() if hasattr(lg, "argmax_rows") else np.argmax(np.asarray(lg), axis=-1)
             path = list(range(a))                       # root + the top-1 chain's first a-1 nodes
-            state.commit(path)
             feats, root = res.captured[path], int(amax[path[-1]])
+            if overlap:
+                pending = begin_propose(prop, feats, root, state.n_past + len(path), 8)
+            state.commit(path)
             res = lg = None   # as the engine's loop: no result held over the next replay (it would be copied)
-            timer.cupy.cuda.Device().synchronize()
-            t4 = time.perf_counter()
+            if not overlap:
+                timer.cupy.cuda.Device().synchronize()
+            t4 = t_end = time.perf_counter()
             if 0 < s <= steps:
                 for k, v in (("step", t4 - t0), ("draft", t1 - t0), ("tree", t2 - t1), ("verify", t3 - t2),
                              ("accept", t4 - t3)):
                     parts[k].append(v)
+        if pending is not None:
+            pending()
         if prof is not None:
             prof.disable()
             prof.dump_stats(prof_path)
@@ -597,13 +613,15 @@ def spec_with_drafter(model, dr, d: dict[str, Any], r: dict[str, Any], timer: Ti
                       deadline: float, log) -> None:
     """The speculative loop with the GPU drafter (spec_loop), scaled like the verify when the model is short."""
     try:
-        loop = spec_loop(model, dr, timer, args.context, args.spec_steps, deadline)
-        for a, v in loop.items():
-            if scale != 1 and "blocks_ms" in r:
-                step = v["step_ms"] + (scale - 1) * r["blocks_ms"][SPEC_WIDTH]
-                v["scaled_step_ms"], v["scaled_tps"] = round(step, 3), round(a / (step / 1e3), 2)
-        d["spec_loop"] = loop
-        log(f"speculative loop with the GPU drafter: {loop}")
+        # the engine's order (the next draft before the commit) and the serial one, in one process
+        for key, overlap in (("spec_loop", True), ("spec_loop_serial", False)):
+            loop = spec_loop(model, dr, timer, args.context, args.spec_steps, deadline, overlap=overlap)
+            for a, v in loop.items():
+                if scale != 1 and "blocks_ms" in r:
+                    step = v["step_ms"] + (scale - 1) * r["blocks_ms"][SPEC_WIDTH]
+                    v["scaled_step_ms"], v["scaled_tps"] = round(step, 3), round(a / (step / 1e3), 2)
+            d[key] = loop
+            log(f"speculative loop with the GPU drafter ({key}): {loop}")
     except Exception:
         d["spec_loop_error"] = _err()
 
@@ -721,14 +739,19 @@ def print_table(rep: dict[str, Any], path: str) -> None:
             _f(m["drafter"]["long_context"].get("verify23_replay_at_ctx_ms"), 2),
             m["drafter"]["long_context"]["ratio_to_verify23_at_ctx"],
             _f(m["drafter"]["long_context"].get("ratio_to_verify23_replay_at_ctx"), 3), **m["drafter"]["long_context"]))
-    loops = list(next(iter(modes.values()), {}).get("drafter", {}).get("spec_loop", {}))
-    if loops:
-        row(f"speculative loop with the GPU drafter, forced acceptance {' / '.join(map(str, loops))}: tok/s "
-            f"({'scaled' if scaled else 'measured'})", lambda m: " / ".join(
-                f"{v.get('scaled_tps', v['tps']):.1f}" for v in m["drafter"]["spec_loop"].values()))
-        row("  per step: draft / tree / verify / accept ms; commit replay; outside kernels ms", lambda m: " | ".join(
-            f"{v['draft_ms']:.2f} / {v['tree_ms']:.2f} / {v['verify_ms']:.2f} / {v['accept_ms']:.2f}; "
-            f"{v.get('commit_replay_ms')}; {v.get('outside_kernels_ms')}" for v in m["drafter"]["spec_loop"].values()))
+    for key, how in (("spec_loop", "the next draft before the commit (the engine's order)"),
+                     ("spec_loop_serial", "serial (each step from an idle device)")):
+        loops = list(next(iter(modes.values()), {}).get("drafter", {}).get(key, {}))
+        if not loops:
+            continue
+        row(f"speculative loop with the GPU drafter, {how}, forced acceptance {' / '.join(map(str, loops))}: "
+            f"tok/s ({'scaled' if scaled else 'measured'})", lambda m, key=key: " / ".join(
+                f"{v.get('scaled_tps', v['tps']):.1f}" for v in m["drafter"][key].values()))
+        row("  per step: draft / tree / verify / accept ms; commit replay; outside kernels ms (share of the step)",
+            lambda m, key=key: " | ".join(
+                f"{v['draft_ms']:.2f} / {v['tree_ms']:.2f} / {v['verify_ms']:.2f} / {v['accept_ms']:.2f}; "
+                f"{v.get('commit_replay_ms')}; {v.get('outside_kernels_ms')} ({_share(v)})"
+                for v in m["drafter"][key].values()))
     print("\n".join(lines))
     for name, m in modes.items():
         for k in ("width_error", "decode_error", "spec_error", "graph_blocker"):
@@ -739,6 +762,11 @@ def print_table(rep: dict[str, Any], path: str) -> None:
                 print(f"{name} drafter {k}: {m['drafter'][k]}")
     print(f"(run {rep.get('elapsed_s')} s; header {rep.get('header_s')} s, load {rep.get('load_s')} s, "
           f"synthetic write {rep.get('synthetic', {}).get('seconds')} s)")
+
+
+def _share(v: dict) -> str:
+    """A loop row's time outside kernels as a share of its step."""
+    return "n/a" if v.get("outside_kernels_ms") is None else f"{100 * v['outside_kernels_ms'] / v['step_ms']:.1f} %"
 
 
 def _f(x: float | None, nd: int) -> str:

@@ -114,3 +114,17 @@ def test_long_context_drafter_ratio_divides_by_a_verify_at_the_same_context() ->
     assert lc["verify23_replay_at_ctx_ms"] == pytest.approx(23.0)     # its graph alone
     assert lc["ratio_to_verify23_at_ctx"] == pytest.approx(2.3 / 28.0, abs=1e-4)
     assert lc["ratio_to_verify23_replay_at_ctx"] == pytest.approx(0.1)
+
+
+def test_table_reports_both_loop_orders_and_their_outside_share(capsys) -> None:
+    mod = _decode_module()
+    row = {"draft_ms": 1.5, "tree_ms": 0.2, "verify_ms": 0.1, "accept_ms": 10.9, "commit_replay_ms": 0.17,
+           "step_ms": 14.0, "tps": 142.9}
+    serial = dict(row, outside_kernels_ms=0.84)
+    ahead = dict(row, outside_kernels_ms=0.7, step_ms=13.86)
+    rep = {"device": "test", "modes": {"graphs": {"drafter": {"spec_loop": {2: ahead}, "spec_loop_serial": {2: serial}},
+                                                  "graph_stats": {"captures": 1, "replays": 2, "eager": 0}}}}
+    mod.print_table(rep, "x.json")
+    out = capsys.readouterr().out
+    assert "the next draft before the commit" in out and "serial" in out
+    assert "0.7 (5.1 %)" in out and "0.84 (6.0 %)" in out

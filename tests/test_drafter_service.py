@@ -249,6 +249,9 @@ def test_killed_drafter_is_unavailable(tiny_pair, local, tmp_path):
         client.propose(*steps[0], 1)
         proc.kill()
         proc.wait()
+        pending = client.propose_begin(*steps[1], 1)    # sent without waiting: the answer's wait fails
+        with pytest.raises(DrafterUnavailableError, match=addr):
+            pending()
         with pytest.raises(DrafterUnavailableError, match=addr):
             client.propose(*steps[1], 1)
         client.close()

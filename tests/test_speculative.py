@@ -194,3 +194,78 @@ def test_greedy_spec_with_dflash_drafter_equals_plain(tiny_pair, budget):
         res = speculative_generate(target, LocalProposer(drafter), prompt, 24, spec=SpecConfig(budget=budget))
         assert res.token_ids == plain
         assert res.spec["steps"] >= 1 and res.spec["draft_tokens"] >= res.spec["steps"]
+
+
+class _BeginProposer(TrackingProposer):
+    """A two-half proposer (propose_begin) that logs when each half runs against the target's commits; it drafts in
+    the first half, as a GPU drafter queues its pass, so a draft that saw an uncommitted state would differ."""
+
+    def __init__(self, *a, log, fail_begin_at=None, fail_fetch_at=None, **kw):
+        super().__init__(*a, **kw)
+        self.log, self.begins = log, 0
+        self.fail_begin_at, self.fail_fetch_at = fail_begin_at, fail_fetch_at
+
+    def propose_begin(self, new_features, last_token, start, k):
+        from services.engine.speculative import DrafterUnavailableError
+
+        self.begins += 1
+        n = self.begins
+        self.log.append(("begin", start))
+        if n == self.fail_begin_at:
+            raise DrafterUnavailableError("begin failed (test)")
+        top = self.propose(new_features, last_token, start, k)
+
+        def fetch():
+            self.log.append(("fetch", start))
+            if n == self.fail_fetch_at:
+                raise DrafterUnavailableError("fetch failed (test)")
+            return top
+        return fetch
+
+
+def _logged_state(target, log):
+    """target.new_state with each commit logged as ("commit", n_past after it)."""
+    make = target.new_state
+
+    def new_state(*a, **kw):
+        st = make(*a, **kw)
+        commit = st.commit
+
+        def logged(path):
+            commit(path)
+            log.append(("commit", st.n_past))
+        st.commit = logged
+        return st
+    return new_state
+
+
+@pytest.mark.parametrize("fail", [None, "begin", "fetch"])
+def test_the_next_draft_starts_before_the_commit(target_path, monkeypatch, fail):
+    """begin_propose: the next block is requested before the step's commit (whose device work then overlaps the
+    host's tree building) and waited for at the next step; output stays plain greedy's, and a drafter failing in
+    either half falls back to plain decoding."""
+    target = load_target(target_path, with_tokenizer=False).model
+    draft = perturbed_copy(target_path, 0.05, seed=1)
+    prompt = [3, 1, 4, 1, 5]
+    plain = generate(target, prompt, 40).token_ids
+    log: list = []
+    monkeypatch.setattr(target, "new_state", _logged_state(target, log))
+    res = GenerationResult()
+    at = {"begin": {"fail_begin_at": 2}, "fetch": {"fail_fetch_at": 2}, None: {}}[fail]
+    prop = _BeginProposer(draft, prompt, res, log=log, **at)
+    for _ in speculative_stream(target, prop, prompt, 40, SamplingParams(), SpecConfig(budget=22), (), result=res):
+        pass
+    assert res.token_ids == plain
+    begins = [i for i, e in enumerate(log) if e[0] == "begin"]
+    assert begins, log
+    for i in begins:
+        # the commit that brings the state to the drafted start comes right after the begin
+        assert log[i + 1] == ("commit", log[i][1]), log
+    fetches = [e for e in log if e[0] == "fetch"]
+    if fail is None:
+        assert [e[1] for e in fetches] == [log[i][1] for i in begins][:len(fetches)]
+        assert res.spec["fallback"] is False and res.spec["steps"] >= len(fetches) + 1
+    else:
+        assert res.spec["fallback"] is True and fail in res.spec["fallback_reason"]
+        # the first block through propose(), the next two begun (the second failing in the half under test)
+        assert len(begins) == 2 and prop.calls == 2 + (fail == "fetch")

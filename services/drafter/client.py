@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import asyncio
 import atexit
+import concurrent.futures
 import logging
 import secrets
 import threading
 import weakref
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
 from multiprocessing import shared_memory
 from typing import Any, TypeVar
@@ -82,10 +83,17 @@ class DrafterConnection:
 
     def run(self, coro: Coroutine[Any, Any, _T], timeout: float | None = None) -> _T:
         """Run `coro` on the connection's loop and wait for it from this (other) thread."""
+        return self.wait(self.submit(coro), timeout)
+
+    def submit(self, coro: Coroutine[Any, Any, _T]) -> concurrent.futures.Future[_T]:
+        """Start `coro` on the connection's loop; wait() waits for it."""
         if self.closed:
             coro.close()
             raise DrafterUnavailableError(f"drafter connection to {self.address} is closed")
-        fut = asyncio.run_coroutine_threadsafe(coro, self.loop)
+        return asyncio.run_coroutine_threadsafe(coro, self.loop)
+
+    @staticmethod
+    def wait(fut: concurrent.futures.Future[_T], timeout: float | None = None) -> _T:
         try:
             return fut.result(timeout)
         except TimeoutError:
@@ -314,6 +322,12 @@ class DrafterClient:
     def propose(self, new_features: np.ndarray | None, last_token: int, start: int,
                 k: int) -> tuple[np.ndarray, np.ndarray]:
         """Send the committed tokens' features, get the block's per-position top-k (ids int64, logp float64)."""
+        return self.propose_begin(new_features, last_token, start, k)()
+
+    def propose_begin(self, new_features: np.ndarray | None, last_token: int, start: int,
+                      k: int) -> Callable[[], tuple[np.ndarray, np.ndarray]]:
+        """propose() in two halves (speculative.begin_propose): the exchange is sent now and drafts while the
+        caller commits its step; the returned callable waits for the answer (within the client's timeout)."""
         if self._closed:
             raise DrafterUnavailableError("the drafter client is closed")
         if self._failed:
@@ -324,7 +338,14 @@ class DrafterClient:
         except (OSError, ValueError) as e:      # shared memory full, odd shapes
             raise self._fail(f"drafter {self.address}: cannot send features: {e}") from None
         try:
-            resp = self._conn.run(self._exchange(req), self.timeout + 5.0)
+            fut = self._conn.submit(self._exchange(req))
+        except DrafterUnavailableError as e:
+            raise self._fail(str(e)) from None
+        return lambda: self._answer(fut)
+
+    def _answer(self, fut: concurrent.futures.Future[pb.DraftResponse]) -> tuple[np.ndarray, np.ndarray]:
+        try:
+            resp = self._conn.wait(fut, self.timeout + 5.0)
         except (TimeoutError, asyncio.TimeoutError):
             raise self._fail(f"drafter {self.address} did not answer within {self.timeout:.1f} s") from None
         except grpc.aio.AioRpcError as e:

@@ -47,6 +47,21 @@ class Proposer(Protocol):
     def close(self) -> None: ...
 
 
+PendingDraft = Callable[[], tuple[np.ndarray, np.ndarray]]
+
+
+def begin_propose(proposer: Proposer, new_features, last_token: int, start: int, k: int) -> PendingDraft:
+    """Start drafting the next block; the returned callable waits for it and gives propose()'s answer.
+
+    A proposer with propose_begin (the GPU drafter: its pass and the top-k's copy queued on the device ahead of the
+    step's commit; the drafter service: the exchange in flight) drafts while the caller commits the step, so the
+    host's tree building overlaps the commit's device work. Any other drafts when the answer is asked for."""
+    begin = getattr(proposer, "propose_begin", None)
+    if begin is None:
+        return lambda: proposer.propose(new_features, last_token, start, k)
+    return begin(new_features, last_token, start, k)
+
+
 class LocalProposer:
     """A DFlash drafter in this process, with its per-request context cache."""
 
@@ -282,13 +297,21 @@ def _spec_loop(target: TargetModel, proposer: Proposer | None, prompt_ids: Seque
     plain_left, pause = 0, 0
     # a GPU state holds checkpoints for max_tree tokens (the verifier's planned width): no verify is wider
     widest = getattr(state, "max_tree", None)
+
+    def room_at(n_past: int) -> int:
+        """Tree nodes that still fit after the root with n_past tokens committed (< 0: the context is full)."""
+        room = state.max_ctx - n_past - 1
+        return room if widest is None or room < 0 else min(room, widest - 1)
+
+    k = 1 if spec.chain or spec.budget <= depth else TREE_TOPK     # top-k a drafted position
+    # the next block, drafting since before the last step's commit (begin_propose), and what starting it took
+    pending: PendingDraft | None = None
+    begin_ms = 0.0
     while not done:
-        room = state.max_ctx - state.n_past - 1            # tree nodes that still fit after the root
+        room = room_at(state.n_past)
         if room < 0:
             res.finish_reason = "length"
             break
-        if widest is not None:
-            room = min(room, widest - 1)
         top = None
         drafting = proposer is not None and room > 0
         if drafting and plain_left > 0:
@@ -310,12 +333,12 @@ def _spec_loop(target: TargetModel, proposer: Proposer | None, prompt_ids: Seque
         if drafting:
             td = time.perf_counter()
             try:
-                k = 1 if spec.chain or spec.budget <= depth else TREE_TOPK
-                top = proposer.propose(feats, root, state.n_past, k)
+                top = pending() if pending is not None else proposer.propose(feats, root, state.n_past, k)
             except DrafterUnavailableError as e:
                 stats.fallback, stats.fallback_reason = True, str(e)
                 proposer = None
-            draft_ms = (time.perf_counter() - td) * 1e3
+            draft_ms = (time.perf_counter() - td) * 1e3 + begin_ms
+            pending, begin_ms = None, 0.0
         if proposer is None:    # no drafter (any more): the rest is plain decoding (a GPU target runs it ahead)
             rest = plain_tokens(target, state, root, max_tokens - len(res.token_ids), params, rng, history)
             try:
@@ -352,21 +375,32 @@ def _spec_loop(target: TargetModel, proposer: Proposer | None, prompt_ids: Seque
         ta = time.perf_counter()
         path, bonus = walk_tree(tree, out.logits, params, rng, history)
         tw = time.perf_counter()        # the walk computed the logits rows it read: part of the verify's cost
-        state.commit(path)
         feats = out.captured[path] if out.captured is not None else None
         out = None
-        accept_ms = (time.perf_counter() - ta) * 1e3
+        chunk, done = emit([int(tokens[i]) for i in path[1:]] + [bonus])
+        root = bonus
+        if spec.tuner is not None:
+            spec.tuner.observe(full, len(tree), len(path) - 1, verify_s=tw - tv, draft_s=draft_ms / 1e3)
+            plain_left = pause = spec.tuner.pause_after_step(pause)
+        n_next = state.n_past + len(path)
+        if not done and proposer is not None and plain_left == 0 and room_at(n_next) > 0:
+            # the next block drafts ahead of this commit: a GPU drafter's pass runs before the commit's replay on
+            # the stream, and the next step's tree is built on the host while the commit runs
+            tb = time.perf_counter()
+            try:
+                pending = begin_propose(proposer, feats, root, n_next, k)
+            except DrafterUnavailableError as e:
+                stats.fallback, stats.fallback_reason = True, str(e)
+                proposer = None
+            begin_ms = (time.perf_counter() - tb) * 1e3
+        state.commit(path)
+        accept_ms = (time.perf_counter() - ta) * 1e3 - begin_ms
         info = StepInfo(index=step, budget=budget_cap if spec.tuner is None else len(tree), tree_size=len(tree),
                         accepted=len(path) - 1, draft_ms=draft_ms, verify_ms=(ta - tv) * 1e3, accept_ms=accept_ms)
-        if spec.tuner is not None:
-            spec.tuner.observe(full, len(tree), info.accepted, verify_s=tw - tv, draft_s=draft_ms / 1e3)
-            plain_left = pause = spec.tuner.pause_after_step(pause)
         stats.record(info)
         step += 1
         if on_step is not None:
             on_step(info)
-        chunk, done = emit([int(tokens[i]) for i in path[1:]] + [bonus])
-        root = bonus
         yield chunk
     res.decode_ms = (time.perf_counter() - t1) * 1e3
     if spec.tuner is not None:

@@ -72,6 +72,7 @@ from services.engine.speculative import (
     Proposer,
     SpecConfig,
     StepInfo,
+    begin_propose,
     speculative_stream,
 )
 from services.wire import pb, pb_grpc, sampling_from_pb
@@ -201,8 +202,16 @@ class _GuardedProposer:
         self._closed = False
 
     def propose(self, new_features, last_token, start, k):
+        return self._guarded(self.inner.propose, new_features, last_token, start, k)
+
+    def propose_begin(self, new_features, last_token, start, k):
+        """speculative.begin_propose through the guard: a failure in either half becomes DrafterUnavailableError."""
+        fetch = self._guarded(begin_propose, self.inner, new_features, last_token, start, k)
+        return lambda: self._guarded(fetch)
+
+    def _guarded(self, fn, *args):
         try:
-            return self.inner.propose(new_features, last_token, start, k)
+            return fn(*args)
         except DrafterUnavailableError as e:
             self._on_failure(str(e) or type(e).__name__)
             raise

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import threading
 import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -579,12 +579,30 @@ class DFlashGpuDrafter:
                    k: int) -> tuple[np.ndarray, np.ndarray]:
         """draft() followed by ddtree.topk_logprobs(logits, k), with only the (block_size - 1, k) ids (int64) and
         log-probabilities (float64) coming back to the host."""
+        return self.draft_topk_begin(session, new_features, last_token, start, k)()
+
+    def draft_topk_begin(self, session: GpuDraftSession, new_features: Any, last_token: int, start: int,
+                         k: int) -> Callable[[], tuple[np.ndarray, np.ndarray]]:
+        """draft_topk in two halves: the pass and the top-k's copy into the session's pinned buffer are queued on
+        the stream now (so work queued after them, the target's commit, runs while the host waits for this
+        pass alone); the returned callable waits for the copy and gives draft_topk's answer."""
         if not 1 <= k <= TOPK:
             raise ValueError(f"k must be in 1..{TOPK}, not {k}")
+        cp = self.xp
         packed = self._pass(session, new_features, last_token, start)[3]
         top = session.h_top
-        self.xp.asnumpy(packed, out=top)        # one copy (it waits for the pass)
-        return top[:, :k].astype(np.int64), top[:, TOPK:TOPK + k].view(np.float32).astype(np.float64)
+        if packed.shape != top.shape or packed.dtype != top.dtype or not packed.flags.c_contiguous:
+            raise AssertionError(f"top-k rows {packed.shape} {packed.dtype} do not fit {top.shape} {top.dtype}")
+        stream = cp.cuda.get_current_stream()
+        cp.cuda.runtime.memcpyAsync(top.ctypes.data, packed.data.ptr, top.nbytes,
+                                    cp.cuda.runtime.memcpyDeviceToHost, stream.ptr)
+        done = stream.record()
+
+        def fetch() -> tuple[np.ndarray, np.ndarray]:
+            done.synchronize()
+            return top[:, :k].astype(np.int64), top[:, TOPK:TOPK + k].view(np.float32).astype(np.float64)
+
+        return fetch
 
 
 class GpuProposer:
@@ -605,7 +623,16 @@ class GpuProposer:
             raise RuntimeError("propose() on a closed proposer")
         if self.session is None:
             self.session = self.drafter.acquire_session()
-        return self.drafter.draft_topk(self.session, new_features, int(last_token), int(start), int(k))
+        return self.propose_begin(new_features, last_token, start, k)()
+
+    def propose_begin(self, new_features: Any, last_token: int, start: int,
+                      k: int) -> Callable[[], tuple[np.ndarray, np.ndarray]]:
+        """speculative.begin_propose: the pass queued now, its top-k waited for by the returned callable."""
+        if self.closed:
+            raise RuntimeError("propose() on a closed proposer")
+        if self.session is None:
+            self.session = self.drafter.acquire_session()
+        return self.drafter.draft_topk_begin(self.session, new_features, int(last_token), int(start), int(k))
 
     def close(self) -> None:
         self.closed = True
