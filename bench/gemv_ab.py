@@ -25,6 +25,7 @@ attnkw (tree attention's warps a query tile at short contexts, 16 / 23 / 32 toke
 from __future__ import annotations
 
 import json
+import os
 import statistics
 import sys
 import time
@@ -352,6 +353,18 @@ STEP_ABS = {
                   ("q4k q6k 3 at 1-2 tiles", SMALL, 3, "capture",
                    {"qw.STAGES3_TILES": {12: (1, 2, 3, 4, 6), 14: (1, 2, 3, 4, 6)}})], (4, 8, 12, 16),
                  [("q4k 3 at 2 tiles", "shipped"), ("q4k q6k 3 at 1-2 tiles", "shipped")]),
+    # the wide kernel's source against another commit's ($QW_BASE_SOURCE: a copy of its quant_matmul.cu in kernels/,
+    # e.g. the SwiGLU writer before its SiLUs were all computed ahead of the shuffles)
+    "qwsrc": ([("base source", SMALL, 3, "capture", {"qw.SOURCE": os.environ.get("QW_BASE_SOURCE", "quant_matmul.cu")}),
+               ("this source", SMALL, 3, "capture", {})], (8, 16, 23, 32),
+              [("this source", "base source")]),
+    # the SwiGLU launch at 5 and 6 token tiles too (33..48 tokens; quant_wide.SWIGLU_TILES), 8 tile pairs a row block
+    # (the product's 8 warps x 2 tiles at 6) with 3 stages
+    "wswiglu6": ([("pack", SMALL, 3, "capture", {}),
+                  ("fused 5-6 tiles", SMALL, 3, "capture",
+                   {"qw.SWIGLU_TILES": {12: (1, 2, 3, 4, 5, 6), 14: (1, 2, 3, 4)},
+                    "qw.SWIGLU_SHAPES": {12: {2: (4, 3), 5: (8, 3), 6: (8, 3)}, 14: {2: (4, 3)}}})],
+                 (36, 41, 48), [("fused 5-6 tiles", "pack")]),
     "v2stages": ([("shipped", SMALL, 3, "capture", {}), ("v2 3 stages", SMALL, 3, "capture", {"qm.STAGES_V2": 3}),
                   ("v2 4 stages", SMALL, 3, "capture", {"qm.STAGES_V2": 4})], (8, 16, 23),
                  [("v2 3 stages", "shipped"), ("v2 4 stages", "shipped")]),

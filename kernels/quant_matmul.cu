@@ -1696,6 +1696,10 @@ SS_DEV void swiglu_units(const float (&acc)[2][NT][4], uint4* __restrict__ xp, i
     constexpr int TPAD = 8 * NT;
     const int ch = tile >> 4, j = tile & 15;  // the down product's chunk of K and the tile's 16-value slot in it
     u32* const base = (u32*)(xp + (i64)ch * 32 * TPAD + (j >> 2)) + t;
+    // Every value's SiLU first, then the shuffles: 4 NT independent expf / divide chains in flight instead of one
+    // (nt, hr) block's chain before its shuffles and the next's (at 6 token tiles a SM holds one block, whose 8
+    // warps all end a row block at once: a serial epilogue stalled the weight stream ~13 % of the launch)
+    u32 words[NT][2];
 #pragma unroll
     for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
@@ -1706,7 +1710,13 @@ SS_DEV void swiglu_units(const float (&acc)[2][NT][4], uint4* __restrict__ xp, i
                 const float gv = acc[0][nt][2 * hr + e], uv = acc[1][nt][2 * hr + e];
                 h[e] = 8 * nt + 2 * t + e < T ? f2h(silu(gv) * uv) : 0u;
             }
-            const u32 v = h[0] | (h[1] << 16);  // rows 8 hr + g, tokens 8 nt + 2t, + 1
+            words[nt][hr] = h[0] | (h[1] << 16);  // rows 8 hr + g, tokens 8 nt + 2t, + 1
+        }
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+        for (int hr = 0; hr < 2; ++hr) {
+            const u32 v = words[nt][hr];
             // (row r, token c) of the block is in lane 4 r + c / 2, half c & 1
             const u32 a = SS_SHFL(v, 8 * t + (g >> 1)), b = SS_SHFL(v, 8 * t + 4 + (g >> 1));
             const u32 lo = (g & 1) ? a >> 16 : a & 0xFFFFu, hi = (g & 1) ? b >> 16 : b & 0xFFFFu;  // rows 2t, 2t + 1

@@ -227,7 +227,7 @@ def wide_function(qtype: int, n_tiles: int, m_tiles: int, portable: bool = False
     defines = _defines(portable)
     mt = f"{m_tiles}, 1" if swiglu else m_tiles
     fn = loader.get_function(SOURCE, f"qmw_kernel<{qtype}, {n_tiles}, {mt}>", defines, pdl=PDL and not portable)
-    key = (qtype, n_tiles, m_tiles, bool(swiglu), defines, qm._device_id())
+    key = (SOURCE, qtype, n_tiles, m_tiles, bool(swiglu), defines, qm._device_id())
     if key not in _configured:
         fn.max_dynamic_shared_size_bytes = SMEM_LIMIT  # opt in above the 48 KiB default once
         _configured[key] = SMEM_LIMIT
@@ -423,12 +423,15 @@ SWIGLU_TYPES = frozenset((12, 14))  # Q4_K, Q6_K
 # 0.9939 at widths 8 / 16 / 23 / 32 with 4 warps (8 warps 1.0068 / 1.0059 / 0.994 / 0.9946); at 2 tiles (9..16
 # tokens) with 3 stages instead of choose_config's 2 (--step-ab wswiglu2): 0.9703 / 0.9691 at 12 / 16 (alone 0.919 /
 # 0.915; 2 warps x 3 stages 1.0103 / 1.0065, 2 x 4 1.0015 / 0.9972, 8 warps 1.0049 / 1.0024). Q6_K follows Q4_K (the
-# 27B has no Q6_K gate|up to measure).
-SWIGLU_TILES = {12: (1, 2, 3, 4), 14: (1, 2, 3, 4)}
+# 27B has no Q6_K gate|up to measure). Q4_K at 5 token tiles (33..40 tokens) with 8 pairs a row block and 3 stages
+# (session 29, after the writer's SiLUs went ahead of its shuffles; --step-ab wswiglu6): 0.9863 of the product + the
+# pack at 36; at 6 tiles 0.9989 / 0.9967 at 41 / 48 (alone 1.009 / 1.007: 8 us over the product of the same shape,
+# unexplained), so 6 keeps the pack. Q6_K spills from 5 tiles.
+SWIGLU_TILES = {12: (1, 2, 3, 4, 5), 14: (1, 2, 3, 4)}
 # The launch shape: SWIGLU_SHAPES (type -> token tiles -> (warps, i.e. gate / up tile pairs a row block, and stages;
 # 0: the default)), else SWIGLU_WARPS and choose_config's stages
 SWIGLU_WARPS = 4
-SWIGLU_SHAPES: dict[int, dict[int, tuple[int, int]]] = {12: {2: (4, 3)}, 14: {2: (4, 3)}}
+SWIGLU_SHAPES: dict[int, dict[int, tuple[int, int]]] = {12: {2: (4, 3), 5: (8, 3)}, 14: {2: (4, 3)}}
 
 
 def swiglu_stack(qtype: int, n_out: int) -> bool:
