@@ -5,8 +5,10 @@ ring, and ring with programmatic dependent launch, interleaved, by switching qua
 Prints ratios and the fraction of the copy bandwidth each reaches.
 
     python3 bench/gemv_ab.py [--no-matrices] [--widths 2,3,4,8]
-                             [--model PATH [--step-ab ring|small|stack|wide|dnpdl|dnsrc|NAME]]
+                             [--model PATH [--draft DRAFTER.gguf] [--step-ab ring|small|stack|wide|dnpdl|dnsrc|NAME]]
                              [--context 512] [--json out.json]
+
+--draft: the knob modes of --step-ab NAME on the GPU drafter's captured pass (drafter_step) instead of the step.
 
 --widths: per matrix and width, the ring against v2 and the per-tile gemv (x packed with its int16 staging).
 --step-ab small: the step at 2 / 3 / 4 tokens with the ring taking the K-quant products up to 3 tokens (and the packs
@@ -365,6 +367,15 @@ STEP_ABS = {
                    {"qw.SWIGLU_TILES": {12: (1, 2, 3, 4, 5, 6), 14: (1, 2, 3, 4)},
                     "qw.SWIGLU_SHAPES": {12: {2: (4, 3), 5: (8, 3), 6: (8, 3)}, 14: {2: (4, 3)}}})],
                  (36, 41, 48), [("fused 5-6 tiles", "pack")]),
+    # the DFlash drafter's Q8_0 products (its block pass: 16 tokens) on the wide kernel (shipped: v2 below
+    # CROSSOVER[8] = 25): from 4 tokens on its high and deep matrices (the stacked gate|up, ffn_down), or every Q8_0
+    # matrix from 9 / 4 tokens. With --draft: measured on the drafter's captured pass (drafter_step), widths unused
+    "q8wide": ([("shipped", SMALL, 3, "capture", {}),
+                ("q8 high+deep from 4", SMALL, 3, "capture", {"qw.HIGH_CROSSOVER": {12: 4, 14: 4, 8: 4},
+                                                              "qw.DEEP_CROSSOVER": {12: 4, 14: 4, 8: 4}}),
+                ("q8 all from 9", SMALL, 3, "capture", {"qw.CROSSOVER": {1: 17, 8: 9, 12: 25, 14: 25}}),
+                ("q8 all from 4", SMALL, 3, "capture", {"qw.CROSSOVER": {1: 17, 8: 4, 12: 25, 14: 25}})], (16,),
+               [("q8 high+deep from 4", "shipped"), ("q8 all from 9", "shipped"), ("q8 all from 4", "shipped")]),
     "v2stages": ([("shipped", SMALL, 3, "capture", {}), ("v2 3 stages", SMALL, 3, "capture", {"qm.STAGES_V2": 3}),
                   ("v2 4 stages", SMALL, 3, "capture", {"qm.STAGES_V2": 4})], (8, 16, 23),
                  [("v2 3 stages", "shipped"), ("v2 4 stages", "shipped")]),
@@ -481,6 +492,42 @@ def step(cupy, qm, qg, path: str, context: int, ab: str = "ring") -> list[dict]:
     return rows
 
 
+def drafter_step(cupy, path: str, draft: str, context: int, ab: str, rounds: int = 3) -> list[dict]:
+    """A STEP_ABS entry of knob modes on the GPU drafter's pass instead of the target's step: per mode and round, a
+    fresh session's captured pass (3 appended rows, the 16-token block, top-8) replayed (drafter_window_ab's
+    pass_replay_ms, median of 20), the modes interleaved."""
+    from drafter_window_ab import pass_replay_ms
+    from gpu_bench import load_gpu_model
+
+    from services.engine.models.dflash_gpu import load_gpu_drafter
+
+    modes, _, ratios = STEP_ABS[ab]
+    if not all(isinstance(m[4], dict) for m in modes):
+        raise ValueError(f"--draft takes a STEP_ABS entry of knob modes, not {ab!r}")
+    model, _, _ = load_gpu_model(path)
+    dr = load_gpu_drafter(draft, model)
+    knobs_shipped = {name: getattr(*knob_owner(name)) for name in step_knobs()}
+    res: dict[str, list[float]] = {}
+    try:
+        for _rep in range(rounds):
+            for how, *_, knobs in modes:
+                for name, value in {**knobs_shipped, **knobs}.items():
+                    setattr(*knob_owner(name), value)
+                res.setdefault(how, []).append(pass_replay_ms(dr, cupy, context))
+    finally:
+        for name, value in knobs_shipped.items():
+            setattr(*knob_owner(name), value)
+    row: dict = {"context": context, "runs": res}
+    for how, v in res.items():
+        row[f"{how}_ms"] = round(statistics.median(v), 4)
+    for a, b in ratios:
+        row[f"{a}/{b}"] = round(row[f"{a}_ms"] / row[f"{b}_ms"], 4)
+    parts = [f"{how} {row[how + '_ms']} ms (runs {[round(x, 3) for x in v]})" for how, v in res.items()]
+    print(f"drafter pass at context {context}: {', '.join(parts)}; "
+          + ", ".join(f"{a}/{b} {row[f'{a}/{b}']}" for a, b in ratios), flush=True)
+    return [row]
+
+
 def main(argv: list[str]) -> int:
     from kernels import loader
 
@@ -506,7 +553,10 @@ def main(argv: list[str]) -> int:
         out["widths"] = per_width(cupy, qm, qg, widths, copy_gbps)
     if model:
         ab = argv[argv.index("--step-ab") + 1] if "--step-ab" in argv else "ring"
-        out["step"] = step(cupy, qm, qg, model, context, ab)
+        if "--draft" in argv:
+            out["drafter"] = drafter_step(cupy, model, argv[argv.index("--draft") + 1], context, ab)
+        else:
+            out["step"] = step(cupy, qm, qg, model, context, ab)
     if "--json" in argv:
         Path(argv[argv.index("--json") + 1]).write_text(json.dumps(out, indent=1))
     return 0
