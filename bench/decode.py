@@ -29,7 +29,9 @@ verify at `--context`, and `ratio_to_verify23_at_ctx` (`_replay_at_ctx`: graph a
 measured at the same long context. The speculative loop (`spec_loop`): per
 step draft_topk (k=8) -> DDTree of 22 nodes -> tree verify (23 tokens, checkpoints, captured features, all logits)
 -> greedy argmax of the rows -> commit of a forced path of a tokens (root + the top-1 chain's first a-1 nodes)
--> next draft from those features. Its
+-> next draft from those features; in the engine's order (`spec_loop`) that draft is queued before the commit
+(speculative.begin_propose, the host building the next tree while the commit runs), and `spec_loop_serial` runs the
+same steps one after another, each from an idle device. Its
 `outside_kernels_ms` = step - the loop's own drafter, verify and commit graphs each replayed alone: the loop's work
 outside kernels (Python, uploads and downloads, tree build, argmax, graph launches). With DECODE_PROFILE=PATH
 the last acceptance length runs PROFILE_STEPS more steps under cProfile after its timed ones (stats to PATH).
