@@ -269,3 +269,55 @@ def test_the_next_draft_starts_before_the_commit(target_path, monkeypatch, fail)
         assert res.spec["fallback"] is True and fail in res.spec["fallback_reason"]
         # the first block through propose(), the next two begun (the second failing in the half under test)
         assert len(begins) == 2 and prop.calls == 2 + (fail == "fetch")
+
+
+class _FakeGpuDrafter:
+    """What GpuProposer asks of a DFlashGpuDrafter, logging the order of a pass's halves and the session's return."""
+
+    block_size, target_layer_ids = 16, [1]
+
+    def __init__(self, log, fail_wait=False):
+        self.log, self.fail_wait = log, fail_wait
+
+    def acquire_session(self):
+        self.log.append("acquire")
+        return "session"
+
+    def release_session(self, s):
+        self.log.append(("release", s))
+
+    def draft_topk_begin(self, session, feats, last, start, k):
+        self.log.append(("queued", start))
+
+        def fetch():
+            self.log.append(("waited", start))
+            if self.fail_wait:
+                raise RuntimeError("device error (test)")
+            return np.zeros((15, k), np.int64), np.zeros((15, k))
+        return fetch
+
+
+def test_gpu_proposer_waits_for_a_pass_in_flight_before_its_session_goes_back():
+    """GpuProposer.close(): a draft begun and never asked for (a request cancelled between steps) is waited for before
+    the session returns to the drafter's pool; one already asked for is not waited for again; the session goes back
+    even when that wait fails."""
+    from services.engine.models.dflash_gpu import GpuProposer
+
+    log: list = []
+    p = GpuProposer(_FakeGpuDrafter(log))
+    ids, _ = p.propose(None, 5, 10, 8)
+    assert ids.shape == (15, 8) and log == ["acquire", ("queued", 10), ("waited", 10)]
+    p.propose_begin(None, 6, 13, 8)
+    p.close()
+    assert log[3:] == [("queued", 13), ("waited", 13), ("release", "session")]
+    p.close()                                   # closed twice: returned once
+    assert log.count(("release", "session")) == 1
+    with pytest.raises(RuntimeError, match="closed proposer"):
+        p.propose_begin(None, 6, 13, 8)
+
+    log.clear()
+    q = GpuProposer(_FakeGpuDrafter(log, fail_wait=True))
+    q.propose_begin(None, 1, 2, 1)
+    with pytest.raises(RuntimeError, match="device error"):
+        q.close()
+    assert log[-1] == ("release", "session")

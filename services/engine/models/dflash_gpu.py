@@ -614,15 +614,12 @@ class GpuProposer:
     def __init__(self, drafter: DFlashGpuDrafter):
         self.drafter = drafter
         self.session: GpuDraftSession | None = None
+        self._pending: Callable[[], Any] | None = None   # the last propose_begin's wait, until it is asked for
         self.closed = False
         self.block_size = drafter.block_size
         self.target_layer_ids = list(drafter.target_layer_ids)
 
     def propose(self, new_features: Any, last_token: int, start: int, k: int) -> tuple[np.ndarray, np.ndarray]:
-        if self.closed:
-            raise RuntimeError("propose() on a closed proposer")
-        if self.session is None:
-            self.session = self.drafter.acquire_session()
         return self.propose_begin(new_features, last_token, start, k)()
 
     def propose_begin(self, new_features: Any, last_token: int, start: int,
@@ -632,13 +629,25 @@ class GpuProposer:
             raise RuntimeError("propose() on a closed proposer")
         if self.session is None:
             self.session = self.drafter.acquire_session()
-        return self.drafter.draft_topk_begin(self.session, new_features, int(last_token), int(start), int(k))
+        fetch = self.drafter.draft_topk_begin(self.session, new_features, int(last_token), int(start), int(k))
+        self._pending = fetch
+
+        def result() -> tuple[np.ndarray, np.ndarray]:
+            self._pending = None
+            return fetch()
+
+        return result
 
     def close(self) -> None:
         self.closed = True
+        pending, self._pending = self._pending, None
         s, self.session = self.session, None
-        if s is not None:   # closed twice (the engine, then the service): returned once
-            self.drafter.release_session(s)
+        try:
+            if pending is not None:   # a request ended with a pass in flight: its session goes back to the pool idle
+                pending()
+        finally:
+            if s is not None:   # closed twice (the engine, then the service): returned once
+                self.drafter.release_session(s)
 
 
 def load_gpu_drafter(path: str, target: Any, device: int | None = None) -> DFlashGpuDrafter:
