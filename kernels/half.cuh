@@ -75,8 +75,9 @@ static __device__ __forceinline__ unsigned int f2h(float f) {
 // CUDA: the fast exponential and divide, ~5 instructions against ~24 for expf and an IEEE divide (the SwiGLU writers
 // of the wide kernel form 48 a lane at a row block's end, where one block a SM leaves nothing to hide them:
 // docs/gpu_quant_matmul.md, session 29); a few ulp of float32, far below the fp16 the value is rounded to. The
-// condition reads no includer's macro (SS_PTX starts at sm_53 in deltanet.cu, at sm_80 elsewhere), so the packs, the ring's staging, the wide SwiGLU launch and decode_step's norm keep giving each other's bits; HIP, the
-// portable build and the CPU simulations keep the accurate form.
+// condition reads no includer's macro (SS_PTX starts at sm_53 in deltanet.cu, at sm_80 elsewhere), so the packs, the
+// ring's staging, the wide SwiGLU launch and decode_step's norm keep giving each other's bits; HIP, the portable
+// build and the CPU simulations keep the accurate form.
 #if defined(__CUDA_ARCH__) && !defined(__HIP_PLATFORM_AMD__) && !defined(__HIPCC__) && !defined(__HIPCC_RTC__) && \
     !defined(SPECSPLIT_PORTABLE)
 #define HF_FAST_SILU 1

@@ -1696,9 +1696,9 @@ SS_DEV void swiglu_units(const float (&acc)[2][NT][4], uint4* __restrict__ xp, i
     constexpr int TPAD = 8 * NT;
     const int ch = tile >> 4, j = tile & 15;  // the down product's chunk of K and the tile's 16-value slot in it
     u32* const base = (u32*)(xp + (i64)ch * 32 * TPAD + (j >> 2)) + t;
-    // Every value's SiLU first, then the shuffles: 4 NT independent expf / divide chains in flight instead of one
-    // (nt, hr) block's chain before its shuffles and the next's (at 6 token tiles a SM holds one block, whose 8
-    // warps all end a row block at once: a serial epilogue stalled the weight stream ~13 % of the launch)
+    // Every value's SiLU first, then the shuffles: 4 NT independent exponential / divide chains in flight instead of
+    // one (nt, hr) block's chain before its shuffles and the next's (at 6 token tiles a SM holds one block, whose 8
+    // warps all end a row block at once while the weight stream waits)
     u32 words[NT][2];
 #pragma unroll
     for (int nt = 0; nt < NT; ++nt)
