@@ -402,6 +402,12 @@ def knob_owner(name: str) -> tuple[object, str]:
     return mod, attr
 
 
+def set_knobs(knobs: dict) -> None:
+    """Set each knob (a STEP_ABS name) to its value."""
+    for name, value in knobs.items():
+        setattr(*knob_owner(name), value)
+
+
 def step_knobs() -> list[str]:
     """Every knob name a STEP_ABS mode sets (each is saved before a run and restored after every mode)."""
     return sorted({name for modes, _, _ in STEP_ABS.values() for m in modes if isinstance(m[4], dict)
@@ -425,10 +431,6 @@ def step(cupy, qm, qg, path: str, context: int, ab: str = "ring") -> list[dict]:
 
     shipped, q16_shipped, pdl_env = dict(qg.RING_UP_TO), qm.Q16_TOKENS, os.environ.get(loader.PDL_ENV)
     stack_shipped, wide_shipped = backend.STACK_CONCURRENT, dict(quant_wide.CROSSOVER)
-
-    def set_knobs(knobs: dict) -> None:
-        for name, value in knobs.items():
-            setattr(*knob_owner(name), value)
 
     knobs_shipped = {name: getattr(*knob_owner(name)) for name in step_knobs()}  # restored after every mode
     dn_pdl_shipped, dn_source = (deltanet.PDL, deltanet.PDL_UP_TO), deltanet.SOURCE
@@ -511,12 +513,10 @@ def drafter_step(cupy, path: str, draft: str, context: int, ab: str, rounds: int
     try:
         for _rep in range(rounds):
             for how, *_, knobs in modes:
-                for name, value in {**knobs_shipped, **knobs}.items():
-                    setattr(*knob_owner(name), value)
+                set_knobs({**knobs_shipped, **knobs})
                 res.setdefault(how, []).append(pass_replay_ms(dr, cupy, context))
     finally:
-        for name, value in knobs_shipped.items():
-            setattr(*knob_owner(name), value)
+        set_knobs(knobs_shipped)
     row: dict = {"context": context, "runs": res}
     for how, v in res.items():
         row[f"{how}_ms"] = round(statistics.median(v), 4)
