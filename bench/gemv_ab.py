@@ -360,13 +360,13 @@ STEP_ABS = {
     "qwsrc": ([("base source", SMALL, 3, "capture", {"qw.SOURCE": os.environ.get("QW_BASE_SOURCE", "quant_matmul.cu")}),
                ("this source", SMALL, 3, "capture", {})], (8, 16, 23, 32),
               [("this source", "base source")]),
-    # the SwiGLU launch at 5 and 6 token tiles too (33..48 tokens; quant_wide.SWIGLU_TILES), 8 tile pairs a row block
-    # (the product's 8 warps x 2 tiles at 6) with 3 stages
-    "wswiglu6": ([("pack", SMALL, 3, "capture", {}),
-                  ("fused 5-6 tiles", SMALL, 3, "capture",
-                   {"qw.SWIGLU_TILES": {12: (1, 2, 3, 4, 5, 6), 14: (1, 2, 3, 4)},
-                    "qw.SWIGLU_SHAPES": {12: {2: (4, 3), 5: (8, 3), 6: (8, 3)}, 14: {2: (4, 3)}}})],
-                 (36, 41, 48), [("fused 5-6 tiles", "pack")]),
+    # the SwiGLU launch at 6 token tiles (41..48 tokens; quant_wide.SWIGLU_TILES), 8 tile pairs a row block (the
+    # product's 8 warps x 2 tiles) with 3 stages, against the product and the SwiGLU pack there
+    "wswiglu6": ([("pack from 6 tiles", SMALL, 3, "capture",
+                   {"qw.SWIGLU_TILES": {12: (1, 2, 3, 4, 5), 14: (1, 2, 3, 4)},
+                    "qw.SWIGLU_SHAPES": {12: {2: (4, 3), 5: (8, 3)}, 14: {2: (4, 3)}}}),
+                  ("shipped", SMALL, 3, "capture", {})],
+                 (36, 41, 48), [("shipped", "pack from 6 tiles")]),
     # the DFlash drafter's Q8_0 products (its block pass: 16 tokens) on the wide kernel (shipped: v2 below
     # CROSSOVER[8] = 25): from 4 tokens on its high and deep matrices (the stacked gate|up, ffn_down), or every Q8_0
     # matrix from 9 / 4 tokens. With --draft: measured on the drafter's captured pass (drafter_step), widths unused

@@ -426,13 +426,13 @@ SWIGLU_TYPES = frozenset((12, 14))  # Q4_K, Q6_K
 # 27B has no Q6_K gate|up to measure). Q4_K at 5 token tiles (33..40 tokens) with 8 pairs a row block and 3 stages
 # (session 29, after the writer's SiLUs went ahead of its shuffles; --step-ab wswiglu6): 0.9863 of the product + the
 # pack at 36; at 6 tiles 0.9989 / 0.9967 at 41 / 48 with accurate SiLUs (alone 1.009 / 1.007: 8 us over the product
-# of the same shape, its writers' exponentials and divides), 0.9949 / 0.994 with hf::silu's fast ones (branch
-# exp-swiglu6 takes 6 tiles once its GPU tests ran). Q6_K spills from 5 tiles.
-SWIGLU_TILES = {12: (1, 2, 3, 4, 5), 14: (1, 2, 3, 4)}
+# of the same shape, its writers' exponentials and divides), 0.9949 / 0.994 with hf::silu's fast ones: taken. Q6_K
+# spills from 5 tiles.
+SWIGLU_TILES = {12: (1, 2, 3, 4, 5, 6), 14: (1, 2, 3, 4)}
 # The launch shape: SWIGLU_SHAPES (type -> token tiles -> (warps, i.e. gate / up tile pairs a row block, and stages;
 # 0: the default)), else SWIGLU_WARPS and choose_config's stages
 SWIGLU_WARPS = 4
-SWIGLU_SHAPES: dict[int, dict[int, tuple[int, int]]] = {12: {2: (4, 3), 5: (8, 3)}, 14: {2: (4, 3)}}
+SWIGLU_SHAPES: dict[int, dict[int, tuple[int, int]]] = {12: {2: (4, 3), 5: (8, 3), 6: (8, 3)}, 14: {2: (4, 3)}}
 
 
 def swiglu_stack(qtype: int, n_out: int) -> bool:

@@ -805,8 +805,8 @@ def test_backend_wide_swiglu_rule() -> None:
         return m
 
     gu, down = gpu((34816, 5120)), gpu((5120, 17408))
-    # (Q4_K: 1..5 token tiles above the ring, i.e. 4..40 tokens)
-    assert [t for t in range(1, 65) if can_wide_swiglu(gu, down, t)] == list(range(qm.Q16_TOKENS + 1, 41))
+    # (Q4_K: 1..6 token tiles above the ring, i.e. 4..48 tokens)
+    assert [t for t in range(1, 65) if can_wide_swiglu(gu, down, t)] == list(range(qm.Q16_TOKENS + 1, 49))
     assert not can_wide_swiglu(gu, gpu((5120, 17392)), 23)  # not this stack's down product
     assert not can_wide_swiglu(gu.q, down, 23) and not can_wide_swiglu(gu, down.q, 23)  # not GpuMatrix wrappers
 
