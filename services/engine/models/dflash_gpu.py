@@ -381,7 +381,11 @@ class DFlashGpuDrafter:
         """Context K/V of the feature rows into the caches at rows s_ctx[0].. (dflash.append_context's math)."""
         c, eps = self.cfg, self.cfg.rms_eps
         n, kd = int(feats.shape[0]), c.n_head_kv * c.head_dim
-        ctx = nr.rms_norm(self.fc.matmul(feats), self.hidden_norm, eps)
+        fc = self.fc.matmul(feats)
+        # the hidden norm in the one pack every layer's k|v product reads (bit for bit rms_norm, then each product's
+        # own pack: one launch instead of 1 + n_layer); above a launch's tokens the products pack their chunks
+        ctx = (qm.pack_activations(fc, rms_weight=self.hidden_norm, eps=eps) if n <= qm.MAX_TOKENS
+               else nr.rms_norm(fc, self.hidden_norm, eps))
         for i, w in enumerate(self.layers):
             kv = w["attn_kv"].matmul(ctx)
             k, _ = nr.qk_norm_rope(kv[:, :kd].reshape(n, c.n_head_kv, c.head_dim), None, w["attn_k_norm"], None,
@@ -427,8 +431,11 @@ class DFlashGpuDrafter:
             x = self.be.embed(self.tok_embd, s.tokens[:T])
         pos = s.blk_pos[:T]
         window = c.sliding_window or 0
+        # As the target's fused step (qwen35_gpu._block): each norm runs in the pack its products read (bit for bit the
+        # norm, then the pack), the residual add in the post-attention norm's pack, SwiGLU in ffn_down's pack, and
+        # ffn_down adds into the stream in its epilogue: 4 launches a layer fewer than norm, pack, add one by one
         for i, w in enumerate(self.layers):
-            h = qm.pack_activations(nr.rms_norm(x, w["attn_norm"], eps))     # packed once for both products
+            h = qm.pack_activations(x, rms_weight=w["attn_norm"], eps=eps)     # packed once for both products
             q = w["attn_q"].matmul(h).reshape(T, H, D)
             kv = w["attn_kv"].matmul(h)
             k = kv[:, :Hkv * D].reshape(T, Hkv, D)
@@ -440,17 +447,19 @@ class DFlashGpuDrafter:
                 o = att.attention(q, cache, s.s_start, masks[1], s_hint=s_hint, window=window)
             else:
                 o = att.attention(q, cache, s.s_start, masks[0], s_hint=s_hint)
-            h, x = nr.rms_norm(w["attn_output"].matmul(o.reshape(T, H * D)), w["post_attention_norm"], eps,
-                               residual=x)
+            # (a new stream array: layer 0's x, the embedded rows or x0, is only read)
+            h = qm.pack_activations(w["attn_output"].matmul(o.reshape(T, H * D)), rms_weight=w["post_attention_norm"],
+                                    eps=eps, residual=x)
+            x = h.residual
             gu = w["ffn_gate_up"].matmul(h)
-            x = x + w["ffn_down"].matmul(nr.silu_mul(gu[:, :c.n_ff], gu[:, c.n_ff:]))   # residual add: CuPy
+            w["ffn_down"].matmul(qm.pack_activations(gu[:, :c.n_ff], silu_up=gu[:, c.n_ff:]), out=x, accumulate=True)
         return x
 
     def _head(self, x: Any) -> tuple[Any, Any, Any, Any]:
         """(logits, top-k ids, top-k log-probs at temperature 1, both side by side as int32 bits) of hidden
         rows, all on the device (the last for one copy to the host)."""
         cp = self.xp
-        logits = self.output.matmul(nr.rms_norm(x, self.output_norm, self.cfg.rms_eps))
+        logits = self.output.matmul(qm.pack_activations(x, rms_weight=self.output_norm, eps=self.cfg.rms_eps))
         k = min(TOPK, self.n_vocab)
         ids, logp = smp.topk_logprobs(logits, k)
         packed = cp.zeros((int(ids.shape[0]), 2 * TOPK), cp.int32)
@@ -494,7 +503,7 @@ class DFlashGpuDrafter:
         x0 = cp.asarray(self.host_embed(ids)) if self._host_table else None
         masks = (cp.full(T, (1 << T) - 1, dtype=cp.uint64), cp.asarray(att.tree_mask(np.arange(-1, T - 1))))
         x = self._block_pass(session, T, 0, start, masks, x0)
-        logits = self.output.matmul(nr.rms_norm(x, self.output_norm, self.cfg.rms_eps))
+        logits = self.output.matmul(qm.pack_activations(x, rms_weight=self.output_norm, eps=self.cfg.rms_eps))
         return np.asarray(cp.asnumpy(logits), dtype=np.float32)
 
     def host_embed(self, ids: np.ndarray) -> np.ndarray:
