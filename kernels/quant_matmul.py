@@ -244,7 +244,8 @@ def qmv_function(qtype: int, n_tiles: int, m_tiles: int, smem: int, portable: bo
 # 32 / 41 / 64: the SwiGLU pack 1.0109 / 1.0116 / 0.9875 / 0.9948 / 0.9956 / 0.9959; the norm packs 1.0013 / 1.0004 /
 # 1.0124 / 0.9720 / 0.9762 / 0.9916; all 1.0137 / 1.0164 / 1.0021 / 0.9681 / 0.9711 / 0.9871. With a norm pack's
 # block holding its slice's weights alone (27 KB of shared memory at the 27B's rows instead of 40 KB), the norm packs
-# from 4 against 25 (--step-ab rmspdl): 0.9908 / 0.9965 / 0.9982 / 1.0188 at widths 4 / 9 / 16 / 23: kept at 25.
+# from 4 against 25 (--step-ab rmspdl): 0.9908 / 0.9965 / 0.9982 / 1.0188 at widths 4 / 9 / 16 / 23: kept at 25
+# (session 30, with the wide kernel's later changes: 1.0022 / 1.0032 / 1.0041 / 1.0023).
 PACK_PDL_WIDE: dict[str, int] = {"silu": 17, "rms": 25, "x": 25}
 # v2 under PDL: its warps request their first stages' weights before the grid dependency wait (widepdl: 1.0274 of
 # the step without any at width 23 against the wide kernel's alone 0.9825)

@@ -61,7 +61,7 @@ CROSSOVER = {1: 17, 8: 25, 12: 25, 14: 25}  # F16, Q8_0, Q4_K, Q6_K
 # Session 24 (H100, the step with the bulk adds and the peek: bench/gemv_ab.py --step-ab wide9, three rounds): the
 # high and deep K-quant matrices from 9 against 17: 0.9975 / 0.9975 / 0.9971 at widths 9 / 12 / 16 (from 13: 1.0002 /
 # 1.0003 / 0.9970); every other K-quant matrix from 17 instead of 25 lost (--step-ab xover17: 1.0039 / 1.0046 / 1.0047
-# at 17 / 20 / 23).
+# at 17 / 20 / 23; again in session 30, after the wide kernel's later changes: 1.0159 / 1.0196 / 1.022).
 # Session 25 (the wide kernel under PDL, PDL above): the high and deep K-quant matrices from 4 against 9 (bench/
 # gemv_ab.py --step-ab wide4, H100, three rounds): 0.932 / 0.927 / 0.931 at widths 4 / 6 / 8; every K-quant matrix
 # from 4 (--step-ab all4) 1.032 / 1.033 / 1.040 / 1.037 of that at 4 / 8 / 12 / 16, the LM head from 4 too (tall4)
@@ -82,6 +82,7 @@ HIGH_ROWS = 16384
 # high, three rounds) with the high rule from 10240 rows at every width: 1.0076 / 1.0076 / 1.0049 / 0.9919 at widths 4
 # / 8 / 16 / 23 (from 6144 rows, the DeltaNet gate stack of 6240 too: 1.0079 / 1.0076 / 1.0071 / 0.9955), so these from
 # 17 only; the 5120 x 6144 projections and the 6240-row gate stack keep v2 (at 23: 15.6 vs 15.3 us, 14.7 vs 13.7).
+# Session 30 (--step-ab mid): this rule's step 0.9862 / 0.9869 / 0.9924 of v2 up to 24 at 17 / 20 / 23.
 MID_CROSSOVER = {12: 17, 14: 17}  # (a type missing: CROSSOVER)
 MID_ROWS = 10240
 # Default launch shape (choose_config): m16 tiles per warp, warps per block, copy stages by token tiles, with as
