@@ -132,6 +132,17 @@ def per_width(cupy, qm, qg, widths: list[int], copy_gbps: float) -> list[dict]:
 # the widths they run at, and the ratios printed
 ONE = {8: 1, 12: 1, 14: 1}
 SMALL = {8: 1, 12: 3, 14: 3}
+
+
+def _tall5(shape: tuple[int, int] | None) -> dict[int, dict[int, tuple[int, int]]]:
+    """quant_wide.TALL_SHAPES with this (m16 tiles a warp, warps) at 5 token tiles (None: none there, the default
+    shape; the w5tiles entry)."""
+    from kernels import quant_wide as qw
+
+    return {q: {**{n: v for n, v in tiles.items() if n != 5}, **({5: shape} if shape else {})}
+            for q, tiles in qw.TALL_SHAPES.items()}
+
+
 STEP_ABS = {
     "ring": ([("tile", {}, 1, "off", False), ("ring", ONE, 1, "off", False), ("ring+pdl", ONE, 1, "capture", False)],
              (1, 23), [("ring", "tile"), ("ring+pdl", "ring")]),
@@ -376,6 +387,20 @@ STEP_ABS = {
                 ("q8 all from 9", SMALL, 3, "capture", {"qw.CROSSOVER": {1: 17, 8: 9, 12: 25, 14: 25}}),
                 ("q8 all from 4", SMALL, 3, "capture", {"qw.CROSSOVER": {1: 17, 8: 4, 12: 25, 14: 25}})], (16,),
                [("q8 high+deep from 4", "shipped"), ("q8 all from 9", "shipped"), ("q8 all from 4", "shipped")]),
+    # 5 token tiles (33..40 tokens), which no launch-shape sweep had covered before session 30: the shipped shapes
+    # (the tall matrix, i.e. the LM head, with 2 tiles a warp and 4 warps as at 4 tiles, quant_wide.TALL_SHAPES; the
+    # other products with 3 stages as at 4 and 6 tiles, STAGES3_TILES) against those before (1 tile x 8 warps, 2 stages)
+    # and the tall shape alone
+    "w5tiles": ([("before", SMALL, 3, "capture", {"qw.TALL_SHAPES": _tall5(None),
+                                                   "qw.STAGES3_TILES": {12: (3, 4, 6), 14: (2, 3, 4, 6)}}),
+                 ("tall 2x4 at 5", SMALL, 3, "capture", {"qw.STAGES3_TILES": {12: (3, 4, 6), 14: (2, 3, 4, 6)}}),
+                 ("shipped", SMALL, 3, "capture", {})],
+                (36, 40), [("tall 2x4 at 5", "before"), ("shipped", "before")]),
+    # 7 and 8 token tiles (49..64 tokens): 3 stages as at 3..6 tiles (quant_wide.STAGES3_TILES)
+    "w78tiles": ([("shipped", SMALL, 3, "capture", {}),
+                  ("3 stages at 7-8", SMALL, 3, "capture",
+                   {"qw.STAGES3_TILES": {12: (3, 4, 5, 6, 7, 8), 14: (2, 3, 4, 5, 6, 7, 8)}})],
+                 (56, 64), [("3 stages at 7-8", "shipped")]),
     "v2stages": ([("shipped", SMALL, 3, "capture", {}), ("v2 3 stages", SMALL, 3, "capture", {"qm.STAGES_V2": 3}),
                   ("v2 4 stages", SMALL, 3, "capture", {"qm.STAGES_V2": 4})], (8, 16, 23),
                  [("v2 3 stages", "shipped"), ("v2 4 stages", "shipped")]),

@@ -106,7 +106,10 @@ WARPS = 4
 # Session 27 (the sweep again, scratch/s27_widesweep.py): 3 stages at 4 token tiles too (32 tokens: Q4_K 5120 x 6144
 # 15.9 vs 16.6 us, ffn_down 31.0 vs 31.8, the DeltaNet input 28.0 vs 28.7, Q6_K ffn_down 37.4 vs 39.0); the step
 # (--step-ab wstages, with ACC_TILE_STAGES) 0.9847 at width 32 (41 / 48, which take 6 tiles: unchanged).
-STAGES3_TILES = {12: (3, 4, 6), 14: (2, 3, 4, 6)}
+# Session 30: 5 token tiles (33..40 tokens), which no sweep had covered, too (--step-ab w5tiles, three rounds, with the
+# tall shape at 5 below): the step 0.9643 / 0.9623 at widths 36 / 40 (the tall shape alone 0.9946 / 0.995); at 7 and 8
+# tiles 3 stages lose (--step-ab w78tiles: 1.0115 / 1.0689 at 56 / 64).
+STAGES3_TILES = {12: (3, 4, 5, 6), 14: (2, 3, 4, 5, 6)}
 # per type, token tiles -> (m16 tiles per warp, warps) of a matrix of VERY_HIGH_ROWS rows or more that is neither deep
 # nor tall (the 27B's stacked gate|up of 34816 rows); elsewhere M_TILES, WARPS. Session 27 (H100): at 6 token tiles 8
 # warps x 2 tiles (256 rows a block, one block a SM: x staged once for 4x the rows), Q4_K gate|up at 41 tokens 60.3 vs
@@ -116,8 +119,9 @@ STAGES3_TILES = {12: (3, 4, 6), 14: (2, 3, 4, 6)}
 VERY_HIGH_SHAPES: dict[int, dict[int, tuple[int, int]]] = {12: {6: (2, 8)}}
 VERY_HIGH_ROWS = 32768
 TALL_WARPS, TALL_STAGES = 8, 2
-# per type, token tiles -> (m16 tiles per warp, warps) of a tall matrix (elsewhere: M_TILES, TALL_WARPS)
-TALL_SHAPES = {q: {3: (2, 4), 4: (2, 4), 6: (2, 8), 8: (2, 8)} for q in (12, 14)}
+# per type, token tiles -> (m16 tiles per warp, warps) of a tall matrix (elsewhere: M_TILES, TALL_WARPS); 5 tiles
+# as 4 since session 30 (above)
+TALL_SHAPES = {q: {3: (2, 4), 4: (2, 4), 5: (2, 4), 6: (2, 8), 8: (2, 8)} for q in (12, 14)}
 # A producer warp beside the computing warps (sm_90 bulk copies only: the kernel ignores it elsewhere) issues every
 # copy, so no computing warp waits for a stage to empty before it computes. It holds a computing warp's registers,
 # which can cost a block per SM (41 tokens: 3 blocks of 4 warps, 2 of 5); the grid counts it (H100 step replays,

@@ -421,16 +421,16 @@ def test_default_config_fits(qtype, tokens) -> None:
 
 def test_default_config_rules() -> None:
     # the swept H100 defaults: 1 tile x 4 warps, 3 stages at 3 token tiles (17..24 tokens; Q6_K from 9; Q4_K / Q6_K
-    # at 25..32 (session 27) and 41..48 too), 2 otherwise; tall matrices 2 stages, 1 tile x 8 warps (K-quants: 2 x 4
-    # at 17..32 tokens, 2 x 8 at 41..48 and 57..64)
+    # at 25..48 too: 25..32 since session 27, 33..40 since session 30), 2 otherwise; tall matrices 2 stages, 1 tile x 8
+    # warps (K-quants: 2 x 4 at 17..40 tokens, 2 x 8 at 41..48 and 57..64)
     for q in (F16, Q8_0, Q4_K, Q6_K):
         s2 = 3 if q == Q6_K else 2
         s46 = 3 if q in (Q4_K, Q6_K) else 2
-        for tokens, stages in ((8, 2), (9, s2), (16, s2), (17, 3), (23, 3), (24, 3), (25, s46), (32, s46), (33, 2),
-                               (40, 2), (41, s46), (48, s46), (49, 2), (64, 2)):  # fmt: skip
+        for tokens, stages in ((8, 2), (9, s2), (16, s2), (17, 3), (23, 3), (24, 3), (25, s46), (32, s46), (33, s46),
+                               (40, s46), (41, s46), (48, s46), (49, 2), (64, 2)):  # fmt: skip
             assert qw.choose_config(q, 17408, 5120, tokens) == qw.WideConfig(1, 4, stages)
             assert qw.choose_config(q, 5120, 17408, tokens) == qw.WideConfig(1, 4, stages)
-            tall = {3: (2, 4), 4: (2, 4), 6: (2, 8), 8: (2, 8)}.get((tokens + 7) // 8, (1, 8))
+            tall = {3: (2, 4), 4: (2, 4), 5: (2, 4), 6: (2, 8), 8: (2, 8)}.get((tokens + 7) // 8, (1, 8))
             tall = tall if q in (Q4_K, Q6_K) else (1, 8)
             assert qw.choose_config(q, 248320, 5120, tokens) == qw.WideConfig(*tall, 2)
             assert qw.choose_config(q, 248320, 5120, tokens, qw.WideConfig(1)).m_tiles == 1  # an override kept
