@@ -134,12 +134,12 @@ ONE = {8: 1, 12: 1, 14: 1}
 SMALL = {8: 1, 12: 3, 14: 3}
 
 
-def _tall5(shape: tuple[int, int] | None) -> dict[int, dict[int, tuple[int, int]]]:
-    """quant_wide.TALL_SHAPES with this (m16 tiles a warp, warps) at 5 token tiles (None: none there, the default
-    shape; the w5tiles entry)."""
+def _tall_at(n_tiles: int, shape: tuple[int, int] | None) -> dict[int, dict[int, tuple[int, int]]]:
+    """quant_wide.TALL_SHAPES with this (m16 tiles a warp, warps) at n_tiles token tiles (None: none there, the
+    default shape)."""
     from kernels import quant_wide as qw
 
-    return {q: {**{n: v for n, v in tiles.items() if n != 5}, **({5: shape} if shape else {})}
+    return {q: {**{n: v for n, v in tiles.items() if n != n_tiles}, **({n_tiles: shape} if shape else {})}
             for q, tiles in qw.TALL_SHAPES.items()}
 
 
@@ -391,7 +391,7 @@ STEP_ABS = {
     # (the tall matrix, i.e. the LM head, with 2 tiles a warp and 4 warps as at 4 tiles, quant_wide.TALL_SHAPES; the
     # other products with 3 stages as at 4 and 6 tiles, STAGES3_TILES) against those before (1 tile x 8 warps, 2 stages)
     # and the tall shape alone
-    "w5tiles": ([("before", SMALL, 3, "capture", {"qw.TALL_SHAPES": _tall5(None),
+    "w5tiles": ([("before", SMALL, 3, "capture", {"qw.TALL_SHAPES": _tall_at(5, None),
                                                    "qw.STAGES3_TILES": {12: (3, 4, 6), 14: (2, 3, 4, 6)}}),
                  ("tall 2x4 at 5", SMALL, 3, "capture", {"qw.STAGES3_TILES": {12: (3, 4, 6), 14: (2, 3, 4, 6)}}),
                  ("shipped", SMALL, 3, "capture", {})],
@@ -401,6 +401,14 @@ STEP_ABS = {
                   ("3 stages at 7-8", SMALL, 3, "capture",
                    {"qw.STAGES3_TILES": {12: (3, 4, 5, 6, 7, 8), 14: (2, 3, 4, 5, 6, 7, 8)}})],
                  (56, 64), [("3 stages at 7-8", "shipped")]),
+    # 7 token tiles (49..56 tokens), unswept: the tall matrix (the LM head) with 2 tiles x 8 warps as at 6 and 8 tiles
+    # (quant_wide.TALL_SHAPES; shipped: 1 x 8), then the stacked gate|up (VERY_HIGH_ROWS) as 2 x 8 as at 6 tiles
+    # (VERY_HIGH_SHAPES; shipped: 1 x 4)
+    "w7tiles": ([("shipped", SMALL, 3, "capture", {}),
+                 ("tall 2x8 at 7", SMALL, 3, "capture", {"qw.TALL_SHAPES": _tall_at(7, (2, 8))}),
+                 ("+ gate|up 2x8 at 7", SMALL, 3, "capture",
+                  {"qw.TALL_SHAPES": _tall_at(7, (2, 8)), "qw.VERY_HIGH_SHAPES": {12: {6: (2, 8), 7: (2, 8)}}})],
+                (52, 56), [("tall 2x8 at 7", "shipped"), ("+ gate|up 2x8 at 7", "shipped")]),
     "v2stages": ([("shipped", SMALL, 3, "capture", {}), ("v2 3 stages", SMALL, 3, "capture", {"qm.STAGES_V2": 3}),
                   ("v2 4 stages", SMALL, 3, "capture", {"qm.STAGES_V2": 4})], (8, 16, 23),
                  [("v2 3 stages", "shipped"), ("v2 4 stages", "shipped")]),
