@@ -403,7 +403,8 @@ STEP_ABS = {
                  (56, 64), [("3 stages at 7-8", "shipped")]),
     # 7 token tiles (49..56 tokens), unswept: the tall matrix (the LM head) with 2 tiles x 8 warps as at 6 and 8 tiles
     # (quant_wide.TALL_SHAPES; shipped: 1 x 8), then the stacked gate|up (VERY_HIGH_ROWS) as 2 x 8 as at 6 tiles
-    # (VERY_HIGH_SHAPES; shipped: 1 x 4)
+    # (VERY_HIGH_SHAPES; shipped: 1 x 4). ptxas (nvcc 13, sm_90): qmw_kernel<Q6_K, 7, 2> spills 216 / 264 bytes (at 5
+    # and 6 tiles, shipped: 56 / 52), <Q4_K, 7, 2> none
     "w7tiles": ([("shipped", SMALL, 3, "capture", {}),
                  ("tall 2x8 at 7", SMALL, 3, "capture", {"qw.TALL_SHAPES": _tall_at(7, (2, 8))}),
                  ("+ gate|up 2x8 at 7", SMALL, 3, "capture",

@@ -120,7 +120,8 @@ VERY_HIGH_SHAPES: dict[int, dict[int, tuple[int, int]]] = {12: {6: (2, 8)}}
 VERY_HIGH_ROWS = 32768
 TALL_WARPS, TALL_STAGES = 8, 2
 # per type, token tiles -> (m16 tiles per warp, warps) of a tall matrix (elsewhere: M_TILES, TALL_WARPS); 5 tiles
-# as 4 since session 30 (above)
+# as 4 since session 30 (above). (Q6_K at 2 tiles a warp spills at 5 and 6 token tiles, 56 / 52 bytes of stores at
+# the 168-register cap, nvcc 13 sm_90, and still wins there.)
 TALL_SHAPES = {q: {3: (2, 4), 4: (2, 4), 5: (2, 4), 6: (2, 8), 8: (2, 8)} for q in (12, 14)}
 # A producer warp beside the computing warps (sm_90 bulk copies only: the kernel ignores it elsewhere) issues every
 # copy, so no computing warp waits for a stage to empty before it computes. It holds a computing warp's registers,
