@@ -85,7 +85,7 @@ def test_launch_shapes_agree(qtype: int) -> None:
     shape = (200, 2304) if qtype != qm.Q8_0 else (200, 2336)  # Q8_0: a tail chunk of 32 values
     W, w64 = _matrix(qtype, shape, rng)
     for cfg in SHAPES:
-        for tokens in (9, 36, 41, 64):  # (36: 5 token tiles, which no default shape takes 2 tiles a warp at)
+        for tokens in (9, 36, 41, 64):  # (36: 5 token tiles, 3 stages and the tall 2 x 4 there since session 30)
             full = qw.choose_config(qtype, *shape, tokens, cfg)
             if qw.smem_bytes(qtype, (tokens + 7) // 8, full.m_tiles, full.warps, full.stages) <= qw.SMEM_LIMIT:
                 check(W, w64, tokens, rng, f"{W.name} {cfg}", config=cfg)
