@@ -615,7 +615,7 @@ SWIGLU_CASES = [
     (Q4_K, 256, 512, 23, 2, 3),  # 16 tile pairs, 8 row blocks
     (Q6_K, 256, 512, 41, 4, 2),  # 6 token tiles, 4 row blocks
     (Q4_K, 256, 256, 64, 3, 2),  # 8 token tiles; 16 pairs over row blocks of 3: the last warps past the last pair
-    (Q4_K, 256, 512, 53, 8, 2),  # 7 token tiles (bench/gemv_ab.py w7tiles' shape), 2 row blocks of 8 pairs
+    (Q4_K, 256, 256, 53, 8, 2),  # 7 token tiles (bench/gemv_ab.py w7tiles' shape), 2 row blocks of 8 pairs
     (Q4_K, 512, 512, 5, 1, 4),  # one token tile, 3 padding rows
 ]
 
