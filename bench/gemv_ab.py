@@ -309,6 +309,12 @@ STEP_ABS = {
     "pieces": ([("one at a time", SMALL, 3, "capture", {"qw.PIECE_GROUP": False}),
                 ("two at a time", SMALL, 3, "capture", {"qw.PIECE_GROUP": True})], (17, 20, 23),
                [("two at a time", "one at a time")]),
+    # ... and at 4 and 5 token tiles too (quant_wide.PIECE_GROUP_TILES; shipped: Q4_K at 3 tiles), where shared memory
+    # keeps the blocks a SM whatever the registers (25..40 tokens)
+    "pieces45": ([("shipped", SMALL, 3, "capture", {}),
+                  ("two at a time at 4-5 tiles", SMALL, 3, "capture",
+                   {"qw.PIECE_GROUP_TILES": {12: (3, 4, 5), 14: (4, 5)}})], (28, 32, 36, 40),
+                 [("two at a time at 4-5 tiles", "shipped")]),
     # the ring gemv (int16 staging from the packs) for the K-quant products up to 8 tokens against the shipped 3
     "ring8": ([("shipped", SMALL, 3, "capture", {}),
                ("ring to 8", {8: 1, 12: 8, 14: 8}, 8, "capture", {})],

@@ -1732,14 +1732,24 @@ SS_DEV void swiglu_units(const float (&acc)[2][NT][4], uint4* __restrict__ xp, i
 // A writer's pieces read at once (qmw_kernel's split row blocks): 2 where the registers that costs keep the
 // launch's blocks a SM without spilling (sm_90 ptxas: Q4_K at 3 token tiles 96 -> 127 registers, still 3 blocks of
 // 4 + 1 warps, which the stages' shared memory allows), else 1 (Q4_K at 2 tiles 89 -> 103 would lose a block, Q6_K at
-// 3 tiles 118 -> 141 too; at 6 and 8 tiles every type reaches the 168 cap and spills). SPECSPLIT_QMW_PIECES_ONE: 1
+// 3 tiles 118 -> 141 too; at 6 and 8 tiles every type reaches the 168 cap and spills). At 4 and 5 tiles (one tile a
+// warp) shared memory keeps 2 blocks a SM either way and 2 costs no spill (Q4_K 116 / 121 -> 145 / 161 registers, Q6_K
+// 120 / 124 -> 152 / 164): bench/gemv_ab.py --step-ab pieces45 measures it. SS_QMW_PG2_Q4K / _Q6K: bit NT set -> 2
+// at that token-tile count with one tile a warp (quant_wide.PIECE_GROUP_TILES); SPECSPLIT_QMW_PIECES_ONE: 1
 // everywhere (quant_wide.PIECE_GROUP).
+#ifndef SS_QMW_PG2_Q4K
+#define SS_QMW_PG2_Q4K (1 << 3)
+#endif
+#ifndef SS_QMW_PG2_Q6K
+#define SS_QMW_PG2_Q6K 0
+#endif
 template <int QT, int NT, int MT>
 struct QmwPieceGroup {
 #ifdef SPECSPLIT_QMW_PIECES_ONE
     static constexpr int value = 1;
 #else
-    static constexpr int value = QT == 12 && NT == 3 && MT == 1 ? 2 : 1;
+    static constexpr int mask = QT == 12 ? SS_QMW_PG2_Q4K : QT == 14 ? SS_QMW_PG2_Q6K : 0;
+    static constexpr int value = MT == 1 && ((mask >> NT) & 1) ? 2 : 1;
 #endif
 };
 

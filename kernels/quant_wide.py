@@ -154,6 +154,10 @@ PDL = True
 # in block order (the same sums), one round trip to L2 per two pieces; where the kernel's registers allow it (Q4_K at
 # 17..24 tokens: quant_matmul.cu QmwPieceGroup). False: one at a time everywhere.
 PIECE_GROUP = True
+# ... at these token tiles by type, one m16 tile a warp (the source's default, SS_QMW_PG2_Q4K / _Q6K: Q4_K at 3). 4
+# and 5 tiles cost no block a SM nor a spill (quant_matmul.cu); not yet measured on a GPU (--step-ab pieces45).
+PIECE_GROUP_TILES: dict[int, tuple[int, ...]] = {12: (3,), 14: ()}
+_PG2_MACROS = {12: ("SS_QMW_PG2_Q4K", 1 << 3), 14: ("SS_QMW_PG2_Q6K", 0)}  # (macro, the source's default mask)
 WARP_CHOICES = (8, 4, 2, 1)  # what choose_config falls back through when a shape does not fit (or a small matrix)
 STAGE_CHOICES = (4, 3, 2)
 
@@ -217,7 +221,12 @@ def prefer_wide(qtype: int, tokens: int, n_out: int = 0, k: int = 0) -> bool:
 
 
 def _defines(portable: bool) -> tuple[str, ...]:
-    return (("SPECSPLIT_PORTABLE",) if portable else ()) + (() if PIECE_GROUP else ("SPECSPLIT_QMW_PIECES_ONE",))
+    out = (("SPECSPLIT_PORTABLE",) if portable else ()) + (() if PIECE_GROUP else ("SPECSPLIT_QMW_PIECES_ONE",))
+    for qtype, (macro, default) in _PG2_MACROS.items():  # (only where they differ: the default build keeps its key)
+        mask = sum(1 << t for t in PIECE_GROUP_TILES.get(qtype, ()))
+        if PIECE_GROUP and mask != default:
+            out += (f"{macro}={mask}",)
+    return out
 
 
 def wide_function(qtype: int, n_tiles: int, m_tiles: int, portable: bool = False, swiglu: bool = False) -> Any:

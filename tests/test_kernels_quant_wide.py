@@ -188,11 +188,13 @@ def test_peek_same_bits(monkeypatch, tokens: int) -> None:
     switch_same_bits(monkeypatch, "PEEK", tokens, 61 + tokens, ((34816, 5120), (5120, 17408)))
 
 
-@pytest.mark.parametrize("tokens", [17, 23])
+@pytest.mark.parametrize("tokens", [17, 23, 32, 36])
 def test_pieces_two_at_a_time_same_bits(monkeypatch, tokens: int) -> None:
-    """A writer loading its row block's pieces two at a time (quant_wide.PIECE_GROUP: Q4_K at 17..24 tokens) adds
-    them in the same block order as one at a time: the same bits on ffn_down's 5-7 pieces a row block and gate|up's
-    2-3, plain and accumulating, with the same grid."""
+    """A writer loading its row block's pieces two at a time (quant_wide.PIECE_GROUP: Q4_K at 17..24 tokens; at 32
+    and 36 with PIECE_GROUP_TILES' 4 and 5 token tiles too) adds them in the same block order as one at a time: the
+    same bits on ffn_down's pieces a row block and gate|up's, plain and accumulating, with the same grid."""
+    if tokens > 24:
+        monkeypatch.setattr(qw, "PIECE_GROUP_TILES", {qm.Q4_K: (3, 4, 5), qm.Q6_K: (4, 5)})
     shapes = ((5120, 17408), (34816, 5120))
     launches = switch_same_bits(monkeypatch, "PIECE_GROUP", tokens, 91 + tokens, shapes)
     for shape in shapes:

@@ -55,14 +55,19 @@ def sim(request, tmp_path_factory) -> ctypes.CDLL:
     """The simulation library: the kernels' portable path, or (bulk) their sm_90 path with kernels/bulk.cuh's bulk
     copies, mbarriers and reduce-adds simulated (-DSPECSPLIT_SIM_BULK: qmw_kernel with its producer warp, v2 with its
     per-warp mbarrier rings, accumulating launches through the y tile)."""
+    return build_sim(tmp_path_factory, request.param)
+
+
+def build_sim(tmp_path_factory, variant: str, defines: tuple[str, ...] = ()) -> ctypes.CDLL:
+    """sim's library for a variant ("portable" / "bulk"), with extra -D defines (the kernels' compile-time knobs)."""
     parts = (SOURCE, *sorted(SOURCE.parent.glob("*.cuh")), HARNESS,
              HARNESS.with_name("cuda_sim.h"), HARNESS.with_name("cuda_sim_pack.h"))
-    digest = hashlib.sha256(b"".join(p.read_bytes() for p in parts)).hexdigest()[:16]
-    lib_path = tmp_path_factory.mktemp("cuda_sim_wide") / f"cuda_sim_wide_{request.param}_{digest}.so"
-    bulk = ["-DSPECSPLIT_SIM_BULK"] if request.param == "bulk" else []
+    digest = hashlib.sha256(b"".join(p.read_bytes() for p in parts) + repr(defines).encode()).hexdigest()[:16]
+    lib_path = tmp_path_factory.mktemp("cuda_sim_wide") / f"cuda_sim_wide_{variant}_{digest}.so"
+    bulk = ["-DSPECSPLIT_SIM_BULK"] if variant == "bulk" else []
     cmd = [
-        "g++", "-std=c++17", "-O1", "-shared", "-fPIC", "-w", *bulk, f'-DQMM_SOURCE="{SOURCE}"', "-o", str(lib_path),
-        str(HARNESS),
+        "g++", "-std=c++17", "-O1", "-shared", "-fPIC", "-w", *bulk, *(f"-D{d}" for d in defines),
+        f'-DQMM_SOURCE="{SOURCE}"', "-o", str(lib_path), str(HARNESS),
     ]  # fmt: skip
     done = subprocess.run(cmd, capture_output=True, text=True)
     assert done.returncode == 0, f"g++ failed:\n{done.stderr[-4000:]}"
@@ -85,7 +90,7 @@ def sim(request, tmp_path_factory) -> ctypes.CDLL:
     lib.smem = np.ctypeslib.as_array((ctypes.c_uint8 * (232 * 1024)).in_dll(lib, "ss_smem"))
     lib.sim_bulk.restype = I
     lib.bulk = bool(lib.sim_bulk())
-    assert lib.bulk == (request.param == "bulk")
+    assert lib.bulk == (variant == "bulk")
     return lib
 
 
@@ -235,6 +240,25 @@ def test_split_row_blocks_are_deterministic_on_cpu(sim, qtype, n_out, k, tokens,
     # the same sum in float64 terms: pieces added in block order (within rounding of the v2 single-warp sum, whose
     # absolute size follows the outputs': fp32 sums of terms up to ~max |y|)
     np.testing.assert_allclose(y0, p.v2(mt), rtol=1e-4, atol=1e-6 * max(100.0, float(np.abs(y0).max())))
+
+
+@needs_gxx
+def test_pieces_two_at_a_time_at_more_token_tiles_on_cpu(sim, tmp_path_factory) -> None:
+    """The writer's pieces loaded two at a time at 4 and 5 token tiles too (quant_wide.PIECE_GROUP_TILES, the
+    SS_QMW_PG2_* masks): bitwise the default build's output (one at a time there) on row blocks of 2..5 pieces,
+    blocks one at a time and interleaved."""
+    if sim.bulk:
+        pytest.skip("one variant is enough: the grouping is the same code on both paths")
+    pg = build_sim(tmp_path_factory, "portable", ("SS_QMW_PG2_Q4K=56", "SS_QMW_PG2_Q6K=48"))
+    for qtype, n_out, k, tokens, cfg in ((Q4_K, 64, 2048, 29, (1, 4, 3, 7)), (Q6_K, 48, 1536, 36, (1, 3, 3, 5)),
+                                         (Q4_K, 96, 1280, 40, (1, 2, 2, 9))):  # fmt: skip
+        assert max(pieces(n_out, k, *cfg[:2], cfg[3])) >= 3
+        want, _ = Problem(sim, qtype, n_out, k, tokens, seed=k + tokens).wide(*cfg)
+        p = Problem(pg, qtype, n_out, k, tokens, seed=k + tokens)
+        got, scratch = p.wide(*cfg)
+        assert np.array_equal(got, want), (qtype, tokens)
+        got, _ = p.wide(*cfg, seed=5, scratch=scratch, resident=4)
+        assert np.array_equal(got, want), (qtype, tokens, "interleaved")
 
 
 @needs_gxx
