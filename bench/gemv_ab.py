@@ -134,6 +134,9 @@ ONE = {8: 1, 12: 1, 14: 1}
 SMALL = {8: 1, 12: 3, 14: 3}
 
 
+_STAGES3_BEFORE_30 = {12: (3, 4, 6), 14: (2, 3, 4, 6)}  # quant_wide.STAGES3_TILES before session 30 (w5tiles)
+
+
 def _tall_at(n_tiles: int, shape: tuple[int, int] | None) -> dict[int, dict[int, tuple[int, int]]]:
     """quant_wide.TALL_SHAPES with this (m16 tiles a warp, warps) at n_tiles token tiles (None: none there, the
     default shape)."""
@@ -398,8 +401,8 @@ STEP_ABS = {
     # other products with 3 stages as at 4 and 6 tiles, STAGES3_TILES) against those before (1 tile x 8 warps, 2 stages)
     # and the tall shape alone
     "w5tiles": ([("before", SMALL, 3, "capture", {"qw.TALL_SHAPES": _tall_at(5, None),
-                                                   "qw.STAGES3_TILES": {12: (3, 4, 6), 14: (2, 3, 4, 6)}}),
-                 ("tall 2x4 at 5", SMALL, 3, "capture", {"qw.STAGES3_TILES": {12: (3, 4, 6), 14: (2, 3, 4, 6)}}),
+                                                   "qw.STAGES3_TILES": _STAGES3_BEFORE_30}),
+                 ("tall 2x4 at 5", SMALL, 3, "capture", {"qw.STAGES3_TILES": _STAGES3_BEFORE_30}),
                  ("shipped", SMALL, 3, "capture", {})],
                 (36, 40), [("tall 2x4 at 5", "before"), ("shipped", "before")]),
     # 7 and 8 token tiles (49..64 tokens): 3 stages as at 3..6 tiles (quant_wide.STAGES3_TILES)

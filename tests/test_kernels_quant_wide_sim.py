@@ -246,10 +246,8 @@ def test_split_row_blocks_are_deterministic_on_cpu(sim, qtype, n_out, k, tokens,
 def test_pieces_two_at_a_time_at_more_token_tiles_on_cpu(sim, tmp_path_factory) -> None:
     """The writer's pieces loaded two at a time at 4 and 5 token tiles too (quant_wide.PIECE_GROUP_TILES, the
     SS_QMW_PG2_* masks): bitwise the default build's output (one at a time there) on row blocks of 2..5 pieces,
-    blocks one at a time and interleaved."""
-    if sim.bulk:
-        pytest.skip("one variant is enough: the grouping is the same code on both paths")
-    pg = build_sim(tmp_path_factory, "portable", ("SS_QMW_PG2_Q4K=56", "SS_QMW_PG2_Q6K=48"))
+    blocks one at a time and interleaved; on the portable path and the sm_90 bulk one alike."""
+    pg = build_sim(tmp_path_factory, "bulk" if sim.bulk else "portable", ("SS_QMW_PG2_Q4K=56", "SS_QMW_PG2_Q6K=48"))
     for qtype, n_out, k, tokens, cfg in ((Q4_K, 64, 2048, 29, (1, 4, 3, 7)), (Q6_K, 48, 1536, 36, (1, 3, 3, 5)),
                                          (Q4_K, 96, 1280, 40, (1, 2, 2, 9))):  # fmt: skip
         assert max(pieces(n_out, k, *cfg[:2], cfg[3])) >= 3
