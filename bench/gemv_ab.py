@@ -135,6 +135,10 @@ SMALL = {8: 1, 12: 3, 14: 3}
 
 
 _STAGES3_BEFORE_30 = {12: (3, 4, 6), 14: (2, 3, 4, 6)}  # quant_wide.STAGES3_TILES before session 30 (w5tiles)
+# quant_wide's gate|up shapes at 7 token tiles before session 31 (w7tiles): the product 1 x 4 and the SwiGLU pack
+_W7_BEFORE_31 = {"qw.VERY_HIGH_SHAPES": {12: {6: (2, 8)}},
+                 "qw.SWIGLU_TILES": {12: (1, 2, 3, 4, 5, 6), 14: (1, 2, 3, 4)},
+                 "qw.SWIGLU_SHAPES": {12: {2: (4, 3), 5: (8, 3), 6: (8, 3)}, 14: {2: (4, 3)}}}
 
 
 def _tall_at(n_tiles: int, shape: tuple[int, int] | None) -> dict[int, dict[int, tuple[int, int]]]:
@@ -410,21 +414,19 @@ STEP_ABS = {
                   ("3 stages at 7-8", SMALL, 3, "capture",
                    {"qw.STAGES3_TILES": {12: (3, 4, 5, 6, 7, 8), 14: (2, 3, 4, 5, 6, 7, 8)}})],
                  (56, 64), [("3 stages at 7-8", "shipped")]),
-    # 7 token tiles (49..56 tokens), unswept: the tall matrix (the LM head) with 2 tiles x 8 warps as at 6 and 8 tiles
-    # (quant_wide.TALL_SHAPES; shipped: 1 x 8), then the stacked gate|up (VERY_HIGH_ROWS) as 2 x 8 as at 6 tiles
-    # (VERY_HIGH_SHAPES; shipped: 1 x 4), and that gate|up as the SwiGLU launch (SWIGLU_TILES; 8 pairs, 2 stages)
-    # instead of the product and the pack. ptxas (nvcc 13, sm_90): qmw_kernel<Q6_K, 7, 2> spills 216 / 264 bytes (at 5
-    # and 6 tiles, shipped: 56 / 52), <Q4_K, 7, 2> and the SwiGLU <Q4_K, 7, 2, 1> none (at 8 tiles both spill)
-    "w7tiles": ([("shipped", SMALL, 3, "capture", {}),
-                 ("tall 2x8 at 7", SMALL, 3, "capture", {"qw.TALL_SHAPES": _tall_at(7, (2, 8))}),
-                 ("+ gate|up 2x8 at 7", SMALL, 3, "capture",
-                  {"qw.TALL_SHAPES": _tall_at(7, (2, 8)), "qw.VERY_HIGH_SHAPES": {12: {6: (2, 8), 7: (2, 8)}}}),
-                 ("+ SwiGLU launch at 7", SMALL, 3, "capture",
-                  {"qw.TALL_SHAPES": _tall_at(7, (2, 8)),
-                   "qw.SWIGLU_TILES": {12: (1, 2, 3, 4, 5, 6, 7), 14: (1, 2, 3, 4)},
-                   "qw.SWIGLU_SHAPES": {12: {2: (4, 3), 5: (8, 3), 6: (8, 3), 7: (8, 2)}, 14: {2: (4, 3)}}})],
-                (52, 56), [("tall 2x8 at 7", "shipped"), ("+ gate|up 2x8 at 7", "shipped"),
-                           ("+ SwiGLU launch at 7", "shipped")]),
+    # 7 token tiles (49..56 tokens), unswept before session 31: the shipped shapes (the tall matrix, i.e. the LM head,
+    # with 2 tiles x 8 warps as at 6 and 8 tiles, quant_wide.TALL_SHAPES; the stacked gate|up as the SwiGLU launch,
+    # SWIGLU_TILES, 8 pairs and 2 stages, instead of the product and the pack) against those before (1 x 8; the product
+    # 1 x 4 and the pack), the tall shape alone, and the tall shape with the gate|up product as 2 x 8 (VERY_HIGH_SHAPES,
+    # as at 6 tiles: where the SwiGLU launch cannot run). ptxas (nvcc 13, sm_90): qmw_kernel<Q6_K, 7, 2> spills 216 /
+    # 264 bytes (at 5 and 6 tiles, shipped: 56 / 52), <Q4_K, 7, 2> and the SwiGLU <Q4_K, 7, 2, 1> none (at 8 tiles
+    # both spill)
+    "w7tiles": ([("before", SMALL, 3, "capture", {"qw.TALL_SHAPES": _tall_at(7, None), **_W7_BEFORE_31}),
+                 ("tall 2x8 at 7", SMALL, 3, "capture", _W7_BEFORE_31),
+                 ("+ gate|up 2x8 at 7", SMALL, 3, "capture", {**_W7_BEFORE_31, "qw.VERY_HIGH_SHAPES": {12: {6: (2, 8),
+                                                                                                      7: (2, 8)}}}),
+                 ("shipped", SMALL, 3, "capture", {})],
+                (52, 56), [("tall 2x8 at 7", "before"), ("+ gate|up 2x8 at 7", "before"), ("shipped", "before")]),
     "v2stages": ([("shipped", SMALL, 3, "capture", {}), ("v2 3 stages", SMALL, 3, "capture", {"qm.STAGES_V2": 3}),
                   ("v2 4 stages", SMALL, 3, "capture", {"qm.STAGES_V2": 4})], (8, 16, 23),
                  [("v2 3 stages", "shipped"), ("v2 4 stages", "shipped")]),

@@ -115,14 +115,17 @@ STAGES3_TILES = {12: (3, 4, 5, 6), 14: (2, 3, 4, 5, 6)}
 # warps x 2 tiles (256 rows a block, one block a SM: x staged once for 4x the rows), Q4_K gate|up at 41 tokens 60.3 vs
 # 63.6 us (scratch/s27_widesweep.py); the 27B step (bench/gemv_ab.py --step-ab veryhigh, three rounds) 0.9878 / 0.9882
 # at widths 41 / 48 (4 warps x 2 tiles: 1.018 / 1.014). The DeltaNet input stack of 16480 rows kept 4 x 1 in the sweep.
-# Q4_K only: no Q6_K matrix of the 27B is that high (and 3 of its stages would not fit in shared memory).
-VERY_HIGH_SHAPES: dict[int, dict[int, tuple[int, int]]] = {12: {6: (2, 8)}}
+# Q4_K only: no Q6_K matrix of the 27B is that high (and 3 of its stages would not fit in shared memory). Session 31
+# (H200, --step-ab w7tiles): at 7 tiles too (with the tall shape there: 0.9824 / 0.974 at 52 / 56, against 0.997 /
+# 0.990 for the tall shape alone); where the SwiGLU launch runs (SWIGLU_TILES) it stands in for this product.
+VERY_HIGH_SHAPES: dict[int, dict[int, tuple[int, int]]] = {12: {6: (2, 8), 7: (2, 8)}}
 VERY_HIGH_ROWS = 32768
 TALL_WARPS, TALL_STAGES = 8, 2
 # per type, token tiles -> (m16 tiles per warp, warps) of a tall matrix (elsewhere: M_TILES, TALL_WARPS); 5 tiles
-# as 4 since session 30 (above). (Q6_K at 2 tiles a warp spills at 5 and 6 token tiles, 56 / 52 bytes of stores at
-# the 168-register cap, nvcc 13 sm_90, and still wins there.)
-TALL_SHAPES = {q: {3: (2, 4), 4: (2, 4), 5: (2, 4), 6: (2, 8), 8: (2, 8)} for q in (12, 14)}
+# as 4 since session 30 (above); 7 as 6 and 8 since session 31 (H200, the 27B step with 2 x 8 at 7 tiles, --step-ab
+# w7tiles, three rounds: 0.997 / 0.990 at widths 52 / 56). (Q6_K at 2 tiles a warp spills at 5 / 6 / 7 token tiles,
+# 56 / 52 / 216 bytes of stores at the 168-register cap, nvcc 13 sm_90, and still wins there.)
+TALL_SHAPES = {q: {3: (2, 4), 4: (2, 4), 5: (2, 4), 6: (2, 8), 7: (2, 8), 8: (2, 8)} for q in (12, 14)}
 # A producer warp beside the computing warps (sm_90 bulk copies only: the kernel ignores it elsewhere) issues every
 # copy, so no computing warp waits for a stage to empty before it computes. It holds a computing warp's registers,
 # which can cost a block per SM (41 tokens: 3 blocks of 4 warps, 2 of 5); the grid counts it (H100 step replays,
@@ -441,13 +444,17 @@ SWIGLU_TYPES = frozenset((12, 14))  # Q4_K, Q6_K
 # 27B has no Q6_K gate|up to measure). Q4_K at 5 token tiles (33..40 tokens) with 8 pairs a row block and 3 stages
 # (session 29, after the writer's SiLUs went ahead of its shuffles; --step-ab wswiglu6): 0.9863 of the product + the
 # pack at 36; at 6 tiles 0.9989 / 0.9967 at 41 / 48 with accurate SiLUs (alone 1.009 / 1.007: 8 us over the product
-# of the same shape, its writers' exponentials and divides), 0.9949 / 0.994 with hf::silu's fast ones: taken. Q6_K
-# spills from 5 tiles.
-SWIGLU_TILES = {12: (1, 2, 3, 4, 5, 6), 14: (1, 2, 3, 4)}
+# of the same shape, its writers' exponentials and divides), 0.9949 / 0.994 with hf::silu's fast ones: taken. At 7
+# tiles (49..56 tokens; session 31, H200, --step-ab w7tiles, three rounds) with 8 pairs and 2 stages: the step 0.9685
+# / 0.9634 at 52 / 56 of the shipped one before (the product there 1 x 4 and the pack), against 0.9824 / 0.974 for the
+# product as 2 x 8 and the pack: taken (no spills: Q4_K <7 tiles, 2, SwiGLU> keeps to 168 registers). Q6_K spills
+# from 5 tiles.
+SWIGLU_TILES = {12: (1, 2, 3, 4, 5, 6, 7), 14: (1, 2, 3, 4)}
 # The launch shape: SWIGLU_SHAPES (type -> token tiles -> (warps, i.e. gate / up tile pairs a row block, and stages;
 # 0: the default)), else SWIGLU_WARPS and choose_config's stages
 SWIGLU_WARPS = 4
-SWIGLU_SHAPES: dict[int, dict[int, tuple[int, int]]] = {12: {2: (4, 3), 5: (8, 3), 6: (8, 3)}, 14: {2: (4, 3)}}
+SWIGLU_SHAPES: dict[int, dict[int, tuple[int, int]]] = {12: {2: (4, 3), 5: (8, 3), 6: (8, 3), 7: (8, 2)},
+                                                        14: {2: (4, 3)}}
 
 
 def swiglu_stack(qtype: int, n_out: int) -> bool:

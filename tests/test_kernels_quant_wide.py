@@ -85,7 +85,7 @@ def test_launch_shapes_agree(qtype: int) -> None:
     shape = (200, 2304) if qtype != qm.Q8_0 else (200, 2336)  # Q8_0: a tail chunk of 32 values
     W, w64 = _matrix(qtype, shape, rng)
     for cfg in SHAPES:
-        for tokens in (9, 36, 41, 64):  # (36: 5 token tiles, 3 stages and the tall 2 x 4 there since session 30)
+        for tokens in (9, 36, 41, 52, 64):  # (36: 5 token tiles, 3 stages and the tall 2 x 4 since session 30; 52: 7)
             full = qw.choose_config(qtype, *shape, tokens, cfg)
             if qw.smem_bytes(qtype, (tokens + 7) // 8, full.m_tiles, full.warps, full.stages) <= qw.SMEM_LIMIT:
                 check(W, w64, tokens, rng, f"{W.name} {cfg}", config=cfg)
@@ -359,7 +359,7 @@ def test_swiglu_launch(qtype: int, f: int, k: int) -> None:
     rows zero, and within the bound of the float64 twin."""
     rng = np.random.default_rng(300 + qtype)
     W, w64 = _matrix(qtype, (2 * f, k), rng)
-    for tokens in (4, 9, 23, 36, 41, 64):
+    for tokens in (4, 9, 23, 36, 41, 52, 64):
         x = cupy.asarray((rng.standard_normal((tokens, k)) * 0.005).astype(np.float16))  # silu(g) u inside fp16
         px = qm.pack_activations(x)
         nrb = qw.row_blocks(2 * f, 2, 4)

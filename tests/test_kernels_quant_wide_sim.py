@@ -444,24 +444,24 @@ def test_default_config_fits(qtype, tokens) -> None:
 def test_default_config_rules() -> None:
     # the swept H100 defaults: 1 tile x 4 warps, 3 stages at 3 token tiles (17..24 tokens; Q6_K from 9; Q4_K / Q6_K
     # at 25..48 too: 25..32 since session 27, 33..40 since session 30), 2 otherwise; tall matrices 2 stages, 1 tile x 8
-    # warps (K-quants: 2 x 4 at 17..40 tokens, 2 x 8 at 41..48 and 57..64)
+    # warps (K-quants: 2 x 4 at 17..40 tokens, 2 x 8 at 41..64)
     for q in (F16, Q8_0, Q4_K, Q6_K):
         s2 = 3 if q == Q6_K else 2
         s46 = 3 if q in (Q4_K, Q6_K) else 2
         for tokens, stages in ((8, 2), (9, s2), (16, s2), (17, 3), (23, 3), (24, 3), (25, s46), (32, s46), (33, s46),
-                               (40, s46), (41, s46), (48, s46), (49, 2), (64, 2)):  # fmt: skip
+                               (40, s46), (41, s46), (48, s46), (49, 2), (56, 2), (64, 2)):  # fmt: skip
             assert qw.choose_config(q, 17408, 5120, tokens) == qw.WideConfig(1, 4, stages)
             assert qw.choose_config(q, 5120, 17408, tokens) == qw.WideConfig(1, 4, stages)
-            tall = {3: (2, 4), 4: (2, 4), 5: (2, 4), 6: (2, 8), 8: (2, 8)}.get((tokens + 7) // 8, (1, 8))
+            tall = {3: (2, 4), 4: (2, 4), 5: (2, 4), 6: (2, 8), 7: (2, 8), 8: (2, 8)}.get((tokens + 7) // 8, (1, 8))
             tall = tall if q in (Q4_K, Q6_K) else (1, 8)
             assert qw.choose_config(q, 248320, 5120, tokens) == qw.WideConfig(*tall, 2)
             assert qw.choose_config(q, 248320, 5120, tokens, qw.WideConfig(1)).m_tiles == 1  # an override kept
-    # the stacked Q4_K gate|up (34816 rows: VERY_HIGH_ROWS) at 6 token tiles: 2 tiles x 8 warps (session 27); the
-    # 16480-row DeltaNet input stack, the other widths and types the default
-    for tokens in (41, 48):
-        assert qw.choose_config(Q4_K, 34816, 5120, tokens) == qw.WideConfig(2, 8, 3)
-        assert qw.choose_config(Q4_K, 16480, 5120, tokens) == qw.WideConfig(1, 4, 3)
-        assert qw.choose_config(Q6_K, 34816, 5120, tokens) == qw.WideConfig(1, 4, 3)
+    # the stacked Q4_K gate|up (34816 rows: VERY_HIGH_ROWS) at 6 and 7 token tiles: 2 tiles x 8 warps (sessions 27,
+    # 31); the 16480-row DeltaNet input stack, the other widths and types the default
+    for tokens, stages in ((41, 3), (48, 3), (49, 2), (56, 2)):
+        assert qw.choose_config(Q4_K, 34816, 5120, tokens) == qw.WideConfig(2, 8, stages)
+        assert qw.choose_config(Q4_K, 16480, 5120, tokens) == qw.WideConfig(1, 4, stages)
+        assert qw.choose_config(Q6_K, 34816, 5120, tokens) == qw.WideConfig(1, 4, stages)
     for tokens in (23, 32, 64):
         assert qw.choose_config(Q4_K, 34816, 5120, tokens).m_tiles == 1
     # a small matrix: no more warps than it has row tiles; overrides kept, the rest filled in
@@ -828,8 +828,8 @@ def test_backend_wide_swiglu_rule() -> None:
         return m
 
     gu, down = gpu((34816, 5120)), gpu((5120, 17408))
-    # (Q4_K: 1..6 token tiles above the ring, i.e. 4..48 tokens)
-    assert [t for t in range(1, 65) if can_wide_swiglu(gu, down, t)] == list(range(qm.Q16_TOKENS + 1, 49))
+    # (Q4_K: 1..7 token tiles above the ring, i.e. 4..56 tokens)
+    assert [t for t in range(1, 65) if can_wide_swiglu(gu, down, t)] == list(range(qm.Q16_TOKENS + 1, 57))
     assert not can_wide_swiglu(gu, gpu((5120, 17392)), 23)  # not this stack's down product
     assert not can_wide_swiglu(gu.q, down, 23) and not can_wide_swiglu(gu, down.q, 23)  # not GpuMatrix wrappers
 
