@@ -181,6 +181,17 @@ STEP_ABS = {
                ("tall 8x2", SMALL, 3, "capture", {"RING_TALL_SHAPE": {1: (8, 2), 2: (8, 2), 3: (8, 2)}})],
               (1, 2, 3),
               [("8x2 all", "shipped"), ("3 stages", "shipped"), ("tall 8x2", "shipped")]),
+    # the ring's bytes in flight (first measured on an H200, 1.27x the H100's copy bandwidth: would more bytes in
+    # flight for the same latency pay?): RING_STAGES slots a warp, the few-tile shape with a third slot, the tall shape
+    # (the LM head) with a fourth. Session 31, H200, widths 1 / 3: 1.0118 / 1.0573, 1.1124 / 1.2038, 1.0408 / 0.9995,
+    # 1.0273 / 1.0017: none taken (the blocks a SM they cost outweigh the depth)
+    "ringdepth": ([("shipped", SMALL, 3, "capture", {}),
+                   ("3 stages", SMALL, 3, "capture", {"RING_STAGES": 3}),
+                   ("4 stages", SMALL, 3, "capture", {"RING_STAGES": 4}),
+                   ("few 8x3", SMALL, 3, "capture", {"RING_FEW_SHAPE": (8, 3)}),
+                   ("tall 8x4", SMALL, 3, "capture", {"RING_TALL_SHAPE": {1: (8, 4), 2: (8, 3), 3: (8, 2)}})],
+                  (1, 3), [("3 stages", "shipped"), ("4 stages", "shipped"), ("few 8x3", "shipped"),
+                           ("tall 8x4", "shipped")]),
     # a one-token norm pack's blocks (quant_matmul.PACK_RMS_ONE_TOKEN_SCALE x pack_rms_slices')
     "packslices": ([("slices x1", SMALL, 3, "capture", {"qm.PACK_RMS_ONE_TOKEN_SCALE": 1}),
                     ("slices x2", SMALL, 3, "capture", {"qm.PACK_RMS_ONE_TOKEN_SCALE": 2}),
@@ -317,7 +328,8 @@ STEP_ABS = {
                 ("two at a time", SMALL, 3, "capture", {"qw.PIECE_GROUP": True})], (17, 20, 23),
                [("two at a time", "one at a time")]),
     # ... and at 4 and 5 token tiles too (quant_wide.PIECE_GROUP_TILES; shipped: Q4_K at 3 tiles), where shared memory
-    # keeps the blocks a SM whatever the registers (25..40 tokens)
+    # keeps the blocks a SM whatever the registers (25..40 tokens). Session 31, H200: 1.0006 / 0.9966 / 1.0008 / 0.9996
+    # at 28 / 32 / 36 / 40: not taken
     "pieces45": ([("shipped", SMALL, 3, "capture", {}),
                   ("two at a time at 4-5 tiles", SMALL, 3, "capture",
                    {"qw.PIECE_GROUP_TILES": {12: (3, 4, 5), 14: (4, 5)}})], (28, 32, 36, 40),

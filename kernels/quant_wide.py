@@ -158,7 +158,8 @@ PDL = True
 # 17..24 tokens: quant_matmul.cu QmwPieceGroup). False: one at a time everywhere.
 PIECE_GROUP = True
 # ... at these token tiles by type, one m16 tile a warp (the source's default, SS_QMW_PG2_Q4K / _Q6K: Q4_K at 3). 4
-# and 5 tiles cost no block a SM nor a spill (quant_matmul.cu); not yet measured on a GPU (--step-ab pieces45).
+# and 5 tiles cost no block a SM nor a spill (quant_matmul.cu), and gain nothing: the 27B step with both types at 4-5
+# tiles (--step-ab pieces45, H200, session 31) 1.0006 / 0.9966 / 1.0008 / 0.9996 at widths 28 / 32 / 36 / 40.
 PIECE_GROUP_TILES: dict[int, tuple[int, ...]] = {12: (3,), 14: ()}
 _PG2_MACROS = {12: ("SS_QMW_PG2_Q4K", 1 << 3), 14: ("SS_QMW_PG2_Q6K", 0)}  # (macro, the source's default mask)
 WARP_CHOICES = (8, 4, 2, 1)  # what choose_config falls back through when a shape does not fit (or a small matrix)
