@@ -181,7 +181,7 @@ STEP_ABS = {
                ("tall 8x2", SMALL, 3, "capture", {"RING_TALL_SHAPE": {1: (8, 2), 2: (8, 2), 3: (8, 2)}})],
               (1, 2, 3),
               [("8x2 all", "shipped"), ("3 stages", "shipped"), ("tall 8x2", "shipped")]),
-    # the ring's bytes in flight (first measured on an H200, 1.27x the H100's copy bandwidth: would more bytes in
+    # the ring's bytes in flight (first measured on an H200, 1.41x the H100's copy bandwidth: would more bytes in
     # flight for the same latency pay?): RING_STAGES slots a warp, the few-tile shape with a third slot, the tall shape
     # (the LM head) with a fourth. Session 31, H200, widths 1 / 3: 1.0118 / 1.0573, 1.1124 / 1.2038, 1.0408 / 0.9995,
     # 1.0273 / 1.0017: none taken (the blocks a SM they cost outweigh the depth)

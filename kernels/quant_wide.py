@@ -117,7 +117,8 @@ STAGES3_TILES = {12: (3, 4, 5, 6), 14: (2, 3, 4, 5, 6)}
 # at widths 41 / 48 (4 warps x 2 tiles: 1.018 / 1.014). The DeltaNet input stack of 16480 rows kept 4 x 1 in the sweep.
 # Q4_K only: no Q6_K matrix of the 27B is that high (and 3 of its stages would not fit in shared memory). Session 31
 # (H200, --step-ab w7tiles): at 7 tiles too (with the tall shape there: 0.9824 / 0.974 at 52 / 56, against 0.997 /
-# 0.990 for the tall shape alone); where the SwiGLU launch runs (SWIGLU_TILES) it stands in for this product.
+# 0.990 for the tall shape alone; a second run 0.9888 / 0.9898 against 0.9985 / 1.0007); where the SwiGLU launch
+# runs (SWIGLU_TILES) it stands in for this product.
 VERY_HIGH_SHAPES: dict[int, dict[int, tuple[int, int]]] = {12: {6: (2, 8), 7: (2, 8)}}
 VERY_HIGH_ROWS = 32768
 TALL_WARPS, TALL_STAGES = 8, 2
@@ -448,8 +449,8 @@ SWIGLU_TYPES = frozenset((12, 14))  # Q4_K, Q6_K
 # of the same shape, its writers' exponentials and divides), 0.9949 / 0.994 with hf::silu's fast ones: taken. At 7
 # tiles (49..56 tokens; session 31, H200, --step-ab w7tiles, three rounds) with 8 pairs and 2 stages: the step 0.9685
 # / 0.9634 at 52 / 56 of the shipped one before (the product there 1 x 4 and the pack), against 0.9824 / 0.974 for the
-# product as 2 x 8 and the pack: taken (no spills: Q4_K <7 tiles, 2, SwiGLU> keeps to 168 registers). Q6_K spills
-# from 5 tiles.
+# product as 2 x 8 and the pack: taken (no spills: Q4_K <7 tiles, 2, SwiGLU> keeps to 168 registers); a second run,
+# the before / shipped entry: 0.9774 / 0.98. Q6_K spills from 5 tiles.
 SWIGLU_TILES = {12: (1, 2, 3, 4, 5, 6, 7), 14: (1, 2, 3, 4)}
 # The launch shape: SWIGLU_SHAPES (type -> token tiles -> (warps, i.e. gate / up tile pairs a row block, and stages;
 # 0: the default)), else SWIGLU_WARPS and choose_config's stages
