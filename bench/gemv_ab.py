@@ -221,7 +221,7 @@ STEP_ABS = {
                [("fused 0x2", "pack"), ("fused 0x3", "pack"), ("fused 0x4", "pack"), ("fused 2x4", "pack")]),
     # ... at one token on the H200 (session 31: there the SwiGLU pack costs 169 us of a 5.7 ms step, and the tile-pair
     # blocks at gate|up's 4 x 2 are 1088 for 1056 resident, a wave and 32 blocks; 2 warps a block fit them in one wave,
-    # 16.5 warps a SM; scratch/s31_waves.py: 1056 -> 1088 tiles cost 2.7 us of 15)
+    # 16.5 warps a SM; bench/ring_back_to_back.py --waves: 1056 -> 1088 tiles cost 2.7 us of 15)
     "swiglu1": ([("pack", SMALL, 3, "capture", {})]
                 + [(f"fused {kw}x{st}", SMALL, 3, "capture", {"q35.FUSE_SWIGLU_WIDTHS": (1, 2),
                                                               "SWIGLU_SHAPE": {1: (kw, st), 2: (0, 3)}})

@@ -3,8 +3,9 @@ launch between them, as in a step), over one matrix (L2-hot) or rotating copies 
 stages); prints us a launch and the fraction of the copy roofline (the weight bytes at the measured copy bandwidth).
 
     python3 bench/ring_back_to_back.py
+    python3 bench/ring_back_to_back.py --waves   # Q4_K x 5120 at row tiles around whole waves of resident blocks
 
-H100 results: docs/gpu_quant_matmul.md, "gemv: few row tiles a SM".
+H100 results: docs/gpu_quant_matmul.md, "gemv: few row tiles a SM"; --waves (H200): "wide and gemv on an H200".
 """
 
 from __future__ import annotations
@@ -19,10 +20,17 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 SHAPES = ((12, (5120, 6144)), (14, (5120, 6144)), (12, (12288, 5120)), (12, (5120, 17408)), (12, (2048, 5120)))
 RING_SHAPES = ((4, 2), (8, 2), (4, 4))
+# --waves: 16-row tiles around multiples of the 4 x 2 ring's resident blocks (64 registers, 24 KB: 8 a SM, 1056 on
+# 132 SMs), to see what a partly filled last wave costs
+WAVE_TILES = (528, 1024, 1056, 1088, 1120, 1584, 2112, 2176, 2240)
 LAUNCHES = 40
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
+    global SHAPES, RING_SHAPES
+    if "--waves" in (sys.argv[1:] if argv is None else argv):
+        SHAPES = tuple((12, (16 * t, 5120)) for t in WAVE_TILES)
+        RING_SHAPES = ((4, 2),)
     from kernels import loader
 
     reason = loader.unavailable_reason()
