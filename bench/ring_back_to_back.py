@@ -27,10 +27,9 @@ LAUNCHES = 40
 
 
 def main(argv: list[str] | None = None) -> int:
-    global SHAPES, RING_SHAPES
-    if "--waves" in (sys.argv[1:] if argv is None else argv):
-        SHAPES = tuple((12, (16 * t, 5120)) for t in WAVE_TILES)
-        RING_SHAPES = ((4, 2),)
+    waves = "--waves" in (sys.argv[1:] if argv is None else argv)
+    shapes = tuple((12, (16 * t, 5120)) for t in WAVE_TILES) if waves else SHAPES
+    ring_shapes = ((4, 2),) if waves else RING_SHAPES
     from kernels import loader
 
     reason = loader.unavailable_reason()
@@ -50,7 +49,7 @@ def main(argv: list[str] | None = None) -> int:
     copy_gbps = roofline.copy_bandwidth(cupy, 1 << 30)
     print(f"copy bandwidth {copy_gbps:.0f} GB/s", flush=True)
 
-    for qt, (n_out, k) in SHAPES:
+    for qt, (n_out, k) in shapes:
         raw = random_weights(qt, n_out, k, rng)
         copies = max(2, int(600e6 // raw.nbytes))
         mats = [qm.QuantMatrix(qt, cupy.asarray(raw), (n_out, k), name="w") for _ in range(copies)]
@@ -58,7 +57,7 @@ def main(argv: list[str] | None = None) -> int:
         y = cupy.empty((1, n_out), cupy.float32)
         res = {}
         for mode in ("hot", "cold"):
-            for kw, st in RING_SHAPES:
+            for kw, st in ring_shapes:
                 cfg = qg.GemvConfig(ring=True, k_warps=kw, stages=st)
                 with stream:
                     for W in mats[:2]:   # builds, warms
