@@ -227,6 +227,12 @@ STEP_ABS = {
                                                               "SWIGLU_SHAPE": {1: (kw, st), 2: (0, 3)}})
                    for kw, st in ((0, 2), (0, 3), (2, 2), (2, 3), (2, 4))], (1,),
                 [(f"fused {kw}x{st}", "pack") for kw, st in ((0, 2), (0, 3), (2, 2), (2, 3), (2, 4))]),
+    # the one-token kernels' Q4_K decode (kernels/quant_gemv.cu chunk_int: high nibbles in place, scales and mins by
+    # byte permutes) against earlier sources of the file copied into kernels/ for the run: $GEMV_BASE (the decode
+    # before session 32) and $GEMV_NIB (the nibbles in place only); the SOURCE knob names the file
+    "q4kdecode": ([("base", SMALL, 3, "capture", {"SOURCE": os.environ.get("GEMV_BASE", "quant_gemv_base.cu")}),
+                   ("nibbles", SMALL, 3, "capture", {"SOURCE": os.environ.get("GEMV_NIB", "quant_gemv_nib.cu")}),
+                   ("shipped", SMALL, 3, "capture", {})], (1, 3), [("nibbles", "base"), ("shipped", "base")]),
     # the SwiGLU staged by gate|up's cluster pairs (qwen35_gpu.SWIGLU_PAIR_WIDTHS) against the shipped step (the pack at
     # one and three tokens, the tile-pair blocks at two) and against the tile-pair blocks everywhere
     "swiglupair": ([("shipped", SMALL, 3, "capture", {}),

@@ -94,25 +94,48 @@ using hf::h2f;  // kernels/half.cuh: the packs' conversions and SiLU (quant_matm
 using hf::f2h;
 using hf::silu;
 
-// c + a.s16[0] * b.s8[0] + a.s16[1] * b.s8[1]  (lo: bytes 0, 1 of b; hi: bytes 2, 3)
+// c + a.s16[0] * b.x8[0] + a.s16[1] * b.x8[1]  (lo: bytes 0, 1 of b; hi: bytes 2, 3); the bytes x8 signed (Q8_0's
+// quants) or, UB, unsigned: Q4_K's high nibbles stay in place (16 q, 0..240) so no shift unpacks them
+template <bool UB = false>
 GV_DEV int dp2a_lo(u32 a, u32 b, int c) {
 #if SS_PTX
     int d;
-    asm("dp2a.lo.s32.s32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(c));
+    if constexpr (UB)
+        asm("dp2a.lo.s32.u32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(c));
+    else
+        asm("dp2a.lo.s32.s32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(c));
     return d;
 #else
-    return c + (int)(short)(a & 0xFFFFu) * (int)(signed char)(b & 0xFFu) +
-           (int)(short)(a >> 16) * (int)(signed char)((b >> 8) & 0xFFu);
+    const int b0 = UB ? (int)(b & 0xFFu) : (int)(signed char)(b & 0xFFu);
+    const int b1 = UB ? (int)((b >> 8) & 0xFFu) : (int)(signed char)((b >> 8) & 0xFFu);
+    return c + (int)(short)(a & 0xFFFFu) * b0 + (int)(short)(a >> 16) * b1;
 #endif
 }
+template <bool UB = false>
 GV_DEV int dp2a_hi(u32 a, u32 b, int c) {
 #if SS_PTX
     int d;
-    asm("dp2a.hi.s32.s32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(c));
+    if constexpr (UB)
+        asm("dp2a.hi.s32.u32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(c));
+    else
+        asm("dp2a.hi.s32.s32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(c));
     return d;
 #else
-    return c + (int)(short)(a & 0xFFFFu) * (int)(signed char)((b >> 16) & 0xFFu) +
-           (int)(short)(a >> 16) * (int)(signed char)(b >> 24);
+    const int b2 = UB ? (int)((b >> 16) & 0xFFu) : (int)(signed char)((b >> 16) & 0xFFu);
+    const int b3 = UB ? (int)(b >> 24) : (int)(signed char)(b >> 24);
+    return c + (int)(short)(a & 0xFFFFu) * b2 + (int)(short)(a >> 16) * b3;
+#endif
+}
+
+// __byte_perm: result byte i = byte (nibble i of sel, 0..7) of the pair y:x
+GV_DEV u32 byte_perm(u32 x, u32 y, u32 sel) {
+#if SS_PTX
+    return __byte_perm(x, y, sel);
+#else
+    const unsigned long long v = (unsigned long long)x | ((unsigned long long)y << 32);
+    u32 r = 0u;
+    for (int i = 0; i < 4; ++i) r |= (u32)((v >> (8 * ((sel >> (4 * i)) & 7u))) & 0xFFu) << (8 * i);
+    return r;
 #endif
 }
 
@@ -253,19 +276,25 @@ template <int QT>
 GV_DEV Coef coef(const Raw<QT>& w, int i, int j) {
     Coef c;
     if constexpr (QT == 12) {
-        // sub-blocks s = 2g, 2g + 1 (g = j / 2): scale / min bytes (kquants._scale_min_k4), branch-free
+        // sub-blocks s = 2g, 2g + 1 (g = j / 2): scale / min bytes (kquants._scale_min_k4), all four decoded at once.
+        // One byte permute gathers the pair's scale bytes (y) and min bytes (z), another the pair's bytes of w next
+        // to themselves shifted down a nibble, so v's bytes are sc(2g), sc(2g + 1), mn(2g), mn(2g + 1) after one
+        // mask (g < 2: the low 6 bits) or two (g >= 2: 4 bits of w, the top 2 of y / z); the masks and the shift
+        // are the lane's constants, so no lane computes both forms and selects.
         const uint4 hd = w.h[i];
         const int g = j >> 1;
-        const u32 sh = 16u * (u32)(g & 1);
-        const u32 y = hd.y >> sh, z = hd.z >> sh, ww = hd.w >> sh;
         const bool lo = g < 2;
-        const u32 sc = lo ? (y & 0x3F3Fu) : ((ww & 0x0F0Fu) | ((y >> 2) & 0x3030u));
-        const u32 mn = lo ? (z & 0x3F3Fu) : (((ww >> 4) & 0x0F0Fu) | ((z >> 2) & 0x3030u));
+        const u32 sel = (g & 1) ? 0x7632u : 0x5410u;  // bytes 2 (g & 1), + 1 of the first word, then of the second
+        const u32 yz = byte_perm(hd.y, hd.z, sel), nib = byte_perm(hd.w, hd.w >> 4, sel);
+        const u32 v = (nib & (lo ? 0u : 0x0F0F0F0Fu)) | ((yz >> (lo ? 0 : 2)) & (lo ? 0x3F3F3F3Fu : 0x30303030u));
+        // d q as fma(d, 2^23 + q, -2^23 d): the byte permute puts q in a float's mantissa, so no integer to float
+        // conversion; one rounding of the exact d q, so bitwise d * (float)q
         const float d = h2f(hd.x), dmin = h2f(hd.x >> 16);
-        c.a0 = d * (float)(sc & 0xFFu);
-        c.a1 = d * (float)(sc >> 8);
-        c.b0 = dmin * (float)(mn & 0xFFu);
-        c.b1 = dmin * (float)(mn >> 8);
+        const float dm = d * -8388608.f, mm = dmin * -8388608.f;
+        c.a0 = fmaf(d, as_float(byte_perm(v, 0x4B000000u, 0x7440u)), dm);
+        c.a1 = fmaf(d, as_float(byte_perm(v, 0x4B000000u, 0x7441u)), dm);
+        c.b0 = fmaf(dmin, as_float(byte_perm(v, 0x4B000000u, 0x7442u)), mm);
+        c.b1 = fmaf(dmin, as_float(byte_perm(v, 0x4B000000u, 0x7443u)), mm);
     } else if constexpr (QT == 14) {
         const float d = h2f(w.d[i]);
         c.a0 = d * (float)(int)(signed char)(w.s[i] & 0xFFu);
@@ -281,7 +310,8 @@ GV_DEV Coef coef(const Raw<QT>& w, int i, int j) {
 }
 
 // The 32 quants of row i as bytes, 4 per word in the order of the lane's x values: q[0..3] the low run,
-// q[4..7] the high run (Q4_K nibbles 0..15, Q6_K 0..63, Q8_0 signed).
+// q[4..7] the high run (Q4_K nibbles 0..15 low, 16 x 0..15 high: left in place, the 1 / 16 goes into the high run's x
+// scale; Q6_K 0..63; Q8_0 signed).
 template <int QT>
 GV_DEV void qbytes(const Raw<QT>& w, int i, int j, u32 (&q)[8]) {
     if constexpr (QT == 12) {
@@ -289,7 +319,7 @@ GV_DEV void qbytes(const Raw<QT>& w, int i, int j, u32 (&q)[8]) {
 #pragma unroll
         for (int m = 0; m < 4; ++m) {
             q[m] = ws[m] & 0x0F0F0F0Fu;
-            q[4 + m] = (ws[m] >> 4) & 0x0F0F0F0Fu;
+            q[4 + m] = ws[m] & 0xF0F0F0F0u;
         }
     } else if constexpr (QT == 14) {
         const int c2 = 2 * ((j >> 1) & 1);  // qh bit pair 2c (low nibbles) / 4 + 2c (high nibbles)
@@ -306,13 +336,14 @@ GV_DEV void qbytes(const Raw<QT>& w, int i, int j, u32 (&q)[8]) {
     }
 }
 
-// sum over 16 values: int16 x pairs xq[0..7] (values 2p, 2p + 1) times the 16 quant bytes of q[0..3]
+// sum over 16 values: int16 x pairs xq[0..7] (values 2p, 2p + 1) times the 16 quant bytes of q[0..3] (unsigned: UB)
+template <bool UB>
 GV_DEV int dot16(const u32* xq, const u32* q) {
     int s = 0;
 #pragma unroll
     for (int m = 0; m < 4; ++m) {
-        s = dp2a_lo(xq[2 * m], q[m], s);
-        s = dp2a_hi(xq[2 * m + 1], q[m], s);
+        s = dp2a_lo<UB>(xq[2 * m], q[m], s);
+        s = dp2a_hi<UB>(xq[2 * m + 1], q[m], s);
     }
     return s;
 }
@@ -466,7 +497,9 @@ GV_DEV void chunk_int(const Raw<QT>& w, int c, int j, const int (&xu)[4], const 
                     xq[nn][4 * k] = u.x, xq[nn][4 * k + 1] = u.y, xq[nn][4 * k + 2] = u.z, xq[nn][4 * k + 3] = u.w;
                 }
                 xs[nn][0] = sxq[cn * 16 + (xu[0] >> 1)];
-                xs[nn][1] = sxq[cn * 16 + (xu[2] >> 1)];
+                // Q4_K's high run is 16 q (qbytes): 1 / 16 here, once a token, rather than a shift a quant word.
+                // Exact (a power of two), so a1 xs s is bitwise what it was with the nibbles shifted down.
+                xs[nn][1] = sxq[cn * 16 + (xu[2] >> 1)] * (QT == 12 ? 0.0625f : 1.f);
                 if constexpr (L::SUMS) {
                     xsum[nn][0] = sxs[cn * 16 + (xu[0] >> 1)];
                     xsum[nn][1] = sxs[cn * 16 + (xu[2] >> 1)];
@@ -480,7 +513,7 @@ GV_DEV void chunk_int(const Raw<QT>& w, int c, int j, const int (&xu)[4], const 
 #pragma unroll
             for (int nn = 0; nn < TB; ++nn) {
                 if (n0 + nn < NT) {
-                    const int s0 = dot16(xq[nn], q), s1 = dot16(xq[nn] + 8, q + 4);
+                    const int s0 = dot16<QT != 8>(xq[nn], q), s1 = dot16<QT != 8>(xq[nn] + 8, q + 4);
                     float a = acc[i][n0 + nn];
                     a = fmaf(cf[i].a0 * xs[nn][0], (float)s0, a);
                     a = fmaf(cf[i].a1 * xs[nn][1], (float)s1, a);

@@ -231,7 +231,7 @@ def gemv_function(qtype: int, tokens: int, portable: bool = False) -> Any:
         raise ValueError(f"gemv takes 1..{MAX_TOKENS} tokens, not {tokens}")
     defines = _defines(portable)
     fn = loader.get_function(SOURCE, f"gemv_kernel<{qtype}, {tokens}>", defines)
-    key = (qtype, tokens, defines, qm._device_id())
+    key = (SOURCE, qtype, tokens, defines, qm._device_id())
     if key not in _configured:
         fn.max_dynamic_shared_size_bytes = SMEM_LIMIT  # opt in above the 48 KiB default once
         _configured[key] = SMEM_LIMIT
@@ -249,7 +249,7 @@ def persist_function(qtype: int, tokens: int, prefetch: int = PREFETCH, portable
         raise ValueError(f"prefetch depth must be 1 or 2, not {prefetch}")
     defines = _defines(portable)
     fn = loader.get_function(SOURCE, f"gemv_persist_kernel<{qtype}, {tokens}, {prefetch}>", defines)
-    key = ("persist", qtype, tokens, prefetch, defines, qm._device_id())
+    key = (SOURCE, "persist", qtype, tokens, prefetch, defines, qm._device_id())
     if key not in _configured:
         fn.max_dynamic_shared_size_bytes = SMEM_LIMIT
         _configured[key] = SMEM_LIMIT
@@ -268,7 +268,7 @@ def ring_function(qtype: int, tokens: int, portable: bool = False, swiglu: bool 
     # PDL only where the grid dependency wait is compiled in (kernels/pdl.cuh: not on the portable path)
     sw = int(bool(swiglu))
     fn = loader.get_function(SOURCE, f"gemv_ring_kernel<{qtype}, {tokens}, {sw}>", defines, pdl=not portable)
-    key = ("ring", qtype, tokens, bool(swiglu), defines, qm._device_id())
+    key = (SOURCE, "ring", qtype, tokens, bool(swiglu), defines, qm._device_id())
     if key not in _configured:
         fn.max_dynamic_shared_size_bytes = SMEM_LIMIT
         _configured[key] = SMEM_LIMIT
@@ -294,7 +294,7 @@ def pair_function(qtype: int, tokens: int, portable: bool = False) -> Any:
         raise ValueError("the SwiGLU ring of cluster pairs needs CUDA thread block clusters (sm_90, not the portable "
                          "build)")
     fn = loader.get_function(SOURCE, f"gemv_ring_pair_kernel<{qtype}, {tokens}>", (), pdl=not portable)
-    key = ("pair", qtype, tokens, qm._device_id())
+    key = (SOURCE, "pair", qtype, tokens, qm._device_id())
     if key not in _configured:
         fn.max_dynamic_shared_size_bytes = SMEM_LIMIT
         _configured[key] = SMEM_LIMIT
@@ -310,7 +310,7 @@ def split_function(qtype: int, tokens: int, portable: bool = False) -> Any:
         raise ValueError(f"gemv takes 1..{MAX_TOKENS} tokens, not {tokens}")
     defines = _defines(portable)
     fn = loader.get_function(SOURCE, f"gemv_splitk_kernel<{qtype}, {tokens}>", defines)
-    key = ("split", qtype, tokens, defines, qm._device_id())
+    key = (SOURCE, "split", qtype, tokens, defines, qm._device_id())
     if key not in _configured:
         fn.max_dynamic_shared_size_bytes = SMEM_LIMIT
         _configured[key] = SMEM_LIMIT
@@ -520,7 +520,7 @@ def _launch_ring(W: Any, packed: Any, out: Any, accumulate: bool, cfg: GemvConfi
 # (k_warps, stages) of gemv_swiglu by tokens (not its cluster pairs); absent (or 0): gate|up's own ring shape's. Each
 # block runs two tiles back to back through one ring. Stages do not change the sums; other warps do (then g and u are
 # not bitwise gate|up's ring launch, only within its rounding).
-SWIGLU_SHAPE: dict[int, tuple[int, int]] = {2: (0, 3)}
+SWIGLU_SHAPE: dict[int, tuple[int, int]] = {1: (0, 3), 2: (0, 3)}
 
 
 def swiglu_shape(qtype: int, n_out: int, k: int, tokens: int, sms: int | None = None,

@@ -103,7 +103,9 @@ STAGE_UP_TO = {"post": 2, "next": 3}
 # output nor the SwiGLU pack launch is there; bitwise the same step. H100, 27B Q4_K_M step replays against the pack
 # (bench/gemv_ab.py --step-ab swiglu; docs/gpu_quant_matmul.md "gemv: SwiGLU staged by gate|up"): 1.0025 / 0.980 /
 # 1.0055 at widths 1 / 2 / 3 with 3 ring stages (quant_gemv.SWIGLU_SHAPE), 1.0053 / 0.995 / 1.0016 with gate|up's 2.
-FUSE_SWIGLU_WIDTHS = (2,)
+# H200 (session 32, --step-ab swiglu1): 0.987 at one token with 3 stages (its 1088 tile-pair blocks of gate|up's 4
+# warps make about one wave where gate|up's 2176 blocks make a wave and a bit), 1.001 with 2, 1.05-1.2 on 2 warps.
+FUSE_SWIGLU_WIDTHS = (1, 2)
 # Steps of SWIGLU_PAIR_WIDTHS tokens (<= quant_matmul.Q16_TOKENS) stage the SwiGLU with gate|up's own ring launch, each
 # gate tile's block and its up tile's block a thread block cluster of two that meets at the end (QuantMatrix.swiglu(
 # pair=True), sm_90; bitwise the same step); where clusters are missing, FUSE_SWIGLU_WIDTHS decides. H100, 27B Q4_K_M
