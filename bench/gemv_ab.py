@@ -233,6 +233,12 @@ STEP_ABS = {
     "q4kdecode": ([("base", SMALL, 3, "capture", {"SOURCE": os.environ.get("GEMV_BASE", "quant_gemv_base.cu")}),
                    ("nibbles", SMALL, 3, "capture", {"SOURCE": os.environ.get("GEMV_NIB", "quant_gemv_nib.cu")}),
                    ("shipped", SMALL, 3, "capture", {})], (1, 3), [("nibbles", "base"), ("shipped", "base")]),
+    # the ring gemv's warp index through a shuffle (warp-uniform to the compiler: its bulk copies' addresses in uniform
+    # registers) against $GEMV_PREV (kernels/quant_gemv.cu before it, copied into kernels/ for the run) and against
+    # $GEMV_BASE (before the Q4_K decode of q4kdecode)
+    "ringwarp": ([("base", SMALL, 3, "capture", {"SOURCE": os.environ.get("GEMV_BASE", "quant_gemv_base.cu")}),
+                  ("prev", SMALL, 3, "capture", {"SOURCE": os.environ.get("GEMV_PREV", "quant_gemv_prev.cu")}),
+                  ("shipped", SMALL, 3, "capture", {})], (1, 3), [("shipped", "prev"), ("shipped", "base")]),
     # the SwiGLU staged by gate|up's cluster pairs (qwen35_gpu.SWIGLU_PAIR_WIDTHS) against the shipped step (the pack at
     # one and three tokens, the tile-pair blocks at two) and against the tile-pair blocks everywhere
     "swiglupair": ([("shipped", SMALL, 3, "capture", {}),

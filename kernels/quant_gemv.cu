@@ -1132,7 +1132,10 @@ static __device__ __forceinline__ void gemv_ring_body(const u8* __restrict__ W, 
     extern __shared__ uint4 gv_smem[];
 
     const int lane = (int)(threadIdx.x & 31u);
-    const int warp = (int)(threadIdx.x >> 5);
+    // the warp index through a shuffle: the compiler then knows it is the same in every lane, so the chunk and slot
+    // addresses derived from it live in uniform registers, which the bulk copies take (with a per-lane value ptxas
+    // wraps each copy in a loop that moves it to uniform registers lane by lane: ~7 instructions a copy)
+    const int warp = __shfl_sync(0xFFFFFFFFu, (int)(threadIdx.x >> 5), 0);
     const int KW = (int)(blockDim.x >> 5);
     const int j = lane >> 2, r4 = lane & 3;
     const int nch = K / CHUNK;
