@@ -212,7 +212,7 @@ def qmm_function(qtype: int, n_tiles: int, portable: bool = False) -> Any:
     defines = _defines(portable)
     fn = loader.get_function(SOURCE, f"qmm_kernel<{qtype}, {n_tiles}>", defines)
     smem = smem_bytes(qtype)
-    key = (qtype, n_tiles, defines, _device_id())
+    key = (SOURCE, qtype, n_tiles, defines, _device_id())
     if smem > 48 * 1024 and key not in _smem_configured:
         fn.max_dynamic_shared_size_bytes = smem  # opt in above the 48 KiB default
         _smem_configured.add(key)
@@ -226,7 +226,7 @@ def qmv_function(qtype: int, n_tiles: int, m_tiles: int, smem: int, portable: bo
     defines = _defines(portable)
     fn = loader.get_function(SOURCE, f"qmv_kernel<{qtype}, {n_tiles}, {m_tiles}>", defines,
                              pdl=pdl and V2_PDL and not portable)
-    key = ("qmv", qtype, n_tiles, m_tiles, defines, _device_id())
+    key = (SOURCE, "qmv", qtype, n_tiles, m_tiles, defines, _device_id())
     if smem > 48 * 1024 and _smem_configured_max.get(key, 0) < smem:
         fn.max_dynamic_shared_size_bytes = SMEM_LIMIT
         _smem_configured_max[key] = SMEM_LIMIT
@@ -402,7 +402,7 @@ def pack_rms_function(in_f32: bool, residual: bool, gate: bool, portable: bool =
     defines = _defines(portable)
     fn = loader.get_function(SOURCE, f"pack_rms_kernel<{int(in_f32)}, {int(residual)}, {int(gate)}>", defines,
                              pdl=pdl and not portable)
-    key = ("pack_rms", int(in_f32), int(residual), int(gate), defines, _device_id())
+    key = (SOURCE, "pack_rms", int(in_f32), int(residual), int(gate), defines, _device_id())
     if smem > 48 * 1024 and _smem_configured_max.get(key, 0) < smem:
         want = SMEM_LIMIT - PACK_RMS_STATIC_SMEM  # static + dynamic must fit the block's limit
         fn.max_dynamic_shared_size_bytes = want
