@@ -184,7 +184,8 @@ STEP_ABS = {
     # the ring's bytes in flight (first measured on an H200, 1.41x the H100's copy bandwidth: would more bytes in
     # flight for the same latency pay?): RING_STAGES slots a warp, the few-tile shape with a third slot, the tall shape
     # (the LM head) with a fourth. Session 31, H200, widths 1 / 3: 1.0118 / 1.0573, 1.1124 / 1.2038, 1.0408 / 0.9995,
-    # 1.0273 / 1.0017: none taken (the blocks a SM they cost outweigh the depth)
+    # 1.0273 / 1.0017: none taken (the blocks a SM they cost outweigh the depth). Worth a re-run after session 32's
+    # cheaper decode (17 % fewer instructions a chunk)
     "ringdepth": ([("shipped", SMALL, 3, "capture", {}),
                    ("3 stages", SMALL, 3, "capture", {"RING_STAGES": 3}),
                    ("4 stages", SMALL, 3, "capture", {"RING_STAGES": 4}),
