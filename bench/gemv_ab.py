@@ -229,8 +229,9 @@ STEP_ABS = {
                    for kw, st in ((0, 2), (0, 3), (2, 2), (2, 3), (2, 4))], (1,),
                 [(f"fused {kw}x{st}", "pack") for kw, st in ((0, 2), (0, 3), (2, 2), (2, 3), (2, 4))]),
     # the one-token kernels' Q4_K decode (kernels/quant_gemv.cu chunk_int: high nibbles in place, scales and mins by
-    # byte permutes) against earlier sources of the file copied into kernels/ for the run: $GEMV_BASE (the decode
-    # before session 32) and $GEMV_NIB (the nibbles in place only); the SOURCE knob names the file
+    # byte permutes) against earlier sources of the file copied into kernels/ for the run: $GEMV_BASE (215e570's, the
+    # decode before session 32) and $GEMV_NIB (a9419e5's without its coef change: the nibbles in place only); the
+    # SOURCE knob names the file
     "q4kdecode": ([("base", SMALL, 3, "capture", {"SOURCE": os.environ.get("GEMV_BASE", "quant_gemv_base.cu")}),
                    ("nibbles", SMALL, 3, "capture", {"SOURCE": os.environ.get("GEMV_NIB", "quant_gemv_nib.cu")}),
                    ("shipped", SMALL, 3, "capture", {})], (1, 3), [("nibbles", "base"), ("shipped", "base")]),
