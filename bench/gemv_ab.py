@@ -141,6 +141,11 @@ _W7_BEFORE_31 = {"qw.VERY_HIGH_SHAPES": {12: {6: (2, 8)}},
                  "qw.SWIGLU_SHAPES": {12: {2: (4, 3), 5: (8, 3), 6: (8, 3)}, 14: {2: (4, 3)}}}
 
 
+# kernels/quant_gemv.cu before session 32's decode (215e570's), copied into kernels/ for a run: q4kdecode's and
+# ringwarp's base
+_GEMV_BASE = {"SOURCE": os.environ.get("GEMV_BASE", "quant_gemv_base.cu")}
+
+
 def _tall_at(n_tiles: int, shape: tuple[int, int] | None) -> dict[int, dict[int, tuple[int, int]]]:
     """quant_wide.TALL_SHAPES with this (m16 tiles a warp, warps) at n_tiles token tiles (None: none there, the
     default shape)."""
@@ -232,13 +237,13 @@ STEP_ABS = {
     # byte permutes) against earlier sources of the file copied into kernels/ for the run: $GEMV_BASE (215e570's, the
     # decode before session 32) and $GEMV_NIB (a9419e5's without its coef change: the nibbles in place only); the
     # SOURCE knob names the file
-    "q4kdecode": ([("base", SMALL, 3, "capture", {"SOURCE": os.environ.get("GEMV_BASE", "quant_gemv_base.cu")}),
+    "q4kdecode": ([("base", SMALL, 3, "capture", _GEMV_BASE),
                    ("nibbles", SMALL, 3, "capture", {"SOURCE": os.environ.get("GEMV_NIB", "quant_gemv_nib.cu")}),
                    ("shipped", SMALL, 3, "capture", {})], (1, 3), [("nibbles", "base"), ("shipped", "base")]),
     # the ring gemv's warp index through a shuffle (warp-uniform to the compiler: its bulk copies' addresses in uniform
     # registers) against $GEMV_PREV (kernels/quant_gemv.cu before it, copied into kernels/ for the run) and against
     # $GEMV_BASE (before the Q4_K decode of q4kdecode)
-    "ringwarp": ([("base", SMALL, 3, "capture", {"SOURCE": os.environ.get("GEMV_BASE", "quant_gemv_base.cu")}),
+    "ringwarp": ([("base", SMALL, 3, "capture", _GEMV_BASE),
                   ("prev", SMALL, 3, "capture", {"SOURCE": os.environ.get("GEMV_PREV", "quant_gemv_prev.cu")}),
                   ("shipped", SMALL, 3, "capture", {})], (1, 3), [("shipped", "prev"), ("shipped", "base")]),
     # the SwiGLU staged by gate|up's cluster pairs (qwen35_gpu.SWIGLU_PAIR_WIDTHS) against the shipped step (the pack at

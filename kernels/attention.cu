@@ -52,6 +52,7 @@ typedef long long i64;
 #define SS_DEV static __device__ __forceinline__
 #define SS_SOFT static __device__ __noinline__
 #include "xq16.cuh"
+#include "bits.cuh"
 #include "pdl.cuh"
 
 #if SS_HIP
@@ -352,16 +353,7 @@ SS_DEV u32 tq3_code(float y) {
            (u32)(y >= c);
 }
 
-SS_DEV u32 byte_perm(u32 x, u32 y, u32 sel) {  // __byte_perm: result byte i = byte (nibble i of sel) of y:x
-#if SS_PTX
-    return __byte_perm(x, y, sel);
-#else
-    const u64 v = (u64)x | ((u64)y << 32);
-    u32 r = 0u;
-    for (int i = 0; i < 4; ++i) r |= (u32)((v >> (8 * ((sel >> (4 * i)) & 7u))) & 0xFFu) << (8 * i);
-    return r;
-#endif
-}
+using bits::byte_perm;  // kernels/bits.cuh
 
 // half2 (centroid[i0], centroid[i1]) from low4 = low2(i0) | low2(i1) << 2 and h2 = hi(i0) | hi(i1) << 1, all in
 // integer ops (no float conversion): |centroid| rank j = low2 ^ (negative ? 3 : 0) picks the fp16 bits of the

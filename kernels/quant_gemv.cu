@@ -78,6 +78,7 @@ typedef long long i64;
 #include "xq16.cuh"
 #include "bulk.cuh"
 #include "half.cuh"
+#include "bits.cuh"
 #include "pdl.cuh"
 
 namespace gv {
@@ -93,6 +94,7 @@ GV_DEV float as_float(u32 u) { return __uint_as_float(u); }
 using hf::h2f;  // kernels/half.cuh: the packs' conversions and SiLU (quant_matmul.cu)
 using hf::f2h;
 using hf::silu;
+using bits::byte_perm;  // kernels/bits.cuh
 
 // c + a.s16[0] * b.x8[0] + a.s16[1] * b.x8[1]  (lo: bytes 0, 1 of b; hi: bytes 2, 3); the bytes x8 signed (Q8_0's
 // quants) or, UB, unsigned: Q4_K's high nibbles stay in place (16 q, 0..240) so no shift unpacks them
@@ -124,18 +126,6 @@ GV_DEV int dp2a_hi(u32 a, u32 b, int c) {
     const int b2 = UB ? (int)((b >> 16) & 0xFFu) : (int)(signed char)((b >> 16) & 0xFFu);
     const int b3 = UB ? (int)(b >> 24) : (int)(signed char)(b >> 24);
     return c + (int)(short)(a & 0xFFFFu) * b2 + (int)(short)(a >> 16) * b3;
-#endif
-}
-
-// __byte_perm: result byte i = byte (nibble i of sel, 0..7) of the pair y:x
-GV_DEV u32 byte_perm(u32 x, u32 y, u32 sel) {
-#if SS_PTX
-    return __byte_perm(x, y, sel);
-#else
-    const unsigned long long v = (unsigned long long)x | ((unsigned long long)y << 32);
-    u32 r = 0u;
-    for (int i = 0; i < 4; ++i) r |= (u32)((v >> (8 * ((sel >> (4 * i)) & 7u))) & 0xFFu) << (8 * i);
-    return r;
 #endif
 }
 
