@@ -55,6 +55,8 @@ def load_baseline():
     (pkg / "__init__.py").write_text("")
     for name in ("loader.py", "norm_rope.py"):
         shutil.copy(ROOT / "kernels" / name, pkg / name)
+    for header in (ROOT / "kernels").glob("*.cuh"):  # the headers loader.py pastes in (this tree's)
+        shutil.copy(header, pkg / header.name)
     src = os.environ.get("ATTN_BASELINE_DIR")
     rev = os.environ.get("ATTN_BASELINE_REV", BASE_COMMIT)
     for name in ("attention.py", "attention.cu"):

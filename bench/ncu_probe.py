@@ -4,6 +4,8 @@
 Cases are `TYPE:ROWS:COLS:TOKENS[:KERNEL]`, e.g. `Q4_K:17408:5120:1:gemv`; KERNEL as QuantMatrix.matmul takes it
 (default: its automatic choice). Random weights (bench/roofline.random_matrix), random fp16 x. `walk:T`: one
 DeltaNet layer's tree walk (gdr_tree_walk_kernel, 27B shapes) over bench/step_profile's tree of T nodes.
+`attn:K/V:S:T`: one 27B attention layer (24 query / 4 KV heads of 256) over S committed cache rows of kinds K / V
+(f16, q8_0, tq3_0; random rows written by the store kernel) for T chain tokens, the launcher's own splits.
 """
 
 from __future__ import annotations
@@ -51,6 +53,26 @@ def walk(cupy, T: int) -> None:
     print(f"case walk:{T}: launched", flush=True)
 
 
+def attn(cupy, spec: str) -> None:
+    """One layer's attention (attn_partial_kernel + attn_combine_kernel) as `attn:K/V:S:T` says."""
+    from kernels import attention as at
+
+    kinds, S, T = spec.split(":")[1:4]
+    kk, kv = kinds.split("/")
+    S, T = int(S), int(T)
+    H, HKV, D = 24, 4, 256
+    cache = at.KVCacheLayer(HKV, D, -(-(S + T) // at.KT) * at.KT, kk, kv)
+    for start in range(0, S + T, 4096):
+        n = min(4096, S + T - start)
+        rows = cupy.random.standard_normal((2, n, HKV, D), dtype=cupy.float32)
+        cache.store(rows[0], rows[1], start)
+    q = (cupy.random.standard_normal((T, H, D), dtype=cupy.float32) * 0.5).astype(cupy.float16)
+    mask = cupy.asarray(at.tree_mask(list(range(-1, T - 1))))
+    at.attention(q, cache, S, mask, out_dtype=cupy.float16)
+    cupy.cuda.Device().synchronize()
+    print(f"case {spec}: launched ({at.choose_splits(H, HKV, D, T, S, kk, kv)} splits)", flush=True)
+
+
 def main(argv: list[str]) -> int:
     from kernels import loader
 
@@ -64,6 +86,9 @@ def main(argv: list[str]) -> int:
     for case in cases:
         if case.startswith("walk:"):
             walk(cupy, int(case[5:]))
+            continue
+        if case.startswith("attn:"):
+            attn(cupy, case)
             continue
         parts = case.split(":")
         qtype, rows, cols, tokens = names[parts[0]], int(parts[1]), int(parts[2]), int(parts[3])
