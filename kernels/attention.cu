@@ -1114,21 +1114,32 @@ __global__ __launch_bounds__(128, 2) void attn_partial_kernel(
 
 // o[t, h, d] = sum_z 2^(m_z - M) O_z / sum_z 2^(m_z - M) l_z, inverse-rotated in RG-value groups when V is
 // TQ3_0 (RG = 128 or 64; 0 otherwise), times sigmoid(gate) when gate != null.
-// grid = Hkv * G * T rows (kernel row order), block = D threads; splits <= MAX_SPLITS. The split weights are
-// computed once per block into shared memory, so the O loop has independent loads (several in flight).
+// grid = Hkv * G * T rows (kernel row order), block = COMB_THREADS threads, D <= COMB_THREADS; splits <= MAX_SPLITS.
+// The split weights are computed once per block into shared memory. The O sum is the block's latency chain (a decode
+// token has only H rows, i.e. blocks, for hundreds of splits): thread (slice s, column c) adds 4 values (one 16-byte
+// load) of the splits s, s + NS, ... (NS = COMB_THREADS / (D / 4) slices), COMB_LOADS loads in flight, and the slices'
+// partial sums meet in shared memory, added in slice order: one memory round trip per NS COMB_LOADS splits.
 // q16 non-null: also the output projection's int16 staging of the fp16-rounded o [T, H D] (PackedX.q16, as
 // pack_x_kernel writes it from `out`: a gemv ring reads it with no pack launch between), D % 32 == 0 and
 // H D % 256 == 0 (the launcher): a group's 16 values are 16 lanes of a warp.
+constexpr int COMB_THREADS = 256;
+constexpr int COMB_LOADS = 8;
+struct alignas(16) CF4 {  // 4 floats, one 16-byte load (float4 without CUDA's vector types: the CPU simulation)
+    float x, y, z, w;
+};
 template <int TO, int TG, int RG>
-__global__ __launch_bounds__(256) void attn_combine_kernel(const float* __restrict__ ws_o,
-                                                           const float* __restrict__ ws_ml, int splits, int T,
-                                                           int H, int Hkv, int D, const void* __restrict__ gate,
-                                                           i64 g_tok, i64 g_head, void* __restrict__ out,
-                                                           uint4* __restrict__ q16) {
+__global__ __launch_bounds__(COMB_THREADS) void attn_combine_kernel(const float* __restrict__ ws_o,
+                                                                    const float* __restrict__ ws_ml, int splits,
+                                                                    int T, int H, int Hkv, int D,
+                                                                    const void* __restrict__ gate, i64 g_tok,
+                                                                    i64 g_head, void* __restrict__ out,
+                                                                    uint4* __restrict__ q16) {
     SS_PDL_ENTRY();
     using namespace ssa;
     static __shared__ float wsh[MAX_SPLITS];
-    static __shared__ float red[2][8];
+    static __shared__ float red[2][COMB_THREADS / 32];
+    static __shared__ CF4 part4[COMB_THREADS];  // [NS][D] floats
+    float* const part = (float*)part4;
     const int G = H / Hkv, R = G * T;
     const i64 row = blockIdx.x;
     const int kvh = (int)(row / R), r = (int)(row % R), t = r / G, head = kvh * G + r % G;
@@ -1157,50 +1168,68 @@ __global__ __launch_bounds__(256) void attn_combine_kernel(const float* __restri
     __syncthreads();
     float L = 0.0f;
     for (int w = 0; w < nw; ++w) L += red[1][w];
-    constexpr int NA = 8;  // loads in flight per thread
-    float acc[NA];
+    const int cols = D / 4, ns = (int)blockDim.x / cols, s = d / cols, c = d % cols;
+    CF4 acc[COMB_LOADS];
 #pragma unroll
-    for (int j = 0; j < NA; ++j) acc[j] = 0.0f;
-    int z = 0;
-    for (; z + NA <= splits; z += NA) {
+    for (int j = 0; j < COMB_LOADS; ++j) acc[j] = CF4{0.0f, 0.0f, 0.0f, 0.0f};
+    if (s < ns) {
+        const CF4* const src = (const CF4*)ws_o + row * cols + c;
+        const i64 zstride = rows_all * cols;
+        int z = s;
+        for (; z + (COMB_LOADS - 1) * ns < splits; z += COMB_LOADS * ns) {
+            CF4 v[COMB_LOADS];
 #pragma unroll
-        for (int j = 0; j < NA; ++j) {
-            const float w = wsh[z + j];  // 0 for splits without keys: their O was never written
-            acc[j] += w != 0.0f ? w * ws_o[((z + j) * rows_all + row) * D + d] : 0.0f;
+            for (int j = 0; j < COMB_LOADS; ++j)  // splits without keys have weight 0 and an O never written
+                v[j] = wsh[z + j * ns] != 0.0f ? src[(i64)(z + j * ns) * zstride] : CF4{0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+            for (int j = 0; j < COMB_LOADS; ++j) {
+                const float w = wsh[z + j * ns];
+                acc[j].x += w * v[j].x, acc[j].y += w * v[j].y, acc[j].z += w * v[j].z, acc[j].w += w * v[j].w;
+            }
         }
-    }
-    for (; z < splits; ++z) {
-        const float w = wsh[z];
-        acc[0] += w != 0.0f ? w * ws_o[(z * rows_all + row) * D + d] : 0.0f;
-    }
-    float sum = 0.0f;
+        for (; z < splits; z += ns) {
+            const float w = wsh[z];
+            if (w != 0.0f) {
+                const CF4 v = src[(i64)z * zstride];
+                acc[0].x += w * v.x, acc[0].y += w * v.y, acc[0].z += w * v.z, acc[0].w += w * v.w;
+            }
+        }
 #pragma unroll
-    for (int j = 0; j < NA; ++j) sum += acc[j];
+        for (int j = 1; j < COMB_LOADS; ++j)
+            acc[0].x += acc[j].x, acc[0].y += acc[j].y, acc[0].z += acc[j].z, acc[0].w += acc[j].w;
+        part4[s * cols + c] = acc[0];
+    }
+    __syncthreads();
+    const bool live = d < D;  // (whole warps: D is a multiple of 32)
+    float sum = 0.0f;
+    if (live)
+        for (int k = 0; k < ns; ++k) sum += part[k * D + d];
     float v = L > 0.0f ? sum / L : 0.0f;
     if constexpr (RG != 0) {
         // TQ3_0 V: the row is a weighted sum of rotated V rows; inverse-rotate it once per RG-value group
-        // (x = D1 H D2 y / sqrt(g)), a shared-memory butterfly over the block's D threads.
-        static __shared__ float rot[256];
-        rot[d] = v * tq3_sign2(d % RG);
+        // (x = D1 H D2 y / sqrt(g)), a shared-memory butterfly over the block's first D threads.
+        static __shared__ float rot[COMB_THREADS];
+        if (live) rot[d] = v * tq3_sign2(d % RG);
         __syncthreads();
         for (int h = 1; h < RG; h *= 2) {
-            if (!(d & h)) {
+            if (live && !(d & h)) {
                 const float a = rot[d], b = rot[d + h];
                 rot[d] = a + b;
                 rot[d + h] = a - b;
             }
             __syncthreads();
         }
-        v = rot[d] * tq3_sign1(d % RG) * tq3_rscale<RG>();
+        if (live) v = rot[d] * tq3_sign1(d % RG) * tq3_rscale<RG>();
     }
+    if (!live) return;
     if (gate != nullptr) v *= 1.0f / (1.0f + expf(-ld<TG>(gate, (i64)t * g_tok + (i64)head * g_head + d)));
     st<TO>(out, ((i64)t * H + head) * D + d, v);
     if (q16 != nullptr) {  // block-uniform: whole warps shuffle
         u32 word;
-        float scale, sum;
-        xq::group16_lanes(h2f(f2h(v)), word, scale, sum);
+        float scale, gsum;
+        xq::group16_lanes(h2f(f2h(v)), word, scale, gsum);
         const int k = head * D + d;
-        xq::put_group16_lanes(q16, (H * D) >> 8, T, k >> 8, t, (k & 255) >> 4, k & 15, word, scale, sum);
+        xq::put_group16_lanes(q16, (H * D) >> 8, T, k >> 8, t, (k & 255) >> 4, k & 15, word, scale, gsum);
     }
 }
 

@@ -38,6 +38,7 @@ KT = 32  # keys per tile (ssa::KT); cache rows are allocated in multiples of it
 MAXW = 4  # warps per block (ssa::MAXW)
 QPAD = 8  # ssa::QPAD
 MAX_SPLITS = 1024  # ssa::MAX_SPLITS (the combine kernel's shared weights)
+COMB_THREADS = 256  # ssa::COMB_THREADS: the combine kernel's block (head dims up to it)
 MAX_TOKENS = 64  # the ancestor mask is one uint64 per token
 # The partial attention under PDL with the rest of the chain (norm_rope.PDL_UP_TO). H100, 27B Q4_K_M step replays
 # (bench/gemv_ab.py --step-ab attnpdl) against no PDL in the chain: with it 1.0042 / 0.9951 at widths 1 / 2, without
@@ -323,21 +324,31 @@ def default_kw(n_head: int, n_kv_heads: int, tokens: int, rows: int, f16: bool =
 
 
 WS_CAP_BYTES = 24 << 20  # split workspace bound: it stays in L2 (50 MB on an H100) between the two kernels
+# Blocks a SM the split count aims at: one whole wave of the partial kernel, which holds 2 blocks a SM at head dim 256
+# (221-254 registers a thread at every KW: __launch_bounds__(128, 2)). KW = 4 (one token) aimed at 3 until session
+# 33, i.e. 1.5 waves: on an H200 (27B layer, graph replays over rotated caches, the new combine) 66 splits a KV head
+# against 99 ran S = 32768 75.2 vs 86.8 us (q8_0 K / tq3_0 V) and 49.5 vs 65.5 (f16), S = 131072 246 vs 276,
+# S = 4096 23.5 vs 25.2 (docs/gpu_kernels.md "Attention at long contexts").
+SPLIT_BLOCKS_PER_SM = 2
+
+
+def split_target(n_head: int, n_kv_heads: int, tokens: int, sms: int, kw: int | None = None) -> int:
+    """The K splits that put SPLIT_BLOCKS_PER_SM partial blocks on each of `sms` SMs (before choose_splits's caps)."""
+    gx, _ = grid_rows(n_head, n_kv_heads, tokens, kw)
+    return math.ceil(SPLIT_BLOCKS_PER_SM * sms / (gx * n_kv_heads))
 
 
 def choose_splits(n_head: int, n_kv_heads: int, head_dim: int, tokens: int, s_hint: int, kind: str = "f16",
                   kind_v: str | None = None, kw: int | None = None) -> int:  # fmt: skip
-    """K splits: about 3 blocks per SM with KW = 4 (decode: short blocks), 2 otherwise (the register and
-    shared-memory limit of the KW = 1 and 2 blocks at head dim 256), so every SM walks its share of the tiles
-    in parallel; >= 2 key tiles per split (the double buffer has a tile to overlap), <= MAX_SPLITS, and a split
-    workspace (written once, read once by the combine) of at most WS_CAP_BYTES.
+    """K splits: split_target's whole wave of partial blocks (SPLIT_BLOCKS_PER_SM a SM), so every SM walks its
+    share of the tiles in parallel; >= 2 key tiles per split (the double buffer has a tile to overlap),
+    <= MAX_SPLITS, and a split workspace (written once, read once by the combine) of at most WS_CAP_BYTES.
 
     The kernel is latency-bound at the contexts a verify sees (S of a few thousand: the whole K/V of a layer is
     a few MB), so the blocks' serial chains of tiles are what to shorten: the old cap of the workspace at half
     the K/V bytes gave a 23-token tree at S = 512 one split, i.e. 12 blocks walking 17 tiles each."""
-    gx, kw = grid_rows(n_head, n_kv_heads, tokens, kw)
     tiles = math.ceil((s_hint + tokens) / KT)
-    want = math.ceil((3 if kw == 4 else 2) * _sm_count_now() / (gx * n_kv_heads))
+    want = split_target(n_head, n_kv_heads, tokens, _sm_count_now(), kw)
     for k in (kind, kind_v):
         if k is not None:
             row_bytes(k, head_dim)  # a clear error for an unknown kind
@@ -487,7 +498,7 @@ def attention(
     comb = loader.get_function(SOURCE, f"attn_combine_kernel<{to}, {tg}, {rg}>", defines, pdl=chain and not portable)
     comb(
         (H * T,),
-        (D,),
+        (COMB_THREADS,),
         (ws_o, ws_ml, np.int32(splits), np.int32(T), np.int32(H), np.int32(Hkv), np.int32(D),
          gate if gate is not None else NULL, np.int64(g_tok), np.int64(g_head), out, q16 if q16 is not None else NULL),
     )  # fmt: skip

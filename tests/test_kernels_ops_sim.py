@@ -436,6 +436,34 @@ def test_attention_tq3_0(libs, kinds, D, tq, T, G, Hkv, S, tree, splits, ti_new)
     assert rel(y, ref) < 3e-3  # the twin reads the same TQ3_0 bytes: fp16 q / weights / dequantized K, V
 
 
+@pytest.mark.parametrize("D,splits", [(64, 1), (64, 150), (128, 37), (128, 64), (256, 3), (256, 99), (256, 130)])
+def test_attn_combine_many_splits(libs, D: int, splits: int) -> None:
+    """The combine's O sum over hundreds of splits (a decode token's long-context launch), in the kernel's rounds of
+    several loads a slice and its remainder: the merged softmax of the splits' (m, l, O); a split without keys (l = 0)
+    holds garbage O that must not leak in."""
+    rng = np.random.default_rng(D + splits)
+    T, H, Hkv = 2, 4, 2
+    rows = H * T
+    ws_o = rng.standard_normal((splits, rows, D)).astype(np.float32)
+    ws_ml = np.stack([rng.uniform(-6.0, 6.0, (splits, rows)), rng.uniform(0.5, 40.0, (splits, rows))], -1)
+    ws_ml = ws_ml.astype(np.float32)
+    empty_split = rng.random((splits, rows)) < 0.2
+    empty_split[0] = False  # every row keeps one split with keys
+    ws_ml[..., 1][empty_split] = 0.0
+    ws_o[empty_split] = np.nan
+    out = empty((T, H, D), 0)
+    assert libs["attention"].sim_attn_combine(0, 0, 0, ptr(ws_o), ptr(ws_ml), splits, T, H, Hkv, D, None, 0, 0,
+                                              ptr(out), None) == 0  # fmt: skip
+    m, ln = ws_ml[..., 0].astype(np.float64), ws_ml[..., 1].astype(np.float64)
+    w = np.where(ln > 0, np.exp2(m - np.where(ln > 0, m, -np.inf).max(0)), 0.0)
+    o = np.where(empty_split[..., None], 0.0, ws_o.astype(np.float64))
+    ref = (w[..., None] * o).sum(0) / (w * ln).sum(0)[:, None]  # kernel row order: (kvh, t, head in group)
+    G = H // Hkv
+    ref = ref.reshape(Hkv, T, G, D).transpose(1, 0, 2, 3).reshape(T, H, D)
+    assert np.isfinite(out).all()
+    assert rel(out.astype(np.float64), ref) < 1e-5
+
+
 DECODE_CASES = [
     # K, V, D, ti (q/k/v type), G, Hkv, S, blocks a query head
     (1, 2, 256, 0, 6, 2, 70, 3),  # the 27B's shape and default KV: 2 splits of 2 / 1 tiles, the third block exits

@@ -500,13 +500,12 @@ def _round_up(n: int, unit: int) -> int:
 
 
 def attention_splits_bound(n_head: int, n_kv_head: int, tokens: int, sms: int, head_dim: int = 0) -> int:
-    """Most K splits kernels.attention.choose_splits gives `tokens` queries at any context: its `want` (blocks per
-    SM over the grid), within MAX_SPLITS and (head_dim given) the WS_CAP_BYTES workspace cap; only its cap of half
-    the key tiles, which depends on the context, is left out."""
+    """Most K splits kernels.attention.choose_splits gives `tokens` queries at any context: its split_target (a wave
+    of blocks over the grid), within MAX_SPLITS and (head_dim given) the WS_CAP_BYTES workspace cap; only its cap of
+    half the key tiles, which depends on the context, is left out."""
     from kernels import attention as att
 
-    gx, kw = att.grid_rows(n_head, n_kv_head, tokens)
-    want = math.ceil((3 if kw == 4 else 2) * sms / (gx * n_kv_head))
+    want = att.split_target(n_head, n_kv_head, tokens, sms)
     cap = att.MAX_SPLITS
     if head_dim:
         cap = min(cap, max(1, att.WS_CAP_BYTES // (n_head * tokens * (head_dim + 2) * 4)))
