@@ -17,9 +17,11 @@
 // attn_partial_kernel: grid (ceil(MT / MTB), Hkv, splits), MT = ceil(G*T / 16) m16 tiles of query rows
 // (row r = t*G + g reads q head kvh*G + g), block = 4 warps sharing each K/V tile in shared memory, so a
 // KV byte is read from memory once per block (once in all when MT <= 4, i.e. G*T <= 64). KW = 4 / MTB
-// warps work on each m16 tile, each on its own KT/KW keys of every tile with its own softmax state,
-// merged inside the block at the end: decode (MT = 1) thus spreads a tile's 32 keys over 4 warps instead
-// of leaving one warp to do all the work. Split z walks its range of KT-key tiles:
+// warps work on each m16 tile: DS = 0, each on its own KT/KW keys of every tile with its own softmax state,
+// merged inside the block at the end; DS = 1, each on every key of the tile (the same scores and softmax state
+// in each: Q K^T is cheap) for its own D/KW output dims, so a warp holds a KW-th of O's accumulators (registers
+// for more blocks a SM) and no merge is left. Decode (MT = 1) thus spreads a tile over 4 warps instead of leaving
+// one warp to do all the work. Split z walks its range of KT-key tiles:
 //  * cp.async (16 bytes, zero-filled past the last valid key) streams tile i+1 while tile i is computed;
 //    f16 rows are stored with their 16-byte chunks XOR-swizzled by (key & 7) (conflict-free fragment
 //    loads); Q8_0 and TQ3_0 tiles are dequantized in shared memory first: K to the same layout, V transposed.
@@ -703,8 +705,8 @@ __global__ __launch_bounds__(256) void kv_store_kernel(const void* __restrict__ 
     }
 }
 
-template <int KK, int KV, int D, int TQ, int KW>
-__global__ __launch_bounds__(128, 2) void attn_partial_kernel(
+template <int KK, int KV, int D, int TQ, int KW, int DS>
+__global__ __launch_bounds__(128, DS && KW > 1 ? 3 : 2) void attn_partial_kernel(
     const void* __restrict__ q, const u8* __restrict__ kc, const u8* __restrict__ vc, const int* __restrict__ s_len,
     const u64* __restrict__ mask, int window, int T, int H, int Hkv, i64 ctx, float scale_log2,
     float* __restrict__ ws_o, float* __restrict__ ws_ml) {
@@ -722,8 +724,12 @@ __global__ __launch_bounds__(128, 2) void attn_partial_kernel(
     u16* qs_all = (u16*)(smem + L::WORK);                     // Q rows, one m16 tile per MTB
 
     constexpr int MTB = MAXW / KW;   // m16 tiles per block; KW warps share each, one key slice each
-    constexpr int KPW = KT / KW;     // keys of each tile per warp: 32, 16 or 8
-    constexpr int NTW = KPW / 8;     // n8 score tiles per warp
+    constexpr int KPW = DS ? KT : KT / KW;  // keys of each tile per warp: 32, 16 or 8
+    constexpr int NTW = KPW / 8;            // n8 score tiles per warp
+    constexpr int DW = DS ? D / KW : D;     // output dims per warp
+    static_assert(!DS || DW % 16 == 0, "a warp's dims are whole x4 ldmatrix pairs of n8 tiles");
+    constexpr int NGW = KV == 2 && DW > GR ? NG : 1;  // TQ3_0 V groups a warp's dims span (1: within one)
+    static_assert(KV != 2 || DW > GR || GR % DW == 0, "a warp's dims lie in one TQ3_0 group or span whole groups");
     const int nthreads = (int)blockDim.x;
     const int tid = (int)threadIdx.x, lane = tid & 31, wid = tid >> 5;
     const int g = lane >> 2, t4 = lane & 3;
@@ -842,9 +848,10 @@ __global__ __launch_bounds__(128, 2) void attn_partial_kernel(
         m_run[i] = neg_inf();
         l_run[i] = 0.0f;
     }
-    float o[D / 8][4];
+    float o[DW / 8][4];  // this warp's output dims dim0 .. dim0 + DW - 1 (n8 tiles nd0 + .. of them)
 #pragma unroll
-    for (int nd = 0; nd < D / 8; ++nd) o[nd][0] = o[nd][1] = o[nd][2] = o[nd][3] = 0.0f;
+    for (int nd = 0; nd < DW / 8; ++nd) o[nd][0] = o[nd][1] = o[nd][2] = o[nd][3] = 0.0f;
+    const int nd0w = DS ? ks * (DW / 8) : 0;
 
     // Per-lane ldmatrix row offsets (halves). Every fragment row below is a key row kw0 + 8x + (lane & 7) of a
     // swizzled tile, so its chunk swizzle is (lane & 7): chunk c of it sits at chunk c ^ r8.
@@ -867,7 +874,7 @@ __global__ __launch_bounds__(128, 2) void attn_partial_kernel(
         const u16* vt = KV != 0 ? (const u16*)deq_v : (const u16*)(raw + L::TK);
 
         if (active) {
-            const int kw0 = ks * KPW;  // this warp's first key within the tile
+            const int kw0 = DS ? 0 : ks * KPW;  // this warp's first key within the tile
             // acc[c] += Q[:, 16kk..16kk+15] K^T for kk = kb .. kb + NC - 1 (chain c = kk - kb), this warp's keys.
             // K B fragments by ldmatrix: NTW >= 2: one x4 = (b0, b1) of two n8 key tiles; NTW == 1: of two kk.
             auto qk = [&](int kb, float(&acc)[NC][NTW][4]) {
@@ -978,7 +985,7 @@ __global__ __launch_bounds__(128, 2) void attn_partial_kernel(
             }
             if (!warp_all(alpha[0] == 1.0f && alpha[1] == 1.0f)) {
 #pragma unroll
-                for (int nd = 0; nd < D / 8; ++nd) {
+                for (int nd = 0; nd < DW / 8; ++nd) {
                     o[nd][0] *= alpha[0];
                     o[nd][1] *= alpha[0];
                     o[nd][2] *= alpha[1];
@@ -993,20 +1000,22 @@ __global__ __launch_bounds__(128, 2) void attn_partial_kernel(
                 constexpr bool HALF = NTW == 1;
                 constexpr int UP = HALF ? 0 : 1;
                 const int k0 = kw0 + 16 * k2;
-                u32 af[NG][4];
+                u32 af[NGW][4];
                 if constexpr (KV == 2) {
                     // TQ3_0 V holds bare centroids: scale the weights by each key's group norm instead, one set
-                    // of A fragments per group, each multiplying that group's D / NG output columns.
+                    // of A fragments per group, each multiplying that group's D / NG output columns (DS: the one
+                    // group of the warp's dims)
                     const int kl = k0 + 2 * t4;
 #pragma unroll
-                    for (int gi = 0; gi < NG; ++gi) {
+                    for (int gl = 0; gl < NGW; ++gl) {
+                        const int gi = NGW == 1 ? (8 * nd0w) / GR : gl;
                         const float na = nrm_v[kl * NG + gi], nb = nrm_v[(kl + 1) * NG + gi];
                         const float nc = HALF ? 0.0f : nrm_v[(kl + 8) * NG + gi];
                         const float nd8 = HALF ? 0.0f : nrm_v[(kl + 9) * NG + gi];
-                        af[gi][0] = pack_f2(s[2 * k2][0] * na, s[2 * k2][1] * nb);
-                        af[gi][1] = pack_f2(s[2 * k2][2] * na, s[2 * k2][3] * nb);
-                        af[gi][2] = HALF ? 0u : pack_f2(s[2 * k2 + UP][0] * nc, s[2 * k2 + UP][1] * nd8);
-                        af[gi][3] = HALF ? 0u : pack_f2(s[2 * k2 + UP][2] * nc, s[2 * k2 + UP][3] * nd8);
+                        af[gl][0] = pack_f2(s[2 * k2][0] * na, s[2 * k2][1] * nb);
+                        af[gl][1] = pack_f2(s[2 * k2][2] * na, s[2 * k2][3] * nb);
+                        af[gl][2] = HALF ? 0u : pack_f2(s[2 * k2 + UP][0] * nc, s[2 * k2 + UP][1] * nd8);
+                        af[gl][3] = HALF ? 0u : pack_f2(s[2 * k2 + UP][2] * nc, s[2 * k2 + UP][3] * nd8);
                     }
                 } else {
                     af[0][0] = pack_f2(s[2 * k2][0], s[2 * k2][1]);
@@ -1014,24 +1023,25 @@ __global__ __launch_bounds__(128, 2) void attn_partial_kernel(
                     af[0][2] = HALF ? 0u : pack_f2(s[2 * k2 + UP][0], s[2 * k2 + UP][1]);
                     af[0][3] = HALF ? 0u : pack_f2(s[2 * k2 + UP][2], s[2 * k2 + UP][3]);
 #pragma unroll
-                    for (int gi = 1; gi < NG; ++gi)
+                    for (int gl = 1; gl < NGW; ++gl)
 #pragma unroll
-                        for (int e = 0; e < 4; ++e) af[gi][e] = af[0][e];
+                        for (int e = 0; e < 4; ++e) af[gl][e] = af[0][e];
                 }
                 constexpr int NDS = HALF ? 4 : 2;  // n8 dim tiles per ldmatrix
 #pragma unroll
-                for (int nd0 = 0; nd0 < D / 8; nd0 += NDS) {
-                    const int gi = KV == 2 ? nd0 / (GR / 8) : 0;
+                for (int ndl = 0; ndl < DW / 8; ndl += NDS) {
+                    const int nd0 = nd0w + ndl;  // the n8 dim tile in the row
+                    const int gi = NGW == 1 ? 0 : nd0 / (GR / 8);
                     const int key = HALF ? k0 + r8 : k0 + 8 * (j4 & 1) + r8;
                     const int chunk = HALF ? nd0 + j4 : nd0 + (j4 >> 1);
                     u32 b[4];
                     ldsm4<true>(b, vt, (u32)(key * D + ((chunk ^ r8) << 3)));
                     if constexpr (HALF) {
 #pragma unroll
-                        for (int j = 0; j < 4; ++j) mma16816(o[nd0 + j], af[gi][0], af[gi][1], 0u, 0u, b[j], 0u);
+                        for (int j = 0; j < 4; ++j) mma16816(o[ndl + j], af[gi][0], af[gi][1], 0u, 0u, b[j], 0u);
                     } else {
-                        mma16816(o[nd0], af[gi][0], af[gi][1], af[gi][2], af[gi][3], b[0], b[1]);
-                        mma16816(o[nd0 + 1], af[gi][0], af[gi][1], af[gi][2], af[gi][3], b[2], b[3]);
+                        mma16816(o[ndl], af[gi][0], af[gi][1], af[gi][2], af[gi][3], b[0], b[1]);
+                        mma16816(o[ndl + 1], af[gi][0], af[gi][1], af[gi][2], af[gi][3], b[2], b[3]);
                     }
                 }
             }
@@ -1046,7 +1056,7 @@ __global__ __launch_bounds__(128, 2) void attn_partial_kernel(
         l_run[i] += SS_SHFL_XOR(l_run[i], 1);
         l_run[i] += SS_SHFL_XOR(l_run[i], 2);
     }
-    if constexpr (KW > 1) {
+    if constexpr (KW > 1 && !DS) {
         // Merge the KW key slices of each m16 tile inside the block (fewer partials for the combine to read):
         // slices 1.. park (O, m, l) in the now idle stage buffers, slice 0 folds them into its own.
         constexpr int PR = D + 2;  // floats per parked row: O[0..D), m, l
@@ -1097,14 +1107,14 @@ __global__ __launch_bounds__(128, 2) void attn_partial_kernel(
     for (int i = 0; i < 2; ++i) {
         if (!rok[i]) continue;
         const i64 row = (i64)z * rows_all + (i64)kvh * R + mt * 16 + g + 8 * i;
-        if (t4 == 0) {
+        if (t4 == 0 && ks == 0) {  // (DS: every warp of the tile holds the same m and l)
             ws_ml[2 * row] = m_run[i];
             ws_ml[2 * row + 1] = l_run[i];
         }
         if (tb < te) {
-            float* dst = ws_o + row * D + 2 * t4;
+            float* dst = ws_o + row * D + 8 * nd0w + 2 * t4;
 #pragma unroll
-            for (int nd = 0; nd < D / 8; ++nd) {
+            for (int nd = 0; nd < DW / 8; ++nd) {
                 dst[8 * nd] = o[nd][2 * i];
                 dst[8 * nd + 1] = o[nd][2 * i + 1];
             }

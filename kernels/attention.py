@@ -330,30 +330,50 @@ WS_CAP_BYTES = 24 << 20  # split workspace bound: it stays in L2 (50 MB on an H1
 # against 99 ran S = 32768 75.2 vs 86.8 us (q8_0 K / tq3_0 V) and 49.5 vs 65.5 (f16), S = 131072 246 vs 276,
 # S = 4096 23.5 vs 25.2 (docs/gpu_kernels.md "Attention at long contexts").
 SPLIT_BLOCKS_PER_SM = 2
+# At one query tile a block (KW = 4: one or two tokens of the 27B) the tile's warps split the output dims instead of the
+# keys (attn_partial_kernel's DS): each then holds a quarter of O's accumulators (116 registers a thread instead of
+# 254 at head dim 256), so 3 blocks fit a SM (shared memory bounds it there), and the block's end merges no key slices.
+# H200, one 27B layer (q8_0 K / tq3_0 V unless said), graph replays over rotated caches, us, keys vs dims at the best
+# splits of each: T = 1 S = 32768 75.1 vs 70.0, f16 49.2 vs 45.8, S = 131072 245.8 vs 228.9, S = 4096 21.9 vs 18.4,
+# S = 2048 16.6 vs 14.1; T = 2 S = 32768 77.3 vs 72.0. At KW = 2 (3..5 tokens) dims were not faster (S = 32768 T = 4
+# 78.7 vs 78.7, S = 4096 23.2 vs 23.4): keys stay there. Its splits want fewer tiles: at least MIN_SPLIT_TILES_DS of
+# the graph bucket's (the bucket can hold twice the rows a step sees).
+DIM_SPLIT = True
+SPLIT_BLOCKS_PER_SM_DS = 3
+MIN_SPLIT_TILES, MIN_SPLIT_TILES_DS = 2, 4
+
+
+def dim_split(kw: int) -> int:
+    """attn_partial_kernel's DS for a launch of KW warps a query tile: 1 when they split the output dims."""
+    return int(DIM_SPLIT and kw == 4)
 
 
 def split_target(n_head: int, n_kv_heads: int, tokens: int, sms: int, kw: int | None = None) -> int:
-    """The K splits that put SPLIT_BLOCKS_PER_SM partial blocks on each of `sms` SMs (before choose_splits's caps)."""
-    gx, _ = grid_rows(n_head, n_kv_heads, tokens, kw)
-    return math.ceil(SPLIT_BLOCKS_PER_SM * sms / (gx * n_kv_heads))
+    """The K splits that put one wave of partial blocks (SPLIT_BLOCKS_PER_SM a SM, SPLIT_BLOCKS_PER_SM_DS where
+    the tile's warps split the dims) on `sms` SMs, before choose_splits's caps."""
+    gx, kw = grid_rows(n_head, n_kv_heads, tokens, kw)
+    per_sm = SPLIT_BLOCKS_PER_SM_DS if dim_split(kw) else SPLIT_BLOCKS_PER_SM
+    return math.ceil(per_sm * sms / (gx * n_kv_heads))
 
 
 def choose_splits(n_head: int, n_kv_heads: int, head_dim: int, tokens: int, s_hint: int, kind: str = "f16",
                   kind_v: str | None = None, kw: int | None = None) -> int:  # fmt: skip
-    """K splits: split_target's whole wave of partial blocks (SPLIT_BLOCKS_PER_SM a SM), so every SM walks its
-    share of the tiles in parallel; >= 2 key tiles per split (the double buffer has a tile to overlap),
-    <= MAX_SPLITS, and a split workspace (written once, read once by the combine) of at most WS_CAP_BYTES.
+    """K splits: split_target's whole wave of partial blocks, so every SM walks its share of the tiles in parallel;
+    >= MIN_SPLIT_TILES key tiles per split (the double buffer has a tile to overlap; MIN_SPLIT_TILES_DS where the
+    tile's warps split the dims), <= MAX_SPLITS, and a split workspace (written once, read once by the combine) of at
+    most WS_CAP_BYTES.
 
     The kernel is latency-bound at the contexts a verify sees (S of a few thousand: the whole K/V of a layer is
     a few MB), so the blocks' serial chains of tiles are what to shorten: the old cap of the workspace at half
     the K/V bytes gave a 23-token tree at S = 512 one split, i.e. 12 blocks walking 17 tiles each."""
     tiles = math.ceil((s_hint + tokens) / KT)
     want = split_target(n_head, n_kv_heads, tokens, _sm_count_now(), kw)
+    per = MIN_SPLIT_TILES_DS if dim_split(grid_rows(n_head, n_kv_heads, tokens, kw)[1]) else MIN_SPLIT_TILES
     for k in (kind, kind_v):
         if k is not None:
             row_bytes(k, head_dim)  # a clear error for an unknown kind
     ws_per_split = n_head * tokens * (head_dim + 2) * 4
-    cap = max(1, min(tiles // 2, WS_CAP_BYTES // ws_per_split, MAX_SPLITS))
+    cap = max(1, min(tiles // per, WS_CAP_BYTES // ws_per_split, MAX_SPLITS))
     return max(1, min(want, cap))
 
 
@@ -468,10 +488,11 @@ def attention(
 
     defines = ("SPECSPLIT_PORTABLE",) if portable else ()
     chain = norm_rope.PDL and T <= norm_rope.PDL_UP_TO  # PDL: the attention layer's chain in a narrow step
-    kern = loader.get_function(SOURCE, f"attn_partial_kernel<{cache.code}, {cache.code_v}, {D}, {tq}, {kw}>", defines,
-                               pdl=chain and PARTIAL_PDL and not portable)
+    ds = dim_split(kw)
+    kern = loader.get_function(SOURCE, f"attn_partial_kernel<{cache.code}, {cache.code_v}, {D}, {tq}, {kw}, {ds}>",
+                               defines, pdl=chain and PARTIAL_PDL and not portable)
     smem = smem_bytes(cache.kind, D, kw, cache.kind_v)
-    key = (cache.code, cache.code_v, D, tq, kw, defines, int(cupy.cuda.runtime.getDevice()))
+    key = (cache.code, cache.code_v, D, tq, kw, ds, defines, int(cupy.cuda.runtime.getDevice()))
     if smem > 48 * 1024 and key not in _smem_set:
         kern.max_dynamic_shared_size_bytes = smem
         _smem_set.add(key)

@@ -198,17 +198,21 @@ extern "C" int sim_attn_decode(int kk, int kv, int D, int ti, int G, const void*
     return launch_ordered((unsigned)ns, (unsigned)Hkv, 128, order, (unsigned)G);
 }
 
-extern "C" int sim_attn_partial(int kk, int kv, int D, int tq, int kw, const void* q, const unsigned char* kc,
+extern "C" int sim_attn_partial(int kk, int kv, int D, int tq, int kw, int ds, const void* q, const unsigned char* kc,
                                 const unsigned char* vc, const int* s_len, const unsigned long long* mask,
                                 int window, int T, int H, int Hkv, long long ctx, float scale_log2, float* ws_o,
                                 float* ws_ml, int gx, int splits) {
     g_body = nullptr;
-#define AP(KK, KV, DD, TQ, KW)                                                                                       \
-    if (kk == KK && kv == KV && D == DD && tq == TQ && kw == KW)                                                     \
+#define AP1(KK, KV, DD, TQ, KW, DS)                                                                                  \
+    if (kk == KK && kv == KV && D == DD && tq == TQ && kw == KW && ds == DS)                                         \
         g_body = [=] {                                                                                               \
-            attn_partial_kernel<KK, KV, DD, TQ, KW>(q, kc, vc, s_len, mask, window, T, H, Hkv, ctx, scale_log2, ws_o, \
-                                                    ws_ml);                                                       \
+            attn_partial_kernel<KK, KV, DD, TQ, KW, DS>(q, kc, vc, s_len, mask, window, T, H, Hkv, ctx, scale_log2,   \
+                                                        ws_o, ws_ml);                                                 \
         };
+// both warp splits of a tile (keys, dims) where a tile has several warps
+#define AP(KK, KV, DD, TQ, KW)                                                                                       \
+    AP1(KK, KV, DD, TQ, KW, 0)                                                                                       \
+    AP1(KK, KV, DD, TQ, KW, ((KW) > 1 ? 1 : 0))
     AP(0, 0, 64, 0, 4)
     AP(1, 1, 64, 0, 4)
     AP(0, 0, 64, 1, 1)
@@ -223,6 +227,7 @@ extern "C" int sim_attn_partial(int kk, int kv, int D, int tq, int kw, const voi
     AP(2, 2, 128, 0, 1)
     AP(2, 2, 256, 0, 2)
     AP(1, 2, 256, 1, 4)
+    AP(1, 2, 256, 1, 2)
     AP(1, 2, 256, 1, 1)
     AP(2, 0, 64, 1, 2)
     AP(2, 2, 128, 0, 4)
@@ -240,6 +245,7 @@ extern "C" int sim_attn_partial(int kk, int kv, int D, int tq, int kw, const voi
     AP(1, 2, 128, 1, 4)
     AP(2, 2, 64, 2, 4)
 #undef AP
+#undef AP1
     if (!g_body) return -1;
     return launch(gx, Hkv, splits, 128);
 }

@@ -45,7 +45,7 @@ SIGNATURES = {
     "sim_gate_mul": [I, I, I, P, P, LL, LL, P, I, I, I, I],
     "sim_kv_store": [I, I, I, P, P, P, P, P, I, I, I, LL],
     "sim_kv_move_rows": [P, P, I, I, LL, P, P, P, I],
-    "sim_attn_partial": [I, I, I, I, I, P, P, P, P, P, I, I, I, I, LL, F, P, P, I, I],
+    "sim_attn_partial": [I, I, I, I, I, I, P, P, P, P, P, I, I, I, I, LL, F, P, P, I, I],
     "sim_attn_decode": [I, I, I, I, I, P, LL, P, LL, P, P, LL, P, P, P, P, I, F, P, P, P, LL, F, P, P, P, P, P, I,
                         I, I],
     "sim_attn_combine": [I, I, I, P, P, I, I, I, I, I, P, LL, LL, P, P],
@@ -289,7 +289,7 @@ def test_kv_move_rows_count_zero_and_in_order(libs) -> None:
 
 def run_attention(lib, kv, D: int, tq: int, T: int, G: int, Hkv: int, S: int, parents, splits: int,
                   rng, gate_f16: bool = False, ti_new: int | None = None, kw: int | None = None,
-                  k_ramp: float = 0.0, window: int = 0):  # fmt: skip
+                  k_ramp: float = 0.0, window: int = 0, ds: int | None = None):  # fmt: skip
     """kv: one kind code for K and V, or a (K, V) pair. Stores S committed rows (f32 input) and T new rows
     (f16 input when ti_new is 1), checks the stored bytes, runs attention; returns (y, twin). tq: q as f32, f16
     or bf16 (0, 1, 2); kw: warps per m16 tile (None: the launcher's choice); k_ramp: key row j scaled by
@@ -335,11 +335,12 @@ def run_attention(lib, kv, D: int, tq: int, T: int, G: int, Hkv: int, S: int, pa
     qx = q.astype(np.float16) if tq == 1 else to_bf16(q) if tq == 2 else q
     mask = attn_mod.tree_mask(parents)
     gx, kw = attn_mod.grid_rows(H, Hkv, T, kw)
+    ds = attn_mod.dim_split(kw) if ds is None else ds
     parts = splits  # the key slices of a split are merged inside its block
     ws_o = np.full((parts, H * T, D), np.nan, np.float32)
     ws_ml = np.full((parts, H * T, 2), np.nan, np.float32)
     scale = np.float32(1.0 / math.sqrt(D) / math.log(2.0))
-    err = lib.sim_attn_partial(kk, kv, D, tq, kw, ptr(qx), ptr(kc), ptr(vc), ptr(s_len), ptr(mask), window, T, H,
+    err = lib.sim_attn_partial(kk, kv, D, tq, kw, ds, ptr(qx), ptr(kc), ptr(vc), ptr(s_len), ptr(mask), window, T, H,
                                Hkv, ctx, scale, ptr(ws_o), ptr(ws_ml), gx, splits)  # fmt: skip
     assert err == 0, f"simulation error (or no instance for K={kk} V={kv} D={D} tq={tq} KW={kw})"
     rg = attn_mod.tq3_group(D) if kv == 2 else 0
@@ -585,6 +586,31 @@ def test_attention_block_shapes(libs, kinds, kw: int) -> None:
     # the launcher's kw override: 23 tokens x 6 heads (9 m16 tiles) in blocks of 1, 2 or 4 m16 tiles
     rng = np.random.default_rng(50 + kw + kinds[1])
     y, ref = run_attention(libs["attention"], kinds, 64, 1, 23, 6, 1, 40, random_tree(23, rng), 2, rng, kw=kw)
+    assert rel(y, ref) < 3e-3
+
+
+WARP_SPLIT_CASES = [
+    # (K, V), D, tq, T, G, Hkv, S, kw: one token (KW 4) and a few (KW 2), every kind, TQ3_0 V's groups (64 / 128
+    # values) against a warp's dims (16 .. 128), the 27B's head, S past a few tiles and inside the first
+    ((1, 2), 256, 1, 1, 6, 2, 150, 4),
+    ((0, 0), 256, 0, 2, 6, 1, 70, 4),
+    ((1, 2), 256, 1, 4, 6, 1, 100, 2),
+    ((2, 2), 64, 0, 1, 4, 2, 90, 4),
+    ((2, 2), 128, 0, 3, 4, 1, 20, 4),
+    ((0, 2), 128, 0, 5, 3, 1, 45, 2),
+    ((1, 1), 64, 0, 2, 3, 2, 33, 2),
+]
+
+
+@pytest.mark.parametrize("ds", [0, 1])
+@pytest.mark.parametrize("kinds,D,tq,T,G,Hkv,S,kw", WARP_SPLIT_CASES)
+def test_attention_warp_splits(libs, kinds, D, tq, T, G, Hkv, S, kw, ds: int) -> None:
+    """A query tile's KW warps on their own keys of each tile (ds 0: slices merged at the block's end) or on their
+    own output dims of every key (ds 1): both the twin's attention, with the growing-score tiles that rescale O."""
+    rng = np.random.default_rng(D + S + 10 * T + ds)
+    y, ref = run_attention(libs["attention"], kinds, D, tq, T, G, Hkv, S, list(range(-1, T - 1)), 2, rng, kw=kw,
+                           k_ramp=0.02, ds=ds)  # fmt: skip
+    assert np.isfinite(y).all()
     assert rel(y, ref) < 3e-3
 
 

@@ -115,7 +115,7 @@ def test_gpu_scratch_grows_with_width_and_splits(q27):
     cfg = q27[0]
     steps = [M.gpu_step_scratch(cfg, t, 132) for t in (1, 8, 16, 23, 41, 64)]
     assert steps == sorted(steps) and steps[0] < 8 * M.MiB and steps[-1] < 64 * M.MiB
-    assert M.attention_splits_bound(24, 4, 1, 132) == 66      # decode: KW 4, one block row, 2 blocks per SM
+    assert M.attention_splits_bound(24, 4, 1, 132) == 99      # decode: KW 4 on dims, one block row, 3 blocks per SM
     assert M.attention_splits_bound(24, 4, 64, 132) == 11
     assert M.gpu_step_scratch(cfg, 64, 264) > M.gpu_step_scratch(cfg, 64, 132)
     # a remote drafter (no shape): the target still keeps 5 captured layers per step
