@@ -325,10 +325,10 @@ def default_kw(n_head: int, n_kv_heads: int, tokens: int, rows: int, f16: bool =
 
 WS_CAP_BYTES = 24 << 20  # split workspace bound: it stays in L2 (50 MB on an H100) between the two kernels
 # Blocks a SM the split count aims at: one whole wave of the partial kernel, which holds 2 blocks a SM at head dim 256
-# (221-254 registers a thread at every KW: __launch_bounds__(128, 2)). KW = 4 (one token) aimed at 3 until session
-# 33, i.e. 1.5 waves: on an H200 (27B layer, graph replays over rotated caches, the new combine) 66 splits a KV head
-# against 99 ran S = 32768 75.2 vs 86.8 us (q8_0 K / tq3_0 V) and 49.5 vs 65.5 (f16), S = 131072 246 vs 276,
-# S = 4096 23.5 vs 25.2 (docs/gpu_kernels.md "Attention at long contexts").
+# where a tile's warps split the keys (221-254 registers a thread: __launch_bounds__(128, 2)). KW = 4 (one token)
+# aimed at 3 on those blocks until session 33, i.e. 1.5 waves: on an H200 (27B layer, graph replays over rotated
+# caches, the new combine) 66 splits a KV head against 99 ran S = 32768 75.2 vs 86.8 us (q8_0 K / tq3_0 V) and 49.5
+# vs 65.5 (f16), S = 131072 246 vs 276, S = 4096 23.5 vs 25.2 (docs/gpu_kernels.md "Attention at long contexts").
 SPLIT_BLOCKS_PER_SM = 2
 # At one query tile a block (KW = 4: one or two tokens of the 27B) the tile's warps split the output dims instead of the
 # keys (attn_partial_kernel's DS): each then holds a quarter of O's accumulators (116 registers a thread instead of
