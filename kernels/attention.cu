@@ -723,7 +723,7 @@ __global__ __launch_bounds__(128, DS && KW > 1 ? 3 : 2) void attn_partial_kernel
     constexpr int NG = L::NG, GR = D / NG;
     u16* qs_all = (u16*)(smem + L::WORK);                     // Q rows, one m16 tile per MTB
 
-    constexpr int MTB = MAXW / KW;   // m16 tiles per block; KW warps share each, one key slice each
+    constexpr int MTB = MAXW / KW;   // m16 tiles per block; KW warps share each, a key slice (DS: dim slice) each
     constexpr int KPW = DS ? KT : KT / KW;  // keys of each tile per warp: 32, 16 or 8
     constexpr int NTW = KPW / 8;            // n8 score tiles per warp
     constexpr int DW = DS ? D / KW : D;     // output dims per warp
@@ -848,7 +848,7 @@ __global__ __launch_bounds__(128, DS && KW > 1 ? 3 : 2) void attn_partial_kernel
         m_run[i] = neg_inf();
         l_run[i] = 0.0f;
     }
-    float o[DW / 8][4];  // this warp's output dims dim0 .. dim0 + DW - 1 (n8 tiles nd0 + .. of them)
+    float o[DW / 8][4];  // this warp's DW output dims: n8 dim tiles nd0w .. nd0w + DW / 8 - 1 of the row
 #pragma unroll
     for (int nd = 0; nd < DW / 8; ++nd) o[nd][0] = o[nd][1] = o[nd][2] = o[nd][3] = 0.0f;
     const int nd0w = DS ? ks * (DW / 8) : 0;
