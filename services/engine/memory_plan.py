@@ -501,8 +501,8 @@ def _round_up(n: int, unit: int) -> int:
 
 def attention_splits_bound(n_head: int, n_kv_head: int, tokens: int, sms: int, head_dim: int = 0) -> int:
     """Most K splits kernels.attention.choose_splits gives `tokens` queries at any context: its split_target (a wave
-    of blocks over the grid), within MAX_SPLITS and (head_dim given) the WS_CAP_BYTES workspace cap; only its cap of
-    half the key tiles, which depends on the context, is left out."""
+    of blocks over the grid), within MAX_SPLITS and (head_dim given) the WS_CAP_BYTES workspace cap; only its floor of
+    key tiles a split, which depends on the context, is left out."""
     from kernels import attention as att
 
     want = att.split_target(n_head, n_kv_head, tokens, sms)
