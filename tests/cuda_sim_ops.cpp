@@ -209,10 +209,16 @@ extern "C" int sim_attn_partial(int kk, int kv, int D, int tq, int kw, int ds, c
             attn_partial_kernel<KK, KV, DD, TQ, KW, DS>(q, kc, vc, s_len, mask, window, T, H, Hkv, ctx, scale_log2,   \
                                                         ws_o, ws_ml);                                                 \
         };
-// both warp splits of a tile (keys, dims) where a tile has several warps
-#define AP(KK, KV, DD, TQ, KW)                                                                                       \
-    AP1(KK, KV, DD, TQ, KW, 0)                                                                                       \
-    AP1(KK, KV, DD, TQ, KW, ((KW) > 1 ? 1 : 0))
+// the launcher's warp split (attention.dim_split: dims at KW = 4, keys elsewhere); the other one below for the
+// cases test_attention_warp_splits runs both ways
+#define AP(KK, KV, DD, TQ, KW) AP1(KK, KV, DD, TQ, KW, ((KW) == 4 ? 1 : 0))
+    AP1(1, 2, 256, 1, 4, 0)
+    AP1(0, 0, 256, 0, 4, 0)
+    AP1(2, 2, 64, 0, 4, 0)
+    AP1(2, 2, 128, 0, 4, 0)
+    AP1(1, 2, 256, 1, 2, 1)
+    AP1(0, 2, 128, 0, 2, 1)
+    AP1(1, 1, 64, 0, 2, 1)
     AP(0, 0, 64, 0, 4)
     AP(1, 1, 64, 0, 4)
     AP(0, 0, 64, 1, 1)

@@ -592,9 +592,9 @@ def test_attention_block_shapes(libs, kinds, kw: int) -> None:
 WARP_SPLIT_CASES = [
     # (K, V), D, tq, T, G, Hkv, S, kw: one token (KW 4) and a few (KW 2), every kind, TQ3_0 V's groups (64 / 128
     # values) against a warp's dims (16 .. 128), the 27B's head, S past a few tiles and inside the first
-    ((1, 2), 256, 1, 1, 6, 2, 150, 4),
-    ((0, 0), 256, 0, 2, 6, 1, 70, 4),
-    ((1, 2), 256, 1, 4, 6, 1, 100, 2),
+    ((1, 2), 256, 1, 1, 6, 1, 70, 4),
+    ((0, 0), 256, 0, 2, 6, 1, 40, 4),
+    ((1, 2), 256, 1, 4, 6, 1, 40, 2),
     ((2, 2), 64, 0, 1, 4, 2, 90, 4),
     ((2, 2), 128, 0, 3, 4, 1, 20, 4),
     ((0, 2), 128, 0, 5, 3, 1, 45, 2),
