@@ -1182,7 +1182,7 @@ __global__ __launch_bounds__(COMB_THREADS) void attn_combine_kernel(const float*
     CF4 acc[COMB_LOADS];
 #pragma unroll
     for (int j = 0; j < COMB_LOADS; ++j) acc[j] = CF4{0.0f, 0.0f, 0.0f, 0.0f};
-    if (s < ns) {
+    {  // (head dims 64 / 128 / 256: every thread is in one of the ns slices)
         const CF4* const src = (const CF4*)ws_o + row * cols + c;
         const i64 zstride = rows_all * cols;
         int z = s;

@@ -38,7 +38,7 @@ KT = 32  # keys per tile (ssa::KT); cache rows are allocated in multiples of it
 MAXW = 4  # warps per block (ssa::MAXW)
 QPAD = 8  # ssa::QPAD
 MAX_SPLITS = 1024  # ssa::MAX_SPLITS (the combine kernel's shared weights)
-COMB_THREADS = 256  # ssa::COMB_THREADS: the combine kernel's block (head dims up to it)
+COMB_THREADS = 256  # attention.cu's COMB_THREADS: the combine kernel's block (head dims up to it)
 MAX_TOKENS = 64  # the ancestor mask is one uint64 per token
 # The partial attention under PDL with the rest of the chain (norm_rope.PDL_UP_TO). H100, 27B Q4_K_M step replays
 # (bench/gemv_ab.py --step-ab attnpdl) against no PDL in the chain: with it 1.0042 / 0.9951 at widths 1 / 2, without
@@ -367,8 +367,9 @@ def choose_splits(n_head: int, n_kv_heads: int, head_dim: int, tokens: int, s_hi
     a few MB), so the blocks' serial chains of tiles are what to shorten: the old cap of the workspace at half
     the K/V bytes gave a 23-token tree at S = 512 one split, i.e. 12 blocks walking 17 tiles each."""
     tiles = math.ceil((s_hint + tokens) / KT)
+    _, kw = grid_rows(n_head, n_kv_heads, tokens, kw)
     want = split_target(n_head, n_kv_heads, tokens, _sm_count_now(), kw)
-    per = MIN_SPLIT_TILES_DS if dim_split(grid_rows(n_head, n_kv_heads, tokens, kw)[1]) else MIN_SPLIT_TILES
+    per = MIN_SPLIT_TILES_DS if dim_split(kw) else MIN_SPLIT_TILES
     for k in (kind, kind_v):
         if k is not None:
             row_bytes(k, head_dim)  # a clear error for an unknown kind

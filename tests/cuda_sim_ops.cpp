@@ -273,7 +273,7 @@ extern "C" int sim_attn_combine(int to, int tg, int rg, const float* ws_o, const
     AC(1, 1, 128)
 #undef AC
     if (!g_body) return -1;
-    return launch(H * T, 1, 1, 256);  // ssa::COMB_THREADS
+    return launch(H * T, 1, 1, COMB_THREADS);
 }
 #endif
 
