@@ -466,6 +466,16 @@ STEP_ABS = {
                                                                                                       7: (2, 8)}}}),
                  ("shipped", SMALL, 3, "capture", {})],
                 (52, 56), [("tall 2x8 at 7", "before"), ("+ gate|up 2x8 at 7", "before"), ("shipped", "before")]),
+    # the wide kernel's plain launches at 3 token tiles (17..24 tokens) with more blocks a SM: Q4_K's pieces one at a
+    # time (96 registers instead of 127) and 2 stages (4 blocks of 4 + 1 warps a SM by shared memory and registers
+    # instead of 3, about as many bytes in flight), the SwiGLU launch kept at 3 stages; and the pieces alone. Session 34
+    # (H200, cc2a292): 1.008 / 1.0067 and 1.0022 / 1.0025 at widths 17 / 23: neither taken (depth over warps)
+    "w3occ": ([("shipped", SMALL, 3, "capture", {}),
+               ("pg1 2 stages", SMALL, 3, "capture",
+                {"qw.PIECE_GROUP": False, "qw.STAGES3_TILES": {12: (4, 5, 6), 14: (2, 3, 4, 5, 6)},
+                 "qw.SWIGLU_SHAPES": {12: {2: (4, 3), 3: (4, 3), 5: (8, 3), 6: (8, 3), 7: (8, 2)}, 14: {2: (4, 3)}}}),
+               ("pg1 3 stages", SMALL, 3, "capture", {"qw.PIECE_GROUP": False})],
+              (17, 23), [("pg1 2 stages", "shipped"), ("pg1 3 stages", "shipped")]),
     "v2stages": ([("shipped", SMALL, 3, "capture", {}), ("v2 3 stages", SMALL, 3, "capture", {"qm.STAGES_V2": 3}),
                   ("v2 4 stages", SMALL, 3, "capture", {"qm.STAGES_V2": 4})], (8, 16, 23),
                  [("v2 3 stages", "shipped"), ("v2 4 stages", "shipped")]),
