@@ -227,14 +227,29 @@ SS_DEV void mma16816(float (&c)[4], u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 
 #endif
 }
 
-// 16-byte global -> shared copy; valid == false writes zeros and reads nothing.
-SS_DEV void cp16(void* smem_dst, const void* gmem_src, bool valid) {
+// The 32-bit shared-memory address of a pointer into shared memory (PTX path; 0 elsewhere). An opaque conversion
+// that the compiler may hoist but not fold back into 64-bit generic arithmetic: ldsm4's addresses stay 32-bit
+// additions to it.
+SS_DEV u32 smem_s(const void* p) {
 #if SS_PTX
-    u32 s;
-    asm volatile("{ .reg .u64 a; cvta.to.shared.u64 a, %1; cvt.u32.u64 %0, a; }\n" : "=r"(s) : "l"(smem_dst));
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(s), "l"(gmem_src), "r"(valid ? 16 : 0)
+    u32 a;
+    asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }\n" : "=r"(a) : "l"(p));
+    return a;
+#else
+    (void)p;
+    return 0u;
+#endif
+}
+
+// 16-byte global -> shared copy into smem_dst (dst_s: its 32-bit shared address, smem_s; the PTX path's); valid ==
+// false writes zeros and reads nothing.
+SS_DEV void cp16(void* smem_dst, u32 dst_s, const void* gmem_src, bool valid) {
+#if SS_PTX
+    (void)smem_dst;
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst_s), "l"(gmem_src), "r"(valid ? 16 : 0)
                  : "memory");
 #else
+    (void)dst_s;
     if (valid)
         *(uint4*)smem_dst = *(const uint4*)gmem_src;
     else
@@ -271,14 +286,14 @@ SS_DEV float ld_cg(const float* p) {
 }
 
 // ldmatrix .x4: four 8x8 b16 matrices from shared memory in one instruction. Lane l gives the row address
-// base + off (off in halves, 16-byte aligned) of row l % 8 of matrix l / 8. Lane (g = l / 4, t = l % 4) gets
-// r[j] = matrix j's row g, columns 2t, 2t+1 (TR: its transpose, rows 2t, 2t+1 of column g): exactly an mma
-// A / B fragment register. The portable path gathers the same words through shuffles of the row offsets.
+// base + off (off in halves, 16-byte aligned; base_s = smem_s(base)) of row l % 8 of matrix l / 8. Lane (g = l / 4,
+// t = l % 4) gets r[j] = matrix j's row g, columns 2t, 2t+1 (TR: its transpose, rows 2t, 2t+1 of column g): exactly
+// an mma A / B fragment register. The portable path gathers the same words through shuffles of the row offsets.
 template <bool TR>
-SS_DEV void ldsm4(u32 (&r)[4], const u16* base, u32 off) {
+SS_DEV void ldsm4(u32 (&r)[4], const u16* base, u32 base_s, u32 off) {
 #if SS_PTX
-    u32 a;
-    asm volatile("{ .reg .u64 p; cvta.to.shared.u64 p, %1; cvt.u32.u64 %0, p; }\n" : "=r"(a) : "l"(base + off));
+    (void)base;
+    const u32 a = base_s + 2u * off;
     if constexpr (TR)
         asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
                      : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
@@ -288,6 +303,7 @@ SS_DEV void ldsm4(u32 (&r)[4], const u16* base, u32 off) {
                      : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
                      : "r"(a));
 #else
+    (void)base_s;
     const int lane = (int)(threadIdx.x & 31u), g = lane >> 2, t = lane & 3;
     for (int j = 0; j < 4; ++j) {
         if constexpr (TR) {
@@ -749,19 +765,28 @@ __global__ __launch_bounds__(128, DS && KW > 1 ? 3 : 2) void attn_partial_kernel
 
     const u8* kbase = kc + (i64)kvh * ctx * L::RBK;
     const u8* vbase = vc + (i64)kvh * ctx * L::RBV;
+    const u32 stages_s = smem_s(stages);
+    // A tile's copy: the block's threads (a compile-time count, so the loop unrolls and every chunk's offsets are the
+    // thread's constants plus immediates: no 64-bit address arithmetic a chunk) take 16-byte chunks c = tid + NTH i.
     auto issue = [&](int tile, int stage) {
+        constexpr int NTH = 32 * MAXW;  // the launch's block (attention.py)
         u8* dk = stages + stage * L::STAGE;
         u8* dv = dk + L::TK;
+        const u32 dk_s = stages_s + (u32)(stage * L::STAGE), dv_s = dk_s + (u32)L::TK;
+        const u8* ksrc = kbase + (i64)tile * L::TK;
+        const u8* vsrc = vbase + (i64)tile * L::TV;
         const int nvalid = n - tile * KT;  // > 0 for every tile we load
         constexpr int CH = (L::TK > L::TV ? L::TK : L::TV) / 16;
-        for (int c = tid; c < CH; c += nthreads) {
+#pragma unroll 1
+        for (int i = 0; i < (CH + NTH - 1) / NTH; ++i) {
+            const int c = tid + NTH * i;
             if (16 * c < L::TK) {
                 int dst = 16 * c;
                 if constexpr (KK == 0) {  // f16: swizzle 16-byte chunks within each row
                     const int key = c / (L::RBK / 16), ch = c % (L::RBK / 16);
                     dst = key * L::RBK + 16 * (ch ^ (key & 7));
                 }
-                cp16(dk + dst, kbase + (i64)tile * L::TK + 16 * c, 16 * c < nvalid * L::RBK);
+                cp16(dk + dst, dk_s + (u32)dst, ksrc + 16 * c, 16 * c < nvalid * L::RBK);
             }
             if (16 * c < L::TV) {
                 int dst = 16 * c;
@@ -769,7 +794,7 @@ __global__ __launch_bounds__(128, DS && KW > 1 ? 3 : 2) void attn_partial_kernel
                     const int key = c / (L::RBV / 16), ch = c % (L::RBV / 16);
                     dst = key * L::RBV + 16 * (ch ^ (key & 7));
                 }
-                cp16(dv + dst, vbase + (i64)tile * L::TV + 16 * c, 16 * c < nvalid * L::RBV);
+                cp16(dv + dst, dv_s + (u32)dst, vsrc + 16 * c, 16 * c < nvalid * L::RBV);
             }
         }
     };
@@ -858,6 +883,15 @@ __global__ __launch_bounds__(128, DS && KW > 1 ? 3 : 2) void attn_partial_kernel
     const int r8 = lane & 7, j4 = lane >> 3;
     const u32 q_off = (u32)((r8 + 8 * (j4 & 1)) * L::QROW + 8 * (j4 >> 1));  // A: rows 0-7 / 8-15, cols +0 / +8
     constexpr int NC = NTW >= 4 ? 1 : 4 / NTW;  // independent accumulator chains of the Q K^T k-loop
+    const u32 qs_s = smem_s(qs);
+    // K B fragments (NTW >= 2): row key = kw0 + 16 p + 8 (j4 / 2) + r8, chunk (2 kk + (j4 & 1)) ^ r8 of it; kofs[m]
+    // is its offset for kk % 4 = m and p = kk / 4 = 0 (the rest is compile-time once the k-loop is unrolled)
+    u32 kofs[4];
+    {
+        const int key = (DS ? 0 : ks * KPW) + 8 * (j4 >> 1) + r8, cb = (j4 & 1) ^ r8;
+#pragma unroll
+        for (int m = 0; m < 4; ++m) kofs[m] = (u32)(key * D + (((2 * m) ^ cb) << 3));
+    }
 
     for (int it = tb; it < te; ++it) {
         const int stage = (it - tb) & 1;
@@ -872,6 +906,7 @@ __global__ __launch_bounds__(128, DS && KW > 1 ? 3 : 2) void attn_partial_kernel
         if constexpr (KK != 0 || KV != 0) __syncthreads();
         const u16* kt = KK != 0 ? (const u16*)deq_k : (const u16*)raw;
         const u16* vt = KV != 0 ? (const u16*)deq_v : (const u16*)(raw + L::TK);
+        const u32 kt_s = smem_s(kt), vt_s = smem_s(vt);
 
         if (active) {
             const int kw0 = DS ? 0 : ks * KPW;  // this warp's first key within the tile
@@ -883,12 +918,13 @@ __global__ __launch_bounds__(128, DS && KW > 1 ? 3 : 2) void attn_partial_kernel
                     for (int c = 0; c < NC; ++c) {
                         const int kk = kb + c;
                         u32 a[4];
-                        ldsm4<false>(a, qs, q_off + 16 * kk);
+                        ldsm4<false>(a, qs, qs_s, q_off + 16 * kk);
 #pragma unroll
                         for (int p = 0; p < NTW / 2; ++p) {
-                            const int key = kw0 + 16 * p + 8 * (j4 >> 1) + r8;
+                            // chunk (2 kk + (j4 & 1)) ^ r8 of the key row: 2 kk's low bit is clear, so it is
+                            // 8 (kk / 4) + ((2 (kk % 4)) ^ cb), a compile-time part and one of 4 lane constants
                             u32 b[4];
-                            ldsm4<false>(b, kt, (u32)(key * D + (((2 * kk + (j4 & 1)) ^ r8) << 3)));
+                            ldsm4<false>(b, kt, kt_s, kofs[kk & 3] + (u32)(16 * p * D + 64 * (kk >> 2)));
                             mma16816(acc[c][2 * p], a[0], a[1], a[2], a[3], b[0], b[1]);
                             mma16816(acc[c][2 * p + 1], a[0], a[1], a[2], a[3], b[2], b[3]);
                         }
@@ -898,9 +934,9 @@ __global__ __launch_bounds__(128, DS && KW > 1 ? 3 : 2) void attn_partial_kernel
                     for (int c = 0; c < NC; c += 2) {  // NC = 4: kk and kk + 1 share one K ldmatrix
                         const int kk = kb + c;
                         u32 a[4], a1[4], b[4];
-                        ldsm4<false>(a, qs, q_off + 16 * kk);
-                        ldsm4<false>(a1, qs, q_off + 16 * (kk + 1));
-                        ldsm4<false>(b, kt, (u32)((kw0 + r8) * D + (((2 * kk + j4) ^ r8) << 3)));
+                        ldsm4<false>(a, qs, qs_s, q_off + 16 * kk);
+                        ldsm4<false>(a1, qs, qs_s, q_off + 16 * (kk + 1));
+                        ldsm4<false>(b, kt, kt_s, (u32)((kw0 + r8) * D + (((2 * kk + j4) ^ r8) << 3)));
                         mma16816(acc[c][0], a[0], a[1], a[2], a[3], b[0], b[1]);
                         mma16816(acc[c + 1][0], a1[0], a1[1], a1[2], a1[3], b[2], b[3]);
                     }
@@ -915,8 +951,8 @@ __global__ __launch_bounds__(128, DS && KW > 1 ? 3 : 2) void attn_partial_kernel
                 for (int c = 0; c < NC; ++c)
 #pragma unroll
                     for (int nt = 0; nt < NTW; ++nt) acc[c][nt][0] = acc[c][nt][1] = acc[c][nt][2] = acc[c][nt][3] = 0.0f;
-#pragma unroll 2
-                for (int kb = kb0; kb < kb1; kb += NC) qk(kb, acc);
+#pragma unroll
+                for (int kb = kb0; kb < kb1; kb += NC) qk(kb, acc);  // (constant bounds: kk is known)
 #pragma unroll
                 for (int nt = 0; nt < NTW; ++nt) {
                     float n0 = 1.0f, n1 = 1.0f;
@@ -1035,7 +1071,7 @@ __global__ __launch_bounds__(128, DS && KW > 1 ? 3 : 2) void attn_partial_kernel
                     const int key = HALF ? k0 + r8 : k0 + 8 * (j4 & 1) + r8;
                     const int chunk = HALF ? nd0 + j4 : nd0 + (j4 >> 1);
                     u32 b[4];
-                    ldsm4<true>(b, vt, (u32)(key * D + ((chunk ^ r8) << 3)));
+                    ldsm4<true>(b, vt, vt_s, (u32)(key * D + ((chunk ^ r8) << 3)));
                     if constexpr (HALF) {
 #pragma unroll
                         for (int j = 0; j < 4; ++j) mma16816(o[ndl + j], af[gi][0], af[gi][1], 0u, 0u, b[j], 0u);
@@ -1289,15 +1325,22 @@ __global__ __launch_bounds__(128) void attn_decode_kernel(
     const int tb = z * per, te = tb + per < ntiles ? tb + per : ntiles;
     const u8* kbase = kc + (i64)kvh * ctx * L::RBK;
     const u8* vbase = vc + (i64)kvh * ctx * L::RBV;
+    const u32 stages_s = smem_s(stages);
     auto issue = [&](int tile, int stage) {
         u8* dk = stages + stage * L::STAGE;
+        const u32 dk_s = stages_s + (u32)(stage * L::STAGE);
+        const u8* ksrc = kbase + (i64)tile * L::TK;
+        const u8* vsrc = vbase + (i64)tile * L::TV;
         const int nvalid = S - tile * KT;  // rows past S: zeros (row S is this launch's own)
-        for (int c = tid; c < L::STAGE / 16; c += NW * 32) {
+#pragma unroll
+        for (int i = 0; i < (L::STAGE / 16 + NW * 32 - 1) / (NW * 32); ++i) {
+            const int c = tid + NW * 32 * i;
+            if (c >= L::STAGE / 16) break;
             if (16 * c < L::TK)
-                cp16(dk + 16 * c, kbase + (i64)tile * L::TK + 16 * c, 16 * c < nvalid * L::RBK);
+                cp16(dk + 16 * c, dk_s + 16u * (u32)c, ksrc + 16 * c, 16 * c < nvalid * L::RBK);
             else {
                 const int o = 16 * c - L::TK;
-                cp16(dk + 16 * c, vbase + (i64)tile * L::TV + o, o < nvalid * L::RBV);
+                cp16(dk + 16 * c, dk_s + 16u * (u32)c, vsrc + o, o < nvalid * L::RBV);
             }
         }
     };
