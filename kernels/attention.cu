@@ -70,6 +70,7 @@ namespace ssa {
 
 constexpr int KT = 32;     // keys per tile
 constexpr int MAXW = 4;    // warps per block
+constexpr int TQ3_LUT_WORDS = 512;  // TQ3_0 pair tables (tq3_lut_fill; attention.TQ3_LUT_BYTES)
 constexpr int QPAD = 8;    // halves of padding per Q row in shared memory
 constexpr int MAX_SPLITS = 1024;  // attn_combine_kernel's shared weights
 constexpr int DEC_WARPS = 4;      // attn_decode_kernel's warps a block (warp roles: q, k, v, gate)
@@ -372,6 +373,7 @@ SS_DEV u32 tq3_code(float y) {
 }
 
 using bits::byte_perm;  // kernels/bits.cuh
+using bits::funnel_r;
 
 // half2 (centroid[i0], centroid[i1]) from low4 = low2(i0) | low2(i1) << 2 and h2 = hi(i0) | hi(i1) << 1, all in
 // integer ops (no float conversion): |centroid| rank j = low2 ^ (negative ? 3 : 0) picks the fp16 bits of the
@@ -481,61 +483,108 @@ struct Layout {
     static constexpr int NG = D % 128 == 0 ? D / 128 : D / 64;  // TQ3_0 rotation groups per row
     static constexpr int NRMK = KK == 2 ? KT * NG * 4 : 0;     // TQ3_0 K: f32 norm per (key, group)
     static constexpr int NRMV = KV == 2 ? KT * NG * 4 : 0;
-    static constexpr int USED = 2 * STAGE + DEQK + DEQV + NRMK + NRMV;
+    static constexpr int LUT = KK == 2 || KV == 2 ? TQ3_LUT_WORDS * 4 : 0;  // TQ3_0's pair tables (deq_tile)
+    static constexpr int USED = 2 * STAGE + DEQK + DEQV + NRMK + NRMV + LUT;
     static constexpr int PARK = (MAXW - 1) * 16 * (D + 2) * 4;  // the key slices' parked partials (KW = 4)
     static constexpr int WORK = USED > PARK ? USED : PARK;
     static constexpr int QROW = D + QPAD;                  // halves per Q row
     static_assert(TK % 16 == 0 && TV % 16 == 0, "tile bytes must be a multiple of 16");
 };
 
-// half2 (d * q0, d * q1) of a Q8_0 pair (q0 in bits 0-7, q1 in 8-15; d2 = the f16 scale in both halves, dsc =
-// it as f32). The product of an f16 scale and an 8-bit integer is exact in f32, so one rounding to f16 gives the
-// same bits either way; the PTX path stays in half2 (no int-to-float conversions, a quarter-rate unit):
-// 0x64XX is the f16 1024 + XX, so bytes q + 128 under 0x64 minus 1152 are q, exactly.
-SS_DEV u32 q8_pair_h2(u32 pair, u32 d2, float dsc) {
+// half2 (d * q0, d * q1) of the Q8_0 pair in half `hi` of x (its bytes XORed with 0x80 already: q + 128 as unsigned
+// bytes; d2 = the f16 scale in both halves, dsc = it as f32). The product of an f16 scale and an 8-bit integer is
+// exact in f32, so one rounding to f16 gives the same bits either way; the PTX path stays in half2 (no int-to-float
+// conversions, a quarter-rate unit): 0x64XX is the f16 1024 + XX, so bytes q + 128 under 0x64 minus 1152 are q.
+SS_DEV u32 q8_pair_h2(u32 x, int hi, u32 d2, float dsc) {
 #if SS_PTX
-    const u32 h = __byte_perm(pair ^ 0x8080u, 0x6464u, 0x4140u);
+    (void)dsc;
+    const u32 h = byte_perm(x, 0x64646464u, hi ? 0x4342u : 0x4140u);
     u32 v, r;
     asm("sub.rn.f16x2 %0, %1, %2;" : "=r"(v) : "r"(h), "r"(0x64806480u));
     asm("mul.rn.f16x2 %0, %1, %2;" : "=r"(r) : "r"(v), "r"(d2));
     return r;
 #else
     (void)d2;
-    return pack_f2(dsc * (float)(i8)(pair & 0xFFu), dsc * (float)(i8)(pair >> 8));
+    const u32 pair = (x >> (16 * hi)) ^ 0x8080u;
+    return pack_f2(dsc * (float)(i8)(pair & 0xFFu), dsc * (float)(i8)((pair >> 8) & 0xFFu));
 #endif
+}
+
+// TQ3_0 pair tables (deq_tile): entry i of table e (0, 1) is tq3_pair_h2(i & 15, (i >> (4 + 2 e)) & 3), i < 256: the
+// pair's two low-bit pairs in the index's low nibble and its sign bits at bits 4-5 (pairs 0, 2 of a byte of signs)
+// or 6-7 (pairs 1, 3): a byte of index per pair, built four at a time (TQ3_LUT_WORDS words).
+
+SS_DEV void tq3_lut_fill(u32* lut, int tid, int nthreads) {
+    for (int i = tid; i < TQ3_LUT_WORDS; i += nthreads)
+        lut[i] = tq3_pair_h2((u32)i & 15u, ((u32)i >> (i < 256 ? 4 : 6)) & 3u);
 }
 
 // Decode the KT rows of one Q8_0 / TQ3_0 tile to f16, swizzled like the f16 cache's tiles (K and V alike: P x V
 // reads V with ldmatrix .trans). Q8_0: the values (rows past n become zeros). TQ3_0: the bare centroids, and the
 // group norms (0 past n) into nrm[key * NG + group]: the kernel applies them in f32 to the partial scores / the
 // softmax weights, so decoding needs no float arithmetic. Work unit (key, 32-value block b): the 8 lanes of a
-// quarter warp take 8 consecutive keys of one block, so their 16-byte stores hit 8 different bank groups.
+// quarter warp take 8 consecutive keys of one block, so their 16-byte stores hit 8 different bank groups. A block
+// starts 2-byte aligned (rows are 4-byte aligned, blocks 34 / 14 bytes): its bytes are read as aligned words
+// funnel-shifted by 16 bits where it starts mid-word, so every pair of values is a half of one word. TQ3_0 pairs come
+// from the tables above (lut: TQ3_LUT_WORDS words, tq3_lut_fill), four indices a word of bytes: the low-bit nibbles
+// spread to bytes, the sign bits of the byte's pairs ORed above them.
 template <int KIND, int D>
-SS_DEV void deq_tile(const u8* raw, u16* out, float* nrm, int key0, int n, int tid, int nthreads) {
+SS_DEV void deq_tile(const u8* raw, u16* out, float* nrm, const u32* lut, int key0, int n, int tid, int nthreads) {
     constexpr int NB = D / 32, RB = Row<KIND, D>::RB, BB = Row<KIND, D>::BB;
     constexpr int GR = D % 128 == 0 ? 128 : 64;
+    constexpr int NW = KIND == 1 ? 9 : 4;  // words of the block's byte stream (34 / 14 bytes)
+    static_assert(RB % 4 == 0 && BB % 4 == 2, "rows 4-byte aligned, blocks 2 bytes off every other one");
     for (int u = tid; u < KT * NB; u += nthreads) {
         const int key = (u & 7) | ((u / (8 * NB)) << 3), b = (u >> 3) % NB;
-        const u8* blk = raw + key * RB + BB * b;
+        const int off = key * RB + BB * b;
+        const u32* src = (const u32*)(raw + (off & ~3));
+        const u32 sh = (u32)(off & 2) * 8u;  // 0 or 16
         const bool ok = key0 + key < n;
-        const float dsc = ok ? h2f(*(const u16*)blk) : 0.0f;  // Q8_0 scale or TQ3_0 norm
+        u32 w[NW];  // bytes 4k .. 4k + 3 of the block
+        {
+            u32 a[NW + 1];
+#pragma unroll
+            for (int k = 0; k <= NW; ++k) a[k] = src[k];
+#pragma unroll
+            for (int k = 0; k < NW; ++k) w[k] = funnel_r(a[k], a[k + 1], sh);
+        }
+        const u32 dbits = w[0] & 0xFFFFu;
+        const float dsc = ok ? h2f(dbits) : 0.0f;  // Q8_0 scale or TQ3_0 norm
         if constexpr (KIND == 2) {
             if ((32 * b) % GR == 0) nrm[key * (D / GR) + 32 * b / GR] = dsc;
         }
-        for (int c = 0; c < 4; ++c) {
-            u32 w[4];
-            if constexpr (KIND == 1) {
-                const u32 d2 = ok ? (u32)(*(const u16*)blk) * 0x10001u : 0u;
-                for (int j = 0; j < 4; ++j) {
-                    const u32 pair = ok ? (u32)(*(const u16*)(blk + 2 + 8 * c + 2 * j)) : 0u;
-                    w[j] = q8_pair_h2(pair, d2, dsc);
-                }
-            } else {  // values 8c .. 8c+7: qs bytes 2c, 2c+1 and signs byte c
-                const u32 lo = *(const u16*)(blk + 2 + 2 * c);
-                const u32 hb = (u32)(*(const u16*)(blk + 10 + 2 * (c >> 1))) >> (8 * (c & 1));
-                for (int j = 0; j < 4; ++j) w[j] = tq3_pair_h2((lo >> (4 * j)) & 15u, (hb >> (2 * j)) & 3u);
+        u16* const orow = out + key * D;
+        const int sw = key & 7;
+        if constexpr (KIND == 1) {
+            // values q (bytes 2 .. 33): pair j of group c is half (1 + j) & 1 of word (1 + 4 c + j) / 2; a key past n
+            // decodes as zeros (q = 0 and d = 0, the bits the old per-pair path gave)
+            const u32 d2 = ok ? dbits * 0x10001u : 0u;
+#pragma unroll
+            for (int k = 0; k < NW; ++k) w[k] = ok ? w[k] ^ 0x80808080u : 0x80808080u;
+#pragma unroll
+            for (int c = 0; c < 4; ++c) {
+                u32 v[4];
+#pragma unroll
+                for (int j = 0; j < 4; ++j) v[j] = q8_pair_h2(w[(1 + 4 * c + j) >> 1], (1 + j) & 1, d2, dsc);
+                *(uint4*)(orow + ((((4 * b + c) ^ sw)) << 3)) = uint4{v[0], v[1], v[2], v[3]};
             }
-            *(uint4*)(out + swz<D>(key, 32 * b + 8 * c)) = uint4{w[0], w[1], w[2], w[3]};
+        } else {
+            // group c (values 8c .. 8c + 7): low bits in qs bytes 2c, 2c + 1 (block bytes 2 + 2c, 3 + 2c: half (1 + c) & 1
+            // of word (1 + c) / 2), sign bits in byte 10 + c
+#pragma unroll
+            for (int c = 0; c < 4; ++c) {
+                const u32 lw = w[(1 + c) >> 1], sw8 = w[(10 + c) >> 2];
+                const u32 y = byte_perm(lw, 0u, (1 + c) & 1 ? 0x4342u : 0x4140u);  // qs bytes at bytes 0 and 2
+                const u32 nib = (y | (y << 4)) & 0x0F0F0F0Fu;                       // low-bit nibble j in byte j
+                const u32 sb = (u32)((10 + c) & 3) * 0x1111u;
+                const u32 r = byte_perm(sw8, 0u, sb);                   // the signs byte in every byte
+                const u32 sg = byte_perm(r << 4, r, 0x7610u);          // bytes 0, 1: signs << 4; bytes 2, 3: signs
+                const u32 idx = (sg & 0xF0F0F0F0u) | nib;               // pair j's index in byte j
+                u32 v[4];
+#pragma unroll
+                for (int j = 0; j < 4; ++j) v[j] = lut[256 * (j & 1) + ((idx >> (8 * j)) & 0xFFu)];
+                *(uint4*)(orow + ((((4 * b + c) ^ sw)) << 3)) = uint4{v[0], v[1], v[2], v[3]};
+            }
         }
     }
 }
@@ -736,6 +785,7 @@ __global__ __launch_bounds__(128, DS && KW > 1 ? 3 : 2) void attn_partial_kernel
     u16* deq_v = (u16*)(smem + 2 * L::STAGE + L::DEQK);       // quantized V: its f16 V^T tile
     float* nrm_k = (float*)(smem + 2 * L::STAGE + L::DEQK + L::DEQV);  // TQ3_0 K / V: norms [KT][NG]
     float* nrm_v = (float*)(smem + 2 * L::STAGE + L::DEQK + L::DEQV + L::NRMK);
+    u32* lut = (u32*)(smem + 2 * L::STAGE + L::DEQK + L::DEQV + L::NRMK + L::NRMV);  // TQ3_0: the pair tables
     constexpr int NG = L::NG, GR = D / NG;
     u16* qs_all = (u16*)(smem + L::WORK);                     // Q rows, one m16 tile per MTB
 
@@ -804,6 +854,7 @@ __global__ __launch_bounds__(128, DS && KW > 1 ? 3 : 2) void attn_partial_kernel
     cp_commit();
     if (tb + 1 < te) issue(tb + 1, 1);
     cp_commit();
+    if constexpr (L::LUT != 0) tq3_lut_fill(lut, tid, nthreads);  // (the tile loop's first barrier publishes them)
 
     // The m16 tile's 16 query rows, pre-scaled, as fp16 (key slice 0 loads them; the first barrier of the
     // tile loop publishes them to the tile's other warps). The loads of several rows are issued before any is
@@ -901,8 +952,8 @@ __global__ __launch_bounds__(128, DS && KW > 1 ? 3 : 2) void attn_partial_kernel
         // Q8_0 / TQ3_0 tiles are dequantized to f16 in shared memory (keys past n become zeros: their
         // bytes may be stale); f16 tiles are used where they landed.
         const u8* raw = stages + stage * L::STAGE;
-        if constexpr (KK != 0) deq_tile<KK, D>(raw, deq_k, nrm_k, key0, n, tid, nthreads);
-        if constexpr (KV != 0) deq_tile<KV, D>(raw + L::TK, deq_v, nrm_v, key0, n, tid, nthreads);
+        if constexpr (KK != 0) deq_tile<KK, D>(raw, deq_k, nrm_k, lut, key0, n, tid, nthreads);
+        if constexpr (KV != 0) deq_tile<KV, D>(raw + L::TK, deq_v, nrm_v, lut, key0, n, tid, nthreads);
         if constexpr (KK != 0 || KV != 0) __syncthreads();
         const u16* kt = KK != 0 ? (const u16*)deq_k : (const u16*)raw;
         const u16* vt = KV != 0 ? (const u16*)deq_v : (const u16*)(raw + L::TK);

@@ -37,6 +37,7 @@ SOURCE = "attention.cu"
 KT = 32  # keys per tile (ssa::KT); cache rows are allocated in multiples of it
 MAXW = 4  # warps per block (ssa::MAXW)
 QPAD = 8  # ssa::QPAD
+TQ3_LUT_BYTES = 512 * 4  # ssa::TQ3_LUT_WORDS: TQ3_0 pair tables in the partial kernel's shared memory
 MAX_SPLITS = 1024  # ssa::MAX_SPLITS (the combine kernel's shared weights)
 COMB_THREADS = 256  # attention.cu's COMB_THREADS: the combine kernel's block (head dims up to it)
 MAX_TOKENS = 64  # the ancestor mask is one uint64 per token
@@ -380,12 +381,13 @@ def choose_splits(n_head: int, n_kv_heads: int, head_dim: int, tokens: int, s_hi
 
 def smem_bytes(kind: str, head_dim: int, kw: int, kind_v: str | None = None) -> int:
     """Dynamic shared memory of attn_partial_kernel (ssa::Layout): 2 stages of K + V tiles, the f16 tiles of
-    the quantized sides (both swizzled [key][dim]) and TQ3_0 group norms, or the parked key-slice partials if
-    larger; then the Q rows."""
+    the quantized sides (both swizzled [key][dim]), TQ3_0 group norms and pair tables, or the parked key-slice
+    partials if larger; then the Q rows."""
     kind_v = kind if kind_v is None else kind_v
     stage = KT * (row_bytes(kind, head_dim) + row_bytes(kind_v, head_dim))
     deq = KT * head_dim * 2 * (2 - [kind, kind_v].count("f16"))
     deq += KT * (head_dim // tq3_group(head_dim)) * 4 * [kind, kind_v].count("tq3_0")  # TQ3_0 group norms
+    deq += TQ3_LUT_BYTES if "tq3_0" in (kind, kind_v) else 0  # and its pair tables
     park = (MAXW - 1) * 16 * (head_dim + 2) * 4
     return max(2 * stage + deq, park) + MAXW // kw * 16 * (head_dim + QPAD) * 2
 

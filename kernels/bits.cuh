@@ -18,6 +18,15 @@ static __device__ __forceinline__ unsigned int byte_perm(unsigned int x, unsigne
 #endif
 }
 
+// The 32 bits of the pair hi:lo from bit `shift` (0..31) on: a word of an unaligned stream from two aligned ones
+static __device__ __forceinline__ unsigned int funnel_r(unsigned int lo, unsigned int hi, unsigned int shift) {
+#if SS_PTX
+    return __funnelshift_r(lo, hi, shift);
+#else
+    return (unsigned int)((((unsigned long long)hi << 32) | (unsigned long long)lo) >> (shift & 31u));
+#endif
+}
+
 }  // namespace bits
 
 #endif  // SPECSPLIT_BITS_CUH

@@ -256,6 +256,27 @@ extern "C" int sim_attn_partial(int kk, int kv, int D, int tq, int kw, int ds, c
     return launch(gx, Hkv, splits, 128);
 }
 
+// deq_tile on one raw tile of KT rows of `kind` (1 Q8_0, 2 TQ3_0; raw readable 16 bytes past the tile, as the
+// kernel's shared memory is) by a block of 128 threads, the TQ3_0 pair tables filled first as the kernel does: the
+// swizzled f16 tile and (TQ3_0) the group norms (tests/test_kernels_ops_sim.py test_deq_tile_bits)
+extern "C" int sim_deq_tile(int kind, int D, const unsigned char* raw, unsigned short* out, float* nrm, int key0,
+                            int n) {
+    static uint32_t lut[ssa::TQ3_LUT_WORDS];
+    g_body = nullptr;
+#define DQ(KIND, DD)                                                                                                 \
+    if (kind == KIND && D == DD)                                                                                     \
+        g_body = [=] {                                                                                               \
+            const int tid = (int)threadIdx.x;                                                                        \
+            if (KIND == 2) ssa::tq3_lut_fill(lut, tid, 128);                                                         \
+            __syncthreads();                                                                                         \
+            ssa::deq_tile<KIND, DD>(raw, out, nrm, lut, key0, n, tid, 128);                                          \
+        };
+    DQ(1, 64) DQ(1, 128) DQ(1, 256) DQ(2, 64) DQ(2, 128) DQ(2, 256)
+#undef DQ
+    if (!g_body) return -1;
+    return launch(1, 1, 1, 128);
+}
+
 extern "C" int sim_attn_combine(int to, int tg, int rg, const float* ws_o, const float* ws_ml, int splits, int T,
                                 int H, int Hkv, int D, const void* gate, long long g_tok, long long g_head, void* out,
                                 void* q16) {

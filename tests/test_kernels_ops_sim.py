@@ -49,6 +49,7 @@ SIGNATURES = {
     "sim_attn_decode": [I, I, I, I, I, P, LL, P, LL, P, P, LL, P, P, P, P, I, F, P, P, P, LL, F, P, P, P, P, P, I,
                         I, I],
     "sim_attn_combine": [I, I, I, P, P, I, I, I, I, I, P, LL, LL, P, P],
+    "sim_deq_tile": [I, I, P, P, P, I, I],
     "sim_argmax": [I, P, LL, I, I, I, I, P, P, P, P, P, P, P],
     "sim_topk": [I, I, P, LL, I, I, I, I, F, P, P, P, P, P],
     "sim_conv_rows": [I, P, LL, P, P, P, I, I, P, LL, P, LL, I],
@@ -639,6 +640,45 @@ def test_tq3_host_decode_matches_twin() -> None:
         assert np.array_equal(attn_mod.tq3_decode(raw, D, rotated=True), tq3.dequantize_tq3_0(blocks, rotated=True))
         assert np.allclose(attn_mod.tq3_decode(raw, D), tq3.dequantize_tq3_0(blocks), atol=1e-6)
     assert attn_mod.row_bytes("tq3_0", 256) == tq3.row_bytes(256) == 112
+
+
+@pytest.mark.parametrize("kind", [1, 2])
+@pytest.mark.parametrize("D", [64, 128, 256])
+@pytest.mark.parametrize("valid", [32, 19])
+def test_deq_tile_bits(libs, kind: int, D: int, valid: int) -> None:
+    """The partial kernel's tile decode, bit for bit: every Q8_0 value fp16(d q) (rows past n zeros) and every TQ3_0
+    value its bare centroid in fp16 with the group norms beside (0 past n), in the swizzled [key][dim] layout; random
+    bytes, so every low-bit and sign pattern of a pair and both block alignments (blocks start mid-word every other
+    one) occur."""
+    rng = np.random.default_rng(1000 * kind + D + valid)
+    KT, nb = 32, D // 32
+    if kind == 1:
+        d = (rng.standard_normal((KT, nb)) * 0.02).astype(np.float16)
+        q = rng.integers(-128, 128, size=(KT, nb, 32)).astype(np.int8)
+        blocks = np.concatenate([d.view(np.uint8).reshape(KT, nb, 2), q.view(np.uint8)], axis=2)
+        want = (d.astype(np.float32)[..., None] * q.astype(np.float32)).astype(np.float16).reshape(KT, D)
+        want[valid:] = 0
+    else:
+        blocks = rng.integers(0, 256, size=(KT, nb, tq3.BLOCK_BYTES), dtype=np.uint8)
+        norms = (rng.random((KT, nb)) + 0.5).astype(np.float16)
+        blocks[..., :2] = norms.view(np.uint8).reshape(KT, nb, 2)
+        bare = blocks.copy()
+        bare[..., :2] = np.array([1.0], np.float16).view(np.uint8)  # norm 1: the bare centroids
+        want = tq3.dequantize_tq3_0(bare, rotated=True).astype(np.float16).reshape(KT, D)
+    raw = np.zeros(KT * nb * blocks.shape[-1] + 16, np.uint8)
+    raw[:blocks.size] = blocks.reshape(-1)
+    out = np.full(KT * D, 0xFFFF, np.uint16)
+    gr = attn_mod.tq3_group(D)
+    nrm = np.full(KT * (D // gr), np.nan, np.float32)
+    key0 = 64
+    assert libs["attention"].sim_deq_tile(kind, D, ptr(raw), ptr(out), ptr(nrm), key0, key0 + valid) == 0
+    keys, dims = np.meshgrid(np.arange(KT), np.arange(D), indexing="ij")
+    swz = keys * D + (((dims >> 3) ^ (keys & 7)) << 3) + (dims & 7)
+    assert np.array_equal(out[swz], want.view(np.uint16))
+    if kind == 2:
+        nw = norms.astype(np.float32)[:, :: gr // 32].copy()
+        nw[valid:] = 0
+        assert np.array_equal(nrm.reshape(KT, D // gr), nw)
 
 
 def test_attention_q8_0_head_dim_256_with_output_gate(libs) -> None:
