@@ -513,7 +513,6 @@ SS_DEV u32 q8_pair_h2(u32 x, int hi, u32 d2, float dsc) {
 // TQ3_0 pair tables (deq_tile): entry i of table e (0, 1) is tq3_pair_h2(i & 15, (i >> (4 + 2 e)) & 3), i < 256: the
 // pair's two low-bit pairs in the index's low nibble and its sign bits at bits 4-5 (pairs 0, 2 of a byte of signs)
 // or 6-7 (pairs 1, 3): a byte of index per pair, built four at a time (TQ3_LUT_WORDS words).
-
 SS_DEV void tq3_lut_fill(u32* lut, int tid, int nthreads) {
     for (int i = tid; i < TQ3_LUT_WORDS; i += nthreads)
         lut[i] = tq3_pair_h2((u32)i & 15u, ((u32)i >> (i < 256 ? 4 : 6)) & 3u);
@@ -557,7 +556,7 @@ SS_DEV void deq_tile(const u8* raw, u16* out, float* nrm, const u32* lut, int ke
         const int sw = key & 7;
         if constexpr (KIND == 1) {
             // values q (bytes 2 .. 33): pair j of group c is half (1 + j) & 1 of word (1 + 4 c + j) / 2; a key past n
-            // decodes as zeros (q = 0 and d = 0, the bits the old per-pair path gave)
+            // decodes as +0 (q = 0, d = 0)
             const u32 d2 = ok ? dbits * 0x10001u : 0u;
 #pragma unroll
             for (int k = 0; k < NW; ++k) w[k] = ok ? w[k] ^ 0x80808080u : 0x80808080u;
@@ -816,8 +815,9 @@ __global__ __launch_bounds__(128, DS && KW > 1 ? 3 : 2) void attn_partial_kernel
     const u8* kbase = kc + (i64)kvh * ctx * L::RBK;
     const u8* vbase = vc + (i64)kvh * ctx * L::RBV;
     const u32 stages_s = smem_s(stages);
-    // A tile's copy: the block's threads (a compile-time count, so the loop unrolls and every chunk's offsets are the
-    // thread's constants plus immediates: no 64-bit address arithmetic a chunk) take 16-byte chunks c = tid + NTH i.
+    // A tile's copy: the block's threads (a compile-time count) take 16-byte chunks c = tid + NTH i, from a source
+    // pointer formed once a tile into 32-bit shared destinations (no 64-bit address arithmetic a chunk but the source's
+    // add; not unrolled, which would cost the kernel registers).
     auto issue = [&](int tile, int stage) {
         constexpr int NTH = 32 * MAXW;  // the launch's block (attention.py)
         u8* dk = stages + stage * L::STAGE;
@@ -936,7 +936,8 @@ __global__ __launch_bounds__(128, DS && KW > 1 ? 3 : 2) void attn_partial_kernel
     constexpr int NC = NTW >= 4 ? 1 : 4 / NTW;  // independent accumulator chains of the Q K^T k-loop
     const u32 qs_s = smem_s(qs);
     // K B fragments (NTW >= 2): row key = kw0 + 16 p + 8 (j4 / 2) + r8, chunk (2 kk + (j4 & 1)) ^ r8 of it; kofs[m]
-    // is its offset for kk % 4 = m and p = kk / 4 = 0 (the rest is compile-time once the k-loop is unrolled)
+    // is its offset at p = 0 for the kk with kk / 4 = 0 and kk % 4 = m (p and kk / 4 add compile-time offsets once the
+    // k-loop is unrolled)
     u32 kofs[4];
     {
         const int key = (DS ? 0 : ks * KPW) + 8 * (j4 >> 1) + r8, cb = (j4 & 1) ^ r8;
