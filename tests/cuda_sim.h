@@ -1,7 +1,8 @@
 // CPU simulation core for CUDA kernels on machines without a GPU: a harness (.cpp) includes this, then a
 // kernel source compiled as plain C++ (no __CUDA_ARCH__, so kernels take their portable path).
 // Thread blocks run one after another, warps one after another, and the 32 lanes of a warp as
-// cooperative fibers (ucontext) that meet at every __syncwarp / __shfl_sync, i.e. in lockstep.
+// cooperative fibers (ucontext; block mode below: a stack switch of its own on x86-64 Linux) that meet at every
+// __syncwarp / __shfl_sync, i.e. in lockstep.
 #pragma once
 #include <cstdint>
 #include <cstdio>
@@ -169,17 +170,95 @@ constexpr int MAX_FIBERS = 2048;                   // all resident blocks togeth
 constexpr size_t STACK = 128 * 1024;
 enum : unsigned char { RUN = 0, WARP_BAR = 1, BLOCK_BAR = 2, DONE = 3 };
 static int n = 0, cur = 0;                         // threads per block, fiber running now
-static ucontext_t sched, ctx[MAX_FIBERS];
 static unsigned char state[MAX_FIBERS];
 static sim_dim3 tids[MAX_FIBERS];
 static int base[MAX_FIBERS];                       // first fiber of the fiber's block
 static unsigned long long slots[MAX_FIBERS];
 static void (*fn)() = nullptr;
+static void entry(int i);
+
+// Switching fibers: on x86-64 Linux a stack switch of the callee-saved registers, the SSE control word and the x87
+// control word (what a call must preserve), so a switch is a few instructions; swapcontext also saves the signal mask
+// with a system call a switch, which made that most of a simulation's time. Elsewhere (or with SIM_UCONTEXT) ucontext.
+#if defined(__x86_64__) && defined(__linux__) && !defined(SIM_UCONTEXT)
+extern "C" __attribute__((visibility("hidden"))) void simb_switch(void** save_sp, void* load_sp);
+extern "C" __attribute__((visibility("hidden"))) void simb_fiber_start();
+__asm__(R"(
+    .text
+    .globl simb_switch
+    .hidden simb_switch
+    .type simb_switch, @function
+simb_switch:
+    pushq %rbp
+    pushq %rbx
+    pushq %r12
+    pushq %r13
+    pushq %r14
+    pushq %r15
+    subq $8, %rsp
+    stmxcsr (%rsp)
+    fnstcw 4(%rsp)
+    movq %rsp, (%rdi)
+    movq %rsi, %rsp
+    ldmxcsr (%rsp)
+    fldcw 4(%rsp)
+    addq $8, %rsp
+    popq %r15
+    popq %r14
+    popq %r13
+    popq %r12
+    popq %rbx
+    popq %rbp
+    ret
+    .size simb_switch, .-simb_switch
+    .globl simb_fiber_start
+    .hidden simb_fiber_start
+    .type simb_fiber_start, @function
+simb_fiber_start:
+    movq %r12, %rdi
+    call simb_fiber_main
+    ud2
+    .size simb_fiber_start, .-simb_fiber_start
+)");
+static void* sched_sp = nullptr;
+static void* fiber_sp[MAX_FIBERS];
+// A new fiber's stack as simb_switch leaves a paused one: the control words, six registers (r12 = the fiber) and the
+// start stub as the return address, 16-byte aligned as a call expects once the stub calls on.
+static void fiber_init(int i, char* stack, size_t size) {
+    unsigned long long* top = (unsigned long long*)(((unsigned long long)(stack + size)) & ~15ull);
+    unsigned long long* sp = top - 8;
+    sp[0] = 0x1F80ull | (0x037Full << 32);  // mxcsr, x87 control word: the defaults
+    sp[1] = sp[2] = sp[3] = 0;              // r15, r14, r13
+    sp[4] = (unsigned long long)i;          // r12
+    sp[5] = sp[6] = 0;                      // rbx, rbp
+    sp[7] = (unsigned long long)&simb_fiber_start;
+    fiber_sp[i] = sp;
+}
+static inline void to_fiber(int i) { simb_switch(&sched_sp, fiber_sp[i]); }
+static inline void to_sched() { simb_switch(&fiber_sp[cur], sched_sp); }
+}  // namespace simb
+extern "C" __attribute__((visibility("hidden"), used)) void simb_fiber_main(long i) {
+    simb::entry((int)i);
+    simb::simb_switch(&simb::fiber_sp[i], simb::sched_sp);  // never resumed: the fiber is done
+}
+namespace simb {
+#else
+static ucontext_t sched, ctx[MAX_FIBERS];
+static void fiber_init(int i, char* stack, size_t size) {
+    getcontext(&ctx[i]);
+    ctx[i].uc_stack.ss_sp = stack;
+    ctx[i].uc_stack.ss_size = size;
+    ctx[i].uc_link = &sched;
+    makecontext(&ctx[i], (void (*)())entry, 1, i);
+}
+static inline void to_fiber(int i) { swapcontext(&sched, &ctx[i]); }
+static inline void to_sched() { swapcontext(&ctx[cur], &sched); }
+#endif
 
 static inline sim_dim3& tid() { return tids[cur]; }
 static void yield(unsigned char s) {
     state[cur] = s;
-    swapcontext(&ctx[cur], &sched);
+    to_sched();
 }
 template <class T>
 static T shfl(T v, int src) {
@@ -217,11 +296,7 @@ static void start_block(int f0) {
         state[i] = RUN;
         tids[i] = {(unsigned)(i - f0), 0, 0};
         base[i] = f0;
-        getcontext(&ctx[i]);
-        ctx[i].uc_stack.ss_sp = stacks() + (size_t)i * STACK;
-        ctx[i].uc_stack.ss_size = STACK;
-        ctx[i].uc_link = &sched;
-        makecontext(&ctx[i], (void (*)())entry, 1, i);
+        fiber_init(i, stacks() + (size_t)i * STACK, STACK);
     }
 }
 // After every fiber of the block at f0 ran once: releases warps whose live lanes all wait at a warp barrier, then (if
@@ -269,7 +344,7 @@ static int run_block(int n_threads, void (*f)()) {
         for (int i = 0; i < n; ++i) {
             if (state[i] != RUN) continue;
             cur = i;
-            swapcontext(&sched, &ctx[i]);
+            to_fiber(i);
         }
         const int r = settle(0);
         if (r) return r < 0 ? 1 : 0;
@@ -339,7 +414,7 @@ static int run_grid(int n_threads, const unsigned* order, int n_blocks, int resi
                     if (enter) enter(sl, (unsigned)block_of[sl]);
                 }
                 cur = i;
-                swapcontext(&sched, &ctx[i]);
+                to_fiber(i);
             }
             const int r = settle(f0);
             if (r < 0) {
