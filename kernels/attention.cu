@@ -552,8 +552,6 @@ SS_DEV void deq_tile(const u8* raw, u16* out, float* nrm, const u32* lut, int ke
         if constexpr (KIND == 2) {
             if ((32 * b) % GR == 0) nrm[key * (D / GR) + 32 * b / GR] = dsc;
         }
-        u16* const orow = out + key * D;
-        const int sw = key & 7;
         if constexpr (KIND == 1) {
             // values q (bytes 2 .. 33): pair j of group c is half (1 + j) & 1 of word (1 + 4 c + j) / 2; a key past n
             // decodes as +0 (q = 0, d = 0)
@@ -565,7 +563,7 @@ SS_DEV void deq_tile(const u8* raw, u16* out, float* nrm, const u32* lut, int ke
                 u32 v[4];
 #pragma unroll
                 for (int j = 0; j < 4; ++j) v[j] = q8_pair_h2(w[(1 + 4 * c + j) >> 1], (1 + j) & 1, d2, dsc);
-                *(uint4*)(orow + ((((4 * b + c) ^ sw)) << 3)) = uint4{v[0], v[1], v[2], v[3]};
+                *(uint4*)(out + swz<D>(key, 32 * b + 8 * c)) = uint4{v[0], v[1], v[2], v[3]};
             }
         } else {
             // group c (values 8c .. 8c + 7): low bits in qs bytes 2c, 2c + 1 (block bytes 2 + 2c, 3 + 2c: half (1 + c) & 1
@@ -582,7 +580,7 @@ SS_DEV void deq_tile(const u8* raw, u16* out, float* nrm, const u32* lut, int ke
                 u32 v[4];
 #pragma unroll
                 for (int j = 0; j < 4; ++j) v[j] = lut[256 * (j & 1) + ((idx >> (8 * j)) & 0xFFu)];
-                *(uint4*)(orow + ((((4 * b + c) ^ sw)) << 3)) = uint4{v[0], v[1], v[2], v[3]};
+                *(uint4*)(out + swz<D>(key, 32 * b + 8 * c)) = uint4{v[0], v[1], v[2], v[3]};
             }
         }
     }

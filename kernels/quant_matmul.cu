@@ -48,6 +48,7 @@ typedef long long i64;
 #endif
 
 #define SS_DEV static __device__ __forceinline__
+#include "bits.cuh"
 #include "xq16.cuh"
 #include "bulk.cuh"
 #include "half.cuh"
@@ -227,23 +228,23 @@ SS_DEV void cp_async_wait_prev() {  // wait until at most one group is still in 
 }
 
 // ---------------------------------------------------------------------------------------------
-// Unaligned (2-byte aligned) 32-bit reads from shared memory: aligned words plus a funnel shift.
+// Unaligned (2-byte aligned) 32-bit reads from shared memory: aligned words plus a funnel shift (kernels/bits.cuh).
 
-SS_DEV u32 funnel(u32 lo, u32 hi, u32 shift) { return (u32)((((u64)hi << 32) | (u64)lo) >> shift); }
+using bits::funnel_r;
 
 SS_DEV u32 rd32(const u8* p) {
     // pointer arithmetic (not integer masking) keeps the shared-memory address space visible (LDS)
     const u32 mis = (u32)(u64)p & 3u;
     const u32* a = (const u32*)(p - mis);
-    return funnel(a[0], a[1], mis * 8u);
+    return funnel_r(a[0], a[1], mis * 8u);
 }
 
 SS_DEV void rd2x32(const u8* p, u32& w0, u32& w1) {
     const u32 mis = (u32)(u64)p & 3u;
     const u32* a = (const u32*)(p - mis);
     const u32 x0 = a[0], x1 = a[1], x2 = a[2];
-    w0 = funnel(x0, x1, mis * 8u);
-    w1 = funnel(x1, x2, mis * 8u);
+    w0 = funnel_r(x0, x1, mis * 8u);
+    w1 = funnel_r(x1, x2, mis * 8u);
 }
 
 SS_DEV u32 rd16(const u8* p) { return (u32)(*(const u16*)p); }
