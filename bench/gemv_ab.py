@@ -476,6 +476,11 @@ STEP_ABS = {
                  "qw.SWIGLU_SHAPES": {12: {2: (4, 3), 3: (4, 3), 5: (8, 3), 6: (8, 3), 7: (8, 2)}, 14: {2: (4, 3)}}}),
                ("pg1 3 stages", SMALL, 3, "capture", {"qw.PIECE_GROUP": False})],
               (17, 23), [("pg1 2 stages", "shipped"), ("pg1 3 stages", "shipped")]),
+    # the verify widths' packs in the wide kernel's wgmma order and every product of them on its wgmma build from 17
+    # tokens (quant_wide.WG_FROM; 0 never). Session 35 (H200): 0.9978 / 1.0018 / 0.9588 / 0.9277 / 0.882 at 17 / 23 /
+    # 32 / 41 / 64: shipped from 25
+    "wgmma": ([("mma", SMALL, 3, "capture", {"qw.WG_FROM": 0}), ("wgmma", SMALL, 3, "capture", {"qw.WG_FROM": 17})],
+              (17, 23, 32, 41, 64), [("wgmma", "mma")]),
     "v2stages": ([("shipped", SMALL, 3, "capture", {}), ("v2 3 stages", SMALL, 3, "capture", {"qm.STAGES_V2": 3}),
                   ("v2 4 stages", SMALL, 3, "capture", {"qm.STAGES_V2": 4})], (8, 16, 23),
                  [("v2 3 stages", "shipped"), ("v2 4 stages", "shipped")]),

@@ -159,8 +159,77 @@ def compile_options(code: str, defines: tuple[str, ...] = ()) -> tuple[str, ...]
     return tuple(options)
 
 
+# Defines whose code needs the device's arch-specific target (sm_90a: wgmma), which CuPy's own compile never asks for
+# (it appends -arch=sm_<cc>); such modules are compiled here through NVRTC and loaded from the cubin.
+ARCH_SPECIFIC_DEFINES = frozenset({"SPECSPLIT_QMW_WG"})
+
+
+def arch_specific_available() -> bool:
+    """Whether this device has an arch-specific target (sm_90a: an sm_90 device, CUDA, not HIP) and this CuPy the NVRTC
+    program class the compile goes through."""
+    cupy = require()
+    if getattr(cupy.cuda.runtime, "is_hip", False) or compute_capability() != 90:
+        return False
+    from cupy.cuda import compiler
+
+    return hasattr(compiler, "_NVRTCProgram")
+
+
+def arch_cache_dir() -> Path:
+    """Where arch-specific cubins are kept between processes (CuPy's own cache does not see them):
+    SPECSPLIT_KERNEL_CACHE, else ~/.cache/specsplit/kernels."""
+    return Path(os.environ.get("SPECSPLIT_KERNEL_CACHE") or Path.home() / ".cache" / "specsplit" / "kernels")
+
+
+class _ArchModule:
+    """A module compiled for sm_<cc>a (NVRTC, cached on disk by a hash of the code, options, names and NVRTC
+    version): RawModule-like get_function(name expression)."""
+
+    def __init__(self, code: str, options: tuple[str, ...], names: tuple[str, ...]):
+        import hashlib
+        import json
+
+        cupy = require()
+        from cupy.cuda import compiler
+
+        opts = tuple(options) + (f"-arch=sm_{compute_capability()}a",)
+        ident = json.dumps([code, opts, names, list(compiler._get_nvrtc_version())])
+        digest = hashlib.sha256(ident.encode()).hexdigest()[:32]
+        folder = arch_cache_dir()
+        path, names_path = folder / f"{digest}.cubin", folder / f"{digest}.json"
+        try:
+            mapping = json.loads(names_path.read_text())
+            cached = path.is_file() and all(n in mapping for n in names)
+        except (OSError, ValueError):
+            cached = False
+        if not cached:
+            prog = compiler._NVRTCProgram(code, "specsplit_arch.cu", name_expressions=list(names), method="cubin")
+            cubin, mapping = prog.compile(opts)
+            mapping = dict(mapping)
+            try:  # written whole under a temporary name, then renamed: a reader never sees half a file
+                folder.mkdir(parents=True, exist_ok=True)
+                for dst, data in ((path, cubin), (names_path, json.dumps(mapping).encode())):
+                    tmp = dst.with_suffix(f".{os.getpid()}.tmp")
+                    tmp.write_bytes(data)
+                    os.replace(tmp, dst)
+            except OSError:  # no writable cache: a file of this process's own (RawModule loads from a path)
+                import tempfile
+
+                with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
+                    f.write(cubin)
+                path = Path(f.name)
+        self._mod = cupy.RawModule(path=str(path))
+        self._lowered = mapping
+        for name in names:  # loaded now, while the file is surely there
+            self.get_function(name)
+
+    def get_function(self, name: str) -> Any:
+        return self._mod.get_function(self._lowered[name])
+
+
 def get_module(source: str, name_expressions: tuple[str, ...], defines: tuple[str, ...] = ()) -> Any:
-    """A compiled cupy.RawModule for kernels/<source> holding `name_expressions` (cached per device)."""
+    """A compiled cupy.RawModule for kernels/<source> holding `name_expressions` (cached per device); with one of
+    ARCH_SPECIFIC_DEFINES, compiled for the arch-specific target (sm_90a)."""
     cupy = require()
     device = int(cupy.cuda.runtime.getDevice())
     key = (source, tuple(name_expressions), tuple(defines), device)
@@ -171,7 +240,12 @@ def get_module(source: str, name_expressions: tuple[str, ...], defines: tuple[st
         code = read_source(source)
         options = compile_options(code, tuple(defines))
         try:
-            mod = cupy.RawModule(code=code, options=options, name_expressions=list(name_expressions))
+            if ARCH_SPECIFIC_DEFINES.intersection(d.split("=")[0] for d in defines):
+                if not arch_specific_available():
+                    raise KernelCompileError(f"{defines} need an sm_90 CUDA device (sm_90a: wgmma) and CuPy's NVRTC")
+                mod = _ArchModule(code, options, tuple(name_expressions))
+            else:
+                mod = cupy.RawModule(code=code, options=options, name_expressions=list(name_expressions))
             for name in name_expressions:  # compile now, so errors surface here with their context
                 mod.get_function(name)
         except Exception as e:

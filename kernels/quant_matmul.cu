@@ -515,6 +515,23 @@ SS_DEV long long natural_unit(long long v, int K, int TPAD, int& ch, int& n, int
     return (long long)ch * 32 * TPAD + (long long)p * 4 * TPAD + 4 * n + t;
 }
 
+// Unit u of packed x (pack8's 16 bytes) stored in xp: as is (order 0), or in the wgmma build's wg order (order 1:
+// quant_wide.wg_order): word c of lane t's unit into 16-byte chunk c ^ ((n >> 1) & 3) of its 64-byte record, at word
+// t. u = 4 record + t, and the record's token n = record mod TPAD with TPAD a multiple of 8, so (n >> 1) & 3 is bits
+// 3-4 of u.
+SS_DEV void put_unit(uint4* xp, long long u, uint4 v, int order) {
+    if (order == 0) {
+        xp[u] = v;
+        return;
+    }
+    u32* const rec = (u32*)(xp + (u & ~3LL));
+    const int t = (int)(u & 3), sw = (int)((u >> 3) & 3);
+    rec[(0 ^ sw) * 4 + t] = v.x;
+    rec[(1 ^ sw) * 4 + t] = v.y;
+    rec[(2 ^ sw) * 4 + t] = v.z;
+    rec[(3 ^ sw) * 4 + t] = v.w;
+}
+
 // The gemv kernel's int16 staging (PackedX.q16, xq16.cuh) of natural unit uu of token n in chunk ch, from its fp16
 // values h[0..7] (zeros past a tail chunk's values). Warp-collective: units uu and uu ^ 1 (one 16-value group) are
 // lanes l and l ^ 1, whose halves' maxima and sums meet by shuffle; every lane of the warp must call it.
@@ -532,9 +549,10 @@ SS_DEV void put_q16(uint4* q16, int nch, int T, int ch, int n, int uu, const u32
 // zeros for tokens n >= T. IN_F32 = 1: x is float32, else fp16 bits. With q16 (PackedX.q16; T tokens) also the gemv
 // kernel's int16 staging of the fp16 values (xq16.cuh). Grid-stride, one thread per 16-byte unit in natural order
 // (natural_unit: 32 per chunk and token row, a tail chunk's units past its values write only the staging's zeros).
+// order 1 (every pack writer): the units in the wgmma build's wg order instead (put_unit; quant_wide.wg_order).
 template <int IN_F32>
 __global__ void pack_x_kernel(const void* __restrict__ xin, long long ldx, int T, int K, int TPAD,
-                              uint4* __restrict__ xp, uint4* __restrict__ q16) {
+                              uint4* __restrict__ xp, uint4* __restrict__ q16, int order = 0) {
     SS_PDL_ENTRY();  // kernels/pdl.cuh: one-token packs launch early under PDL and wait here for their inputs
     const int nch = (K + ss::CHUNK - 1) / ss::CHUNK;
     const long long total = (long long)nch * TPAD * 32;  // a multiple of 32: warps are whole (put_q16 shuffles)
@@ -555,7 +573,7 @@ __global__ void pack_x_kernel(const void* __restrict__ xin, long long ldx, int T
                 h[e] = (u32)((const u16*)xin)[base + e];
             }
         }
-        if (has) xp[u] = ss::pack8(h);
+        if (has) ss::put_unit(xp, u, ss::pack8(h), order);
         if (q16 != nullptr) ss::put_q16(q16, nch, T, ch, n, uu, h);
     }
 }
@@ -638,7 +656,8 @@ __global__ void __launch_bounds__(256) pack_rms_kernel(const void* __restrict__ 
                                                        const void* __restrict__ z, long long ldz,
                                                        const float* __restrict__ w,
                                                        int group, float eps, int T, int K, int TPAD,
-                                                       uint4* __restrict__ xp, int slices, uint4* __restrict__ q16) {
+                                                       uint4* __restrict__ xp, int slices, uint4* __restrict__ q16,
+                                                       int order = 0) {
     using namespace ss;
     extern __shared__ uint4 ss_smem[];
     static __shared__ float red[8];
@@ -779,7 +798,7 @@ __global__ void __launch_bounds__(256) pack_rms_kernel(const void* __restrict__ 
                 h[e] = f2h(v);
             }
         }
-        if (uu < 4 * m) xp[u] = pack8(h);
+        if (uu < 4 * m) put_unit(xp, u, pack8(h), order);
         if (q16 != nullptr) put_q16(q16, nch_all, T, ch, n, uu, h);
     }
 }
@@ -792,7 +811,7 @@ __global__ void __launch_bounds__(256) pack_rms_kernel(const void* __restrict__ 
 template <int IN_F32>
 __global__ void pack_silu_kernel(const void* __restrict__ g, long long ldg, const void* __restrict__ up,
                                  long long ldu, int T, int K, int TPAD, uint4* __restrict__ xp,
-                                 uint4* __restrict__ q16) {
+                                 uint4* __restrict__ q16, int order = 0) {
     using namespace ss;
     SS_PDL_ENTRY();  // kernels/pdl.cuh: one-token packs launch early under PDL and wait here for their inputs
     constexpr int IS = IN_F32 ? 4 : 2;
@@ -829,7 +848,7 @@ __global__ void pack_silu_kernel(const void* __restrict__ g, long long ldg, cons
                 h[e] = f2h(silu(ld_act<IN_F32>(g, (long long)n * ldg + k + e)) *
                            ld_act<IN_F32>(up, (long long)n * ldu + k + e));
         }
-        if (has && xp != nullptr) xp[u] = pack8(h);
+        if (has && xp != nullptr) put_unit(xp, u, pack8(h), order);
         if (q16 != nullptr) put_q16(q16, nch, T, ch, n, uu, h);
     }
 }
@@ -1684,6 +1703,201 @@ SS_DEV void wide_chunk(float (&acc)[MT][NT][4], const u8* wst, const uint4* xs, 
     }
 }
 
+// ---------------------------------------------------------------------------------------------
+// The wide kernel on wgmma (sm_90a, built with -DSPECSPLIT_QMW_WG; docs/gpu_quant_matmul.md "wide on wgmma"): a
+// warpgroup (the block's 4 or 8 computing warps, whole groups of 4) issues wgmma.mma_async.m64nNk16 with N = 8 NT and
+// A from registers, whose per-warp fragment layout is mma.m16n8k16's: frag2 builds it unchanged, and the tensor cores
+// read B (x) straight from the stage, so no B fragments are loaded and the products run beside the next k-steps'
+// dequantization. B is read through a matrix descriptor (K-major, 64-byte swizzle): in each 64-byte (unit pair,
+// token) record a 16-byte chunk must hold 8 consecutive k of the mma's, i.e. word w of every lane t, where packed x
+// has lane t's 4 words together; and chunk c of token n sits at c ^ ((n >> 1) & 3). That order ("wg order") is
+// quant_wide.wg_order's, and the stage's records must start 512-byte aligned (the swizzle's atom: 8 tokens).
+#if defined(SPECSPLIT_QMW_WG) && SS_PTX
+#if !defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#error "SPECSPLIT_QMW_WG needs the arch-specific sm_90a target (wgmma)"
+#endif
+#define SS_WG 1
+#else
+#define SS_WG 0
+#endif
+
+#if SS_WG
+// The descriptor of a K-major B operand at shared address `s` (a record's first or second 32 bytes): rows of 64 bytes
+// (a token), 8-row groups 512 bytes apart, 64-byte swizzle; the leading offset is unused for swizzled K-major. Built
+// from its low word (the address, the leading offset) and a constant high word, so stepping through a stage adds to a
+// 32-bit value (shared addresses stay below 2^18: the 14-bit field never carries).
+constexpr u32 WG_DESC_HI = (512u >> 4) | (2u << 30);
+SS_DEV u32 wg_desc_lo(u32 s) { return ((s & 0x3FFFFu) >> 4) | (1u << 16); }
+SS_DEV u64 wg_desc(u32 lo) { return ((u64)WG_DESC_HI << 32) | lo; }
+SS_DEV void wg_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+SS_DEV void wg_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+template <int N>
+SS_DEV void wg_wait() {
+    asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
+}
+
+// d (64 x 8 NT, this warp's 16 rows in mma.m16n8's accumulator layout) += A (this warp's m16n8k16 A fragment) x B
+template <int NT>
+SS_DEV void wgmma_rs(float (&d)[NT][4], u32 a0, u32 a1, u32 a2, u32 a3, u64 desc);
+template <>
+__device__ __forceinline__ void wgmma_rs<1>(float (&d)[1][4], u32 a0, u32 a1, u32 a2, u32 a3, u64 desc) {
+    asm volatile("{ .reg .pred p; setp.ne.b32 p, %9, 0; wgmma.mma_async.sync.aligned.m64n8k16.f32.f16.f16 "
+                 "{%0, %1, %2, %3}, {%4, %5, %6, %7}, %8, p, 1, 1, 0; }\n"
+                 : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3])
+                 : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(desc), "r"(1)
+                 : "memory");
+}
+template <>
+__device__ __forceinline__ void wgmma_rs<2>(float (&d)[2][4], u32 a0, u32 a1, u32 a2, u32 a3, u64 desc) {
+    asm volatile("{ .reg .pred p; setp.ne.b32 p, %13, 0; wgmma.mma_async.sync.aligned.m64n16k16.f32.f16.f16 "
+                 "{%0, %1, %2, %3, %4, %5, %6, %7}, {%8, %9, %10, %11}, %12, p, 1, 1, 0; }\n"
+                 : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]),
+                 "+f"(d[1][2]), "+f"(d[1][3])
+                 : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(desc), "r"(1)
+                 : "memory");
+}
+template <>
+__device__ __forceinline__ void wgmma_rs<3>(float (&d)[3][4], u32 a0, u32 a1, u32 a2, u32 a3, u64 desc) {
+    asm volatile("{ .reg .pred p; setp.ne.b32 p, %17, 0; wgmma.mma_async.sync.aligned.m64n24k16.f32.f16.f16 "
+                 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11}, {%12, %13, %14, %15}, %16, p, 1, 1, 0; }\n"
+                 : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]),
+                 "+f"(d[1][2]), "+f"(d[1][3]), "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3])
+                 : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(desc), "r"(1)
+                 : "memory");
+}
+template <>
+__device__ __forceinline__ void wgmma_rs<4>(float (&d)[4][4], u32 a0, u32 a1, u32 a2, u32 a3, u64 desc) {
+    asm volatile("{ .reg .pred p; setp.ne.b32 p, %21, 0; wgmma.mma_async.sync.aligned.m64n32k16.f32.f16.f16 "
+                 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, {%16, %17, %18, %19}, %20, p, 1, 1, 0; }\n"
+                 : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]),
+                 "+f"(d[1][2]), "+f"(d[1][3]), "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]),
+                 "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3])
+                 : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(desc), "r"(1)
+                 : "memory");
+}
+template <>
+__device__ __forceinline__ void wgmma_rs<5>(float (&d)[5][4], u32 a0, u32 a1, u32 a2, u32 a3, u64 desc) {
+    asm volatile("{ .reg .pred p; setp.ne.b32 p, %25, 0; wgmma.mma_async.sync.aligned.m64n40k16.f32.f16.f16 "
+                 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19}, {%20, %21, %22, %23}, %24, p, 1, 1, 0; }\n"
+                 : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]),
+                 "+f"(d[1][2]), "+f"(d[1][3]), "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]),
+                 "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3]), "+f"(d[4][0]), "+f"(d[4][1]),
+                 "+f"(d[4][2]), "+f"(d[4][3])
+                 : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(desc), "r"(1)
+                 : "memory");
+}
+template <>
+__device__ __forceinline__ void wgmma_rs<6>(float (&d)[6][4], u32 a0, u32 a1, u32 a2, u32 a3, u64 desc) {
+    asm volatile("{ .reg .pred p; setp.ne.b32 p, %29, 0; wgmma.mma_async.sync.aligned.m64n48k16.f32.f16.f16 "
+                 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23}, {%24, %25, %26, %27}, %28, p, 1, 1, 0; }\n"
+                 : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]),
+                 "+f"(d[1][2]), "+f"(d[1][3]), "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]),
+                 "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3]), "+f"(d[4][0]), "+f"(d[4][1]),
+                 "+f"(d[4][2]), "+f"(d[4][3]), "+f"(d[5][0]), "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3])
+                 : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(desc), "r"(1)
+                 : "memory");
+}
+template <>
+__device__ __forceinline__ void wgmma_rs<7>(float (&d)[7][4], u32 a0, u32 a1, u32 a2, u32 a3, u64 desc) {
+    asm volatile("{ .reg .pred p; setp.ne.b32 p, %33, 0; wgmma.mma_async.sync.aligned.m64n56k16.f32.f16.f16 "
+                 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27}, {%28, %29, %30, %31}, %32, p, 1, 1, 0; }\n"
+                 : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]),
+                 "+f"(d[1][2]), "+f"(d[1][3]), "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]),
+                 "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3]), "+f"(d[4][0]), "+f"(d[4][1]),
+                 "+f"(d[4][2]), "+f"(d[4][3]), "+f"(d[5][0]), "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]),
+                 "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3])
+                 : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(desc), "r"(1)
+                 : "memory");
+}
+template <>
+__device__ __forceinline__ void wgmma_rs<8>(float (&d)[8][4], u32 a0, u32 a1, u32 a2, u32 a3, u64 desc) {
+    asm volatile("{ .reg .pred p; setp.ne.b32 p, %37, 0; wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 "
+                 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, {%32, %33, %34, %35}, %36, p, 1, 1, 0; }\n"
+                 : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]),
+                 "+f"(d[1][2]), "+f"(d[1][3]), "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]),
+                 "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3]), "+f"(d[4][0]), "+f"(d[4][1]),
+                 "+f"(d[4][2]), "+f"(d[4][3]), "+f"(d[5][0]), "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]),
+                 "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]), "+f"(d[7][0]), "+f"(d[7][1]),
+                 "+f"(d[7][2]), "+f"(d[7][3])
+                 : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(desc), "r"(1)
+                 : "memory");
+}
+
+// wide_chunk on wgmma: every warp of the warpgroup calls it (one past the last tile computes on the stage's stale
+// bytes and writes nothing). xs_s: the shared address of the chunk's x (wg order). Per word pair j: frag2 into one of
+// two register sets, then the group of its 4 k-steps (x MT tiles) is committed, and the wait lets the group before it
+// finish, so the set it read can be refilled. Per accumulator the k-steps run in wide_chunk's order (a F16 / Q8_0
+// tail chunk's in tail_mma's). The caller waits for the last group (wg_wait<0>) before it releases the stage or reads
+// acc.
+template <int QT, int NT, int MT>
+SS_DEV void wide_chunk_wg(float (&acc)[MT][NT][4], const u8* wst, u32 xs_s, int C, int g, int t, const LaneK& lk) {
+    using L = Lay<QT>;
+    constexpr int BLK = 16 * (L::MAIN + L::SIDE);
+    constexpr int TPAD = 8 * NT;
+    if constexpr (QT == 1 || QT == 8) {
+        if (C != CHUNK) {  // tail: pair p of each lane's 8 m values, two k-steps (record p's first and second 32 bytes)
+            const int m = C >> 5, mb = main_bytes<QT>(C), sb = side_bytes<QT>(C);
+            const u32 d0 = __shfl_sync(0xffffffffu, wg_desc_lo(xs_s), 0);
+            for (int p = 0; p < m; ++p) {
+                u32 a[MT][2][4];
+#pragma unroll
+                for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+                    for (int hr = 0; hr < 2; ++hr) {
+                        const int r = 8 * hr + g;
+                        frag2_tail<QT>(wst + mt * BLK + r * mb, wst + mt * BLK + 16 * mb + r * sb, t, m, p, a[mt][hr]);
+                    }
+                wg_fence();
+#pragma unroll
+                for (int s2 = 0; s2 < 2; ++s2) {
+                    const u64 desc = wg_desc(d0 + (u32)((p * TPAD * 64 + 32 * s2) >> 4));
+#pragma unroll
+                    for (int mt = 0; mt < MT; ++mt)
+                        wgmma_rs<NT>(acc[mt], a[mt][0][2 * s2], a[mt][1][2 * s2], a[mt][0][2 * s2 + 1],
+                                     a[mt][1][2 * s2 + 1], desc);
+                }
+                wg_commit();
+                wg_wait<0>();  // (the next pair's fragments reuse the registers)
+            }
+            return;
+        }
+    }
+    (void)C;
+    RowState st[MT][2];
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int hr = 0; hr < 2; ++hr) {
+            const int r = 8 * hr + g;
+            st[mt][hr] = prep2<QT>(wst + mt * BLK + r * L::MAIN, wst + mt * BLK + 16 * L::MAIN + r * L::SIDE, t);
+        }
+    const u32 d0 = __shfl_sync(0xffffffffu, wg_desc_lo(xs_s), 0);  // warp-uniform: the descriptors in uniform registers
+    u32 a[2][MT][2][8];
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+        u32(&aj)[MT][2][8] = a[j & 1];
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+            for (int hr = 0; hr < 2; ++hr) frag2<QT>(wst + mt * BLK + (8 * hr + g) * L::MAIN, t, st[mt][hr], lk, j, aj[mt][hr]);
+        wg_fence();
+#pragma unroll
+        for (int h = 0; h < 2; ++h)
+#pragma unroll
+            for (int s2 = 0; s2 < 2; ++s2) {
+                const int st4 = 2 * h + s2;
+                const u64 desc = wg_desc(d0 + (u32)((((4 * h + j) * TPAD * 64) + 32 * s2) >> 4));
+#pragma unroll
+                for (int mt = 0; mt < MT; ++mt)
+                    wgmma_rs<NT>(acc[mt], aj[mt][0][2 * st4], aj[mt][1][2 * st4], aj[mt][0][2 * st4 + 1],
+                                 aj[mt][1][2 * st4 + 1], desc);
+            }
+        wg_commit();
+        wg_wait<1>();
+    }
+}
+#endif  // SS_WG
+
 // qmw_kernel<.., SW = 1>'s writer: gate tile `tile` (acc[0]) and its up tile (acc[1]) summed, it writes
 // fp16(silu(g) u) as the down product's packed x (xp: pack_x_kernel's layout for K = F, TPAD = 8 NT token rows; the
 // tile's 16 values are two units of each token row), with pack_silu_kernel's arithmetic, so bitwise that pack of the
@@ -1696,7 +1910,12 @@ SS_DEV void swiglu_units(const float (&acc)[2][NT][4], uint4* __restrict__ xp, i
                          int lane) {
     constexpr int TPAD = 8 * NT;
     const int ch = tile >> 4, j = tile & 15;  // the down product's chunk of K and the tile's 16-value slot in it
+#if SS_WG
+    // wg order (put_unit): word t of lane j / 4's unit goes to chunk t ^ ((n >> 1) & 3) of the record, n = 8 nt + g
+    u32* const base = (u32*)(xp + (i64)ch * 32 * TPAD) + (j >> 2) + 4 * (t ^ (g >> 1));
+#else
     u32* const base = (u32*)(xp + (i64)ch * 32 * TPAD + (j >> 2)) + t;
+#endif
     // Every value's SiLU first, then the shuffles: 4 NT independent exponential / divide chains in flight instead of
     // one (nt, hr) block's chain before its shuffles and the next's (at 6 token tiles a SM holds one block, whose 8
     // warps all end a row block at once while the weight stream waits)
@@ -1805,7 +2024,9 @@ __global__ void SS_BOUNDS(288, 1) qmw_kernel(const u8* __restrict__ W, long long
     if (b >= P) return;  // the whole block (more blocks than items)
     const i64 i0 = b * total / P, i1 = (b + 1) * total / P;  // this block's items, >= 1 of them
     const int n_items = (int)(i1 - i0);
-    const int SB = XB + RT * BLK;  // bytes of one stage: x, then the RT tile blocks
+    // bytes of one stage: x, then the RT tile blocks (wgmma: whole 512-byte swizzle atoms, so every stage's x is
+    // aligned as the first's)
+    const int SB = SS_WG ? (XB + RT * BLK + 511) & ~511 : XB + RT * BLK;
     u8* const smem = (u8*)ss_smem;
     const i64 tile_stride = 16 * row_bytes;
     const i64 ld = ldy > 0 ? ldy : N;
@@ -1915,6 +2136,10 @@ __global__ void SS_BOUNDS(288, 1) qmw_kernel(const u8* __restrict__ W, long long
     SS_GRID_LAUNCH_DEPENDENTS();
     SS_GRID_WAIT();
     const bool issuer = !prod && (!SS_BULK || warp == 0);
+#if SS_WG
+    // whole warpgroups compute, and the swizzle's atoms sit where the descriptors assume (the launcher sees to both)
+    if ((WM & 3) != 0 || (smem_s & 511u) != 0u) __trap();
+#endif
     if (issuer)
         for (int i = 0; i < stages - 1; ++i) issue(i, true);
 
@@ -1944,7 +2169,12 @@ __global__ void SS_BOUNDS(288, 1) qmw_kernel(const u8* __restrict__ W, long long
             const u8* const stage = smem + s * SB;
             // K-quant rows are whole 256-value super-blocks: only F16 / Q8_0 have a shorter last chunk
             const int C = (QT == 12 || QT == 14) ? CHUNK : imin(CHUNK, K - (ch0 + c) * CHUNK);
+#if SS_WG
+            wide_chunk_wg<QT, NT, MT>(acc, stage + XB + warp * MT * BLK, smem_s + (u32)(s * SB), C, g, t, lk);
+            wg_wait<0>();  // the stage's x is read (and acc final) only once the last group is done
+#else
             if (busy) wide_chunk<QT, NT, MT>(acc, stage + XB + warp * MT * BLK, (const uint4*)stage, C, g, t, lk);
+#endif
 #if SS_BULK
             __syncwarp();
             if (lane == 0) mbar_arrive_s(empty_s + 8u * (u32)s);  // this warp is done with the stage

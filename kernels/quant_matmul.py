@@ -307,6 +307,9 @@ class PackedX:
     # the gemv kernel's int16 staging of the same fp16 values (kernels/xq16.cuh), written by the same pack launch for
     # narrow inputs (Q16_TOKENS) so that no gemv block quantizes x itself: cupy uint32 [q16_words(K, T)] or None
     q16: Any = None
+    # 0: the mma lanes' order every kernel reads; 1: the wide kernel's wgmma build's (quant_wide.wg_order), which only
+    # that build reads (matmul sends such x there)
+    order: int = 0
 
     @property
     def n_tiles(self) -> int:
@@ -444,6 +447,7 @@ def pack_activations(
     out: Any = None,
     q16: bool | None = None,
     staging_only: bool = False,
+    order: int = 0,
 ) -> PackedX:
     """x: cupy (or numpy) [T, K] or [K] float16/float32, T <= 64, K a multiple of 32 -> PackedX (one launch).
 
@@ -458,6 +462,7 @@ def pack_activations(
     q16: also write the gemv kernel's int16 staging (PackedX.q16); None: for up to Q16_TOKENS tokens.
     staging_only (silu_up only): the staging and no fp16 x (PackedX.data None: for a product that reads the staging
     alone, a ring gemv: backend.reads_staging), the same staging bits from a launch over the real rows only.
+    order: PackedX.order of the fp16 x (1: the wgmma build's, quant_wide.wg_order; the staging is the same).
     """
     cupy = loader.require()
     x = _rows_2d(x, "activations")
@@ -470,6 +475,8 @@ def pack_activations(
         raise ValueError("residual and gate apply to a normalised pack (rms_weight)")
     if rms_weight is not None and silu_up is not None:
         raise ValueError("pack_activations fuses either a norm (rms_weight) or silu(x) * up, not both")
+    if order not in (0, 1):
+        raise ValueError(f"order must be 0 (mma lanes) or 1 (wgmma), not {order}")
     if staging_only and (silu_up is None or q16 is False or out is not None):
         raise ValueError("staging_only packs SwiGLU (silu_up) into the int16 staging alone (no q16=False, no out)")
     f32 = x.dtype == np.float32
@@ -502,13 +509,13 @@ def pack_activations(
         ldu = up.strides[0] // item if tokens > 1 else k
         kern = pack_silu_function(f32, portable, q16 or _pack_pdl("silu", tokens))
         kern((blocks,), (256,), (x, np.int64(ldx), up, np.int64(ldu), np.int32(tokens), np.int32(k), np.int32(padded),
-                                 out if not staging_only else np.uint64(0), xq_arg))  # fmt: skip
-        return PackedX(None if staging_only else out, tokens, k, q16=xq)
+                                 out if not staging_only else np.uint64(0), xq_arg, np.int32(order)))  # fmt: skip
+        return PackedX(None if staging_only else out, tokens, k, q16=xq, order=order)
     if rms_weight is None:
         kern = pack_function(f32, portable, q16 or _pack_pdl("x", tokens))
         kern((blocks,), (256,), (x, np.int64(ldx), np.int32(tokens), np.int32(k), np.int32(padded), out,
-                                 xq_arg))  # fmt: skip
-        return PackedX(out, tokens, k, q16=xq)
+                                 xq_arg, np.int32(order)))  # fmt: skip
+        return PackedX(out, tokens, k, q16=xq, order=order)
 
     w = cupy.asarray(rms_weight, dtype=cupy.float32).reshape(-1)
     group = int(w.size)
@@ -542,8 +549,8 @@ def pack_activations(
     kern = pack_rms_function(f32, residual is not None, gated, portable, smem, pdl=q16 or _pack_pdl("rms", tokens))
     kern((pack_rms_grid(tokens, k, padded, slices),), (256,),
          (x, np.int64(ldx), r, s, z, np.int64(ldz), w, np.int32(group), np.float32(eps), np.int32(tokens),
-          np.int32(k), np.int32(padded), out, np.int32(slices), xq_arg), shared_mem=smem)  # fmt: skip
-    return PackedX(out, tokens, k, residual_out if residual is not None else None, q16=xq)
+          np.int32(k), np.int32(padded), out, np.int32(slices), xq_arg, np.int32(order)), shared_mem=smem)  # fmt: skip
+    return PackedX(out, tokens, k, residual_out if residual is not None else None, q16=xq, order=order)
 
 
 # token tables embed_rows decodes on the device (ggml ids): F32, F16, Q8_0, Q4_K (memory_plan.GPU_TABLE_TYPES: the
@@ -827,7 +834,13 @@ class QuantMatrix:
 
         if config is not None and self.kernel != "v2":
             raise ValueError(f"{self.name}: config applies to the v2 kernel only")
-        if isinstance(x, PackedX):
+        if isinstance(x, PackedX) and x.order:  # the wgmma order: the wide kernel's wgmma build reads it, alone
+            if kernel not in (None, "wide") or self.kernel != "v2" or splits is not None or portable or not (
+                    config is None or isinstance(config, quant_wide.WideConfig)):
+                raise ValueError(f"{self.name}: x in the wgmma order (PackedX.order 1) is read by the wide kernel's "
+                                 f"wgmma build only (a v2-layout matrix, no splits / v2 config, not portable)")
+            quant_wide.wide(self, x, out, accumulate=accumulate, config=config, wg=True)
+        elif isinstance(x, PackedX):
             self._launcher(kernel, tokens, config, splits, x.q16 is not None)(x, out, splits, portable, config,
                                                                              accumulate)
         else:

@@ -188,12 +188,17 @@ def chunk_block_bytes(qtype: int) -> int:
     return TILE_ROWS * (main + side)
 
 
-def smem_bytes(qtype: int, n_tiles: int, m_tiles: int, warps: int, stages: int, ytile: bool = False) -> int:
+def smem_bytes(qtype: int, n_tiles: int, m_tiles: int, warps: int, stages: int, ytile: bool = False,
+               wg: bool = False) -> int:  # fmt: skip
     """Dynamic shared memory of one block: per stage a chunk of packed x for 8 n_tiles tokens and the block's
     warps x m_tiles tile blocks, plus the stage's two mbarriers; ytile: and the tile a warp through which an
-    accumulating launch adds its sums into y (bulk reduce-adds, sm_90)."""
+    accumulating launch adds its sums into y (bulk reduce-adds, sm_90); wg (the wgmma build): stages rounded up to
+    whole 512-byte swizzle atoms."""
     tile = warps * m_tiles * TILE_ROWS * 8 * n_tiles * 4 if ytile else 0
-    return stages * (512 * 8 * n_tiles + warps * m_tiles * chunk_block_bytes(qtype) + BARRIER_BYTES) + tile
+    stage = 512 * 8 * n_tiles + warps * m_tiles * chunk_block_bytes(qtype)
+    if wg:
+        stage = -(-stage // 512) * 512
+    return stages * (stage + BARRIER_BYTES) + tile
 
 
 def row_blocks(n_out: int, m_tiles: int, warps: int) -> int:
@@ -234,9 +239,10 @@ def _defines(portable: bool) -> tuple[str, ...]:
     return out
 
 
-def wide_function(qtype: int, n_tiles: int, m_tiles: int, portable: bool = False, swiglu: bool = False) -> Any:
+def wide_function(qtype: int, n_tiles: int, m_tiles: int, portable: bool = False, swiglu: bool = False,
+                  wg: bool = False) -> Any:  # fmt: skip
     """The compiled kernel for one storage type, token-tile count (1..8) and m16 tiles per warp (1, 2); swiglu: its
-    SwiGLU instance (wide_swiglu; m_tiles 2)."""
+    SwiGLU instance (wide_swiglu; m_tiles 2); wg: its wgmma build (sm_90a; x in wg_order)."""
     qtype = int(qtype)
     if qtype not in qm.SUPPORTED_QTYPES:
         raise ValueError(f"no GPU wide kernel for {qm.type_name(qtype)}")
@@ -244,7 +250,9 @@ def wide_function(qtype: int, n_tiles: int, m_tiles: int, portable: bool = False
         raise ValueError(f"n_tiles must be 1..{MAX_TOKENS // 8}, not {n_tiles}")
     if m_tiles not in (1, 2) or (swiglu and m_tiles != 2):
         raise ValueError(f"m_tiles must be 1 or 2 (2 for SwiGLU), not {m_tiles}")
-    defines = _defines(portable)
+    if wg and portable:
+        raise ValueError("the wgmma build has no portable form")
+    defines = _defines(portable) + (("SPECSPLIT_QMW_WG",) if wg else ())
     mt = f"{m_tiles}, 1" if swiglu else m_tiles
     fn = loader.get_function(SOURCE, f"qmw_kernel<{qtype}, {n_tiles}, {mt}>", defines, pdl=PDL and not portable)
     key = (SOURCE, qtype, n_tiles, m_tiles, bool(swiglu), defines, qm._device_id())
@@ -358,6 +366,11 @@ def scratch_need(qtype: int, n_out: int, k: int, tokens: int, sms: int) -> tuple
                  for st in tile_stages(cfg))
     part = scratch_floats(blocks, n_tiles, cfg.m_tiles, cfg.warps)
     counters = row_blocks(n_out, cfg.m_tiles, cfg.warps) * cfg.warps
+    if cfg.warps % 4:  # the wgmma build's whole warpgroups (launch_shape)
+        wg = choose_config(qtype, n_out, k, tokens, WideConfig(warps=4))
+        wg_blocks = grid(n_out, k, wg, 1, smem_bytes(qtype, n_tiles, wg.m_tiles, wg.warps, wg.stages, wg=True), sms)
+        part = max(part, scratch_floats(wg_blocks, n_tiles, wg.m_tiles, wg.warps))
+        counters = max(counters, row_blocks(n_out, wg.m_tiles, wg.warps) * wg.warps)
     if swiglu_stack(qtype, n_out) and swiglu_width(qtype, tokens):  # a [gate | up] stack's SwiGLU launch
         sw = choose_config(qtype, n_out, k, tokens, swiglu_config(qtype, tokens))
         sw_blocks = grid(n_out, k, sw, 1, smem_bytes(qtype, n_tiles, sw.m_tiles, sw.warps, sw.stages), sms)
@@ -367,24 +380,28 @@ def scratch_need(qtype: int, n_out: int, k: int, tokens: int, sms: int) -> tuple
 
 
 def launch_shape(W: Any, tokens: int, config: WideConfig | None = None, portable: bool = False,
-                 accumulate: bool = False, swiglu: bool = False) -> dict:  # fmt: skip
+                 accumulate: bool = False, swiglu: bool = False, wg: bool = False) -> dict:  # fmt: skip
     """What a launch of W at this width runs as: the resolved config, registers, shared memory, grid, row blocks, and
     whether an accumulating launch takes the y tile (bulk reduce-adds; not where the tile would not fit). swiglu: the
-    SwiGLU instance's (wide_swiglu: config's m_tiles must be 2)."""
+    SwiGLU instance's (wide_swiglu: config's m_tiles must be 2); wg: the wgmma build's (wg_usable)."""
     n_out, k = W.shape
     n_tiles = (tokens + 7) // 8
     cfg = choose_config(W.qtype, n_out, k, tokens, config)
+    if wg and cfg.warps % 4 and not (config is not None and config.warps):  # whole warpgroups, even on a small matrix
+        cfg = choose_config(W.qtype, n_out, k, tokens, replace(config or WideConfig(), warps=4))
     check(W.qtype, n_tiles, cfg)
-    kern = wide_function(W.qtype, n_tiles, cfg.m_tiles, portable, swiglu)
+    if wg and not wg_usable(k, cfg):
+        raise ValueError(f"the wgmma build needs whole warpgroups (warps a multiple of 4): {cfg}")
+    kern = wide_function(W.qtype, n_tiles, cfg.m_tiles, portable, swiglu, wg)
     regs = int(getattr(kern, "num_regs", 0) or 255)
     prod = producer_warps(portable)
-    smem = smem_bytes(W.qtype, n_tiles, cfg.m_tiles, cfg.warps, cfg.stages)
+    smem = smem_bytes(W.qtype, n_tiles, cfg.m_tiles, cfg.warps, cfg.stages, wg=wg)
     blocks = grid(n_out, k, cfg, regs, smem, qm.sm_count(), prod)
     ytile = False
     if accumulate and bulk_adds(portable):  # the tile only where it keeps the blocks a SM (so the split) or adds some:
         for st in tile_stages(cfg, config):  # at cfg's stages, else (ACC_TILE_STAGES) at fewer
             c = replace(cfg, stages=st)
-            tiled = smem_bytes(W.qtype, n_tiles, c.m_tiles, c.warps, st, True)
+            tiled = smem_bytes(W.qtype, n_tiles, c.m_tiles, c.warps, st, True, wg)
             tiled_blocks = grid(n_out, k, c, regs, tiled, qm.sm_count(), prod) if tiled <= SMEM_LIMIT else 0
             if tiled_blocks >= blocks:
                 cfg, ytile, smem, blocks = c, True, tiled, tiled_blocks
@@ -401,14 +418,65 @@ def wide(
     accumulate: bool = False,
     config: WideConfig | None = None,
     portable: bool = False,
+    wg: bool = False,
 ) -> Any:
     """out (+)= x @ W^T for a QuantMatrix W in the v2 layout and a PackedX of 1..64 tokens; returns out.
 
     out: float32 [T, W.out_features], rows contiguous and possibly strided (a column slice of a wider output:
-    qm.check_out). accumulate=True adds into out (each value once, after its sum is complete)."""
+    qm.check_out). accumulate=True adds into out (each value once, after its sum is complete). wg: the wgmma build
+    (sm_90a), which reads x in wg_order (PackedX.order 1)."""
     tokens = qm.check_v2_product(W, packed, out, "wide", MAX_TOKENS)
-    _launch(W, packed, out, launch_shape(W, tokens, config, portable, accumulate), accumulate, qm.out_stride(out))
+    if wg != (packed.order == 1):
+        raise ValueError(f"{W.name}: x in order {packed.order} is read by the "
+                         f"{'wgmma' if packed.order else 'mma'} build, not the {'wgmma' if wg else 'mma'} one")
+    shape = launch_shape(W, tokens, config, portable, accumulate, wg=wg)
+    _launch(W, packed, out, shape, accumulate, qm.out_stride(out))
     return out
+
+
+# The wgmma build (qmw_kernel with SPECSPLIT_QMW_WG, sm_90a): the same sums bit for bit as the mma.sync build (H200,
+# session 35), 0.93-0.94 of its time on the 27B's Q4_K matrices at 17..32 tokens and 0.81-0.87 from 41 (Q6_K 1.03-1.07
+# at 23..32, 0.96 at 41). A model whose every matrix can run it (wg_from) packs x in its order from WG_FROM tokens,
+# and every product of those packs runs on it. The 27B step (bench/gemv_ab.py --step-ab wgmma, from 17): 0.998 /
+# 1.002 / 0.959 / 0.928 / 0.882 at 17 / 23 / 32 / 41 / 64 tokens: below 25 the packs' products that the dispatch
+# keeps on v2 (and Q6_K) lose what the rest gain, so from 25, where every K-quant product is on this kernel anyway.
+# SPECSPLIT_WGMMA=0 (or WGMMA = False): never.
+WGMMA = True
+WG_FROM = 25
+
+
+def wg_from(matrices: Any) -> int:
+    """The width from which a model's packs take the wgmma order (PackedX.order 1): WG_FROM where WGMMA is on (and
+    SPECSPLIT_WGMMA not 0), the device has the arch-specific sm_90a target, and every QuantMatrix of `matrices` can
+    run that build (the v2 layout); else 0 (never)."""
+    import os
+
+    if not WGMMA or os.environ.get("SPECSPLIT_WGMMA", "1").strip().lower() in ("0", "false", "no", "off"):
+        return 0
+    if not loader.arch_specific_available():
+        return 0
+    for m in matrices:
+        if getattr(m, "kernel", None) != "v2":
+            return 0
+    return WG_FROM
+
+
+def wg_usable(k: int, cfg: WideConfig) -> bool:
+    """Whether a launch shape can run the wgmma build: whole warpgroups (any K: a F16 / Q8_0 tail chunk too)."""
+    return cfg.warps % 4 == 0
+
+
+def wg_order(data: Any, tokens_pad: int) -> Any:
+    """Packed x (PackedX.data, TPAD = tokens_pad rows; NumPy or CuPy) in the wgmma build's
+    order: in each 64-byte (chunk, unit pair p, token n) record, 16-byte chunk c ^ ((n >> 1) & 3) holds word c of
+    every lane t's unit (t = 0..3), where packed x holds lane t's four words together (qmw_kernel's SS_WG notes)."""
+    xp = loader.require() if not isinstance(data, np.ndarray) else np
+    words = data.view(xp.uint32).reshape(-1, tokens_pad, 4, 4)  # [(chunk, p), n, lane t, word c] (a tail too)
+    by_word = words.transpose(0, 1, 3, 2)  # [.., n, c, t]
+    n = xp.arange(tokens_pad)
+    src_c = xp.arange(4)[None, :] ^ ((n[:, None] >> 1) & 3)  # [n, c']: the chunk c stored at c'
+    out = xp.take_along_axis(by_word, src_c[None, :, :, None], axis=2)
+    return xp.ascontiguousarray(out).reshape(-1).view(data.dtype).reshape(data.shape)
 
 
 def _launch(W: Any, packed: Any, y: Any, shape: dict, accumulate: bool = False, ldy: int = 0) -> None:
@@ -516,5 +584,6 @@ def wide_swiglu(W: Any, packed: Any, *, out: Any = None, config: WideConfig | No
         out = cupy.empty(size, dtype=cupy.uint16)
     elif out.dtype != cupy.uint16 or out.size != size or not out.flags.c_contiguous:
         raise ValueError(f"out must be a contiguous uint16 array of {size} elements")
-    _launch(W, packed, out, launch_shape(W, tokens, swiglu_config(W.qtype, tokens, config), portable, swiglu=True))
-    return qm.PackedX(out, tokens, f)
+    shape = launch_shape(W, tokens, swiglu_config(W.qtype, tokens, config), portable, swiglu=True, wg=packed.order == 1)
+    _launch(W, packed, out, shape)
+    return qm.PackedX(out, tokens, f, order=packed.order)  # (the wgmma build writes its own order)

@@ -800,3 +800,50 @@ def test_decode_ahead_stops_at_the_context_end_and_serves_generate(monkeypatch):
         assert generate(gpu, ids, 30).token_ids == want and len(calls) == n
     finally:
         gpu.decode_ahead_on = True
+
+
+@needs_gpu
+def test_verify_widths_on_the_wgmma_build_match_numpy(monkeypatch):
+    """Where the device has the wgmma build (sm_90a), a tree step of WG_FROM..64 tokens packs x in its order and runs
+    every product of those packs on it (counted); the logits match the NumPy engine and the mma build's step within
+    LOGIT_TOL, and a commit of a path on top decodes as the NumPy engine does."""
+    from kernels import quant_wide as qw
+
+    cpu, gpu, ids, _ = models()
+    if not loader.arch_specific_available():
+        pytest.skip("the wgmma build needs an sm_90 CUDA device (the sm_90a target)")
+    assert gpu.wgmma and gpu.pack_order(qw.WG_FROM) == 1 and gpu.pack_order(qw.WG_FROM - 1) == 0
+    calls, wg_from = [], qw.WG_FROM
+    real = qw.wide
+    monkeypatch.setattr(qw, "wide", lambda *a, **kw: calls.append(bool(kw.get("wg"))) or real(*a, **kw))
+    rng = np.random.default_rng(23)
+    for T in (qw.WG_FROM, 41, 64):
+        parents = [-1] + [int(rng.integers(max(0, i - 3), i)) for i in range(1, T)]
+        tokens = rng.integers(0, gpu.cfg.n_vocab, size=T)
+        cs, gs, gm = cpu.new_state(200), gpu.new_state(200), gpu.new_state(200)
+        cpu.forward(cs, ids, logits="last")  # three fresh sequences with the same prompt
+        gpu.forward(gs, ids, logits="last")
+        gpu.forward(gm, ids, logits="last")
+        cs.commit(range(len(ids)))
+        gs.commit(range(len(ids)))
+        gm.commit(range(len(ids)))
+        calls.clear()
+        a = cpu.forward(cs, tokens, parents, checkpoints=True)
+        b = gpu.forward(gs, tokens, parents, checkpoints=True)
+        # (every layer's input and ffn_down packs at least; a product that packs raw x itself keeps the mma order)
+        assert sum(calls) >= 2 * len(gpu.layers), f"T={T}: the step's wide products ran {calls}"
+        monkeypatch.setattr(qw, "WG_FROM", 0)
+        calls.clear()
+        c = gpu.forward(gm, tokens, parents, checkpoints=True)
+        assert not any(calls)
+        monkeypatch.setattr(qw, "WG_FROM", wg_from)
+        assert _max_diff(a.logits, b.logits) <= LOGIT_TOL, f"T={T}"
+        assert _max_diff(b.logits, c.logits) <= LOGIT_TOL, f"T={T}"
+        node, path = T - 1, []
+        while node >= 0:
+            path.insert(0, node)
+            node = parents[node]
+        cs.commit(path)
+        gs.commit(path)
+        assert _max_diff(cpu.forward(cs, [7], logits="last").logits, gpu.forward(gs, [7], logits="last").logits) \
+            <= LOGIT_TOL

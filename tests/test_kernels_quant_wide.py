@@ -394,3 +394,96 @@ def test_swiglu_launch(qtype: int, f: int, k: int) -> None:
             graph.launch(stream)
             stream.synchronize()
             assert cupy.array_equal(out, got.data)
+
+
+# The wgmma build (SPECSPLIT_QMW_WG, sm_90a) and the packs' wgmma order (PackedX.order 1)
+_WG = loader.arch_specific_available()
+needs_wg = pytest.mark.skipif(not _WG, reason="the wgmma build needs an sm_90 CUDA device (the sm_90a target)")
+
+
+def test_wg_order_is_quant_wide_twin() -> None:
+    """pack_activations(order=1) writes quant_wide.wg_order of the mma-order pack, bit for bit, for every pack kind
+    (plain fp16 / f32, the norm with residual, the gated group norm, SwiGLU; a tail chunk among them); the int16
+    staging is the same in both."""
+    rng = np.random.default_rng(11)
+    for tokens, k in ((3, 2336), (17, 1024), (23, 768), (64, 512)):
+        x = cupy.asarray(rng.standard_normal((tokens, k)).astype(np.float32))
+        r = cupy.asarray(rng.standard_normal((tokens, k)).astype(np.float32))
+        w = cupy.asarray(rng.standard_normal(k).astype(np.float32))
+        wg = cupy.asarray(rng.standard_normal(32).astype(np.float32))
+        for kw in ({}, {"q16": True}, {"rms_weight": w, "residual": r}, {"rms_weight": wg, "gate": r},
+                   {"silu_up": r}):
+            kw = {**kw, **({"residual_out": cupy.empty_like(r)} if "residual" in kw else {})}
+            a = qm.pack_activations(x.astype(np.float16) if not kw else x, **kw)
+            kw2 = {**kw, **({"residual_out": cupy.empty_like(r)} if "residual" in kw else {})}
+            b = qm.pack_activations(x.astype(np.float16) if not kw else x, order=1, **kw2)
+            assert b.order == 1 and a.order == 0
+            assert cupy.array_equal(b.data, qw.wg_order(a.data, a.padded_tokens)), f"T={tokens} K={k} {list(kw)}"
+            if a.q16 is not None:
+                assert cupy.array_equal(a.q16, b.q16)
+    with pytest.raises(ValueError, match="order"):
+        qm.pack_activations(x, order=2)
+
+
+@needs_wg
+@pytest.mark.parametrize("qtype,shape", [(qm.Q4_K, (1024, 2048)), (qm.Q6_K, (1000, 1536)), (qm.Q8_0, (200, 2336)),
+                                         (qm.F16, (130, 800)), (qm.Q4_K, (77, 768))], ids=case_id)  # fmt: skip
+def test_wgmma_build_same_bits_as_mma(qtype: int, shape: tuple[int, int]) -> None:
+    """x in the wgmma order through QuantMatrix.matmul runs the wgmma build, whose sums equal the mma.sync build's bit
+    for bit at the same launch shape (its HGMMA steps accumulate as HMMA's, in the same k order), F16 / Q8_0 tail
+    chunks included, and stay within the float64 twin's bound; accumulating and in a CUDA graph too."""
+    rng = np.random.default_rng(500 + qtype + shape[0])
+    W, w64 = _matrix(qtype, shape, rng)
+    cfgs = (qw.WideConfig(1, 4, 2), qw.WideConfig(2, 8, 3), qw.WideConfig(1, 4, 3, blocks=3),
+            qw.WideConfig(2, 4, 2, blocks=1000))
+    for tokens in (1, 9, 17, 23, 41, 64):
+        x = cupy.asarray((rng.standard_normal((tokens, shape[1])) * 0.5).astype(np.float16))
+        px, pw = qm.pack_activations(x), qm.pack_activations(x, order=1)
+        for cfg in cfgs:
+            n_tiles = (tokens + 7) // 8
+            if qw.smem_bytes(qtype, n_tiles, cfg.m_tiles, cfg.warps, cfg.stages, wg=True) > qw.SMEM_LIMIT:
+                continue
+            a = run(W, px, kernel="wide", config=cfg)
+            b = run(W, pw, config=cfg)
+            assert np.array_equal(a, b), f"{W.name} T={tokens} {cfg}"
+            assert rel_error(b, cupy.asnumpy(x).astype(np.float64) @ w64.T) < TOL
+        y0 = rng.standard_normal((tokens, shape[0])).astype(np.float32)
+        assert np.array_equal(run(W, px, y0, kernel="wide", config=cfgs[0], accumulate=True),
+                              run(W, pw, y0, config=cfgs[0], accumulate=True)), f"{W.name} T={tokens} accumulate"
+    for sc in qg._scratch.values():
+        assert not bool(sc.counters.any()), "the arrival counters must be left zero"
+    out = cupy.full((23, shape[0]), np.nan, cupy.float32)
+    pw = qm.pack_activations(cupy.asarray(rng.standard_normal((23, shape[1])).astype(np.float16)), order=1)
+    want = run(W, pw)
+    stream = cupy.cuda.Stream(non_blocking=True)
+    with stream:
+        stream.begin_capture()
+        try:
+            W.matmul(pw, out=out)
+        finally:
+            graph = stream.end_capture()
+        for _ in range(2):
+            out.fill(np.nan)
+            graph.launch(stream)
+            stream.synchronize()
+            assert np.array_equal(cupy.asnumpy(out), want)
+
+
+@needs_wg
+def test_wgmma_swiglu_and_refusals() -> None:
+    """The SwiGLU launch on the wgmma build reads x and writes the down product's x in the wgmma order: the mma
+    build's output in that order, bit for bit; x in the wgmma order is refused by every other kernel."""
+    rng = np.random.default_rng(9)
+    W, _ = _matrix(qm.Q4_K, (2048, 1024), rng)
+    for tokens in (17, 23, 41, 64):
+        x = cupy.asarray((rng.standard_normal((tokens, 1024)) * 0.005).astype(np.float16))
+        cfg = qw.WideConfig(2, 4, 2)
+        a = qw.wide_swiglu(W, qm.pack_activations(x), config=cfg)
+        b = W.swiglu(qm.pack_activations(x, order=1), config=cfg)
+        assert b.order == 1 and cupy.array_equal(b.data, qw.wg_order(a.data, a.padded_tokens)), f"T={tokens}"
+    pw = qm.pack_activations(cupy.asarray(rng.standard_normal((23, 1024)).astype(np.float16)), order=1)
+    for kw in ({"kernel": "v2"}, {"kernel": "gemv"}, {"portable": True}, {"config": qm.QmvConfig(1, 1, 2, 1)}):
+        with pytest.raises(ValueError, match="wgmma order"):
+            W.matmul(pw, **kw)
+    with pytest.raises(ValueError, match="read by the"):
+        qw.wide(W, pw, cupy.empty((23, 2048), cupy.float32))

@@ -62,6 +62,7 @@ from kernels import attention as att
 from kernels import deltanet as dn
 from kernels import norm_rope as nr
 from kernels import quant_matmul as qm
+from kernels import quant_wide as qw
 from kernels import sampling as smp
 
 from .. import faults
@@ -670,6 +671,9 @@ class Qwen35GpuModel(TargetModel):
         # matrices whose storage type the matmul kernel lacks, uploaded as F16 (see backend.GpuMatrix)
         mats = [self.output] + [v for w in self.layers for v in w.values()]
         self.fallback_weights = sorted(v.name for v in mats if getattr(v, "fallback", False))
+        # whether packs of quant_wide.WG_FROM tokens or more are written in the wide kernel's wgmma order, their
+        # products run on its wgmma build (kernels/quant_wide.py WGMMA): where the device and every matrix allow it
+        self.wgmma = qw.wg_from([v.q for v in mats if getattr(v, "q", None) is not None]) > 0
         self.use_graphs = graphs_default()
         # norms, SwiGLU and residual adds folded into the matmuls' activation packing / epilogue (steps of <= 64
         # tokens); SPECSPLIT_FUSED_LAUNCHES=0 or `model.fused_launches = False`: the separate launches
@@ -1238,6 +1242,11 @@ class Qwen35GpuModel(TargetModel):
             return 2
         return int(T in FUSE_SWIGLU_WIDTHS and can_fuse_swiglu(w["ffn_gate_up"], w["ffn_down"], T))
 
+    def pack_order(self, tokens: int) -> int:
+        """PackedX.order of this model's packs at a width: 1 (the wgmma build's) from quant_wide.WG_FROM tokens where
+        the model can (wgmma), else 0."""
+        return int(self.wgmma and 0 < qw.WG_FROM <= tokens)
+
     def _block(self, i: int, w: dict, x, state: GpuSequenceState, step: _Step, h_in: Any = None,
                plan: tuple = ((), (), ())) -> tuple[Any, Any]:
         """One layer: (the new stream, the next norm's input when this layer's ffn_down staged it, else None).
@@ -1255,13 +1264,14 @@ class Qwen35GpuModel(TargetModel):
         # Staged (plan): the output projection adds into the stream and stages the norm ffn_gate_up reads, and
         # ffn_down stages the next layer's input norm (no pack launch for either).
         post, nxt, swi = plan
-        h = h_in if h_in is not None else qm.pack_activations(x, rms_weight=w["attn_norm"], eps=eps)
+        order = self.pack_order(step.T)
+        h = h_in if h_in is not None else qm.pack_activations(x, rms_weight=w["attn_norm"], eps=eps, order=order)
         if post and post[i]:
             px = qm.staged_norm(x, w["post_attention_norm"], eps)
             mixer(i, w, h, state, step, sink=(x, px))
         else:
             px = qm.pack_activations(mixer(i, w, h, state, step), rms_weight=w["post_attention_norm"], eps=eps,
-                                     residual=x)
+                                     residual=x, order=order)
             x = px.residual
         if swi and swi[i]:  # the SwiGLU staged by the gate|up ring itself
             xd = w["ffn_gate_up"].swiglu(px, pair=swi[i] == 2)
@@ -1273,7 +1283,7 @@ class Qwen35GpuModel(TargetModel):
             f = gu.shape[1] // 2
             # a ring ffn_down reads the staging alone: no fp16 x (nor its padding rows) to write
             only = SWIGLU_STAGING_ONLY and self.fused_launches and reads_staging(w["ffn_down"], step.T)
-            xd = qm.pack_activations(gu[:, :f], silu_up=gu[:, f:], staging_only=only)
+            xd = qm.pack_activations(gu[:, :f], silu_up=gu[:, f:], staging_only=only, order=order)
         staged = None
         if nxt and nxt[i]:
             norm = self.layers[i + 1]["attn_norm"] if i + 1 < len(self.layers) else self.output_norm
@@ -1385,7 +1395,8 @@ class Qwen35GpuModel(TargetModel):
                                     final_state=None if step.per_token else pair[1], alt=pair[1], swap=state.stage.swap)
         if fused:  # the output norm * silu(z) in ssm_out's pack
             return self._out_proj(w["ssm_out"], qm.pack_activations(o.reshape(T, Hv * dv), rms_weight=w["ssm_norm"],
-                                                                    eps=c.rms_eps, gate=proj[:, cd:cd + Hv * dv]),
+                                                                    eps=c.rms_eps, gate=proj[:, cd:cd + Hv * dv],
+                                                                    order=self.pack_order(T)),
                                   sink)
         o = nr.norm_gate(o, z, w["ssm_norm"], c.rms_eps)
         return w["ssm_out"].matmul(o.reshape(T, Hv * dv))
