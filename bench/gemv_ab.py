@@ -476,11 +476,14 @@ STEP_ABS = {
                  "qw.SWIGLU_SHAPES": {12: {2: (4, 3), 3: (4, 3), 5: (8, 3), 6: (8, 3), 7: (8, 2)}, 14: {2: (4, 3)}}}),
                ("pg1 3 stages", SMALL, 3, "capture", {"qw.PIECE_GROUP": False})],
               (17, 23), [("pg1 2 stages", "shipped"), ("pg1 3 stages", "shipped")]),
-    # the verify widths' packs in the wide kernel's wgmma order and every product of them on its wgmma build from 17
-    # tokens (quant_wide.WG_FROM; 0 never). Session 35 (H200): 0.9978 / 1.0018 / 0.9588 / 0.9277 / 0.882 at 17 / 23 /
-    # 32 / 41 / 64: shipped from 25
-    "wgmma": ([("mma", SMALL, 3, "capture", {"qw.WG_FROM": 0}), ("wgmma", SMALL, 3, "capture", {"qw.WG_FROM": 17})],
-              (17, 23, 32, 41, 64), [("wgmma", "mma")]),
+    # the verify widths' packs in the wide kernel's wgmma order (quant_wide.WG_FROM: 0 never, 25 shipped) and the
+    # products of them on its wgmma build (quant_wide.WG_TYPES; the v2 kernel reads that order too). Session 35 (H200):
+    # every product of the packs on the wgmma build from 17 (before v2 could read the order): 0.9978 / 1.0018 / 0.9588
+    # / 0.9277 / 0.882 at 17 / 23 / 32 / 41 / 64; from 17 with the 17..24 products the dispatch keeps on v2 reading
+    # the order (four 32-bit loads a unit): 1.1151 / 1.107 at 17 / 23 (Q6_K on the mma.sync build: 1.0821 / 1.0791)
+    "wgmma": ([("mma", SMALL, 3, "capture", {"qw.WG_FROM": 0}), ("wg from 25", SMALL, 3, "capture", {"qw.WG_FROM": 25}),
+               ("wg from 17", SMALL, 3, "capture", {"qw.WG_FROM": 17})],
+              (17, 23, 32, 41, 64), [("wg from 25", "mma"), ("wg from 17", "mma")]),
     "v2stages": ([("shipped", SMALL, 3, "capture", {}), ("v2 3 stages", SMALL, 3, "capture", {"qm.STAGES_V2": 3}),
                   ("v2 4 stages", SMALL, 3, "capture", {"qm.STAGES_V2": 4})], (8, 16, 23),
                  [("v2 3 stages", "shipped"), ("v2 4 stages", "shipped")]),

@@ -164,15 +164,20 @@ def compile_options(code: str, defines: tuple[str, ...] = ()) -> tuple[str, ...]
 ARCH_SPECIFIC_DEFINES = frozenset({"SPECSPLIT_QMW_WG"})
 
 
+_arch_specific: dict[int, bool] = {}
+
+
 def arch_specific_available() -> bool:
     """Whether this device has an arch-specific target (sm_90a: an sm_90 device, CUDA, not HIP) and this CuPy the NVRTC
-    program class the compile goes through."""
+    program class the compile goes through (per device, asked once)."""
     cupy = require()
-    if getattr(cupy.cuda.runtime, "is_hip", False) or compute_capability() != 90:
-        return False
-    from cupy.cuda import compiler
+    device = int(cupy.cuda.runtime.getDevice())
+    if device not in _arch_specific:
+        from cupy.cuda import compiler
 
-    return hasattr(compiler, "_NVRTCProgram")
+        _arch_specific[device] = (not getattr(cupy.cuda.runtime, "is_hip", False) and compute_capability() == 90
+                                  and hasattr(compiler, "_NVRTCProgram"))
+    return _arch_specific[device]
 
 
 def arch_cache_dir() -> Path:

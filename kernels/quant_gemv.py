@@ -436,6 +436,9 @@ def gemv(
     if packed.data is None:
         raise ValueError(f"{W.name}: x is int16 staging only (QuantMatrix.swiglu): the ring variant reads it, not "
                          f"this one")
+    if getattr(packed, "order", 0):
+        raise ValueError(f"{W.name}: x in the wgmma order (PackedX.order 1) is read by the ring gemv (its staging), "
+                         f"the v2 and the wide kernel, not this gemv variant")
     splits, split_kw = cfg.splits, 0
     if splits == 0:
         splits = 1

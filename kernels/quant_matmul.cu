@@ -1301,10 +1301,41 @@ SS_DEV void frag2_tail(const u8* q, const u8* side, int t, int m, int p, u32 (&a
     }
 }
 
+// The order of packed x the v2 and the mma.sync wide kernel read: 0 (the mma lanes': a lane's unit is 16 bytes), or
+// built with -DSPECSPLIT_XO_WG the wgmma build's (PackedX.order 1, put_unit): a lane's 4 words from the record's 4
+// chunks, chunk c at c ^ ((n >> 1) & 3). XUnit holds a lane's word offsets in its token row's records.
+#ifdef SPECSPLIT_XO_WG
+constexpr int XO = 1;
+#else
+constexpr int XO = 0;
+#endif
+struct XUnit {
+    int o[4];  // XO 1: u32 offset of word c from a record's start; XO 0: o[0] = the unit (t) in 16-byte units
+};
+// token row n (its low 3 bits: g, tokens being 8 nt + g) and lane t
+SS_DEV XUnit x_unit(int g, int t) {
+    XUnit u;
+#pragma unroll
+    for (int c = 0; c < 4; ++c) u.o[c] = XO ? ((c ^ (g >> 1)) << 2) + t : t;
+    return u;
+}
+// the lane's unit `idx` units (a multiple of 4: whole records) past xr, its token row's first record of a chunk
+SS_DEV uint4 ld_unit(const uint4* xr, int idx, const XUnit& xu) {
+    if constexpr (XO == 0) {
+        return xr[idx + xu.o[0]];
+    } else {
+        const u32* const w = (const u32*)(xr + idx);
+        uint4 u;
+        u.x = w[xu.o[0]], u.y = w[xu.o[1]], u.z = w[xu.o[2]], u.w = w[xu.o[3]];
+        return u;
+    }
+}
+
 // acc += the MT tiles of a tail chunk (F16 / Q8_0, C = 32 m < 256 values) times all TPAD tokens, for the v2 and the
-// wide kernel: wst the warp's first tile block in its stage, xl this lane's first packed-x unit of the chunk.
+// wide kernel: wst the warp's first tile block in its stage, xr this lane's token row's first packed-x record of the
+// chunk.
 template <int QT, int NT, int MT>
-SS_DEV void tail_mma(float (&acc)[MT][NT][4], const u8* wst, const uint4* xl, int C, int g, int t) {
+SS_DEV void tail_mma(float (&acc)[MT][NT][4], const u8* wst, const uint4* xr, int C, int g, int t) {
     if constexpr (QT == 1 || QT == 8) {
         constexpr int BLK = 16 * (Lay<QT>::MAIN + Lay<QT>::SIDE);
         constexpr int TPAD = 8 * NT;
@@ -1319,9 +1350,10 @@ SS_DEV void tail_mma(float (&acc)[MT][NT][4], const u8* wst, const uint4* xl, in
                     const int r = 8 * hr + g;
                     frag2_tail<QT>(wst + mt * BLK + r * mb, wst + mt * BLK + 16 * mb + r * sb, t, m, p, a[mt][hr]);
                 }
+            const XUnit xu = x_unit(g, t);
 #pragma unroll
             for (int nt = 0; nt < NT; ++nt) {
-                const uint4 u = xl[(p * TPAD + 8 * nt) * 4];
+                const uint4 u = ld_unit(xr, (p * TPAD + 8 * nt) * 4, xu);
 #pragma unroll
                 for (int mt = 0; mt < MT; ++mt) {
                     mma16816_nv(acc[mt][nt], a[mt][0][0], a[mt][1][0], a[mt][0][1], a[mt][1][1], u.x, u.y);
@@ -1330,7 +1362,7 @@ SS_DEV void tail_mma(float (&acc)[MT][NT][4], const u8* wst, const uint4* xl, in
             }
         }
     } else {
-        (void)acc, (void)wst, (void)xl, (void)C, (void)g, (void)t;  // K-quant rows are whole super-blocks
+        (void)acc, (void)wst, (void)xr, (void)C, (void)g, (void)t;  // K-quant rows are whole super-blocks
     }
 }
 
@@ -1464,9 +1496,10 @@ __global__ void SS_BOUNDS(256, (MT == 1 && NT == 1 && QT != 14) ? 4 : 1) qmv_ker
             const int ch = c0 + c;
             const int k0 = ch * CHUNK;
             const int C = imin(CHUNK, K - k0);
-            // this lane's x units of the chunk: xl[(p TPAD + 8 nt) 4] = packed unit (p, token 8 nt + g, lane t), at
-            // an offset the compiler knows (one base register, immediate offsets, no 64-bit index math per load)
-            const uint4* const xl = xp + (i64)ch * (32 * TPAD) + (g * 4 + t);
+            // this lane's x units of the chunk: unit (p TPAD + 8 nt) 4 of xr = packed unit (p, token 8 nt + g, lane t),
+            // at an offset the compiler knows (base registers, immediate offsets, no 64-bit index math per load)
+            const uint4* const xr = xp + (i64)ch * (32 * TPAD) + g * 4;
+            const XUnit xu = x_unit(g, t);
 
             if (C == CHUNK) {
                 RowState st[MT][2];
@@ -1491,8 +1524,8 @@ __global__ void SS_BOUNDS(256, (MT == 1 && NT == 1 && QT != 14) ? 4 : 1) qmv_ker
                     uint4 ub[NT][2];
 #pragma unroll
                     for (int nt = 0; nt < NT; ++nt) {
-                        ub[nt][0] = xl[(j * TPAD + 8 * nt) * 4];
-                        ub[nt][1] = xl[((4 + j) * TPAD + 8 * nt) * 4];
+                        ub[nt][0] = ld_unit(xr, (j * TPAD + 8 * nt) * 4, xu);
+                        ub[nt][1] = ld_unit(xr, ((4 + j) * TPAD + 8 * nt) * 4, xu);
                     }
 #pragma unroll
                     for (int st4 = 0; st4 < 4; ++st4)
@@ -1507,7 +1540,7 @@ __global__ void SS_BOUNDS(256, (MT == 1 && NT == 1 && QT != 14) ? 4 : 1) qmv_ker
                             }
                 }
             } else {
-                tail_mma<QT, NT, MT>(acc, stage, xl, C, g, t);
+                tail_mma<QT, NT, MT>(acc, stage, xr, C, g, t);
             }
             SS_SYNCWARP();  // everyone is done with this stage before it is refilled
             si = si + 1 == stages ? 0 : si + 1;
@@ -1661,6 +1694,7 @@ SS_DEV void wide_chunk(float (&acc)[MT][NT][4], const u8* wst, const uint4* xs, 
     using L = Lay<QT>;
     constexpr int BLK = 16 * (L::MAIN + L::SIDE);
     constexpr int TPAD = 8 * NT;
+    const XUnit xu = x_unit(g, t);
     if (C == CHUNK) {
         RowState st[MT][2];
 #pragma unroll
@@ -1683,7 +1717,7 @@ SS_DEV void wide_chunk(float (&acc)[MT][NT][4], const u8* wst, const uint4* xs, 
             for (int h = 0; h < 2; ++h) {
                 uint4 ub[NT];
 #pragma unroll
-                for (int nt = 0; nt < NT; ++nt) ub[nt] = xs[((4 * h + j) * TPAD + 8 * nt + g) * 4 + t];
+                for (int nt = 0; nt < NT; ++nt) ub[nt] = ld_unit(xs + g * 4, ((4 * h + j) * TPAD + 8 * nt) * 4, xu);
 #pragma unroll
                 for (int s2 = 0; s2 < 2; ++s2) {
                     const int st4 = 2 * h + s2;
@@ -1699,7 +1733,7 @@ SS_DEV void wide_chunk(float (&acc)[MT][NT][4], const u8* wst, const uint4* xs, 
             }
         }
     } else {
-        tail_mma<QT, NT, MT>(acc, wst, xs + (g * 4 + t), C, g, t);
+        tail_mma<QT, NT, MT>(acc, wst, xs + g * 4, C, g, t);
     }
 }
 
@@ -1828,7 +1862,8 @@ __device__ __forceinline__ void wgmma_rs<8>(float (&d)[8][4], u32 a0, u32 a1, u3
 // two register sets, then the group of its 4 k-steps (x MT tiles) is committed, and the wait lets the group before it
 // finish, so the set it read can be refilled. Per accumulator the k-steps run in wide_chunk's order (a F16 / Q8_0
 // tail chunk's in tail_mma's). The caller waits for the last group (wg_wait<0>) before it releases the stage or reads
-// acc.
+// acc. (Releasing the stage one chunk later, after the next chunk's first group, made the 27B step at 41 tokens 1.026
+// of the mma.sync build's instead of 0.93: H200, session 35.)
 template <int QT, int NT, int MT>
 SS_DEV void wide_chunk_wg(float (&acc)[MT][NT][4], const u8* wst, u32 xs_s, int C, int g, int t, const LaneK& lk) {
     using L = Lay<QT>;
@@ -1910,12 +1945,10 @@ SS_DEV void swiglu_units(const float (&acc)[2][NT][4], uint4* __restrict__ xp, i
                          int lane) {
     constexpr int TPAD = 8 * NT;
     const int ch = tile >> 4, j = tile & 15;  // the down product's chunk of K and the tile's 16-value slot in it
-#if SS_WG
-    // wg order (put_unit): word t of lane j / 4's unit goes to chunk t ^ ((n >> 1) & 3) of the record, n = 8 nt + g
-    u32* const base = (u32*)(xp + (i64)ch * 32 * TPAD) + (j >> 2) + 4 * (t ^ (g >> 1));
-#else
-    u32* const base = (u32*)(xp + (i64)ch * 32 * TPAD + (j >> 2)) + t;
-#endif
+    // the order its builds read (SS_WG, XO): put_unit's wg order puts word t of lane j / 4's unit in chunk
+    // t ^ ((n >> 1) & 3) of the record, n = 8 nt + g
+    u32* const base = SS_WG || XO ? (u32*)(xp + (i64)ch * 32 * TPAD) + (j >> 2) + 4 * (t ^ (g >> 1))
+                                  : (u32*)(xp + (i64)ch * 32 * TPAD + (j >> 2)) + t;
     // Every value's SiLU first, then the shuffles: 4 NT independent exponential / divide chains in flight instead of
     // one (nt, hr) block's chain before its shuffles and the next's (at 6 token tiles a SM holds one block, whose 8
     // warps all end a row block at once while the weight stream waits)
@@ -2172,13 +2205,14 @@ __global__ void SS_BOUNDS(288, 1) qmw_kernel(const u8* __restrict__ W, long long
 #if SS_WG
             wide_chunk_wg<QT, NT, MT>(acc, stage + XB + warp * MT * BLK, smem_s + (u32)(s * SB), C, g, t, lk);
             wg_wait<0>();  // the stage's x is read (and acc final) only once the last group is done
-#else
+            __syncwarp();
+            if (lane == 0) mbar_arrive_s(empty_s + 8u * (u32)s);  // this warp is done with the stage
+#elif SS_BULK
             if (busy) wide_chunk<QT, NT, MT>(acc, stage + XB + warp * MT * BLK, (const uint4*)stage, C, g, t, lk);
-#endif
-#if SS_BULK
             __syncwarp();
             if (lane == 0) mbar_arrive_s(empty_s + 8u * (u32)s);  // this warp is done with the stage
 #else
+            if (busy) wide_chunk<QT, NT, MT>(acc, stage + XB + warp * MT * BLK, (const uint4*)stage, C, g, t, lk);
             __syncthreads();  // everyone is done with the stage before it is refilled
 #endif
             if (++cs == stages) cs = 0, ++cround;

@@ -219,11 +219,13 @@ def qmm_function(qtype: int, n_tiles: int, portable: bool = False) -> Any:
     return fn
 
 
-def qmv_function(qtype: int, n_tiles: int, m_tiles: int, smem: int, portable: bool = False, pdl: bool = False) -> Any:
+def qmv_function(qtype: int, n_tiles: int, m_tiles: int, smem: int, portable: bool = False, pdl: bool = False,
+                 order: int = 0) -> Any:  # fmt: skip
     """The compiled v2 kernel for one storage type, token-tile count (1..8) and m16 tiles per warp (1, 2); pdl: its
-    launches may use programmatic dependent launch (V2_PDL; a launch without K splits, whose y no memset zeroes)."""
+    launches may use programmatic dependent launch (V2_PDL; a launch without K splits, whose y no memset zeroes);
+    order: the PackedX.order of the x it reads (1: its build with SPECSPLIT_XO_WG)."""
     qtype = _check_kernel_args(qtype, n_tiles)
-    defines = _defines(portable)
+    defines = _defines(portable) + (("SPECSPLIT_XO_WG",) if order else ())
     fn = loader.get_function(SOURCE, f"qmv_kernel<{qtype}, {n_tiles}, {m_tiles}>", defines,
                              pdl=pdl and V2_PDL and not portable)
     key = (SOURCE, "qmv", qtype, n_tiles, m_tiles, defines, _device_id())
@@ -834,13 +836,10 @@ class QuantMatrix:
 
         if config is not None and self.kernel != "v2":
             raise ValueError(f"{self.name}: config applies to the v2 kernel only")
-        if isinstance(x, PackedX) and x.order:  # the wgmma order: the wide kernel's wgmma build reads it, alone
-            if kernel not in (None, "wide") or self.kernel != "v2" or splits is not None or portable or not (
-                    config is None or isinstance(config, quant_wide.WideConfig)):
-                raise ValueError(f"{self.name}: x in the wgmma order (PackedX.order 1) is read by the wide kernel's "
-                                 f"wgmma build only (a v2-layout matrix, no splits / v2 config, not portable)")
-            quant_wide.wide(self, x, out, accumulate=accumulate, config=config, wg=True)
-        elif isinstance(x, PackedX):
+        if isinstance(x, PackedX) and x.order and self.kernel != "v2":
+            raise ValueError(f"{self.name}: x in the wgmma order (PackedX.order 1) is read by the v2-layout kernels "
+                             f"(gemv, v2, wide), not this matrix's {self.kernel}")
+        if isinstance(x, PackedX):
             self._launcher(kernel, tokens, config, splits, x.q16 is not None)(x, out, splits, portable, config,
                                                                              accumulate)
         else:
@@ -941,7 +940,7 @@ class QuantMatrix:
         s = max(1, min(cfg.splits, self.n_chunks()))
         smem = cfg.smem_bytes(self.qtype, packed.n_tiles)
         pdl = s == 1  # (K splits: a memset zeroes y before the launch)
-        kern = qmv_function(self.qtype, packed.n_tiles, cfg.m_tiles, smem, portable, pdl)
+        kern = qmv_function(self.qtype, packed.n_tiles, cfg.m_tiles, smem, portable, pdl, packed.order)
         grid_x = self.grid_v2(cfg, kern, smem)
         # an accumulating launch without K splits adds into y by bulk reduce-adds where they exist and the tile keeps
         # the grid (the blocks a SM)
@@ -951,7 +950,7 @@ class QuantMatrix:
             ytile = tiled <= SMEM_LIMIT and self.grid_v2(cfg, kern, tiled) == grid_x
             if ytile:
                 smem = tiled
-                kern = qmv_function(self.qtype, packed.n_tiles, cfg.m_tiles, smem, portable, pdl)
+                kern = qmv_function(self.qtype, packed.n_tiles, cfg.m_tiles, smem, portable, pdl, packed.order)
         if s > 1 and not accumulate:  # the splits add into y with atomics (accumulate: into y as it is)
             if out.flags.c_contiguous:
                 stream = cupy.cuda.get_current_stream()

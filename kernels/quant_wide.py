@@ -240,9 +240,10 @@ def _defines(portable: bool) -> tuple[str, ...]:
 
 
 def wide_function(qtype: int, n_tiles: int, m_tiles: int, portable: bool = False, swiglu: bool = False,
-                  wg: bool = False) -> Any:  # fmt: skip
+                  wg: bool = False, order: int = 0) -> Any:  # fmt: skip
     """The compiled kernel for one storage type, token-tile count (1..8) and m16 tiles per warp (1, 2); swiglu: its
-    SwiGLU instance (wide_swiglu; m_tiles 2); wg: its wgmma build (sm_90a; x in wg_order)."""
+    SwiGLU instance (wide_swiglu; m_tiles 2); wg: its wgmma build (sm_90a; x in wg_order, the SwiGLU writer's too);
+    order: else the PackedX.order it reads (and a SwiGLU instance writes): 1 its build with SPECSPLIT_XO_WG."""
     qtype = int(qtype)
     if qtype not in qm.SUPPORTED_QTYPES:
         raise ValueError(f"no GPU wide kernel for {qm.type_name(qtype)}")
@@ -252,7 +253,7 @@ def wide_function(qtype: int, n_tiles: int, m_tiles: int, portable: bool = False
         raise ValueError(f"m_tiles must be 1 or 2 (2 for SwiGLU), not {m_tiles}")
     if wg and portable:
         raise ValueError("the wgmma build has no portable form")
-    defines = _defines(portable) + (("SPECSPLIT_QMW_WG",) if wg else ())
+    defines = _defines(portable) + (("SPECSPLIT_QMW_WG",) if wg else ("SPECSPLIT_XO_WG",) if order else ())
     mt = f"{m_tiles}, 1" if swiglu else m_tiles
     fn = loader.get_function(SOURCE, f"qmw_kernel<{qtype}, {n_tiles}, {mt}>", defines, pdl=PDL and not portable)
     key = (SOURCE, qtype, n_tiles, m_tiles, bool(swiglu), defines, qm._device_id())
@@ -380,10 +381,11 @@ def scratch_need(qtype: int, n_out: int, k: int, tokens: int, sms: int) -> tuple
 
 
 def launch_shape(W: Any, tokens: int, config: WideConfig | None = None, portable: bool = False,
-                 accumulate: bool = False, swiglu: bool = False, wg: bool = False) -> dict:  # fmt: skip
+                 accumulate: bool = False, swiglu: bool = False, wg: bool = False, order: int = 0) -> dict:  # fmt: skip
     """What a launch of W at this width runs as: the resolved config, registers, shared memory, grid, row blocks, and
     whether an accumulating launch takes the y tile (bulk reduce-adds; not where the tile would not fit). swiglu: the
-    SwiGLU instance's (wide_swiglu: config's m_tiles must be 2); wg: the wgmma build's (wg_usable)."""
+    SwiGLU instance's (wide_swiglu: config's m_tiles must be 2); wg: the wgmma build's (wg_usable); order: the x it
+    reads (wide_function)."""
     n_out, k = W.shape
     n_tiles = (tokens + 7) // 8
     cfg = choose_config(W.qtype, n_out, k, tokens, config)
@@ -392,7 +394,7 @@ def launch_shape(W: Any, tokens: int, config: WideConfig | None = None, portable
     check(W.qtype, n_tiles, cfg)
     if wg and not wg_usable(k, cfg):
         raise ValueError(f"the wgmma build needs whole warpgroups (warps a multiple of 4): {cfg}")
-    kern = wide_function(W.qtype, n_tiles, cfg.m_tiles, portable, swiglu, wg)
+    kern = wide_function(W.qtype, n_tiles, cfg.m_tiles, portable, swiglu, wg, order)
     regs = int(getattr(kern, "num_regs", 0) or 255)
     prod = producer_warps(portable)
     smem = smem_bytes(W.qtype, n_tiles, cfg.m_tiles, cfg.warps, cfg.stages, wg=wg)
@@ -418,18 +420,21 @@ def wide(
     accumulate: bool = False,
     config: WideConfig | None = None,
     portable: bool = False,
-    wg: bool = False,
+    wg: bool | None = None,
 ) -> Any:
     """out (+)= x @ W^T for a QuantMatrix W in the v2 layout and a PackedX of 1..64 tokens; returns out.
 
     out: float32 [T, W.out_features], rows contiguous and possibly strided (a column slice of a wider output:
-    qm.check_out). accumulate=True adds into out (each value once, after its sum is complete). wg: the wgmma build
-    (sm_90a), which reads x in wg_order (PackedX.order 1)."""
+    qm.check_out). accumulate=True adds into out (each value once, after its sum is complete). x in the wgmma order
+    (PackedX.order 1) runs the wgmma build (sm_90a) where wg_takes says (wg None) or wg says, else the mma.sync build
+    that reads that order; wg=True on x in the mma order is an error."""
     tokens = qm.check_v2_product(W, packed, out, "wide", MAX_TOKENS)
-    if wg != (packed.order == 1):
-        raise ValueError(f"{W.name}: x in order {packed.order} is read by the "
-                         f"{'wgmma' if packed.order else 'mma'} build, not the {'wgmma' if wg else 'mma'} one")
-    shape = launch_shape(W, tokens, config, portable, accumulate, wg=wg)
+    if wg and packed.order != 1:
+        raise ValueError(f"{W.name}: the wgmma build reads x in its own order (PackedX.order 1), "
+                         f"not order {packed.order}")
+    if wg is None:
+        wg = packed.order == 1 and not portable and wg_takes(W.qtype, tokens)
+    shape = launch_shape(W, tokens, config, portable, accumulate, wg=wg, order=packed.order)
     _launch(W, packed, out, shape, accumulate, qm.out_stride(out))
     return out
 
@@ -443,6 +448,14 @@ def wide(
 # SPECSPLIT_WGMMA=0 (or WGMMA = False): never.
 WGMMA = True
 WG_FROM = 25
+# per storage type, the width from which a product of x in the wgmma order runs the wgmma build (below it, or a type
+# missing: the mma.sync build reading that order)
+WG_TYPES: dict[int, int] = {1: 1, 8: 1, 12: 1, 14: 1}
+
+
+def wg_takes(qtype: int, tokens: int) -> bool:
+    """Whether a product of x in the wgmma order takes the wgmma build (WG_TYPES) where the device has it."""
+    return WG_TYPES.get(int(qtype), MAX_TOKENS + 1) <= tokens and loader.arch_specific_available()
 
 
 def wg_from(matrices: Any) -> int:
@@ -584,6 +597,8 @@ def wide_swiglu(W: Any, packed: Any, *, out: Any = None, config: WideConfig | No
         out = cupy.empty(size, dtype=cupy.uint16)
     elif out.dtype != cupy.uint16 or out.size != size or not out.flags.c_contiguous:
         raise ValueError(f"out must be a contiguous uint16 array of {size} elements")
-    shape = launch_shape(W, tokens, swiglu_config(W.qtype, tokens, config), portable, swiglu=True, wg=packed.order == 1)
+    wg = packed.order == 1 and not portable and wg_takes(W.qtype, tokens)
+    shape = launch_shape(W, tokens, swiglu_config(W.qtype, tokens, config), portable, swiglu=True, wg=wg,
+                         order=packed.order)
     _launch(W, packed, out, shape)
-    return qm.PackedX(out, tokens, f, order=packed.order)  # (the wgmma build writes its own order)
+    return qm.PackedX(out, tokens, f, order=packed.order)  # (either build writes the order it reads)

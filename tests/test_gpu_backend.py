@@ -814,8 +814,8 @@ def test_verify_widths_on_the_wgmma_build_match_numpy(monkeypatch):
         pytest.skip("the wgmma build needs an sm_90 CUDA device (the sm_90a target)")
     assert gpu.wgmma and gpu.pack_order(qw.WG_FROM) == 1 and gpu.pack_order(qw.WG_FROM - 1) == 0
     calls, wg_from = [], qw.WG_FROM
-    real = qw.wide
-    monkeypatch.setattr(qw, "wide", lambda *a, **kw: calls.append(bool(kw.get("wg"))) or real(*a, **kw))
+    real = qw.launch_shape
+    monkeypatch.setattr(qw, "launch_shape", lambda *a, **kw: calls.append(bool(kw.get("wg"))) or real(*a, **kw))
     rng = np.random.default_rng(23)
     for T in (qw.WG_FROM, 41, 64):
         parents = [-1] + [int(rng.integers(max(0, i - 3), i)) for i in range(1, T)]

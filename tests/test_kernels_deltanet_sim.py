@@ -1130,7 +1130,8 @@ def test_gpu_model_deltanet_steps_and_commits_match_the_numpy_engine(xp, monkeyp
     def norm_gate(o, z, w, eps):  # nr.norm_gate's NumPy twin (the lines of qwen35._deltanet)
         return xp.asarray(layers.rms_norm(np.asarray(o), w, eps) * layers.silu(np.asarray(z)))
 
-    def pack_norm_gate(o, rms_weight, eps, gate):  # the fused path's output norm pack, as norm_gate
+    def pack_norm_gate(o, rms_weight, eps, gate, order=0):  # the fused path's output norm pack, as norm_gate
+        assert order == 0  # (the wgmma order only where its build is)
         T = int(o.shape[0])
         return norm_gate(np.asarray(o).reshape(T, Hv, dv), np.asarray(gate).reshape(T, Hv, dv), rms_weight,
                          eps).reshape(T, Hv * dv)
@@ -1139,7 +1140,8 @@ def test_gpu_model_deltanet_steps_and_commits_match_the_numpy_engine(xp, monkeyp
     monkeypatch.setattr(qwen35_gpu.nr.loader, "require", lambda: xp)
     monkeypatch.setattr(qwen35_gpu.qm, "pack_activations", pack_norm_gate)
     w_gpu = [{k: Mat(v) if k in ("ssm_in", "ssm_out") else xp.asarray(v) for k, v in w.items()} for w in weights]
-    gpu_self = SimpleNamespace(cfg=cfg, fused_launches=fused, _out_proj=lambda W, o, sink: W.matmul(o))
+    gpu_self = SimpleNamespace(cfg=cfg, fused_launches=fused, _out_proj=lambda W, o, sink: W.matmul(o),
+                               pack_order=lambda tokens: 0)  # (no wgmma build on the CPU)
     np_self = SimpleNamespace(cfg=cfg, _lin=lambda x, w: np.asarray(x, np.float32) @ w)
     gst = qwen35_gpu.GpuSequenceState(cfg, 64, "f16", "f16")
     gst.graph_commits = False

@@ -444,22 +444,22 @@ def test_wgmma_build_same_bits_as_mma(qtype: int, shape: tuple[int, int]) -> Non
             if qw.smem_bytes(qtype, n_tiles, cfg.m_tiles, cfg.warps, cfg.stages, wg=True) > qw.SMEM_LIMIT:
                 continue
             a = run(W, px, kernel="wide", config=cfg)
-            b = run(W, pw, config=cfg)
+            b = run(W, pw, kernel="wide", config=cfg)
             assert np.array_equal(a, b), f"{W.name} T={tokens} {cfg}"
             assert rel_error(b, cupy.asnumpy(x).astype(np.float64) @ w64.T) < TOL
         y0 = rng.standard_normal((tokens, shape[0])).astype(np.float32)
         assert np.array_equal(run(W, px, y0, kernel="wide", config=cfgs[0], accumulate=True),
-                              run(W, pw, y0, config=cfgs[0], accumulate=True)), f"{W.name} T={tokens} accumulate"
+                              run(W, pw, y0, kernel="wide", config=cfgs[0], accumulate=True)), f"{W.name} T={tokens}"
     for sc in qg._scratch.values():
         assert not bool(sc.counters.any()), "the arrival counters must be left zero"
     out = cupy.full((23, shape[0]), np.nan, cupy.float32)
     pw = qm.pack_activations(cupy.asarray(rng.standard_normal((23, shape[1])).astype(np.float16)), order=1)
-    want = run(W, pw)
+    want = run(W, pw, kernel="wide")
     stream = cupy.cuda.Stream(non_blocking=True)
     with stream:
         stream.begin_capture()
         try:
-            W.matmul(pw, out=out)
+            W.matmul(pw, out=out, kernel="wide")
         finally:
             graph = stream.end_capture()
         for _ in range(2):
@@ -470,20 +470,39 @@ def test_wgmma_build_same_bits_as_mma(qtype: int, shape: tuple[int, int]) -> Non
 
 
 @needs_wg
-def test_wgmma_swiglu_and_refusals() -> None:
-    """The SwiGLU launch on the wgmma build reads x and writes the down product's x in the wgmma order: the mma
-    build's output in that order, bit for bit; x in the wgmma order is refused by every other kernel."""
+def test_wgmma_order_everywhere_and_refusals() -> None:
+    """x in the wgmma order is read by every v2-layout product: the v2 kernel and the wide kernel's mma.sync build
+    (built with SPECSPLIT_XO_WG; portable too) give the mma order's sums bit for bit; the SwiGLU launch on either
+    build writes the down product's x in that order (the mma order's output reordered, bit for bit); the gemv
+    variants that read the fp16 x refuse it."""
     rng = np.random.default_rng(9)
     W, _ = _matrix(qm.Q4_K, (2048, 1024), rng)
-    for tokens in (17, 23, 41, 64):
+    for tokens in (9, 17, 23, 41, 64):
         x = cupy.asarray((rng.standard_normal((tokens, 1024)) * 0.005).astype(np.float16))
+        px, pw = qm.pack_activations(x), qm.pack_activations(x, order=1)
+        for kw in ({"kernel": "v2"}, {"kernel": "v2", "portable": True}, {"kernel": "wide", "portable": True}):
+            assert np.array_equal(run(W, pw, **kw), run(W, px, **kw)), f"T={tokens} {kw}"
+        cfg = qw.WideConfig(1, 4, 2)
+        out = cupy.full((tokens, 2048), np.nan, cupy.float32)
+        assert np.array_equal(cupy.asnumpy(qw.wide(W, pw, out, config=cfg, wg=False)), run(W, px, kernel="wide",
+                                                                                          config=cfg))
         cfg = qw.WideConfig(2, 4, 2)
-        a = qw.wide_swiglu(W, qm.pack_activations(x), config=cfg)
-        b = W.swiglu(qm.pack_activations(x, order=1), config=cfg)
+        a = qw.wide_swiglu(W, px, config=cfg)
+        b = W.swiglu(pw, config=cfg)  # the wgmma build (quant_wide.WG_TYPES)
         assert b.order == 1 and cupy.array_equal(b.data, qw.wg_order(a.data, a.padded_tokens)), f"T={tokens}"
-    pw = qm.pack_activations(cupy.asarray(rng.standard_normal((23, 1024)).astype(np.float16)), order=1)
-    for kw in ({"kernel": "v2"}, {"kernel": "gemv"}, {"portable": True}, {"config": qm.QmvConfig(1, 1, 2, 1)}):
-        with pytest.raises(ValueError, match="wgmma order"):
-            W.matmul(pw, **kw)
-    with pytest.raises(ValueError, match="read by the"):
-        qw.wide(W, pw, cupy.empty((23, 2048), cupy.float32))
+        for wg_types in ({}, qw.WG_TYPES):  # the mma.sync build's SwiGLU writer too
+            saved = dict(qw.WG_TYPES)
+            qw.WG_TYPES.clear()
+            qw.WG_TYPES.update(wg_types or {})
+            try:
+                c = W.swiglu(pw, config=cfg)
+            finally:
+                qw.WG_TYPES.clear()
+                qw.WG_TYPES.update(saved)
+            assert cupy.array_equal(c.data, b.data), f"T={tokens} {wg_types}"
+    pw = qm.pack_activations(cupy.asarray(rng.standard_normal((5, 1024)).astype(np.float16)), order=1, q16=False)
+    with pytest.raises(ValueError, match="wgmma order"):
+        W.matmul(pw, kernel="gemv")
+    with pytest.raises(ValueError, match="its own order"):
+        qw.wide(W, qm.pack_activations(cupy.asarray(rng.standard_normal((23, 1024)).astype(np.float16))),
+                cupy.empty((23, 2048), cupy.float32), wg=True)

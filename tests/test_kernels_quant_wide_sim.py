@@ -854,3 +854,41 @@ def test_swiglu_config(monkeypatch) -> None:
     assert qw.swiglu_config(Q4_K, 16, qw.WideConfig(warps=4, blocks=7)) == qw.WideConfig(2, 4, 3, blocks=7)
     cfg = qw.choose_config(Q4_K, 34816, 5120, 16, qw.swiglu_config(Q4_K, 16))
     assert (cfg.m_tiles, cfg.warps, cfg.stages) == (2, 2, 3)
+
+
+@needs_gxx
+def test_mma_kernels_read_the_wgmma_order_on_cpu(sim, tmp_path_factory) -> None:
+    """Built with SPECSPLIT_XO_WG (quant_wide.wide_function / qm.qmv_function's order 1), the v2 and the mma.sync wide
+    kernel read x in the wgmma build's order (quant_wide.wg_order of the pack; tail chunks too) and the SwiGLU launch
+    writes its output in it: bit for bit the default build's sums, and its output in that order."""
+    xo = build_sim(tmp_path_factory, "bulk" if sim.bulk else "portable", ("SPECSPLIT_XO_WG",))
+    for qtype, n_out, k, tokens, cfg in (CASES[1], CASES[4], CASES[7], CASES[10], (Q4_K, 64, 2048, 23, (1, 4, 3, 7))):
+        seed = qtype * 131 + n_out + k + tokens
+        want = Problem(sim, qtype, n_out, k, tokens, seed=seed)
+        p = Problem(xo, qtype, n_out, k, tokens, seed=seed)
+        p.xp[:] = qw.wg_order(p.xp, p.tpad)
+        assert not np.array_equal(p.xp, want.xp)
+        assert np.array_equal(p.wide(*cfg)[0], want.wide(*cfg)[0]), (qtype, n_out, k, tokens)
+        assert np.array_equal(p.v2(cfg[0], kw=2), want.v2(cfg[0], kw=2)), (qtype, n_out, k, tokens)
+    for qtype, f, k, tokens, warps, stages in SWIGLU_CASES[:2]:
+        seed = 7 * f + k + tokens
+        want = Problem(sim, qtype, 2 * f, k, tokens, seed=seed, x_scale=SWIGLU_X)
+        p = Problem(xo, qtype, 2 * f, k, tokens, seed=seed, x_scale=SWIGLU_X)
+        p.xp[:] = qw.wg_order(p.xp, p.tpad)
+        blocks = qw.row_blocks(p.n_out, 2, warps)
+        got = swiglu_launch(p, warps, stages, blocks)
+        assert np.array_equal(got, qw.wg_order(swiglu_launch(want, warps, stages, blocks), p.tpad)), (qtype, tokens)
+
+
+def test_wg_order_twin() -> None:
+    """quant_wide.wg_order: per 64-byte (unit pair, token) record, chunk c ^ ((n >> 1) & 3) holds word c of lane t's
+    unit at word t; a permutation of the words, tail records included."""
+    tpad, records = 24, 11
+    x = np.arange(records * tpad * 16, dtype=np.uint32)
+    y = qw.wg_order(x.view(np.uint16), tpad).view(np.uint32).reshape(records, tpad, 4, 4)
+    src = x.reshape(records, tpad, 4, 4)
+    for n in range(tpad):
+        for t in range(4):
+            for c in range(4):
+                assert (y[:, n, c ^ ((n >> 1) & 3), t] == src[:, n, t, c]).all()
+    assert np.array_equal(np.sort(y.reshape(-1)), x)
