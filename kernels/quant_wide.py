@@ -441,11 +441,11 @@ def wide(
 
 # The wgmma build (qmw_kernel with SPECSPLIT_QMW_WG, sm_90a): the same sums bit for bit as the mma.sync build (H200,
 # session 35), 0.93-0.94 of its time on the 27B's Q4_K matrices at 17..32 tokens and 0.81-0.87 from 41 (Q6_K 1.03-1.07
-# at 23..32, 0.96 at 41). A model whose every matrix can run it (wg_from) packs x in its order from WG_FROM tokens,
-# and every product of those packs runs on it. The 27B step (bench/gemv_ab.py --step-ab wgmma, from 17): 0.998 /
-# 1.002 / 0.959 / 0.928 / 0.882 at 17 / 23 / 32 / 41 / 64 tokens: below 25 the packs' products that the dispatch
-# keeps on v2 (and Q6_K) lose what the rest gain, so from 25, where every K-quant product is on this kernel anyway.
-# SPECSPLIT_WGMMA=0 (or WGMMA = False): never.
+# at 23..32, 0.96 at 41). A model whose every matrix can run it (wg_from) packs x in its order from WG_FROM tokens;
+# the products of those packs keep their dispatch, the wide ones on this build (WG_TYPES), v2 and the mma.sync build
+# reading the order with four 32-bit loads a unit. The 27B step (bench/gemv_ab.py --step-ab wgmma): 0.962 / 0.927 at
+# 32 / 41 tokens; from 17, 1.0085 at 23 (v2's extra loads cost what the wgmma products gain): so from 25, where every
+# K-quant product is on the wide kernel anyway. SPECSPLIT_WGMMA=0 (or WGMMA = False): never.
 WGMMA = True
 WG_FROM = 25
 # per storage type, the width from which a product of x in the wgmma order runs the wgmma build (below it, or a type
