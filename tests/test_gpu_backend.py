@@ -232,7 +232,12 @@ def test_wide_tree_and_long_chain_match_numpy():
     assert _max_diff(a.logits, b.logits) <= LOGIT_TOL
     assert b.captured.shape == (65, 2, gpu.cfg.n_embd)
     assert _max_diff(a.captured, b.captured) <= LOGIT_TOL
-    node, path = 64, []
+    _commit_path_and_compare(cpu, gpu, cs, gs, parents, 64)
+
+
+def _commit_path_and_compare(cpu, gpu, cs, gs, parents, node: int) -> None:
+    """Commit the root -> node path of a tree step on both engines; the next token's logits then agree."""
+    path = []
     while node >= 0:
         path.insert(0, node)
         node = parents[node]
@@ -839,11 +844,4 @@ def test_verify_widths_on_the_wgmma_build_match_numpy(monkeypatch):
         monkeypatch.setattr(qw, "WG_FROM", wg_from)
         assert _max_diff(a.logits, b.logits) <= LOGIT_TOL, f"T={T}"
         assert _max_diff(b.logits, c.logits) <= LOGIT_TOL, f"T={T}"
-        node, path = T - 1, []
-        while node >= 0:
-            path.insert(0, node)
-            node = parents[node]
-        cs.commit(path)
-        gs.commit(path)
-        assert _max_diff(cpu.forward(cs, [7], logits="last").logits, gpu.forward(gs, [7], logits="last").logits) \
-            <= LOGIT_TOL
+        _commit_path_and_compare(cpu, gpu, cs, gs, parents, T - 1)
