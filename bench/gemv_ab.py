@@ -484,6 +484,16 @@ STEP_ABS = {
     "wgmma": ([("mma", SMALL, 3, "capture", {"qw.WG_FROM": 0}), ("wg from 25", SMALL, 3, "capture", {"qw.WG_FROM": 25}),
                ("wg from 17", SMALL, 3, "capture", {"qw.WG_FROM": 17})],
               (17, 23, 32, 41, 64), [("wg from 25", "mma"), ("wg from 17", "mma")]),
+    # prepared in session 35 (not yet run): 17..24 tokens with the packs in the wgmma order and every K-quant product
+    # on the wide kernel (quant_wide.CROSSOVER 17: no v2 reading the order with its extra loads), Q6_K on the wgmma
+    # build or (WG_TYPES without it) on the mma.sync build reading the order
+    "wgmma17": ([("mma", SMALL, 3, "capture", {"qw.WG_FROM": 0}),
+                 ("wg, all wide", SMALL, 3, "capture",
+                  {"qw.WG_FROM": 17, "qw.CROSSOVER": {1: 17, 8: 25, 12: 17, 14: 17}}),
+                 ("wg, all wide, Q6_K mma", SMALL, 3, "capture",
+                  {"qw.WG_FROM": 17, "qw.CROSSOVER": {1: 17, 8: 25, 12: 17, 14: 17},
+                   "qw.WG_TYPES": {1: 1, 8: 1, 12: 1}})],
+                (17, 20, 23), [("wg, all wide", "mma"), ("wg, all wide, Q6_K mma", "mma")]),
     "v2stages": ([("shipped", SMALL, 3, "capture", {}), ("v2 3 stages", SMALL, 3, "capture", {"qm.STAGES_V2": 3}),
                   ("v2 4 stages", SMALL, 3, "capture", {"qm.STAGES_V2": 4})], (8, 16, 23),
                  [("v2 3 stages", "shipped"), ("v2 4 stages", "shipped")]),
