@@ -124,9 +124,10 @@ class Problem:
         return self.x.astype(np.float16).astype(np.float64) @ w64.T
 
     def wide(self, mt: int, warps: int, stages: int, blocks: int, *, seed: int = 0, y=None, accumulate: bool = False,
-             ld: int = 0, scratch=None, resident: int = 1) -> tuple[np.ndarray, tuple]:  # fmt: skip
+             ld: int = 0, scratch=None, resident: int = 1, wg: bool = False) -> tuple[np.ndarray, tuple]:  # fmt: skip
         """One simulated launch; returns y and the scratch (part, counters) it used (counters checked zero after).
-        resident > 1: that many blocks in flight at once, interleaved (seeded by seed)."""
+        resident > 1: that many blocks in flight at once, interleaved (seeded by seed). wg: a wgmma build's library
+        (its stages' shared memory)."""
         if y is None:
             y = np.full((self.tokens, self.n_out), np.nan, np.float32)  # poison: unwritten elements stay NaN
         if scratch is None:
@@ -135,7 +136,7 @@ class Problem:
             scratch = (part, np.zeros(nrb * warps, np.uint32))
         part, counters = scratch
         # (the bulk path adds an accumulating launch's sums into y through a tile a warp after the stages)
-        smem = qw.smem_bytes(self.qtype, self.nt, mt, warps, stages, ytile=self.lib.bulk and accumulate)
+        smem = qw.smem_bytes(self.qtype, self.nt, mt, warps, stages, ytile=self.lib.bulk and accumulate, wg=wg)
         err = self.lib.sim_qmw(self.qtype, self.nt, mt, warps, stages, self.w.ctypes.data, self.raw.shape[1],
                                self.n_out, self.k, self.xp.ctypes.data, self.tokens, y.ctypes.data, int(accumulate),
                                ld, part.ctypes.data, counters.ctypes.data, blocks, seed, resident)  # fmt: skip
@@ -591,7 +592,8 @@ def test_stream_k_split_restatement() -> None:
     assert pieces(17408, 5120, 2, 8, 68) == [1] * 68
 
 
-def swiglu_launch(p: Problem, warps: int, stages: int, blocks: int, *, seed: int = 0, resident: int = 1) -> np.ndarray:
+def swiglu_launch(p: Problem, warps: int, stages: int, blocks: int, *, seed: int = 0, resident: int = 1,
+                  wg: bool = False) -> np.ndarray:  # fmt: skip
     """qmw_kernel<QT, NT, 2, 1> on p's stacked [gate | up] (p.n_out = 2 F rows), simulated: the down product's packed
     x (uint16, F x TPAD halves), every half written (poisoned before), the counters left zero."""
     f = p.n_out // 2
@@ -608,7 +610,7 @@ def swiglu_launch(p: Problem, warps: int, stages: int, blocks: int, *, seed: int
         p.lib.sim_wide_swiglu(0)
     assert err == 0, "simulation error (divergent warp or deadlock)"
     assert not counters.any(), "the arrival counters must be left zero"
-    assert (p.lib.smem[qw.smem_bytes(p.qtype, p.nt, 2, warps, stages):] == SMEM_CANARY).all()
+    assert (p.lib.smem[qw.smem_bytes(p.qtype, p.nt, 2, warps, stages, wg=wg):] == SMEM_CANARY).all()
     assert (out != 0xFFFF).all(), f"{int((out == 0xFFFF).sum())} halves unwritten"
     return out
 
@@ -892,3 +894,36 @@ def test_wg_order_twin() -> None:
             for c in range(4):
                 assert (y[:, n, c ^ ((n >> 1) & 3), t] == src[:, n, t, c]).all()
     assert np.array_equal(np.sort(y.reshape(-1)), x)
+
+
+@needs_gxx
+def test_wgmma_build_on_cpu(tmp_path_factory) -> None:
+    """The wgmma build (SPECSPLIT_QMW_WG) on the simulated sm_90 path: each warp's rows of a wgmma through the mma
+    emulation with B read from the stage as its descriptor addresses it (64-byte swizzle, 8-token groups), on x in the
+    wgmma order: bit for bit the default build's sums on the mma order, as on the GPU; K-quant, tail chunks, split row
+    blocks, 4 and 8 warps, interleaved blocks; the SwiGLU launch writes the down product's x in the wgmma order."""
+    base = build_sim(tmp_path_factory, "bulk")
+    wg = build_sim(tmp_path_factory, "bulk", ("SPECSPLIT_QMW_WG",))
+    for qtype, n_out, k, tokens, cfg in ((Q4_K, 100, 1280, 23, (1, 4, 2, 3)), (Q6_K, 80, 768, 64, (2, 4, 2, 4)),
+                                         (Q8_0, 33, 1248, 17, (2, 4, 3, 4)), (F16, 50, 800, 27, (1, 8, 2, 3)),
+                                         (Q4_K, 64, 2048, 41, (1, 4, 3, 7)), (Q8_0, 20, 32, 5, (1, 4, 2, 1))):
+        seed = qtype * 131 + n_out + k + tokens
+        want, _ = Problem(base, qtype, n_out, k, tokens, seed=seed).wide(*cfg)
+        p = Problem(wg, qtype, n_out, k, tokens, seed=seed)
+        p.xp[:] = qw.wg_order(p.xp, p.tpad)
+        got, scratch = p.wide(*cfg, wg=True)
+        assert np.array_equal(got, want), (qtype, n_out, k, tokens, cfg)
+        got, _ = p.wide(*cfg, seed=5, scratch=scratch, resident=3, wg=True)
+        assert np.array_equal(got, want), (qtype, n_out, k, tokens, cfg, "interleaved")
+    for qtype, f, k, tokens, warps, stages in ((Q4_K, 256, 512, 23, 4, 3), (Q6_K, 256, 512, 41, 4, 2)):
+        seed = 7 * f + k + tokens
+        want = swiglu_launch(Problem(base, qtype, 2 * f, k, tokens, seed=seed, x_scale=SWIGLU_X), warps, stages, 4)
+        p = Problem(wg, qtype, 2 * f, k, tokens, seed=seed, x_scale=SWIGLU_X)
+        p.xp[:] = qw.wg_order(p.xp, p.tpad)
+        assert np.array_equal(swiglu_launch(p, warps, stages, 4, wg=True), qw.wg_order(want, p.tpad)), (qtype, tokens)
+    p = Problem(wg, Q4_K, 64, 512, 9, seed=1)
+    y = np.full((9, 64), np.nan, np.float32)
+    part, counters = np.zeros(4096, np.float32), np.zeros(64, np.uint32)
+    assert p.lib.sim_qmw(Q4_K, p.nt, 1, 2, 2, p.w.ctypes.data, p.raw.shape[1], 64, 512, p.xp.ctypes.data, 9,
+                         y.ctypes.data, 0, 0, part.ctypes.data, counters.ctypes.data, 1, 0, 1) != 0, \
+        "a wgmma launch of 2 warps (not a whole warpgroup) must fail, not compute"
