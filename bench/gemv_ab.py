@@ -494,6 +494,14 @@ STEP_ABS = {
                   {"qw.WG_FROM": 17, "qw.CROSSOVER": {1: 17, 8: 25, 12: 17, 14: 17},
                    "qw.WG_TYPES": {1: 1, 8: 1, 12: 1}})],
                 (17, 20, 23), [("wg, all wide", "mma"), ("wg, all wide, Q6_K mma", "mma")]),
+    # prepared in session 35 (not yet run): Q6_K's products on the wgmma build with 3 A-fragment register sets in
+    # flight instead of 2 (quant_wide.WG_DEPTH), from 25 tokens as shipped, and from 17 with every K-quant product on
+    # the wide kernel (as wgmma17)
+    "wgdepth": ([("depth 2", SMALL, 3, "capture", {"qw.WG_DEPTH": {}}),
+                 ("Q6_K depth 3", SMALL, 3, "capture", {"qw.WG_DEPTH": {14: 3}}),
+                 ("Q6_K depth 3 from 17", SMALL, 3, "capture",
+                  {"qw.WG_DEPTH": {14: 3}, "qw.WG_FROM": 17, "qw.CROSSOVER": {1: 17, 8: 25, 12: 17, 14: 17}})],
+                (23, 32, 41), [("Q6_K depth 3", "depth 2"), ("Q6_K depth 3 from 17", "depth 2")]),
     "v2stages": ([("shipped", SMALL, 3, "capture", {}), ("v2 3 stages", SMALL, 3, "capture", {"qm.STAGES_V2": 3}),
                   ("v2 4 stages", SMALL, 3, "capture", {"qm.STAGES_V2": 4})], (8, 16, 23),
                  [("v2 3 stages", "shipped"), ("v2 4 stages", "shipped")]),

@@ -1770,6 +1770,14 @@ SS_DEV void wide_chunk(float (&acc)[MT][NT][4], const u8* wst, const uint4* xs, 
 constexpr u32 WG_DESC_HI = (512u >> 4) | (2u << 30);
 SS_DEV u32 wg_desc_lo(u32 s) { return ((s & 0x3FFFFu) >> 4) | (1u << 16); }
 SS_DEV u64 wg_desc(u32 lo) { return ((u64)WG_DESC_HI << 32) | lo; }
+// Register sets of A fragments in flight (wide_chunk_wg): a word pair's dequantization writes one while the groups of
+// the WG_DEPTH - 1 pairs before it may still read theirs (quant_wide.WG_DEPTH)
+#ifndef SS_WG_DEPTH
+#define SS_WG_DEPTH 2
+#endif
+constexpr int WG_DEPTH = SS_WG_DEPTH;
+static_assert(WG_DEPTH >= 2 && WG_DEPTH <= 4, "SS_WG_DEPTH: 2..4 register sets");
+
 #if SS_WG_SIM
 SS_DEV void wg_fence() {}
 SS_DEV void wg_commit() {}
@@ -1891,8 +1899,8 @@ __device__ __forceinline__ void wgmma_rs<8>(float (&d)[8][4], u32 a0, u32 a1, u3
 
 // wide_chunk on wgmma: every warp of the warpgroup calls it (one past the last tile computes on the stage's stale
 // bytes and writes nothing). xs_s: the shared address of the chunk's x (wg order). Per word pair j: frag2 into one of
-// two register sets, then the group of its 4 k-steps (x MT tiles) is committed, and the wait lets the group before it
-// finish, so the set it read can be refilled. Per accumulator the k-steps run in wide_chunk's order (a F16 / Q8_0
+// WG_DEPTH register sets, then the group of its 4 k-steps (x MT tiles) is committed, and the wait lets all but the
+// last WG_DEPTH - 1 groups finish, so the set the oldest of them read can be refilled. Per accumulator the k-steps run in wide_chunk's order (a F16 / Q8_0
 // tail chunk's in tail_mma's). The caller waits for the last group (wg_wait<0>) before it releases the stage or reads
 // acc. (Releasing the stage one chunk later, after the next chunk's first group, made the 27B step at 41 tokens 1.026
 // of the mma.sync build's instead of 0.93: H200, session 35.)
@@ -1939,10 +1947,10 @@ SS_DEV void wide_chunk_wg(float (&acc)[MT][NT][4], const u8* wst, u32 xs_s, int 
             st[mt][hr] = prep2<QT>(wst + mt * BLK + r * L::MAIN, wst + mt * BLK + 16 * L::MAIN + r * L::SIDE, t);
         }
     const u32 d0 = __shfl_sync(0xffffffffu, wg_desc_lo(xs_s), 0);  // warp-uniform: the descriptors in uniform registers
-    u32 a[2][MT][2][8];
+    u32 a[WG_DEPTH][MT][2][8];
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
-        u32(&aj)[MT][2][8] = a[j & 1];
+        u32(&aj)[MT][2][8] = a[j % WG_DEPTH];
 #pragma unroll
         for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
@@ -1960,7 +1968,7 @@ SS_DEV void wide_chunk_wg(float (&acc)[MT][NT][4], const u8* wst, u32 xs_s, int 
                                  aj[mt][1][2 * st4 + 1], desc);
             }
         wg_commit();
-        wg_wait<1>();
+        wg_wait<WG_DEPTH - 1>();
     }
 }
 #endif  // SS_WG

@@ -254,6 +254,8 @@ def wide_function(qtype: int, n_tiles: int, m_tiles: int, portable: bool = False
     if wg and portable:
         raise ValueError("the wgmma build has no portable form")
     defines = _defines(portable) + (("SPECSPLIT_QMW_WG",) if wg else ("SPECSPLIT_XO_WG",) if order else ())
+    if wg and WG_DEPTH.get(qtype, 2) != 2:  # (the default build keeps its key)
+        defines += (f"SS_WG_DEPTH={WG_DEPTH[qtype]}",)
     mt = f"{m_tiles}, 1" if swiglu else m_tiles
     fn = loader.get_function(SOURCE, f"qmw_kernel<{qtype}, {n_tiles}, {mt}>", defines, pdl=PDL and not portable)
     key = (SOURCE, qtype, n_tiles, m_tiles, bool(swiglu), defines, qm._device_id())
@@ -451,6 +453,11 @@ WG_FROM = 25
 # per storage type, the width from which a product of x in the wgmma order runs the wgmma build (below it, or a type
 # missing: the mma.sync build reading that order)
 WG_TYPES: dict[int, int] = {1: 1, 8: 1, 12: 1, 14: 1}
+# A-fragment register sets the wgmma build keeps in flight, per storage type (2..4, missing: 2; a word pair's
+# dequantization overlaps the groups of depth - 1 pairs before it; SS_WG_DEPTH). 2 measured (session 35); 3 costs Q4_K
+# at 3 token tiles 121 -> 148 registers (a block a SM fewer), Q6_K 128 -> 152 (its 2 blocks a SM are set by shared
+# memory): prepared for the Q6_K question (docs/gpu_quant_matmul.md "wide on wgmma")
+WG_DEPTH: dict[int, int] = {}
 
 
 def wg_takes(qtype: int, tokens: int) -> bool:

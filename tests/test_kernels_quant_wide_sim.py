@@ -901,7 +901,8 @@ def test_wgmma_build_on_cpu(tmp_path_factory) -> None:
     """The wgmma build (SPECSPLIT_QMW_WG) on the simulated sm_90 path: each warp's rows of a wgmma through the mma
     emulation with B read from the stage as its descriptor addresses it (64-byte swizzle, 8-token groups), on x in the
     wgmma order: bit for bit the default build's sums on the mma order, as on the GPU; K-quant, tail chunks, split row
-    blocks, 4 and 8 warps, interleaved blocks; the SwiGLU launch writes the down product's x in the wgmma order."""
+    blocks, 4 and 8 warps, interleaved blocks, 3 register sets in flight; the SwiGLU launch writes the down product's x
+    in the wgmma order."""
     base = build_sim(tmp_path_factory, "bulk")
     wg = build_sim(tmp_path_factory, "bulk", ("SPECSPLIT_QMW_WG",))
     for qtype, n_out, k, tokens, cfg in ((Q4_K, 100, 1280, 23, (1, 4, 2, 3)), (Q6_K, 80, 768, 64, (2, 4, 2, 4)),
@@ -921,6 +922,13 @@ def test_wgmma_build_on_cpu(tmp_path_factory) -> None:
         p = Problem(wg, qtype, 2 * f, k, tokens, seed=seed, x_scale=SWIGLU_X)
         p.xp[:] = qw.wg_order(p.xp, p.tpad)
         assert np.array_equal(swiglu_launch(p, warps, stages, 4, wg=True), qw.wg_order(want, p.tpad)), (qtype, tokens)
+    deep = build_sim(tmp_path_factory, "bulk", ("SPECSPLIT_QMW_WG", "SS_WG_DEPTH=3"))  # (quant_wide.WG_DEPTH)
+    for qtype, n_out, k, tokens, cfg in ((Q6_K, 80, 768, 64, (2, 4, 2, 4)), (Q4_K, 64, 2048, 41, (1, 4, 3, 7))):
+        seed = qtype * 131 + n_out + k + tokens
+        want, _ = Problem(base, qtype, n_out, k, tokens, seed=seed).wide(*cfg)
+        p = Problem(deep, qtype, n_out, k, tokens, seed=seed)
+        p.xp[:] = qw.wg_order(p.xp, p.tpad)
+        assert np.array_equal(p.wide(*cfg, wg=True)[0], want), (qtype, "depth 3")
     p = Problem(wg, Q4_K, 64, 512, 9, seed=1)
     y = np.full((9, 64), np.nan, np.float32)
     part, counters = np.zeros(4096, np.float32), np.zeros(64, np.uint32)
