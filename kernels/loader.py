@@ -169,14 +169,14 @@ _arch_specific: dict[int, bool] = {}
 
 def arch_specific_available() -> bool:
     """Whether this device has an arch-specific target (sm_90a: an sm_90 device, CUDA, not HIP) and this CuPy the NVRTC
-    program class the compile goes through (per device, asked once)."""
+    program class and version query the compile goes through (per device, asked once)."""
     cupy = require()
     device = int(cupy.cuda.runtime.getDevice())
     if device not in _arch_specific:
         from cupy.cuda import compiler
 
         _arch_specific[device] = (not getattr(cupy.cuda.runtime, "is_hip", False) and compute_capability() == 90
-                                  and hasattr(compiler, "_NVRTCProgram"))
+                                  and hasattr(compiler, "_NVRTCProgram") and hasattr(compiler, "_get_nvrtc_version"))
     return _arch_specific[device]
 
 

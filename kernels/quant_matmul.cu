@@ -1909,10 +1909,10 @@ SS_DEV void wide_chunk_wg(float (&acc)[MT][NT][4], const u8* wst, u32 xs_s, int 
     using L = Lay<QT>;
     constexpr int BLK = 16 * (L::MAIN + L::SIDE);
     constexpr int TPAD = 8 * NT;
+    const u32 d0 = __shfl_sync(0xffffffffu, wg_desc_lo(xs_s), 0);  // warp-uniform: the descriptors in uniform registers
     if constexpr (QT == 1 || QT == 8) {
         if (C != CHUNK) {  // tail: pair p of each lane's 8 m values, two k-steps (record p's first and second 32 bytes)
             const int m = C >> 5, mb = main_bytes<QT>(C), sb = side_bytes<QT>(C);
-            const u32 d0 = __shfl_sync(0xffffffffu, wg_desc_lo(xs_s), 0);
             for (int p = 0; p < m; ++p) {
                 u32 a[MT][2][4];
 #pragma unroll
@@ -1946,7 +1946,6 @@ SS_DEV void wide_chunk_wg(float (&acc)[MT][NT][4], const u8* wst, u32 xs_s, int 
             const int r = 8 * hr + g;
             st[mt][hr] = prep2<QT>(wst + mt * BLK + r * L::MAIN, wst + mt * BLK + 16 * L::MAIN + r * L::SIDE, t);
         }
-    const u32 d0 = __shfl_sync(0xffffffffu, wg_desc_lo(xs_s), 0);  // warp-uniform: the descriptors in uniform registers
     u32 a[WG_DEPTH][MT][2][8];
 #pragma unroll
     for (int j = 0; j < 4; ++j) {

@@ -394,7 +394,7 @@ def launch_shape(W: Any, tokens: int, config: WideConfig | None = None, portable
     if wg and cfg.warps % 4 and not (config is not None and config.warps):  # whole warpgroups, even on a small matrix
         cfg = choose_config(W.qtype, n_out, k, tokens, replace(config or WideConfig(), warps=4))
     check(W.qtype, n_tiles, cfg)
-    if wg and not wg_usable(k, cfg):
+    if wg and not wg_usable(cfg):
         raise ValueError(f"the wgmma build needs whole warpgroups (warps a multiple of 4): {cfg}")
     kern = wide_function(W.qtype, n_tiles, cfg.m_tiles, portable, swiglu, wg, order)
     regs = int(getattr(kern, "num_regs", 0) or 255)
@@ -443,7 +443,7 @@ def wide(
 
 # The wgmma build (qmw_kernel with SPECSPLIT_QMW_WG, sm_90a): the same sums bit for bit as the mma.sync build (H200,
 # session 35), 0.93-0.94 of its time on the 27B's Q4_K matrices at 17..32 tokens and 0.81-0.87 from 41 (Q6_K 1.03-1.07
-# at 23..32, 0.96 at 41). A model whose every matrix can run it (wg_from) packs x in its order from WG_FROM tokens;
+# at 23..32, 0.96 at 41). A model whose every matrix can run it (wg_capable) packs x in its order from WG_FROM tokens;
 # the products of those packs keep their dispatch, the wide ones on this build (WG_TYPES), v2 and the mma.sync build
 # reading the order with four 32-bit loads a unit. The 27B step (bench/gemv_ab.py --step-ab wgmma): 0.962 / 0.927 at
 # 32 / 41 tokens; from 17, 1.0085 at 23 (v2's extra loads cost what the wgmma products gain): so from 25, where every
@@ -465,23 +465,18 @@ def wg_takes(qtype: int, tokens: int) -> bool:
     return WG_TYPES.get(int(qtype), MAX_TOKENS + 1) <= tokens and loader.arch_specific_available()
 
 
-def wg_from(matrices: Any) -> int:
-    """The width from which a model's packs take the wgmma order (PackedX.order 1): WG_FROM where WGMMA is on (and
-    SPECSPLIT_WGMMA not 0), the device has the arch-specific sm_90a target, and every QuantMatrix of `matrices` can
-    run that build (the v2 layout); else 0 (never)."""
+def wg_capable(matrices: Any) -> bool:
+    """Whether a model's packs may take the wgmma order (PackedX.order 1, from WG_FROM tokens): WGMMA is on (and
+    SPECSPLIT_WGMMA not 0), the device has the arch-specific sm_90a target, and every QuantMatrix of `matrices` can run
+    that build (the v2 layout)."""
     import os
 
     if not WGMMA or os.environ.get("SPECSPLIT_WGMMA", "1").strip().lower() in ("0", "false", "no", "off"):
-        return 0
-    if not loader.arch_specific_available():
-        return 0
-    for m in matrices:
-        if getattr(m, "kernel", None) != "v2":
-            return 0
-    return WG_FROM
+        return False
+    return loader.arch_specific_available() and all(getattr(m, "kernel", None) == "v2" for m in matrices)
 
 
-def wg_usable(k: int, cfg: WideConfig) -> bool:
+def wg_usable(cfg: WideConfig) -> bool:
     """Whether a launch shape can run the wgmma build: whole warpgroups (any K: a F16 / Q8_0 tail chunk too)."""
     return cfg.warps % 4 == 0
 

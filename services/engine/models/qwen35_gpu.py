@@ -673,7 +673,7 @@ class Qwen35GpuModel(TargetModel):
         self.fallback_weights = sorted(v.name for v in mats if getattr(v, "fallback", False))
         # whether packs of quant_wide.WG_FROM tokens or more are written in the wide kernel's wgmma order, their
         # products run on its wgmma build (kernels/quant_wide.py WGMMA): where the device and every matrix allow it
-        self.wgmma = qw.wg_from([v.q for v in mats if getattr(v, "q", None) is not None]) > 0
+        self.wgmma = qw.wg_capable([v.q for v in mats if getattr(v, "q", None) is not None])
         self.use_graphs = graphs_default()
         # norms, SwiGLU and residual adds folded into the matmuls' activation packing / epilogue (steps of <= 64
         # tokens); SPECSPLIT_FUSED_LAUNCHES=0 or `model.fused_launches = False`: the separate launches
