@@ -484,9 +484,10 @@ STEP_ABS = {
     "wgmma": ([("mma", SMALL, 3, "capture", {"qw.WG_FROM": 0}), ("wg from 25", SMALL, 3, "capture", {"qw.WG_FROM": 25}),
                ("wg from 17", SMALL, 3, "capture", {"qw.WG_FROM": 17})],
               (17, 23, 32, 41, 64), [("wg from 25", "mma"), ("wg from 17", "mma")]),
-    # prepared in session 35 (not yet run): 17..24 tokens with the packs in the wgmma order and every K-quant product
-    # on the wide kernel (quant_wide.CROSSOVER 17: no v2 reading the order with its extra loads), Q6_K on the wgmma
-    # build or (WG_TYPES without it) on the mma.sync build reading the order
+    # 17..24 tokens with the packs in the wgmma order and every K-quant product on the wide kernel (quant_wide.CROSSOVER
+    # 17: no v2 reading the order with its extra loads), Q6_K on the wgmma build or (WG_TYPES without it) on the
+    # mma.sync build reading the order. Session 36 (H200, a7dc633): 0.9913 / 0.9964 / 0.9959 and 0.9878 / 0.9884 /
+    # 0.9895 at 17 / 20 / 23 (shipped as quant_wide.WG_CROSSOVER, WG_FROM 17, WG_TYPES' Q6_K from 41: --step-ab wg17)
     "wgmma17": ([("mma", SMALL, 3, "capture", {"qw.WG_FROM": 0}),
                  ("wg, all wide", SMALL, 3, "capture",
                   {"qw.WG_FROM": 17, "qw.CROSSOVER": {1: 17, 8: 25, 12: 17, 14: 17}}),
@@ -494,14 +495,41 @@ STEP_ABS = {
                   {"qw.WG_FROM": 17, "qw.CROSSOVER": {1: 17, 8: 25, 12: 17, 14: 17},
                    "qw.WG_TYPES": {1: 1, 8: 1, 12: 1}})],
                 (17, 20, 23), [("wg, all wide", "mma"), ("wg, all wide, Q6_K mma", "mma")]),
-    # prepared in session 35 (not yet run): Q6_K's products on the wgmma build with 3 A-fragment register sets in
-    # flight instead of 2 (quant_wide.WG_DEPTH), from 25 tokens as shipped, and from 17 with every K-quant product on
-    # the wide kernel (as wgmma17)
+    # Q6_K's products on the wgmma build with 3 A-fragment register sets in flight instead of 2 (quant_wide.WG_DEPTH),
+    # from 25 tokens as shipped then, and from 17 with every K-quant product on the wide kernel (as wgmma17). Session
+    # 36 (H200, a7dc633): 0.999 / 1.001 / 1.0009 at 23 / 32 / 41, from 17 0.9921 / 1.0013 / 1.0009: depth 2 kept
     "wgdepth": ([("depth 2", SMALL, 3, "capture", {"qw.WG_DEPTH": {}}),
                  ("Q6_K depth 3", SMALL, 3, "capture", {"qw.WG_DEPTH": {14: 3}}),
                  ("Q6_K depth 3 from 17", SMALL, 3, "capture",
                   {"qw.WG_DEPTH": {14: 3}, "qw.WG_FROM": 17, "qw.CROSSOVER": {1: 17, 8: 25, 12: 17, 14: 17}})],
                 (23, 32, 41), [("Q6_K depth 3", "depth 2"), ("Q6_K depth 3 from 17", "depth 2")]),
+    # session 36's first wgmma dispatch (packs in the wgmma order from 17 tokens, every K-quant product of them on the
+    # wide kernel from 17 (quant_wide.WG_CROSSOVER), Q6_K's on the wgmma build from 41, raw x of attn_output and the LM
+    # head packed in that order where their product runs the wgmma build) against session 35's (from 25), raw x in
+    # the mma order, and Q6_K on the wgmma build from 33. H200, three rounds: 0.9855 / 0.9883 / 1.0094 / 0.9954 of
+    # session 35's at 17 / 23 / 32 / 41; raw x in the mma order 0.9938 / 0.9974 / 1.001 / 1.0051; Q6_K from 33
+    # 1.0023 / 0.9998 / 0.9993 / 1.0012 (so: --step-ab wgpack)
+    "wg17": ([("wg from 25", SMALL, 3, "capture", {"qw.WG_FROM": 25, "q35.RAW_WG_ORDER": False,
+                                                   "qw.WG_TYPES": {1: 1, 8: 1, 12: 1, 14: 1}}),
+              ("wg 17", SMALL, 3, "capture", {"qw.WG_CROSSOVER": {12: 17, 14: 17},
+                                              "qw.WG_TYPES": {1: 1, 8: 1, 12: 1, 14: 41}}),
+              ("raw x mma order", SMALL, 3, "capture", {"qw.WG_CROSSOVER": {12: 17, 14: 17}, "q35.RAW_WG_ORDER": False,
+                                                        "qw.WG_TYPES": {1: 1, 8: 1, 12: 1, 14: 41}}),
+              ("Q6_K wg from 33", SMALL, 3, "capture", {"qw.WG_CROSSOVER": {12: 17, 14: 17},
+                                                        "qw.WG_TYPES": {1: 1, 8: 1, 12: 1, 14: 33}})],
+             (17, 23, 32, 41), [("wg 17", "wg from 25"), ("raw x mma order", "wg 17"), ("Q6_K wg from 33", "wg 17")]),
+    # the shipped wgmma dispatch (a pack in the wgmma order from 17 tokens where every product reading it is wide
+    # anyway, quant_wide.wg_pack: the 5120 x 6144 projections keep v2 and the mma order up to 24; raw x likewise; Q6_K
+    # on the wgmma build from 25) against session 35's (from 25), wg17's "raw x mma order" (the projections on the
+    # wide kernel from 17 by WG_CROSSOVER), and Q6_K on the wgmma build from 41
+    "wgpack": ([("wg from 25", SMALL, 3, "capture", {"qw.WG_FROM": 25, "q35.RAW_WG_ORDER": False,
+                                                     "qw.WG_TYPES": {1: 1, 8: 1, 12: 1, 14: 1}}),
+                ("crossover 17", SMALL, 3, "capture", {"qw.WG_CROSSOVER": {12: 17, 14: 17}, "q35.RAW_WG_ORDER": False,
+                                                       "qw.WG_TYPES": {1: 1, 8: 1, 12: 1, 14: 41}}),
+                ("shipped", SMALL, 3, "capture", {}),
+                ("Q6_K wg from 41", SMALL, 3, "capture", {"qw.WG_TYPES": {1: 1, 8: 1, 12: 1, 14: 41}})],
+               (17, 23, 32, 41), [("shipped", "wg from 25"), ("shipped", "crossover 17"),
+                                  ("Q6_K wg from 41", "shipped")]),
     "v2stages": ([("shipped", SMALL, 3, "capture", {}), ("v2 3 stages", SMALL, 3, "capture", {"qm.STAGES_V2": 3}),
                   ("v2 4 stages", SMALL, 3, "capture", {"qm.STAGES_V2": 4})], (8, 16, 23),
                  [("v2 3 stages", "shipped"), ("v2 4 stages", "shipped")]),

@@ -786,6 +786,7 @@ class QuantMatrix:
         accumulate: bool = False,
         kernel: str | None = None,
         stage: StagedNorm | None = None,
+        wg_order: bool = False,
     ) -> Any:
         """y = x @ W^T as a cupy float32 array [T, out] ([out] for a 1-D x); accumulate=True: out += x @ W^T
         (the residual add after an output projection, in the v2 kernel's epilogue: one plain add per value,
@@ -803,6 +804,8 @@ class QuantMatrix:
         layout; config may then be a quant_gemv.GemvConfig / quant_wide.WideConfig).
         x may also be a StagedNorm (a ring gemv reads it); stage: a StagedNorm of `out` (the residual stream, usually
         accumulated into) this product writes for the next norm's product (ring gemv; can_stage_norm).
+        wg_order: raw x is packed in the wgmma order (PackedX.order 1) for every launch the dispatch then runs on the
+        wide kernel's wgmma build (quant_wide.raw_wg_order), in the mma order elsewhere; a PackedX keeps its own.
         """
         cupy = loader.require()
         n_out, k = self.shape
@@ -840,13 +843,14 @@ class QuantMatrix:
             raise ValueError(f"{self.name}: x in the wgmma order (PackedX.order 1) is read by the v2-layout kernels "
                              f"(gemv, v2, wide), not this matrix's {self.kernel}")
         if isinstance(x, PackedX):
-            self._launcher(kernel, tokens, config, splits, x.q16 is not None)(x, out, splits, portable, config,
-                                                                             accumulate)
+            self._launcher(kernel, tokens, config, splits, x.q16 is not None, x.order)(x, out, splits, portable,
+                                                                                      config, accumulate)
         else:
             for start in range(0, tokens, MAX_TOKENS):
                 stop = min(tokens, start + MAX_TOKENS)
-                packed = pack_activations(x[start:stop], portable=portable)
-                launch = self._launcher(kernel, stop - start, config, splits, packed.q16 is not None)
+                order = int(wg_order and quant_wide.raw_wg_order(self, stop - start, kernel, config, splits, portable))
+                packed = pack_activations(x[start:stop], portable=portable, order=order)
+                launch = self._launcher(kernel, stop - start, config, splits, packed.q16 is not None, order)
                 launch(packed, out[start:stop], splits, portable, config, accumulate)
         return out.reshape(n_out) if squeeze else out
 
@@ -887,8 +891,10 @@ class QuantMatrix:
         quant_gemv.gemv(self, x, out, accumulate=accumulate, config=config, portable=portable, stage=stage)
         return out
 
-    def _launcher(self, kernel: str | None, tokens: int, config: Any, splits: int | None, q16: bool = False):
-        """The launch method for one width (see matmul's `kernel`); q16: x comes with PackedX.q16."""
+    def _launcher(self, kernel: str | None, tokens: int, config: Any, splits: int | None, q16: bool = False,
+                  order: int = 0):
+        """The launch method for one width (see matmul's `kernel`); q16: x comes with PackedX.q16; order: its
+        PackedX.order (the wide kernel's crossover in the wgmma order)."""
         if kernel is None:
             if isinstance(config, quant_gemv.GemvConfig):
                 kernel = "gemv"
@@ -897,7 +903,7 @@ class QuantMatrix:
             elif self.kernel == "v2" and config is None and splits is None:
                 if quant_gemv.prefer_gemv(self.qtype, self.in_features, tokens, q16):
                     kernel = "gemv"
-                elif quant_wide.prefer_wide(self.qtype, tokens, *self.shape):
+                elif quant_wide.prefer_wide(self.qtype, tokens, *self.shape, order=order):
                     kernel = "wide"
                 else:
                     kernel = "v2"

@@ -85,6 +85,12 @@ HIGH_ROWS = 16384
 # Session 30 (--step-ab mid): this rule's step 0.9862 / 0.9869 / 0.9924 of v2 up to 24 at 17 / 20 / 23.
 MID_CROSSOVER = {12: 17, 14: 17}  # (a type missing: CROSSOVER)
 MID_ROWS = 10240
+# x in the wgmma order (PackedX.order 1): the wide kernel from these widths on every matrix of the type (a type missing:
+# the shape's crossover). Empty: a pack takes that order only for products the dispatch puts on the wide kernel anyway
+# (wg_pack). Session 36 (H200, bench/gemv_ab.py --step-ab wgpack): with {Q4_K: 17, Q6_K: 17} (the 5120 x 6144
+# projections on the wgmma build at 17..24 instead of v2 in the mma order; raw x in the mma order) the step ran
+# 1/0.9949 and 1/0.9927 of the shipped one's time at 17 / 23 tokens (below, WG_FROM)
+WG_CROSSOVER: dict[int, int] = {}
 # Default launch shape (choose_config): m16 tiles per warp, warps per block, copy stages by token tiles, with as
 # many blocks per SM as fit. The sweep's best shapes were nearly all 1 tile x 4 warps (64 rows per block): more,
 # smaller blocks per SM hide the dequantization of one behind another's copies better than 8 warps x 2 tiles (the
@@ -212,12 +218,15 @@ def scratch_floats(blocks: int, n_tiles: int, m_tiles: int, warps: int) -> int:
     return 2 * blocks * warps * m_tiles * TILE_ROWS * 8 * n_tiles
 
 
-def prefer_wide(qtype: int, tokens: int, n_out: int = 0, k: int = 0) -> bool:
+def prefer_wide(qtype: int, tokens: int, n_out: int = 0, k: int = 0, order: int = 0) -> bool:
     """matmul()'s choice for an n_out x k matrix in the v2 layout above gemv's widths: this kernel from
     CROSSOVER[qtype] tokens, from TALL_CROSSOVER[qtype] on a tall matrix (n_out >= TALL_ROWS), from
     DEEP_CROSSOVER[qtype] on a deep one (k >= 2 n_out), from HIGH_CROSSOVER[qtype] on another of HIGH_ROWS rows or
-    more, from MID_CROSSOVER[qtype] on one of MID_ROWS..HIGH_ROWS - 1 rows (shape unknown, 0: the CROSSOVER)."""
+    more, from MID_CROSSOVER[qtype] on one of MID_ROWS..HIGH_ROWS - 1 rows (shape unknown, 0: the CROSSOVER); x in
+    the wgmma order (order 1): from WG_CROSSOVER[qtype] on any matrix where that comes first."""
     qtype = int(qtype)
+    if order and WG_CROSSOVER.get(qtype, MAX_TOKENS + 1) <= tokens <= MAX_TOKENS:
+        return True
     first = CROSSOVER.get(qtype, MAX_TOKENS + 1)
     if n_out > 0 and (k >= 2 * n_out or n_out >= TALL_ROWS):
         first = DEEP_CROSSOVER.get(qtype, first)
@@ -446,13 +455,17 @@ def wide(
 # at 23..32, 0.96 at 41). A model whose every matrix can run it (wg_capable) packs x in its order from WG_FROM tokens;
 # the products of those packs keep their dispatch, the wide ones on this build (WG_TYPES), v2 and the mma.sync build
 # reading the order with four 32-bit loads a unit. The 27B step (bench/gemv_ab.py --step-ab wgmma): 0.962 / 0.927 at
-# 32 / 41 tokens; from 17, 1.0085 at 23 (v2's extra loads cost what the wgmma products gain): so from 25, where every
-# K-quant product is on the wide kernel anyway. SPECSPLIT_WGMMA=0 (or WGMMA = False): never.
+# 32 / 41 tokens; from 17, 1.0085 at 23 (v2's extra loads cost what the wgmma products gain). Session 36 (H200,
+# --step-ab wgmma17): from 17 with every K-quant product of the packs on the wide kernel (WG_CROSSOVER) 0.9913 /
+# 0.9964 / 0.9959 at 17 / 20 / 23, and with Q6_K's on the mma.sync build 0.9878 / 0.9884 / 0.9895; then (--step-ab
+# wg17) with Q6_K's on the wgmma build from 41, 0.9855 / 0.9883 / 1.0094 / 0.9954 of session 35's at 17 / 23 / 32 /
+# 41: Q6_K from 25 (in the step its wgmma build wins at 32, alone it lost 1.03 there). So: from 17, each pack in the
+# order where its products run the wide kernel (wg_pack). SPECSPLIT_WGMMA=0 (or WGMMA = False): never.
 WGMMA = True
-WG_FROM = 25
+WG_FROM = 17
 # per storage type, the width from which a product of x in the wgmma order runs the wgmma build (below it, or a type
 # missing: the mma.sync build reading that order)
-WG_TYPES: dict[int, int] = {1: 1, 8: 1, 12: 1, 14: 1}
+WG_TYPES: dict[int, int] = {1: 1, 8: 1, 12: 1, 14: 25}
 # A-fragment register sets the wgmma build keeps in flight, per storage type (2..4, missing: 2; a word pair's
 # dequantization overlaps the groups of depth - 1 pairs before it; SS_WG_DEPTH). 2 measured (session 35); 3 costs Q4_K
 # at 3 token tiles 121 -> 148 registers (a block a SM fewer), Q6_K 128 -> 152 (its 2 blocks a SM are set by shared
@@ -463,6 +476,31 @@ WG_DEPTH: dict[int, int] = {}
 def wg_takes(qtype: int, tokens: int) -> bool:
     """Whether a product of x in the wgmma order takes the wgmma build (WG_TYPES) where the device has it."""
     return WG_TYPES.get(int(qtype), MAX_TOKENS + 1) <= tokens and loader.arch_specific_available()
+
+
+def wg_pack(matrices: Any, tokens: int) -> bool:
+    """Whether packed x of this many tokens that `matrices` (QuantMatrix, the products of one PackedX) read is written
+    in the wgmma order: every product runs the wide kernel on it (the dispatch of x in that order: prefer_wide,
+    WG_CROSSOVER) and one on the wgmma build at least (wg_takes). Elsewhere the mma order serves: v2 reads the wgmma
+    order with four loads a unit, the mma.sync build too, and the fp16-x gemv not at all."""
+    mats = list(matrices)
+    q16 = tokens <= qm.Q16_TOKENS  # (a pack writes its int16 staging up to these widths)
+    return bool(mats) and all(
+        getattr(m, "kernel", None) == "v2" and not quant_gemv.prefer_gemv(m.qtype, m.shape[1], tokens, q16)
+        and prefer_wide(m.qtype, tokens, *m.shape, order=1) for m in mats) and any(
+        wg_takes(m.qtype, tokens) for m in mats)  # fmt: skip
+
+
+def raw_wg_order(W: Any, tokens: int, kernel: str | None = None, config: Any = None, splits: int | None = None,
+                 portable: bool = False) -> bool:
+    """Whether QuantMatrix.matmul(wg_order=True) packs raw x of this many tokens in the wgmma order: where its
+    dispatch (kernel, config, splits as matmul takes them) runs the product on the wgmma build (wg_pack for its own
+    choice; a forced wide kernel or WideConfig of whole warpgroups where wg_takes)."""
+    if getattr(W, "kernel", None) != "v2" or portable or splits is not None or kernel not in (None, "wide"):
+        return False
+    if config is not None:  # (a WideConfig forces the wide kernel; any other config another one)
+        return isinstance(config, WideConfig) and wg_usable(config) and wg_takes(W.qtype, tokens)
+    return wg_takes(W.qtype, tokens) if kernel == "wide" else wg_pack([W], tokens)
 
 
 def wg_capable(matrices: Any) -> bool:
@@ -554,7 +592,7 @@ def swiglu_width(qtype: int, tokens: int) -> bool:
     return qm.Q16_TOKENS < tokens <= MAX_TOKENS and (tokens + 7) // 8 in SWIGLU_TILES.get(int(qtype), ())
 
 
-def can_swiglu(gate_up: Any, down: Any, tokens: int) -> bool:
+def can_swiglu(gate_up: Any, down: Any, tokens: int, order: int = 0) -> bool:
     """Whether wide_swiglu can stand in for gate_up's product and the SwiGLU pack at this width: a stacked [gate | up]
     of 2 F rows in the v2 layout that the dispatch runs on this kernel (prefer_wide), F a multiple of 256 (whole
     chunks of down's K) and down's in-features, and a width down reads as packed fp16 x (above the ring gemv's) of
@@ -562,7 +600,7 @@ def can_swiglu(gate_up: Any, down: Any, tokens: int) -> bool:
     n_out, k = gate_up.shape
     return (getattr(gate_up, "kernel", None) == "v2" and swiglu_stack(gate_up.qtype, n_out)
             and down.shape[1] == n_out // 2 and swiglu_width(gate_up.qtype, tokens)
-            and prefer_wide(gate_up.qtype, tokens, n_out, k))  # fmt: skip
+            and prefer_wide(gate_up.qtype, tokens, n_out, k, order))  # fmt: skip
 
 
 def swiglu_config(qtype: int, tokens: int, config: WideConfig | None = None) -> WideConfig:

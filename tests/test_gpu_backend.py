@@ -810,8 +810,10 @@ def test_decode_ahead_stops_at_the_context_end_and_serves_generate(monkeypatch):
 @needs_gpu
 def test_verify_widths_on_the_wgmma_build_match_numpy(monkeypatch):
     """Where the device has the wgmma build (sm_90a), a tree step of WG_FROM..64 tokens packs x in its order and runs
-    every product of those packs on it (counted); the logits match the NumPy engine and the mma build's step within
-    LOGIT_TOL, and a commit of a path on top decodes as the NumPy engine does."""
+    the wide products of those packs on it (counted; the embedded model's Q8_0 matrices take the wide kernel from
+    quant_wide.CROSSOVER, and v2 reads the order below it); the logits match the NumPy engine and the mma build's step
+    within LOGIT_TOL, and a commit of a path on top decodes as the NumPy engine does."""
+    from kernels import quant_matmul as qm
     from kernels import quant_wide as qw
 
     cpu, gpu, ids, _ = models()
@@ -822,7 +824,7 @@ def test_verify_widths_on_the_wgmma_build_match_numpy(monkeypatch):
     real = qw.launch_shape
     monkeypatch.setattr(qw, "launch_shape", lambda *a, **kw: calls.append(bool(kw.get("wg"))) or real(*a, **kw))
     rng = np.random.default_rng(23)
-    for T in (qw.WG_FROM, 41, 64):
+    for T in sorted({qw.WG_FROM, qw.CROSSOVER[qm.Q8_0], 41, 64}):
         parents = [-1] + [int(rng.integers(max(0, i - 3), i)) for i in range(1, T)]
         tokens = rng.integers(0, gpu.cfg.n_vocab, size=T)
         cs, gs, gm = cpu.new_state(200), gpu.new_state(200), gpu.new_state(200)
@@ -835,8 +837,9 @@ def test_verify_widths_on_the_wgmma_build_match_numpy(monkeypatch):
         calls.clear()
         a = cpu.forward(cs, tokens, parents, checkpoints=True)
         b = gpu.forward(gs, tokens, parents, checkpoints=True)
-        # (every layer's input and ffn_down packs at least; a product that packs raw x itself keeps the mma order)
-        assert sum(calls) >= 2 * len(gpu.layers), f"T={T}: the step's wide products ran {calls}"
+        # (every layer's input and ffn_down packs at least, where those products are wide)
+        if qw.prefer_wide(qm.Q8_0, T, order=1):
+            assert sum(calls) >= 2 * len(gpu.layers), f"T={T}: the step's wide products ran {calls}"
         monkeypatch.setattr(qw, "WG_FROM", 0)
         calls.clear()
         c = gpu.forward(gm, tokens, parents, checkpoints=True)

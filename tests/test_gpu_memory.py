@@ -203,6 +203,20 @@ def test_planner_constants_mirror_the_engine():
     assert M.serving_width(True, 3, 16, "numpy") == 16 and M.serving_width(False, 22, 16, "cuda") == 1
 
 
+def test_warm_chunks_cover_every_launch_width_class():
+    """warm_prefill's chunks fetch what any prompt launches: every token-tile class (8 tokens a tile) of a fused step
+    up to 64 tokens and of the last 64-token slice of a longer chunk (the raw-x products of those run in the mma
+    order, which the fused steps of that class may not launch: the wgmma build takes them there), each at the class's
+    top width, and a whole prefill chunk. (test_requests_load_no_kernel_and_capture_no_graph_after_start_up checks
+    the fetches themselves on a GPU.)"""
+    from services.engine import generate
+    from services.engine.models import qwen35_gpu as QG
+
+    fused = {n for n in QG.WARM_CHUNKS if n <= QG.ATTN_TOKENS}
+    tails = {n - 64 * ((n - 1) // 64) for n in QG.WARM_CHUNKS if 64 < n <= generate.PREFILL_CHUNK}
+    assert fused == tails == set(range(8, 65, 8)) and generate.PREFILL_CHUNK in QG.WARM_CHUNKS
+
+
 def test_out_of_memory_errors_are_recognised():
     def raised(module: str, name: str, **attrs) -> Exception:
         cls = type(name, (Exception,), {"__module__": module})

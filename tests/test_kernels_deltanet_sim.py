@@ -1141,7 +1141,7 @@ def test_gpu_model_deltanet_steps_and_commits_match_the_numpy_engine(xp, monkeyp
     monkeypatch.setattr(qwen35_gpu.qm, "pack_activations", pack_norm_gate)
     w_gpu = [{k: Mat(v) if k in ("ssm_in", "ssm_out") else xp.asarray(v) for k, v in w.items()} for w in weights]
     gpu_self = SimpleNamespace(cfg=cfg, fused_launches=fused, _out_proj=lambda W, o, sink: W.matmul(o),
-                               pack_order=lambda tokens: 0)  # (no wgmma build on the CPU)
+                               pack_order=lambda tokens, *readers: 0)  # (no wgmma build on the CPU)
     np_self = SimpleNamespace(cfg=cfg, _lin=lambda x, w: np.asarray(x, np.float32) @ w)
     gst = qwen35_gpu.GpuSequenceState(cfg, 64, "f16", "f16")
     gst.graph_commits = False

@@ -506,3 +506,30 @@ def test_wgmma_order_everywhere_and_refusals() -> None:
     with pytest.raises(ValueError, match="its own order"):
         qw.wide(W, qm.pack_activations(cupy.asarray(rng.standard_normal((23, 1024)).astype(np.float16))),
                 cupy.empty((23, 2048), cupy.float32), wg=True)
+
+
+@needs_wg
+def test_raw_x_packed_in_the_wgmma_order_where_it_runs_that_build(monkeypatch) -> None:
+    """QuantMatrix.matmul(wg_order=True) on raw x packs it in the wgmma order exactly where the dispatch then runs the
+    wgmma build (quant_wide.raw_wg_order: where the product is wide, from WG_TYPES' width; counted), in the mma order
+    elsewhere, with the sums of matmul on x packed in the order it chose, bit for bit, within the float64 twin's
+    bound; a slice of a longer x too."""
+    rng = np.random.default_rng(36)
+    calls = []
+    real = qw.launch_shape
+    monkeypatch.setattr(qw, "launch_shape", lambda *a, **kw: calls.append(bool(kw.get("wg"))) or real(*a, **kw))
+    for qtype, shape in ((qm.Q4_K, (2048, 1024)), (qm.Q6_K, (70000, 256))):
+        W, w64 = _matrix(qtype, shape, rng)
+        wide_from = next(t for t in range(1, 65) if qw.prefer_wide(qtype, t, *shape, order=1))
+        first = max(wide_from, qw.WG_TYPES[qtype], qw.WG_FROM)
+        assert [t for t in range(1, 65) if qw.raw_wg_order(W, t)] == list(range(first, 65))
+        for tokens in (1, 9, 17, 23, 24, 25, 40, 41, 64, 81):
+            calls.clear()
+            got = check(W, w64, tokens, np.random.default_rng(tokens), W.name, wg_order=True)
+            slices = [(s, min(64, tokens - s)) for s in range(0, tokens, 64)]
+            orders = [int(qw.raw_wg_order(W, t)) for _, t in slices]
+            assert calls.count(True) == sum(orders) and (sum(orders) > 0) == (tokens >= first), f"T={tokens} {calls}"
+            x = cupy.asarray((np.random.default_rng(tokens).standard_normal((tokens, shape[1])) * 0.5)
+                             .astype(np.float16))  # (check's x)
+            want = [run(W, qm.pack_activations(x[s:s + t], order=o)) for (s, t), o in zip(slices, orders)]
+            assert np.array_equal(got, np.concatenate(want)), f"{W.name} T={tokens}"

@@ -585,6 +585,70 @@ def test_dispatch_widths() -> None:
     assert all(qw.HIGH_CROSSOVER[q] > qg.RING_UP_TO[q] for q in (Q4_K, Q6_K))
 
 
+def test_dispatch_in_the_wgmma_order(monkeypatch) -> None:
+    """A pack takes the wgmma order where every product reading it runs the wide kernel and one the wgmma build
+    (wg_pack; raw x through matmul's wg_order likewise, raw_wg_order); WG_CROSSOVER moves a type's products of x in
+    that order to the wide kernel, and the memory plan's split scratch covers the widths either order dispatches."""
+    from types import SimpleNamespace
+
+    from services.engine import memory_plan
+
+    # session 36 (H200): packs in the order from 17 tokens where their products are wide, Q6_K's on the wgmma build
+    # from 25, no type moved to the wide kernel by the order
+    assert qw.WG_FROM == 17 and qw.WG_TYPES[Q6_K] == 25 and qw.WG_TYPES[Q4_K] == 1 and qw.WG_CROSSOVER == {}
+    monkeypatch.setattr(qw.loader, "arch_specific_available", lambda: True)  # (this machine has no GPU)
+
+    def mat(q, rows, k, kernel="v2"):
+        return SimpleNamespace(kernel=kernel, qtype=q, shape=(rows, k))
+
+    proj, up, down, head = mat(Q4_K, 5120, 6144), mat(Q4_K, 34816, 5120), mat(Q4_K, 5120, 17408), mat(Q6_K, 248320,
+                                                                                                      5120)
+    qkv6 = mat(Q6_K, 10240, 5120)
+    for m in (proj, up, down, head, qkv6):
+        first = max(next(t for t in range(1, 65) if qw.prefer_wide(m.qtype, t, *m.shape)), qw.WG_TYPES[m.qtype])
+        assert [t for t in range(1, 65) if qw.wg_pack([m], t)] == list(range(first, 65)), m
+        assert [t for t in range(1, 65) if qw.raw_wg_order(m, t)] == list(range(first, 65)), m
+    assert not qw.wg_pack([proj], 24) and qw.wg_pack([proj], 25)  # the 5120 x 6144 projection: v2 up to 24
+    assert qw.wg_pack([up, down], 4) and not qw.wg_pack([up, proj], 17) and not qw.wg_pack([], 17)
+    assert qw.wg_pack([qkv6, up], 17) and not qw.wg_pack([qkv6], 17)  # one product on the wgmma build suffices
+    assert not qw.wg_pack([mat(Q4_K, 34816, 5120, "v1")], 23) and not qw.wg_pack([up], 1)  # (gemv's width)
+    assert qw.raw_wg_order(proj, 23, kernel="wide") and qw.raw_wg_order(proj, 5, kernel="wide")
+    assert qw.raw_wg_order(proj, 23, config=qw.WideConfig(1, 4, 2)) and qw.raw_wg_order(proj, 23,
+                                                                                         config=qw.WideConfig())
+    for kw in ({"kernel": "v2"}, {"kernel": "gemv"}, {"splits": 2}, {"portable": True},
+               {"config": qw.WideConfig(1, 2, 2)}, {"config": qm.QmvConfig(1, 4, 2, 1)}):
+        assert not qw.raw_wg_order(up, 23, **kw), kw
+    assert not qw.raw_wg_order(mat(Q4_K, 34816, 5120, "v1"), 23)
+
+    # WG_CROSSOVER: x in the order takes the wide kernel from there on any matrix of the type
+    monkeypatch.setattr(qw, "WG_CROSSOVER", {Q4_K: 17})
+    for shape in ((5120, 6144), (6240, 5120), (10240, 5120), (34816, 5120), (5120, 17408), (248320, 5120)):
+        own = next(t for t in range(1, 65) if qw.prefer_wide(Q4_K, t, *shape))
+        assert qw.prefer_wide(Q4_K, min(own, 17), *shape, order=1)
+        assert not qw.prefer_wide(Q4_K, min(own, 17) - 1, *shape, order=1)
+        assert not qw.prefer_wide(Q4_K, 65, *shape, order=1)
+        assert [t for t in range(1, 65) if qw.prefer_wide(Q4_K, t, *shape)] == list(range(own, 65))  # (the mma order)
+    assert qw.wg_pack([proj], 17) and not qw.prefer_wide(Q6_K, 24, 5120, 6144, order=1)
+    assert qw.can_swiglu(SimpleNamespace(kernel="v2", qtype=Q4_K, shape=(2048, 1024)), mat(Q4_K, 1024, 1024), 17, 1)
+    assert not qw.can_swiglu(SimpleNamespace(kernel="v2", qtype=Q4_K, shape=(2048, 1024)), mat(Q4_K, 1024, 1024), 17)
+    monkeypatch.setattr(qw, "WG_TYPES", {F16: 1, Q8_0: 1})
+    assert not qw.wg_pack([proj], 23) and not qw.raw_wg_order(proj, 23)
+    monkeypatch.setattr(qw.loader, "arch_specific_available", lambda: False)
+    assert not qw.wg_takes(Q8_0, 23) and not qw.wg_pack([mat(Q8_0, 34816, 5120)], 40)
+
+    # the split scratch: a product only the wgmma order puts on the wide kernel is planned for
+    memory_plan._split_need.cache_clear()
+    monkeypatch.setattr(qw, "CROSSOVER", {**qw.CROSSOVER, Q4_K: 65})  # (the mma order: never wide on this shape)
+    monkeypatch.setattr(qw, "WG_CROSSOVER", {})
+    without = memory_plan.split_scratch_need([(Q4_K, 5120, 6144)], 132)
+    assert without == qg.split_scratch_need(132)
+    monkeypatch.setattr(qw, "WG_CROSSOVER", {Q4_K: 17})
+    memory_plan._split_need.cache_clear()
+    needs = [without] + [qw.scratch_need(Q4_K, 5120, 6144, t, 132) for t in range(17, 65)]
+    assert memory_plan.split_scratch_need([(Q4_K, 5120, 6144)], 132) == tuple(map(max, zip(*needs))) != without
+    memory_plan._split_need.cache_clear()
+
+
 def test_stream_k_split_restatement() -> None:
     # ffn_up 17408 rows at 256 rows per block: 68 row blocks x 20 chunks over 132 blocks -> 2 or 3 pieces each
     got = pieces(17408, 5120, 2, 8, 132)

@@ -92,10 +92,12 @@ class GpuMatrix:
             self.rows = None
         return self
 
-    def matmul(self, x: Any, out: Any = None, accumulate: bool = False, stage: Any = None) -> Any:
+    def matmul(self, x: Any, out: Any = None, accumulate: bool = False, stage: Any = None,
+               wg_order: bool = False) -> Any:
         """x @ W^T (x: activations, a kernels.quant_matmul.PackedX or StagedNorm); accumulate: out += x @ W^T;
-        stage: a StagedNorm of `out` to write for the next norm's product (can_stage_norm)."""
-        return self.upload().q.matmul(x, out=out, accumulate=accumulate, stage=stage)
+        stage: a StagedNorm of `out` to write for the next norm's product (can_stage_norm); wg_order: raw x packed in
+        the wgmma order where the product then runs the wgmma build (QuantMatrix.matmul)."""
+        return self.upload().q.matmul(x, out=out, accumulate=accumulate, stage=stage, wg_order=wg_order)
 
     def swiglu(self, x: Any, pair: bool = False) -> Any:
         """silu(g) * u of this stacked [gate | up] matrix's product, staged for the down product's ring gemv (a
@@ -236,14 +238,15 @@ def can_fuse_swiglu(gate_up: Any, down: Any, tokens: int, pair: bool = False) ->
     return qm.can_fuse_swiglu(gate_up.upload().q, down.upload().q, tokens, pair=pair)
 
 
-def can_wide_swiglu(gate_up: Any, down: Any, tokens: int) -> bool:
+def can_wide_swiglu(gate_up: Any, down: Any, tokens: int, order: int = 0) -> bool:
     """Whether gate_up (a stacked [gate | up] GpuMatrix; a GpuStack cannot) runs as the wide kernel's SwiGLU launch
-    for down (a GpuMatrix) at this width, writing down's packed x itself (kernels.quant_wide.can_swiglu)."""
+    for down (a GpuMatrix) at this width with x in PackedX.order `order`, writing down's packed x itself
+    (kernels.quant_wide.can_swiglu)."""
     from kernels import quant_wide
 
     if not (isinstance(gate_up, GpuMatrix) and isinstance(down, GpuMatrix)):
         return False
-    return quant_wide.can_swiglu(gate_up.upload().q, down.upload().q, tokens)
+    return quant_wide.can_swiglu(gate_up.upload().q, down.upload().q, tokens, order)
 
 
 def can_stage_norm(producer: Any, consumer: Any, tokens: int) -> bool:

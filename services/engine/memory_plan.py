@@ -588,9 +588,9 @@ def gpu_draft_scratch(cfg: ModelConfig, d: DrafterShape, sms: int, rows: int = G
 def split_scratch_need(shapes: Iterable[tuple[int, int, int]], sms: int) -> tuple[int, int]:
     """(partial floats, counters) of kernels/quant_gemv.split_scratch that one launch on these matrices ((storage
     type, rows, in) as the GPU holds them) takes at most: the wide kernel's stream-K partials at every width it is
-    dispatched at for that matrix (quant_wide.prefer_wide: from its crossover, a deep, tall or high one's own, to 64
-    tokens: verify steps, drafter appends, and the 64-token slices of every prefill chunk), split-K gemv's where
-    SPLIT_UP_TO dispatches it."""
+    dispatched at for that matrix (quant_wide.prefer_wide: from its crossover, a deep, tall or high one's own, or the
+    wgmma order's, to 64 tokens: verify steps, drafter appends, and the 64-token slices of every prefill chunk),
+    split-K gemv's where SPLIT_UP_TO dispatches it."""
     return _split_need(frozenset(shapes), int(sms))
 
 
@@ -601,7 +601,7 @@ def _split_need(shapes: frozenset[tuple[int, int, int]], sms: int) -> tuple[int,
     part, counters = quant_gemv.split_scratch_need(sms)
     for qtype, n_out, k in shapes:
         for tokens in range(1, quant_wide.MAX_TOKENS + 1):
-            if not quant_wide.prefer_wide(qtype, tokens, n_out, k):
+            if not any(quant_wide.prefer_wide(qtype, tokens, n_out, k, order) for order in (0, 1)):
                 continue
             p, c = quant_wide.scratch_need(qtype, n_out, k, tokens, sms)
             part, counters = max(part, p), max(counters, c)

@@ -120,6 +120,10 @@ SWIGLU_PAIR_WIDTHS: tuple[int, ...] = (2,)
 # puts them; deterministic either way). H100, 27B Q4_K_M step replays against the product and the pack
 # (bench/gemv_ab.py --step-ab wswiglu / wswiglu3): 0.990 / 0.988 / 0.972 / 0.973 / 0.994 at widths 4 / 8 / 16 / 23 / 32.
 FUSE_WIDE_SWIGLU = True
+# Products of raw activations (attn_output after the attention, the LM head after the output norm) pack them in the
+# wgmma order where the model's packs take it (pack_order) and the product then runs the wgmma build
+# (QuantMatrix.matmul(wg_order=True)): the mma order elsewhere
+RAW_WG_ORDER = True
 # Steps of up to ATTN_STAGE_UP_TO tokens whose attn_output product is a ring gemv: the attention's combine kernel
 # also writes o's int16 staging for it (kernels.attention.attention(q16=)), so no pack launch runs between them;
 # bitwise the same step. H100, 27B Q4_K_M step replays (bench/gemv_ab.py --step-ab attnstage): 0.9996 / 0.9986 /
@@ -153,9 +157,11 @@ SWIGLU_STAGING_ONLY = True
 # and the attention on CUDA cores, with o's staging for attn_output) where its graph sees at most
 # attention.DECODE_MAX_ROWS cache rows; replaces qk_norm_rope, store, attn_partial and attn_combine.
 FUSE_DECODE_ATTN = True
-# prompt chunks warm_prefill runs at start-up: every token-tile class of the matmuls up to 64 tokens (8 a tile), one
-# past 64 (64-token pieces and a remainder) and a whole prefill chunk (generate.PREFILL_CHUNK)
-WARM_CHUNKS = (8, 16, 24, 32, 40, 48, 56, 64, 100, 512)
+# prompt chunks warm_prefill runs at start-up: every token-tile class of the matmuls up to 64 tokens (8 a tile), past
+# 64 with a remainder of every class (a chunk over 64 tokens runs its products in 64-token slices of raw x, in the mma
+# order where the fused steps of that width may have used the wgmma one: so not fetched by them) and a whole prefill
+# chunk (generate.PREFILL_CHUNK)
+WARM_CHUNKS = (8, 16, 24, 32, 40, 48, 56, 64, 72, 80, 88, 96, 104, 112, 120, 512)
 RAW_ROWS = 512           # pre-conv rows a state keeps: a prefill chunk's (generate.PREFILL_CHUNK), or the tree's
 ARENA_SLACK = 4 << 20    # an arena holds a capture's measured peak + 1/8 + this (the capture repeats the warm-up)
 
@@ -671,8 +677,8 @@ class Qwen35GpuModel(TargetModel):
         # matrices whose storage type the matmul kernel lacks, uploaded as F16 (see backend.GpuMatrix)
         mats = [self.output] + [v for w in self.layers for v in w.values()]
         self.fallback_weights = sorted(v.name for v in mats if getattr(v, "fallback", False))
-        # whether packs of quant_wide.WG_FROM tokens or more are written in the wide kernel's wgmma order, their
-        # products run on its wgmma build (kernels/quant_wide.py WGMMA): where the device and every matrix allow it
+        # whether packs of quant_wide.WG_FROM tokens or more may be written in the wide kernel's wgmma order, for
+        # products on its wgmma build (pack_order; kernels/quant_wide.py WGMMA): where the device and every matrix can
         self.wgmma = qw.wg_capable([v.q for v in mats if getattr(v, "q", None) is not None])
         self.use_graphs = graphs_default()
         # norms, SwiGLU and residual adds folded into the matmuls' activation packing / epilogue (steps of <= 64
@@ -1146,7 +1152,7 @@ class Qwen35GpuModel(TargetModel):
             if h is None:   # (a staged output norm covers every row: n == T)
                 h = nr.rms_norm(xr, self.output_norm, self.cfg.rms_eps)
             if into_state:
-                out = self.output.matmul(h, out=state.out_logits[:n])
+                out = self.output.matmul(h, out=state.out_logits[:n], wg_order=self.raw_wg_order(n))
                 # greedy acceptance reads only these (lowest id on ties, as np.argmax)
                 nxt = None
                 if feed:   # (decode_ahead: the next step's values, written after every launch that reads them)
@@ -1154,7 +1160,7 @@ class Qwen35GpuModel(TargetModel):
                            state.stage.swap if state.rec_layers else None)
                 amax, _ = smp.argmax(out, out=(state.out_ids[:n], state.out_max[:n]), feed=nxt)
             else:
-                out = self.output.matmul(h)
+                out = self.output.matmul(h, wg_order=self.raw_wg_order(n))
                 amax, _ = smp.argmax(out)
         return out, amax, captured
 
@@ -1242,10 +1248,18 @@ class Qwen35GpuModel(TargetModel):
             return 2
         return int(T in FUSE_SWIGLU_WIDTHS and can_fuse_swiglu(w["ffn_gate_up"], w["ffn_down"], T))
 
-    def pack_order(self, tokens: int) -> int:
-        """PackedX.order of this model's packs at a width: 1 (the wgmma build's) from quant_wide.WG_FROM tokens where
-        the model can (wgmma), else 0."""
-        return int(self.wgmma and 0 < qw.WG_FROM <= tokens)
+    def pack_order(self, tokens: int, *readers: Any) -> int:
+        """PackedX.order of a pack of this width that `readers` (GpuMatrix / GpuStack) multiply: 1 (the wgmma
+        build's) from quant_wide.WG_FROM tokens where the model can (wgmma) and their products run the wide kernel,
+        on the wgmma build for one at least (quant_wide.wg_pack); else 0. No readers: whether the width may."""
+        if not (self.wgmma and 0 < qw.WG_FROM <= tokens):
+            return 0
+        return int(not readers or qw.wg_pack([m.upload().q for r in readers for m in getattr(r, "mats", [r])], tokens))
+
+    def raw_wg_order(self, tokens: int) -> bool:
+        """Whether products of raw activations at this width may pack them in the wgmma order (RAW_WG_ORDER; each
+        product then says where: QuantMatrix.matmul(wg_order=True))."""
+        return RAW_WG_ORDER and self.pack_order(tokens) == 1
 
     def _block(self, i: int, w: dict, x, state: GpuSequenceState, step: _Step, h_in: Any = None,
                plan: tuple = ((), (), ())) -> tuple[Any, Any]:
@@ -1264,26 +1278,28 @@ class Qwen35GpuModel(TargetModel):
         # Staged (plan): the output projection adds into the stream and stages the norm ffn_gate_up reads, and
         # ffn_down stages the next layer's input norm (no pack launch for either).
         post, nxt, swi = plan
-        order = self.pack_order(step.T)
-        h = h_in if h_in is not None else qm.pack_activations(x, rms_weight=w["attn_norm"], eps=eps, order=order)
+        mix_in = w["ssm_in"] if self.cfg.recurrent_layers[i] else w["attn_qkv"]
+        h = h_in if h_in is not None else qm.pack_activations(x, rms_weight=w["attn_norm"], eps=eps,
+                                                              order=self.pack_order(step.T, mix_in))
         if post and post[i]:
             px = qm.staged_norm(x, w["post_attention_norm"], eps)
             mixer(i, w, h, state, step, sink=(x, px))
         else:
             px = qm.pack_activations(mixer(i, w, h, state, step), rms_weight=w["post_attention_norm"], eps=eps,
-                                     residual=x, order=order)
+                                     residual=x, order=self.pack_order(step.T, w["ffn_gate_up"]))
             x = px.residual
         if swi and swi[i]:  # the SwiGLU staged by the gate|up ring itself
             xd = w["ffn_gate_up"].swiglu(px, pair=swi[i] == 2)
         elif (FUSE_WIDE_SWIGLU and isinstance(px, qm.PackedX) and px.data is not None
-              and can_wide_swiglu(w["ffn_gate_up"], w["ffn_down"], step.T)):  # ... or by the wide gate|up launch
+              and can_wide_swiglu(w["ffn_gate_up"], w["ffn_down"], step.T, px.order)):  # ... or by the wide gate|up one
             xd = w["ffn_gate_up"].swiglu(px)
         else:
             gu = w["ffn_gate_up"].matmul(px)
             f = gu.shape[1] // 2
             # a ring ffn_down reads the staging alone: no fp16 x (nor its padding rows) to write
             only = SWIGLU_STAGING_ONLY and self.fused_launches and reads_staging(w["ffn_down"], step.T)
-            xd = qm.pack_activations(gu[:, :f], silu_up=gu[:, f:], staging_only=only, order=order)
+            xd = qm.pack_activations(gu[:, :f], silu_up=gu[:, f:], staging_only=only,
+                                     order=self.pack_order(step.T, w["ffn_down"]))
         staged = None
         if nxt and nxt[i]:
             norm = self.layers[i + 1]["attn_norm"] if i + 1 < len(self.layers) else self.output_norm
@@ -1292,13 +1308,13 @@ class Qwen35GpuModel(TargetModel):
         return x, staged
 
     @staticmethod
-    def _out_proj(W: Any, o: Any, sink: tuple | None) -> Any:
+    def _out_proj(W: Any, o: Any, sink: tuple | None, wg_order: bool = False) -> Any:
         """A mixer's output projection: its product, or with sink (stream, StagedNorm) added into the stream with the
-        post-attention norm staged (_block)."""
+        post-attention norm staged (_block); wg_order: raw o may be packed in the wgmma order (raw_wg_order)."""
         if sink is None:
-            return W.matmul(o)
+            return W.matmul(o, wg_order=wg_order)
         x, staged = sink
-        W.matmul(o, out=x, accumulate=True, stage=staged)
+        W.matmul(o, out=x, accumulate=True, stage=staged, wg_order=wg_order)
         return x
 
     def _gated_attention(self, i: int, w: dict, h, state: GpuSequenceState, step: _Step, sink: tuple | None = None):
@@ -1340,7 +1356,7 @@ class Qwen35GpuModel(TargetModel):
         else:
             o = _tree_attention_fallback(q, cache, step, gate)
         x = o.reshape(T, H * D) if q16 is None else qm.PackedX(None, T, H * D, q16=q16)
-        return self._out_proj(w["attn_output"], x, sink)
+        return self._out_proj(w["attn_output"], x, sink, self.raw_wg_order(T))
 
     def _deltanet(self, i: int, w: dict, h, state: GpuSequenceState, step: _Step, sink: tuple | None = None):
 
@@ -1396,7 +1412,7 @@ class Qwen35GpuModel(TargetModel):
         if fused:  # the output norm * silu(z) in ssm_out's pack
             return self._out_proj(w["ssm_out"], qm.pack_activations(o.reshape(T, Hv * dv), rms_weight=w["ssm_norm"],
                                                                     eps=c.rms_eps, gate=proj[:, cd:cd + Hv * dv],
-                                                                    order=self.pack_order(T)),
+                                                                    order=self.pack_order(T, w["ssm_out"])),
                                   sink)
         o = nr.norm_gate(o, z, w["ssm_norm"], c.rms_eps)
         return w["ssm_out"].matmul(o.reshape(T, Hv * dv))
