@@ -811,8 +811,8 @@ def test_decode_ahead_stops_at_the_context_end_and_serves_generate(monkeypatch):
 def test_verify_widths_on_the_wgmma_build_match_numpy(monkeypatch):
     """Where the device has the wgmma build (sm_90a), a tree step of WG_FROM..64 tokens packs x in its order and runs
     the wide products of those packs on it (counted; the embedded model's Q8_0 matrices take the wide kernel from
-    quant_wide.CROSSOVER, and v2 reads the order below it); the logits match the NumPy engine and the mma build's step
-    within LOGIT_TOL, and a commit of a path on top decodes as the NumPy engine does."""
+    quant_wide.CROSSOVER, below which their packs keep the mma order: quant_wide.wg_pack); the logits match the NumPy
+    engine and the mma build's step within LOGIT_TOL, and a commit of a path on top decodes as the NumPy engine does."""
     from kernels import quant_matmul as qm
     from kernels import quant_wide as qw
 
@@ -840,6 +840,8 @@ def test_verify_widths_on_the_wgmma_build_match_numpy(monkeypatch):
         # (every layer's input and ffn_down packs at least, where those products are wide)
         if qw.prefer_wide(qm.Q8_0, T, order=1):
             assert sum(calls) >= 2 * len(gpu.layers), f"T={T}: the step's wide products ran {calls}"
+        else:
+            assert not any(calls), f"T={T}: a product on the wgmma build where v2 runs the step's products"
         monkeypatch.setattr(qw, "WG_FROM", 0)
         calls.clear()
         c = gpu.forward(gm, tokens, parents, checkpoints=True)

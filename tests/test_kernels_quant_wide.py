@@ -521,7 +521,7 @@ def test_raw_x_packed_in_the_wgmma_order_where_it_runs_that_build(monkeypatch) -
     for qtype, shape in ((qm.Q4_K, (2048, 1024)), (qm.Q6_K, (70000, 256))):
         W, w64 = _matrix(qtype, shape, rng)
         wide_from = next(t for t in range(1, 65) if qw.prefer_wide(qtype, t, *shape, order=1))
-        first = max(wide_from, qw.WG_TYPES[qtype], qw.WG_FROM)
+        first = max(wide_from, qw.WG_TYPES[qtype])
         assert [t for t in range(1, 65) if qw.raw_wg_order(W, t)] == list(range(first, 65))
         for tokens in (1, 9, 17, 23, 24, 25, 40, 41, 64, 81):
             calls.clear()
