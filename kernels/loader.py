@@ -186,6 +186,75 @@ def arch_cache_dir() -> Path:
     return Path(os.environ.get("SPECSPLIT_KERNEL_CACHE") or Path.home() / ".cache" / "specsplit" / "kernels")
 
 
+# The arch-specific cache's bound: every source version adds its own entries (a cubin and its names a module), so
+# without one it would grow with each upgrade. SPECSPLIT_KERNEL_CACHE_MB overrides; 0 keeps everything.
+ARCH_CACHE_MB = 256
+STALE_TMP_S = 3600  # a writer's temporary file older than this was left by a process that died mid-write
+
+
+def arch_cache_limit() -> int:
+    """The arch-specific cache's size bound in bytes (0: none): SPECSPLIT_KERNEL_CACHE_MB, else ARCH_CACHE_MB; a value
+    that is not a whole number of MiB >= 0 is an error naming the variable."""
+    raw = os.environ.get("SPECSPLIT_KERNEL_CACHE_MB", "").strip()
+    try:
+        mb = int(raw) if raw else ARCH_CACHE_MB
+    except ValueError:
+        mb = -1
+    if mb < 0:
+        raise ValueError(f"SPECSPLIT_KERNEL_CACHE_MB must be a whole number of MiB >= 0 (0: no bound), not {raw!r}")
+    return mb << 20
+
+
+def prune_arch_cache(folder: Path, limit: int, keep: str = "") -> int:
+    """Remove the least recently used entries of an arch-specific cache folder (a module's .cubin and .json share a
+    name; a hit refreshes its time) until the rest fit in `limit` bytes, never the entry named `keep` (the one just
+    written); and temporary files older than STALE_TMP_S. Another process may prune at the same time: files already
+    gone are skipped. Returns the bytes removed."""
+    import time
+
+    entries: dict[str, list] = {}
+    removed = 0
+    try:
+        files = list(folder.iterdir())
+    except OSError:
+        return 0
+    now = time.time()
+    for f in files:
+        try:
+            st = f.stat()
+        except OSError:
+            continue
+        if f.suffix == ".tmp":
+            if now - st.st_mtime > STALE_TMP_S:
+                removed += _unlink(f, st.st_size)
+            continue
+        if f.suffix not in (".cubin", ".json"):
+            continue  # (not ours)
+        e = entries.setdefault(f.stem, [0.0, 0, []])
+        e[0], e[1] = max(e[0], st.st_mtime), e[1] + st.st_size
+        e[2].append((f, st.st_size))
+    total = sum(e[1] for e in entries.values())
+    if not limit or total <= limit:
+        return removed
+    for stem, (_, size, paths) in sorted(entries.items(), key=lambda kv: kv[1][0]):
+        if total <= limit:
+            break
+        if stem == keep:
+            continue
+        for f, fsize in paths:
+            removed += _unlink(f, fsize)
+        total -= size
+    return removed
+
+
+def _unlink(f: Path, size: int) -> int:
+    try:
+        f.unlink()
+        return size
+    except OSError:
+        return 0
+
+
 class _ArchModule:
     """A module compiled for sm_<cc>a (NVRTC, cached on disk by a hash of the code, options, names and NVRTC
     version): RawModule-like get_function(name expression)."""
@@ -197,6 +266,7 @@ class _ArchModule:
         cupy = require()
         from cupy.cuda import compiler
 
+        limit = arch_cache_limit()  # (a bad SPECSPLIT_KERNEL_CACHE_MB fails before the compile)
         opts = tuple(options) + (f"-arch=sm_{compute_capability()}a",)
         ident = json.dumps([code, opts, names, list(compiler._get_nvrtc_version())])
         digest = hashlib.sha256(ident.encode()).hexdigest()[:32]
@@ -207,7 +277,12 @@ class _ArchModule:
             cached = path.is_file() and all(n in mapping for n in names)
         except (OSError, ValueError):
             cached = False
-        if not cached:
+        if cached:
+            try:  # a hit: the entry is recently used (prune_arch_cache drops the least recently used first)
+                os.utime(path)
+            except OSError:
+                pass
+        else:
             prog = compiler._NVRTCProgram(code, "specsplit_arch.cu", name_expressions=list(names), method="cubin")
             cubin, mapping = prog.compile(opts)
             mapping = dict(mapping)
@@ -227,6 +302,8 @@ class _ArchModule:
         self._lowered = mapping
         for name in names:  # loaded now, while the file is surely there
             self.get_function(name)
+        if not cached and path.parent == folder:  # a new entry: the cache stays within its bound
+            prune_arch_cache(folder, limit, keep=digest)
 
     def get_function(self, name: str) -> Any:
         return self._mod.get_function(self._lowered[name])
