@@ -282,28 +282,46 @@ class _ArchModule:
                 os.utime(path)
             except OSError:
                 pass
-        else:
-            prog = compiler._NVRTCProgram(code, "specsplit_arch.cu", name_expressions=list(names), method="cubin")
-            cubin, mapping = prog.compile(opts)
-            mapping = dict(mapping)
-            try:  # written whole under a temporary name, then renamed: a reader never sees half a file
-                folder.mkdir(parents=True, exist_ok=True)
-                for dst, data in ((path, cubin), (names_path, json.dumps(mapping).encode())):
-                    tmp = dst.with_suffix(f".{os.getpid()}.tmp")
-                    tmp.write_bytes(data)
-                    os.replace(tmp, dst)
-            except OSError:  # no writable cache: a file of this process's own (RawModule loads from a path)
-                import tempfile
-
-                with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
-                    f.write(cubin)
-                path = Path(f.name)
-        self._mod = cupy.RawModule(path=str(path))
-        self._lowered = mapping
-        for name in names:  # loaded now, while the file is surely there
-            self.get_function(name)
-        if not cached and path.parent == folder:  # a new entry: the cache stays within its bound
+        while True:
+            if not cached:
+                path, mapping = self._build(code, opts, names, path, names_path)
+            try:
+                self._mod = cupy.RawModule(path=str(path))
+                self._lowered = mapping
+                for name in names:  # loaded now, while the file is surely there
+                    self.get_function(name)
+                break
+            except Exception:
+                if not cached:
+                    raise
+                cached = False  # pruned by another process between the check and the load: built again
+        if path.parent == folder and not cached:  # a new entry: the cache stays within its bound
             prune_arch_cache(folder, limit, keep=digest)
+
+    @staticmethod
+    def _build(code: str, opts: tuple[str, ...], names: tuple[str, ...], path: Path, names_path: Path) -> tuple:
+        """Compile and write the cache entry whole (each file under a temporary name, then renamed: a reader never
+        sees half a file); (the cubin's path, the names' lowered forms). No writable cache: a file of this process."""
+        import json
+
+        from cupy.cuda import compiler
+
+        prog = compiler._NVRTCProgram(code, "specsplit_arch.cu", name_expressions=list(names), method="cubin")
+        cubin, mapping = prog.compile(opts)
+        mapping = dict(mapping)
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            for dst, data in ((path, cubin), (names_path, json.dumps(mapping).encode())):
+                tmp = dst.with_suffix(f".{os.getpid()}.tmp")
+                tmp.write_bytes(data)
+                os.replace(tmp, dst)
+        except OSError:  # (RawModule loads from a path)
+            import tempfile
+
+            with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
+                f.write(cubin)
+            path = Path(f.name)
+        return path, mapping
 
     def get_function(self, name: str) -> Any:
         return self._mod.get_function(self._lowered[name])

@@ -60,3 +60,86 @@ def test_cache_limit_from_the_environment(monkeypatch) -> None:
             loader.arch_cache_limit()
     monkeypatch.setenv("SPECSPLIT_KERNEL_CACHE", str(Path("/tmp/elsewhere")))
     assert loader.arch_cache_dir() == Path("/tmp/elsewhere")
+
+
+class _FakeCupy:
+    """Just what _ArchModule touches of CuPy: an NVRTC program that counts compiles and a RawModule that loads a
+    cubin from its path when a function is first asked for (as CuPy's does)."""
+
+    def __init__(self) -> None:
+        import types
+
+        fake = self
+        self.compiles = 0
+        self.loads: list[str] = []
+
+        class Program:
+            def __init__(self, code, name, name_expressions, method):
+                self.names = name_expressions
+
+            def compile(self, opts):
+                fake.compiles += 1
+                return b"cubin of " + repr(opts).encode(), {n: f"_lowered_{n}" for n in self.names}
+
+        class RawModule:
+            def __init__(self, path: str):
+                self.path = path
+
+            def get_function(self, lowered: str):
+                fake.loads.append(Path(self.path).read_bytes().decode())  # (a vanished file raises here)
+                return lowered
+
+        compiler = types.SimpleNamespace(_NVRTCProgram=Program, _get_nvrtc_version=lambda: (13, 0))
+        self.cuda = types.SimpleNamespace(compiler=compiler)
+        self.RawModule = RawModule
+        self.module = types.ModuleType("cupy")
+        self.module.cuda = types.ModuleType("cupy.cuda")
+        self.module.cuda.compiler = compiler
+
+
+def test_arch_module_cache_hits_rebuilds_and_bound(tmp_path: Path, monkeypatch) -> None:
+    """A miss compiles and writes the entry whole, a hit loads it without compiling and refreshes its time, an entry
+    pruned by another process between the check and the load is built again, a new entry prunes the folder to its
+    bound (never itself), and an unwritable cache still serves the module from a file of its own."""
+    import sys
+
+    fake = _FakeCupy()
+    monkeypatch.setitem(sys.modules, "cupy", fake.module)
+    monkeypatch.setitem(sys.modules, "cupy.cuda", fake.module.cuda)
+    monkeypatch.setattr(loader, "require", lambda: fake)
+    monkeypatch.setattr(loader, "compute_capability", lambda: 90)
+    monkeypatch.setenv("SPECSPLIT_KERNEL_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("SPECSPLIT_KERNEL_CACHE_MB", "1")
+    names = ("k<1>", "k<2>")
+
+    m = loader._ArchModule("code A", ("-std=c++17",), names)
+    assert fake.compiles == 1 and m.get_function("k<2>") == "_lowered_k<2>"
+    cubins = sorted((tmp_path / "cache").glob("*.cubin"))
+    assert len(cubins) == 1 and not list((tmp_path / "cache").glob("*.tmp"))
+    os.utime(cubins[0], (1, 1))
+    loader._ArchModule("code A", ("-std=c++17",), names)
+    assert fake.compiles == 1 and cubins[0].stat().st_mtime > time.time() - 60  # a hit, refreshed
+
+    real_utime = os.utime
+
+    def vanish(path, *a, **kw):  # another process prunes the entry right after this one found it
+        real_utime(path, *a, **kw)
+        Path(path).unlink()
+
+    monkeypatch.setattr(loader.os, "utime", vanish)
+    loader._ArchModule("code A", ("-std=c++17",), names)
+    monkeypatch.setattr(loader.os, "utime", real_utime)
+    assert fake.compiles == 2 and cubins[0].is_file()
+
+    # a bound of 1 MiB: big old entries go when a new one is written, the new one stays
+    _entry(tmp_path / "cache", "old", 900 << 10, 1000)
+    _entry(tmp_path / "cache", "older", 900 << 10, 2000)
+    loader._ArchModule("code B", ("-std=c++17",), names)
+    left = {p.stem for p in (tmp_path / "cache").iterdir()}
+    assert fake.compiles == 3 and "older" not in left and len(left) == 3 and "old" in left
+
+    blocked = tmp_path / "blocked"
+    blocked.write_text("a file where the cache folder would be")
+    monkeypatch.setenv("SPECSPLIT_KERNEL_CACHE", str(blocked / "cache"))
+    loader._ArchModule("code C", ("-std=c++17",), names)
+    assert fake.compiles == 4 and fake.loads[-1].startswith("cubin of")
