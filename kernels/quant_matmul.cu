@@ -1812,89 +1812,75 @@ SS_DEV void wg_wait() {
 // d (64 x 8 NT, this warp's 16 rows in mma.m16n8's accumulator layout) += A (this warp's m16n8k16 A fragment) x B
 template <int NT>
 SS_DEV void wgmma_rs(float (&d)[NT][4], u32 a0, u32 a1, u32 a2, u32 a3, u64 desc);
+// inline asm names every operand: an n8 tile's four accumulators, and the A registers, descriptor and scale-d
+#define SS_WG_D(i) "+f"(d[i][0]), "+f"(d[i][1]), "+f"(d[i][2]), "+f"(d[i][3])
+#define SS_WG_AB "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(desc), "r"(1)
 template <>
 __device__ __forceinline__ void wgmma_rs<1>(float (&d)[1][4], u32 a0, u32 a1, u32 a2, u32 a3, u64 desc) {
     asm volatile("{ .reg .pred p; setp.ne.b32 p, %9, 0; wgmma.mma_async.sync.aligned.m64n8k16.f32.f16.f16 "
                  "{%0, %1, %2, %3}, {%4, %5, %6, %7}, %8, p, 1, 1, 0; }\n"
-                 : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3])
-                 : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(desc), "r"(1)
+                 : SS_WG_D(0)
+                 : SS_WG_AB
                  : "memory");
 }
 template <>
 __device__ __forceinline__ void wgmma_rs<2>(float (&d)[2][4], u32 a0, u32 a1, u32 a2, u32 a3, u64 desc) {
     asm volatile("{ .reg .pred p; setp.ne.b32 p, %13, 0; wgmma.mma_async.sync.aligned.m64n16k16.f32.f16.f16 "
                  "{%0, %1, %2, %3, %4, %5, %6, %7}, {%8, %9, %10, %11}, %12, p, 1, 1, 0; }\n"
-                 : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]),
-                 "+f"(d[1][2]), "+f"(d[1][3])
-                 : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(desc), "r"(1)
+                 : SS_WG_D(0), SS_WG_D(1)
+                 : SS_WG_AB
                  : "memory");
 }
 template <>
 __device__ __forceinline__ void wgmma_rs<3>(float (&d)[3][4], u32 a0, u32 a1, u32 a2, u32 a3, u64 desc) {
     asm volatile("{ .reg .pred p; setp.ne.b32 p, %17, 0; wgmma.mma_async.sync.aligned.m64n24k16.f32.f16.f16 "
                  "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11}, {%12, %13, %14, %15}, %16, p, 1, 1, 0; }\n"
-                 : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]),
-                 "+f"(d[1][2]), "+f"(d[1][3]), "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3])
-                 : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(desc), "r"(1)
+                 : SS_WG_D(0), SS_WG_D(1), SS_WG_D(2)
+                 : SS_WG_AB
                  : "memory");
 }
 template <>
 __device__ __forceinline__ void wgmma_rs<4>(float (&d)[4][4], u32 a0, u32 a1, u32 a2, u32 a3, u64 desc) {
     asm volatile("{ .reg .pred p; setp.ne.b32 p, %21, 0; wgmma.mma_async.sync.aligned.m64n32k16.f32.f16.f16 "
                  "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, {%16, %17, %18, %19}, %20, p, 1, 1, 0; }\n"
-                 : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]),
-                 "+f"(d[1][2]), "+f"(d[1][3]), "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]),
-                 "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3])
-                 : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(desc), "r"(1)
+                 : SS_WG_D(0), SS_WG_D(1), SS_WG_D(2), SS_WG_D(3)
+                 : SS_WG_AB
                  : "memory");
 }
 template <>
 __device__ __forceinline__ void wgmma_rs<5>(float (&d)[5][4], u32 a0, u32 a1, u32 a2, u32 a3, u64 desc) {
     asm volatile("{ .reg .pred p; setp.ne.b32 p, %25, 0; wgmma.mma_async.sync.aligned.m64n40k16.f32.f16.f16 "
                  "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19}, {%20, %21, %22, %23}, %24, p, 1, 1, 0; }\n"
-                 : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]),
-                 "+f"(d[1][2]), "+f"(d[1][3]), "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]),
-                 "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3]), "+f"(d[4][0]), "+f"(d[4][1]),
-                 "+f"(d[4][2]), "+f"(d[4][3])
-                 : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(desc), "r"(1)
+                 : SS_WG_D(0), SS_WG_D(1), SS_WG_D(2), SS_WG_D(3), SS_WG_D(4)
+                 : SS_WG_AB
                  : "memory");
 }
 template <>
 __device__ __forceinline__ void wgmma_rs<6>(float (&d)[6][4], u32 a0, u32 a1, u32 a2, u32 a3, u64 desc) {
     asm volatile("{ .reg .pred p; setp.ne.b32 p, %29, 0; wgmma.mma_async.sync.aligned.m64n48k16.f32.f16.f16 "
                  "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23}, {%24, %25, %26, %27}, %28, p, 1, 1, 0; }\n"
-                 : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]),
-                 "+f"(d[1][2]), "+f"(d[1][3]), "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]),
-                 "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3]), "+f"(d[4][0]), "+f"(d[4][1]),
-                 "+f"(d[4][2]), "+f"(d[4][3]), "+f"(d[5][0]), "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3])
-                 : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(desc), "r"(1)
+                 : SS_WG_D(0), SS_WG_D(1), SS_WG_D(2), SS_WG_D(3), SS_WG_D(4), SS_WG_D(5)
+                 : SS_WG_AB
                  : "memory");
 }
 template <>
 __device__ __forceinline__ void wgmma_rs<7>(float (&d)[7][4], u32 a0, u32 a1, u32 a2, u32 a3, u64 desc) {
     asm volatile("{ .reg .pred p; setp.ne.b32 p, %33, 0; wgmma.mma_async.sync.aligned.m64n56k16.f32.f16.f16 "
                  "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27}, {%28, %29, %30, %31}, %32, p, 1, 1, 0; }\n"
-                 : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]),
-                 "+f"(d[1][2]), "+f"(d[1][3]), "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]),
-                 "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3]), "+f"(d[4][0]), "+f"(d[4][1]),
-                 "+f"(d[4][2]), "+f"(d[4][3]), "+f"(d[5][0]), "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]),
-                 "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3])
-                 : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(desc), "r"(1)
+                 : SS_WG_D(0), SS_WG_D(1), SS_WG_D(2), SS_WG_D(3), SS_WG_D(4), SS_WG_D(5), SS_WG_D(6)
+                 : SS_WG_AB
                  : "memory");
 }
 template <>
 __device__ __forceinline__ void wgmma_rs<8>(float (&d)[8][4], u32 a0, u32 a1, u32 a2, u32 a3, u64 desc) {
     asm volatile("{ .reg .pred p; setp.ne.b32 p, %37, 0; wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 "
                  "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, {%32, %33, %34, %35}, %36, p, 1, 1, 0; }\n"
-                 : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]),
-                 "+f"(d[1][2]), "+f"(d[1][3]), "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]),
-                 "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3]), "+f"(d[4][0]), "+f"(d[4][1]),
-                 "+f"(d[4][2]), "+f"(d[4][3]), "+f"(d[5][0]), "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]),
-                 "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]), "+f"(d[7][0]), "+f"(d[7][1]),
-                 "+f"(d[7][2]), "+f"(d[7][3])
-                 : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(desc), "r"(1)
+                 : SS_WG_D(0), SS_WG_D(1), SS_WG_D(2), SS_WG_D(3), SS_WG_D(4), SS_WG_D(5), SS_WG_D(6), SS_WG_D(7)
+                 : SS_WG_AB
                  : "memory");
 }
+#undef SS_WG_D
+#undef SS_WG_AB
 #endif  // SS_WG_SIM
 
 // wide_chunk on wgmma: every warp of the warpgroup calls it (one past the last tile computes on the stage's stale
