@@ -35,6 +35,12 @@ same steps one after another, each from an idle device. Its
 `outside_kernels_ms` = step - the loop's own drafter, verify and commit graphs each replayed alone: the loop's work
 outside kernels (Python, uploads and downloads, tree build, argmax, graph launches). With DECODE_PROFILE=PATH
 the last acceptance length runs PROFILE_STEPS more steps under cProfile after its timed ones (stats to PATH).
+
+Prompt processing (`--prompts`, llama-bench's "pp n"; ../shared/reference/peer_baseline.md has the peer's): a prompt
+of n tokens from an empty context through generate.prefill as a request runs it (on a GPU model its chunks are graph
+steps: qwen35_gpu.PROMPT_GRAPHS), in ms, tokens/s and decode steps (the plain decode's tokens/s inverted, the peer's
+"batch / decode step"); beside it, in the same rounds, the same prompt in eager 512-token chunks (the knob off) as the
+host's enqueue time plus what the device still had to do after it, and eager / served.
 """
 
 from __future__ import annotations
@@ -57,6 +63,7 @@ from gpu_bench import add_model_source, device_name, json_saver, load_gpu_model 
 
 WIDTHS = (1, 2, 4, 8, 16, 23, 32, 41, 64)
 ACCEPT = (2, 3, 4, 6)
+PROMPTS = (32, 128, 512, 2048)
 SPEC_WIDTH = 23
 PROFILE_STEPS = 20
 REPLAYS = 20             # width_curve: replays of each captured verify graph (median)
@@ -247,6 +254,70 @@ def _decode_replay_tps(model, context: int, n: int) -> dict[str, float]:
                 out["ahead_replay_tps"] = timed([ahead.graph])
     finally:
         model.release_state(st)
+    return out
+
+
+def prompt_processing(model, lengths, reps: int, deadline: float, sync=None) -> dict[int, dict]:
+    """A prompt of n tokens from an empty context as a request runs it (generate.prefill: the model's chunks, on a
+    GPU model with graphs its graph steps: qwen35_gpu.PROMPT_GRAPHS; the last position's logits to the host),
+    llama-bench's "pp n": median wall ms over `reps` rounds after a warm-up one, each on a pooled state as a request
+    gets. Beside it in the same rounds, where the model has prompt graphs: the same prompt in eager
+    generate.PREFILL_CHUNK-token chunks (what a request ran before them), eager_host_ms the time to put them in the
+    stream (forward + commit, no logits, no wait) and eager_drain_ms what the device still had to do then (near 0:
+    the host is the bound). sync: waits for the device (default: CuPy's, when there is a GPU)."""
+    from services.engine.generate import PREFILL_CHUNK as chunk
+    from services.engine.generate import prefill as serve_prefill
+
+    if sync is None:
+        import cupy
+
+        sync = cupy.cuda.Device().synchronize
+    mod = sys.modules.get(type(model).__module__)
+    graphs_knob = hasattr(mod, "PROMPT_GRAPHS") and getattr(model, "use_graphs", False)
+    rng = np.random.default_rng(3)
+    out: dict[int, dict] = {}
+    for n in lengths:
+        if out and time.perf_counter() > deadline:
+            break
+        ids = rng.integers(0, model.cfg.n_vocab, size=n)
+        walls, hosts, drains = [], [], []
+        for r in range(reps + 1):
+            for how in ("serve", "eager") if graphs_knob else ("serve",):
+                st = model.acquire_state(n + 8) if hasattr(model, "acquire_state") else model.new_state(n + 8)
+                keep = getattr(mod, "PROMPT_GRAPHS", None)
+                try:
+                    sync()
+                    t0 = time.perf_counter()
+                    if how == "serve":
+                        serve_prefill(model, st, ids)
+                        t1 = time.perf_counter()
+                    else:
+                        mod.PROMPT_GRAPHS = False
+                        for s in range(0, n, chunk):
+                            part = ids[s:s + chunk]
+                            model.forward(st, part, logits="none")
+                            st.commit(range(len(part)))
+                        t1 = time.perf_counter()
+                        sync()
+                    t2 = time.perf_counter()
+                finally:
+                    if how == "eager":
+                        mod.PROMPT_GRAPHS = keep
+                    if hasattr(model, "release_state"):
+                        model.release_state(st)
+                if r:
+                    if how == "serve":
+                        walls.append(t1 - t0)
+                    else:
+                        hosts.append(t1 - t0)
+                        drains.append(t2 - t1)
+        med = statistics.median(walls)
+        out[n] = {"ms": round(med * 1e3, 2), "tps": round(n / med, 1)}
+        if hosts:
+            eager = statistics.median(h + d for h, d in zip(hosts, drains))
+            out[n].update(eager_ms=round(eager * 1e3, 2), eager_host_ms=round(statistics.median(hosts) * 1e3, 2),
+                          eager_drain_ms=round(statistics.median(drains) * 1e3, 2),
+                          eager_over_served=round(eager / med, 3))
     return out
 
 
@@ -457,6 +528,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--long-context", type=int, default=2600,
                     help="drafter pass also timed at this context (past the 2048 window; 0: skip)")
     ap.add_argument("--no-decode", action="store_true", help="skip the plain-decode part")
+    ap.add_argument("--prompts", type=int, nargs="*", default=list(PROMPTS),
+                    help="prompt lengths timed from an empty context (pp n; none: skip)")
     args = ap.parse_args(argv)
     os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
     t_start = time.perf_counter()
@@ -672,6 +745,20 @@ def measure(model, r: dict[str, Any], timer: Timer, args, scale: float, roof: fl
         r["decode_error"] = _err()
     save()
 
+    try:
+        if args.prompts and time.perf_counter() < deadline:
+            pp = prompt_processing(model, args.prompts, min(args.reps, 3), deadline)
+            step = r.get("verify_replay_ms", {}).get(1)
+            if "decode" in r:
+                step = 1e3 / r["decode"]["tps"]       # llama-bench's decode step: tg time / tokens
+            for v in pp.values():
+                v["decode_steps"] = round(v["ms"] / step, 2) if step and scale == 1 else None
+            r["prompts"] = pp
+            log(f"prompt processing (pp n): {pp}")
+    except Exception:
+        r["prompts_error"] = _err()
+    save()
+
     if args.spec_steps <= 0 or SPEC_WIDTH not in widths:
         return
     try:
@@ -726,6 +813,14 @@ def print_table(rep: dict[str, Any], path: str) -> None:
     row("  measured: served (a step ahead) / one step at a time; graphs back to back: ahead's / step + commit, tok/s",
         lambda m: " / ".join(_f(m["decode"].get(k), 1) for k in ("tps", "step_tps")) + "; "
         + " / ".join(_f(m["decode"].get(k), 1) for k in ("ahead_replay_tps", "replay_tps")))
+    prompts = list(next(iter(modes.values()), {}).get("prompts", {}))
+    if prompts:
+        row(f"prompt of {' / '.join(map(str, prompts))} tokens from an empty context (pp n): ms; tok/s; decode steps",
+            lambda m: " | ".join(f"{v['ms']:.1f}; {v['tps']:.0f}; {_f(v['decode_steps'], 2)}"
+                                 for v in m["prompts"].values()))
+        row("  the same in eager 512-token chunks: ms (host's enqueue + the device's drain after it); / served",
+            lambda m: " | ".join(f"{v['eager_ms']:.1f} ({v['eager_host_ms']:.1f} + {v['eager_drain_ms']:.1f}); "
+                                 f"{v['eager_over_served']:.2f}x" for v in m["prompts"].values()))
     accepts = list(next(iter(modes.values()), {}).get("spec_projection", {}))
     if accepts:
         row(f"forced acceptance {' / '.join(map(str, accepts))} per width-{SPEC_WIDTH} step (drafter excluded), "
@@ -756,7 +851,7 @@ def print_table(rep: dict[str, Any], path: str) -> None:
                 for v in m["drafter"][key].values()))
     print("\n".join(lines))
     for name, m in modes.items():
-        for k in ("width_error", "decode_error", "spec_error", "graph_blocker"):
+        for k in ("width_error", "decode_error", "prompts_error", "spec_error", "graph_blocker"):
             if m.get(k):
                 print(f"{name} {k}: {m[k]}")
         for k in ("error", "spec_loop_error", "long_error"):

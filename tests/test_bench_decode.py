@@ -4,6 +4,7 @@ each width's captured verify graph replayed alone, the replays reported beside t
 from __future__ import annotations
 
 import importlib.util
+import sys
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -128,3 +129,45 @@ def test_table_reports_both_loop_orders_and_their_outside_share(capsys) -> None:
     out = capsys.readouterr().out
     assert "the next draft before the commit" in out and "serial" in out
     assert "0.7 (5.1 %)" in out and "0.84 (6.0 %)" in out
+
+
+PROMPT_GRAPHS = True   # the knob a GPU model's module has (qwen35_gpu.PROMPT_GRAPHS); _GraphModel's module is this
+
+
+class _GraphModel:
+    """The tiny NumPy target behind a GPU model's prompt knob: records each forward's length and the knob's value."""
+
+    use_graphs = True
+
+    def __init__(self, inner):
+        self.inner, self.cfg, self.seen, self.states = inner, inner.cfg, [], []
+
+    def new_state(self, n):
+        self.states.append(self.inner.new_state(n))
+        return self.states[-1]
+
+    def forward(self, state, ids, **kw):
+        self.seen.append((len(ids), sys.modules[__name__].PROMPT_GRAPHS))
+        return self.inner.forward(state, ids, **kw)
+
+
+def test_prompt_processing_times_the_served_prefill_and_eager_chunks() -> None:
+    """pp n: every round commits the whole prompt on a fresh state as a request does; where the model has the prompt
+    graph knob, the same prompt again in eager chunks with the knob off (and back on after), timed as enqueue + drain,
+    with the ratio to the served time."""
+    from tests.dflash_models import make_tiny_target
+
+    decode = _decode_module()
+    model = _GraphModel(make_tiny_target())
+    waits = []
+    pp = decode.prompt_processing(model, (5, 9), reps=2, deadline=float("inf"), sync=lambda: waits.append(1))
+    assert set(pp) == {5, 9} and PROMPT_GRAPHS is True
+    assert [s.n_past for s in model.states] == [5] * 6 + [9] * 6      # 2 lengths x 3 rounds x (served, eager)
+    assert model.seen == [(5, True), (5, False)] * 3 + [(9, True), (9, False)] * 3
+    assert len(waits) == 2 * 3 * 3                                     # before each run, after each enqueue
+    for n, v in pp.items():
+        assert v["tps"] == pytest.approx(n / (v["ms"] / 1e3), rel=0.01)
+        assert v["eager_ms"] >= v["eager_host_ms"] > 0 and v["eager_drain_ms"] >= 0
+        assert v["eager_over_served"] == pytest.approx(v["eager_ms"] / v["ms"], rel=0.05)
+    plain = decode.prompt_processing(make_tiny_target(), (4,), reps=1, deadline=float("inf"), sync=lambda: None)
+    assert set(plain[4]) == {"ms", "tps"}                               # no knob: the served prefill only
