@@ -79,6 +79,44 @@ def test_prefill_and_decode_logits_match_numpy():
 
 
 @needs_gpu
+@pytest.mark.parametrize("n", [5, 40, 64, 100, 150])
+def test_prompt_chunks_as_graph_steps_match_numpy_and_eager_chunks(n, monkeypatch):
+    """generate.prefill on a state of the widest steps: whole 64-token chunks as a chain's graph, the last one padded
+    to the next PROMPT_LADDER width as a checkpointed chain's graph and committed to the prompt's tokens. The last
+    row's logits and 8 teacher-forced decode steps after it (they read the committed KV rows, DeltaNet states and
+    conv windows) within LOGIT_TOL of the NumPy engine and GRAPH_TOL of eager 512-token chunks; graph steps ran."""
+    from services.engine.generate import prefill
+    from services.engine.models import qwen35_gpu as QG
+
+    cpu, gpu, _, _ = models()
+    gpu.use_graphs = True
+    monkeypatch.setattr(gpu, "max_tree", QG.MAX_TREE)        # (a test before may have planned a narrower server)
+    prompt = [int(t) for t in np.random.default_rng(n).integers(0, gpu.cfg.n_vocab, n)]
+
+    def run(model, st):
+        out = [np.asarray(prefill(model, st, prompt)[0])]
+        tok = int(np.argmax(out[0]))
+        for _ in range(8):
+            out.append(np.asarray(model.forward(st, [tok], logits="last").logits[-1]))
+            st.commit([0])
+            tok = int(np.argmax(out[-1]))
+        return out
+
+    want = run(cpu, cpu.new_state(256))
+    replays = gpu.graph_stats["replays"] + gpu.graph_stats["captures"]
+    eager_before = gpu.graph_stats["eager"]
+    got = run(gpu, gpu.new_state(256))
+    assert gpu.graph_stats["eager"] == eager_before          # every chunk and step a graph's
+    assert gpu.graph_stats["replays"] + gpu.graph_stats["captures"] - replays == -(-n // 64) + 8
+    monkeypatch.setattr(QG, "PROMPT_GRAPHS", False)
+    eager = run(gpu, gpu.new_state(256))
+    worst, drift = max(map(_max_diff, want, got)), max(map(_max_diff, eager, got))
+    print(f"prompt of {n} as graph steps: max |GPU - NumPy| {worst:.4g}, |graphs - eager chunks| {drift:.4g}")
+    assert worst <= LOGIT_TOL, f"{worst:.4g} > {LOGIT_TOL}"
+    assert drift <= GRAPH_TOL, f"{drift:.4g} > {GRAPH_TOL}"
+
+
+@needs_gpu
 def test_greedy_64_tokens_identical():
     from services.engine.generate import generate
 
@@ -303,8 +341,8 @@ def test_graph_replay_equals_eager_launches():
     after = gpu.graph_stats
     assert gpu.graph_blocker is None, gpu.graph_blocker
     assert after["failed"] == before["failed"]
-    # shapes: decode, tree 9, chain 5 + capture: 3 captures (the prompt runs eagerly: a one-off shape); replays:
-    # 9 decode, 1 tree, 1 chain
+    # shapes: decode, tree 9, chain 5 + capture: 3 captures (the prompt, with every row's logits, runs eagerly: not a
+    # prompt chunk of PROMPT_GRAPHS); replays: 9 decode, 1 tree, 1 chain
     assert after["captures"] - before["captures"] == 3
     assert after["replays"] - before["replays"] == 11
     # every result is kept, and a graph step writes its results into the state's output buffers: each of the 13
@@ -788,7 +826,7 @@ def test_decode_ahead_stops_at_the_context_end_and_serves_generate(monkeypatch):
     assert generate(gpu, ids, 30).token_ids == want and calls == [29]
     replays, captures = gpu.graph_stats["replays"], gpu.graph_stats["captures"]
     assert generate(gpu, ids, 30).token_ids == want and gpu.graph_stats["captures"] == captures
-    assert gpu.graph_stats["replays"] - replays == 29       # (the prompt runs eagerly)
+    assert gpu.graph_stats["replays"] - replays == 30       # the prompt's chunk (PROMPT_GRAPHS), 29 decode steps
     assert speculative_generate(gpu, None, ids, 30).token_ids == want and calls[-1] == 29
     stop = want[12]
     first = want.index(stop)

@@ -176,6 +176,8 @@ def test_an_eager_chunk_wider_than_the_state_reads_its_own_mask(fake_cp):
                                   _launches=launches)
     model._enqueue = lambda *a, **kw: Qwen35GpuModel._enqueue(model, *a, **kw)
     model._stage_values = lambda *a: Qwen35GpuModel._stage_values(model, *a)
+    model._prompt_pad = lambda *a: Qwen35GpuModel._prompt_pad(model, *a)
+    model._prompt_top = lambda st: Qwen35GpuModel._prompt_top(model, st)
     st = GpuSequenceState(cfg, 256, "f16", "f16", max_tree=1)
     Qwen35GpuModel.forward(model, st, [3], logits="none")          # a decode step: its one-token mask
     st.pending, st.n_past = None, 1

@@ -52,8 +52,11 @@ def check_request(model: TargetModel, prompt_ids: Sequence[int], max_tokens: int
 
 def prefill(model: TargetModel, state: SequenceState, prompt_ids: Sequence[int],
             capture: Sequence[int] = (), chunk: int = PREFILL_CHUNK):
-    """Commit the prompt in chunks; returns the last position's logits and the captured layer outputs."""
+    """Commit the prompt in chunks (of the model's own length for this state where it has one: a GPU model's
+    graph steps); returns the last position's logits and the captured layer outputs."""
     ids = np.asarray(prompt_ids, dtype=np.int64)
+    if hasattr(model, "prompt_chunk"):
+        chunk = model.prompt_chunk(state, chunk)
     feats = []
     logits = None
     for s in range(0, len(ids), chunk):

@@ -10,7 +10,7 @@ memory plan counts per slot and per device before the first request.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -101,7 +101,7 @@ def gpu_matrices(*models: Any) -> set[tuple[int, int, int]]:
 
 
 def reserve_serving(model: Any, drafter: Any, slots: int, max_ctx: int, budget: int | None, speculative: bool,
-                    n_capture: int, device: str) -> int:
+                    n_capture: int, device: str, layer_ids: Sequence[int] | None = None) -> int:
     """Set up `model` (and an in-process `drafter`, or None) to serve `slots` requests of up to max_ctx tokens
     with verifies of the planned width (memory_plan.serving_width: budget None = chain), and return that width.
 
@@ -111,7 +111,9 @@ def reserve_serving(model: Any, drafter: Any, slots: int, max_ctx: int, budget: 
     at the planned width; then every kernel a request may launch is fetched (prompt chunks of every width class,
     a plain step, the drafter's appends) and the drafter's passes of a step's appends are captured, so that no
     request builds a kernel or, in the first context bucket, captures a drafter pass. A NumPy model only learns its
-    pool sizes (it allocates per request, as the CPU plan counts)."""
+    pool sizes (it allocates per request, as the CPU plan counts). layer_ids: the drafter's feature layers where
+    known (its n_capture layers: a speculative request's prompt graphs are captured with them, a plain one's with
+    none)."""
     from . import memory_plan as mp
 
     block = getattr(drafter, "block_size", mp.DEFAULT_BLOCK_SIZE)
@@ -153,7 +155,11 @@ def reserve_serving(model: Any, drafter: Any, slots: int, max_ctx: int, budget: 
     # prompt chunks of every width class (the captured layers' ids do not change the kernels), and the drafter's
     # passes of a step's appends (captured) and a prompt's appends
     n_layer = int(model.cfg.n_layer)
-    model.warm_prefill(capture=list(range(n_capture)) if speculative and 0 < n_capture <= n_layer else ())
+    if layer_ids is None and drafter is not None:
+        layer_ids = getattr(drafter, "target_layer_ids", None)
+    warm = list(layer_ids) if layer_ids and len(layer_ids) == n_capture else list(range(n_capture))
+    warm = warm if speculative and 0 < n_capture <= n_layer else []
+    model.warm_prefill(capture=warm, prompt_captures=[[]] + ([warm] if warm else []))
     if gpu_drafter is not None and speculative:
         gpu_drafter.capture_passes()
         gpu_drafter.warm_appends()

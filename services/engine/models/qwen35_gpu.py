@@ -162,6 +162,16 @@ FUSE_DECODE_ATTN = True
 # order where the fused steps of that width may have used the wgmma one: so not fetched by them) and a whole prefill
 # chunk (generate.PREFILL_CHUNK)
 WARM_CHUNKS = (8, 16, 24, 32, 40, 48, 56, 64, 72, 80, 88, 96, 104, 112, 120, 512)
+# Prompt chunks as captured steps: eager, a prompt is bound by the host's launches (512 tokens of the 27B in ~306 ms
+# on an H200, the device idle most of it; as 64-token graph replays ~8 x 15 ms). generate.prefill then cuts a prompt
+# into chunks of the state's widest step (prompt_chunk): a whole one replays a chain's graph, the last one (shorter)
+# is padded to the next width of PROMPT_LADDER and replays a checkpointed chain's graph (a verify's), whose commit
+# keeps its real tokens (the padding's KV rows lie past them, overwritten later; its DeltaNet states are never
+# committed). Only chains whose logits are the last row's or none are a prompt's: a chain with every row's logits
+# keeps its width (eager). States narrower than PROMPT_MIN_WIDTH keep eager chunks: their many passes would cost more.
+PROMPT_GRAPHS = True
+PROMPT_LADDER = (8, 16, 32)
+PROMPT_MIN_WIDTH = 16
 RAW_ROWS = 512           # pre-conv rows a state keeps: a prefill chunk's (generate.PREFILL_CHUNK), or the tree's
 ARENA_SLACK = 4 << 20    # an arena holds a capture's measured peak + 1/8 + this (the capture repeats the warm-up)
 
@@ -193,6 +203,7 @@ class GpuPending:
     parents: np.ndarray
     per_token: bool          # any node committable: replay inputs kept (else a chain's final state only)
     is_chain: bool = False
+    n_real: int = 0          # a padded prompt chunk's own tokens (committed whole), 0: every token is the step's
 
 
 def _pinned(cp: Any, n: int, dtype: Any) -> np.ndarray:
@@ -410,6 +421,9 @@ class GpuSequenceState:
         if p is None:
             raise RuntimeError("commit() without a pending forward pass")
         path = check_commit_path(path, p.parents)
+        if p.n_real and path and path != list(range(p.n_real)):
+            raise ValueError(f"a prompt chunk (a chain forward without checkpoints) can only be committed whole: "
+                             f"its {p.n_real} tokens")
         if path:
             cp = nr.loader.require()
             first = next((d for d, i in enumerate(path) if i != d), None)
@@ -790,11 +804,15 @@ class Qwen35GpuModel(TargetModel):
         with self._pool_lock:
             return max((st.max_ctx for st in self._state_pool), default=None)
 
-    def warm_prefill(self, capture: Sequence[int] = (), chunks: Sequence[int] = WARM_CHUNKS) -> int:
+    def warm_prefill(self, capture: Sequence[int] = (), chunks: Sequence[int] = WARM_CHUNKS,
+                     prompt_captures: Sequence[Sequence[int]] | None = None) -> int:
         """Run and commit a prompt chunk of each width in `chunks` that fits a pooled state (as generate.prefill
         does, capturing `capture`), then a plain decode step and two of decode_ahead, so that every kernel a prompt
         may launch is fetched now (an NVRTC build is 0.4-0.5 s on a cold cache) and not during a request, and the
-        plain steps' graphs are on that state. Returns how many kernels were fetched."""
+        plain steps' graphs are on that state. Where prompt chunks are graph steps (prompt_chunk), their graphs in
+        the first context bucket are captured too, on every pooled state, for each layer set of `prompt_captures`
+        (default: `capture`'s; a plain request captures none, a speculative one its drafter's). Returns how many
+        kernels were fetched."""
         room = self.pooled_ctx() or 0
         sizes = [int(n) for n in chunks if int(n) < room]
         if not sizes:
@@ -820,7 +838,29 @@ class Qwen35GpuModel(TargetModel):
         finally:
             st.reset()
             self.release_state(st)
+        self._warm_prompt_graphs(prompt_captures if prompt_captures is not None else (capture,))
         return nr.loader.functions_loaded() - before
+
+    def _warm_prompt_graphs(self, captures: Sequence[Sequence[int]]) -> None:
+        """Capture on every pooled state the graphs of a prompt's chunks in the first context bucket: a whole chunk
+        (no logits) and a last chunk at every width it is padded to, for each layer set in `captures`."""
+        with self._pool_lock:
+            states = list(self._state_pool)
+            self._state_pool.clear()
+            self._states_out += len(states)
+        try:
+            for st in states:
+                top = self._prompt_top(st)
+                for cap in captures if top else ():
+                    for n, lg in [(top, "none")] + [(w, "last") for w in self._prompt_widths(top)]:
+                        if n < st.max_ctx:
+                            st.reset()
+                            self.forward(st, np.arange(n) % self.cfg.n_vocab, capture=list(cap), logits=lg)
+                            st.commit(range(n))
+        finally:
+            for st in states:
+                st.reset()
+                self.release_state(st)
 
     def acquire_state(self, n_ctx: int, limit: int | None = None) -> GpuSequenceState:
         """A state for a request of up to n_ctx tokens, from the pool when one fits (its captured graphs come
@@ -946,8 +986,22 @@ class Qwen35GpuModel(TargetModel):
             raise ValueError(f"logits must be 'all', 'last', 'none' or 'rows', not {logits!r}")
         if logits == "rows":    # DeviceLogits already copies a row to the host only when it is read
             logits = "all"
-        lg, amax, cap, graph = self._enqueue(state, tokens, parents, capture, checkpoints, logits)
-        T = state.pending.n_tokens
+        pad = self._prompt_pad(state, tokens, parents, checkpoints, logits)
+        if pad:   # a prompt chunk as a wider checkpointed chain's graph step (PROMPT_GRAPHS)
+            n_real = len(tokens)
+            padded = np.concatenate([np.asarray(tokens, np.int64), np.full(pad - n_real, int(tokens[-1]), np.int64)])
+            lg, amax, cap, graph = self._enqueue(state, padded, None, capture, True, "none" if logits == "none"
+                                                 else "all")
+            state.pending.n_real = n_real
+            rows = slice(n_real - 1, n_real) if logits == "last" else slice(0, n_real)
+            if lg is not None:
+                lg, amax = lg[rows], amax[rows]
+            if cap is not None:
+                cap = cap[:n_real]
+            T = n_real
+        else:
+            lg, amax, cap, graph = self._enqueue(state, tokens, parents, capture, checkpoints, logits)
+            T = state.pending.n_tokens
         rows_idx = {"all": np.arange(T), "last": np.array([T - 1]), "none": np.array([], dtype=np.int64)}[logits]
         out = None
         n_ids = len(rows_idx)
@@ -963,6 +1017,36 @@ class Qwen35GpuModel(TargetModel):
         if graph:   # over the state's output buffers, which the next graph step rewrites: it copies them first
             state.handed = [weakref.ref(r) for r in (out, captured) if r is not None]
         return ForwardResult(logits=out, logit_rows=rows_idx, captured=captured)
+
+    def prompt_chunk(self, state: GpuSequenceState, default: int) -> int:
+        """generate.prefill's chunk length on this state: its widest graph step when prompt chunks run as graph
+        replays (PROMPT_GRAPHS), else `default` (eager chunks)."""
+        return self._prompt_top(state) or int(default)
+
+    def _prompt_top(self, state: GpuSequenceState) -> int:
+        """The width of a prompt's whole chunks as graph steps on this state (0: prompt chunks run eagerly)."""
+        if not (PROMPT_GRAPHS and self.use_graphs and self.graph_blocker is None):
+            return 0
+        top = min(ATTN_TOKENS, state.max_tree)
+        return top if top >= PROMPT_MIN_WIDTH else 0
+
+    def _prompt_pad(self, state: GpuSequenceState, tokens: Sequence[int], parents: Sequence[int] | None,
+                    checkpoints: bool, logits: str) -> int:
+        """The checkpointed chain width a prompt chunk (a chain of 2+ tokens without checkpoints whose logits are
+        the last row's or none) is padded to, so that it replays a graph; 0: it runs as it is (a whole chunk without
+        logits is a graph step of its own; a chain with every row's logits is not a prompt's: eager, as before)."""
+        top = self._prompt_top(state)
+        T = len(tokens)
+        if (not top or parents is not None or checkpoints or logits == "all" or not 2 <= T <= top
+                or (T == top and logits == "none")):
+            return 0
+        room = state.max_ctx - state.n_past
+        return next((w for w in self._prompt_widths(top) if T <= w <= room), 0)
+
+    @staticmethod
+    def _prompt_widths(top: int) -> list[int]:
+        """The widths a prompt's last chunk is padded to, up to the whole chunks' `top`."""
+        return sorted({w for w in PROMPT_LADDER if w < top} | {top})
 
     def _enqueue(self, state: GpuSequenceState, tokens: Sequence[int], parents: Sequence[int] | None,
                  capture: Sequence[int], checkpoints: bool, logits: str, ahead: int = 0) -> tuple[Any, Any, Any, bool]:
@@ -990,11 +1074,12 @@ class Qwen35GpuModel(TargetModel):
             positions, x0 = state.positions[:T], None
         else:
             positions, x0 = self._stage_values(state, tokens, par, is_chain)
-        # graphs for the steps a request repeats (decode, verify trees and checkpointed chains); a prompt chunk (a
-        # chain of several tokens without checkpoints) runs eagerly: its length rarely comes again, and a capture
-        # costs about twice an eager pass, mid-request, and a place among the state's GRAPHS_PER_STATE
+        # graphs for the steps a request repeats (decode, verify trees and checkpointed chains, a prompt's whole
+        # chunks: prompt_chunk); another chain of several tokens without checkpoints runs eagerly (forward pads a
+        # prompt's last chunk to a checkpointed chain first, _prompt_pad): its length rarely comes again, and a
+        # capture costs about twice an eager pass, mid-request, and a place among the state's GRAPHS_PER_STATE
         graph = (self.use_graphs and self.graph_blocker is None and small and T <= min(ATTN_TOKENS, state.max_tree)
-                 and (T == 1 or per_token))
+                 and (T == 1 or per_token or (is_chain and logits == "none" and T == self._prompt_top(state))))
         # K splits of the attention: from S (eager), or from S's bucket (a graph serves every S up to it)
         s_hint = _s_bucket(S + T, state.max_ctx) - T if graph else S
         step = _Step(T=T, S=S, parents=par, is_chain=is_chain, per_token=per_token, positions=positions,
