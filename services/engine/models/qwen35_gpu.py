@@ -17,8 +17,9 @@ KV types: f16, q8_0 or tq3_0, K and V chosen independently (f32 is kept as f16, 
 
 CUDA graphs (default on; SPECSPLIT_CUDA_GRAPHS=0 or `model.use_graphs = False`: eager launches): the first
 step of a shape on a state (width T <= 64, chain or tree, checkpoints, logits rows, captured layers, and a
-power-of-two bucket of S that fixes the attention's K splits; decode steps, trees and checkpointed chains: a prompt
-chunk, whose length rarely comes again, always runs eagerly) runs eagerly while its allocations are measured,
+power-of-two bucket of S that fixes the attention's K splits; decode steps, trees and checkpointed chains, and a
+prompt's chunks: whole ones of the state's widest width, the last one padded to a ladder width as a checkpointed
+chain, PROMPT_GRAPHS; any other chain without checkpoints runs eagerly) runs eagerly while its allocations are measured,
 then the same launches are captured on a side stream with every temporary taken from the device's one graph
 arena (GraphArena, shared by every captured graph: steps and commits of all states, the GPU drafter's passes);
 later steps of that shape write their values (token ids, positions, parents, mask, S) into the state's device
