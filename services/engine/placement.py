@@ -110,10 +110,10 @@ def reserve_serving(model: Any, drafter: Any, slots: int, max_ctx: int, budget: 
     scratch's size is fixed; the states' checkpoints, the graph steps' logits rows and the verify width are capped
     at the planned width; then every kernel a request may launch is fetched (prompt chunks of every width class,
     a plain step, the drafter's appends) and the drafter's passes of a step's appends are captured, so that no
-    request builds a kernel or, in the first context bucket, captures a drafter pass. A NumPy model only learns its
-    pool sizes (it allocates per request, as the CPU plan counts). layer_ids: the drafter's feature layers where
-    known (its n_capture layers: a speculative request's prompt graphs are captured with them, a plain one's with
-    none)."""
+    request builds a kernel or, in the first context bucket, captures a drafter pass or a prompt chunk's step. A
+    NumPy model only learns its pool sizes (it allocates per request, as the CPU plan counts). layer_ids: the
+    drafter's feature layers where known (its n_capture layers: a speculative request's prompt graphs are captured
+    with them, a plain one's with none)."""
     from . import memory_plan as mp
 
     block = getattr(drafter, "block_size", mp.DEFAULT_BLOCK_SIZE)
@@ -152,8 +152,9 @@ def reserve_serving(model: Any, drafter: Any, slots: int, max_ctx: int, budget: 
     # loaded): back to the device
     model.release_cached_memory()
     # every kernel a request may launch fetched now, not mid-request (an NVRTC build is 0.4-0.5 s on a cold cache):
-    # prompt chunks of every width class (the captured layers' ids do not change the kernels), and the drafter's
-    # passes of a step's appends (captured) and a prompt's appends
+    # prompt chunks of every width class (the captured layers' ids do not change the kernels; where prompts run as
+    # graph steps, the graphs of the layer sets requests capture: none for a plain one, the drafter's for a
+    # speculative one), and the drafter's passes of a step's appends (captured) and a prompt's appends
     n_layer = int(model.cfg.n_layer)
     if layer_ids is None and drafter is not None:
         layer_ids = getattr(drafter, "target_layer_ids", None)
