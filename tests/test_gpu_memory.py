@@ -24,27 +24,18 @@ from services.engine import faults
 from services.engine import memory_plan as M
 from services.engine import synthetic as S
 from services.engine.errors import DeviceMemoryError, is_out_of_memory
+from tests.fake_cupy import fake_cupy
 
 ROOT = Path(__file__).resolve().parents[1]
 _REASON = loader.unavailable_reason()
 needs_gpu = pytest.mark.skipif(_REASON is not None, reason=f"GPU memory tests skipped: {_REASON}")
 
 
-def _fake_cupy() -> types.SimpleNamespace:
-    """The CuPy calls the engine's buffers are made with, on NumPy (nothing launches)."""
-    cuda = types.SimpleNamespace(alloc_pinned_memory=lambda n: bytearray(n),
-                                 Device=lambda *a: types.SimpleNamespace(id=0),
-                                 get_current_stream=lambda: types.SimpleNamespace(synchronize=lambda: None))
-    return types.SimpleNamespace(zeros=np.zeros, empty=np.empty, full=np.full, asarray=np.asarray, arange=np.arange,
-                                 float32=np.float32, float16=np.float16, int32=np.int32, int64=np.int64,
-                                 uint8=np.uint8, uint32=np.uint32, uint64=np.uint64, cuda=cuda)
-
-
 @pytest.fixture
 def fake_cp(monkeypatch):
     from services.engine.models import qwen35_gpu as QG
 
-    cp = _fake_cupy()
+    cp = fake_cupy()
     monkeypatch.setattr(loader, "require", lambda: cp)
     monkeypatch.setattr(QG, "_arenas", {})
     return cp

@@ -15,28 +15,14 @@ import pytest
 from kernels import loader
 from services.engine import synthetic as S
 from services.engine.models import qwen35_gpu as QG
-
-
-def _fake_cupy() -> types.SimpleNamespace:
-    def asnumpy(a, out=None, blocking=True):
-        if out is None:
-            return np.array(a)
-        out[...] = a
-        return out
-
-    cuda = types.SimpleNamespace(alloc_pinned_memory=lambda n: bytearray(n),
-                                 Device=lambda *a: types.SimpleNamespace(id=0),
-                                 get_current_stream=lambda: types.SimpleNamespace(synchronize=lambda: None))
-    return types.SimpleNamespace(zeros=np.zeros, empty=np.empty, full=np.full, asarray=np.asarray, arange=np.arange,
-                                 asnumpy=asnumpy, float32=np.float32, float16=np.float16, int32=np.int32,
-                                 int64=np.int64, uint8=np.uint8, uint32=np.uint32, uint64=np.uint64, cuda=cuda)
+from tests.fake_cupy import fake_cupy
 
 
 @pytest.fixture
 def fake(monkeypatch):
     """A Qwen35GpuModel stand-in whose step (_enqueue) records its arguments and answers rows that say their index:
     logits row i all i, argmax i, captured row i all i."""
-    cp = _fake_cupy()
+    cp = fake_cupy()
     monkeypatch.setattr(loader, "require", lambda: cp)
     cfg = S.get_shape("tiny").target
     calls = []
