@@ -233,12 +233,12 @@ def main(argv: list[str] | None = None) -> int:
         mp.DEFAULT_CAPTURE_LAYERS if args.remote_drafter else 0)
     speculative = drafter is not None or args.remote_drafter
     width = reserve_serving(model, drafter, args.slots, plan.settings.max_ctx, budget, speculative, n_capture, device)
-    assert width == plan.width, (width, plan.width)
+    assert width == plan.width and model.max_tree == plan.state_width, (width, model.max_tree, plan)
     reserved = meter.read("reserved", model, drafter)
     grown0 = reserved["arena_grown"]
     kv_k, kv_v = model.kv_cache_types
-    st_planned = sum(mp.gpu_state_bytes(cfg, plan.settings.max_ctx, kv_k, kv_v, width, n_capture,
-                                        model._host_table).values())
+    st_planned = sum(mp.gpu_state_bytes(cfg, plan.settings.max_ctx, kv_k, kv_v, model.max_tree,
+                                        n_capture, model._host_table).values())
     ses_planned = 0
     if drafter is not None and hasattr(drafter, "_pool"):
         ses_planned = sum(mp.gpu_session_bytes(mp.drafter_shape_of(drafter.cfg), plan.settings.max_ctx
@@ -253,7 +253,7 @@ def main(argv: list[str] | None = None) -> int:
         widths = list(range(a, b + 1))
     else:
         widths = [int(x) for x in args.widths.split(",")]
-    widths = [w for w in widths if w <= width]
+    widths = [w for w in widths if w <= model.max_tree]     # every step a state holds (a prompt's, a verify's)
     capture = list(drafter.target_layer_ids) if drafter is not None else (
         list(range(0, cfg.n_layer, max(1, cfg.n_layer // n_capture)))[:n_capture] if n_capture else [])
     t2 = time.perf_counter()

@@ -86,7 +86,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         prompt_ids = tok.encode(text)
     params = resolve_sampling({k: getattr(args, k) for k in SAMPLING_OPTIONS}, target.sampling_defaults)
     stop = sorted(tok.eos_ids) if tok is not None and not args.ignore_eos else []
-    from .engine.memory_plan import serving_width
+    from .engine.memory_plan import serving_width, state_width
 
     if args.draft:
         from .engine.speculative import AUTO_MAX_BUDGET, SpecConfig, speculative_generate
@@ -96,8 +96,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
         chain = args.chain or args.budget is None
         budget = None if chain else (AUTO_MAX_BUDGET if args.budget == "auto" else args.budget)
         width = serving_width(True, budget, loaded.drafter.block_size, "cuda" if gpu else "numpy")
-        if gpu:
-            target.model.max_tree = width          # the widest verify the memory plan counted
+        if gpu:   # the widest step the memory plan counted: this verify width, or a prompt's graph steps
+            target.model.max_tree = state_width(True, budget, loaded.drafter.block_size, "cuda")
         if chain:
             spec = SpecConfig(budget=None)
         elif args.budget == "auto":
@@ -111,7 +111,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
                                    stop_ids=stop, max_ctx=args.max_ctx)
     else:
         if gpu:
-            target.model.max_tree = serving_width(False, None, 1, "cuda")
+            target.model.max_tree = state_width(False, None, 1, "cuda")   # a prompt's graph steps
         res = generate(target.model, prompt_ids, args.max_tokens, params, stop_ids=stop, max_ctx=args.max_ctx)
     out_ids = res.token_ids
     text_ids = out_ids[:-1] if res.finish_reason == "stop" else out_ids

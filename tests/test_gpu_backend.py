@@ -566,14 +566,16 @@ def test_kv_types_and_memory_plan_match_the_gpu_allocation():
                 assert st.kv_types == (gk, gv)
                 assert sum(c.nbytes for c in st.kv.values()) == want
     # the DeltaNet buffers: per node and layer a conv output row and g, beta (the commit replays the accepted path)
-    # for the planned verify width (budget 22: 23 nodes) and the walk plan; the committed state and a chain step's
-    # final state; the conv window with a prefill chunk's raw rows
-    from services.engine.memory_plan import GPU_RAW_ROWS, Device, PlanSettings, WeightBytes, build_plan
+    # for the planned state width (a verify of budget 22 is 23 nodes, a prompt's graph steps 64) and the walk plan;
+    # the committed state and a chain step's final state; the conv window with a prefill chunk's raw rows
+    from services.engine.memory_plan import GPU_PROMPT_STEP, GPU_RAW_ROWS, Device, PlanSettings, WeightBytes, build_plan
 
     n_rec = sum(1 for r in cfg.recurrent_layers if r)
-    plan = build_plan(cfg, WeightBytes.of({}), PlanSettings(max_ctx=256, device=Device("cuda", 0), budget=22), None,
-                      free={"cuda:0": (1 << 40, 1 << 40)}, sms=132).devices[0]  # fmt: skip
-    replay = n_rec * 23 * (cfg.ssm_conv_dim + 2 * cfg.ssm_n_v_heads) * 4 + 23 * 4
+    full = build_plan(cfg, WeightBytes.of({}), PlanSettings(max_ctx=256, device=Device("cuda", 0), budget=22), None,
+                      free={"cuda:0": (1 << 40, 1 << 40)}, sms=132)  # fmt: skip
+    plan, nodes = full.devices[0], GPU_PROMPT_STEP
+    assert full.width == 23 and full.state_width == nodes == 64
+    replay = n_rec * nodes * (cfg.ssm_conv_dim + 2 * cfg.ssm_n_v_heads) * 4 + nodes * 4
     state = n_rec * cfg.ssm_n_v_heads * cfg.ssm_head_k_dim * cfg.ssm_head_v_dim * 4
     conv = n_rec * (cfg.ssm_conv_kernel - 1 + GPU_RAW_ROWS) * cfg.ssm_conv_dim * 4
     assert plan.get("recurrent replay inputs") == replay and plan.get("recurrent state") == 2 * state
@@ -581,7 +583,7 @@ def test_kv_types_and_memory_plan_match_the_gpu_allocation():
     if _REASON is None:
         from services.engine.models.qwen35_gpu import GpuSequenceState
 
-        st = GpuSequenceState(cfg, 256, "f16", "f16", max_tree=23)
+        st = GpuSequenceState(cfg, 256, "f16", "f16", max_tree=nodes)
         assert st.mixed.nbytes + st.gates.nbytes + st.plan.nbytes == replay
         assert st.ssm.nbytes + st.ssm_final.nbytes == 2 * state
         assert st.conv.nbytes + st.raw.nbytes == conv

@@ -194,6 +194,11 @@ def test_planner_constants_mirror_the_engine():
     assert M.serving_width(True, 22, 16, "cuda") == 23 and M.serving_width(True, 64, 16, "cuda") == 64
     assert M.serving_width(True, 64, 16, "numpy") == 65 and M.serving_width(True, None, 16, "cuda") == 16
     assert M.serving_width(True, 3, 16, "numpy") == 16 and M.serving_width(False, 22, 16, "cuda") == 1
+    # a GPU state holds a prompt's graph steps (qwen35_gpu._prompt_top: min(ATTN_TOKENS, max_tree)) whatever the verify
+    assert M.GPU_PROMPT_STEP == QG.ATTN_TOKENS and QG.PROMPT_MIN_WIDTH <= M.GPU_PROMPT_STEP
+    assert M.state_width(False, None, 1, "cuda") == M.state_width(True, None, 16, "cuda") == M.GPU_PROMPT_STEP
+    assert M.state_width(True, 64, 16, "cuda") == 64 and M.state_width(False, None, 1, "numpy") == 1
+    assert M.state_width(True, 22, 16, "numpy") == 23
 
 
 def test_warm_chunks_cover_every_launch_width_class():
@@ -332,41 +337,46 @@ def test_gpu_matrices_are_the_planned_ones():
 
 
 @needs_gpu
-def test_cuda_allocation_failure_fails_the_request_alone():
+def test_cuda_allocation_failure_fails_the_request_alone(monkeypatch):
     """A real CuPy allocation failure mid-request (the pool limited to what it holds, then a long prompt whose eager
     prefill needs more): the request raises an error the verifier maps to RESOURCE_EXHAUSTED, CUDA graphs stay on,
     the state goes back to the pool, and with the limit lifted the pooled state behaves exactly like a new one.
 
-    Plain decoding at the planned width 1 (reserve_serving without a drafter): a 5-token prompt is an eager chunk
-    wider than the state's steps, its decode steps are graphs. The short request runs on a fresh model (its first
-    decode step eager, then replays), again on the pooled state (all replays), then after the failure; the long one
-    after the failure against a fresh model's (tests/test_gpu_backend.py checks such an eager chunk's logits against
-    the NumPy engine's)."""
+    Plain decoding (reserve_serving without a drafter: verify width 1, states of 64-token steps): a prompt within
+    the first context bucket runs as graph replays captured at start-up and allocates nothing, so under the same
+    limit it succeeds; the failing one runs in eager 512-token chunks (PROMPT_GRAPHS off, as a state narrower than
+    PROMPT_MIN_WIDTH would). The short request runs on the fresh model, again on the pooled state (all replays),
+    then after the failure; the long one after the failure against a fresh model's (tests/test_gpu_backend.py checks
+    eager chunks and graph-step chunks against the NumPy engine)."""
     import cupy
 
     from services.engine.default_model import default_model_paths
     from services.engine.generate import generate
+    from services.engine.models import qwen35_gpu as QG
     from services.engine.placement import load_target_on, reserve_serving
 
     path = default_model_paths()[0]
 
     def fresh():
         m = load_target_on(path, "cuda:0", with_tokenizer=False).model
-        reserve_serving(m, None, 1, 1024, None, False, 0, "cuda:0")
+        assert reserve_serving(m, None, 1, 1024, None, False, 0, "cuda:0") == 1 and m.max_tree == M.GPU_PROMPT_STEP
         return m
 
     model = fresh()
     ids = [int(i) % model.cfg.n_vocab for i in range(3, 3 + 700)]
-    first = generate(model, ids[:5], 4).token_ids        # a new state: graphs captured, the pool warmed
-    replayed = generate(model, ids[:5], 4).token_ids     # the pooled state: every decode step a replay
+    first = generate(model, ids[:5], 4).token_ids        # the pooled state: its first decode step captured
+    replayed = generate(model, ids[:5], 4).token_ids     # every step a replay
     assert model.pool_stats["reused"] >= 1
     assert replayed == first
+    mid = generate(model, ids[:300], 4).token_ids        # 4 whole 64-token chunks + 44 padded to 64: replays
     pool = cupy.get_default_memory_pool()
     pool.free_all_blocks()
     # no room above what the pool holds: the eager prefill's first new temporary fails (with a margin of 1 MB the
     # request no longer failed on the H100 in session 27: what the prefill allocates anew fit in it)
     pool.set_limit(size=pool.total_bytes())
     try:
+        assert generate(model, ids[:300], 4).token_ids == mid      # graph replays only: nothing new allocated
+        monkeypatch.setattr(QG, "PROMPT_GRAPHS", False)
         with pytest.raises(Exception) as e:
             generate(model, ids, 4)
         assert is_out_of_memory(e.value), repr(e.value)

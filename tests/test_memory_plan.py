@@ -57,7 +57,7 @@ def test_27b_items_by_hand(q27):
     drafter session of the whole context; per device: one graph arena, the eager scratch, a request's copies)."""
     plan = _plan(q27, budget=22, cache_type_k="q8_0", cache_type_v="tq3_0")
     d = plan.devices[0]
-    assert plan.width == 23
+    assert plan.width == 23 and plan.state_width == 64     # a state also holds a prompt's 64-token graph steps
     # stored Q4_K_M bytes on the GPU, plus the matmul kernel's 1 KiB read slack after each of the 289 device
     # matrices (the file's 497 stacked as the engine uploads them: 4 per DeltaNet layer, qkv|gate|beta|alpha,
     # gate|up, ssm_out, ffn_down; 4 per attention layer, q|k|v, output, gate|up, down; one more on each of the 32
@@ -66,15 +66,18 @@ def test_27b_items_by_hand(q27):
     assert d.get("target weights") == 16_536_406_016 + 289 * 1024 + 48 * 2 * (512 - 192)
     assert d.get("KV cache") == 262144 * 16 * 4 * (272 + 112)        # q8_0 / tq3_0 rows of 256 values
     assert d.get("recurrent state") == 2 * 48 * STATE_27B            # the ping-pong pair
-    # no per-node states on the GPU (a commit replays the accepted path): per node its conv output row + g, beta
+    # no per-node states on the GPU (a commit replays the accepted path): per node its conv output row + g, beta,
+    # for 64 nodes (a prompt's last chunk is a checkpointed chain padded up to 64 tokens)
     assert d.get("recurrent checkpoints") == 0
-    assert d.get("recurrent replay inputs") == 48 * 23 * (10240 + 2 * 48) * 4 + 23 * 4
+    assert d.get("recurrent replay inputs") == 48 * 64 * (10240 + 2 * 48) * 4 + 64 * 4
     assert d.get("conv windows") == 48 * (3 + 512) * 10240 * 4        # a prefill chunk's raw rows
-    # 23 logits rows, argmax ids + maxima, 5 captured layers of 23 rows; step values (256-byte spans: tokens,
+    # 64 logits rows, argmax ids + maxima, 5 captured layers of 64 rows; step values (256-byte spans: tokens,
     # positions, parents, s_len, swap, mask) + commit rows
-    assert d.get("step outputs") == 23 * 248320 * 4 + 2 * 23 * 4 + 23 * 5 * 5120 * 4 + (3 * 256 + 2 * 256 + 512) + (
-        16 + 2 * 8 * 23)
-    assert d.get("graph arena") == M.graph_arena_bytes(q27[0], 23, "q8_0", "tq3_0", q27[2], 132)
+    assert d.get("step outputs") == 64 * 248320 * 4 + 2 * 64 * 4 + 64 * 5 * 5120 * 4 + (3 * 256 + 2 * 256 + 512) + (
+        16 + 2 * 8 * 64)
+    assert d.get("graph arena") == M.graph_arena_bytes(q27[0], 64, "q8_0", "tq3_0", q27[2], 132)
+    # the device sampler draws the verify's 23 rows
+    assert d.get("device sampler") == M.gpu_sampler_bytes(23, 248320, 262144)
     assert 40 * M.MiB < d.get("graph arena") < 128 * M.MiB
     assert d.get("CUDA graphs") == 64 * (16 * 64 + 40 + 4 * 16 + 4) * 8192
     # 26 device matrices (per layer q, k|v, output, gate|up, down; fc) and the block's two attention masks
@@ -87,7 +90,7 @@ def test_27b_items_by_hand(q27):
     assert d.total == sum(i.bytes for i in d.items) and plan.fits
     # a chain verifies block_size tokens, a small tree still plans a chain (a request may ask for one); no drafter: 1
     assert _plan(q27, budget=None).width == 16 and _plan(q27, budget=5).width == 16
-    assert _plan(q27, budget=None).devices[0].get("recurrent replay inputs") == 48 * 16 * (10240 + 96) * 4 + 16 * 4
+    assert _plan(q27, budget=None).devices[0].get("recurrent replay inputs") == 48 * 64 * (10240 + 96) * 4 + 64 * 4
     # the GPU verifies at most 64 tokens (the attention kernel's mask); the NumPy engine the whole tree
     assert _plan(q27, budget=64).width == 64
     cfg, w, ds = q27
@@ -98,8 +101,13 @@ def test_27b_items_by_hand(q27):
     assert cpu.devices[0].get("recurrent replay inputs") == 0
     plain = M.build_plan(cfg, w, M.PlanSettings(max_ctx=4096, device=GPU, speculative=False), None,
                          free={"cuda:0": (80 * GiB, 80 * GiB)})
-    assert plain.width == 1 and plain.devices[0].get("drafter weights") == 0
-    assert plain.devices[0].get("step outputs") == 248320 * 4 + 8 + (3 * 256 + 2 * 256 + 512) + 16 + 16
+    assert plain.width == 1 and plain.state_width == 64 and plain.devices[0].get("drafter weights") == 0
+    # plain decoding's prompts are graph steps of 64 tokens too (~0.2 GB a slot: the replay inputs and logits rows)
+    assert plain.devices[0].get("step outputs") == 64 * 248320 * 4 + 2 * 64 * 4 + (3 * 256 + 2 * 256 + 512) + (
+        16 + 2 * 8 * 64)
+    assert plain.devices[0].get("recurrent replay inputs") == d.get("recurrent replay inputs")
+    assert plain.devices[0].get("device sampler") == M.gpu_sampler_bytes(1, 248320, 4096)
+    assert "widest verify 1 tokens (prompt steps 64)" in plain.table() and plain.as_dict()["state_width"] == 64
     # two slots double every per-slot item; the weights and what the steps share (one at a time) stay once
     two = _plan(q27, slots=2).devices[0]
     one = _plan(q27).devices[0]
@@ -121,9 +129,9 @@ def test_gpu_scratch_grows_with_width_and_splits(q27):
     # a remote drafter (no shape): the target still keeps 5 captured layers per step
     p = M.build_plan(cfg, q27[1], M.PlanSettings(max_ctx=8192, device=GPU), None,
                      free={"cuda:0": (80 * GiB, 80 * GiB)}, sms=132)
-    st = M.gpu_state_bytes(cfg, 8192, "f16", "f16", 23, 5)
+    st = M.gpu_state_bytes(cfg, 8192, "f16", "f16", 64, 5)
     assert p.devices[0].get("step outputs") == st["step outputs"] + st["step values"]
-    assert st["step outputs"] - M.gpu_state_bytes(cfg, 8192, "f16", "f16", 23, 0)["step outputs"] == 23 * 5 * 5120 * 4
+    assert st["step outputs"] - M.gpu_state_bytes(cfg, 8192, "f16", "f16", 64, 0)["step outputs"] == 64 * 5 * 5120 * 4
     assert p.devices[0].get("drafter weights") == 0
 
 
@@ -273,11 +281,11 @@ def test_refusal_names_what_fits(q27):
     assert M.build_plan(cfg, w, M.replace(s, max_ctx=ctx), ds, free).fits
     assert not M.build_plan(cfg, w, M.replace(s, max_ctx=ctx + 256), ds, free).fits
     assert "--cache-type-k q8_0 --cache-type-v q8_0" in msg
-    # a tighter device where a smaller budget saves the day (on the GPU a budget moves only the logits rows,
-    # ~2 MB a node at a 248k vocabulary: the per-node recurrent buffers are fixed and small)
+    # a tighter device where a smaller budget saves the day (on the GPU a budget moves only the device sampler's
+    # rows, ~1 MB a node at a 248k vocabulary: a state holds a prompt's 64-token steps whatever the budget)
     s2 = M.replace(s, max_ctx=8192, budget=64)
     need = M.build_plan(cfg, w, s2, ds, free).devices[0].total
-    tight = {"cuda:0": (need - 64 * MiB, 80 * GiB)}
+    tight = {"cuda:0": (need - 16 * MiB, 80 * GiB)}
     with pytest.raises(M.MemoryPlanError, match=r"--budget \d+") as e2:
         M.plan_memory(cfg, w, s2, ds, free=tight)
     b = int(str(e2.value).split("--budget ")[1].split(";")[0].split(".")[0])

@@ -3,7 +3,8 @@ each device, checked against the device's free memory, so a request never runs t
 
 Everything is computed from the model files' headers (no weights are read) and the serving settings. The widest
 verify pass (serving_width) is a tree of budget + 1 tokens or a chain of block_size, whichever is wider (the
-verifier caps a request's tree at it), 1 without a drafter, at most 64 tokens on a GPU.
+verifier caps a request's tree at it), 1 without a drafter, at most 64 tokens on a GPU. A GPU state holds steps of
+GPU_PROMPT_STEP tokens whatever the verify width (state_width): a prompt's chunks replay graph steps that wide.
 
 NumPy backend (slots run side by side, so everything per request is counted per slot): weights dequantized to
 float32 at load except the packed `token_embd`; the KV cache for `max_ctx` tokens per slot at 4 / 2 / 34/32 /
@@ -343,7 +344,8 @@ class DevicePlan:
 class MemoryPlan:
     settings: PlanSettings
     devices: list[DevicePlan]
-    width: int
+    width: int                         # the widest verify (serving_width)
+    state_width: int = 0               # the widest step a state holds (state_width); 0: the verify width
     shrunk_from: int | None = None     # the max_ctx asked for, when the planner shrank it to fit
 
     @property
@@ -363,6 +365,7 @@ class MemoryPlan:
             "budget": "chain" if s.budget is None else s.budget,
             "speculative": s.speculative,
             "width": self.width,
+            "state_width": self.state_width or self.width,
             "slots": s.slots,
             "cache_type_k": s.cache_type_k,
             "cache_type_v": s.cache_type_v,
@@ -385,12 +388,17 @@ class MemoryPlan:
         return (f"memory plan: ctx {s.max_ctx}, budget {budget if s.speculative else 'off'}, slots {s.slots}, "
                 f"KV {s.cache_type_k}/{s.cache_type_v}; " + "; ".join(parts))
 
+    def _steps(self) -> str:
+        sw = self.state_width or self.width
+        return f" (prompt steps {sw})" if sw != self.width else ""
+
     def table(self) -> str:
         """Itemised text for --plan-only."""
         s = self.settings
         lines = [f"memory plan (max_ctx {s.max_ctx}, budget "
                  f"{'chain' if s.budget is None else s.budget}{'' if s.speculative else ' (no drafter)'}, "
-                 f"widest verify {self.width} tokens, slots {s.slots}, KV K={s.cache_type_k} V={s.cache_type_v})"]
+                 f"widest verify {self.width} tokens{self._steps()}, slots {s.slots}, "
+                 f"KV K={s.cache_type_k} V={s.cache_type_v})"]
         if self.shrunk_from:
             lines.append(f"  max_ctx shrunk from {self.shrunk_from} to fit")
         for d in self.devices:
@@ -450,6 +458,7 @@ def _attention_scratch(backend: str, n_head: int, head_dim: int, n_kv_head: int,
 GPU_MAX_WIDTH = 64             # the attention kernel's mask is one uint64 per token: a verify wider runs eagerly
 GPU_RAW_ROWS = 512             # qwen35_gpu.RAW_ROWS: pre-conv rows a state keeps (a prefill chunk's)
 GPU_ATTN_TOKENS = 64           # qwen35_gpu.ATTN_TOKENS: the step values' mask rows
+GPU_PROMPT_STEP = 64           # qwen35_gpu._prompt_top: a prompt's whole chunks as graph steps of this many tokens
 GPU_ARENA_SLACK = 4 << 20      # qwen35_gpu.ARENA_SLACK: an arena holds a measured peak + 1/8 + this
 GPU_GRAPHS_PER_STATE = 64      # qwen35_gpu.GRAPHS_PER_STATE: step graphs, and commit graphs, a state keeps
 GPU_GRAPHS_PER_SESSION = 64    # dflash_gpu.GRAPHS_PER_SESSION
@@ -479,6 +488,15 @@ def serving_width(speculative: bool, budget: int | None, block: int, backend: st
         return 1
     width = block if budget is None else max(int(budget) + 1, block)
     return min(width, GPU_MAX_WIDTH) if backend == "cuda" else width
+
+
+def state_width(speculative: bool, budget: int | None, block: int, backend: str) -> int:
+    """Tokens of the widest step a sequence state holds (its checkpoints, logits rows, graph steps): the verify
+    width, and on a GPU at least GPU_PROMPT_STEP, so that a prompt runs as replays of 64-token graph steps whatever
+    the verify width (a plain server's is 1; eager 512-token chunks are bound by the host: pp512 of the 27B 306 ms
+    against 119 ms as graph replays on an H200), for ~0.2 GB a slot on the 27B."""
+    width = serving_width(speculative, budget, block, backend)
+    return max(width, GPU_PROMPT_STEP) if backend == "cuda" else width
 
 
 def device_sms(device: Device | None = None) -> int:
@@ -746,12 +764,14 @@ def build_plan(cfg: ModelConfig, weights: WeightBytes, s: PlanSettings, drafter:
     be = tdev.backend
     block = drafter.block_size if drafter is not None else DEFAULT_BLOCK_SIZE
     width = serving_width(s.speculative, s.budget, block, be)
+    swidth = state_width(s.speculative, s.budget, block, be)
     n_capture = 0
     if s.speculative:
         n_capture = drafter.n_features // cfg.n_embd if drafter is not None else DEFAULT_CAPTURE_LAYERS
     if be == "cuda":
         sms = sms or device_sms(tdev)
-        t_items = _gpu_target_items(cfg, weights, s, width, n_capture, drafter if ddev == tdev else None, sms)
+        t_items = _gpu_target_items(cfg, weights, s, width, swidth, n_capture, drafter if ddev == tdev else None,
+                                    sms)
     else:
         t_items = _cpu_target_items(cfg, weights, s, width, block, drafter)
     d_items: list[Item] = []
@@ -778,7 +798,7 @@ def build_plan(cfg: ModelConfig, weights: WeightBytes, s: PlanSettings, drafter:
             free[name] = device_memory(parse_device(name))
         f, tot = free[name]
         devices.append(DevicePlan(name, items, f, tot))
-    return MemoryPlan(settings=s, devices=devices, width=width)
+    return MemoryPlan(settings=s, devices=devices, width=width, state_width=swidth)
 
 
 def _budget_text(s: PlanSettings, block: int) -> str:
@@ -830,19 +850,20 @@ def _cpu_drafter_items(cfg: ModelConfig, d: DrafterShape, s: PlanSettings, width
     ]
 
 
-def _gpu_target_items(cfg: ModelConfig, weights: WeightBytes, s: PlanSettings, width: int, n_capture: int,
-                      drafter: DrafterShape | None, sms: int) -> list[Item]:
-    """The GPU engine: per slot what one pooled GpuSequenceState holds (the verifier makes them at start-up);
-    once per device what the steps share (they run one at a time under the verifier's engine lock): the graph
-    arena, the eager pass's temporaries, a request's copies; and the instantiated graphs of every slot."""
+def _gpu_target_items(cfg: ModelConfig, weights: WeightBytes, s: PlanSettings, width: int, swidth: int,
+                      n_capture: int, drafter: DrafterShape | None, sms: int) -> list[Item]:
+    """The GPU engine: per slot what one pooled GpuSequenceState holds (the verifier makes them at start-up), for
+    steps of swidth tokens (state_width: verifies of up to `width`, a prompt's graph steps); once per device what
+    the steps share (they run one at a time under the verifier's engine lock): the graph arena, the eager pass's
+    temporaries, a request's copies; and the instantiated graphs of every slot."""
     n, ctx = s.slots, s.max_ctx
     kv_k, kv_v = gpu_kv(s.cache_type_k), gpu_kv(s.cache_type_v)
-    st = gpu_state_bytes(cfg, ctx, kv_k, kv_v, width, n_capture, weights.embd_on_host)
+    st = gpu_state_bytes(cfg, ctx, kv_k, kv_v, swidth, n_capture, weights.embd_on_host)
     kv_note = f"{s.cache_type_k}/{s.cache_type_v}" + (
         ", f32 kept as f16 on the GPU" if "f32" in (s.cache_type_k, s.cache_type_v) else "")
     n_rec = sum(1 for r in cfg.recurrent_layers if r)
     block = drafter.block_size if drafter is not None else DEFAULT_BLOCK_SIZE
-    arena = graph_arena_bytes(cfg, width, kv_k, kv_v, drafter, sms)
+    arena = graph_arena_bytes(cfg, swidth, kv_k, kv_v, drafter, sms)
     step_nodes, commit_nodes, _ = graph_nodes(cfg, None)
     graphs = n * GPU_GRAPHS_PER_STATE * (step_nodes + commit_nodes) * GRAPH_NODE_BYTES
     eager = max(gpu_eager_scratch(cfg, min(PREFILL_CHUNK, ctx), n_capture, sms),
@@ -850,8 +871,8 @@ def _gpu_target_items(cfg: ModelConfig, weights: WeightBytes, s: PlanSettings, w
                 gpu_draft_append_scratch(drafter) if drafter is not None else 0)
     # a result still held when its state's next graph step runs is copied (DeviceLogits / DeviceRows._detach);
     # the accepted path's features are gathered, and features wait while --budget auto pauses the drafter
-    feat_rows = (64 + width) * n_capture * cfg.n_embd * 4
-    request = width * cfg.n_vocab * 4 + width * n_capture * cfg.n_embd * 4 + 2 * feat_rows
+    feat_rows = (64 + swidth) * n_capture * cfg.n_embd * 4
+    request = swidth * cfg.n_vocab * 4 + swidth * n_capture * cfg.n_embd * 4 + 2 * feat_rows
     items = [
         Item("target weights", weights.resident("cuda"),
              "stored (quantized) bytes; F16 for matrix types the kernel lacks, vectors float32"),
@@ -859,13 +880,15 @@ def _gpu_target_items(cfg: ModelConfig, weights: WeightBytes, s: PlanSettings, w
                                              f" whole 32-row tiles ({kv_note})"),
         Item("recurrent state", n * st["recurrent state"], f"{n_rec} DeltaNet layers x 2 (a ping-pong pair)"),
         Item("recurrent replay inputs", n * st["recurrent replay inputs"],
-             f"{width} nodes per layer x conv row + g, beta float32, no per-node states (a commit replays the "
-             f"accepted path; {_budget_text(s, block)}{', at most 64 on the GPU' if s.speculative else ''})"),
+             f"{swidth} nodes per layer x conv row + g, beta float32, no per-node states (a commit replays the "
+             f"accepted path; {_budget_text(s, block)}{', at most 64 on the GPU' if s.speculative else ''}"
+             f"{f'; {swidth}-token prompt steps' if swidth > width else ''})"),
         Item("conv windows", n * st["conv windows"],
-             f"{cfg.ssm_conv_kernel - 1} committed + {max(width, GPU_RAW_ROWS)} raw rows x {cfg.ssm_conv_dim} float32"),
+             f"{cfg.ssm_conv_kernel - 1} committed + {max(swidth, GPU_RAW_ROWS)} raw rows x {cfg.ssm_conv_dim} "
+             "float32"),
         Item("step outputs", n * (st["step outputs"] + st["step values"]),
-             f"{width} logits rows x {cfg.n_vocab}, {n_capture} captured layers, step values"),
-        Item("graph arena", arena, f"one for every captured graph (widest: {width}-token step"
+             f"{swidth} logits rows x {cfg.n_vocab}, {n_capture} captured layers, step values"),
+        Item("graph arena", arena, f"one for every captured graph (widest: {swidth}-token step"
                                    f"{', drafter pass' if drafter is not None else ''}), {sms} SMs"),
         Item("CUDA graphs", graphs, f"{n} slot(s) x {GPU_GRAPHS_PER_STATE} steps of ~{step_nodes} + "
                                     f"{GPU_GRAPHS_PER_STATE} commits of ~{commit_nodes} nodes x "

@@ -107,10 +107,11 @@ def reserve_serving(model: Any, drafter: Any, slots: int, max_ctx: int, budget: 
 
     On a GPU everything the memory plan counts per slot and per device is taken now: `slots` pooled states of
     max_ctx rows with room for n_capture captured layers, as many drafter sessions, and the graph arena; the split
-    scratch's size is fixed; the states' checkpoints, the graph steps' logits rows and the verify width are capped
-    at the planned width; then every kernel a request may launch is fetched (prompt chunks of every width class,
-    a plain step, the drafter's appends) and the drafter's passes of a step's appends are captured, so that no
-    request builds a kernel or, in the first context bucket, captures a drafter pass or a prompt chunk's step. A
+    scratch's size is fixed; the states' checkpoints and the graph steps' logits rows are capped at the planned
+    state width (memory_plan.state_width: the verify width, on a GPU at least a prompt's 64-token graph steps);
+    then every kernel a request may launch is fetched (prompt chunks of every width class, a plain step, the
+    drafter's appends) and the drafter's passes of a step's appends are captured, so that no request builds a
+    kernel or, in the first context bucket, captures a drafter pass or a prompt chunk's step. A
     NumPy model only learns its pool sizes (it allocates per request, as the CPU plan counts). layer_ids: the
     drafter's feature layers where known (its n_capture layers: a speculative request's prompt graphs are captured
     with them, a plain one's with none)."""
@@ -127,7 +128,8 @@ def reserve_serving(model: Any, drafter: Any, slots: int, max_ctx: int, budget: 
         return width
     from .models.qwen35_gpu import graph_arena
 
-    model.max_tree = width
+    # the states' steps: verifies of up to `width` tokens and a prompt's graph steps (memory_plan.state_width)
+    model.max_tree = mp.state_width(speculative, budget, block, backend)
     # what CuPy's pool caches from loading goes back first, so that no state is carved out of a cached block (the
     # rest of that block would stay held)
     model.release_cached_memory()
@@ -136,7 +138,7 @@ def reserve_serving(model: Any, drafter: Any, slots: int, max_ctx: int, budget: 
         gpu_drafter.reserve_sessions(slots, max_ctx)
     model.reserve_states(slots, max_ctx, n_capture)
     kv_k, kv_v = model.kv_cache_types
-    arena = mp.graph_arena_bytes(model.cfg, width, kv_k, kv_v,
+    arena = mp.graph_arena_bytes(model.cfg, model.max_tree, kv_k, kv_v,
                                  mp.drafter_shape_of(gpu_drafter.cfg) if gpu_drafter is not None else None,
                                  mp.device_sms(parse_device(device)))
     graph_arena(model.be.xp).reserve(arena, exact=True)

@@ -735,8 +735,8 @@ class Qwen35GpuModel(TargetModel):
         self._pool_lock = threading.Lock()
         self._states_out = 0         # acquired and not yet released
         self.pool_stats = {"new": 0, "reused": 0}
-        # tree nodes (with recurrent checkpoints) a new state holds: the widest verify; the verifier sets its
-        # planned width (memory_plan.serving_width), which also bounds the graph steps' logits rows
+        # tree nodes (with recurrent checkpoints) a new state holds: the widest verify or prompt step; the verifier
+        # sets the planned width (memory_plan.state_width), which also bounds the graph steps' logits rows
         self.max_tree = MAX_TREE
         if self.use_graphs:   # the arena this model's captures can need (memory_plan): none of them grows it
             graph_arena(be.xp).reserve(self.arena_bound())
