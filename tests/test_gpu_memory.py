@@ -272,26 +272,36 @@ def test_gateway_answers_429_out_of_memory():
 # ------------------------------------------------------------------------------------------------ on a GPU
 
 
+MEMORY_RUNS = {
+    # two slots, every step shape a speculative request can bring, then verify steps of every width 1..23
+    "speculative": (["--slots", "2", "--budget", "22", "--requests", "12", "--widths", "1-23"], 2, 2),
+    # a plain server: verify width 1, states of 64-token steps (a prompt's graph replays), then steps up to 64
+    "plain": (["--no-draft", "--slots", "1", "--requests", "9", "--widths", "1,2,8,23,64"], 1, 0),
+}
+
+
 @needs_gpu
-def test_memory_stays_within_the_plan_over_many_requests(tmp_path):
-    """bench/memory_check.py on the embedded default pair, in a fresh process (the CuPy pool holds only its
-    model): two slots, every step shape a request can bring (plain, chains, trees of 1..22 nodes, prompts up to a
-    prefill chunk and a half), then verify steps of every width 1..23. Measured: the pool (weights, states,
+@pytest.mark.parametrize("run", list(MEMORY_RUNS))
+def test_memory_stays_within_the_plan_over_many_requests(tmp_path, run):
+    """bench/memory_check.py on the embedded default pair (or its target alone), in a fresh process (the CuPy pool
+    holds only its model): every step shape a request can bring (plain, chains, trees of 1..22 nodes, prompts up to
+    a prefill chunk and a half), then steps of the widths a state holds. Measured: the pool (weights, states,
     sessions, arena, transients) within the planned bytes it holds; the arena reserved once at its planned size
     and never grown; each pooled state and session exactly its planned bytes; no more graphs than counted."""
+    args, n_states, n_sessions = MEMORY_RUNS[run]
     out = tmp_path / "memory.json"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)}
     done = subprocess.run([sys.executable, str(ROOT / "bench" / "memory_check.py"), "--default-model",
-                           "--max-ctx", "1024", "--slots", "2", "--budget", "22", "--requests", "12",
-                           "--widths", "1-23", "--json", str(out)], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=900)
+                           "--max-ctx", "1024", *args, "--json", str(out)], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=900)
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
     r = json.loads(out.read_text())
     print(done.stdout[-3000:])
+    assert r["settings"]["state_width"] == M.GPU_PROMPT_STEP and r["width"] == (23 if n_sessions else 1)
     assert r["arena"]["grown_while_serving"] == 0 and r["arena"]["bytes"] == r["planned"]["graph arena"]
     assert r["arena"]["need"] <= r["planned"]["graph arena"]
-    assert r["states"]["bytes_each"] == r["states"]["planned_each"] and r["states"]["count"] == 2
-    assert r["sessions"]["bytes_each"] == r["sessions"]["planned_each"] and r["sessions"]["count"] == 2
+    assert r["states"]["bytes_each"] == r["states"]["planned_each"] and r["states"]["count"] == n_states
+    assert r["sessions"]["bytes_each"] == r["sessions"]["planned_each"] and r["sessions"]["count"] == n_sessions
     assert r["pool"]["max_total"] <= r["planned"]["pool_resident"], r["pool"]
     assert r["graphs"]["step_max_per_state"] <= M.GPU_GRAPHS_PER_STATE
     assert r["graph_stats"]["failed"] == 0 and r["graph_stats"]["replays"] > 0
