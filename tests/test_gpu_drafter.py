@@ -203,6 +203,52 @@ def test_speculative_greedy_with_gpu_drafter_equals_plain_greedy(budget):
 
 
 @needs_gpu
+def test_a_prompts_features_go_to_the_gpu_drafter_on_the_device():
+    """A 300-token prompt in the GPU target's 64-token graph steps: its features gathered on the device and
+    appended to the drafter's context 256 rows at once as the chunks commit (speculative.PROMPT_APPEND_ROWS), the
+    last 44 with the first draft; greedy output equals plain decoding, as with the features through the host."""
+    from services.engine.generate import generate
+    from services.engine.models.dflash_gpu import GpuProposer, load_gpu_drafter
+    from services.engine.models.qwen35_gpu import DeviceRows
+    from services.engine.speculative import SpecConfig, speculative_generate
+
+    gpu, _, draft_path, ids = models()
+    drafter = load_gpu_drafter(draft_path, gpu)
+    prompt = list(ids) + np.random.default_rng(4).integers(0, gpu.cfg.n_vocab, 300 - len(ids)).tolist()
+    assert gpu.prompt_chunk(gpu.new_state(320), 512) == 64
+    plain = generate(gpu, prompt, 24).token_ids
+    seen = []
+
+    class Logged(GpuProposer):
+        def append_features(self, new_features, start):
+            seen.append((type(new_features), len(new_features), start))
+            super().append_features(new_features, start)
+
+        def propose_begin(self, new_features, last_token, start, k):
+            if not seen or seen[-1][0] != "draft":
+                seen.append(("draft", 0 if new_features is None else len(new_features), start))
+            return super().propose_begin(new_features, last_token, start, k)
+
+    class HostOnly:     # the same drafter without appends ahead of a draft: prefill gathers features on the host
+        def __init__(self, inner):
+            self.inner, self.block_size, self.target_layer_ids = inner, inner.block_size, inner.target_layer_ids
+
+        def propose(self, *a):
+            return self.inner.propose(*a)
+
+        def close(self):
+            self.inner.close()
+
+    res = speculative_generate(gpu, Logged(drafter), prompt, 24, spec=SpecConfig(budget=22))
+    assert res.token_ids == plain and res.spec["fallback"] is False
+    assert seen[:2] == [(DeviceRows, 256, 256), ("draft", 44, 300)], seen[:3]
+    host = speculative_generate(gpu, HostOnly(GpuProposer(drafter)), prompt, 24, spec=SpecConfig(budget=22))
+    assert host.token_ids == plain and host.spec["fallback"] is False
+    print("prompt appends on the device:", seen[:2], "accepted", res.spec["accepted"], "vs through the host",
+          host.spec["accepted"])
+
+
+@needs_gpu
 def test_second_request_reuses_pooled_sessions_and_graphs():
     """A finished request's target state and drafter session (with their captured graphs) serve the next
     request: the same request again captures nothing and gives the same tokens; the pools stay bounded and

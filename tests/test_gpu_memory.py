@@ -196,6 +196,9 @@ def test_planner_constants_mirror_the_engine():
     assert M.serving_width(True, 3, 16, "numpy") == 16 and M.serving_width(False, 22, 16, "cuda") == 1
     # a GPU state holds a prompt's graph steps (qwen35_gpu._prompt_top: min(ATTN_TOKENS, max_tree)) whatever the verify
     assert M.GPU_PROMPT_STEP == QG.ATTN_TOKENS and QG.PROMPT_MIN_WIDTH <= M.GPU_PROMPT_STEP
+    from services.engine import speculative
+
+    assert speculative.PROMPT_APPEND_ROWS == M.GPU_PROMPT_APPEND
     assert M.state_width(False, None, 1, "cuda") == M.state_width(True, None, 16, "cuda") == M.GPU_PROMPT_STEP
     assert M.state_width(True, 64, 16, "cuda") == 64 and M.state_width(False, None, 1, "numpy") == 1
     assert M.state_width(True, 22, 16, "numpy") == 23

@@ -321,3 +321,93 @@ def test_gpu_proposer_waits_for_a_pass_in_flight_before_its_session_goes_back():
     with pytest.raises(RuntimeError, match="device error"):
         q.close()
     assert log[-1] == ("release", "session")
+
+
+def test_prefill_hands_each_chunks_features_on_or_collects_them_on_the_host(tiny_pair):
+    """generate.prefill with on_captured: each committed chunk's captured rows with the context length after it,
+    nothing collected; without it, the same rows gathered on the host."""
+    _, gguf, drafter_dir = tiny_pair
+    from services.engine.models.dflash import load_drafter
+
+    target = load_target(gguf, with_tokenizer=False).model
+    layers = load_drafter(drafter_dir, target).target_layer_ids
+    ids = np.random.default_rng(5).integers(0, target.cfg.n_vocab, 300).tolist()
+    handed = []
+    logits, feats = prefill(target, target.new_state(320), ids, capture=layers, chunk=128,
+                            on_captured=lambda rows, n_past: handed.append((np.array(rows), n_past)))
+    assert feats is None and [n for _, n in handed] == [128, 256, 300]
+    logits2, collected = prefill(target, target.new_state(320), ids, capture=layers, chunk=128)
+    assert isinstance(collected, np.ndarray) and collected.shape == (300, len(layers), target.cfg.n_embd)
+    np.testing.assert_array_equal(np.concatenate([r for r, _ in handed]), collected)
+    np.testing.assert_array_equal(np.asarray(logits), np.asarray(logits2))
+
+
+class _AppendingProposer:
+    """A LocalProposer that logs its prompt appends and the rows each draft brings (and can fail an append)."""
+
+    def __init__(self, drafter, with_append=True, fail_append=False):
+        from services.engine.speculative import LocalProposer
+
+        self.inner = LocalProposer(drafter)
+        self.block_size, self.target_layer_ids = self.inner.block_size, self.inner.target_layer_ids
+        self.appends, self.proposed, self.fail_append, self.closed = [], [], fail_append, False
+        if with_append:
+            self.append_features = self._append
+
+    def _append(self, new_features, start):
+        from services.engine.speculative import DrafterUnavailableError
+
+        if self.fail_append:
+            raise DrafterUnavailableError("append failed (test)")
+        self.appends.append((len(new_features), start))
+        self.inner.append_features(new_features, start)
+
+    def propose(self, new_features, last_token, start, k):
+        self.proposed.append(0 if new_features is None else len(new_features))
+        return self.inner.propose(new_features, last_token, start, k)
+
+    def close(self):
+        self.closed = True
+        self.inner.close()
+
+
+@pytest.mark.parametrize("plen", [200, 300])
+def test_a_prompts_features_reach_the_drafter_as_its_chunks_commit(tiny_pair, plen):
+    """A proposer with append_features takes a prompt's features as its chunks commit, in appends of at least
+    PROMPT_APPEND_ROWS (the NumPy target's prompt is one chunk here: appended whole from 256 tokens); rows short of
+    an append go with the first draft. Lossless, and the drafts are the ones of a proposer without appends
+    (tests/test_gpu_loop.py: the GPU target's 64-token chunks gathered on the device)."""
+    from services.engine.models.dflash import load_drafter
+    from services.engine.speculative import PROMPT_APPEND_ROWS, speculative_generate
+
+    _, gguf, drafter_dir = tiny_pair
+    target = load_target(gguf, with_tokenizer=False).model
+    drafter = load_drafter(drafter_dir, target)
+    prompt = np.random.default_rng(plen).integers(0, target.cfg.n_vocab, plen).tolist()
+    plain = generate(target, prompt, 20).token_ids
+    runs = {}
+    for with_append in (True, False):
+        prop = _AppendingProposer(drafter, with_append)
+        res = speculative_generate(target, prop, prompt, 20, spec=SpecConfig(budget=7))
+        assert res.token_ids == plain and res.spec["fallback"] is False
+        runs[with_append] = (prop, res)
+    prop, res = runs[True]
+    assert prop.appends == ([(plen, plen)] if plen >= PROMPT_APPEND_ROWS else [])
+    assert all(n >= PROMPT_APPEND_ROWS for n, _ in prop.appends)
+    assert prop.proposed[0] == plen - sum(n for n, _ in prop.appends) and runs[False][0].proposed[0] == plen
+    assert prop.proposed[1:] == runs[False][0].proposed[1:]
+    assert res.spec["accepted"] == runs[False][1].spec["accepted"] and res.spec["steps"] == runs[False][1].spec["steps"]
+
+
+def test_a_drafter_failing_during_the_prompt_leaves_plain_decoding(tiny_pair):
+    from services.engine.models.dflash import load_drafter
+    from services.engine.speculative import speculative_generate
+
+    _, gguf, drafter_dir = tiny_pair
+    target = load_target(gguf, with_tokenizer=False).model
+    prompt = np.random.default_rng(9).integers(0, target.cfg.n_vocab, 400).tolist()
+    prop = _AppendingProposer(load_drafter(drafter_dir, target), fail_append=True)
+    res = speculative_generate(target, prop, prompt, 12, spec=SpecConfig(budget=7))
+    assert res.token_ids == generate(target, prompt, 12).token_ids
+    assert res.spec["fallback"] is True and "append failed" in res.spec["fallback_reason"]
+    assert prop.proposed == [] and prop.closed

@@ -415,3 +415,38 @@ def test_remote_drafter_in_process(tiny_pair, target, tmp_path):
     sessions = [s for s in spans if s.name == "drafter.session"]
     assert sessions and sessions[0].parent.span_id == gens[0].context.span_id
     assert any(e.name == "spec.fallback" for e in gens[1].events)
+
+
+def test_the_guard_passes_prompt_appends_only_where_the_drafter_takes_them():
+    """_GuardedProposer has append_features only when the proposer it wraps does (a remote drafter's client takes
+    a prompt's features with its first draft); a failing append becomes DrafterUnavailableError, recorded once."""
+    from services.engine.speculative import DrafterUnavailableError
+    from services.verifier.service import _GuardedProposer
+
+    class Keeps:
+        block_size, target_layer_ids = 16, [1, 2]
+
+        def propose(self, *a):
+            raise AssertionError("not called")
+
+        def close(self):
+            pass
+
+    class Takes(Keeps):
+        def __init__(self):
+            self.got = []
+
+        def append_features(self, rows, start):
+            if start < 0:
+                raise ValueError("bad start")
+            self.got.append((rows, start))
+
+    failures = []
+    inner = Takes()
+    guarded = _GuardedProposer(inner, failures.append)
+    guarded.append_features("rows", 256)
+    assert inner.got == [("rows", 256)] and failures == []
+    with pytest.raises(DrafterUnavailableError, match="bad start"):
+        guarded.append_features("rows", -1)
+    assert failures == ["ValueError: bad start"]
+    assert not hasattr(_GuardedProposer(Keeps(), failures.append), "append_features")

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -51,9 +52,16 @@ def check_request(model: TargetModel, prompt_ids: Sequence[int], max_tokens: int
 
 
 def prefill(model: TargetModel, state: SequenceState, prompt_ids: Sequence[int],
-            capture: Sequence[int] = (), chunk: int = PREFILL_CHUNK):
+            capture: Sequence[int] = (), chunk: int = PREFILL_CHUNK,
+            on_captured: Callable[[Any, int], None] | None = None):
     """Commit the prompt in chunks (of the model's own length for this state where it has one: a GPU model's
-    graph steps); returns the last position's logits and the captured layer outputs."""
+    graph steps); returns the last position's logits and the captured layer outputs (on the host).
+
+    on_captured(rows, n_past): each chunk's captured rows as the model returns them (a GPU model's on the device),
+    handed on once the chunk is committed instead of collected (the returned features are then None), so that a
+    drafter beside the target takes them where they are. Collected ones go to the host chunk by chunk: a GPU
+    model's rows left on the device would pile up a whole prompt's features there, past what the memory plan
+    counts."""
     ids = np.asarray(prompt_ids, dtype=np.int64)
     if hasattr(model, "prompt_chunk"):
         chunk = model.prompt_chunk(state, chunk)
@@ -65,7 +73,10 @@ def prefill(model: TargetModel, state: SequenceState, prompt_ids: Sequence[int],
         res = model.forward(state, part, capture=capture, logits="last" if last else "none")
         state.commit(range(len(part)))
         if res.captured is not None:
-            feats.append(res.captured)
+            if on_captured is not None:
+                on_captured(res.captured, state.n_past)
+            else:
+                feats.append(np.asarray(res.captured, dtype=np.float32))
         if last:
             logits = res.logits[-1]
     return logits, (np.concatenate(feats, axis=0) if feats else None)

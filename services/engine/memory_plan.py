@@ -459,6 +459,7 @@ GPU_MAX_WIDTH = 64             # the attention kernel's mask is one uint64 per t
 GPU_RAW_ROWS = 512             # qwen35_gpu.RAW_ROWS: pre-conv rows a state keeps (a prefill chunk's)
 GPU_ATTN_TOKENS = 64           # qwen35_gpu.ATTN_TOKENS: the step values' mask rows
 GPU_PROMPT_STEP = 64           # qwen35_gpu._prompt_top: a prompt's whole chunks as graph steps of this many tokens
+GPU_PROMPT_APPEND = 256        # speculative.PROMPT_APPEND_ROWS: a prompt's features go to the drafter this many at once
 GPU_ARENA_SLACK = 4 << 20      # qwen35_gpu.ARENA_SLACK: an arena holds a measured peak + 1/8 + this
 GPU_GRAPHS_PER_STATE = 64      # qwen35_gpu.GRAPHS_PER_STATE: step graphs, and commit graphs, a state keeps
 GPU_GRAPHS_PER_SESSION = 64    # dflash_gpu.GRAPHS_PER_SESSION
@@ -870,8 +871,9 @@ def _gpu_target_items(cfg: ModelConfig, weights: WeightBytes, s: PlanSettings, w
                 arena,       # a new shape's warm-up runs eagerly, its temporaries from the pool
                 gpu_draft_append_scratch(drafter) if drafter is not None else 0)
     # a result still held when its state's next graph step runs is copied (DeviceLogits / DeviceRows._detach);
-    # the accepted path's features are gathered, and features wait while --budget auto pauses the drafter
-    feat_rows = (64 + swidth) * n_capture * cfg.n_embd * 4
+    # the accepted path's features are gathered, features wait while --budget auto pauses the drafter, and a
+    # prompt's wait for an append of GPU_PROMPT_APPEND rows (each concatenation a new array beside the last)
+    feat_rows = max(64 + swidth, GPU_PROMPT_APPEND + GPU_PROMPT_STEP) * n_capture * cfg.n_embd * 4
     request = swidth * cfg.n_vocab * 4 + swidth * n_capture * cfg.n_embd * 4 + 2 * feat_rows
     items = [
         Item("target weights", weights.resident("cuda"),

@@ -12,7 +12,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -46,6 +46,13 @@ class Proposer(Protocol):
 
     def close(self) -> None: ...
 
+    # optional: append_features(features, start) appends committed tokens' features ahead of the next propose (a
+    # prompt's, as its chunks commit: speculative_stream hands them over in appends of PROMPT_APPEND_ROWS or more,
+    # so a drafter beside a GPU target takes them from the device and no request holds a whole prompt's features)
+
+
+PROMPT_APPEND_ROWS = 256      # dflash_gpu.append_context's chunk: fewer rows an append would cost more launches
+
 
 PendingDraft = Callable[[], tuple[np.ndarray, np.ndarray]]
 
@@ -74,6 +81,9 @@ class LocalProposer:
     def propose(self, new_features, last_token, start, k):
         logits = self.drafter.draft(self.session, new_features, int(last_token), int(start))
         return topk_logprobs(logits, k)
+
+    def append_features(self, new_features, start: int) -> None:
+        self.drafter.append_context(self.session, new_features, int(start))
 
     def close(self) -> None:
         self.session = None
@@ -266,7 +276,33 @@ def _spec_loop(target: TargetModel, proposer: Proposer | None, prompt_ids: Seque
     layer_ids = list(proposer.target_layer_ids) if proposer is not None else []
 
     t0 = time.perf_counter()
-    logits, feats = prefill(target, state, prompt_ids, capture=layer_ids)
+    # a proposer that takes features ahead of a draft gets the prompt's as its chunks commit (where the target
+    # keeps them: on the device beside a GPU drafter), in appends of PROMPT_APPEND_ROWS or more; the rows short of
+    # one go with the first draft
+    append = getattr(proposer, "append_features", None) if layer_ids else None
+    held: Any = None
+    lost: DrafterUnavailableError | None = None
+
+    def to_drafter(rows: Any, n_past: int) -> None:
+        nonlocal held, lost
+        if lost is not None:
+            return
+        held = _append_rows(held, rows)
+        if len(held) >= PROMPT_APPEND_ROWS:
+            try:
+                append(held, n_past)
+            except DrafterUnavailableError as e:
+                lost = e
+            held = None
+
+    logits, feats = prefill(target, state, prompt_ids, capture=layer_ids,
+                            on_captured=to_drafter if append is not None else None)
+    if append is not None:
+        feats, held = held, None
+    if lost is not None:    # the drafter failed while the prompt ran: the request goes on with plain decoding
+        stats.fallback, stats.fallback_reason = True, str(lost)
+        proposer.close()
+        proposer, feats = None, None
     res.prompt_ms = (time.perf_counter() - t0) * 1e3
     t1 = time.perf_counter()
 

@@ -200,9 +200,14 @@ class _GuardedProposer:
         self.target_layer_ids = list(inner.target_layer_ids)
         self._on_failure = on_failure
         self._closed = False
+        if hasattr(inner, "append_features"):     # only where the inner one takes features ahead of a draft
+            self.append_features = self._append_features
 
     def propose(self, new_features, last_token, start, k):
         return self._guarded(self.inner.propose, new_features, last_token, start, k)
+
+    def _append_features(self, new_features, start):
+        return self._guarded(self.inner.append_features, new_features, start)
 
     def propose_begin(self, new_features, last_token, start, k):
         """speculative.begin_propose through the guard: a failure in either half becomes DrafterUnavailableError."""

@@ -616,9 +616,9 @@ class DFlashGpuDrafter:
 
 class GpuProposer:
     """speculative.LocalProposer for a DFlashGpuDrafter: the top-k come from the device (draft_topk). Its
-    session comes from the drafter's pool at the first propose() (inside the engine's step, so under the
-    verifier's engine lock: a new session's allocations and uploads never meet another thread's capture) and
-    goes back on close()."""
+    session comes from the drafter's pool at the first propose() or append_features() (inside the engine's step,
+    so under the verifier's engine lock: a new session's allocations and uploads never meet another thread's
+    capture) and goes back on close()."""
 
     def __init__(self, drafter: DFlashGpuDrafter):
         self.drafter = drafter
@@ -630,6 +630,15 @@ class GpuProposer:
 
     def propose(self, new_features: Any, last_token: int, start: int, k: int) -> tuple[np.ndarray, np.ndarray]:
         return self.propose_begin(new_features, last_token, start, k)()
+
+    def append_features(self, new_features: Any, start: int) -> None:
+        """speculative's prompt appends: committed tokens' features (a GPU target's stay on the device) into the
+        session's context now, eagerly, ahead of the next propose."""
+        if self.closed:
+            raise RuntimeError("append_features() on a closed proposer")
+        if self.session is None:
+            self.session = self.drafter.acquire_session()
+        self.drafter.append_context(self.session, new_features, int(start))
 
     def propose_begin(self, new_features: Any, last_token: int, start: int,
                       k: int) -> Callable[[], tuple[np.ndarray, np.ndarray]]:
