@@ -72,8 +72,9 @@ def main(argv: list[str] | None = None) -> dict[int, dict[str, float]]:
     if args.device.startswith("cuda"):
         import cupy
 
+        props = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.Device().id)
         sync = cupy.cuda.Device().synchronize
-        name = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.Device().id)["name"].decode()
+        name = props["name"].decode() if isinstance(props["name"], bytes) else str(props["name"])
     rng = np.random.default_rng(1)
     out: dict[int, dict[str, float]] = {}
     for n in args.prompts:
