@@ -199,7 +199,8 @@ def test_bad_requests_are_invalid_argument(drafter_addr, local):
         "outside the vocabulary": req(last=drafter.n_vocab + 5),
         "dtype": req(dtype="bf16"),
         "bytes": req(data=good[:-4]),
-        "top_k": req(k=0),
+        "top_k": req(k=-1),
+        "an append (top_k 0) carries no feature rows": req(rows=0, data=b"", start=0, k=0),
         "cannot map shared memory": req(data=b"", shm="specsplit-no-such-segment"),
     }
     for needle, bad in cases.items():
@@ -214,6 +215,97 @@ def test_bad_requests_are_invalid_argument(drafter_addr, local):
         with pytest.raises(DrafterUnavailableError, match="INVALID_ARGUMENT.*width"):
             client.propose(np.zeros((2, width + 3), np.float32), 1, 2, 1)
     assert DrafterClient(drafter_addr).info().active_sessions == 0
+
+
+@pytest.mark.parametrize("transport,dtype", [("inline", None), ("shm", None), ("shm", "f16")])
+def test_appends_then_drafts_equal_in_process(drafter_addr, local, transport, dtype):
+    """A prompt's features as appends (DraftRequest.top_k 0: answered with 0 positions, each in flight while the
+    caller runs on), then drafts: the proposals of the in-process drafter given the same appends. A bad append (a
+    wrong start) fails the client at its next exchange, with the drafter's INVALID_ARGUMENT."""
+    _, drafter = local
+    width = len(drafter.target_layer_ids) * drafter.cfg.n_embd
+    rng = np.random.default_rng(3)
+    prompt = rng.standard_normal((40, width)).astype(np.float32)
+    if dtype == "f16":
+        prompt = prompt.astype(np.float16).astype(np.float32)
+    ref = LocalProposer(drafter)
+    with DrafterClient(drafter_addr, transport=transport, feature_dtype=dtype) as client:
+        assert client.info().appends
+        for a, b in ((0, 16), (16, 32)):
+            client.append_features(prompt[a:b], b)
+            ref.append_features(prompt[a:b], b)
+        steps = [(prompt[32:], 7, 40), (prompt[:3] * 0.5, 11, 43), (None, 2, 43)]
+        for feats, last, start in steps:
+            ids, logp = client.propose(feats, last, start, 8)
+            want_ids, want_logp = ref.propose(feats, last, start, 8)
+            np.testing.assert_array_equal(ids, want_ids)
+            np.testing.assert_allclose(logp, want_logp, rtol=1e-6, atol=1e-6)
+        client.append_features(prompt[:5], 44)          # the context holds 43: start must be 48
+        with pytest.raises(DrafterUnavailableError, match="INVALID_ARGUMENT.*start must be 48"):
+            client.propose(None, 1, 44, 1)
+    assert DrafterClient(drafter_addr).info().active_sessions == 0
+
+
+def test_a_drafter_without_appends_gets_them_with_the_next_draft(drafter_addr, local):
+    """Info without `appends` (a drafter from before them): the client holds the appended features and sends them
+    with the next draft, one message as before; the proposals are the same."""
+    import dataclasses
+
+    _, drafter = local
+    width = len(drafter.target_layer_ids) * drafter.cfg.n_embd
+    prompt = np.random.default_rng(4).standard_normal((30, width)).astype(np.float32)
+    ref = LocalProposer(drafter)
+    ref.append_features(prompt[:20], 20)
+    want = ref.propose(prompt[20:], 5, 30, 4)
+    client = DrafterClient(drafter_addr, transport="inline")
+    conn = client._conn
+    try:
+        conn._info = dataclasses.replace(client.info(), appends=False)
+        sent = []
+        exchange = client._exchange
+
+        async def logged(req):
+            sent.append((req.top_k, req.features.rows, req.start))
+            return await exchange(req)
+
+        client._exchange = logged
+        client.append_features(prompt[:12], 12)
+        client.append_features(prompt[12:20], 20)
+        ids, logp = client.propose(prompt[20:], 5, 30, 4)
+        assert sent == [(4, 30, 30)]
+        np.testing.assert_array_equal(ids, want[0])
+        np.testing.assert_allclose(logp, want[1], rtol=1e-6, atol=1e-6)
+    finally:
+        client.close()
+        conn.forget_info()
+
+
+def test_a_long_prompt_goes_to_the_drafter_service_in_appends(drafter_addr, local):
+    """speculative_stream with the service: a 300-token prompt (the NumPy target's one chunk) goes as an append of
+    300 rows before the first draft, which brings none; the tokens are the in-process drafter's."""
+    model, drafter = local
+    prompt = np.random.default_rng(6).integers(0, model.cfg.n_vocab, 300).tolist()
+
+    def run(proposer):
+        res = GenerationResult()
+        for _ in speculative_stream(model, proposer, prompt, 24, spec=SpecConfig(budget=7), result=res):
+            pass
+        return res
+
+    want = run(LocalProposer(drafter))
+    client = DrafterClient(drafter_addr)
+    sent = []
+    exchange = client._exchange
+
+    async def logged(req):
+        sent.append((req.top_k, req.features.rows, req.start))
+        return await exchange(req)
+
+    client._exchange = logged
+    got = run(client)
+    assert got.token_ids == want.token_ids and not got.spec["fallback"]
+    assert got.spec["accepted"] == want.spec["accepted"]
+    assert sent[0] == (0, 300, 300) and sent[1][1:] == (0, 300) and sent[1][0] >= 1
 
 
 def test_reflection_lists_services(drafter_addr):

@@ -48,6 +48,7 @@ class DrafterInfo:
     max_sessions: int
     active_sessions: int
     backend: str
+    appends: bool = False       # takes appends (DraftRequest.top_k 0): a prompt's features as its chunks commit
 
     @property
     def n_features(self) -> int:
@@ -118,7 +119,8 @@ class DrafterConnection:
                 self._info = DrafterInfo(block_size=r.block_size, target_layer_ids=list(r.target_layer_ids),
                                          mask_token_id=r.mask_token_id, hidden_size=r.hidden_size,
                                          n_vocab=r.n_vocab, max_sessions=r.max_sessions,
-                                         active_sessions=r.active_sessions, backend=r.backend)
+                                         active_sessions=r.active_sessions, backend=r.backend,
+                                         appends=r.appends)
             return self._info
 
     def forget_info(self) -> None:
@@ -246,6 +248,10 @@ class DrafterClient:
         self._segment = _Segment() if self.transport == "shm" else None
         self._failed: str | None = None
         self._closed = False
+        # the last append's exchange, answered before the next exchange starts (one at a time on the stream, and
+        # the shared-memory segment is not rewritten before the drafter has read it)
+        self._appending: concurrent.futures.Future[pb.DraftResponse] | None = None
+        self._held: np.ndarray | None = None      # features for the next draft (a drafter without appends)
         if wait_ready:
             self._conn.wait_ready(ready_timeout)
             self._conn.info(self.timeout)
@@ -324,6 +330,38 @@ class DrafterClient:
         """Send the committed tokens' features, get the block's per-position top-k (ids int64, logp float64)."""
         return self.propose_begin(new_features, last_token, start, k)()
 
+    def append_features(self, new_features: Any, start: int) -> None:
+        """speculative's prompt appends: committed tokens' features ahead of the next draft. To a drafter that
+        takes appends (Info.appends) they go now as an append (DraftRequest.top_k 0) that travels and is appended
+        while the caller runs on, answered before this client's next exchange; an older drafter gets them with
+        the next draft (held here until then)."""
+        if self._closed:
+            raise DrafterUnavailableError("the drafter client is closed")
+        self._settle()
+        info = self.info()
+        rows = np.asarray(new_features, dtype=np.float32)
+        if not info.appends:
+            rows = rows.reshape(rows.shape[0], -1)
+            self._held = rows if self._held is None else np.concatenate([self._held, rows], axis=0)
+            return
+        try:
+            req = pb.DraftRequest(features=self._features(rows), start=int(start), top_k=0)
+        except (OSError, ValueError) as e:
+            raise self._fail(f"drafter {self.address}: cannot send features: {e}") from None
+        try:
+            self._appending = self._conn.submit(self._exchange(req))
+        except DrafterUnavailableError as e:
+            raise self._fail(str(e)) from None
+
+    def _settle(self) -> None:
+        """Wait for the append in flight, if any (a failed one fails the client)."""
+        fut, self._appending = self._appending, None
+        if fut is not None:
+            resp = self._response(fut)
+            if resp.positions != 0 or resp.token_ids:
+                raise self._fail(f"drafter {self.address} answered an append with a draft ({resp.positions} "
+                                 "positions)")
+
     def propose_begin(self, new_features: np.ndarray | None, last_token: int, start: int,
                       k: int) -> Callable[[], tuple[np.ndarray, np.ndarray]]:
         """propose() in two halves (speculative.begin_propose): the exchange is sent now and drafts while the
@@ -332,6 +370,13 @@ class DrafterClient:
             raise DrafterUnavailableError("the drafter client is closed")
         if self._failed:
             raise DrafterUnavailableError(self._failed)
+        self._settle()
+        if self._held is not None:
+            held, self._held = self._held, None
+            if new_features is not None and len(new_features):
+                new = np.asarray(new_features, dtype=np.float32)
+                held = np.concatenate([held, new.reshape(new.shape[0], -1)], axis=0)
+            new_features = held
         try:
             req = pb.DraftRequest(features=self._features(new_features), last_token=int(last_token),
                                   start=int(start), top_k=int(k))
@@ -344,6 +389,17 @@ class DrafterClient:
         return lambda: self._answer(fut)
 
     def _answer(self, fut: concurrent.futures.Future[pb.DraftResponse]) -> tuple[np.ndarray, np.ndarray]:
+        resp = self._response(fut)
+        n = resp.positions * resp.top_k
+        if len(resp.token_ids) != n or len(resp.logprobs) != n or resp.positions < 1:
+            raise self._fail(f"drafter {self.address} sent a malformed answer ({resp.positions} x {resp.top_k}, "
+                             f"{len(resp.token_ids)} ids, {len(resp.logprobs)} log-probabilities)")
+        ids = np.asarray(resp.token_ids, dtype=np.int64).reshape(resp.positions, resp.top_k)
+        logp = np.asarray(resp.logprobs, dtype=np.float32).astype(np.float64).reshape(resp.positions, resp.top_k)
+        return ids, logp
+
+    def _response(self, fut: concurrent.futures.Future[pb.DraftResponse]) -> pb.DraftResponse:
+        """An exchange's answer (within the client's timeout); any failure fails the client."""
         try:
             resp = self._conn.wait(fut, self.timeout + 5.0)
         except (TimeoutError, asyncio.TimeoutError):
@@ -358,19 +414,20 @@ class DrafterClient:
             raise self._fail(str(e)) from None
         except (Exception, asyncio.CancelledError) as e:    # e.g. InvalidStateError from a finished call
             raise self._fail(f"drafter {self.address}: {type(e).__name__}: {e}") from None
-        n = resp.positions * resp.top_k
-        if len(resp.token_ids) != n or len(resp.logprobs) != n or resp.positions < 1:
-            raise self._fail(f"drafter {self.address} sent a malformed answer ({resp.positions} x {resp.top_k}, "
-                             f"{len(resp.token_ids)} ids, {len(resp.logprobs)} log-probabilities)")
-        ids = np.asarray(resp.token_ids, dtype=np.int64).reshape(resp.positions, resp.top_k)
-        logp = np.asarray(resp.logprobs, dtype=np.float32).astype(np.float64).reshape(resp.positions, resp.top_k)
-        return ids, logp
+        return resp
 
     def close(self) -> None:
         """End the stream (the drafter frees the session) and unlink the shared-memory segment. Idempotent."""
         if self._closed:
             return
         self._closed = True
+        appending, self._appending = self._appending, None
+        if appending is not None:     # its answer first: the stream's reads come one at a time
+            try:
+                appending.result(self.timeout + 5.0)
+            except Exception:         # a failed or stuck append: the stream is cancelled below
+                self._failed = self._failed or "an append failed while the client closed"
+        self._held = None
         call, self._call = self._call, None
         if call is not None and not self._conn.closed:
             async def finish() -> None:

@@ -136,6 +136,7 @@ class FeatureReader:
 class DrafterStats:
     streams: int = 0
     drafts: int = 0
+    appends: int = 0
     rejected_busy: int = 0
     invalid: int = 0
 
@@ -172,7 +173,8 @@ class DrafterServicer(pb_grpc.DrafterServicer):
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the drafter is still loading its model")
         return pb.DrafterInfo(block_size=d.block_size, target_layer_ids=list(d.target_layer_ids),
                               mask_token_id=d.mask_token_id, hidden_size=int(d.cfg.n_embd), n_vocab=d.n_vocab,
-                              max_sessions=self.max_sessions, active_sessions=self.active, backend=self.backend)
+                              max_sessions=self.max_sessions, active_sessions=self.active, backend=self.backend,
+                              appends=True)
 
     def _open(self) -> Any:
         """A session for a new stream: a pooled one (made at start-up) for a GPU drafter, else a new one."""
@@ -194,10 +196,19 @@ class DrafterServicer(pb_grpc.DrafterServicer):
         if session.n_ctx + rows != req.start:
             raise BadRequest(f"start is {req.start} but this stream's context holds {session.n_ctx} tokens and "
                              f"the request adds {rows} feature rows (start must be {session.n_ctx + rows})")
+        if req.top_k == 0:          # an append: features only
+            if rows == 0:
+                raise BadRequest("an append (top_k 0) carries no feature rows")
+            return
         if not 0 <= req.last_token < self.n_rows:
             raise BadRequest(f"last_token {req.last_token} is outside the vocabulary [0, {self.n_rows})")
         if not 1 <= req.top_k <= MAX_TOP_K:
-            raise BadRequest(f"top_k must be in 1..{MAX_TOP_K}, got {req.top_k}")
+            raise BadRequest(f"top_k must be 0 (an append) or in 1..{MAX_TOP_K}, got {req.top_k}")
+
+    def _append(self, session: Any, feats: np.ndarray, req: pb.DraftRequest) -> pb.DraftResponse:
+        t0 = time.perf_counter()
+        self.drafter.append_context(session, feats, int(req.start))
+        return pb.DraftResponse(positions=0, top_k=0, draft_ms=(time.perf_counter() - t0) * 1e3)
 
     def _draft(self, session: Any, feats: np.ndarray | None, req: pb.DraftRequest) -> pb.DraftResponse:
         t0 = time.perf_counter()
@@ -254,6 +265,13 @@ class DrafterServicer(pb_grpc.DrafterServicer):
                         span.set_attribute("error.type", "context_full")
                         _end(context, grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
                         return
+                    if req.top_k == 0:
+                        with tracer.start_as_current_span("drafter.append", attributes={
+                                "spec.draft.start": req.start, "spec.draft.rows": len(feats)}):
+                            resp = await loop.run_in_executor(self.executor, self._append, session, feats, req)
+                        self.stats.appends += 1
+                        yield resp
+                        continue
                     with tracer.start_as_current_span("drafter.draft", attributes={
                             "spec.draft.start": req.start, "spec.draft.rows": 0 if feats is None else len(feats),
                             "spec.draft.top_k": req.top_k}):
