@@ -5,7 +5,12 @@ service does (FeatureReader: copy out of the message or the mapped segment) and 
 ids, so the time is the transport's. Payload per step: Qwen3.6-27B sized, 16 rows x 5 layers x 5120, f16.
 Prints ms per step for each and the ratio shm / inline (below 1: shared memory is faster).
 
-    python bench/drafter_transport.py [--steps 200] [--rows 16] [--width 25600] [--dtype f16]
+With --prompt N: a prompt's N feature rows (f32, as the verifier sends a GPU target's) to a new stream, then a
+draft, in one message with the draft (what a drafter without appends gets) against appends of
+speculative.PROMPT_APPEND_ROWS rows (DraftRequest.top_k 0) before it, each way over both transports; a message past
+gRPC's limit (services/rpc.MAX_MESSAGE_BYTES) is refused, which is what appends avoid.
+
+    python bench/drafter_transport.py [--steps 200] [--rows 16] [--width 25600] [--dtype f16] [--prompt 2048]
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from services import rpc  # noqa: E402
 from services.drafter.client import DrafterClient  # noqa: E402
 from services.drafter.service import FeatureReader  # noqa: E402
+from services.engine.speculative import PROMPT_APPEND_ROWS, DrafterUnavailableError  # noqa: E402
 from services.wire import pb, pb_grpc  # noqa: E402
 
 POSITIONS, TOP_K = 15, 8
@@ -35,7 +41,8 @@ class CopyOnlyDrafter(pb_grpc.DrafterServicer):
         self.width = width
 
     async def Info(self, request, context):
-        return pb.DrafterInfo(block_size=POSITIONS + 1, target_layer_ids=[0], hidden_size=self.width, n_vocab=1000)
+        return pb.DrafterInfo(block_size=POSITIONS + 1, target_layer_ids=[0], hidden_size=self.width, n_vocab=1000,
+                              appends=True)
 
     async def Draft(self, request_iterator, context):
         reader = FeatureReader(self.width)
@@ -43,8 +50,11 @@ class CopyOnlyDrafter(pb_grpc.DrafterServicer):
         logp = [-1.0] * (POSITIONS * TOP_K)
         try:
             async for req in request_iterator:
-                feats = reader.read(req.features)
-                assert feats is not None and feats.shape[1] == self.width
+                feats = reader.read(req.features) if req.HasField("features") else None
+                assert feats is None or feats.shape[1] == self.width
+                if req.top_k == 0:      # an append
+                    yield pb.DraftResponse(positions=0, top_k=0)
+                    continue
                 yield pb.DraftResponse(positions=POSITIONS, top_k=TOP_K, token_ids=ids, logprobs=logp)
         finally:
             reader.close()
@@ -74,6 +84,46 @@ def run(address: str, transport: str, feats: np.ndarray, steps: int) -> float:
         return (time.perf_counter() - t0) / steps
 
 
+def prompt_once(address: str, transport: str, feats: np.ndarray, appends: bool) -> float | None:
+    """Seconds for a prompt's rows and a first draft on a new stream (None: the drafter refused the message)."""
+    with DrafterClient(address, transport=transport) as client:
+        client.info()
+        t0 = time.perf_counter()
+        try:
+            if appends:
+                for a in range(0, len(feats), PROMPT_APPEND_ROWS):
+                    part = feats[a:a + PROMPT_APPEND_ROWS]
+                    client.append_features(part, a + len(part))
+                client.propose(None, 0, len(feats), TOP_K)
+            else:
+                client.propose(feats, 0, len(feats), TOP_K)
+        except DrafterUnavailableError:
+            return None
+        return time.perf_counter() - t0
+
+
+def prompts(address: str, rows: int, width: int, rounds: int) -> None:
+    feats = np.random.default_rng(1).standard_normal((rows, width)).astype(np.float32)
+    best: dict[tuple[str, bool], float | None] = {}
+    for _ in range(rounds):
+        for transport in ("inline", "shm"):
+            for appends in (False, True):
+                t = prompt_once(address, transport, feats, appends)
+                k = (transport, appends)
+                best[k] = None if t is None else min(t, best.get(k) or float("inf"))
+    mb = feats.nbytes / 2**20
+    print(f"prompt of {rows} rows x {width} f32 = {mb:.1f} MiB, then a first draft; gRPC message limit "
+          f"{rpc.MAX_MESSAGE_BYTES / 2**20:.0f} MiB; best of {rounds}")
+    for transport in ("inline", "shm"):
+        one, app = best[(transport, False)], best[(transport, True)]
+        text = "refused (past the message limit)" if one is None else f"{one * 1e3:8.2f} ms"
+        line = f"  {transport:6s} one message {text}; appends of {PROMPT_APPEND_ROWS} rows "
+        line += "failed" if app is None else f"{app * 1e3:8.2f} ms"
+        if one is not None and app is not None:
+            line += f"; appends / one message {app / one:.3f}"
+        print(line)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--steps", type=int, default=200)
@@ -81,6 +131,7 @@ def main() -> None:
     ap.add_argument("--width", type=int, default=5 * 5120)
     ap.add_argument("--dtype", choices=["f16", "f32"], default="f16")
     ap.add_argument("--rounds", type=int, default=3, help="alternating inline/shm rounds; the best of each counts")
+    ap.add_argument("--prompt", type=int, default=0, help="also: a prompt of this many feature rows (f32)")
     args = ap.parse_args()
 
     feats = np.random.default_rng(0).standard_normal((args.rows, args.width)).astype(
@@ -95,6 +146,8 @@ def main() -> None:
             for _ in range(args.rounds):
                 for transport in best:
                     best[transport] = min(best[transport], run(address, transport, feats, args.steps))
+            if args.prompt:
+                prompts(address, args.prompt, args.width, args.rounds)
         finally:
             proc.terminate()
             proc.join()

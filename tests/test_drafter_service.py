@@ -280,6 +280,22 @@ def test_a_drafter_without_appends_gets_them_with_the_next_draft(drafter_addr, l
         conn.forget_info()
 
 
+def test_features_past_the_message_limit_are_a_clear_error(drafter_addr, local, monkeypatch):
+    """Inline features past gRPC's message limit (which gRPC would refuse as INTERNAL) fail the client with what to
+    change, before anything is sent; appends of the same rows go through."""
+    _, drafter = local
+    width = len(drafter.target_layer_ids) * drafter.cfg.n_embd
+    monkeypatch.setattr(rpc, "MAX_MESSAGE_BYTES", (1 << 16) + 64 * width * 4)   # the client checks 64 rows
+    feats = np.ones((65, width), np.float32)
+    with DrafterClient(drafter_addr, transport="inline") as client:
+        with pytest.raises(DrafterUnavailableError, match="past gRPC's 0 MiB message limit"):
+            client.propose(feats, 1, 65, 1)
+    with DrafterClient(drafter_addr, transport="inline") as client:
+        client.append_features(feats[:40], 40)
+        client.append_features(feats[40:], 65)
+        assert client.propose(None, 1, 65, 1)[0].shape == (drafter.block_size - 1, 1)
+
+
 def test_a_long_prompt_goes_to_the_drafter_service_in_appends(drafter_addr, local):
     """speculative_stream with the service: a 300-token prompt (the NumPy target's one chunk) goes as an append of
     300 rows before the first draft, which brings none; the tokens are the in-process drafter's."""

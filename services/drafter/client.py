@@ -302,6 +302,10 @@ class DrafterClient:
         rows, width = a.shape
         if self._segment is not None:
             return pb.Features(rows=rows, width=width, dtype=name, shm_name=self._segment.write(a), shm_offset=0)
+        if a.nbytes > rpc.MAX_MESSAGE_BYTES - (1 << 16):   # gRPC itself would refuse it, as INTERNAL
+            raise ValueError(f"{rows} feature rows are {a.nbytes / 2**20:.1f} MiB inline, past gRPC's "
+                             f"{rpc.MAX_MESSAGE_BYTES >> 20} MiB message limit (a drafter that takes appends gets a "
+                             "prompt's features in pieces; upgrade it, or send f16 features)")
         return pb.Features(rows=rows, width=width, dtype=name, data=a.tobytes())
 
     async def _exchange(self, req: pb.DraftRequest) -> pb.DraftResponse:
