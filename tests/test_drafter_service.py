@@ -404,3 +404,39 @@ def test_drafter_device_flag_is_checked(capsys):
     with pytest.raises(SystemExit) as e:
         main(["drafter", "--model", "m.gguf", "--draft", "d.gguf", "--device", "tpu"])
     assert e.value.code == 2 and "expected a device" in capsys.readouterr().err
+
+
+def test_streams_on_one_connection_reuse_shared_memory_segments(drafter_addr, local, monkeypatch):
+    """A stream that ended with every exchange answered leaves its segment to the connection's next stream (the
+    same name, no new segment per request); one past SEGMENT_KEEP_BYTES, or a failed stream's, is unlinked."""
+    from multiprocessing import shared_memory
+
+    from services.drafter import client as C
+
+    _, drafter = local
+    width = len(drafter.target_layer_ids) * drafter.cfg.n_embd
+    feats = np.random.default_rng(8).standard_normal((20, width)).astype(np.float32)
+    ref = LocalProposer(drafter)
+    want = ref.propose(feats, 3, 20, 4)
+    names = []
+    for _ in range(2):
+        with DrafterClient(drafter_addr, transport="shm") as client:
+            ids, _ = client.propose(feats, 3, 20, 4)
+            np.testing.assert_array_equal(ids, want[0])
+            names.append(client._segment.shm.name)
+    assert names[0] == names[1]
+    # too big to keep: unlinked when its stream ends
+    monkeypatch.setattr(C, "SEGMENT_KEEP_BYTES", 1024)
+    with DrafterClient(drafter_addr, transport="shm") as client:
+        client.propose(feats, 3, 20, 4)
+        big = client._segment.shm.name
+    with pytest.raises(FileNotFoundError):
+        shared_memory.SharedMemory(name=big)
+    # a failed stream's segment is not handed on
+    monkeypatch.setattr(C, "SEGMENT_KEEP_BYTES", 64 << 20)
+    with DrafterClient(drafter_addr, transport="shm") as client:
+        with pytest.raises(DrafterUnavailableError):
+            client.propose(feats, 3, 21, 4)       # the context would hold 20: start must be 20
+        failed = client._segment.shm.name
+    with pytest.raises(FileNotFoundError):
+        shared_memory.SharedMemory(name=failed)

@@ -31,6 +31,10 @@ from services.wire import pb, pb_grpc
 log = logging.getLogger("specsplit.drafter.client")
 
 DEFAULT_TIMEOUT_S = 30.0
+# shared-memory segments a connection keeps for its next streams when theirs end (a new segment of a prompt
+# append's 25 MiB is made and faulted in again per request otherwise), each at most SEGMENT_KEEP_BYTES
+SEGMENT_POOL = 8
+SEGMENT_KEEP_BYTES = 64 << 20
 TRANSPORTS = ("auto", "inline", "shm")
 FEATURE_DTYPES = {"f32": np.float32, "f16": np.float16}
 _T = TypeVar("_T")
@@ -74,6 +78,8 @@ class DrafterConnection:
         # False once the drafter said it cannot map our shared memory (another host or IPC namespace
         # behind a shared unix socket): "auto" clients then send features inline.
         self.shm_usable = True
+        self._segments: list[_Segment] = []     # idle ones, for the next streams (take_segment / give_segment)
+        self._segments_lock = threading.Lock()
 
         async def make() -> tuple[grpc.aio.Channel, pb_grpc.DrafterStub]:
             # grpc.aio objects belong to the loop they were made on: make the channel on ours.
@@ -135,9 +141,28 @@ class DrafterConnection:
         except (TimeoutError, RuntimeError) as e:
             raise DrafterUnavailableError(str(e)) from None
 
+    def take_segment(self) -> _Segment:
+        """A shared-memory segment for a new stream: an idle one of an ended stream, else a new (empty) one."""
+        with self._segments_lock:
+            return self._segments.pop() if self._segments else _Segment()
+
+    def give_segment(self, seg: _Segment) -> None:
+        """An ended stream's segment: kept for the next stream (up to SEGMENT_POOL of at most SEGMENT_KEEP_BYTES),
+        else unlinked. Only a stream whose exchanges were all answered gives one back: the drafter has read it."""
+        with self._segments_lock:
+            if (not self.closed and seg.shm is not None and seg.shm.size <= SEGMENT_KEEP_BYTES
+                    and len(self._segments) < SEGMENT_POOL):
+                self._segments.append(seg)
+                return
+        seg.close()
+
     def close(self) -> None:
         if self.closed:
             return
+        with self._segments_lock:
+            idle, self._segments = self._segments, []
+        for seg in idle:
+            seg.close()
         try:
             self.run(self.channel.close(), 5.0)
         except Exception:               # the loop may already be gone at interpreter exit
@@ -176,8 +201,9 @@ def close_connections() -> None:
 
 
 class _Segment:
-    """The client's shared-memory segment for one stream: reused every step, replaced by a bigger one when
-    a step needs more room. Unlinked on close (and by a finalizer if the client is dropped unclosed)."""
+    """A stream's shared-memory segment: reused every step, replaced by a bigger one (twice the size at least)
+    when a step needs more room; kept by the connection for the next stream when this one ends (give_segment).
+    Unlinked on close (and by a finalizer if it is dropped unclosed)."""
 
     def __init__(self) -> None:
         self.shm: shared_memory.SharedMemory | None = None
@@ -185,8 +211,8 @@ class _Segment:
 
     def write(self, a: np.ndarray) -> str:
         if self.shm is None or self.shm.size < a.nbytes:
-            self.close()
             size = max(a.nbytes, 2 * (self.shm.size if self.shm else 0), 1 << 16)
+            self.close()
             self.shm = shared_memory.SharedMemory(name=f"specsplit-{secrets.token_hex(8)}", create=True, size=size)
             self._finalizer = weakref.finalize(self, _unlink, self.shm)
         dst = np.ndarray(a.shape, dtype=a.dtype, buffer=self.shm.buf)
@@ -245,7 +271,7 @@ class DrafterClient:
         self.feature_dtype = feature_dtype
         self._trace_context = otel_context.get_current()
         self._call: grpc.aio.StreamStreamCall | None = None
-        self._segment = _Segment() if self.transport == "shm" else None
+        self._segment = self._conn.take_segment() if self.transport == "shm" else None
         self._failed: str | None = None
         self._closed = False
         # the last append's exchange, answered before the next exchange starts (one at a time on the stream, and
@@ -448,8 +474,11 @@ class DrafterClient:
                 self._conn.run(finish(), 5.0)
             except Exception:
                 log.debug("closing the draft stream failed", exc_info=True)
-        if self._segment is not None:
-            self._segment.close()
+        seg, self._segment = self._segment, None
+        if seg is not None and self._failed:    # a failed stream's drafter may not have read it: never handed on
+            seg.close()
+        elif seg is not None:
+            self._conn.give_segment(seg)
 
     def __enter__(self) -> DrafterClient:
         return self
