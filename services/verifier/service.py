@@ -378,9 +378,10 @@ class VerifierServicer(pb_grpc.VerifierServicer):
                                      self.cfg.device, layer_ids=layer_ids)
         if hasattr(model, "memory_in_use"):
             used = model.memory_in_use()
-            log.info("verifier: %d slot(s) on %s, verify width %d: states %.1f MiB, graph arena %.1f MiB, "
-                     "CuPy pool %.1f MiB", self.cfg.slots, self.cfg.device, self.width,
-                     used["pooled_states"] / 2**20, used["arena"] / 2**20, used["pool_total"] / 2**20)
+            log.info("verifier: %d slot(s) on %s, verify width %d, steps up to %d tokens: states %.1f MiB, graph "
+                     "arena %.1f MiB, CuPy pool %.1f MiB", self.cfg.slots, self.cfg.device, self.width,
+                     getattr(model, "max_tree", self.width), used["pooled_states"] / 2**20, used["arena"] / 2**20,
+                     used["pool_total"] / 2**20)
 
     def _remote_drafter_layers(self) -> list[int] | None:
         """The remote drafter's feature layers, asked once at start-up (one Info within DRAFTER_INFO_TIMEOUT_S), so
