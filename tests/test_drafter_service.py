@@ -246,6 +246,19 @@ def test_appends_then_drafts_equal_in_process(drafter_addr, local, transport, dt
     assert DrafterClient(drafter_addr).info().active_sessions == 0
 
 
+def _log_exchanges(client: DrafterClient) -> list[tuple[int, int, int]]:
+    """(top_k, feature rows, start) of each request the client sends from now on."""
+    sent = []
+    exchange = client._exchange
+
+    async def logged(req):
+        sent.append((req.top_k, req.features.rows, req.start))
+        return await exchange(req)
+
+    client._exchange = logged
+    return sent
+
+
 def test_a_drafter_without_appends_gets_them_with_the_next_draft(drafter_addr, local):
     """Info without `appends` (a drafter from before them): the client holds the appended features and sends them
     with the next draft, one message as before; the proposals are the same."""
@@ -261,14 +274,7 @@ def test_a_drafter_without_appends_gets_them_with_the_next_draft(drafter_addr, l
     conn = client._conn
     try:
         conn._info = dataclasses.replace(client.info(), appends=False)
-        sent = []
-        exchange = client._exchange
-
-        async def logged(req):
-            sent.append((req.top_k, req.features.rows, req.start))
-            return await exchange(req)
-
-        client._exchange = logged
+        sent = _log_exchanges(client)
         client.append_features(prompt[:12], 12)
         client.append_features(prompt[12:20], 20)
         ids, logp = client.propose(prompt[20:], 5, 30, 4)
@@ -310,14 +316,7 @@ def test_a_long_prompt_goes_to_the_drafter_service_in_appends(drafter_addr, loca
 
     want = run(LocalProposer(drafter))
     client = DrafterClient(drafter_addr)
-    sent = []
-    exchange = client._exchange
-
-    async def logged(req):
-        sent.append((req.top_k, req.features.rows, req.start))
-        return await exchange(req)
-
-    client._exchange = logged
+    sent = _log_exchanges(client)
     got = run(client)
     assert got.token_ids == want.token_ids and not got.spec["fallback"]
     assert got.spec["accepted"] == want.spec["accepted"]
