@@ -124,11 +124,12 @@ def test_gpu_verifier_out_of_memory_mid_request_fails_alone(tmp_path, cpu_target
 def test_drafter_service_on_a_gpu_of_its_own(tmp_path, cpu_target):
     """`specsplit drafter --device cuda:0`: sessions planned and made at start-up, top-k from the device; a target
     elsewhere (here the NumPy model in this process) decodes speculatively through it exactly as plainly, and the
-    drafter's sessions are reused by the next request."""
+    drafter's sessions are reused by the next request. A 300-token prompt goes to it as an append of its features
+    (DraftRequest.top_k 0) before the first draft."""
     from services.drafter.client import DrafterClient
     from services.engine.generate import GenerationResult
     from services.engine.speculative import SpecConfig, speculative_stream
-    from tests.test_drafter_service import spawn_drafter, stop
+    from tests.test_drafter_service import _log_exchanges, spawn_drafter, stop
 
     gguf, drafter = _pair()
     proc, addr = spawn_drafter((None, gguf, drafter), tmp_path / "d.sock", max_sessions=2,
@@ -145,6 +146,15 @@ def test_drafter_service_on_a_gpu_of_its_own(tmp_path, cpu_target):
                     pass
             assert res.token_ids == plain
             assert not res.spec["fallback"] and res.spec["mean_acceptance_length"] > 1.0
+        long = (prompt * (300 // len(prompt) + 1))[:300]
+        plain = generate(model, long, 24).token_ids
+        with DrafterClient(addr) as client:
+            sent = _log_exchanges(client)
+            res = GenerationResult()
+            for _ in speculative_stream(model, client, long, 24, spec=SpecConfig(budget=22), result=res):
+                pass
+        assert res.token_ids == plain and not res.spec["fallback"]
+        assert sent[0] == (0, 300, 300) and sent[1][1:] == (0, 300)
     finally:
         stop(proc)
     assert proc.returncode == 0, proc.stderr.read()
