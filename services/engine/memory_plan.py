@@ -345,7 +345,7 @@ class MemoryPlan:
     settings: PlanSettings
     devices: list[DevicePlan]
     width: int                         # the widest verify (serving_width)
-    state_width: int = 0               # the widest step a state holds (state_width); 0: the verify width
+    state_width: int                   # the widest step a state holds (state_width)
     shrunk_from: int | None = None     # the max_ctx asked for, when the planner shrank it to fit
 
     @property
@@ -365,7 +365,7 @@ class MemoryPlan:
             "budget": "chain" if s.budget is None else s.budget,
             "speculative": s.speculative,
             "width": self.width,
-            "state_width": self.state_width or self.width,
+            "state_width": self.state_width,
             "slots": s.slots,
             "cache_type_k": s.cache_type_k,
             "cache_type_v": s.cache_type_v,
@@ -389,8 +389,7 @@ class MemoryPlan:
                 f"KV {s.cache_type_k}/{s.cache_type_v}; " + "; ".join(parts))
 
     def _steps(self) -> str:
-        sw = self.state_width or self.width
-        return f" (prompt steps {sw})" if sw != self.width else ""
+        return f" (prompt steps {self.state_width})" if self.state_width != self.width else ""
 
     def table(self) -> str:
         """Itemised text for --plan-only."""
@@ -966,7 +965,7 @@ def plan_drafter_service(model: str, draft: str, device: Device, sessions: int, 
 
     def plan(c: int, n: int = sessions) -> MemoryPlan:
         s = PlanSettings(max_ctx=c, slots=n, device=Device("cpu"), draft_device=device)
-        return MemoryPlan(settings=s, width=d.block_size,
+        return MemoryPlan(settings=s, width=d.block_size, state_width=d.block_size,
                           devices=[DevicePlan(str(device), drafter_service_items(cfg, weights, d, n, c, sms), f, tot)])
 
     p = plan(ctx)

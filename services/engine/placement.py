@@ -111,10 +111,10 @@ def reserve_serving(model: Any, drafter: Any, slots: int, max_ctx: int, budget: 
     state width (memory_plan.state_width: the verify width, on a GPU at least a prompt's 64-token graph steps);
     then every kernel a request may launch is fetched (prompt chunks of every width class, a plain step, the
     drafter's appends) and the drafter's passes of a step's appends are captured, so that no request builds a
-    kernel or, in the first context bucket, captures a drafter pass or a prompt chunk's step. A
-    NumPy model only learns its pool sizes (it allocates per request, as the CPU plan counts). layer_ids: the
-    drafter's feature layers where known (its n_capture layers: a speculative request's prompt graphs are captured
-    with them, a plain one's with none)."""
+    kernel or, in the first context bucket, captures a drafter pass or a prompt chunk's step. A NumPy model only
+    learns its pool sizes (it allocates per request, as the CPU plan counts). layer_ids: a remote drafter's feature
+    layers where known (an in-process drafter's are its own; its n_capture layers: a speculative request's prompt
+    graphs are captured with them, a plain one's with none)."""
     from . import memory_plan as mp
 
     block = getattr(drafter, "block_size", mp.DEFAULT_BLOCK_SIZE)

@@ -373,9 +373,8 @@ class VerifierServicer(pb_grpc.VerifierServicer):
             else mp.DEFAULT_CAPTURE_LAYERS if self.cfg.drafter_address else 0
         budget = AUTO_MAX_BUDGET if self.cfg.budget == "auto" else self.cfg.budget
         model = self.target.model
-        layer_ids = list(dr.target_layer_ids) if dr is not None else self._remote_layers or None
         self.width = reserve_serving(model, dr, self.cfg.slots, self.max_ctx, budget, has_drafter, n_capture,
-                                     self.cfg.device, layer_ids=layer_ids)
+                                     self.cfg.device, layer_ids=self._remote_layers or None)
         if hasattr(model, "memory_in_use"):
             used = model.memory_in_use()
             log.info("verifier: %d slot(s) on %s, verify width %d, steps up to %d tokens: states %.1f MiB, graph "
