@@ -9,7 +9,9 @@ With --prompt N: a prompt's N feature rows (f32, as the verifier sends a GPU tar
 draft, in one message with the draft (what a drafter without appends gets) against appends of
 speculative.PROMPT_APPEND_ROWS rows (DraftRequest.top_k 0) before it, each way over both transports; a message past
 gRPC's limit (services/rpc.MAX_MESSAGE_BYTES) is refused, which is what appends avoid. Medians of --prompt-rounds
-requests each way, and the shm appends again with a new segment per request (the connection's pool off).
+requests each way, and the shm appends again with a new segment per request (the connection's pool off), and the
+appends as f16 on the wire (what `--draft-features auto` sends a drafter across hosts: converted on this host here,
+on the device beside a GPU target) against f32, each transport.
 
     python bench/drafter_transport.py [--steps 200] [--rows 16] [--width 25600] [--dtype f16] [--prompt 2048]
 """
@@ -87,9 +89,10 @@ def run(address: str, transport: str, feats: np.ndarray, steps: int) -> float:
         return (time.perf_counter() - t0) / steps
 
 
-def prompt_once(address: str, transport: str, feats: np.ndarray, appends: bool) -> float | None:
+def prompt_once(address: str, transport: str, feats: np.ndarray, appends: bool,
+                dtype: str | None = None) -> float | None:
     """Seconds for a prompt's rows and a first draft on a new stream (None: the drafter refused the message)."""
-    with DrafterClient(address, transport=transport) as client:
+    with DrafterClient(address, transport=transport, feature_dtype=dtype) as client:
         client.info()
         t0 = time.perf_counter()
         try:
@@ -107,10 +110,10 @@ def prompt_once(address: str, transport: str, feats: np.ndarray, appends: bool) 
 
 def prompts(address: str, rows: int, width: int, rounds: int) -> None:
     feats = np.random.default_rng(1).standard_normal((rows, width)).astype(np.float32)
-    def median(transport: str, appends: bool) -> float | None:
+    def median(transport: str, appends: bool, dtype: str | None = None) -> float | None:
         # one way's requests one after another, as a server's (a stream's shm segment serves the next one's);
         # the median: a request's own costs (a new segment's) vary more than a best-of shows
-        ts = [prompt_once(address, transport, feats, appends) for _ in range(rounds)]
+        ts = [prompt_once(address, transport, feats, appends, dtype) for _ in range(rounds)]
         return None if None in ts else statistics.median(ts)
 
     best = {(t, a): median(t, a) for t in ("inline", "shm") for a in (False, True)}
@@ -135,6 +138,10 @@ def prompts(address: str, rows: int, width: int, rounds: int) -> None:
     pooled = best[("shm", True)]
     print(f"  shm appends with a new segment per request {fresh * 1e3:8.2f} ms"
           + (f"; pooled / new {pooled / fresh:.3f}" if pooled else ""))
+    for transport in ("inline", "shm"):
+        half, full = median(transport, True, "f16"), best[(transport, True)]
+        print(f"  {transport:6s} appends as f16 on the wire {half * 1e3:8.2f} ms"
+              + (f"; f16 / f32 {half / full:.3f}" if full else ""))
 
 
 def main() -> None:

@@ -8,6 +8,7 @@ load elsewhere does not land on one mode only.
     python bench/spec_cpu.py [--model target.gguf --draft drafter] [--prompts file.txt] [--max-tokens 64]
     python bench/spec_cpu.py --pair cycle        # the known-good pair (tests/data/cycle_pair)
     python bench/spec_cpu.py --device cuda:0 [--draft-device cpu]   # target (and drafter) on a GPU
+    python bench/spec_cpu.py --feature-dtype f16   # the drafter sees features rounded as a remote one's wire would
 
 `--budgets` takes numbers, `chain` and `auto` (the budget tuner, measured on this machine at start).
 
@@ -27,6 +28,8 @@ import json
 import os
 import sys
 import time
+
+import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -75,6 +78,27 @@ def piece_costs(model, drafter, prompt_ids: list[int], widths: list[int], rounds
     return best
 
 
+class WireRounded:
+    """A proposer whose features are rounded to the wire's dtype first, as a drafter service's client sends them
+    (`--draft-features f16`): the drafter's acceptance with what a remote drafter would see."""
+
+    def __init__(self, inner, dtype):
+        self.inner, self.dtype = inner, dtype
+        self.block_size, self.target_layer_ids = inner.block_size, inner.target_layer_ids
+
+    def _round(self, features):
+        return None if features is None else np.asarray(features).astype(self.dtype).astype(np.float32)
+
+    def propose(self, new_features, last_token, start, k):
+        return self.inner.propose(self._round(new_features), last_token, start, k)
+
+    def append_features(self, new_features, start: int) -> None:
+        self.inner.append_features(self._round(new_features), start)
+
+    def close(self) -> None:
+        self.inner.close()
+
+
 def print_costs(costs: dict[str, float]) -> None:
     p = costs["plain"]
     print(f"plain step {p * 1e3:.2f} ms CPU; each piece as a multiple of it:")
@@ -101,6 +125,9 @@ def main() -> int:
                     help="without --model: the embedded default pair, or the known-good cycle pair")
     ap.add_argument("--device", default="cpu", help="where the target runs: cpu or cuda:N (wall time either way)")
     ap.add_argument("--draft-device", default=None, help="the drafter's device (default: the target's)")
+    ap.add_argument("--feature-dtype", choices=("f32", "f16"), default="f32",
+                    help="round the features the drafter sees to this dtype (f16: what `--draft-features f16` sends a "
+                         "remote drafter); greedy outputs stay identical, the acceptance length shows the cost")
     ap.add_argument("--warm-up", type=int, default=None,
                     help="untimed prompts run through every mode first (other prompts than the timed ones where there "
                          "are enough; default: 4 on a GPU, where each new step shape is a CUDA-graph capture that a "
@@ -121,6 +148,10 @@ def main() -> int:
     target = load_target_on(args.model, args.device)
     placed = load_drafter_on(args.draft, target.model, draft_device)
     drafter = placed.drafter
+
+    def new_proposer():
+        p = placed.new_proposer()
+        return p if args.feature_dtype == "f32" else WireRounded(p, np.float16)
     tok = target.tokenizer
     if args.prompts:
         with open(args.prompts, encoding="utf-8") as f:
@@ -153,7 +184,7 @@ def main() -> int:
         for p in (tok.encode(w) for w in warm):
             generate(target.model, p, args.max_tokens)
             for spec in specs.values():
-                speculative_generate(target.model, placed.new_proposer(), p, args.max_tokens, spec=spec)
+                speculative_generate(target.model, new_proposer(), p, args.max_tokens, spec=spec)
     specs = make_specs(tuner)
     plain, t_plain = [], 0.0
     runs = {b: ([], 0.0) for b in modes}
@@ -163,7 +194,7 @@ def main() -> int:
         t_plain += time.perf_counter() - t0
         for b, spec in specs.items():
             t0 = time.perf_counter()
-            out = speculative_generate(target.model, placed.new_proposer(), p, args.max_tokens, spec=spec)
+            out = speculative_generate(target.model, new_proposer(), p, args.max_tokens, spec=spec)
             runs[b] = (runs[b][0] + [out], runs[b][1] + time.perf_counter() - t0)
     n_plain = sum(len(r.token_ids) for r in plain)
     dec_plain = sum(r.decode_ms for r in plain)          # without the prompt's prefill, which both modes share

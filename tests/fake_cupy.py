@@ -19,5 +19,5 @@ def fake_cupy() -> types.SimpleNamespace:
                                  Device=lambda *a: types.SimpleNamespace(id=0),
                                  get_current_stream=lambda: types.SimpleNamespace(synchronize=lambda: None))
     return types.SimpleNamespace(zeros=np.zeros, empty=np.empty, full=np.full, asarray=np.asarray, arange=np.arange,
-                                 asnumpy=asnumpy, float32=np.float32, float16=np.float16, int32=np.int32,
+                                 asnumpy=asnumpy, clip=np.clip, float32=np.float32, float16=np.float16, int32=np.int32,
                                  int64=np.int64, uint8=np.uint8, uint32=np.uint32, uint64=np.uint64, cuda=cuda)

@@ -259,6 +259,56 @@ def _log_exchanges(client: DrafterClient) -> list[tuple[int, int, int]]:
     return sent
 
 
+def test_auto_feature_dtype_is_f16_inline_and_f32_through_shared_memory(drafter_addr, local):
+    """`--draft-features auto`: f16 on the wire where features travel inline (half the bytes across a network), f32
+    through shared memory; f16 saturates at +-65504 instead of sending an infinity, and features that can cast where
+    they live (`to_host`: the GPU engine's device rows) are cast there. The proposals are the in-process drafter's
+    given the same rounded features."""
+    _, drafter = local
+    width = len(drafter.target_layer_ids) * drafter.cfg.n_embd
+    prompt = np.random.default_rng(5).standard_normal((20, width)).astype(np.float32)
+    prompt[3, :4] = [1e6, -1e6, 7e4, 65504.0]
+    assert DrafterClient("localhost:1", feature_dtype="auto").feature_dtype == "f16"
+    casts = []
+
+    class OnDevice:                     # the interface of the GPU engine's DeviceRows that the client uses
+        def __init__(self, rows):
+            self.rows, self.dtype = rows, np.dtype(np.float32)
+
+        def __len__(self):
+            return len(self.rows)
+
+        def to_host(self, dtype):
+            casts.append(np.dtype(dtype))
+            return np.clip(self.rows, -65504, 65504).astype(dtype)
+
+    for transport, wire in (("inline", "f16"), ("shm", "f32")):
+        client = DrafterClient(drafter_addr, transport=transport, feature_dtype="auto")
+        assert client.feature_dtype == wire
+        seen = []
+        exchange = client._exchange
+
+        async def logged(req, exchange=exchange, seen=seen):
+            seen.append(req.features.dtype)
+            return await exchange(req)
+
+        client._exchange = logged
+        ref = LocalProposer(drafter)
+        sent = np.clip(prompt, -65504, 65504).astype(np.float16).astype(np.float32) if wire == "f16" else prompt
+        assert wire == "f32" or (np.isfinite(sent).all() and sent[3, 0] == 65504.0 and sent[3, 1] == -65504.0)
+        with client:
+            client.append_features(prompt[:12], 12)
+            ref.append_features(sent[:12], 12)
+            ids, logp = client.propose(OnDevice(prompt[12:]), 4, 20, 4)
+            want_ids, want_logp = ref.propose(sent[12:], 4, 20, 4)
+        assert seen == [wire, wire]
+        np.testing.assert_array_equal(ids, want_ids)
+        np.testing.assert_allclose(logp, want_logp, rtol=1e-6, atol=1e-6)
+    assert casts == [np.dtype(np.float16), np.dtype(np.float32)]
+    with pytest.raises(ValueError, match="feature_dtype must be one of auto, f32, f16"):
+        DrafterClient(drafter_addr, feature_dtype="bf16")
+
+
 def test_a_drafter_without_appends_gets_them_with_the_next_draft(drafter_addr, local):
     """Info without `appends` (a drafter from before them): the client holds the appended features and sends them
     with the next draft, one message as before; the proposals are the same."""

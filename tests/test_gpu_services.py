@@ -6,6 +6,7 @@ flag checks, which need none.
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from kernels.loader import unavailable_reason
@@ -158,3 +159,55 @@ def test_drafter_service_on_a_gpu_of_its_own(tmp_path, cpu_target):
     finally:
         stop(proc)
     assert proc.returncode == 0, proc.stderr.read()
+
+
+@needs_gpu
+def test_a_gpu_targets_features_cross_to_a_drafter_service_as_f16(tmp_path, monkeypatch):
+    """A GPU target and a drafter service with f16 on the wire (`--draft-features f16`, auto's choice across hosts):
+    the captured rows are cast on the device (DeviceRows.to_host: half the bytes leave it), a 300-token prompt's
+    features go as an f16 append, the steps' as f16 too, and the tokens are the GPU target's plain ones."""
+    from services.drafter.client import DrafterClient
+    from services.engine.generate import GenerationResult
+    from services.engine.models.qwen35_gpu import DeviceRows
+    from services.engine.placement import load_target_on
+    from services.engine.speculative import SpecConfig, speculative_stream
+    from tests.test_drafter_service import spawn_drafter, stop
+
+    gguf, drafter = _pair()
+    casts = []
+    to_host = DeviceRows.to_host
+
+    def spy(self, dtype=np.float32):
+        out = to_host(self, dtype)
+        casts.append((out.dtype, out.shape[0]))
+        return out
+
+    monkeypatch.setattr(DeviceRows, "to_host", spy)
+    target = load_target_on(gguf, "cuda:0")
+    model = target.model
+    prompt = target.tokenizer.encode("def fibonacci(n):\n    if n < 2:\n        return n\n")
+    long = (prompt * (300 // len(prompt) + 1))[:300]
+    plain = generate(model, long, 24).token_ids
+    proc, addr = spawn_drafter((None, gguf, drafter), tmp_path / "d.sock", max_sessions=2)
+    try:
+        with DrafterClient(addr, feature_dtype="f16") as client:
+            dtypes = []
+            exchange = client._exchange
+
+            async def logged(req):
+                dtypes.append((req.top_k, req.features.dtype, req.features.rows))
+                return await exchange(req)
+
+            client._exchange = logged
+            res = GenerationResult()
+            for _ in speculative_stream(model, client, long, 24, spec=SpecConfig(budget=22), result=res):
+                pass
+    finally:
+        stop(proc)
+    assert res.token_ids == plain and not res.spec["fallback"]
+    # the prompt: appends of 256 rows or more as its chunks commit, the rest with the first draft
+    first = next(i for i, (k, _, _) in enumerate(dtypes) if k)
+    assert first >= 1 and all(k == 0 and n >= 256 for k, _, n in dtypes[:first])
+    assert sum(n for _, _, n in dtypes[:first + 1]) == 300
+    assert all(d == "f16" for _, d, n in dtypes if n)
+    assert casts and all(dt == np.float16 for dt, _ in casts) and casts[0][1] >= 256

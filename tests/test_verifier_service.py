@@ -371,6 +371,66 @@ def test_remote_drafter_layers_reach_the_calibration(tiny_pair, tmp_path, monkey
     assert unknown is None and seen[1] == ()
 
 
+def test_draft_features_reach_a_remote_drafter_in_the_chosen_dtype(tiny_pair, target, tmp_path, monkeypatch):
+    """--draft-features: `auto` (the default) sends f16 to a drafter across a network (TCP: inline bytes) and f32
+    through a unix socket's shared memory; `f16` / `f32` force it (CLI flag or SPECSPLIT_DRAFT_FEATURES); the
+    output is plain decoding's either way, and a bad value is refused at start-up."""
+    from services.cli import build_parser
+    from services.drafter.service import DrafterConfig, FeatureReader, serve_drafter
+    from services.verifier.cli import config_from_args
+    from services.verifier.service import VerifierConfig, serve_verifier
+
+    _, gguf, draft = tiny_pair
+    prompt = target.tokenizer.encode("def add(a, b):")
+    want = generate(target.model, prompt, 12).token_ids
+    seen: list[str] = []
+    read = FeatureReader.read
+
+    def spy(self, f):
+        if f.rows:
+            seen.append(f.dtype)
+        return read(self, f)
+
+    monkeypatch.setattr(FeatureReader, "read", spy)
+
+    async def run(listen: str, **kw) -> tuple[list[int], set[str]]:
+        drafter = await serve_drafter(DrafterConfig(model=gguf, draft=draft), listen)
+        await drafter.wait_loaded()
+        seen.clear()
+        try:
+            server = await serve_verifier(VerifierConfig(model=gguf, drafter_address=str(drafter.address), budget=8,
+                                                         **kw), f"unix://{tmp_path}/v.sock")
+            try:
+                async with grpc.aio.insecure_channel(server.address.target) as ch:
+                    stub = pb_grpc.VerifierStub(ch)
+                    tokens, last = [], None
+                    async for c in stub.Generate(pb.GenerateRequest(prompt_ids=prompt, max_tokens=12)):
+                        tokens += c.token_ids
+                        last = c
+                    assert last.spec.steps > 0 and not last.spec.fallback
+            finally:
+                await server.stop(1)
+        finally:
+            await drafter.stop(0)
+        return tokens, set(seen)
+
+    assert asyncio.run(run("127.0.0.1:0")) == (want, {"f16"})
+    assert asyncio.run(run(f"unix://{tmp_path}/d.sock")) == (want, {"f32"})
+    assert asyncio.run(run("127.0.0.1:0", draft_features="f32")) == (want, {"f32"})
+    assert asyncio.run(run(f"unix://{tmp_path}/d.sock", draft_features="f16")) == (want, {"f16"})
+
+    parser = build_parser()
+    assert config_from_args(parser.parse_args(["verifier", "--model", "m.gguf"])).draft_features == "auto"
+    monkeypatch.setenv("SPECSPLIT_DRAFT_FEATURES", "f16")
+    assert config_from_args(build_parser().parse_args(["verifier", "--model", "m.gguf"])).draft_features == "f16"
+    args = build_parser().parse_args(["verifier", "--model", "m.gguf", "--draft-features", "f32"])
+    assert config_from_args(args).draft_features == "f32"
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["verifier", "--model", "m.gguf", "--draft-features", "bf16"])
+    with pytest.raises(ValueError, match="draft_features must be one of auto, f32, f16"):
+        VerifierConfig(model=gguf, drafter_address="127.0.0.1:1", draft_features="f8")
+
+
 def test_remote_drafter_in_process(tiny_pair, target, tmp_path):
     """--drafter with a live Drafter service: same output, spec steps, the drafter's spans in the trace;
     then the drafter dies mid-request and the request still completes, with plain decoding."""

@@ -37,6 +37,9 @@ SEGMENT_POOL = 8
 SEGMENT_KEEP_BYTES = 64 << 20
 TRANSPORTS = ("auto", "inline", "shm")
 FEATURE_DTYPES = {"f32": np.float32, "f16": np.float16}
+# `--draft-features`: a dtype, or auto (f16 where features cross a network inline, f32 through shared memory)
+FEATURE_CHOICES = ("auto", *FEATURE_DTYPES)
+F16_MAX = 65504.0
 _T = TypeVar("_T")
 
 
@@ -226,6 +229,22 @@ class _Segment:
         self.shm, self._finalizer = None, None
 
 
+def wire_array(features: Any, name: str) -> np.ndarray:
+    """(rows, width) contiguous host array of `features` in wire dtype `name`. f16 saturates at +-F16_MAX (numpy's
+    cast would make an infinity the drafter cannot use); features that live on a device and can cast there
+    (`to_host`, the GPU engine's captured rows) are cast before they are copied, so half the bytes leave it."""
+    dtype = FEATURE_DTYPES[name]
+    if hasattr(features, "to_host"):
+        a = features.to_host(dtype)
+    elif dtype == np.float16:
+        a = np.asarray(features)
+        if a.dtype != np.float16:
+            a = np.clip(np.asarray(a, dtype=np.float32), -F16_MAX, F16_MAX).astype(np.float16)
+    else:
+        a = np.asarray(features, dtype=dtype)
+    return np.ascontiguousarray(a.reshape(a.shape[0], -1), dtype=dtype)
+
+
 def _unlink(shm: shared_memory.SharedMemory) -> None:
     try:
         shm.close()
@@ -241,7 +260,11 @@ class DrafterClient:
     travel: "inline" (bytes in the message), "shm" (a shared-memory segment this client owns; same host
     only) or "auto" (shm for unix and inproc addresses, inline otherwise, and inline from then on if the
     drafter once answers that it cannot map this host's shared memory). feature_dtype: "f32" or "f16"
-    on the wire (None: f16 arrays stay f16, anything else goes as f32). timeout: seconds each propose()
+    on the wire, or "auto": f16 inline (half the bytes on a network; the drafter sees features rounded to
+    f16, whose 11 significant bits are more than the bf16 ring the reference DFlash implementations keep),
+    f32 through shared memory (exact, and there a copy costs less than a conversion); None: f16 arrays stay
+    f16, anything else goes as f32. f16 saturates at +-65504 (a massive activation stays finite; a device's
+    features are cast there, so half the bytes leave it). timeout: seconds each propose()
     (and Info) may take. wait_ready: block in the constructor until the drafter is ready (ready_timeout
     seconds, None = forever) and fetch its Info, raising DrafterUnavailableError if that fails; without
     it nothing is contacted until first use.
@@ -256,8 +279,9 @@ class DrafterClient:
                  wait_ready: bool = False, ready_timeout: float | None = None, feature_dtype: str | None = None):
         if transport not in TRANSPORTS:
             raise ValueError(f"transport must be one of {', '.join(TRANSPORTS)}, got {transport!r}")
-        if feature_dtype is not None and feature_dtype not in FEATURE_DTYPES:
-            raise ValueError(f"feature_dtype must be one of {sorted(FEATURE_DTYPES)} or None, got {feature_dtype!r}")
+        if feature_dtype is not None and feature_dtype not in FEATURE_CHOICES:
+            raise ValueError(f"feature_dtype must be one of {', '.join(FEATURE_CHOICES)} or None, got "
+                             f"{feature_dtype!r}")
         addr = rpc.parse_address(address)
         if transport == "shm" and not addr.is_local:
             raise ValueError(f"transport 'shm' needs a drafter on this host (unix:// or inproc), not {address}")
@@ -268,6 +292,8 @@ class DrafterClient:
             transport = "shm" if addr.is_local and self._conn.shm_usable else "inline"
         self.transport = transport
         self.timeout = float(timeout)
+        if feature_dtype == "auto":
+            feature_dtype = "f32" if transport == "shm" else "f16"
         self.feature_dtype = feature_dtype
         self._trace_context = otel_context.get_current()
         self._call: grpc.aio.StreamStreamCall | None = None
@@ -320,11 +346,10 @@ class DrafterClient:
     def _features(self, new_features: np.ndarray | None) -> pb.Features | None:
         if new_features is None:
             return None
-        a = np.asarray(new_features)
-        if a.shape[0] == 0:
+        if len(new_features) == 0:
             return None
-        name = self.feature_dtype or ("f16" if a.dtype == np.float16 else "f32")
-        a = np.ascontiguousarray(a.reshape(a.shape[0], -1), dtype=FEATURE_DTYPES[name])
+        name = self.feature_dtype or ("f16" if getattr(new_features, "dtype", None) == np.float16 else "f32")
+        a = wire_array(new_features, name)
         rows, width = a.shape
         if self._segment is not None:
             return pb.Features(rows=rows, width=width, dtype=name, shm_name=self._segment.write(a), shm_offset=0)
@@ -369,13 +394,13 @@ class DrafterClient:
             raise DrafterUnavailableError("the drafter client is closed")
         self._settle()
         info = self.info()
-        rows = np.asarray(new_features, dtype=np.float32)
         if not info.appends:
+            rows = np.asarray(new_features, dtype=np.float32)
             rows = rows.reshape(rows.shape[0], -1)
             self._held = rows if self._held is None else np.concatenate([self._held, rows], axis=0)
             return
         try:
-            req = pb.DraftRequest(features=self._features(rows), start=int(start), top_k=0)
+            req = pb.DraftRequest(features=self._features(new_features), start=int(start), top_k=0)
         except (OSError, ValueError) as e:
             raise self._fail(f"drafter {self.address}: cannot send features: {e}") from None
         try:

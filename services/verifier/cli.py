@@ -39,6 +39,9 @@ def register(subparsers: Any) -> None:
                      help="address of a Drafter service (unix:///run/specsplit/drafter.sock, host:port)")
     add_env_argument(p, "--drafter-timeout", type=float, default=30.0,
                      help="seconds one remote draft may take before the request falls back to plain decoding")
+    add_env_argument(p, "--draft-features", default="auto", choices=["auto", "f32", "f16"],
+                     help="a remote drafter's features on the wire: auto (the default: f16 across a network, half "
+                          "the bytes; f32 through shared memory on one host), f32 or f16")
     add_env_argument(p, "--budget", type=parse_budget, default="auto",
                      help="DDTree budget: N nodes, 'chain', or 'auto' (tuned per step; the default)")
     add_env_argument(p, "--slots", type=int_at_least(1), default=1, help="concurrent generations (KV slots)")
@@ -70,7 +73,8 @@ def config_from_args(args: argparse.Namespace):
     return VerifierConfig(model=args.model, draft=args.draft or None, drafter_address=args.drafter or None,
                           budget=args.budget, slots=args.slots, max_queue=args.max_queue, max_ctx=args.max_ctx,
                           speculative=not args.no_speculative, trace=args.trace, shutdown_grace_s=args.grace,
-                          drafter_timeout_s=args.drafter_timeout, cache_type_k=args.cache_type_k,
+                          drafter_timeout_s=args.drafter_timeout, draft_features=args.draft_features,
+                          cache_type_k=args.cache_type_k,
                           cache_type_v=args.cache_type_v, device=args.device, draft_device=args.draft_device)
 
 

@@ -105,6 +105,7 @@ class VerifierConfig:
                                                 # process's tracing as configured (all-in-one, tests)
     shutdown_grace_s: float = 10.0              # in-flight requests get this long on SIGTERM
     drafter_timeout_s: float = 30.0             # longest wait for one remote draft before falling back
+    draft_features: str = "auto"                # a remote drafter's features on the wire: auto, f32, f16
     cache_type_k: str = "auto"                  # KV cache types (auto, f16, q8_0, tq3_0, f32); `auto` is
     cache_type_v: str = "auto"                  # the rule in services/engine/kvcache.py
     device: str = "cpu"                         # where the target runs: cpu or cuda:N
@@ -135,6 +136,10 @@ class VerifierConfig:
             from services.rpc import parse_address
 
             parse_address(self.drafter_address)     # a typo is a start-up error, not a silent fallback
+        from services.drafter.client import FEATURE_CHOICES
+
+        if self.draft_features not in FEATURE_CHOICES:
+            raise ValueError(f"draft_features must be one of {', '.join(FEATURE_CHOICES)}, got {self.draft_features!r}")
 
 
 @dataclass
@@ -673,7 +678,8 @@ class VerifierServicer(pb_grpc.VerifierServicer):
         try:
             # Made on the worker thread with the request span current: the Draft stream carries its
             # trace context, so the drafter's spans join this request's trace.
-            client = DrafterClient(addr, timeout=min(timeout, DRAFTER_INFO_TIMEOUT_S))
+            client = DrafterClient(addr, timeout=min(timeout, DRAFTER_INFO_TIMEOUT_S),
+                                   feature_dtype=self.cfg.draft_features)
             info = client.info()        # one Info per connection (cached); raises if unreachable
             client.timeout = timeout
         except Exception as e:          # unreachable: the engine falls back at its first draft

@@ -587,6 +587,9 @@ class DeviceLogits:
         self._rows = self._rows.copy()
 
 
+F16_MAX = 65504.0
+
+
 class DeviceRows:
     """Captured layer outputs (T, len(capture), n_embd) float32 left on the device: the GPU drafter beside the
     target reads them there; np.asarray(x) (and reshape) copies them to the host, as the NumPy engine's array
@@ -626,6 +629,15 @@ class DeviceRows:
 
     def reshape(self, *shape: Any) -> np.ndarray:
         return np.asarray(self).reshape(*shape)
+
+    def to_host(self, dtype: Any = np.float32) -> np.ndarray:
+        """A host copy in `dtype`; float16 is cast on the device first (half the bytes cross the bus), saturating
+        at +-65504 rather than overflowing (a drafter service's f16 wire: services/drafter/client.wire_array)."""
+        cp = nr.loader.require()
+        rows = self.rows
+        if np.dtype(dtype) == np.float16:
+            rows = cp.clip(rows, -F16_MAX, F16_MAX).astype(cp.float16)
+        return cp.asnumpy(rows).astype(dtype, copy=False)
 
     def __array__(self, dtype: Any = None, copy: bool | None = None) -> np.ndarray:
         host = nr.loader.require().asnumpy(self.rows)
@@ -826,6 +838,8 @@ class Qwen35GpuModel(TargetModel):
                 res = self.forward(st, np.arange(n) % self.cfg.n_vocab, capture=capture, logits="last")
                 if capture and n >= 3:   # the features of a path off the drafter's chain: a gather (CuPy's take)
                     _ = res.captured[[0, 2]]
+                if capture:              # and their f16 host copy (a drafter service's wire: CuPy's clip, cast)
+                    res.captured[:1].to_host(np.float16)
                 res = None
                 st.commit(range(n))
             # and a plain decode step in the first context bucket (a request without a drafter: no layers
