@@ -30,6 +30,7 @@ CHUNK = 256
 SMEM_PER_SM = 228 * 1024
 SMEM_LIMIT = 227 * 1024
 
+GEMV_QTYPES = frozenset({1, 8, 12, 14})  # F16, Q8_0, Q4_K, Q6_K (Q5_K: v2's alone)
 _INT = frozenset({8, 12, 14})  # x staged as int16 with an fp32 scale per 16 values
 _SUMS = frozenset({12, 14})  # and the fp32 sum of every 16 values (the K-quants' offsets)
 # Widest T for which matmul() takes this kernel instead of v2, per storage type: the widest at which it beat v2 on
@@ -210,6 +211,8 @@ def fits(qtype: int, k: int, tokens: int) -> bool:
 def prefer_gemv(qtype: int, k: int, tokens: int, q16: bool = False) -> bool:
     """matmul()'s choice for a matrix in the v2 layout: this kernel up to the measured crossover width, or, when x
     comes with its int16 staging (q16: PackedX.q16), up to the ring variant's (RING_UP_TO, K a multiple of 256)."""
+    if int(qtype) not in GEMV_QTYPES:
+        return False
     return ring_takes(qtype, k, tokens, q16) or (tokens <= CROSSOVER.get(int(qtype), 0) and fits(qtype, k, tokens))
 
 
@@ -225,7 +228,7 @@ def _defines(portable: bool) -> tuple[str, ...]:
 def gemv_function(qtype: int, tokens: int, portable: bool = False) -> Any:
     """The compiled kernel for one storage type and width (1..16 tokens)."""
     qtype = int(qtype)
-    if qtype not in qm.SUPPORTED_QTYPES:
+    if qtype not in GEMV_QTYPES:
         raise ValueError(f"no GPU gemv kernel for {qm.type_name(qtype)}")
     if not 1 <= tokens <= MAX_TOKENS:
         raise ValueError(f"gemv takes 1..{MAX_TOKENS} tokens, not {tokens}")
@@ -304,7 +307,7 @@ def pair_function(qtype: int, tokens: int, portable: bool = False) -> Any:
 def split_function(qtype: int, tokens: int, portable: bool = False) -> Any:
     """The compiled split-K kernel for one storage type and width (1..16 tokens)."""
     qtype = int(qtype)
-    if qtype not in qm.SUPPORTED_QTYPES:
+    if qtype not in GEMV_QTYPES:
         raise ValueError(f"no GPU gemv kernel for {qm.type_name(qtype)}")
     if not 1 <= tokens <= MAX_TOKENS:
         raise ValueError(f"gemv takes 1..{MAX_TOKENS} tokens, not {tokens}")

@@ -292,6 +292,7 @@ SS_DEV u32 bytes01_to_half2(u32 x) {
 // prep: slot = the row's shared-memory slot (16-byte aligned), o = byte offset of the chunk in it.
 template <int QT>
 SS_DEV RowState prep(const u8* slot, u32 o, int t) {
+    static_assert(QT == 1 || QT == 8 || QT == 12 || QT == 14, "v1 (qmm_kernel): F16, Q8_0, Q4_K or Q6_K");
     RowState st;
     st.v[0] = st.v[1] = st.v[2] = st.v[3] = 0u;
     if constexpr (QT == 12) {
@@ -1021,6 +1022,10 @@ struct Lay<12> {
     static constexpr int MAIN = 144, SIDE = 0, SWZ = 0;
 };
 template <>
+struct Lay<13> {  // Q5_K: {f16 d, dmin; u8 scales[12]; u8 qh[32]; u8 qs[128]} (176 bytes) whole
+    static constexpr int MAIN = 176, SIDE = 0, SWZ = 0;
+};
+template <>
 struct Lay<14> {
     static constexpr int MAIN = 192, SIDE = 18, SWZ = 0;
 };
@@ -1152,7 +1157,7 @@ template <int QT>
 SS_DEV RowState prep2(const u8* quants, const u8* side, int t) {
     RowState st;
     st.v[0] = st.v[1] = st.v[2] = st.v[3] = 0u;
-    if constexpr (QT == 12) {
+    if constexpr (QT == 12 || QT == 13) {  // Q5_K's header is Q4_K's
         // Q4_K header: lane t needs sub-blocks j = 2t, 2t+1: j < 4 from bytes 4+j / 8+j (6 bits); j >= 4
         // from the nibbles of byte 8+j plus the top two bits of bytes j-4 / j (kquants._scale_min_k4).
         // Branch-free: lanes t < 2 and t >= 2 differ only in which words and masks they use.
@@ -1217,7 +1222,28 @@ SS_DEV LaneK lane_consts(int g, int t) {
 // 64t+8j+{0..3}, a[2..3] +{4..7}, a[4..7] the same 32 values further on; a[2e] = values (0,2), a[2e+1] = (1,3).
 template <int QT>
 SS_DEV void frag2(const u8* q, int t, const RowState& st, const LaneK& k, int j, u32 (&a)[8]) {
-    if constexpr (QT == 12) {
+    if constexpr (QT == 13) {
+        // Q5_K: Q4_K's nibbles (qs after the 16-byte header and qh[32]) plus a fifth bit from qh[l], l = 8j..8j+7,
+        // the value's index in its sub-block: bit 2t for sub-block 2t (low nibbles), bit 2t+1 for 2t+1 (high).
+        // The low path's bit goes to 16 = bit 4 of each half (1024 + q5); the high path's to 256 = bit 8 (1024 +
+        // 16 q5, brought back by the same exact fma as Q4_K's): still one rounding, fp16(q s + m).
+        const uint2 w = *(const uint2*)(q + 48 + 32 * t + 8 * j);
+        const uint2 h = *(const uint2*)(q + 16 + 8 * j);
+        const u32 ws[2] = {w.x, w.y}, hs[2] = {h.x, h.y};
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+            const u32 v = ws[e], v8 = ws[e] >> 8;
+            const u32 b0 = hs[e] >> (2 * t), b1 = hs[e] >> (2 * t + 1);  // bit 0 of each byte: the fifth bits
+            const u32 lo0 = lop3<LUT_AND_OR>(b0 << 4, 0x00100010u, lop3<LUT_AND_OR>(v, 0x000F000Fu, H1024));
+            const u32 lo1 = lop3<LUT_AND_OR>(b0 >> 4, 0x00100010u, lop3<LUT_AND_OR>(v8, 0x000F000Fu, H1024));
+            const u32 hi0 = lop3<LUT_AND_OR>(b1 << 8, 0x01000100u, lop3<LUT_AND_OR>(v, 0x00F000F0u, H1024));
+            const u32 hi1 = lop3<LUT_AND_OR>(b1, 0x01000100u, lop3<LUT_AND_OR>(v8, 0x00F000F0u, H1024));
+            a[2 * e] = hfma2(hsub2(lo0, H1024), st.v[0], st.v[2]);
+            a[2 * e + 1] = hfma2(hsub2(lo1, H1024), st.v[0], st.v[2]);
+            a[4 + 2 * e] = hfma2(hfma2(hi0, H_16TH, H_M64), st.v[1], st.v[3]);
+            a[5 + 2 * e] = hfma2(hfma2(hi1, H_16TH, H_M64), st.v[1], st.v[3]);
+        }
+    } else if constexpr (QT == 12) {
         // qs bytes 32t+8j..+7: low nibbles = sub-block 2t, high nibbles = sub-block 2t+1 (same positions)
         const uint2 w = *(const uint2*)(q + 16 + 32 * t + 8 * j);
         const u32 ws[2] = {w.x, w.y};
@@ -2233,7 +2259,7 @@ __global__ void SS_BOUNDS(288, 1) qmw_kernel(const u8* __restrict__ W, long long
 #endif
             const u8* const stage = smem + s * SB;
             // K-quant rows are whole 256-value super-blocks: only F16 / Q8_0 have a shorter last chunk
-            const int C = (QT == 12 || QT == 14) ? CHUNK : imin(CHUNK, K - (ch0 + c) * CHUNK);
+            const int C = (QT == 12 || QT == 13 || QT == 14) ? CHUNK : imin(CHUNK, K - (ch0 + c) * CHUNK);
 #if SS_WG
             wide_chunk_wg<QT, NT, MT>(acc, stage + XB + warp * MT * BLK, smem_s + (u32)(s * SB), C, g, t, lk);
             wg_wait<0>();  // the stage's x is read (and acc final) only once the last group is done

@@ -8,7 +8,9 @@ once whatever the width. NumPy twin: services.engine.quants.dequantize.
     W = QuantMatrix.from_raw(model_file.require("blk.0.ffn_up.weight"))   # or QuantMatrix(qtype, bytes, shape)
     y = W.matmul(x)            # x: cupy [T, in] float16 (or float32) -> y: cupy [T, out] float32
 
-Supported storage types: F16, Q8_0, Q4_K, Q6_K (what a Qwen3.6 Q4_K_M file holds in its matrices).
+Supported storage types: F16, Q8_0, Q4_K, Q6_K (what a Qwen3.6 Q4_K_M file holds in its matrices) and Q5_K (a
+Q5_K_M / Q5_K_S file's; on the v2 kernel at every width for now: the gemv and wide kernels, which narrow and verify
+widths take for the other K-quants, lack it).
 Activations: fp16 is the native input; float32 input is rounded to fp16 by the packing kernel. Products
 accumulate in fp32 on the tensor cores (mma.sync m16n8k16), and the weights are dequantized to fp16 on the
 way (so results carry fp16 rounding of x and of each dequantized weight: relative error ~3e-4).
@@ -43,6 +45,7 @@ SOURCE = "quant_matmul.cu"
 F16 = 1
 Q8_0 = 8
 Q4_K = 12
+Q5_K = 13
 Q6_K = 14
 
 # qtype -> (name, values per block, bytes per block, shared-memory bytes per row slot)
@@ -50,9 +53,12 @@ _TYPES: dict[int, tuple[str, int, int, int]] = {
     F16: ("F16", 1, 2, 528),
     Q8_0: ("Q8_0", 32, 34, 304),
     Q4_K: ("Q4_K", 256, 144, 144),
+    Q5_K: ("Q5_K", 256, 176, 176),
     Q6_K: ("Q6_K", 256, 210, 240),
 }
 SUPPORTED_QTYPES = frozenset(_TYPES)
+# the v1 kernel's types (Q5_K runs on v2, the default, only)
+V1_QTYPES = frozenset((F16, Q8_0, Q4_K, Q6_K))
 
 KERNELS = ("v2", "v1")
 WARPS = 4  # v1: warps per thread block (kernel constant ss::WARPS)
@@ -83,7 +89,7 @@ def smem_bytes(qtype: int) -> int:
 
 # v2 (qmv_kernel): bytes per row of a full 256-value chunk in the tiled layout (quants + side data), and
 # whether the quants' 16-byte units are swizzled (kernel constants ss::Lay<QT>)
-_CHUNK_ROW_BYTES = {F16: (512, 0), Q8_0: (256, 16), Q4_K: (144, 0), Q6_K: (192, 18)}
+_CHUNK_ROW_BYTES = {F16: (512, 0), Q8_0: (256, 16), Q4_K: (144, 0), Q5_K: (176, 0), Q6_K: (192, 18)}
 _SWIZZLED = frozenset({F16, Q8_0})
 TILE_ROWS = 16  # rows per layout tile (one m16 mma tile)
 SMEM_LIMIT = 227 * 1024  # dynamic shared memory one block may opt into (sm_80 / sm_90)
@@ -131,7 +137,7 @@ def device_layout(qtype: int, raw: Any) -> Any:
 
     Rows are padded with zeros to a multiple of 16. For each 16-row tile and each 256-value chunk of K one
     contiguous block follows: the 16 rows' quants, then the 16 rows' side data (Q8_0: qs | d; Q6_K: ql+qh |
-    scales+d; Q4_K and F16: whole, no side data); a shorter last chunk (F16 / Q8_0 when K % 256 != 0) comes
+    scales+d; Q4_K, Q5_K and F16: whole, no side data); a shorter last chunk (F16 / Q8_0 when K % 256 != 0) comes
     last the same way. Every block starts 16-byte aligned and no byte is added or dropped per row. In full
     chunks of F16 and Q8_0 the 16-byte units of tile row r's quants are permuted (unit u stored at
     u ^ ((r + 2 (u >> 3)) & 7)) so that the lanes' shared-memory reads fall in distinct banks.
@@ -153,8 +159,8 @@ def device_layout(qtype: int, raw: Any) -> Any:
         main = raw[:, : 512 * nfull].reshape(npad, nfull, 512)
         side = None
         t_main = raw[:, 512 * nfull :]
-    elif qtype == Q4_K:
-        main, side = raw.reshape(npad, nfull, 144), None
+    elif qtype in (Q4_K, Q5_K):
+        main, side = raw.reshape(npad, nfull, bb), None
     elif qtype == Q6_K:
         blocks = raw.reshape(npad, nfull, 210)
         main, side = blocks[:, :, :192], blocks[:, :, 192:]
@@ -209,6 +215,8 @@ def _check_kernel_args(qtype: int, n_tiles: int) -> int:
 def qmm_function(qtype: int, n_tiles: int, portable: bool = False) -> Any:
     """The compiled kernel for one storage type and one token-tile count (1..8 tiles of 8 tokens)."""
     qtype = _check_kernel_args(qtype, n_tiles)
+    if qtype not in V1_QTYPES:
+        raise ValueError(f"no v1 GPU matmul kernel for {type_name(qtype)} (the v2 kernel, the default, takes it)")
     defines = _defines(portable)
     fn = loader.get_function(SOURCE, f"qmm_kernel<{qtype}, {n_tiles}>", defines)
     smem = smem_bytes(qtype)
@@ -641,6 +649,8 @@ class QuantMatrix:
         if qtype not in _TYPES:
             supported = ", ".join(v[0] for v in _TYPES.values())
             raise ValueError(f"{name}: no GPU matmul for {type_name(qtype)} (supported: {supported})")
+        if kernel == "v1" and qtype not in V1_QTYPES:
+            raise ValueError(f"{name}: no v1 GPU matmul for {type_name(qtype)} (the v2 kernel, the default, takes it)")
         shape = tuple(int(s) for s in shape)
         if len(shape) != 2:
             raise ValueError(f"{name}: a weight matrix must be 2-D [out, in], not shape {shape}")

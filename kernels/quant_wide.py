@@ -49,6 +49,7 @@ BARRIER_BYTES = 16  # per stage: the full and empty mbarriers
 # deep matrices and TALL_CROSSOVER[qtype] on tall ones (a type missing there: CROSSOVER); gemv keeps the widths up to
 # quant_gemv.CROSSOVER. (Those sweeps predate v2's address fix: DEEP_CROSSOVER was re-measured after it, below.)
 CROSSOVER = {1: 17, 8: 25, 12: 25, 14: 25}  # F16, Q8_0, Q4_K, Q6_K
+WIDE_QTYPES = frozenset(CROSSOVER)  # (Q5_K: v2 at every width so far)
 # Deep: since v2 lost its per-load index math (ceea517) it is level with or ahead of the wide kernel on ffn_down up to
 # 16-23 tokens (H100: Q4_K 31.3 vs 34.4 us at 16, 33.2 vs 33.0 at 23; Q6_K 41.2 vs 43.2 at 16, 44.2 vs 41.3 at 23);
 # in the 27B step (graph replay, interleaved) these crossovers beat 9 everywhere: -0.4 / -1.0 / -0.9 / -0.8 % at 12 /
@@ -225,6 +226,8 @@ def prefer_wide(qtype: int, tokens: int, n_out: int = 0, k: int = 0, order: int 
     more, from MID_CROSSOVER[qtype] on one of MID_ROWS..HIGH_ROWS - 1 rows (shape unknown, 0: the CROSSOVER); x in
     the wgmma order (order 1): from WG_CROSSOVER[qtype] on any matrix where that comes first."""
     qtype = int(qtype)
+    if qtype not in WIDE_QTYPES:
+        return False
     if order and WG_CROSSOVER.get(qtype, MAX_TOKENS + 1) <= tokens <= MAX_TOKENS:
         return True
     first = CROSSOVER.get(qtype, MAX_TOKENS + 1)
@@ -254,7 +257,7 @@ def wide_function(qtype: int, n_tiles: int, m_tiles: int, portable: bool = False
     SwiGLU instance (wide_swiglu; m_tiles 2); wg: its wgmma build (sm_90a; x in wg_order, the SwiGLU writer's too);
     order: else the PackedX.order it reads (and a SwiGLU instance writes): 1 its build with SPECSPLIT_XO_WG."""
     qtype = int(qtype)
-    if qtype not in qm.SUPPORTED_QTYPES:
+    if qtype not in WIDE_QTYPES:
         raise ValueError(f"no GPU wide kernel for {qm.type_name(qtype)}")
     if not 1 <= n_tiles <= MAX_TOKENS // 8:
         raise ValueError(f"n_tiles must be 1..{MAX_TOKENS // 8}, not {n_tiles}")

@@ -32,9 +32,10 @@ def _load_twins():
 
 kquants, legacy = _load_twins()
 
-BLOCK = {qm.F16: (1, 2), qm.Q8_0: (32, 34), qm.Q4_K: (256, 144), qm.Q6_K: (256, 210)}   # values, bytes
-FP16_FIELDS = {qm.Q8_0: (0,), qm.Q4_K: (0, 2), qm.Q6_K: (208,)}                        # fp16 scale offsets
-NAMES = {qm.F16: "F16", qm.Q8_0: "Q8_0", qm.Q4_K: "Q4_K", qm.Q6_K: "Q6_K"}
+# values, bytes a block; the fp16 scales' offsets in a block
+BLOCK = {qm.F16: (1, 2), qm.Q8_0: (32, 34), qm.Q4_K: (256, 144), qm.Q5_K: (256, 176), qm.Q6_K: (256, 210)}
+FP16_FIELDS = {qm.Q8_0: (0,), qm.Q4_K: (0, 2), qm.Q5_K: (0, 2), qm.Q6_K: (208,)}
+NAMES = {qm.F16: "F16", qm.Q8_0: "Q8_0", qm.Q4_K: "Q4_K", qm.Q5_K: "Q5_K", qm.Q6_K: "Q6_K"}
 
 # (storage type, (out, in)) the GPU matmul kernels are checked on: every type at three shapes (rows not a multiple of
 # 16 among them), and the F16 / Q8_0 tail chunks
@@ -83,7 +84,8 @@ def dequantize(qtype: int, raw: np.ndarray, n_out: int, k: int) -> np.ndarray:
     if qtype == qm.F16:
         return raw.reshape(-1).view(np.float16).astype(np.float64).reshape(n_out, k)
     blocks = raw.reshape(-1, BLOCK[qtype][1])
-    decode = {qm.Q8_0: legacy.dequantize_q8_0, qm.Q4_K: kquants.dequantize_q4_k, qm.Q6_K: kquants.dequantize_q6_k}
+    decode = {qm.Q8_0: legacy.dequantize_q8_0, qm.Q4_K: kquants.dequantize_q4_k, qm.Q5_K: kquants.dequantize_q5_k,
+              qm.Q6_K: kquants.dequantize_q6_k}
     return decode[qtype](blocks).astype(np.float64).reshape(n_out, k)
 
 

@@ -22,7 +22,17 @@ if _REASON is not None:
 import cupy  # noqa: E402
 
 from kernels import quant_matmul as qm  # noqa: E402
-from tests.quant_twins import MATMUL_CASES, NAMES, case_id, check_matmul, dequantize, legacy, random_weights, rel_error  # noqa: E402
+from tests.quant_twins import (  # noqa: E402
+    MATMUL_CASES,
+    NAMES,
+    case_id,
+    check_matmul,
+    dequantize,
+    gpu_matmul,
+    legacy,
+    random_weights,
+    rel_error,
+)
 from tests.test_kernels_cpu_sim import unpack_numpy  # noqa: E402  (the packed layout's NumPy inverse)
 
 pytestmark = pytest.mark.gpu
@@ -392,3 +402,31 @@ def test_pack_rms_matches_numpy(tokens: int, k: int, group: int, res: int, gate:
             ref = ref * zz / (1 + np.exp(-zz))
         got = unpack_numpy(cupy.asnumpy(px.data), k, tpad)[:tokens].astype(np.float64)
         assert rel_error(got, ref) < 1e-3
+
+
+@pytest.mark.parametrize("shape", [(256, 512), (77, 768), (1024, 2048), (5120, 6144)], ids=case_id)
+def test_q5_k_on_v2_at_every_width(shape: tuple[int, int]) -> None:
+    """Q5_K (a Q5_K_M file's matrices) on the v2 kernel, which takes every width for it: the fifth bit from qh in
+    both nibbles' paths, launch shapes, K split across blocks, the portable build, an accumulating launch; v1 refuses
+    it at construction, and matmul() never picks the gemv or wide kernels for it."""
+    from kernels import quant_gemv as qg
+    from kernels import quant_wide as qw
+
+    rng = np.random.default_rng(5 + shape[0] + shape[1])
+    raw = random_weights(qm.Q5_K, *shape, rng)
+    w64 = dequantize(qm.Q5_K, raw, *shape)
+    W = qm.QuantMatrix(qm.Q5_K, raw, shape, name=f"Q5_K {shape}")
+    for tokens in WIDTHS:
+        assert not qg.prefer_gemv(qm.Q5_K, shape[1], tokens, q16=True)
+        assert not qw.prefer_wide(qm.Q5_K, tokens, *shape, order=1)
+        check(W, w64, tokens, rng, W.name)
+    check(W, w64, 23, rng, W.name, splits=3)
+    for cfg in V2_SHAPES:
+        check(W, w64, 9, rng, f"{W.name} {cfg}", config=cfg)
+    check(W, w64, 5, rng, f"portable {W.name}", splits=1, portable=True)
+    x = (rng.standard_normal((7, shape[1])) * 0.5).astype(np.float16)
+    y0 = rng.standard_normal((7, shape[0])).astype(np.float32)
+    y = gpu_matmul(W, x, y0, accumulate=True)
+    assert rel_error(y - y0, x.astype(np.float64) @ w64.T) < TOL
+    with pytest.raises(ValueError, match="no v1 GPU matmul for Q5_K"):
+        qm.QuantMatrix(qm.Q5_K, raw, shape, kernel="v1")

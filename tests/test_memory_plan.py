@@ -232,13 +232,18 @@ def test_gpu_weights_count_matrices_vectors_and_fallbacks(q27):
     # a matrix type the kernel lacks goes up as F16; a token table it cannot decode stays on the host
     Q = S.Q
     odd = {t.name: t for t in specs}
-    odd["output.weight"] = S.TensorSpec("output.weight", (248320, 5120), Q.Q5_K, "matrix")
+    odd["output.weight"] = S.TensorSpec("output.weight", (248320, 5120), Q.IQ4_XS, "matrix")
     odd["token_embd.weight"] = S.TensorSpec("token_embd.weight", (248320, 5120), Q.Q6_K, "embedding")
     w2 = M.WeightBytes.of(odd)
     assert w2.embd_on_host and w2.embd_gpu == 0
     q4 = next(t for t in specs if t.name == "token_embd.weight").nbytes
     q6 = next(t for t in specs if t.name == "output.weight").nbytes
     assert w2.gpu == w.gpu - q4 - q6 + 248320 * 5120 * 2
+    # Q5_K goes up as it is stored (v2 takes it): 176 bytes a 256 values, padded like every matrix
+    odd["output.weight"] = S.TensorSpec("output.weight", (248320, 5120), Q.Q5_K, "matrix")
+    w3 = M.WeightBytes.of(odd)
+    assert w3.head == (Q.Q5_K, 248320, 5120)
+    assert w3.gpu == w2.gpu - 248320 * 5120 * 2 + 248320 * 5120 // 256 * 176
 
 
 def test_gpu_table_types_are_those_the_device_decodes():
