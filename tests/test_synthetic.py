@@ -77,6 +77,29 @@ def test_27b_types_and_bytes_equal_the_peer_file():
     assert sum(s.nbytes for s in drafter) == 1_838_535_680        # ~1.73 B params at Q8_0
 
 
+def test_q5_k_m_mix_is_the_q4_k_m_mix_with_q5_k(tmp_path):
+    """--quant q5_k_m: llama.cpp's Q5_K_M mix (Q5_K where Q4_K_M has Q4_K; the LM head and the "more bits" layers'
+    attn_v / attn_qkv and ffn_down Q6_K), its file type in the metadata; a tiny file loads and runs."""
+    shape = S.get_shape("qwen3.6-27b")
+    q4 = {s.name: s for s in S.target_tensors(shape.target)}
+    q5 = S.target_tensors(shape.target, "q5_k_m")
+    assert [s.name for s in q5] == list(q4)
+    for s in q5:
+        want = Q.Q5_K if q4[s.name].qtype == Q.Q4_K else q4[s.name].qtype
+        assert (s.shape, s.qtype) == (q4[s.name].shape, want), s.name
+    by = S.bytes_by_type(q5)
+    assert by["Q6_K"] == PEER_BYTES["Q6_K"] and by["Q5_K"] == PEER_BYTES["Q4_K"] // 144 * 176
+    assert S.target_metadata(S.get_shape("tiny"), "q5_k_m")["general.file_type"] == S.FILE_TYPE_Q5_K_M == 17
+    res = S.make_synthetic("tiny", str(tmp_path), quant="q5_k_m", seed=3, draft=False, quiet=True)
+    assert res.target_path.endswith("-q5_k_m.synthetic.gguf")
+    target = load_target(res.target_path)
+    assert target.file.tensors["blk.0.ffn_up.weight"].qtype == Q.Q5_K
+    out = target.model.forward(target.model.new_state(16), [1, 2, 3])
+    assert np.isfinite(out.logits).all() and 0.1 < float(out.logits.std()) < 10.0
+    with pytest.raises(SpecsplitError, match="unknown --quant 'q3_k_m'"):
+        S.target_tensors(shape.target, "q3_k_m")
+
+
 def _header_only(path, shape):
     """The real header with a sparse (unwritten) data region: real shapes without writing gigabytes."""
     specs = S.target_tensors(shape.target, type_layers=shape.type_layers)
@@ -112,7 +135,7 @@ def test_27b_width_layers_2_header(tmp_path):
     assert tensors["blk.0.attn_qkv.weight"].qtype == Q.Q6_K      # layer 0 of 64 is a "more bits" layer
 
 
-@pytest.mark.parametrize("qtype,fan_in", [(Q.Q4_K, 5120), (Q.Q6_K, 17408), (Q.Q8_0, 25600)])
+@pytest.mark.parametrize("qtype,fan_in", [(Q.Q4_K, 5120), (Q.Q5_K, 6144), (Q.Q6_K, 17408), (Q.Q8_0, 25600)])
 def test_random_blocks_are_valid_and_scaled(qtype, fan_in):
     rng = np.random.default_rng(0)
     block = gguf.GGML_QUANT_SIZES[qtype][0]
@@ -124,7 +147,7 @@ def test_random_blocks_are_valid_and_scaled(qtype, fan_in):
     assert abs(float(w.std()) / std - 1) < 0.1
     assert abs(float(w.mean())) < 0.05 * std
     # the fp16 super-scales are finite and positive
-    at = {Q.Q4_K: 0, Q.Q6_K: 208, Q.Q8_0: 0}[qtype]
+    at = {Q.Q4_K: 0, Q.Q5_K: 0, Q.Q6_K: 208, Q.Q8_0: 0}[qtype]
     d = np.ascontiguousarray(raw[:, at:at + 2]).view(np.float16).astype(np.float32)
     assert np.isfinite(d).all() and (d > 0).all()
 

@@ -1,7 +1,8 @@
 """Synthetic models for benchmarks: GGUFs with a real model's shapes, tensor types and metadata but random
 (valid) quantized weights, plus the matching DFlash drafter; written streaming, so a 16.5 GB file never sits in RAM.
 
-Tensor types follow llama.cpp's Q4_K_M mix (`src/llama-quant.cpp`, as the peer baseline's synthetic file):
+Tensor types follow llama.cpp's Q4_K_M mix (`src/llama-quant.cpp`, as the peer baseline's synthetic file; `--quant
+q5_k_m`: its Q5_K_M mix, the same with Q5_K for Q4_K):
 every 2-D weight is Q4_K, except `output.weight` (Q6_K) and, on the "more bits" layers (the first eighth,
 the last eighth and every third layer in between: `use_more_bits`), `attn_v` / `attn_qkv` (counted
 together, one per layer) and `ffn_down` (Q6_K). `token_embd` stays Q4_K (the model is untied). Norms,
@@ -45,6 +46,7 @@ VT = gguf.GGUFValueType
 ALIGNMENT = gguf.GGUF_DEFAULT_ALIGNMENT     # 32, so general.alignment is not written
 CHUNK_BYTES = 64 << 20                      # bytes of one tensor generated and written at a time
 FILE_TYPE_Q4_K_M = 15                       # llama_ftype LLAMA_FTYPE_MOSTLY_Q4_K_M
+FILE_TYPE_Q5_K_M = 17                       # LLAMA_FTYPE_MOSTLY_Q5_K_M
 DISK_MARGIN = 64 << 20                      # free space kept beyond the files (metadata, filesystem slack)
 
 SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|object_ref_start|>", "<|object_ref_end|>",
@@ -105,7 +107,9 @@ def _tiny() -> SyntheticShape:
 
 
 SHAPES: dict[str, Callable[[], SyntheticShape]] = {"qwen3.6-27b": _qwen36_27b, "tiny": _tiny}
-QUANTS = ("q4_k_m",)
+QUANTS = ("q4_k_m", "q5_k_m")
+# --quant: (the base matrix type, the "more bits" / LM head type, llama_ftype)
+QUANT_MIXES = {"q4_k_m": (Q.Q4_K, Q.Q6_K, FILE_TYPE_Q4_K_M), "q5_k_m": (Q.Q5_K, Q.Q6_K, FILE_TYPE_Q5_K_M)}
 DRAFT_QUANTS = {"q8_0": Q.Q8_0, "f16": Q.F16, "q4_k": Q.Q4_K}
 
 
@@ -167,7 +171,8 @@ def _matrix(name: str, out: int, inp: int, qtype: Q) -> TensorSpec:
 
 
 def target_tensors(cfg: ModelConfig, quant: str = "q4_k_m", type_layers: int | None = None) -> list[TensorSpec]:
-    """The tensors of a qwen35 GGUF in llama.cpp's order (globals, then per layer), with Q4_K_M types.
+    """The tensors of a qwen35 GGUF in llama.cpp's order (globals, then per layer), with Q4_K_M types (q5_k_m: Q5_K_M's,
+    the same mix with Q5_K for Q4_K).
 
     type_layers: the layer count the "more bits" rule uses (default cfg.n_layer); with the real model's
     count a --layers N file has, layer by layer, the real file's types.
@@ -180,38 +185,39 @@ def target_tensors(cfg: ModelConfig, quant: str = "q4_k_m", type_layers: int | N
     n_types = type_layers or L
     H, Hkv, D = cfg.n_head, cfg.n_head_kv, cfg.head_dim
     f32 = Q.F32
-    specs = [_matrix("token_embd.weight", V, E, Q.Q4_K), TensorSpec("output_norm.weight", (E,), f32, "ones"),
-             _matrix("output.weight", V, E, Q.Q6_K)]
+    base, high, _ = QUANT_MIXES[quant]
+    specs = [_matrix("token_embd.weight", V, E, base), TensorSpec("output_norm.weight", (E,), f32, "ones"),
+             _matrix("output.weight", V, E, high)]
     for i in range(L):
         p = f"blk.{i}."
-        more = Q.Q6_K if use_more_bits(i, n_types) else Q.Q4_K   # i_attention_wv == i: one attn_v/qkv a layer
+        more = high if use_more_bits(i, n_types) else base   # i_attention_wv == i: one attn_v/qkv a layer
         specs.append(TensorSpec(p + "attn_norm.weight", (E,), f32, "ones"))
         if cfg.recurrent_layers[i]:
             Hv, inner, conv = cfg.ssm_n_v_heads, cfg.ssm_inner_size, cfg.ssm_conv_dim
             specs += [
                 _matrix(p + "attn_qkv.weight", conv, E, more),
-                _matrix(p + "attn_gate.weight", inner, E, Q.Q4_K),
-                _matrix(p + "ssm_beta.weight", Hv, E, Q.Q4_K),
-                _matrix(p + "ssm_alpha.weight", Hv, E, Q.Q4_K),
+                _matrix(p + "attn_gate.weight", inner, E, base),
+                _matrix(p + "ssm_beta.weight", Hv, E, base),
+                _matrix(p + "ssm_alpha.weight", Hv, E, base),
                 TensorSpec(p + "ssm_conv1d.weight", (conv, cfg.ssm_conv_kernel), f32, "conv"),
                 TensorSpec(p + "ssm_dt.bias", (Hv,), f32, "dt_bias"),
                 TensorSpec(p + "ssm_a", (Hv,), f32, "ssm_a"),
                 TensorSpec(p + "ssm_norm.weight", (cfg.ssm_head_v_dim,), f32, "ones"),
-                _matrix(p + "ssm_out.weight", E, inner, Q.Q4_K),
+                _matrix(p + "ssm_out.weight", E, inner, base),
             ]
         else:
             specs += [
-                _matrix(p + "attn_q.weight", 2 * H * D, E, Q.Q4_K),
-                _matrix(p + "attn_k.weight", Hkv * D, E, Q.Q4_K),
+                _matrix(p + "attn_q.weight", 2 * H * D, E, base),
+                _matrix(p + "attn_k.weight", Hkv * D, E, base),
                 _matrix(p + "attn_v.weight", Hkv * D, E, more),
-                _matrix(p + "attn_output.weight", E, H * D, Q.Q4_K),
+                _matrix(p + "attn_output.weight", E, H * D, base),
                 TensorSpec(p + "attn_q_norm.weight", (D,), f32, "ones"),
                 TensorSpec(p + "attn_k_norm.weight", (D,), f32, "ones"),
             ]
         specs += [
             TensorSpec(p + "post_attention_norm.weight", (E,), f32, "ones"),
-            _matrix(p + "ffn_gate.weight", F, E, Q.Q4_K),
-            _matrix(p + "ffn_up.weight", F, E, Q.Q4_K),
+            _matrix(p + "ffn_gate.weight", F, E, base),
+            _matrix(p + "ffn_up.weight", F, E, base),
             _matrix(p + "ffn_down.weight", E, F, more),
         ]
     return specs
@@ -297,7 +303,7 @@ def target_metadata(shape: SyntheticShape, quant: str = "q4_k_m") -> dict[str, A
         "general.description": ("SYNTHETIC model for benchmarks: random weights with the real shapes, tensor "
                                 "types and metadata; synthetic byte-level tokenizer. Produces no meaningful text."),
         "general.size_label": shape.size_label,
-        "general.file_type": FILE_TYPE_Q4_K_M,
+        "general.file_type": QUANT_MIXES[quant][2],
         "general.quantization_version": gguf.GGML_QUANT_VERSION,
     }
     meta.update(gguf_metadata(cfg))
@@ -366,6 +372,19 @@ def random_blocks(qtype: Q, n_blocks: int, std: float, rng: np.random.Generator)
         top = (hi >> np.uint8(4)) << np.uint8(6)           # bits 4-5 of scales 4-7 ride on bytes 0-7
         out[:, 4:8] = (lo & six) | top
         out[:, 8:12] = (lo & six) | top                    # mins equal the scales
+        out[:, 12:16] = (hi & four) | ((hi & four) << np.uint8(4))
+    elif qtype == Q.Q5_K:
+        # {f16 d; f16 dmin; u8 scales[12]; u8 qh[32]; u8 qs[128]}: w = d*sc*q - dmin*m, q uniform in [0, 31] (random
+        # qs nibbles and qh bits); m = sc and dmin = 15.5 d: w = d*sc*(q - 15.5), E[(q-15.5)^2] = 85.25
+        sc = rng.integers(_K_SC[0], _K_SC[1] + 1, size=(n_blocks, 8), dtype=np.uint8)
+        d = (std / (_sub_scale_ms(*_K_SC) * math.sqrt(85.25)) * jitter).astype(np.float16)
+        out[:, 0:2] = d.view(np.uint8).reshape(-1, 2)
+        out[:, 2:4] = _f16_bytes(d.astype(np.float32) * 15.5)
+        lo, hi = sc[:, :4], sc[:, 4:]
+        six, four = np.uint8(63), np.uint8(0x0F)
+        top = (hi >> np.uint8(4)) << np.uint8(6)
+        out[:, 4:8] = (lo & six) | top
+        out[:, 8:12] = (lo & six) | top
         out[:, 12:16] = (hi & four) | ((hi & four) << np.uint8(4))
     elif qtype == Q.Q6_K:
         # {u8 ql[128]; u8 qh[64]; int8 scales[16]; f16 d}: w = d*sc*(q - 32), q uniform in [0, 63]:
