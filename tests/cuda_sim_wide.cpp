@@ -123,6 +123,7 @@ static void (*pick(int qt, int nt, int mt))() {
         case 8: return mt == 1 ? pick_nt<8, 1, WIDE>(nt) : pick_nt<8, 2, WIDE>(nt);
         case 12: return mt == 1 ? pick_nt<12, 1, WIDE>(nt) : pick_nt<12, 2, WIDE>(nt);
         case 13: return mt == 1 ? pick_nt<13, 1, WIDE>(nt) : pick_nt<13, 2, WIDE>(nt);
+        case 23: return mt == 1 ? pick_nt<23, 1, WIDE>(nt) : pick_nt<23, 2, WIDE>(nt);
         case 14: return mt == 1 ? pick_nt<14, 1, WIDE>(nt) : pick_nt<14, 2, WIDE>(nt);
     }
     return nullptr;

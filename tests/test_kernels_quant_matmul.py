@@ -405,20 +405,23 @@ def test_pack_rms_matches_numpy(tokens: int, k: int, group: int, res: int, gate:
 
 
 @pytest.mark.parametrize("shape", [(256, 512), (77, 768), (1024, 2048), (5120, 6144)], ids=case_id)
-def test_q5_k_on_v2_at_every_width(shape: tuple[int, int]) -> None:
-    """Q5_K (a Q5_K_M file's matrices) on the v2 kernel, which takes every width for it: the fifth bit from qh in
-    both nibbles' paths, launch shapes, K split across blocks, the portable build, an accumulating launch; v1 refuses
-    it at construction, and matmul() never picks the gemv or wide kernels for it."""
+@pytest.mark.parametrize("qtype", [qm.Q5_K, qm.IQ4_XS], ids=NAMES.get)
+def test_v2_only_types_at_every_width(qtype: int, shape: tuple[int, int]) -> None:
+    """Q5_K (a Q5_K_M file's matrices: the fifth bit from qh in both nibbles' paths) and IQ4_XS (the codebook looked
+    up by byte permutes, the 6-bit scales from scales_l and scales_h) on the v2 kernel, which takes every width for
+    them: launch shapes, K split across blocks, the portable build, an accumulating launch; v1 refuses them at
+    construction, and matmul() never picks the gemv or wide kernels for them. (IQ4_XS is in UNPROVEN_QTYPES until
+    this passes on a GPU: the engine keeps it as F16 so far.)"""
     from kernels import quant_gemv as qg
     from kernels import quant_wide as qw
 
-    rng = np.random.default_rng(5 + shape[0] + shape[1])
-    raw = random_weights(qm.Q5_K, *shape, rng)
-    w64 = dequantize(qm.Q5_K, raw, *shape)
-    W = qm.QuantMatrix(qm.Q5_K, raw, shape, name=f"Q5_K {shape}")
+    rng = np.random.default_rng(5 + qtype + shape[0] + shape[1])
+    raw = random_weights(qtype, *shape, rng)
+    w64 = dequantize(qtype, raw, *shape)
+    W = qm.QuantMatrix(qtype, raw, shape, name=f"{NAMES[qtype]} {shape}")
     for tokens in WIDTHS:
-        assert not qg.prefer_gemv(qm.Q5_K, shape[1], tokens, q16=True)
-        assert not qw.prefer_wide(qm.Q5_K, tokens, *shape, order=1)
+        assert not qg.prefer_gemv(qtype, shape[1], tokens, q16=True)
+        assert not qw.prefer_wide(qtype, tokens, *shape, order=1)
         check(W, w64, tokens, rng, W.name)
     check(W, w64, 23, rng, W.name, splits=3)
     for cfg in V2_SHAPES:
@@ -428,5 +431,5 @@ def test_q5_k_on_v2_at_every_width(shape: tuple[int, int]) -> None:
     y0 = rng.standard_normal((7, shape[0])).astype(np.float32)
     y = gpu_matmul(W, x, y0, accumulate=True)
     assert rel_error(y - y0, x.astype(np.float64) @ w64.T) < TOL
-    with pytest.raises(ValueError, match="no v1 GPU matmul for Q5_K"):
-        qm.QuantMatrix(qm.Q5_K, raw, shape, kernel="v1")
+    with pytest.raises(ValueError, match=f"no v1 GPU matmul for {NAMES[qtype]}"):
+        qm.QuantMatrix(qtype, raw, shape, kernel="v1")

@@ -39,7 +39,7 @@ ROOT = Path(__file__).resolve().parents[1]
 SOURCE = ROOT / "kernels" / "quant_matmul.cu"
 HARNESS = Path(__file__).resolve().parent / "cuda_sim_wide.cpp"
 
-F16, Q8_0, Q4_K, Q5_K, Q6_K = 1, 8, 12, 13, 14
+F16, Q8_0, Q4_K, Q5_K, Q6_K, IQ4_XS = 1, 8, 12, 13, 14, 23
 PAD = 1024
 TOL = 2e-3  # v2's numerics: fp16 x and fp16-rounded weights (~3e-4)
 SMEM_CANARY = 0xA5  # the harness fills shared memory with it before every block
@@ -1002,24 +1002,25 @@ def test_wgmma_build_on_cpu(tmp_path_factory) -> None:
 
 
 @needs_gxx
-def test_q5_k_on_the_wide_kernel_and_its_wgmma_build_on_cpu(sim, tmp_path_factory) -> None:
-    """Q5_K through the wide kernel (its dequantization is v2's frag2, which takes Q5_K): the twin at split and whole
-    row blocks, bit for bit v2 with one row-block piece, and the wgmma build bit for bit the mma.sync build. The
-    dispatch does not send Q5_K there yet (quant_wide.WIDE_QTYPES); this holds the kernel ready for it."""
+@pytest.mark.parametrize("qtype", [Q5_K, IQ4_XS], ids=["Q5_K", "IQ4_XS"])
+def test_new_types_on_the_wide_kernel_and_its_wgmma_build_on_cpu(sim, tmp_path_factory, qtype) -> None:
+    """Q5_K and IQ4_XS through the wide kernel (its dequantization is v2's frag2, which takes them): the twin at split
+    and whole row blocks, bit for bit v2 with one row-block piece, and the wgmma build bit for bit the mma.sync build.
+    The dispatch does not send them there yet (quant_wide.WIDE_QTYPES); this holds the kernel ready for it."""
     cases = ((100, 1280, 23, (2, 4, 2, 3)), (48, 768, 41, (1, 3, 4, 2)), (37, 512, 9, (2, 1, 2, 5)))
     for n_out, k, tokens, cfg in cases:
-        p = Problem(sim, Q5_K, n_out, k, tokens, seed=131 * Q5_K + n_out + k + tokens)
+        p = Problem(sim, qtype, n_out, k, tokens, seed=131 * qtype + n_out + k + tokens)
         y, _ = p.wide(*cfg)
         check_twin(p, y)
-    p = Problem(sim, Q5_K, 70, 1024, 19, seed=5)
+    p = Problem(sim, qtype, 70, 1024, 19, seed=5)
     blocks = qw.row_blocks(70, 2, 2)
     y, _ = p.wide(2, 2, 2, blocks, seed=3)
     assert np.array_equal(y, p.v2(2, kw=1))
     if sim.bulk:
         wg = build_sim(tmp_path_factory, "bulk", ("SPECSPLIT_QMW_WG",))
         for n_out, k, tokens, cfg in ((100, 1280, 23, (1, 4, 2, 3)), (64, 2048, 41, (1, 4, 3, 7))):
-            seed = 131 * Q5_K + n_out + k + tokens
-            want, _ = Problem(sim, Q5_K, n_out, k, tokens, seed=seed).wide(*cfg)
-            q = Problem(wg, Q5_K, n_out, k, tokens, seed=seed)
+            seed = 131 * qtype + n_out + k + tokens
+            want, _ = Problem(sim, qtype, n_out, k, tokens, seed=seed).wide(*cfg)
+            q = Problem(wg, qtype, n_out, k, tokens, seed=seed)
             q.xp[:] = qw.wg_order(q.xp, q.tpad)
             assert np.array_equal(q.wide(*cfg, wg=True)[0], want), (n_out, k, tokens, cfg)

@@ -2,6 +2,7 @@
 
 import json
 
+import numpy as np
 import pytest
 
 from services.cli import main
@@ -244,6 +245,27 @@ def test_gpu_weights_count_matrices_vectors_and_fallbacks(q27):
     w3 = M.WeightBytes.of(odd)
     assert w3.head == (Q.Q5_K, 248320, 5120)
     assert w3.gpu == w2.gpu - 248320 * 5120 * 2 + 248320 * 5120 // 256 * 176
+
+
+def test_gpu_matrices_go_up_as_stored_only_where_a_gpu_run_proved_the_kernel():
+    """backend.GpuMatrix.of: Q5_K as stored (v2 ran it on a GPU); IQ4_XS, whose v2 dequantization has run only in the
+    CPU simulation (quant_matmul.UNPROVEN_QTYPES), and a type without a kernel (Q4_0) as F16, as the plan counts."""
+    from kernels import quant_matmul as qm
+    from services.engine.backend import GpuMatrix
+    from services.engine.formats import RawTensor
+    from tests.quant_twins import random_weights
+
+    rng = np.random.default_rng(0)
+    assert qm.Q5_K in qm.SUPPORTED_QTYPES and qm.IQ4_XS not in qm.SUPPORTED_QTYPES
+    for qtype, native in ((qm.Q5_K, True), (qm.IQ4_XS, False)):
+        raw = random_weights(qtype, 32, 512, rng)
+        m = GpuMatrix.of(RawTensor("w", qtype, (32, 512), raw, "test"))
+        assert (m.qtype, m.fallback) == ((qtype, False) if native else (qm.F16, True)), qtype
+        if not native:
+            want = RawTensor("w", qtype, (32, 512), raw, "test").dequantize().astype(np.float16)
+            assert np.array_equal(m.rows.view(np.float16), want)
+    blocks = np.zeros((32 * 512 // 32, 18), np.uint8)
+    assert GpuMatrix.of(RawTensor("w", 2, (32, 512), blocks, "test")).fallback      # Q4_0: no kernel at all
 
 
 def test_gpu_table_types_are_those_the_device_decodes():
