@@ -184,6 +184,11 @@ struct Lay<12> {
     static constexpr bool INT = true, SUMS = true;
 };
 template <>
+struct Lay<13> {  // Q5_K: Q4_K's header, qh[32], then Q4_K's qs
+    static constexpr int MAIN = 176, SIDE = 0;
+    static constexpr bool INT = true, SUMS = true;
+};
+template <>
 struct Lay<14> {
     static constexpr int MAIN = 192, SIDE = 18;
     static constexpr bool INT = true, SUMS = true;
@@ -194,6 +199,10 @@ struct Raw;
 template <>
 struct Raw<12> {  // Q4_K: qs unit j and the 16-byte header (d, dmin, scales) of each row
     uint4 q[4], h[4];
+};
+template <>
+struct Raw<13> {  // Q5_K: qs unit j, the header, and qh unit j & 1 (the fifth bits of the same values)
+    uint4 q[4], h[4], b[4];
 };
 template <>
 struct Raw<14> {  // Q6_K: ql unit j, qh unit, two int8 scales, d
@@ -215,7 +224,7 @@ struct Raw<1> {  // F16: logical units j, j + 8, j + 16, j + 24
 // 0..15 ("low run") and 16..31 ("high run") are the two groups whose scale / offset it applies.
 template <int QT>
 GV_DEV int xunit(int j, int k) {
-    if constexpr (QT == 12) {  // qs bytes 16j..16j+15: low nibbles values 64(j/2) + 16(j&1) + b, high ones + 32
+    if constexpr (QT == 12 || QT == 13) {  // qs bytes 16j..16j+15: low nibbles values 64(j/2) + 16(j&1) + b, high + 32
         const int base = 8 * (j >> 1) + 2 * (j & 1);
         return base + (k & 1) + 4 * (k >> 1);
     } else if constexpr (QT == 14) {  // j = 4hh + 2c + s: values 128hh + 32c + 16s + b, and + 64
@@ -238,6 +247,10 @@ GV_DEV void load_raw(Raw<QT>& w, const u8* blk, int r4, int j) {
         if constexpr (QT == 12) {
             w.q[i] = ld16<SMEM>(row + 16 + 16 * j);
             w.h[i] = ld16<SMEM>(row);
+        } else if constexpr (QT == 13) {
+            w.q[i] = ld16<SMEM>(row + 48 + 16 * j);
+            w.h[i] = ld16<SMEM>(row);
+            w.b[i] = ld16<SMEM>(row + 16 + 16 * (j & 1));
         } else if constexpr (QT == 14) {
             const int hh = j >> 2, c = (j >> 1) & 1, s = j & 1;
             w.l[i] = ld16<SMEM>(row + 16 * j);
@@ -265,7 +278,7 @@ struct Coef {
 template <int QT>
 GV_DEV Coef coef(const Raw<QT>& w, int i, int j) {
     Coef c;
-    if constexpr (QT == 12) {
+    if constexpr (QT == 12 || QT == 13) {  // (Q5_K's header is Q4_K's)
         // sub-blocks s = 2g, 2g + 1 (g = j / 2): scale / min bytes (kquants._scale_min_k4), all four decoded at once.
         // One byte permute gathers the pair's scale bytes (y) and min bytes (z), another the pair's bytes of w next
         // to themselves shifted down a nibble, so v's bytes are sc(2g), sc(2g + 1), mn(2g), mn(2g + 1) after one
@@ -310,6 +323,18 @@ GV_DEV void qbytes(const Raw<QT>& w, int i, int j, u32 (&q)[8]) {
         for (int m = 0; m < 4; ++m) {
             q[m] = ws[m] & 0x0F0F0F0Fu;
             q[4 + m] = ws[m] & 0xF0F0F0F0u;
+        }
+    } else if constexpr (QT == 13) {
+        // Q5_K: the fifth bit of value l of sub-block 2g (the low nibbles) / 2g + 1 (the high ones), g = j / 2, is bit
+        // 2g / 2g + 1 of qh byte l, the byte at the same place in qh unit j & 1 as the value's qs byte in unit j; the
+        // high run shifted down (31 would not fit a byte as 16 q)
+        const int g2 = 2 * (j >> 1);
+        const u32 ws[4] = {w.q[i].x, w.q[i].y, w.q[i].z, w.q[i].w};
+        const u32 hs[4] = {w.b[i].x, w.b[i].y, w.b[i].z, w.b[i].w};
+#pragma unroll
+        for (int m = 0; m < 4; ++m) {
+            q[m] = (ws[m] & 0x0F0F0F0Fu) | (((hs[m] >> g2) & 0x01010101u) << 4);
+            q[4 + m] = ((ws[m] >> 4) & 0x0F0F0F0Fu) | (((hs[m] >> (g2 + 1)) & 0x01010101u) << 4);
         }
     } else if constexpr (QT == 14) {
         const int c2 = 2 * ((j >> 1) & 1);  // qh bit pair 2c (low nibbles) / 4 + 2c (high nibbles)
