@@ -1,4 +1,5 @@
-// Bit helpers shared by the kernels (attention.cu's TQ3_0 centroid lookup, quant_gemv.cu's Q4_K scale decode): the
+// Bit helpers shared by the kernels (attention.cu's TQ3_0 centroid lookup, quant_gemv.cu's Q4_K scale decode, the
+// IQ4_XS codebook lookup of quant_matmul.cu and quant_gemv.cu): the
 // PTX instruction where inline PTX is allowed, else the same bits in C++. The includer defines SS_PTX first.
 // kernels/loader.py pastes this file in place of its #include; the CPU simulations include it as a file.
 #ifndef SPECSPLIT_BITS_CUH
@@ -25,6 +26,20 @@ static __device__ __forceinline__ unsigned int funnel_r(unsigned int lo, unsigne
 #else
     return (unsigned int)((((unsigned long long)hi << 32) | (unsigned long long)lo) >> (shift & 31u));
 #endif
+}
+
+// IQ4_XS / IQ4_NL: ggml's codebook kvalues_iq4nl (int8 -127..113) as bytes, 4 a word
+constexpr unsigned int IQ4_T0 = 0xBFAD9881u, IQ4_T1 = 0xF6EADDCFu, IQ4_T2 = 0x26190D01u, IQ4_T3 = 0x71594535u;
+
+// The codebook values of the 4-bit indices in the low nibbles of w's 4 bytes (high nibbles zero), as 4 int8 bytes: the
+// indices packed into one 16-bit selector, each looked up among entries 0-7 and among 8-15, then picked by the
+// index's bit 3 (masked off the first two: prmt's default mode reads a selector's bit 3 as sign replication)
+static __device__ __forceinline__ unsigned int iq4_lookup(unsigned int w) {
+    const unsigned int m = w | (w >> 4);                      // bytes 0 / 2: i0 | i1 << 4, i2 | i3 << 4
+    const unsigned int sel = byte_perm(m, 0u, 0x4420u);        // nibbles i0, i1, i2, i3
+    const unsigned int s7 = sel & 0x7777u;
+    const unsigned int lo = byte_perm(IQ4_T0, IQ4_T1, s7), hi = byte_perm(IQ4_T2, IQ4_T3, s7);
+    return byte_perm(lo, hi, 0x3210u | ((sel & 0x8888u) >> 1));
 }
 
 }  // namespace bits

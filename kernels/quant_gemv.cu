@@ -193,6 +193,11 @@ struct Lay<14> {
     static constexpr int MAIN = 192, SIDE = 18;
     static constexpr bool INT = true, SUMS = true;
 };
+template <>
+struct Lay<23> {  // IQ4_XS: qs | {f16 d; u16 scales_h; u8 scales_l[4]} (quant_matmul.device_layout); signed codebook
+    static constexpr int MAIN = 128, SIDE = 8;   // values, one scale a 32 values, no offsets
+    static constexpr bool INT = true, SUMS = false;
+};
 
 template <int QT>
 struct Raw;
@@ -203,6 +208,11 @@ struct Raw<12> {  // Q4_K: qs unit j and the 16-byte header (d, dmin, scales) of
 template <>
 struct Raw<13> {  // Q5_K: qs unit j, the header, and qh unit j & 1 (the fifth bits of the same values)
     uint4 q[4], h[4], b[4];
+};
+template <>
+struct Raw<23> {  // IQ4_XS: qs unit j (sub-block j), d | scales_h << 16, scales_l[j / 2]
+    uint4 q[4];
+    u32 d[4], s[4];
 };
 template <>
 struct Raw<14> {  // Q6_K: ql unit j, qh unit, two int8 scales, d
@@ -232,6 +242,8 @@ GV_DEV int xunit(int j, int k) {
         return base + (k & 1) + 8 * (k >> 1);
     } else if constexpr (QT == 8) {  // logical units j (values 16j..) and 8 + j (values 128 + 16j..)
         return 2 * j + (k & 1) + 16 * (k >> 1);
+    } else if constexpr (QT == 23) {  // qs bytes 16j..16j+15: low nibbles values 32j + b, high ones 32j + 16 + b
+        return 4 * j + k;
     } else {  // F16: logical unit j + 8k
         return j + 8 * k;
     }
@@ -258,6 +270,11 @@ GV_DEV void load_raw(Raw<QT>& w, const u8* blk, int r4, int j) {
             const u8* side = blk + 16 * L::MAIN + r * L::SIDE;
             w.s[i] = ld_u8<SMEM>(side + 8 * hh + 2 * c + s) | (ld_u8<SMEM>(side + 8 * hh + 4 + 2 * c + s) << 8);
             w.d[i] = ld_u16<SMEM>(side + 16);
+        } else if constexpr (QT == 23) {
+            w.q[i] = ld16<SMEM>(row + 16 * j);
+            const u8* side = blk + 16 * L::MAIN + r * L::SIDE;
+            w.d[i] = ld_u16<SMEM>(side) | (ld_u16<SMEM>(side + 2) << 16);
+            w.s[i] = ld_u8<SMEM>(side + 4 + (j >> 1));
         } else if constexpr (QT == 8) {
             w.a[i] = ld16<SMEM>(row + 16 * (j ^ (r & 7)));
             w.b[i] = ld16<SMEM>(row + 16 * ((8 + j) ^ ((r + 2) & 7)));
@@ -298,6 +315,11 @@ GV_DEV Coef coef(const Raw<QT>& w, int i, int j) {
         c.a1 = fmaf(d, as_float(byte_perm(v, 0x4B000000u, 0x7441u)), dm);
         c.b0 = fmaf(dmin, as_float(byte_perm(v, 0x4B000000u, 0x7442u)), mm);
         c.b1 = fmaf(dmin, as_float(byte_perm(v, 0x4B000000u, 0x7443u)), mm);
+    } else if constexpr (QT == 23) {
+        // sub-block j's 6-bit scale: nibble j & 1 of scales_l[j / 2] and bits 2j, 2j + 1 of scales_h, stored + 32
+        const u32 ls = ((w.s[i] >> (4 * (j & 1))) & 0xFu) | (((w.d[i] >> (16 + 2 * j)) & 3u) << 4);
+        c.a0 = c.a1 = h2f(w.d[i]) * (float)((int)ls - 32);
+        c.b0 = c.b1 = 0.f;
     } else if constexpr (QT == 14) {
         const float d = h2f(w.d[i]);
         c.a0 = d * (float)(int)(signed char)(w.s[i] & 0xFFu);
@@ -335,6 +357,14 @@ GV_DEV void qbytes(const Raw<QT>& w, int i, int j, u32 (&q)[8]) {
         for (int m = 0; m < 4; ++m) {
             q[m] = (ws[m] & 0x0F0F0F0Fu) | (((hs[m] >> g2) & 0x01010101u) << 4);
             q[4 + m] = ((ws[m] >> 4) & 0x0F0F0F0Fu) | (((hs[m] >> (g2 + 1)) & 0x01010101u) << 4);
+        }
+    } else if constexpr (QT == 23) {
+        // the codebook's int8 values (signed: dot16<false>): low nibbles the low run, high nibbles the high run
+        const u32 ws[4] = {w.q[i].x, w.q[i].y, w.q[i].z, w.q[i].w};
+#pragma unroll
+        for (int m = 0; m < 4; ++m) {
+            q[m] = bits::iq4_lookup(ws[m] & 0x0F0F0F0Fu);
+            q[4 + m] = bits::iq4_lookup((ws[m] >> 4) & 0x0F0F0F0Fu);
         }
     } else if constexpr (QT == 14) {
         const int c2 = 2 * ((j >> 1) & 1);  // qh bit pair 2c (low nibbles) / 4 + 2c (high nibbles)
@@ -528,7 +558,8 @@ GV_DEV void chunk_int(const Raw<QT>& w, int c, int j, const int (&xu)[4], const 
 #pragma unroll
             for (int nn = 0; nn < TB; ++nn) {
                 if (n0 + nn < NT) {
-                    const int s0 = dot16<QT != 8>(xq[nn], q), s1 = dot16<QT != 8>(xq[nn] + 8, q + 4);
+                    constexpr bool UB = QT != 8 && QT != 23;  // unsigned quant bytes (the signed: Q8_0, IQ4_XS)
+                    const int s0 = dot16<UB>(xq[nn], q), s1 = dot16<UB>(xq[nn] + 8, q + 4);
                     float a = acc[i][n0 + nn];
                     a = fmaf(cf[i].a0 * xs[nn][0], (float)s0, a);
                     a = fmaf(cf[i].a1 * xs[nn][1], (float)s1, a);

@@ -1030,8 +1030,8 @@ struct Lay<14> {
     static constexpr int MAIN = 192, SIDE = 18, SWZ = 0;
 };
 template <>
-struct Lay<23> {  // IQ4_XS: {f16 d; u16 scales_h; u8 scales_l[4]; u8 qs[128]} (136 bytes, 8-byte aligned rows) whole
-    static constexpr int MAIN = 136, SIDE = 0, SWZ = 0;
+struct Lay<23> {  // IQ4_XS {f16 d; u16 scales_h; u8 scales_l[4]; u8 qs[128]}: qs | the 8-byte header
+    static constexpr int MAIN = 128, SIDE = 8, SWZ = 0;
 };
 
 // bytes per row of a chunk of C values (C < 256 only for F16 / Q8_0 tails)
@@ -1194,7 +1194,7 @@ SS_DEV RowState prep2(const u8* quants, const u8* side, int t) {
     } else if constexpr (QT == 23) {
         // IQ4_XS: sub-block b's 6-bit scale is the nibble b & 1 of scales_l[b / 2] plus bits 2b, 2b+1 of scales_h,
         // stored + 32; lane t needs b = 2t (v[0]) and 2t+1 (v[1]): d * (ls - 32), ls - 32 exact in fp16
-        const uint2 hdr = *(const uint2*)quants;
+        const uint2 hdr = *(const uint2*)side;
         const u32 sl = (hdr.y >> (8 * t)) & 0xFFu, sh = (hdr.x >> (16 + 4 * t)) & 0xFu;
         const u32 ls = (sl & 0x0Fu) | ((sh & 3u) << 4) | (((sl >> 4) | ((sh >> 2) << 4)) << 8);  // bytes ls0, ls1
         const u32 s2 = hmul2(hsub2(bytes01_to_half2(ls), 0x50005000u), bcast_lo(hdr.x));  // half2(d(ls0-32), ...)
@@ -1204,18 +1204,6 @@ SS_DEV RowState prep2(const u8* quants, const u8* side, int t) {
     return st;
 }
 
-// IQ4_XS / IQ4_NL codebook (ggml's kvalues_iq4nl) as int8 bytes, 4 a word
-constexpr u32 IQ4_T0 = 0xBFAD9881u, IQ4_T1 = 0xF6EADDCFu, IQ4_T2 = 0x26190D01u, IQ4_T3 = 0x71594535u;
-
-// The codebook values of the 4-bit indices in the low nibbles of w's 4 bytes, as 4 int8 bytes: the indices packed
-// into one 16-bit selector, each byte looked up among entries 0-7 and 8-15, then picked by the index's bit 3.
-SS_DEV u32 iq4_lookup(u32 w) {
-    const u32 m = w | (w >> 4);                                  // bytes 0 / 2: i0 | i1 << 4, i2 | i3 << 4
-    const u32 sel = bits::byte_perm(m, 0u, 0x4420u);             // nibbles i0, i1, i2, i3
-    const u32 s7 = sel & 0x7777u;  // (a selector nibble's bit 3 asks prmt's default mode for sign replication)
-    const u32 lo = bits::byte_perm(IQ4_T0, IQ4_T1, s7), hi = bits::byte_perm(IQ4_T2, IQ4_T3, s7);
-    return bits::byte_perm(lo, hi, 0x3210u | ((sel & 0x8888u) >> 1));
-}
 
 // Q8_0: int8 bytes 0 and 2 of w -> half2(1152 + q0, 1152 + q2) (bits 0-6 kept, bit 7 flipped, 0x6400 set)
 SS_DEV u32 q8_pair(u32 w) { return lop3<LUT_SEL_XOR>(w, 0x00FF00FFu, 0x64806480u); }
@@ -1308,12 +1296,13 @@ SS_DEV void frag2(const u8* q, int t, const RowState& st, const LaneK& k, int j,
         // IQ4_XS: sub-block b's 16 qs bytes hold its values 0-15 (low nibbles) and 16-31 (high); word pair j takes
         // values 8j..8j+7 of sub-blocks 2t (a[0..3]) and 2t+1 (a[4..7]): nibble j / 2 of bytes 8 (j & 1) ..
         const u32 sh = 4u * (u32)(j >> 1);
-        const uint2 qa = *(const uint2*)(q + 8 + 32 * t + 8 * (j & 1));
-        const uint2 qb = *(const uint2*)(q + 24 + 32 * t + 8 * (j & 1));
+        const uint2 qa = *(const uint2*)(q + 32 * t + 8 * (j & 1));
+        const uint2 qb = *(const uint2*)(q + 16 + 32 * t + 8 * (j & 1));
         const u32 as[2] = {qa.x, qa.y}, bs[2] = {qb.x, qb.y};
 #pragma unroll
         for (int e = 0; e < 2; ++e) {
-            const u32 va = iq4_lookup((as[e] >> sh) & 0x0F0F0F0Fu), vb = iq4_lookup((bs[e] >> sh) & 0x0F0F0F0Fu);
+            const u32 va = bits::iq4_lookup((as[e] >> sh) & 0x0F0F0F0Fu);
+            const u32 vb = bits::iq4_lookup((bs[e] >> sh) & 0x0F0F0F0Fu);
             a[2 * e] = hmul2(hsub2(q8_pair(va), H1152), st.v[0]);   // fp16(kv s): kv exact, one rounding
             a[2 * e + 1] = hmul2(hsub2(q8_pair(va >> 8), H1152), st.v[0]);
             a[4 + 2 * e] = hmul2(hsub2(q8_pair(vb), H1152), st.v[1]);

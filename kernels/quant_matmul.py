@@ -96,7 +96,7 @@ def smem_bytes(qtype: int) -> int:
 # v2 (qmv_kernel): bytes per row of a full 256-value chunk in the tiled layout (quants + side data), and
 # whether the quants' 16-byte units are swizzled (kernel constants ss::Lay<QT>)
 _CHUNK_ROW_BYTES = {F16: (512, 0), Q8_0: (256, 16), Q4_K: (144, 0), Q5_K: (176, 0), Q6_K: (192, 18),
-                    IQ4_XS: (136, 0)}
+                    IQ4_XS: (128, 8)}
 _SWIZZLED = frozenset({F16, Q8_0})
 TILE_ROWS = 16  # rows per layout tile (one m16 mma tile)
 SMEM_LIMIT = 227 * 1024  # dynamic shared memory one block may opt into (sm_80 / sm_90)
@@ -144,10 +144,10 @@ def device_layout(qtype: int, raw: Any) -> Any:
 
     Rows are padded with zeros to a multiple of 16. For each 16-row tile and each 256-value chunk of K one
     contiguous block follows: the 16 rows' quants, then the 16 rows' side data (Q8_0: qs | d; Q6_K: ql+qh |
-    scales+d; Q4_K, Q5_K and F16: whole, no side data); a shorter last chunk (F16 / Q8_0 when K % 256 != 0) comes
-    last the same way. Every block starts 16-byte aligned and no byte is added or dropped per row. In full
-    chunks of F16 and Q8_0 the 16-byte units of tile row r's quants are permuted (unit u stored at
-    u ^ ((r + 2 (u >> 3)) & 7)) so that the lanes' shared-memory reads fall in distinct banks.
+    scales+d; IQ4_XS: qs | d, scales_h, scales_l; Q4_K, Q5_K and F16: whole, no side data); a shorter last chunk
+    (F16 / Q8_0 when K % 256 != 0) comes last the same way. Every block starts 16-byte aligned and no byte is added
+    or dropped per row. In full chunks of F16 and Q8_0 the 16-byte units of tile row r's quants are permuted (unit u
+    stored at u ^ ((r + 2 (u >> 3)) & 7)) so that the lanes' shared-memory reads fall in distinct banks.
     Returns a flat uint8 array of ceil(n_out / 16) * 16 * row_bytes bytes.
     """
     qtype = int(qtype)
@@ -166,8 +166,11 @@ def device_layout(qtype: int, raw: Any) -> Any:
         main = raw[:, : 512 * nfull].reshape(npad, nfull, 512)
         side = None
         t_main = raw[:, 512 * nfull :]
-    elif qtype in (Q4_K, Q5_K, IQ4_XS):
+    elif qtype in (Q4_K, Q5_K):
         main, side = raw.reshape(npad, nfull, bb), None
+    elif qtype == IQ4_XS:
+        blocks = raw.reshape(npad, nfull, 136)
+        main, side = blocks[:, :, 8:], blocks[:, :, :8]
     elif qtype == Q6_K:
         blocks = raw.reshape(npad, nfull, 210)
         main, side = blocks[:, :, :192], blocks[:, :, 192:]

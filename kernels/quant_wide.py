@@ -49,7 +49,10 @@ BARRIER_BYTES = 16  # per stage: the full and empty mbarriers
 # deep matrices and TALL_CROSSOVER[qtype] on tall ones (a type missing there: CROSSOVER); gemv keeps the widths up to
 # quant_gemv.CROSSOVER. (Those sweeps predate v2's address fix: DEEP_CROSSOVER was re-measured after it, below.)
 CROSSOVER = {1: 17, 8: 25, 12: 25, 14: 25}  # F16, Q8_0, Q4_K, Q6_K
-WIDE_QTYPES = frozenset(CROSSOVER)  # (Q5_K: v2 at every width so far)
+# the types the kernel has: those above, and Q5_K and IQ4_XS (v2's frag2 takes them), so far run only in the CPU
+# simulation: without a CROSSOVER entry prefer_wide never picks the kernel for them (kernel="wide" runs it, as
+# tests/test_kernels_quant_wide.py does)
+WIDE_QTYPES = frozenset((1, 8, 12, 13, 14, 23))
 # Deep: since v2 lost its per-load index math (ceea517) it is level with or ahead of the wide kernel on ffn_down up to
 # 16-23 tokens (H100: Q4_K 31.3 vs 34.4 us at 16, 33.2 vs 33.0 at 23; Q6_K 41.2 vs 43.2 at 16, 44.2 vs 41.3 at 23);
 # in the 27B step (graph replay, interleaved) these crossovers beat 9 everywhere: -0.4 / -1.0 / -0.9 / -0.8 % at 12 /
@@ -226,7 +229,7 @@ def prefer_wide(qtype: int, tokens: int, n_out: int = 0, k: int = 0, order: int 
     more, from MID_CROSSOVER[qtype] on one of MID_ROWS..HIGH_ROWS - 1 rows (shape unknown, 0: the CROSSOVER); x in
     the wgmma order (order 1): from WG_CROSSOVER[qtype] on any matrix where that comes first."""
     qtype = int(qtype)
-    if qtype not in WIDE_QTYPES:
+    if qtype not in CROSSOVER:
         return False
     if order and WG_CROSSOVER.get(qtype, MAX_TOKENS + 1) <= tokens <= MAX_TOKENS:
         return True

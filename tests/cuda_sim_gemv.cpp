@@ -124,6 +124,7 @@ extern "C" int sim_gemv(int qt, int nt, const unsigned char* W, long long row_by
         case 8: g_body = pick<8>(nt, pd); break;
         case 12: g_body = pick<12>(nt, pd); break;
         case 13: g_body = pick<13>(nt, pd); break;
+        case 23: g_body = pick<23>(nt, pd); break;
         case 14: g_body = pick<14>(nt, pd); break;
         default: g_body = nullptr;
     }
@@ -167,6 +168,7 @@ extern "C" int sim_gemv_split(int qt, int nt, const unsigned char* W, long long 
         case 8: g_body = pick_split<8>(nt); break;
         case 12: g_body = pick_split<12>(nt); break;
         case 13: g_body = pick_split<13>(nt); break;
+        case 23: g_body = pick_split<23>(nt); break;
         case 14: g_body = pick_split<14>(nt); break;
         default: g_body = nullptr;
     }
@@ -212,6 +214,7 @@ extern "C" int sim_gemv_ring(int qt, int nt, const unsigned char* W, long long r
         case 8: g_body = pick_ring<8>(nt); break;
         case 12: g_body = pick_ring<12>(nt); break;
         case 13: g_body = pick_ring<13>(nt); break;
+        case 23: g_body = pick_ring<23>(nt); break;
         case 14: g_body = pick_ring<14>(nt); break;
         default: g_body = nullptr;
     }
@@ -231,6 +234,7 @@ extern "C" int sim_gemv_ring_swiglu(int qt, int nt, const unsigned char* W, long
         case 8: g_body = pick_ring<8, 1>(nt); break;
         case 12: g_body = pick_ring<12, 1>(nt); break;
         case 13: g_body = pick_ring<13, 1>(nt); break;
+        case 23: g_body = pick_ring<23, 1>(nt); break;
         case 14: g_body = pick_ring<14, 1>(nt); break;
         default: g_body = nullptr;
     }

@@ -38,7 +38,7 @@ from tests.quant_twins import (  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
-TYPES = (qm.Q4_K, qm.Q6_K, qm.Q8_0, qm.F16)
+TYPES = (qm.Q4_K, qm.Q5_K, qm.IQ4_XS, qm.Q6_K, qm.Q8_0, qm.F16)
 TOL = 2e-3
 WIDTHS = (1, 5, 8, 9, 13, 16, 17, 23, 31, 32, 33, 41, 47, 48, 57, 64)
 
@@ -308,7 +308,7 @@ def test_portable_fallback_path(qtype: int) -> None:
     """Compiled with -DSPECSPLIT_PORTABLE: software fp16 and mma, cp.async replaced by plain copies, the
     __syncthreads pipeline instead of bulk copies and mbarriers."""
     rng = np.random.default_rng(99 + qtype)
-    shape = (256, 512) if qtype in (qm.Q4_K, qm.Q6_K) else (200, 544)
+    shape = (200, 544) if qtype in (qm.Q8_0, qm.F16) else (256, 512)   # (a tail chunk where the type has one)
     W, w64 = _matrix(qtype, shape, rng)
     for tokens in (9, 23):
         check(W, w64, tokens, rng, f"portable {NAMES[qtype]}", kernel="wide", portable=True,
@@ -427,7 +427,8 @@ def test_wg_order_is_quant_wide_twin() -> None:
 
 @needs_wg
 @pytest.mark.parametrize("qtype,shape", [(qm.Q4_K, (1024, 2048)), (qm.Q6_K, (1000, 1536)), (qm.Q8_0, (200, 2336)),
-                                         (qm.F16, (130, 800)), (qm.Q4_K, (77, 768))], ids=case_id)  # fmt: skip
+                                         (qm.F16, (130, 800)), (qm.Q4_K, (77, 768)), (qm.Q5_K, (300, 1536)),
+                                         (qm.IQ4_XS, (300, 1536))], ids=case_id)  # fmt: skip
 def test_wgmma_build_same_bits_as_mma(qtype: int, shape: tuple[int, int]) -> None:
     """x in the wgmma order through QuantMatrix.matmul runs the wgmma build, whose sums equal the mma.sync build's bit
     for bit at the same launch shape (its HGMMA steps accumulate as HMMA's, in the same k order), F16 / Q8_0 tail
