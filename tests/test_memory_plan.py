@@ -323,6 +323,32 @@ def test_refusal_names_what_fits(q27):
         M.plan_memory(cfg, w, s, ds, free={"cuda:0": (10 * GiB, 16 * GiB)})
 
 
+def test_a_file_the_gpu_kernels_cannot_read_says_so(q27):
+    """An IQ4_XS 27B (a ~15 GB file a 24 GB card would run): its matrices go up as F16, ~3.8x their bytes. The plan
+    says so (--plan-only's note, the start-up log's warning), and a refusal names the cause and a file in the
+    kernels' types instead of "a smaller quantization"; a Q4_K_M file plans no such note."""
+    cfg, w, ds = q27
+    assert w.f16_fallback == {} and _plan(q27).warnings == []
+    sh = S.get_shape("qwen3.6-27b")
+    iq = {}
+    for t in S.target_tensors(sh.target):
+        q = S.Q.IQ4_XS if t.qtype in (S.Q.Q4_K, S.Q.Q6_K) and t.name != "token_embd.weight" else t.qtype
+        iq[t.name] = S.TensorSpec(t.name, t.shape, q, t.kind)
+    wi = M.WeightBytes.of(iq)
+    stored, gpu = wi.f16_fallback["IQ4_XS"]
+    assert list(wi.f16_fallback) == ["IQ4_XS"] and 3.7 < gpu / stored < 3.8 and stored < 13 * GiB < 45 * GiB < gpu
+    s = M.PlanSettings(max_ctx=4096, budget=22, device=GPU)
+    plan = M.build_plan(cfg, wi, s, ds, free={"cuda:0": (140 * GiB, 141 * GiB)})
+    assert plan.fits and len(plan.warnings) == 1 and plan.warnings[0].startswith("target: the IQ4_XS matrices")
+    assert "dequantized to F16" in plan.warnings[0] and "Q4_K, Q5_K, Q6_K" in plan.warnings[0]
+    assert "note: target: the IQ4_XS matrices" in plan.table()
+    with pytest.raises(M.MemoryPlanError) as e:
+        M.plan_memory(cfg, wi, s, ds, free={"cuda:0": (22 * GiB, 24 * GiB)})
+    msg = str(e.value)
+    assert "use a file in the types the GPU kernels read" in msg and "a smaller quantization" not in msg
+    assert "Note: target: the IQ4_XS matrices" in msg
+
+
 def test_shrink_without_explicit_ctx(q27):
     cfg, w, ds = q27
     s = M.PlanSettings(max_ctx=262144, cache_type_k="f16", cache_type_v="f16", device=GPU)

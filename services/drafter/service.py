@@ -338,6 +338,8 @@ def load(cfg: DrafterConfig) -> Any:
             log.warning("max_ctx shrunk from %d to %d to fit %s (set --max-ctx to choose)", plan.shrunk_from,
                         plan.settings.max_ctx, cfg.device)
         log.info("%s", plan.summary())
+        for w in plan.warnings:
+            log.warning("memory plan: %s", w)
     target = load_target(cfg.model, with_tokenizer=False).model
     if plan is not None:
         from services.engine.models.dflash_gpu import load_gpu_drafter

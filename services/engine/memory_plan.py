@@ -196,6 +196,8 @@ class WeightBytes:
     embd_on_host: bool = False      # the GPU keeps the token table on the host (a type it cannot decode)
     mats: set[tuple[int, int, int]] = field(default_factory=set)   # the GPU's matrices: (storage type, rows, in)
     head: tuple[int, int, int] | None = None                          # the LM head's among them
+    # matrices the GPU kernels cannot read as stored, which go up as F16 and grow: type name -> [stored, GPU bytes]
+    f16_fallback: dict[str, list[int]] = field(default_factory=dict)
 
     @classmethod
     def of(cls, tensors: dict[str, Any], stacks: Sequence[Sequence[str]] | None = None) -> WeightBytes:
@@ -204,6 +206,7 @@ class WeightBytes:
         names, the ones models/qwen35_gpu.py and dflash_gpu.py upload as one; default: the drafter's when the file
         is a DFlash drafter, else the target's) one matrix per run of a storage type and in-width."""
         from kernels.quant_matmul import PAD_BYTES, SUPPORTED_QTYPES, TILE_ROWS
+        from services.engine.quants import type_name
 
         if stacks is None:
             stacks = GPU_DRAFTER_STACKS if "dflash_fc.weight" in tensors else GPU_TARGET_STACKS
@@ -219,7 +222,14 @@ class WeightBytes:
             qtype, row_bytes, k = kind(members[0])
             rows = sum(int(t.shape[0]) for t in members)
             wb.mats.add((qtype, rows, k))
-            return _pool(row_bytes * _round_up(rows, TILE_ROWS) + PAD_BYTES)
+            nbytes = _pool(row_bytes * _round_up(rows, TILE_ROWS) + PAD_BYTES)
+            stored = sum(int(t.nbytes) for t in members)
+            stored_type = int(getattr(members[0], "qtype", 0))
+            if stored_type not in SUPPORTED_QTYPES and nbytes > stored:
+                grown = wb.f16_fallback.setdefault(type_name(stored_type), [0, 0])
+                grown[0] += stored
+                grown[1] += nbytes
+            return nbytes
 
         wb = cls(stored=0, f32=0, gpu=0)
         runs: dict[str, list[Any]] = {}       # a stacked tensor's name -> the run it belongs to
@@ -264,6 +274,21 @@ class WeightBytes:
             wb.gpu += matrix([t])     # the LM head: the table again, as a matrix
             wb.head = kind(t)[0], int(t.shape[0]), int(t.shape[1])
         return wb
+
+    def fallback_text(self) -> str:
+        """What the F16 fallback costs, for the plan and a refusal ('' when nothing grows)."""
+        if not self.f16_fallback:
+            return ""
+        from kernels.quant_matmul import SUPPORTED_QTYPES
+        from services.engine.quants import type_name
+
+        names = ", ".join(sorted(self.f16_fallback))
+        stored = sum(v[0] for v in self.f16_fallback.values())
+        gpu = sum(v[1] for v in self.f16_fallback.values())
+        takes = ", ".join(type_name(q) for q in sorted(SUPPORTED_QTYPES))
+        return (f"the {names} matrices ({_gib(stored)} stored) go to the GPU dequantized to F16 ({_gib(gpu)}): the "
+                f"GPU kernels read {takes}; a file of this model in those types (Q4_K_M, Q5_K_M, Q8_0) keeps them at "
+                "their stored size, and each step reads fewer bytes")
 
     def head_mats(self) -> set[tuple[int, int, int]]:
         """The LM head's matrix (what a drafter on another GPU multiplies by too), as a set of `mats`."""
@@ -347,6 +372,7 @@ class MemoryPlan:
     width: int                         # the widest verify (serving_width)
     state_width: int                   # the widest step a state holds (state_width)
     shrunk_from: int | None = None     # the max_ctx asked for, when the planner shrank it to fit
+    warnings: list[str] = field(default_factory=list)   # what the start-up log and a refusal should say too
 
     @property
     def fits(self) -> bool:
@@ -400,6 +426,7 @@ class MemoryPlan:
                  f"KV K={s.cache_type_k} V={s.cache_type_v})"]
         if self.shrunk_from:
             lines.append(f"  max_ctx shrunk from {self.shrunk_from} to fit")
+        lines += [f"  note: {w}" for w in self.warnings]
         for d in self.devices:
             lines.append(f"  {d.device}: {_gib(d.total)} planned, {_gib(d.free)} free of {_gib(d.total_memory)}"
                          f" -> {'fits' if d.fits else 'DOES NOT FIT'}")
@@ -798,7 +825,12 @@ def build_plan(cfg: ModelConfig, weights: WeightBytes, s: PlanSettings, drafter:
             free[name] = device_memory(parse_device(name))
         f, tot = free[name]
         devices.append(DevicePlan(name, items, f, tot))
-    return MemoryPlan(settings=s, devices=devices, width=width, state_width=swidth)
+    warnings = []
+    if be == "cuda" and weights.fallback_text():
+        warnings.append(f"target: {weights.fallback_text()}")
+    if drafter is not None and ddev.backend == "cuda" and drafter.weights.fallback_text():
+        warnings.append(f"drafter: {drafter.weights.fallback_text()}")
+    return MemoryPlan(settings=s, devices=devices, width=width, state_width=swidth, warnings=warnings)
 
 
 def _budget_text(s: PlanSettings, block: int) -> str:
@@ -965,7 +997,8 @@ def plan_drafter_service(model: str, draft: str, device: Device, sessions: int, 
 
     def plan(c: int, n: int = sessions) -> MemoryPlan:
         s = PlanSettings(max_ctx=c, slots=n, device=Device("cpu"), draft_device=device)
-        return MemoryPlan(settings=s, width=d.block_size, state_width=d.block_size,
+        warn = [f"drafter: {d.weights.fallback_text()}"] if d.weights.fallback_text() else []
+        return MemoryPlan(settings=s, width=d.block_size, state_width=d.block_size, warnings=warn,
                           devices=[DevicePlan(str(device), drafter_service_items(cfg, weights, d, n, c, sms), f, tot)])
 
     p = plan(ctx)
@@ -982,10 +1015,11 @@ def plan_drafter_service(model: str, draft: str, device: Device, sessions: int, 
         if n is not None:
             fixes.append(f"--max-sessions {n}")
     head = f"the drafter does not fit in memory with {sessions} session(s) of max_ctx {ctx}: {_need_text(p.devices[0])}"
+    also = "".join(f". Note: {w}" for w in p.warnings)
     if fixes:
-        raise MemoryPlanError(f"{head}. Any one of these fits: {'; '.join(fixes)}")
+        raise MemoryPlanError(f"{head}. Any one of these fits: {'; '.join(fixes)}{also}")
     raise MemoryPlanError(f"{head}. No smaller context or session count fits: run the drafter on the CPU "
-                          "(--device cpu) or on a device with more memory")
+                          f"(--device cpu) or on a device with more memory{also}")
 
 
 _RESERVE_NOTE = {"cuda": "CUDA context, NVRTC modules, allocator fragmentation",
@@ -1069,15 +1103,17 @@ def plan_memory(cfg: ModelConfig, weights: WeightBytes, s: PlanSettings, drafter
     budget = "chain" if s.budget is None else s.budget
     head = (f"the model does not fit in memory at max_ctx {s.max_ctx}, budget {budget}, "
             f"KV {s.cache_type_k}/{s.cache_type_v}, {s.slots} slot(s): {need}")
+    also = "".join(f". Note: {w}" for w in plan.warnings)
     if fixes:
-        raise MemoryPlanError(f"{head}. Any one of these fits: {'; '.join(fixes)}")
+        raise MemoryPlanError(f"{head}. Any one of these fits: {'; '.join(fixes)}{also}")
     floor = build_plan(cfg, weights, replace(s, max_ctx=1, budget=1 if s.budget is not None else None,
                                              cache_type_k="tq3_0", cache_type_v="tq3_0", slots=1), drafter, free, sms)
     fixed = "; ".join(f"{d.device} {_gib(d.total)} (weights {_gib(d.get('target weights') + d.get('drafter weights'))}"
                       f", reserve {_gib(d.get('workspace reserve'))})" for d in floor.devices if not d.fits)
+    smaller = "a file in the types the GPU kernels read" if plan.warnings else "a smaller quantization"
     raise MemoryPlanError(f"{head}. No smaller context, budget or KV type fits: even at max_ctx 1 it needs {fixed}; "
-                          "use a smaller quantization, another device (--device / --draft-device) or a machine "
-                          "with more memory")
+                          f"use {smaller}, another device (--device / --draft-device) or a machine with more "
+                          f"memory{also}")
 
 
 # --------------------------------------------------------------------------------------------------

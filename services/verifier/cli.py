@@ -111,6 +111,8 @@ def startup_plan(args: argparse.Namespace, model: str, draft: str | None, remote
                     plan.shrunk_from, plan.settings.max_ctx)
         args.max_ctx = plan.settings.max_ctx
     log.info("%s", plan.summary())
+    for w in plan.warnings:
+        log.warning("memory plan: %s", w)
     return True
 
 
