@@ -9,9 +9,9 @@ once whatever the width. NumPy twin: services.engine.quants.dequantize.
     y = W.matmul(x)            # x: cupy [T, in] float16 (or float32) -> y: cupy [T, out] float32
 
 Supported storage types: F16, Q8_0, Q4_K, Q6_K (what a Qwen3.6 Q4_K_M file holds in its matrices) and Q5_K (a
-Q5_K_M / Q5_K_S file's; on the v2 kernel at every width for now: the gemv and wide kernels, which narrow and verify
-widths take for the other K-quants, lack it). IQ4_XS: v2 dequantizes it, so far checked in the CPU simulation only
-(UNPROVEN_QTYPES: the engine keeps it as F16).
+Q5_K_M / Q5_K_S file's; matmul() runs it on v2 at every width for now: the gemv and wide kernels, which narrow and
+verify widths take for the other K-quants, have it too but have run it only in the CPU simulation). IQ4_XS: every
+kernel dequantizes it, so far checked in the CPU simulation only (UNPROVEN_QTYPES: the engine keeps it as F16).
 Activations: fp16 is the native input; float32 input is rounded to fp16 by the packing kernel. Products
 accumulate in fp32 on the tensor cores (mma.sync m16n8k16), and the weights are dequantized to fp16 on the
 way (so results carry fp16 rounding of x and of each dequantized weight: relative error ~3e-4).
@@ -63,7 +63,7 @@ _TYPES: dict[int, tuple[str, int, int, int]] = {
 # engine and the memory plan keep them as F16 until a GPU run of tests/test_kernels_quant_matmul.py passes
 UNPROVEN_QTYPES = frozenset((IQ4_XS,))
 SUPPORTED_QTYPES = frozenset(_TYPES) - UNPROVEN_QTYPES
-# the v1 kernel's types (Q5_K runs on v2, the default, only)
+# the v1 kernel's types (not Q5_K, IQ4_XS: v2 and the kernels on its layout)
 V1_QTYPES = frozenset((F16, Q8_0, Q4_K, Q6_K))
 
 KERNELS = ("v2", "v1")

@@ -39,7 +39,7 @@ TRANSPORTS = ("auto", "inline", "shm")
 FEATURE_DTYPES = {"f32": np.float32, "f16": np.float16}
 # `--draft-features`: a dtype, or auto (f16 where features cross a network inline, f32 through shared memory)
 FEATURE_CHOICES = ("auto", *FEATURE_DTYPES)
-F16_MAX = 65504.0
+F16_MAX = float(np.finfo(np.float16).max)   # 65504: f16 saturates here instead of becoming infinite
 _T = TypeVar("_T")
 
 

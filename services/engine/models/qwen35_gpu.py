@@ -587,7 +587,7 @@ class DeviceLogits:
         self._rows = self._rows.copy()
 
 
-F16_MAX = 65504.0
+F16_MAX = float(np.finfo(np.float16).max)   # DeviceRows.to_host saturates f16 here
 
 
 class DeviceRows:
