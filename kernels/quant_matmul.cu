@@ -1204,7 +1204,6 @@ SS_DEV RowState prep2(const u8* quants, const u8* side, int t) {
     return st;
 }
 
-
 // Q8_0: int8 bytes 0 and 2 of w -> half2(1152 + q0, 1152 + q2) (bits 0-6 kept, bit 7 flipped, 0x6400 set)
 SS_DEV u32 q8_pair(u32 w) { return lop3<LUT_SEL_XOR>(w, 0x00FF00FFu, 0x64806480u); }
 
