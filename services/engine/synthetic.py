@@ -360,31 +360,20 @@ def random_blocks(qtype: Q, n_blocks: int, std: float, rng: np.random.Generator)
     if qtype == Q.Q8_0:
         # {f16 d; int8 qs[32]}: w = d*q, q uniform in [-128, 127]: E[q^2] = 5461.5
         out[:, 0:2] = _f16_bytes(std / math.sqrt(5461.5) * jitter)
-    elif qtype == Q.Q4_K:
-        # {f16 d; f16 dmin; u8 scales[12]; u8 qs[128]}: w = d*sc*q - dmin*m, q uniform in [0, 15].
-        # m = sc and dmin = 7.5 d make every sub-block zero-mean: w = d*sc*(q - 7.5), E[(q-7.5)^2] = 21.25.
+    elif qtype in (Q.Q4_K, Q.Q5_K):
+        # {f16 d; f16 dmin; u8 scales[12]; (Q5_K: u8 qh[32];) u8 qs[128]}: w = d*sc*q - dmin*m, q uniform in
+        # [0, 15] (Q5_K: [0, 31], random qs nibbles and qh bits). m = sc and dmin = mid d with mid = 7.5 / 15.5
+        # make every sub-block zero-mean: w = d*sc*(q - mid), E[(q - mid)^2] = 21.25 / 85.25.
+        mid, var = (7.5, 21.25) if qtype == Q.Q4_K else (15.5, 85.25)
         sc = rng.integers(_K_SC[0], _K_SC[1] + 1, size=(n_blocks, 8), dtype=np.uint8)
-        d = (std / (_sub_scale_ms(*_K_SC) * math.sqrt(21.25)) * jitter).astype(np.float16)
+        d = (std / (_sub_scale_ms(*_K_SC) * math.sqrt(var)) * jitter).astype(np.float16)
         out[:, 0:2] = d.view(np.uint8).reshape(-1, 2)
-        out[:, 2:4] = _f16_bytes(d.astype(np.float32) * 7.5)
+        out[:, 2:4] = _f16_bytes(d.astype(np.float32) * mid)
         lo, hi = sc[:, :4], sc[:, 4:]
         six, four = np.uint8(63), np.uint8(0x0F)
         top = (hi >> np.uint8(4)) << np.uint8(6)           # bits 4-5 of scales 4-7 ride on bytes 0-7
         out[:, 4:8] = (lo & six) | top
         out[:, 8:12] = (lo & six) | top                    # mins equal the scales
-        out[:, 12:16] = (hi & four) | ((hi & four) << np.uint8(4))
-    elif qtype == Q.Q5_K:
-        # {f16 d; f16 dmin; u8 scales[12]; u8 qh[32]; u8 qs[128]}: w = d*sc*q - dmin*m, q uniform in [0, 31] (random
-        # qs nibbles and qh bits); m = sc and dmin = 15.5 d: w = d*sc*(q - 15.5), E[(q-15.5)^2] = 85.25
-        sc = rng.integers(_K_SC[0], _K_SC[1] + 1, size=(n_blocks, 8), dtype=np.uint8)
-        d = (std / (_sub_scale_ms(*_K_SC) * math.sqrt(85.25)) * jitter).astype(np.float16)
-        out[:, 0:2] = d.view(np.uint8).reshape(-1, 2)
-        out[:, 2:4] = _f16_bytes(d.astype(np.float32) * 15.5)
-        lo, hi = sc[:, :4], sc[:, 4:]
-        six, four = np.uint8(63), np.uint8(0x0F)
-        top = (hi >> np.uint8(4)) << np.uint8(6)
-        out[:, 4:8] = (lo & six) | top
-        out[:, 8:12] = (lo & six) | top
         out[:, 12:16] = (hi & four) | ((hi & four) << np.uint8(4))
     elif qtype == Q.Q6_K:
         # {u8 ql[128]; u8 qh[64]; int8 scales[16]; f16 d}: w = d*sc*(q - 32), q uniform in [0, 63]:
