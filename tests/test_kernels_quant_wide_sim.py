@@ -964,14 +964,15 @@ def test_wg_order_twin() -> None:
 def test_wgmma_build_on_cpu(tmp_path_factory) -> None:
     """The wgmma build (SPECSPLIT_QMW_WG) on the simulated sm_90 path: each warp's rows of a wgmma through the mma
     emulation with B read from the stage as its descriptor addresses it (64-byte swizzle, 8-token groups), on x in the
-    wgmma order: bit for bit the default build's sums on the mma order, as on the GPU; K-quant, tail chunks, split row
-    blocks, 4 and 8 warps, interleaved blocks, 3 register sets in flight; the SwiGLU launch writes the down product's x
-    in the wgmma order."""
+    wgmma order: bit for bit the default build's sums on the mma order, as on the GPU; K-quants (Q5_K, IQ4_XS too), tail
+    chunks, split row blocks, 4 and 8 warps, interleaved blocks, 3 register sets in flight; the SwiGLU launch writes the
+    down product's x in the wgmma order."""
     base = build_sim(tmp_path_factory, "bulk")
     wg = build_sim(tmp_path_factory, "bulk", ("SPECSPLIT_QMW_WG",))
     for qtype, n_out, k, tokens, cfg in ((Q4_K, 100, 1280, 23, (1, 4, 2, 3)), (Q6_K, 80, 768, 64, (2, 4, 2, 4)),
                                          (Q8_0, 33, 1248, 17, (2, 4, 3, 4)), (F16, 50, 800, 27, (1, 8, 2, 3)),
-                                         (Q4_K, 64, 2048, 41, (1, 4, 3, 7)), (Q8_0, 20, 32, 5, (1, 4, 2, 1))):
+                                         (Q4_K, 64, 2048, 41, (1, 4, 3, 7)), (Q8_0, 20, 32, 5, (1, 4, 2, 1)),
+                                         (Q5_K, 100, 1280, 23, (1, 4, 2, 3)), (IQ4_XS, 64, 2048, 41, (1, 4, 3, 7))):
         seed = qtype * 131 + n_out + k + tokens
         want, _ = Problem(base, qtype, n_out, k, tokens, seed=seed).wide(*cfg)
         p = Problem(wg, qtype, n_out, k, tokens, seed=seed)
@@ -1003,12 +1004,11 @@ def test_wgmma_build_on_cpu(tmp_path_factory) -> None:
 
 @needs_gxx
 @pytest.mark.parametrize("qtype", [Q5_K, IQ4_XS], ids=["Q5_K", "IQ4_XS"])
-def test_new_types_on_the_wide_kernel_and_its_wgmma_build_on_cpu(sim, tmp_path_factory, qtype) -> None:
+def test_new_types_on_the_wide_kernel_on_cpu(sim, qtype) -> None:
     """Q5_K and IQ4_XS through the wide kernel (its dequantization is v2's frag2, which takes them): the twin at split
-    and whole row blocks, bit for bit v2 with one row-block piece, and the wgmma build bit for bit the mma.sync build.
-    The dispatch does not send them there yet (quant_wide.WIDE_QTYPES); this holds the kernel ready for it."""
-    cases = ((100, 1280, 23, (2, 4, 2, 3)), (48, 768, 41, (1, 3, 4, 2)), (37, 512, 9, (2, 1, 2, 5)))
-    for n_out, k, tokens, cfg in cases:
+    and whole row blocks, and bit for bit v2 with one row-block piece (the wgmma build: test_wgmma_build_on_cpu). The
+    dispatch does not send them there yet (no quant_wide.CROSSOVER entry); this holds the kernel ready for it."""
+    for n_out, k, tokens, cfg in ((100, 1280, 23, (2, 4, 2, 3)), (48, 768, 41, (1, 3, 4, 2))):
         p = Problem(sim, qtype, n_out, k, tokens, seed=131 * qtype + n_out + k + tokens)
         y, _ = p.wide(*cfg)
         check_twin(p, y)
@@ -1016,11 +1016,3 @@ def test_new_types_on_the_wide_kernel_and_its_wgmma_build_on_cpu(sim, tmp_path_f
     blocks = qw.row_blocks(70, 2, 2)
     y, _ = p.wide(2, 2, 2, blocks, seed=3)
     assert np.array_equal(y, p.v2(2, kw=1))
-    if sim.bulk:
-        wg = build_sim(tmp_path_factory, "bulk", ("SPECSPLIT_QMW_WG",))
-        for n_out, k, tokens, cfg in ((100, 1280, 23, (1, 4, 2, 3)), (64, 2048, 41, (1, 4, 3, 7))):
-            seed = 131 * qtype + n_out + k + tokens
-            want, _ = Problem(sim, qtype, n_out, k, tokens, seed=seed).wide(*cfg)
-            q = Problem(wg, qtype, n_out, k, tokens, seed=seed)
-            q.xp[:] = qw.wg_order(q.xp, q.tpad)
-            assert np.array_equal(q.wide(*cfg, wg=True)[0], want), (n_out, k, tokens, cfg)
