@@ -79,7 +79,8 @@ def test_27b_types_and_bytes_equal_the_peer_file():
 
 def test_q5_k_m_mix_is_the_q4_k_m_mix_with_q5_k(tmp_path):
     """--quant q5_k_m: llama.cpp's Q5_K_M mix (Q5_K where Q4_K_M has Q4_K; the LM head and the "more bits" layers'
-    attn_v / attn_qkv and ffn_down Q6_K), its file type in the metadata; a tiny file loads and runs."""
+    attn_v / attn_qkv and ffn_down Q6_K), its file type in the metadata; a tiny file loads and runs. --quant iq4_xs
+    likewise with IQ4_XS for Q4_K."""
     shape = S.get_shape("qwen3.6-27b")
     q4 = {s.name: s for s in S.target_tensors(shape.target)}
     q5 = S.target_tensors(shape.target, "q5_k_m")
@@ -98,6 +99,14 @@ def test_q5_k_m_mix_is_the_q4_k_m_mix_with_q5_k(tmp_path):
     assert np.isfinite(out.logits).all() and 0.1 < float(out.logits.std()) < 10.0
     with pytest.raises(SpecsplitError, match="unknown --quant 'q3_k_m'"):
         S.target_tensors(shape.target, "q3_k_m")
+    iq = S.target_tensors(shape.target, "iq4_xs")
+    assert S.bytes_by_type(iq)["IQ4_XS"] == PEER_BYTES["Q4_K"] // 144 * 136
+    assert S.target_metadata(S.get_shape("tiny"), "iq4_xs")["general.file_type"] == S.FILE_TYPE_IQ4_XS == 30
+    res = S.make_synthetic("tiny", str(tmp_path), quant="iq4_xs", seed=3, draft=False, quiet=True)
+    target = load_target(res.target_path)
+    assert target.file.tensors["blk.0.ffn_up.weight"].qtype == Q.IQ4_XS
+    out = target.model.forward(target.model.new_state(16), [1, 2, 3])
+    assert np.isfinite(out.logits).all() and 0.1 < float(out.logits.std()) < 10.0
 
 
 def _header_only(path, shape):
@@ -135,7 +144,8 @@ def test_27b_width_layers_2_header(tmp_path):
     assert tensors["blk.0.attn_qkv.weight"].qtype == Q.Q6_K      # layer 0 of 64 is a "more bits" layer
 
 
-@pytest.mark.parametrize("qtype,fan_in", [(Q.Q4_K, 5120), (Q.Q5_K, 6144), (Q.Q6_K, 17408), (Q.Q8_0, 25600)])
+@pytest.mark.parametrize("qtype,fan_in", [(Q.Q4_K, 5120), (Q.Q5_K, 6144), (Q.IQ4_XS, 5120), (Q.Q6_K, 17408),
+                                          (Q.Q8_0, 25600)])
 def test_random_blocks_are_valid_and_scaled(qtype, fan_in):
     rng = np.random.default_rng(0)
     block = gguf.GGML_QUANT_SIZES[qtype][0]
@@ -147,7 +157,7 @@ def test_random_blocks_are_valid_and_scaled(qtype, fan_in):
     assert abs(float(w.std()) / std - 1) < 0.1
     assert abs(float(w.mean())) < 0.05 * std
     # the fp16 super-scales are finite and positive
-    at = {Q.Q4_K: 0, Q.Q5_K: 0, Q.Q6_K: 208, Q.Q8_0: 0}[qtype]
+    at = {Q.Q4_K: 0, Q.Q5_K: 0, Q.IQ4_XS: 0, Q.Q6_K: 208, Q.Q8_0: 0}[qtype]
     d = np.ascontiguousarray(raw[:, at:at + 2]).view(np.float16).astype(np.float32)
     assert np.isfinite(d).all() and (d > 0).all()
 

@@ -2,7 +2,7 @@
 (valid) quantized weights, plus the matching DFlash drafter; written streaming, so a 16.5 GB file never sits in RAM.
 
 Tensor types follow llama.cpp's Q4_K_M mix (`src/llama-quant.cpp`, as the peer baseline's synthetic file; `--quant
-q5_k_m`: its Q5_K_M mix, the same with Q5_K for Q4_K):
+q5_k_m`: its Q5_K_M mix, the same with Q5_K for Q4_K; `--quant iq4_xs`: the same with IQ4_XS for Q4_K):
 every 2-D weight is Q4_K, except `output.weight` (Q6_K) and, on the "more bits" layers (the first eighth,
 the last eighth and every third layer in between: `use_more_bits`), `attn_v` / `attn_qkv` (counted
 together, one per layer) and `ffn_down` (Q6_K). `token_embd` stays Q4_K (the model is untied). Norms,
@@ -47,6 +47,7 @@ ALIGNMENT = gguf.GGUF_DEFAULT_ALIGNMENT     # 32, so general.alignment is not wr
 CHUNK_BYTES = 64 << 20                      # bytes of one tensor generated and written at a time
 FILE_TYPE_Q4_K_M = 15                       # llama_ftype LLAMA_FTYPE_MOSTLY_Q4_K_M
 FILE_TYPE_Q5_K_M = 17                       # LLAMA_FTYPE_MOSTLY_Q5_K_M
+FILE_TYPE_IQ4_XS = 30                       # LLAMA_FTYPE_MOSTLY_IQ4_XS
 DISK_MARGIN = 64 << 20                      # free space kept beyond the files (metadata, filesystem slack)
 
 SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|object_ref_start|>", "<|object_ref_end|>",
@@ -107,9 +108,11 @@ def _tiny() -> SyntheticShape:
 
 
 SHAPES: dict[str, Callable[[], SyntheticShape]] = {"qwen3.6-27b": _qwen36_27b, "tiny": _tiny}
-QUANTS = ("q4_k_m", "q5_k_m")
-# --quant: (the base matrix type, the "more bits" / LM head type, llama_ftype)
-QUANT_MIXES = {"q4_k_m": (Q.Q4_K, Q.Q6_K, FILE_TYPE_Q4_K_M), "q5_k_m": (Q.Q5_K, Q.Q6_K, FILE_TYPE_Q5_K_M)}
+QUANTS = ("q4_k_m", "q5_k_m", "iq4_xs")
+# --quant: (the base matrix type, the "more bits" / LM head type, llama_ftype). iq4_xs is Q4_K_M's mix with IQ4_XS for
+# Q4_K (llama.cpp's own IQ4_XS mix differs in which tensors it raises): a file of its bytes and its decoding work
+QUANT_MIXES = {"q4_k_m": (Q.Q4_K, Q.Q6_K, FILE_TYPE_Q4_K_M), "q5_k_m": (Q.Q5_K, Q.Q6_K, FILE_TYPE_Q5_K_M),
+               "iq4_xs": (Q.IQ4_XS, Q.Q6_K, FILE_TYPE_IQ4_XS)}
 DRAFT_QUANTS = {"q8_0": Q.Q8_0, "f16": Q.F16, "q4_k": Q.Q4_K}
 
 
@@ -375,6 +378,17 @@ def random_blocks(qtype: Q, n_blocks: int, std: float, rng: np.random.Generator)
         out[:, 4:8] = (lo & six) | top
         out[:, 8:12] = (lo & six) | top                    # mins equal the scales
         out[:, 12:16] = (hi & four) | ((hi & four) << np.uint8(4))
+    elif qtype == Q.IQ4_XS:
+        # {f16 d; u16 scales_h; u8 scales_l[4]; u8 qs[128]}: w = d*(ls - 32)*kv[q], q uniform over the 16-entry
+        # codebook: E[kv^2] = 4548. Its mean (-5.9 against a spread of 67) cancels with ls - 32 of either sign,
+        # magnitude drawn from [8, 31]
+        mag = rng.integers(_K_SC[0], _K_SC[1] + 1, size=(n_blocks, 8)).astype(np.int32)
+        ls = (32 + np.where(rng.random((n_blocks, 8)) < 0.5, -mag, mag)).astype(np.uint16)
+        out[:, 0:2] = _f16_bytes(std / (_sub_scale_ms(*_K_SC) * math.sqrt(4548.0)) * jitter)
+        high = ((ls >> np.uint16(4)) << (2 * np.arange(8, dtype=np.uint16))).sum(axis=1, dtype=np.uint16)
+        out[:, 2:4] = high.astype("<u2").view(np.uint8).reshape(-1, 2)
+        low = (ls & np.uint16(0x0F)).astype(np.uint8)
+        out[:, 4:8] = low[:, 0::2] | (low[:, 1::2] << np.uint8(4))
     elif qtype == Q.Q6_K:
         # {u8 ql[128]; u8 qh[64]; int8 scales[16]; f16 d}: w = d*sc*(q - 32), q uniform in [0, 63]:
         # E[(q-32)^2] = 341.5 (mean -0.5 of 32: small against the spread)
