@@ -214,8 +214,6 @@ def fits(qtype: int, k: int, tokens: int) -> bool:
 def prefer_gemv(qtype: int, k: int, tokens: int, q16: bool = False) -> bool:
     """matmul()'s choice for a matrix in the v2 layout: this kernel up to the measured crossover width, or, when x
     comes with its int16 staging (q16: PackedX.q16), up to the ring variant's (RING_UP_TO, K a multiple of 256)."""
-    if int(qtype) not in GEMV_QTYPES:
-        return False
     return ring_takes(qtype, k, tokens, q16) or (tokens <= CROSSOVER.get(int(qtype), 0) and fits(qtype, k, tokens))
 
 

@@ -229,8 +229,6 @@ def prefer_wide(qtype: int, tokens: int, n_out: int = 0, k: int = 0, order: int 
     more, from MID_CROSSOVER[qtype] on one of MID_ROWS..HIGH_ROWS - 1 rows (shape unknown, 0: the CROSSOVER); x in
     the wgmma order (order 1): from WG_CROSSOVER[qtype] on any matrix where that comes first."""
     qtype = int(qtype)
-    if qtype not in CROSSOVER:
-        return False
     if order and WG_CROSSOVER.get(qtype, MAX_TOKENS + 1) <= tokens <= MAX_TOKENS:
         return True
     first = CROSSOVER.get(qtype, MAX_TOKENS + 1)

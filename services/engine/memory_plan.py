@@ -826,9 +826,9 @@ def build_plan(cfg: ModelConfig, weights: WeightBytes, s: PlanSettings, drafter:
         f, tot = free[name]
         devices.append(DevicePlan(name, items, f, tot))
     warnings = []
-    if be == "cuda" and weights.fallback_text():
+    if be == "cuda" and weights.f16_fallback:
         warnings.append(f"target: {weights.fallback_text()}")
-    if drafter is not None and ddev.backend == "cuda" and drafter.weights.fallback_text():
+    if drafter is not None and ddev.backend == "cuda" and drafter.weights.f16_fallback:
         warnings.append(f"drafter: {drafter.weights.fallback_text()}")
     return MemoryPlan(settings=s, devices=devices, width=width, state_width=swidth, warnings=warnings)
 
@@ -997,7 +997,7 @@ def plan_drafter_service(model: str, draft: str, device: Device, sessions: int, 
 
     def plan(c: int, n: int = sessions) -> MemoryPlan:
         s = PlanSettings(max_ctx=c, slots=n, device=Device("cpu"), draft_device=device)
-        warn = [f"drafter: {d.weights.fallback_text()}"] if d.weights.fallback_text() else []
+        warn = [f"drafter: {d.weights.fallback_text()}"] if d.weights.f16_fallback else []
         return MemoryPlan(settings=s, width=d.block_size, state_width=d.block_size, warnings=warn,
                           devices=[DevicePlan(str(device), drafter_service_items(cfg, weights, d, n, c, sms), f, tot)])
 

@@ -108,11 +108,11 @@ def _tiny() -> SyntheticShape:
 
 
 SHAPES: dict[str, Callable[[], SyntheticShape]] = {"qwen3.6-27b": _qwen36_27b, "tiny": _tiny}
-QUANTS = ("q4_k_m", "q5_k_m", "iq4_xs")
 # --quant: (the base matrix type, the "more bits" / LM head type, llama_ftype). iq4_xs is Q4_K_M's mix with IQ4_XS for
 # Q4_K (llama.cpp's own IQ4_XS mix differs in which tensors it raises): a file of its bytes and its decoding work
 QUANT_MIXES = {"q4_k_m": (Q.Q4_K, Q.Q6_K, FILE_TYPE_Q4_K_M), "q5_k_m": (Q.Q5_K, Q.Q6_K, FILE_TYPE_Q5_K_M),
                "iq4_xs": (Q.IQ4_XS, Q.Q6_K, FILE_TYPE_IQ4_XS)}
+QUANTS = tuple(QUANT_MIXES)
 DRAFT_QUANTS = {"q8_0": Q.Q8_0, "f16": Q.F16, "q4_k": Q.Q4_K}
 
 

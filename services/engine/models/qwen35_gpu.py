@@ -640,8 +640,7 @@ class DeviceRows:
         return cp.asnumpy(rows).astype(dtype, copy=False)
 
     def __array__(self, dtype: Any = None, copy: bool | None = None) -> np.ndarray:
-        host = nr.loader.require().asnumpy(self.rows)
-        return host if dtype is None else host.astype(dtype, copy=False)
+        return self.to_host(np.float32 if dtype is None else dtype)
 
     def _detach(self) -> None:
         """Own a copy of the rows (the graph they belong to is about to replay over them); in stream order."""
@@ -838,7 +837,7 @@ class Qwen35GpuModel(TargetModel):
                 res = self.forward(st, np.arange(n) % self.cfg.n_vocab, capture=capture, logits="last")
                 if capture and n >= 3:   # the features of a path off the drafter's chain: a gather (CuPy's take)
                     _ = res.captured[[0, 2]]
-                if capture:              # and their f16 host copy (a drafter service's wire: CuPy's clip, cast)
+                if capture and n == sizes[0]:   # and their f16 host copy (a drafter service's wire: CuPy's clip, cast)
                     res.captured[:1].to_host(np.float16)
                 res = None
                 st.commit(range(n))
