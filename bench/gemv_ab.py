@@ -130,8 +130,13 @@ def per_width(cupy, qm, qg, widths: list[int], copy_gbps: float) -> list[dict]:
 
 # Step A/Bs: (name, RING_UP_TO, Q16_TOKENS, SPECSPLIT_PDL, backend.STACK_CONCURRENT or the mode's own flag) per mode,
 # the widths they run at, and the ratios printed
-ONE = {8: 1, 12: 1, 14: 1}
-SMALL = {8: 1, 12: 3, 14: 3}
+ONE = {8: 1, 12: 1, 13: 1, 14: 1, 23: 1}
+SMALL = {8: 1, 12: 3, 13: 3, 14: 3, 23: 3}
+# the dispatch tables before Q5_K and IQ4_XS joined them (session 40): their products on v2 at every width (newtypes)
+_V2_NEW_TYPES = {"CROSSOVER": {1: 2, 8: 2, 12: 1, 14: 1}, "qw.CROSSOVER": {1: 17, 8: 25, 12: 25, 14: 25},
+                 "qw.DEEP_CROSSOVER": {12: 4, 14: 4}, "qw.TALL_CROSSOVER": {12: 9, 14: 9},
+                 "qw.HIGH_CROSSOVER": {12: 4, 14: 4}, "qw.MID_CROSSOVER": {12: 17, 14: 17},
+                 "qw.WG_TYPES": {1: 1, 8: 1, 12: 1, 14: 25}}
 
 
 _STAGES3_BEFORE_30 = {12: (3, 4, 6), 14: (2, 3, 4, 6)}  # quant_wide.STAGES3_TILES before session 30 (w5tiles)
@@ -530,6 +535,11 @@ STEP_ABS = {
                 ("Q6_K wg from 41", SMALL, 3, "capture", {"qw.WG_TYPES": {1: 1, 8: 1, 12: 1, 14: 41}})],
                (17, 23, 32, 41), [("shipped", "wg from 25"), ("shipped", "crossover 17"),
                                   ("Q6_K wg from 41", "shipped")]),
+    # a Q5_K_M / IQ4_XS model's step with their products on the gemv, ring and wide kernels as Q4_K's (shipped since
+    # session 40) against v2 at every width (the dispatch before)
+    "newtypes": ([("new types on v2", {8: 1, 12: 3, 14: 3}, 3, "capture", _V2_NEW_TYPES),
+                  ("shipped", SMALL, 3, "capture", {})],
+                 (1, 2, 3, 8, 16, 23, 41), [("shipped", "new types on v2")]),
     "v2stages": ([("shipped", SMALL, 3, "capture", {}), ("v2 3 stages", SMALL, 3, "capture", {"qm.STAGES_V2": 3}),
                   ("v2 4 stages", SMALL, 3, "capture", {"qm.STAGES_V2": 4})], (8, 16, 23),
                  [("v2 3 stages", "shipped"), ("v2 4 stages", "shipped")]),

@@ -730,6 +730,12 @@ def main(argv: list[str]) -> int:
         (qm.Q6_K, "ssm_out"),
         (qm.Q4_K, "attn_v"),  # deep (k >= 2 n_out) and small: the wide kernel's DEEP_CROSSOVER applies
         (qm.Q6_K, "attn_v"),
+        (qm.Q5_K, "ffn_up"),  # a Q5_K_M file's (and IQ4_XS's): Q4_K's dispatch since session 40
+        (qm.Q5_K, "ffn_down"),
+        (qm.Q5_K, "ssm_out"),
+        (qm.IQ4_XS, "ffn_up"),
+        (qm.IQ4_XS, "ffn_down"),
+        (qm.IQ4_XS, "ssm_out"),
     ]
     if "--types" in argv:
         keep = set(_arg(argv, "--types").split(","))

@@ -30,16 +30,15 @@ CHUNK = 256
 SMEM_PER_SM = 228 * 1024
 SMEM_LIMIT = 227 * 1024
 
-# the types this kernel has (F16, Q8_0, Q4_K, Q5_K, Q6_K, IQ4_XS). Q5_K's and IQ4_XS's have run only in the CPU
-# simulation so far: the dispatch tables below (CROSSOVER, RING_UP_TO) leave them out, so matmul() keeps their
-# products on v2 (explicit kernel="gemv" runs them, as tests/test_kernels_quant_gemv.py does)
+# the types this kernel has (F16, Q8_0, Q4_K, Q5_K, Q6_K, IQ4_XS). Q5_K and IQ4_XS (session 40: their GPU tests passed
+# on an H200) take Q4_K's dispatch below (the same chunk walk, a few more bytes a block)
 GEMV_QTYPES = frozenset({1, 8, 12, 13, 14, 23})
 _INT = frozenset({8, 12, 13, 14, 23})  # x staged as int16 with an fp32 scale per 16 values
 _SUMS = frozenset({12, 13, 14})  # and the fp32 sum of every 16 values (the K-quants' offsets)
 # Widest T for which matmul() takes this kernel instead of v2, per storage type: the widest at which it beat v2 on
 # every 27B matrix (bench/roofline.py --kernels gemv,v2,auto on an H100, docs/gpu_quant_matmul.md). Time stays
 # monotone in T across the switch (v2 is flat up to 16 tokens and slower than gemv at the crossover width).
-CROSSOVER = {1: 2, 8: 2, 12: 1, 14: 1}
+CROSSOVER = {1: 2, 8: 2, 12: 1, 13: 1, 14: 1, 23: 1}
 # Widest T for which gemv() launches the persistent variant (gemv_persist_kernel) instead of one block per tile, per
 # storage type (quantized types only); types not listed keep the per-tile kernel. Empty: on the H100 (docs/
 # gpu_quant_matmul.md, "gemv: persistent blocks") it won only on the 1088-tile ffn_up at T=1 (3-6 %), lost on
@@ -67,7 +66,7 @@ SPLIT_UP_TO: dict[int, int] = {}
 # every 27B matrix (decode step 8.99 -> 8.16 ms), 4 warps x 2 stages the best or within 3 % (fewer, smaller slots let
 # more blocks in); 2 / 3 tokens 0.67-0.94x / 0.78-0.92x v2's time; 4 tokens 0.93-1.13x (acc and x registers: 108-128
 # a thread from two tokens), so v2 from there. Q8_0 (no 27B matrix) was measured at one token only.
-RING_UP_TO: dict[int, int] = {8: 1, 12: 3, 14: 3}
+RING_UP_TO: dict[int, int] = {8: 1, 12: 3, 13: 3, 14: 3, 23: 3}
 RING_STAGES = 2
 MAX_RING_STAGES = 32  # the kernel keeps one parity bit per slot in a 32-bit word
 # Tall matrices (the LM head: 15520 tiles of 16 rows) stream best with more of each block in flight: H100, one

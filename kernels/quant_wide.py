@@ -48,10 +48,10 @@ BARRIER_BYTES = 16  # per stage: the full and empty mbarriers
 # stream-K split wins from 9 tokens. So: the wide kernel from CROSSOVER[qtype] tokens, from DEEP_CROSSOVER[qtype] on
 # deep matrices and TALL_CROSSOVER[qtype] on tall ones (a type missing there: CROSSOVER); gemv keeps the widths up to
 # quant_gemv.CROSSOVER. (Those sweeps predate v2's address fix: DEEP_CROSSOVER was re-measured after it, below.)
-CROSSOVER = {1: 17, 8: 25, 12: 25, 14: 25}  # F16, Q8_0, Q4_K, Q6_K
-# the types the kernel has: those above, and Q5_K and IQ4_XS (v2's frag2 takes them), so far run only in the CPU
-# simulation: without a CROSSOVER entry prefer_wide never picks the kernel for them (kernel="wide" runs it, as
-# tests/test_kernels_quant_wide.py does)
+# F16, Q8_0, Q4_K, Q6_K; Q5_K and IQ4_XS (v2's frag2 takes them; their GPU tests passed in session 40) as Q4_K here and
+# in the tables below
+CROSSOVER = {1: 17, 8: 25, 12: 25, 13: 25, 14: 25, 23: 25}
+# the types the kernel has
 WIDE_QTYPES = frozenset((1, 8, 12, 13, 14, 23))
 # Deep: since v2 lost its per-load index math (ceea517) it is level with or ahead of the wide kernel on ffn_down up to
 # 16-23 tokens (H100: Q4_K 31.3 vs 34.4 us at 16, 33.2 vs 33.0 at 23; Q6_K 41.2 vs 43.2 at 16, 44.2 vs 41.3 at 23);
@@ -70,14 +70,15 @@ WIDE_QTYPES = frozenset((1, 8, 12, 13, 14, 23))
 # gemv_ab.py --step-ab wide4, H100, three rounds): 0.932 / 0.927 / 0.931 at widths 4 / 6 / 8; every K-quant matrix
 # from 4 (--step-ab all4) 1.032 / 1.033 / 1.040 / 1.037 of that at 4 / 8 / 12 / 16, the LM head from 4 too (tall4)
 # 1.001-1.002: neither taken.
-DEEP_CROSSOVER = {12: 4, 14: 4}  # Q4_K, Q6_K (F16 / Q8_0: no sweep yet)
-TALL_CROSSOVER = {12: 9, 14: 9}  # tall matrices (a type missing: DEEP_CROSSOVER)
+DEEP_CROSSOVER = {12: 4, 13: 4, 14: 4, 23: 4}  # the K-quants and IQ4_XS (F16 / Q8_0: no sweep yet)
+TALL_CROSSOVER = {12: 9, 13: 9, 14: 9, 23: 9}  # tall matrices (a type missing: DEEP_CROSSOVER)
 TALL_ROWS = 65536  # a matrix of this many rows or more is "tall"
 # High (HIGH_ROWS rows or more, neither deep nor tall: the 27B's stacked ffn_gate|up of 34816 rows and the DeltaNet
 # input stack of 16480) from 17 tokens, since the wide kernel's bookkeeping and split fences went (3c57947): Q4_K
 # ffn_up 30.6 vs v2 31.1 us at 23 tokens (29.3 vs 28.8 at 16), and the 27B step (graph replay, H100, 2026-11-27)
 # -2.5 / -2.3 / -2.4 % at widths 17 / 20 / 23; Q4_K's deep matrices from 17 as well gave back a third of that.
-HIGH_CROSSOVER = {12: 4, 14: 4}  # (a type missing: CROSSOVER; from 9 in session 24, from 4 in 25: DEEP_CROSSOVER)
+# (a type missing: CROSSOVER; from 9 in session 24, from 4 in 25: DEEP_CROSSOVER)
+HIGH_CROSSOVER = {12: 4, 13: 4, 14: 4, 23: 4}
 HIGH_ROWS = 16384
 # Mid-high (MID_ROWS..HIGH_ROWS - 1 rows, neither deep nor tall: the attention's q|k|v and q|k stacks of 14336 / 13312
 # rows, the DeltaNet attn_qkv of 10240 rows that the more-bits layers keep apart as Q6_K) from 17 tokens. Session 27
@@ -87,7 +88,7 @@ HIGH_ROWS = 16384
 # / 8 / 16 / 23 (from 6144 rows, the DeltaNet gate stack of 6240 too: 1.0079 / 1.0076 / 1.0071 / 0.9955), so these from
 # 17 only; the 5120 x 6144 projections and the 6240-row gate stack keep v2 (at 23: 15.6 vs 15.3 us, 14.7 vs 13.7).
 # Session 30 (--step-ab mid): this rule's step 0.9862 / 0.9869 / 0.9924 of v2 up to 24 at 17 / 20 / 23.
-MID_CROSSOVER = {12: 17, 14: 17}  # (a type missing: CROSSOVER)
+MID_CROSSOVER = {12: 17, 13: 17, 14: 17, 23: 17}  # (a type missing: CROSSOVER)
 MID_ROWS = 10240
 # x in the wgmma order (PackedX.order 1): the wide kernel from these widths on every matrix of the type (a type missing:
 # the shape's crossover). Empty: a pack takes that order only for products the dispatch puts on the wide kernel anyway
@@ -119,7 +120,7 @@ WARPS = 4
 # Session 30: 5 token tiles (33..40 tokens), which no sweep had covered, too (--step-ab w5tiles, three rounds, with the
 # tall shape at 5 below): the step 0.9643 / 0.9623 at widths 36 / 40 (the tall shape alone 0.9946 / 0.995); at 7 and 8
 # tiles 3 stages lose (--step-ab w78tiles: 1.0115 / 1.0689 at 56 / 64).
-STAGES3_TILES = {12: (3, 4, 5, 6), 14: (2, 3, 4, 5, 6)}
+STAGES3_TILES = {12: (3, 4, 5, 6), 13: (3, 4, 5, 6), 14: (2, 3, 4, 5, 6), 23: (3, 4, 5, 6)}
 # per type, token tiles -> (m16 tiles per warp, warps) of a matrix of VERY_HIGH_ROWS rows or more that is neither deep
 # nor tall (the 27B's stacked gate|up of 34816 rows); elsewhere M_TILES, WARPS. Session 27 (H100): at 6 token tiles 8
 # warps x 2 tiles (256 rows a block, one block a SM: x staged once for 4x the rows), Q4_K gate|up at 41 tokens 60.3 vs
@@ -469,7 +470,7 @@ WGMMA = True
 WG_FROM = 17
 # per storage type, the width from which a product of x in the wgmma order runs the wgmma build (below it, or a type
 # missing: the mma.sync build reading that order)
-WG_TYPES: dict[int, int] = {1: 1, 8: 1, 12: 1, 14: 25}
+WG_TYPES: dict[int, int] = {1: 1, 8: 1, 12: 1, 13: 1, 14: 25, 23: 1}
 # A-fragment register sets the wgmma build keeps in flight, per storage type (2..4, missing: 2; a word pair's
 # dequantization overlaps the groups of depth - 1 pairs before it; SS_WG_DEPTH). 2 measured (session 35); 3 costs Q4_K
 # at 3 token tiles 121 -> 148 registers (a block a SM fewer), Q6_K 128 -> 152 (its 2 blocks a SM are set by shared

@@ -236,6 +236,8 @@ def test_strided_out_per_tile_and_persistent(qtype: int) -> None:
 SPLIT_SHAPES = {
     qm.Q4_K: (200, 2560),  # 13 tiles, the last one partial; 10 chunks
     qm.Q6_K: (96, 3072),
+    qm.Q5_K: (144, 2304),  # 9 tiles, 9 chunks
+    qm.IQ4_XS: (200, 3072),
     qm.Q8_0: (130, 2336),  # a tail chunk of 32 values
     qm.F16: (64, 1312),  # a tail chunk of 32 values
 }

@@ -406,30 +406,25 @@ def test_pack_rms_matches_numpy(tokens: int, k: int, group: int, res: int, gate:
 
 @pytest.mark.parametrize("shape", [(256, 512), (77, 768), (1024, 2048), (5120, 6144)], ids=case_id)
 @pytest.mark.parametrize("qtype", [qm.Q5_K, qm.IQ4_XS], ids=NAMES.get)
-def test_v2_only_types_at_every_width(qtype: int, shape: tuple[int, int]) -> None:
+def test_newer_types_on_v2_at_every_width(qtype: int, shape: tuple[int, int]) -> None:
     """Q5_K (a Q5_K_M file's matrices: the fifth bit from qh in both nibbles' paths) and IQ4_XS (the codebook looked
-    up by byte permutes, the 6-bit scales from scales_l and scales_h) on the v2 kernel, which takes every width for
-    them: launch shapes, K split across blocks, the portable build, an accumulating launch; v1 refuses them at
-    construction, and matmul() never picks the gemv or wide kernels for them. (IQ4_XS is in UNPROVEN_QTYPES until
-    this passes on a GPU: the engine keeps it as F16 so far.)"""
-    from kernels import quant_gemv as qg
-    from kernels import quant_wide as qw
-
+    up by byte permutes, the 6-bit scales from scales_l and scales_h) on the v2 kernel at every width: launch
+    shapes, K split across blocks, the portable build, an accumulating launch; v1 refuses them at construction; and
+    matmul()'s own choice at each width (Q4_K's dispatch: gemv, ring, wide) against the same twin."""
     rng = np.random.default_rng(5 + qtype + shape[0] + shape[1])
     raw = random_weights(qtype, *shape, rng)
     w64 = dequantize(qtype, raw, *shape)
     W = qm.QuantMatrix(qtype, raw, shape, name=f"{NAMES[qtype]} {shape}")
     for tokens in WIDTHS:
-        assert not qg.prefer_gemv(qtype, shape[1], tokens, q16=True)
-        assert not qw.prefer_wide(qtype, tokens, *shape, order=1)
-        check(W, w64, tokens, rng, W.name)
-    check(W, w64, 23, rng, W.name, splits=3)
+        check(W, w64, tokens, rng, W.name, kernel="v2")
+        check(W, w64, tokens, rng, f"{W.name} dispatched")
+    check(W, w64, 23, rng, W.name, kernel="v2", splits=3)
     for cfg in V2_SHAPES:
-        check(W, w64, 9, rng, f"{W.name} {cfg}", config=cfg)
-    check(W, w64, 5, rng, f"portable {W.name}", splits=1, portable=True)
+        check(W, w64, 9, rng, f"{W.name} {cfg}", kernel="v2", config=cfg)
+    check(W, w64, 5, rng, f"portable {W.name}", kernel="v2", splits=1, portable=True)
     x = (rng.standard_normal((7, shape[1])) * 0.5).astype(np.float16)
     y0 = rng.standard_normal((7, shape[0])).astype(np.float32)
-    y = gpu_matmul(W, x, y0, accumulate=True)
+    y = gpu_matmul(W, x, y0, kernel="v2", accumulate=True)
     assert rel_error(y - y0, x.astype(np.float64) @ w64.T) < TOL
     with pytest.raises(ValueError, match=f"no v1 GPU matmul for {NAMES[qtype]}"):
         qm.QuantMatrix(qtype, raw, shape, kernel="v1")

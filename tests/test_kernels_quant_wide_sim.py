@@ -430,7 +430,7 @@ def test_shared_memory_and_scratch_sizes() -> None:
     assert qw.scratch_floats(132, 8, 2, 8) == 2 * 132 * 256 * 64
 
 
-@pytest.mark.parametrize("qtype", [F16, Q8_0, Q4_K, Q6_K])
+@pytest.mark.parametrize("qtype", [F16, Q8_0, Q4_K, Q5_K, Q6_K, IQ4_XS])
 @pytest.mark.parametrize("tokens", [1, 9, 23, 41, 64])
 def test_default_config_fits(qtype, tokens) -> None:
     for shape in ((17408, 5120), (5120, 17408), (248320, 5120), (48, 5120)):
@@ -446,9 +446,9 @@ def test_default_config_rules() -> None:
     # the swept H100 defaults: 1 tile x 4 warps, 3 stages at 3 token tiles (17..24 tokens; Q6_K from 9; Q4_K / Q6_K
     # at 25..48 too: 25..32 since session 27, 33..40 since session 30), 2 otherwise; tall matrices 2 stages, 1 tile x 8
     # warps (K-quants: 2 x 4 at 17..40 tokens, 2 x 8 at 41..64)
-    for q in (F16, Q8_0, Q4_K, Q6_K):
+    for q in (F16, Q8_0, Q4_K, Q5_K, Q6_K, IQ4_XS):
         s2 = 3 if q == Q6_K else 2
-        s46 = 3 if q in (Q4_K, Q6_K) else 2
+        s46 = 3 if q in (Q4_K, Q5_K, Q6_K, IQ4_XS) else 2  # Q5_K, IQ4_XS as Q4_K (session 40)
         for tokens, stages in ((8, 2), (9, s2), (16, s2), (17, 3), (23, 3), (24, 3), (25, s46), (32, s46), (33, s46),
                                (40, s46), (41, s46), (48, s46), (49, 2), (56, 2), (64, 2)):  # fmt: skip
             assert qw.choose_config(q, 17408, 5120, tokens) == qw.WideConfig(1, 4, stages)
@@ -554,7 +554,7 @@ def test_grid_counts_the_producer_warp(monkeypatch, regs: int, tokens: int, fit:
 
 
 def test_dispatch_widths() -> None:
-    for q in (F16, Q8_0, Q4_K, Q6_K):
+    for q in (F16, Q8_0, Q4_K, Q5_K, Q6_K, IQ4_XS):
         assert qw.CROSSOVER[q] > qg.CROSSOVER[q]  # gemv keeps its widths
         assert not qw.prefer_wide(q, qw.CROSSOVER[q] - 1) and qw.prefer_wide(q, qw.CROSSOVER[q])
         assert qw.prefer_wide(q, 64) and not qw.prefer_wide(q, 65)
@@ -579,10 +579,14 @@ def test_dispatch_widths() -> None:
     # 2026-11-27: high matrices (the stacked gate|up, the DeltaNet input stack) from 17 on the K-quants; session 24:
     # the deep and high ones from 9; session 25 (the wide kernel under PDL): from 4, past the ring's widths
     assert (qw.DEEP_CROSSOVER[Q4_K], qw.DEEP_CROSSOVER[Q6_K]) == (4, 4)
-    assert qw.HIGH_CROSSOVER == {Q4_K: 4, Q6_K: 4} and qw.HIGH_ROWS == 16384
+    assert qw.HIGH_CROSSOVER[Q4_K] == qw.HIGH_CROSSOVER[Q6_K] == 4 and qw.HIGH_ROWS == 16384
     # session 27: the 10240..16383-row stacks (the attention's q|k|v, the DeltaNet attn_qkv kept apart) from 17
-    assert qw.MID_CROSSOVER == {Q4_K: 17, Q6_K: 17} and qw.MID_ROWS == 10240
-    assert all(qw.HIGH_CROSSOVER[q] > qg.RING_UP_TO[q] for q in (Q4_K, Q6_K))
+    assert qw.MID_CROSSOVER[Q4_K] == qw.MID_CROSSOVER[Q6_K] == 17 and qw.MID_ROWS == 10240
+    assert all(qw.HIGH_CROSSOVER[q] > qg.RING_UP_TO[q] for q in (Q4_K, Q5_K, Q6_K, IQ4_XS))
+    # session 40: Q5_K and IQ4_XS (their kernels' GPU tests passed) take Q4_K's widths in every table
+    tables = (qg.CROSSOVER, qg.RING_UP_TO, qw.CROSSOVER, qw.DEEP_CROSSOVER, qw.TALL_CROSSOVER, qw.HIGH_CROSSOVER,
+              qw.MID_CROSSOVER, qw.STAGES3_TILES, qw.WG_TYPES)
+    assert all(t[Q5_K] == t[IQ4_XS] == t[Q4_K] for t in tables)
 
 
 def test_dispatch_in_the_wgmma_order(monkeypatch) -> None:

@@ -233,7 +233,7 @@ def test_gpu_weights_count_matrices_vectors_and_fallbacks(q27):
     # a matrix type the kernel lacks goes up as F16; a token table it cannot decode stays on the host
     Q = S.Q
     odd = {t.name: t for t in specs}
-    odd["output.weight"] = S.TensorSpec("output.weight", (248320, 5120), Q.IQ4_XS, "matrix")
+    odd["output.weight"] = S.TensorSpec("output.weight", (248320, 5120), Q.Q3_K, "matrix")
     odd["token_embd.weight"] = S.TensorSpec("token_embd.weight", (248320, 5120), Q.Q6_K, "embedding")
     w2 = M.WeightBytes.of(odd)
     assert w2.embd_on_host and w2.embd_gpu == 0
@@ -247,23 +247,27 @@ def test_gpu_weights_count_matrices_vectors_and_fallbacks(q27):
     assert w3.gpu == w2.gpu - 248320 * 5120 * 2 + 248320 * 5120 // 256 * 176
 
 
-def test_gpu_matrices_go_up_as_stored_only_where_a_gpu_run_proved_the_kernel():
-    """backend.GpuMatrix.of: Q5_K as stored (v2 ran it on a GPU); IQ4_XS, whose v2 dequantization has run only in the
-    CPU simulation (quant_matmul.UNPROVEN_QTYPES), and a type without a kernel (Q4_0) as F16, as the plan counts."""
+def test_gpu_matrices_go_up_as_stored_only_where_a_gpu_run_proved_the_kernel(monkeypatch):
+    """backend.GpuMatrix.of: Q5_K and IQ4_XS as stored (their kernels ran on a GPU); a type whose v2 dequantization
+    has run only in the CPU simulation (quant_matmul.UNPROVEN_QTYPES: IQ4_XS as it stood before session 40) and a
+    type without a kernel (Q4_0) as F16, as the plan counts."""
     from kernels import quant_matmul as qm
     from services.engine.backend import GpuMatrix
     from services.engine.formats import RawTensor
     from tests.quant_twins import random_weights
 
     rng = np.random.default_rng(0)
-    assert qm.Q5_K in qm.SUPPORTED_QTYPES and qm.IQ4_XS not in qm.SUPPORTED_QTYPES
-    for qtype, native in ((qm.Q5_K, True), (qm.IQ4_XS, False)):
-        raw = random_weights(qtype, 32, 512, rng)
-        m = GpuMatrix.of(RawTensor("w", qtype, (32, 512), raw, "test"))
-        assert (m.qtype, m.fallback) == ((qtype, False) if native else (qm.F16, True)), qtype
-        if not native:
-            want = RawTensor("w", qtype, (32, 512), raw, "test").dequantize().astype(np.float16)
-            assert np.array_equal(m.rows.view(np.float16), want)
+    assert {qm.Q5_K, qm.IQ4_XS} <= qm.SUPPORTED_QTYPES and not qm.UNPROVEN_QTYPES
+    raws = {q: random_weights(q, 32, 512, rng) for q in (qm.Q5_K, qm.IQ4_XS)}
+    for unproven in (frozenset(), frozenset((qm.IQ4_XS,))):
+        monkeypatch.setattr(qm, "SUPPORTED_QTYPES", frozenset(qm._TYPES) - unproven)
+        for qtype, raw in raws.items():
+            m = GpuMatrix.of(RawTensor("w", qtype, (32, 512), raw, "test"))
+            native = qtype not in unproven
+            assert (m.qtype, m.fallback) == ((qtype, False) if native else (qm.F16, True)), qtype
+            if not native:
+                want = RawTensor("w", qtype, (32, 512), raw, "test").dequantize().astype(np.float16)
+                assert np.array_equal(m.rows.view(np.float16), want)
     blocks = np.zeros((32 * 512 // 32, 18), np.uint8)
     assert GpuMatrix.of(RawTensor("w", 2, (32, 512), blocks, "test")).fallback      # Q4_0: no kernel at all
 
@@ -324,29 +328,29 @@ def test_refusal_names_what_fits(q27):
 
 
 def test_a_file_the_gpu_kernels_cannot_read_says_so(q27):
-    """An IQ4_XS 27B (a ~15 GB file a 24 GB card would run): its matrices go up as F16, ~3.8x their bytes. The plan
-    says so (--plan-only's note, the start-up log's warning), and a refusal names the cause and a file in the
-    kernels' types instead of "a smaller quantization"; a Q4_K_M file plans no such note."""
+    """A Q3_K 27B (a Q3_K_M-sized file of ~12 GB a 16 GB card would run): its matrices go up as F16, ~4.7x their
+    bytes. The plan says so (--plan-only's note, the start-up log's warning), and a refusal names the cause and a file
+    in the kernels' types instead of "a smaller quantization"; a Q4_K_M file plans no such note."""
     cfg, w, ds = q27
     assert w.f16_fallback == {} and _plan(q27).warnings == []
     sh = S.get_shape("qwen3.6-27b")
     iq = {}
     for t in S.target_tensors(sh.target):
-        q = S.Q.IQ4_XS if t.qtype in (S.Q.Q4_K, S.Q.Q6_K) and t.name != "token_embd.weight" else t.qtype
+        q = S.Q.Q3_K if t.qtype in (S.Q.Q4_K, S.Q.Q6_K) and t.name != "token_embd.weight" else t.qtype
         iq[t.name] = S.TensorSpec(t.name, t.shape, q, t.kind)
     wi = M.WeightBytes.of(iq)
-    stored, gpu = wi.f16_fallback["IQ4_XS"]
-    assert list(wi.f16_fallback) == ["IQ4_XS"] and 3.7 < gpu / stored < 3.8 and stored < 13 * GiB < 45 * GiB < gpu
+    stored, gpu = wi.f16_fallback["Q3_K"]
+    assert list(wi.f16_fallback) == ["Q3_K"] and 4.6 < gpu / stored < 4.7 and stored < 11 * GiB < 45 * GiB < gpu
     s = M.PlanSettings(max_ctx=4096, budget=22, device=GPU)
     plan = M.build_plan(cfg, wi, s, ds, free={"cuda:0": (140 * GiB, 141 * GiB)})
-    assert plan.fits and len(plan.warnings) == 1 and plan.warnings[0].startswith("target: the IQ4_XS matrices")
-    assert "dequantized to F16" in plan.warnings[0] and "Q4_K, Q5_K, Q6_K" in plan.warnings[0]
-    assert "note: target: the IQ4_XS matrices" in plan.table()
+    assert plan.fits and len(plan.warnings) == 1 and plan.warnings[0].startswith("target: the Q3_K matrices")
+    assert "dequantized to F16" in plan.warnings[0] and "Q4_K, Q5_K, Q6_K, IQ4_XS" in plan.warnings[0]
+    assert "note: target: the Q3_K matrices" in plan.table()
     with pytest.raises(M.MemoryPlanError) as e:
         M.plan_memory(cfg, wi, s, ds, free={"cuda:0": (22 * GiB, 24 * GiB)})
     msg = str(e.value)
     assert "use a file in the types the GPU kernels read" in msg and "a smaller quantization" not in msg
-    assert "Note: target: the IQ4_XS matrices" in msg
+    assert "Note: target: the Q3_K matrices" in msg
 
 
 def test_shrink_without_explicit_ctx(q27):
