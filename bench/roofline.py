@@ -290,11 +290,11 @@ def launch_overhead(cupy, qm, W, packed, out, calls: int = 200, **how) -> dict:
 def random_matrix(cupy, qm, qtype: int, shape: tuple[int, int], kernel: str = "v2"):
     """A QuantMatrix of valid random blocks (small finite fp16 scales), built on the GPU."""
     n_out, k = shape
-    fp16_fields = {qm.Q8_0: (0,), qm.Q4_K: (0, 2), qm.Q6_K: (208,)}
+    fp16_fields = {qm.Q8_0: (0,), qm.Q4_K: (0, 2), qm.Q5_K: (0, 2), qm.Q6_K: (208,), qm.IQ4_XS: (0,)}
     if qtype == qm.F16:
         raw = (cupy.random.standard_normal(n_out * k, dtype=cupy.float32) * 0.5).astype(cupy.float16).view(cupy.uint8)
     else:
-        per, size = {qm.Q8_0: (32, 34), qm.Q4_K: (256, 144), qm.Q6_K: (256, 210)}[qtype]
+        per, size = qm.block_geometry(qtype)
         n_blocks = n_out * k // per
         raw = cupy.empty(n_blocks * size, dtype=cupy.uint8)
         step = 1 << 26

@@ -1086,3 +1086,9 @@ def flops(tokens: int, shape: tuple[int, int]) -> int:
 def bytes_per_weight(qtype: int) -> float:
     _, per_block, block_bytes, _ = _TYPES[int(qtype)]
     return block_bytes / per_block
+
+
+def block_geometry(qtype: int) -> tuple[int, int]:
+    """(values, bytes) of one GGUF block of a storage type this module takes."""
+    _, per_block, block_bytes, _ = _TYPES[int(qtype)]
+    return per_block, block_bytes
