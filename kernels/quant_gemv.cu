@@ -362,10 +362,7 @@ GV_DEV void qbytes(const Raw<QT>& w, int i, int j, u32 (&q)[8]) {
         // the codebook's int8 values (signed: dot16<false>): low nibbles the low run, high nibbles the high run
         const u32 ws[4] = {w.q[i].x, w.q[i].y, w.q[i].z, w.q[i].w};
 #pragma unroll
-        for (int m = 0; m < 4; ++m) {
-            q[m] = bits::iq4_lookup(ws[m] & 0x0F0F0F0Fu);
-            q[4 + m] = bits::iq4_lookup((ws[m] >> 4) & 0x0F0F0F0Fu);
-        }
+        for (int m = 0; m < 4; ++m) bits::iq4_lookup_runs(ws[m], q[m], q[4 + m]);
     } else if constexpr (QT == 14) {
         const int c2 = 2 * ((j >> 1) & 1);  // qh bit pair 2c (low nibbles) / 4 + 2c (high nibbles)
         const u32 ls[4] = {w.l[i].x, w.l[i].y, w.l[i].z, w.l[i].w};
