@@ -73,6 +73,10 @@ WIDE_QTYPES = frozenset((1, 8, 12, 13, 14, 23))
 DEEP_CROSSOVER = {12: 4, 13: 4, 14: 4, 23: 4}  # the K-quants and IQ4_XS (F16 / Q8_0: no sweep yet)
 TALL_CROSSOVER = {12: 9, 13: 9, 14: 9, 23: 9}  # tall matrices (a type missing: DEEP_CROSSOVER)
 TALL_ROWS = 65536  # a matrix of this many rows or more is "tall"
+# A deep matrix of fewer rows keeps CROSSOVER (0: none does). The 27B's attn_v (1024 x 5120, its own product where its
+# type differs from q / k's) runs the wide kernel at 1.6x v2's time from 4 to 16 tokens (H200, Q4_K: 11.1 vs 6.9 us at
+# 8; bench/roofline.py, session 40): 64 row tiles leave most of the wide kernel's stream-K blocks idle
+DEEP_MIN_ROWS = 0
 # High (HIGH_ROWS rows or more, neither deep nor tall: the 27B's stacked ffn_gate|up of 34816 rows and the DeltaNet
 # input stack of 16480) from 17 tokens, since the wide kernel's bookkeeping and split fences went (3c57947): Q4_K
 # ffn_up 30.6 vs v2 31.1 us at 23 tokens (29.3 vs 28.8 at 16), and the 27B step (graph replay, H100, 2026-11-27)
@@ -226,15 +230,17 @@ def scratch_floats(blocks: int, n_tiles: int, m_tiles: int, warps: int) -> int:
 def prefer_wide(qtype: int, tokens: int, n_out: int = 0, k: int = 0, order: int = 0) -> bool:
     """matmul()'s choice for an n_out x k matrix in the v2 layout above gemv's widths: this kernel from
     CROSSOVER[qtype] tokens, from TALL_CROSSOVER[qtype] on a tall matrix (n_out >= TALL_ROWS), from
-    DEEP_CROSSOVER[qtype] on a deep one (k >= 2 n_out), from HIGH_CROSSOVER[qtype] on another of HIGH_ROWS rows or
-    more, from MID_CROSSOVER[qtype] on one of MID_ROWS..HIGH_ROWS - 1 rows (shape unknown, 0: the CROSSOVER); x in
-    the wgmma order (order 1): from WG_CROSSOVER[qtype] on any matrix where that comes first."""
+    DEEP_CROSSOVER[qtype] on a deep one (k >= 2 n_out) of DEEP_MIN_ROWS rows or more, from HIGH_CROSSOVER[qtype] on
+    another of HIGH_ROWS rows or more, from MID_CROSSOVER[qtype] on one of MID_ROWS..HIGH_ROWS - 1 rows (shape
+    unknown, 0: the CROSSOVER); x in the wgmma order (order 1): from WG_CROSSOVER[qtype] on any matrix where that
+    comes first."""
     qtype = int(qtype)
     if order and WG_CROSSOVER.get(qtype, MAX_TOKENS + 1) <= tokens <= MAX_TOKENS:
         return True
     first = CROSSOVER.get(qtype, MAX_TOKENS + 1)
     if n_out > 0 and (k >= 2 * n_out or n_out >= TALL_ROWS):
-        first = DEEP_CROSSOVER.get(qtype, first)
+        if n_out >= DEEP_MIN_ROWS:
+            first = DEEP_CROSSOVER.get(qtype, first)
         if n_out >= TALL_ROWS:
             first = TALL_CROSSOVER.get(qtype, first)
     elif n_out >= HIGH_ROWS:
