@@ -73,10 +73,12 @@ WIDE_QTYPES = frozenset((1, 8, 12, 13, 14, 23))
 DEEP_CROSSOVER = {12: 4, 13: 4, 14: 4, 23: 4}  # the K-quants and IQ4_XS (F16 / Q8_0: no sweep yet)
 TALL_CROSSOVER = {12: 9, 13: 9, 14: 9, 23: 9}  # tall matrices (a type missing: DEEP_CROSSOVER)
 TALL_ROWS = 65536  # a matrix of this many rows or more is "tall"
-# A deep matrix of fewer rows keeps CROSSOVER (0: none does). The 27B's attn_v (1024 x 5120, its own product where its
-# type differs from q / k's) runs the wide kernel at 1.6x v2's time from 4 to 16 tokens (H200, Q4_K: 11.1 vs 6.9 us at
-# 8; bench/roofline.py, session 40): 64 row tiles leave most of the wide kernel's stream-K blocks idle
-DEEP_MIN_ROWS = 0
+# A deep matrix of fewer rows keeps CROSSOVER. The 27B's attn_v (1024 x 5120, its own product where its type differs
+# from q / k's) runs the wide kernel at 1.6x v2's time from 4 to 16 tokens (H200, Q4_K: 11.1 vs 6.9 us at 8;
+# bench/roofline.py, session 40): 64 row tiles leave most of the wide kernel's stream-K blocks idle. The 27B Q4_K_M
+# step on v2 there (bench/gemv_ab.py --step-ab smalldeep, H200, three rounds): 0.9972 / 0.9967 / 0.9967 / 1.0007 of
+# the step before (0: every deep matrix from DEEP_CROSSOVER) at widths 4 / 8 / 16 / 23
+DEEP_MIN_ROWS = 2048
 # High (HIGH_ROWS rows or more, neither deep nor tall: the 27B's stacked ffn_gate|up of 34816 rows and the DeltaNet
 # input stack of 16480) from 17 tokens, since the wide kernel's bookkeeping and split fences went (3c57947): Q4_K
 # ffn_up 30.6 vs v2 31.1 us at 23 tokens (29.3 vs 28.8 at 16), and the 27B step (graph replay, H100, 2026-11-27)

@@ -315,7 +315,7 @@ def test_portable_fallback_path(qtype: int) -> None:
               config=qw.WideConfig(2, 2, 2, blocks=3))  # fmt: skip
 
 
-def test_float32_input_and_dispatch() -> None:
+def test_float32_input_and_dispatch(monkeypatch) -> None:
     rng = np.random.default_rng(12)
     shape = (640, 1024)
     W, w64 = _matrix(qm.Q4_K, shape, rng)
@@ -323,11 +323,14 @@ def test_float32_input_and_dispatch() -> None:
     y = run(W, x, kernel="wide")
     assert rel_error(y, x.astype(np.float16).astype(np.float64) @ w64.T) < TOL  # fp32 input is rounded to fp16
     # matmul() picks the wide kernel from its crossover width, v2 below it (above gemv's widths, the ring's at most); a
-    # deep matrix (k >= 2 n_out) from DEEP_CROSSOVER
+    # deep matrix (k >= 2 n_out) from DEEP_CROSSOVER, one of fewer than DEEP_MIN_ROWS rows (here 256) from CROSSOVER
+    monkeypatch.setattr(qw, "DEEP_MIN_ROWS", 256)
     px = qm.pack_activations(cupy.asarray(x))
     assert np.array_equal(run(W, px), run(W, px, kernel="wide"))
     deep, _ = _matrix(qm.Q4_K, (384, 1024), rng)
-    for M, first in ((W, qw.CROSSOVER[qm.Q4_K]), (deep, qw.DEEP_CROSSOVER[qm.Q4_K])):
+    small_deep, _ = _matrix(qm.Q4_K, (160, 1024), rng)
+    for M, first in ((W, qw.CROSSOVER[qm.Q4_K]), (deep, qw.DEEP_CROSSOVER[qm.Q4_K]),
+                     (small_deep, qw.CROSSOVER[qm.Q4_K])):
         assert qw.prefer_wide(qm.Q4_K, first, *M.shape) and not qw.prefer_wide(qm.Q4_K, first - 1, *M.shape)
         pf = qm.pack_activations(cupy.asarray(x[:first]))
         assert np.array_equal(run(M, pf), run(M, pf, kernel="wide"))

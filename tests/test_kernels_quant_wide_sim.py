@@ -562,7 +562,8 @@ def test_dispatch_widths() -> None:
         for shape, first in (((5120, 17408), deep_first), ((248320, 5120), qw.TALL_CROSSOVER.get(q, deep_first))):
             assert qg.CROSSOVER[q] < first <= qw.CROSSOVER[q]  # deep from DEEP_CROSSOVER, tall from TALL_CROSSOVER
             assert not qw.prefer_wide(q, first - 1, *shape) and qw.prefer_wide(q, first, *shape)
-        for shape in ((5120, 6144), (6240, 5120), (10239, 5120), (8192, 16383)):  # the projections: CROSSOVER
+        # the projections and small deep matrices (attn_v 1024 x 5120: DEEP_MIN_ROWS): CROSSOVER
+        for shape in ((5120, 6144), (6240, 5120), (10239, 5120), (8192, 16383), (1024, 5120), (2047, 5120)):
             assert not qw.prefer_wide(q, qw.CROSSOVER[q] - 1, *shape) and qw.prefer_wide(q, qw.CROSSOVER[q], *shape)
         mid_first = qw.MID_CROSSOVER.get(q, qw.CROSSOVER[q])
         assert qg.CROSSOVER[q] < mid_first <= qw.CROSSOVER[q]
@@ -580,6 +581,7 @@ def test_dispatch_widths() -> None:
     # the deep and high ones from 9; session 25 (the wide kernel under PDL): from 4, past the ring's widths
     assert (qw.DEEP_CROSSOVER[Q4_K], qw.DEEP_CROSSOVER[Q6_K]) == (4, 4)
     assert qw.HIGH_CROSSOVER[Q4_K] == qw.HIGH_CROSSOVER[Q6_K] == 4 and qw.HIGH_ROWS == 16384
+    assert qw.DEEP_MIN_ROWS == 2048  # session 40: attn_v on v2 up to 24 tokens
     # session 27: the 10240..16383-row stacks (the attention's q|k|v, the DeltaNet attn_qkv kept apart) from 17
     assert qw.MID_CROSSOVER[Q4_K] == qw.MID_CROSSOVER[Q6_K] == 17 and qw.MID_ROWS == 10240
     assert all(qw.HIGH_CROSSOVER[q] > qg.RING_UP_TO[q] for q in (Q4_K, Q5_K, Q6_K, IQ4_XS))
