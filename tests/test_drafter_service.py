@@ -489,3 +489,22 @@ def test_streams_on_one_connection_reuse_shared_memory_segments(drafter_addr, lo
         failed = client._segment.shm.name
     with pytest.raises(FileNotFoundError):
         shared_memory.SharedMemory(name=failed)
+
+
+def test_feature_reader_widens_f16_unless_the_drafter_takes_it():
+    """FeatureReader: f16 rows off the wire become float32 for the NumPy drafter, and stay float16 for a drafter that
+    widens them itself (a GPU drafter's takes_f16_features: half the upload, no host conversion); f32 rows are float32
+    either way; the values are the same."""
+    from services.drafter.service import FeatureReader
+    from services.engine.models.dflash import DFlashDrafter
+    from services.engine.models.dflash_gpu import DFlashGpuDrafter
+
+    assert DFlashGpuDrafter.takes_f16_features and not getattr(DFlashDrafter, "takes_f16_features", False)
+    rows = np.random.default_rng(0).standard_normal((3, 8)).astype(np.float16)
+    msg16 = pb.Features(rows=3, width=8, dtype="f16", data=rows.tobytes())
+    msg32 = pb.Features(rows=3, width=8, dtype="f32", data=rows.astype(np.float32).tobytes())
+    for keep in (False, True):
+        reader = FeatureReader(8, keep_f16=keep)
+        got16, got32 = reader.read(msg16), reader.read(msg32)
+        assert got16.dtype == (np.float16 if keep else np.float32) and got32.dtype == np.float32
+        assert got16.shape == got32.shape == (3, 8) and np.array_equal(got16.astype(np.float32), got32)

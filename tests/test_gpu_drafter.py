@@ -141,6 +141,28 @@ def test_gpu_drafter_for_a_cpu_target_matches_numpy():
 
 
 @needs_gpu
+def test_host_f16_features_widen_on_the_device_to_the_same_drafts():
+    """A drafter service's f16 rows (takes_f16_features: uploaded as f16, widened on the device) draft exactly what
+    the same values as float32 draft: a prompt's append, then drafts appending a few rows each."""
+    _, dr = _pair()
+    assert dr.takes_f16_features
+    feats, toks = _features(40)
+    f16 = feats.reshape(len(feats), -1).astype(np.float16)
+    dr.use_graphs = False                  # eager both ways: the same launches, so the same bits
+    outs = []
+    for rows in (f16.astype(np.float32), f16):
+        s = dr.new_session()
+        dr.append_context(s, rows[:30], 30)
+        start, got = 30, []
+        for n in (1, 4, 3, 2):
+            start += n
+            got.append(dr.draft_topk(s, rows[start - n:start], toks[start - 1], start, 8))
+        outs.append(got)
+    for (i32, l32), (i16, l16) in zip(*outs):
+        assert np.array_equal(i32, i16) and np.array_equal(l32, l16)
+
+
+@needs_gpu
 @pytest.mark.parametrize("window", [None, 8])
 def test_graph_replay_equals_eager(window):
     """The same drafts on two sessions, captured passes (replayed from the second of each shape) vs eager."""

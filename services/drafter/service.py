@@ -71,13 +71,15 @@ class FeatureReader:
     """Decodes one stream's Features messages; keeps the client's shared-memory segment mapped between
     requests (the client reuses one segment per stream and only switches to a new one to grow)."""
 
-    def __init__(self, width: int):
+    def __init__(self, width: int, keep_f16: bool = False):
         self.width = width
+        self.keep_f16 = keep_f16      # f16 rows stay f16 (a GPU drafter widens them on the device)
         self._shm_name: str | None = None
         self._shm: mmap.mmap | None = None
 
     def read(self, f: pb.Features) -> np.ndarray | None:
-        """(rows, width) float32 copy of the features, or None for no rows. Raises BadRequest."""
+        """(rows, width) float32 copy of the features (f16 ones as float16 with keep_f16), or None for no rows.
+        Raises BadRequest."""
         if f.rows < 0:
             raise BadRequest(f"features.rows must be >= 0, got {f.rows}")
         if f.rows == 0:
@@ -106,7 +108,9 @@ class FeatureReader:
                 raise BadRequest(f"features.data holds {len(f.data)} bytes; {f.rows} rows x {f.width} {f.dtype} "
                                  f"need {nbytes}")
             out = np.frombuffer(f.data, dtype=dtype)     # read-only view of the message's bytes
-        return out.astype(np.float32, copy=False).reshape(f.rows, f.width)
+        if not (self.keep_f16 and dtype == np.float16):
+            out = out.astype(np.float32, copy=False)
+        return out.reshape(f.rows, f.width)
 
     def _segment(self, name: str) -> mmap.mmap:
         if name == self._shm_name and self._shm is not None:
@@ -240,7 +244,7 @@ class DrafterServicer(pb_grpc.DrafterServicer):
         self.stats.streams += 1
         loop = asyncio.get_running_loop()
         session = None
-        reader = FeatureReader(self.n_features)
+        reader = FeatureReader(self.n_features, keep_f16=getattr(self.drafter, "takes_f16_features", False))
         n = 0
         try:
             # on the drafting thread: a GPU drafter's device is that thread's current one

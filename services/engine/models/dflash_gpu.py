@@ -170,6 +170,10 @@ class GpuDraftSession:
 class DFlashGpuDrafter:
     """DFlashDrafter on the device; bound to its target (token table and LM head shared, checked like the CPU's)."""
 
+    # host f16 features (a drafter service's rows off the wire) go up as f16 and widen on the device: half the upload,
+    # no conversion on the host (services/drafter/service.py FeatureReader keeps them f16 for a drafter saying so)
+    takes_f16_features = True
+
     def __init__(self, cfg: DrafterConfig, tensors: Mapping[str, RawTensor | np.ndarray], target: Any,
                  backend: CupyBackend | None = None, source: str = "<drafter>"):
         tbe = getattr(target, "be", None)
@@ -363,13 +367,17 @@ class DFlashGpuDrafter:
             self._pool.clear()
 
     def _features(self, features: Any) -> Any:
-        """(n, n_features) float32 device rows from host or device features ((n, K, E) accepted too)."""
+        """(n, n_features) rows: device rows as they are, host rows as float32 or float16 (widened on the device after
+        their upload); (n, K, E) accepted too."""
         cp, c = self.xp, self.cfg
         if features is None:
             return cp.zeros((0, c.n_features), cp.float32)
         if isinstance(features, QG.DeviceRows):      # the GPU target's captured rows: already on the device
             features = features.rows
-        f = features if isinstance(features, cp.ndarray) else np.asarray(features, dtype=np.float32)
+        f = features
+        if not isinstance(f, cp.ndarray):   # host rows: f16 ones stay f16, widened on the device after the upload
+            f = np.asarray(f)
+            f = f if f.dtype == np.float16 else f.astype(np.float32, copy=False)
         if f.ndim == 3:
             f = f.reshape(f.shape[0], -1)
         if f.ndim != 2 or f.shape[1] != c.n_features:
@@ -406,7 +414,7 @@ class DFlashGpuDrafter:
         session.reserve(start + self.block_size)
         for j in range(0, n, 256):   # chunks bound the scratch of a long prompt
             m = min(256, n - j)
-            rows = cp.asarray(feats[j:j + m], dtype=cp.float32)
+            rows = cp.asarray(feats[j:j + m]).astype(cp.float32, copy=False)
             pos = cp.arange(session.n_ctx + j, session.n_ctx + j + m, dtype=cp.int32)
             self._append_rows(session, rows, session.n_ctx + j, pos)
         session.n_ctx = start
@@ -534,7 +542,7 @@ class DFlashGpuDrafter:
         row0 = self.host_embed(np.array([last_token]))[0] if self._host_table else None
         self._set_step(s, start, n, np.array([last_token]), row0)
         if n:   # device rows (the GPU target's): a device copy; host rows: an upload
-            s.feats[:n] = feats if isinstance(feats, cp.ndarray) else cp.asarray(feats, dtype=cp.float32)
+            s.feats[:n] = feats if isinstance(feats, cp.ndarray) else cp.asarray(feats)   # (f16: cast on the device)
         masks = (self._mask_full, self._mask_causal)
         if graphs:
             s_hint = QG._s_bucket(start + B, s.capacity) - B
