@@ -272,6 +272,31 @@ def test_gpu_matrices_go_up_as_stored_only_where_a_gpu_run_proved_the_kernel(mon
     assert GpuMatrix.of(RawTensor("w", 2, (32, 512), blocks, "test")).fallback      # Q4_0: no kernel at all
 
 
+def test_bf16_and_f32_matrices_go_up_as_f16_or_are_refused_by_name():
+    """backend.GpuMatrix.of: a BF16 matrix goes up as F16 (the same bytes; bf16's 8 mantissa bits fit f16's 11), but a
+    value past F16's range would become an infinity in every product: refused, naming the file, tensor and value."""
+    from services.engine.backend import F16_MAX, GpuMatrix
+    from services.engine.errors import UnsupportedModelError
+    from services.engine.formats import RawTensor
+    from services.engine.quants import quantize
+
+    rng = np.random.default_rng(1)
+    w = rng.normal(0, 0.05, (16, 64)).astype(np.float32)
+    bf16 = quantize(w, 30)
+    m = GpuMatrix.of(RawTensor("blk.0.ffn_up.weight", 30, (16, 64), bf16, "model.gguf"))
+    want = RawTensor("w", 30, (16, 64), bf16, "x").dequantize()
+    assert m.fallback and m.qtype == 1
+    assert np.array_equal(m.rows.view(np.float16).astype(np.float32), want)   # exact: no bf16 value rounds
+    w[3, 7] = 3.0e5
+    with pytest.raises(UnsupportedModelError, match=r"model.gguf: tensor 'blk.0.ffn_up.weight'.*BF16.*2.99e\+05"):
+        GpuMatrix.of(RawTensor("blk.0.ffn_up.weight", 30, (16, 64), quantize(w, 30), "model.gguf"))
+    w[3, 7] = F16_MAX          # the largest finite f16 still goes up
+    assert GpuMatrix.of(w, name="dense").fallback
+    w[3, 7] = np.nan
+    with pytest.raises(UnsupportedModelError, match="dense.*non-finite"):
+        GpuMatrix.of(w, name="dense")
+
+
 def test_gpu_table_types_are_those_the_device_decodes():
     from kernels import quant_matmul as qm
 

@@ -10,6 +10,7 @@ from typing import Any
 
 import numpy as np
 
+from .errors import UnsupportedModelError
 from .formats import RawTensor
 from .quants import dequantize
 
@@ -55,6 +56,8 @@ class NumpyBackend:
         return np.asarray(a)
 
 
+F16_MAX = float(np.finfo(np.float16).max)   # the largest weight an F16-fallback matrix can hold
+
 # ggml type ids the GPU path reads directly (F32 / F16 vectors and tables, Q8_0 tables decoded on the device)
 _F32, _F16, _Q8_0 = 0, 1, 8
 
@@ -63,8 +66,9 @@ class GpuMatrix:
     """A weight matrix for the GPU: host GGUF bytes until `upload()`, then one kernels.quant_matmul.QuantMatrix.
 
     Uploading is deferred so that `CupyBackend.stack` can concatenate packed rows first and each weight byte
-    goes to the device once. Storage types the matmul kernel lacks (F32, BF16, Q4_0, Q5_K, IQ4_*, ...) are
-    FALLBACK: dequantized on the host and uploaded as F16 (the kernel's F16 path), which `fallback` records.
+    goes to the device once. Storage types the matmul kernels lack (kernels.quant_matmul.SUPPORTED_QTYPES: F32, BF16,
+    ...) are FALLBACK: dequantized on the host and uploaded as F16 (the kernel's F16 path), which `fallback` records;
+    a matrix holding a value past F16's range is refused with its name rather than uploaded as infinities.
     """
 
     def __init__(self, qtype: int, rows: np.ndarray, shape: tuple[int, int], name: str, fallback: bool = False):
@@ -81,8 +85,20 @@ class GpuMatrix:
         a = t.dequantize() if isinstance(t, RawTensor) else np.asarray(t, np.float32)
         if a.ndim != 2:
             raise ValueError(f"{name}: a weight matrix must be 2-D, not shape {a.shape}")
-        rows = np.ascontiguousarray(a.astype(np.float16)).view(np.uint8).reshape(a.shape[0], -1)
-        return cls(qm.F16, rows, tuple(a.shape), getattr(t, "name", name), fallback=True)
+        label = getattr(t, "name", name)
+        with np.errstate(over="ignore", invalid="ignore"):
+            a16 = np.ascontiguousarray(a.astype(np.float16))
+        if not np.isfinite(a16).all():
+            # BF16 / F32 reach far past f16's range; a weight that rounds to inf would poison every logit silently
+            big = float(np.max(np.abs(a), initial=0.0, where=np.isfinite(a)))
+            kind = t.type_name if isinstance(t, RawTensor) else "float"
+            where = f"{t.source}: tensor '{label}'" if isinstance(t, RawTensor) else label
+            what = f"a value of magnitude {big:.4g}" if big > F16_MAX else "a non-finite value"
+            raise UnsupportedModelError(
+                f"{where}: the GPU takes {kind} matrices as F16, and this one holds {what} (F16 stops at "
+                f"{F16_MAX:.0f}); run it on the CPU backend (--device cpu) or use a quantized file of the model")
+        rows = a16.view(np.uint8).reshape(a.shape[0], -1)
+        return cls(qm.F16, rows, tuple(a.shape), label, fallback=True)
 
     def upload(self) -> GpuMatrix:
         if self.q is None:
