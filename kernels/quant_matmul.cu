@@ -2337,7 +2337,7 @@ __global__ void SS_BOUNDS(288, 1) qmw_kernel(const u8* __restrict__ W, long long
 #endif
             const u8* const stage = smem + s * SB;
             // K-quant rows are whole 256-value super-blocks: only F16 / Q8_0 have a shorter last chunk
-            const int C = (QT == 12 || QT == 13 || QT == 14 || QT == 23) ? CHUNK : imin(CHUNK, K - (ch0 + c) * CHUNK);
+            const int C = (QT == 11 || QT == 12 || QT == 13 || QT == 14 || QT == 23) ? CHUNK : imin(CHUNK, K - (ch0 + c) * CHUNK);
 #if SS_WG
             wide_chunk_wg<QT, NT, MT>(acc, stage + XB + warp * MT * BLK, smem_s + (u32)(s * SB), C, g, t, lk);
             wg_wait<0>();  // the stage's x is read (and acc final) only once the last group is done
