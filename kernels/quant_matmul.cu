@@ -1034,8 +1034,8 @@ struct Lay<23> {  // IQ4_XS {f16 d; u16 scales_h; u8 scales_l[4]; u8 qs[128]}: q
     static constexpr int MAIN = 128, SIDE = 8, SWZ = 0;
 };
 template <>
-struct Lay<11> {  // Q3_K {u8 hmask[32]; u8 qs[64]; u8 scales[12]; f16 d}: hmask+qs | scales+d, as Q6_K's split
-    static constexpr int MAIN = 96, SIDE = 14, SWZ = 0;
+struct Lay<11> {  // Q3_K {u8 hmask[32]; u8 qs[64]; u8 scales[12]; f16 d}: hmask+qs | scales+d, as Q6_K's split (the
+    static constexpr int MAIN = 96, SIDE = 14, SWZ = 0;  // scale bytes as quant_matmul.Q3K_SIDE orders them)
 };
 
 // bytes per row of a chunk of C values (C < 256 only for F16 / Q8_0 tails)
@@ -1210,17 +1210,18 @@ SS_DEV RowState prep2(const u8* quants, const u8* side, int t) {
     } else if constexpr (QT == 11) {
         // Q3_K: sub-block i's 6-bit scale (stored + 32) is nibble i >> 3 of scales[i & 7] plus bits 2 (i >> 2), +1 of
         // scales[8 + (i & 3)]. Lane t's i = 4t..4t+3 are then nibble t >> 1 of word t & 1 and bits 2t, 2t+1 of each byte
-        // of word 2: one word of the four scales, bytes sc[4t + k]. As Q6_K's: v[k] = d (sc - 32), sc - 32 exact in
-        // fp16, one rounding of the product. (Side rows are 14 bytes: rd32 for the 2-byte aligned words.)
+        // of word 2: one word of the four scales, bytes sc[4t + k], k = 0, 2, 1, 3 (Q3K_SIDE's order of both words).
+        // As Q6_K's: v[k] = d (sc - 32), sc - 32 exact in fp16, one rounding of the product. (Side rows are 14 bytes:
+        // rd32 for the 2-byte aligned words.)
         const u32 lo = rd32(side + 4 * (t & 1)) >> (4 * (t >> 1)), hi = rd32(side + 8) >> (2 * t);
         const u32 sc = lop3<LUT_AND_OR>(hi << 4, 0x30303030u, lo & 0x0F0F0F0Fu);
         const u32 d2 = bcast_lo(rd16(side + 12));
-        const u32 s02 = hmul2(hsub2(lop3<LUT_AND_OR>(sc, 0x00FF00FFu, H1024), H1056), d2);
-        const u32 s13 = hmul2(hsub2(lop3<LUT_AND_OR>(sc >> 8, 0x00FF00FFu, H1024), H1056), d2);
-        st.v[0] = bcast_lo(s02);
-        st.v[1] = bcast_lo(s13);
-        st.v[2] = bcast_hi(s02);
-        st.v[3] = bcast_hi(s13);
+        const u32 s01 = hmul2(hsub2(lop3<LUT_AND_OR>(sc, 0x00FF00FFu, H1024), H1056), d2);
+        const u32 s23 = hmul2(hsub2(lop3<LUT_AND_OR>(sc >> 8, 0x00FF00FFu, H1024), H1056), d2);
+        st.v[0] = bcast_lo(s01);
+        st.v[1] = bcast_hi(s01);
+        st.v[2] = bcast_lo(s23);
+        st.v[3] = bcast_hi(s23);
     }
     return st;
 }

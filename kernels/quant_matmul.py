@@ -100,6 +100,10 @@ def smem_bytes(qtype: int) -> int:
 _CHUNK_ROW_BYTES = {F16: (512, 0), Q8_0: (256, 16), Q4_K: (144, 0), Q5_K: (176, 0), Q6_K: (192, 18),
                     IQ4_XS: (128, 8), Q3_K: (96, 14)}
 _SWIZZLED = frozenset({F16, Q8_0})
+# Q3_K's side bytes in the v2 layout: scales 0, 2, 1, 3, 4, 6, 5, 7, 8, 10, 9, 11 then d. A gemv lane's two runs take
+# sub-blocks whose scale bytes are 2 apart (their low nibbles in scales[c], [c + 2], top bits in [8 + p], [10 + p]):
+# so each pair is one aligned 16-bit word (side rows are 14 bytes, 2-byte aligned), two loads instead of four.
+Q3K_SIDE = (0, 2, 1, 3, 4, 6, 5, 7, 8, 10, 9, 11, 12, 13)
 TILE_ROWS = 16  # rows per layout tile (one m16 mma tile)
 SMEM_LIMIT = 227 * 1024  # dynamic shared memory one block may opt into (sm_80 / sm_90)
 SMEM_PER_SM = 228 * 1024  # shared memory per SM (each block also reserves 1 KiB)
@@ -150,7 +154,7 @@ def device_layout(qtype: int, raw: Any) -> Any:
     (F16 / Q8_0 when K % 256 != 0) comes last the same way. Every block starts 16-byte aligned and no byte is added
     or dropped per row. In full chunks of F16 and Q8_0 the 16-byte units of tile row r's quants are permuted (unit u
     stored at u ^ ((r + 2 (u >> 3)) & 7)) so that the lanes' shared-memory reads fall in distinct banks.
-    Q3_K splits like Q6_K: hmask+qs (96 bytes) | scales+d (14).
+    Q3_K splits like Q6_K: hmask+qs (96 bytes) | scales+d (14), its scale bytes in the order Q3K_SIDE.
     Returns a flat uint8 array of ceil(n_out / 16) * 16 * row_bytes bytes.
     """
     qtype = int(qtype)
@@ -179,7 +183,7 @@ def device_layout(qtype: int, raw: Any) -> Any:
         main, side = blocks[:, :, :192], blocks[:, :, 192:]
     elif qtype == Q3_K:
         blocks = raw.reshape(npad, nfull, 110)
-        main, side = blocks[:, :, :96], blocks[:, :, 96:]
+        main, side = blocks[:, :, :96], blocks[:, :, 96:][:, :, xp.asarray(Q3K_SIDE)]
     else:  # Q8_0
         blocks = raw.reshape(npad, k // 32, 34)
         qs, d = blocks[:, :, 2:], blocks[:, :, :2]
