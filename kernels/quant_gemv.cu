@@ -398,7 +398,9 @@ GV_DEV void qbytes(const Raw<QT>& w, int i, int j, u32 (&q)[8]) {
     } else if constexpr (QT == 11) {
         // Q3_K: bit pairs s = 2 (j & 1) (low run) and s + 1 (high) of the qs unit's bytes, hmask bits 4h + s of the
         // hmask unit's bytes at the same places (h = j >> 2); signed bytes q - 4 (1 - hbit) in -4..3 (dot16<false>):
-        // q's two bits under a top of six ones where the hmask bit is clear (0xFC - 0xFC hbit: no borrow between bytes)
+        // q's two bits under a top of ones where the hmask bit is clear (0xFC - 0xFC hbit: no borrow between bytes).
+        // The high run's stay in place as 4 (q - 4 (1 - hbit)) in -16..12 (0xF0 - 0x78 (2 hbit)), and chunk_int folds
+        // the 1 / 4 into that run's x scale as Q4_K's 1 / 16: 8 instructions a word instead of 10
         const u32 sq = 4u * (u32)(j & 1), sh = 4u * (u32)(j >> 2) + sq / 2u;
         const u32 ws[4] = {w.q[i].x, w.q[i].y, w.q[i].z, w.q[i].w};
         const u32 hs[4] = {w.h[i].x, w.h[i].y, w.h[i].z, w.h[i].w};
@@ -406,7 +408,7 @@ GV_DEV void qbytes(const Raw<QT>& w, int i, int j, u32 (&q)[8]) {
         for (int m = 0; m < 4; ++m) {
             const u32 qq = ws[m] >> sq, hb = hs[m] >> sh;
             q[m] = (qq & 0x03030303u) | (0xFCFCFCFCu - (hb & 0x01010101u) * 0xFCu);
-            q[4 + m] = ((qq >> 2) & 0x03030303u) | (0xFCFCFCFCu - ((hb >> 1) & 0x01010101u) * 0xFCu);
+            q[4 + m] = (qq & 0x0C0C0C0Cu) | (0xF0F0F0F0u - (hb & 0x02020202u) * 0x78u);
         }
     } else if constexpr (QT == 14) {
         const int c2 = 2 * ((j >> 1) & 1);  // qh bit pair 2c (low nibbles) / 4 + 2c (high nibbles)
@@ -584,9 +586,10 @@ GV_DEV void chunk_int(const Raw<QT>& w, int c, int j, const int (&xu)[4], const 
                     xq[nn][4 * k] = u.x, xq[nn][4 * k + 1] = u.y, xq[nn][4 * k + 2] = u.z, xq[nn][4 * k + 3] = u.w;
                 }
                 xs[nn][0] = sxq[cn * 16 + (xu[0] >> 1)];
-                // Q4_K's high run is 16 q (qbytes): 1 / 16 here, once a token, rather than a shift a quant word.
-                // Exact (a power of two), so a1 xs s is bitwise what it was with the nibbles shifted down.
-                xs[nn][1] = sxq[cn * 16 + (xu[2] >> 1)] * (QT == 12 ? 0.0625f : 1.f);
+                // Q4_K's high run is 16 q (qbytes): 1 / 16 here, once a token, rather than a shift a quant word
+                // (Q3_K's 4 q: 1 / 4). Exact (a power of two), so a1 xs s is bitwise what it was with the nibbles
+                // shifted down.
+                xs[nn][1] = sxq[cn * 16 + (xu[2] >> 1)] * (QT == 12 ? 0.0625f : QT == 11 ? 0.25f : 1.f);
                 if constexpr (L::SUMS) {
                     xsum[nn][0] = sxs[cn * 16 + (xu[0] >> 1)];
                     xsum[nn][1] = sxs[cn * 16 + (xu[2] >> 1)];
