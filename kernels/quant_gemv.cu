@@ -399,7 +399,7 @@ GV_DEV void qbytes(const Raw<QT>& w, int i, int j, u32 (&q)[8]) {
         // Q3_K: bit pairs s = 2 (j & 1) (low run) and s + 1 (high) of the qs unit's bytes, hmask bits 4h + s of the
         // hmask unit's bytes at the same places (h = j >> 2); signed bytes q - 4 (1 - hbit) in -4..3 (dot16<false>):
         // q's two bits under a top of ones where the hmask bit is clear (0xFC - 0xFC hbit: no borrow between bytes).
-        // The high run's stay in place as 4 (q - 4 (1 - hbit)) in -16..12 (0xF0 - 0x78 (2 hbit)), and chunk_int folds
+        // The high run's bytes stay in place as 4 (q - 4 (1 - hbit)) in -16..12 (0xF0 - 0x78 (2 hbit)); chunk_int folds
         // the 1 / 4 into that run's x scale as Q4_K's 1 / 16: 8 instructions a word instead of 10
         const u32 sq = 4u * (u32)(j & 1), sh = 4u * (u32)(j >> 2) + sq / 2u;
         const u32 ws[4] = {w.q[i].x, w.q[i].y, w.q[i].z, w.q[i].w};
