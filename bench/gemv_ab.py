@@ -130,8 +130,10 @@ def per_width(cupy, qm, qg, widths: list[int], copy_gbps: float) -> list[dict]:
 
 # Step A/Bs: (name, RING_UP_TO, Q16_TOKENS, SPECSPLIT_PDL, backend.STACK_CONCURRENT or the mode's own flag) per mode,
 # the widths they run at, and the ratios printed
-ONE = {8: 1, 12: 1, 13: 1, 14: 1, 23: 1}
-SMALL = {8: 1, 12: 3, 13: 3, 14: 3, 23: 3}
+# (Q3_K as Q4_K, what its dispatch takes after its GPU run: until then the engine loads Q3_K matrices as F16, so no step
+# here reads one)
+ONE = {8: 1, 12: 1, 13: 1, 14: 1, 23: 1, 11: 1}
+SMALL = {8: 1, 12: 3, 13: 3, 14: 3, 23: 3, 11: 3}
 # the dispatch tables before Q5_K and IQ4_XS joined them (session 40): their products on v2 at every width (newtypes)
 _V2_NEW_TYPES = {"CROSSOVER": {1: 2, 8: 2, 12: 1, 14: 1}, "qw.CROSSOVER": {1: 17, 8: 25, 12: 25, 14: 25},
                  "qw.DEEP_CROSSOVER": {12: 4, 14: 4}, "qw.TALL_CROSSOVER": {12: 9, 14: 9},
@@ -536,7 +538,8 @@ STEP_ABS = {
                (17, 23, 32, 41), [("shipped", "wg from 25"), ("shipped", "crossover 17"),
                                   ("Q6_K wg from 41", "shipped")]),
     # a Q5_K_M / IQ4_XS model's step with their products on the gemv, ring and wide kernels as Q4_K's (shipped since
-    # session 40) against v2 at every width (the dispatch before)
+    # session 40) against v2 at every width (the dispatch before); a Q3_K_M one's (make-synthetic --quant q3_k_m) once
+    # Q3_K has left quant_matmul.UNPROVEN_QTYPES and joined the tables as Q4_K (_V2_NEW_TYPES has no Q3_K either)
     "newtypes": ([("new types on v2", {8: 1, 12: 3, 14: 3}, 3, "capture", _V2_NEW_TYPES),
                   ("shipped", SMALL, 3, "capture", {})],
                  (1, 2, 3, 8, 16, 23, 41), [("shipped", "new types on v2")]),

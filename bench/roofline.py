@@ -290,7 +290,7 @@ def launch_overhead(cupy, qm, W, packed, out, calls: int = 200, **how) -> dict:
 def random_matrix(cupy, qm, qtype: int, shape: tuple[int, int], kernel: str = "v2"):
     """A QuantMatrix of valid random blocks (small finite fp16 scales), built on the GPU."""
     n_out, k = shape
-    fp16_fields = {qm.Q8_0: (0,), qm.Q4_K: (0, 2), qm.Q5_K: (0, 2), qm.Q6_K: (208,), qm.IQ4_XS: (0,)}
+    fp16_fields = {qm.Q8_0: (0,), qm.Q4_K: (0, 2), qm.Q5_K: (0, 2), qm.Q6_K: (208,), qm.IQ4_XS: (0,), qm.Q3_K: (108,)}
     if qtype == qm.F16:
         raw = (cupy.random.standard_normal(n_out * k, dtype=cupy.float32) * 0.5).astype(cupy.float16).view(cupy.uint8)
     else:
@@ -736,6 +736,9 @@ def main(argv: list[str]) -> int:
         (qm.IQ4_XS, "ffn_up"),
         (qm.IQ4_XS, "ffn_down"),
         (qm.IQ4_XS, "ssm_out"),
+        (qm.Q3_K, "ffn_up"),  # a Q3_K_M file's: v2 at every width in matmul() until its GPU run (session 41)
+        (qm.Q3_K, "ffn_down"),
+        (qm.Q3_K, "ssm_out"),
     ]
     if "--types" in argv:
         keep = set(_arg(argv, "--types").split(","))
@@ -752,6 +755,8 @@ def main(argv: list[str]) -> int:
         per_graph = copies * math.ceil(MIN_CALLS / copies)
         layouts: dict[str, list] = {}  # gemv, v2 and auto share the v2 layout: one set of copies
         for kernel in kernels:
+            if kernel == "v1" and qtype not in qm.V1_QTYPES:
+                continue  # (v2's layout only: Q5_K, IQ4_XS, Q3_K)
             layout = "v1" if kernel == "v1" else "v2"
             if layout not in layouts:
                 layouts.clear()

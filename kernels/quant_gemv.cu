@@ -198,6 +198,11 @@ struct Lay<23> {  // IQ4_XS: qs | {f16 d; u16 scales_h; u8 scales_l[4]} (quant_m
     static constexpr int MAIN = 128, SIDE = 8;   // values, one scale a 32 values, no offsets
     static constexpr bool INT = true, SUMS = false;
 };
+template <>
+struct Lay<11> {  // Q3_K: hmask[32] qs[64] | scales[12] d (quant_matmul.device_layout); its "- 4" is inside each
+    static constexpr int MAIN = 96, SIDE = 14;    // quant (signed bytes -4..3), so no offsets
+    static constexpr bool INT = true, SUMS = false;
+};
 
 template <int QT>
 struct Raw;
@@ -213,6 +218,11 @@ template <>
 struct Raw<23> {  // IQ4_XS: qs unit j (sub-block j), d | scales_h << 16, scales_l[j / 2]
     uint4 q[4];
     u32 d[4], s[4];
+};
+template <>
+struct Raw<11> {  // Q3_K: qs unit j / 2, hmask unit (j / 2) & 1, the runs' scale bytes (low nibbles, top bits), d
+    uint4 q[4], h[4];
+    u32 s[4], d[4];
 };
 template <>
 struct Raw<14> {  // Q6_K: ql unit j, qh unit, two int8 scales, d
@@ -244,6 +254,10 @@ GV_DEV int xunit(int j, int k) {
         return 2 * j + (k & 1) + 16 * (k >> 1);
     } else if constexpr (QT == 23) {  // qs bytes 16j..16j+15: low nibbles values 32j + b, high ones 32j + 16 + b
         return 4 * j + k;
+    } else if constexpr (QT == 11) {  // qs unit 2h + p (h, p = bits 2, 1 of j), bit pair s = 2 (j & 1) (low run) and
+        // s + 1 (high): values 128h + 32s + 16p + b and + 32
+        const int base = 16 * (j >> 2) + 8 * (j & 1) + 2 * ((j >> 1) & 1);
+        return base + (k & 1) + 4 * (k >> 1);
     } else {  // F16: logical unit j + 8k
         return j + 8 * k;
     }
@@ -275,6 +289,15 @@ GV_DEV void load_raw(Raw<QT>& w, const u8* blk, int r4, int j) {
             const u8* side = blk + 16 * L::MAIN + r * L::SIDE;
             w.d[i] = ld_u16<SMEM>(side) | (ld_u16<SMEM>(side + 2) << 16);
             w.s[i] = ld_u8<SMEM>(side + 4 + (j >> 1));
+        } else if constexpr (QT == 11) {
+            // the runs' sub-blocks 8h + 2s + p: low nibbles in scales[4 (j & 1) + p] and [+ 2], top bits in scales[8 +
+            // p] and [10 + p]: a 16-bit word each in the side bytes' order (quant_matmul.Q3K_SIDE)
+            const int p = (j >> 1) & 1;
+            w.q[i] = ld16<SMEM>(row + 32 + 16 * (j >> 1));
+            w.h[i] = ld16<SMEM>(row + 16 * p);
+            const u8* side = blk + 16 * L::MAIN + r * L::SIDE;
+            w.s[i] = ld_u16<SMEM>(side + 4 * (j & 1) + 2 * p) | (ld_u16<SMEM>(side + 8 + 2 * p) << 16);
+            w.d[i] = ld_u16<SMEM>(side + 12);
         } else if constexpr (QT == 8) {
             w.a[i] = ld16<SMEM>(row + 16 * (j ^ (r & 7)));
             w.b[i] = ld16<SMEM>(row + 16 * ((8 + j) ^ ((r + 2) & 7)));
@@ -320,6 +343,15 @@ GV_DEV Coef coef(const Raw<QT>& w, int i, int j) {
         const u32 ls = ((w.s[i] >> (4 * (j & 1))) & 0xFu) | (((w.d[i] >> (16 + 2 * j)) & 3u) << 4);
         c.a0 = c.a1 = h2f(w.d[i]) * (float)((int)ls - 32);
         c.b0 = c.b1 = 0.f;
+    } else if constexpr (QT == 11) {
+        // 6-bit scales stored + 32: nibble h = j >> 2 of s's bytes 0 / 1, bits 2 (2h + (j & 1)) of bytes 2 / 3
+        const u32 s = w.s[i], n4 = 4u * (u32)(j >> 2), t2 = 2u * (u32)(2 * (j >> 2) + (j & 1));
+        const u32 sc0 = ((s >> n4) & 0xFu) | (((s >> (16u + t2)) & 3u) << 4);
+        const u32 sc1 = ((s >> (8u + n4)) & 0xFu) | (((s >> (24u + t2)) & 3u) << 4);
+        const float d = h2f(w.d[i]);
+        c.a0 = d * (float)((int)sc0 - 32);
+        c.a1 = d * (float)((int)sc1 - 32);
+        c.b0 = c.b1 = 0.f;
     } else if constexpr (QT == 14) {
         const float d = h2f(w.d[i]);
         c.a0 = d * (float)(int)(signed char)(w.s[i] & 0xFFu);
@@ -363,6 +395,21 @@ GV_DEV void qbytes(const Raw<QT>& w, int i, int j, u32 (&q)[8]) {
         const u32 ws[4] = {w.q[i].x, w.q[i].y, w.q[i].z, w.q[i].w};
 #pragma unroll
         for (int m = 0; m < 4; ++m) bits::iq4_lookup_runs(ws[m], q[m], q[4 + m]);
+    } else if constexpr (QT == 11) {
+        // Q3_K: bit pairs s = 2 (j & 1) (low run) and s + 1 (high) of the qs unit's bytes, hmask bits 4h + s of the
+        // hmask unit's bytes at the same places (h = j >> 2); signed bytes q - 4 (1 - hbit) in -4..3 (dot16<false>):
+        // q's two bits under a top of ones where the hmask bit is clear (0xFC - 0xFC hbit: no borrow between bytes).
+        // The high run's bytes stay in place as 4 (q - 4 (1 - hbit)) in -16..12 (0xF0 - 0x78 (2 hbit)); chunk_int folds
+        // the 1 / 4 into that run's x scale as Q4_K's 1 / 16: 8 instructions a word instead of 10
+        const u32 sq = 4u * (u32)(j & 1), sh = 4u * (u32)(j >> 2) + sq / 2u;
+        const u32 ws[4] = {w.q[i].x, w.q[i].y, w.q[i].z, w.q[i].w};
+        const u32 hs[4] = {w.h[i].x, w.h[i].y, w.h[i].z, w.h[i].w};
+#pragma unroll
+        for (int m = 0; m < 4; ++m) {
+            const u32 qq = ws[m] >> sq, hb = hs[m] >> sh;
+            q[m] = (qq & 0x03030303u) | (0xFCFCFCFCu - (hb & 0x01010101u) * 0xFCu);
+            q[4 + m] = (qq & 0x0C0C0C0Cu) | (0xF0F0F0F0u - (hb & 0x02020202u) * 0x78u);
+        }
     } else if constexpr (QT == 14) {
         const int c2 = 2 * ((j >> 1) & 1);  // qh bit pair 2c (low nibbles) / 4 + 2c (high nibbles)
         const u32 ls[4] = {w.l[i].x, w.l[i].y, w.l[i].z, w.l[i].w};
@@ -539,9 +586,10 @@ GV_DEV void chunk_int(const Raw<QT>& w, int c, int j, const int (&xu)[4], const 
                     xq[nn][4 * k] = u.x, xq[nn][4 * k + 1] = u.y, xq[nn][4 * k + 2] = u.z, xq[nn][4 * k + 3] = u.w;
                 }
                 xs[nn][0] = sxq[cn * 16 + (xu[0] >> 1)];
-                // Q4_K's high run is 16 q (qbytes): 1 / 16 here, once a token, rather than a shift a quant word.
-                // Exact (a power of two), so a1 xs s is bitwise what it was with the nibbles shifted down.
-                xs[nn][1] = sxq[cn * 16 + (xu[2] >> 1)] * (QT == 12 ? 0.0625f : 1.f);
+                // Q4_K's high run is 16 q (qbytes): 1 / 16 here, once a token, rather than a shift a quant word
+                // (Q3_K's 4 q: 1 / 4). Exact (a power of two), so a1 xs s is bitwise what it was with the nibbles
+                // shifted down.
+                xs[nn][1] = sxq[cn * 16 + (xu[2] >> 1)] * (QT == 12 ? 0.0625f : QT == 11 ? 0.25f : 1.f);
                 if constexpr (L::SUMS) {
                     xsum[nn][0] = sxs[cn * 16 + (xu[0] >> 1)];
                     xsum[nn][1] = sxs[cn * 16 + (xu[2] >> 1)];
@@ -555,7 +603,7 @@ GV_DEV void chunk_int(const Raw<QT>& w, int c, int j, const int (&xu)[4], const 
 #pragma unroll
             for (int nn = 0; nn < TB; ++nn) {
                 if (n0 + nn < NT) {
-                    constexpr bool UB = QT != 8 && QT != 23;  // unsigned quant bytes (the signed: Q8_0, IQ4_XS)
+                    constexpr bool UB = QT != 8 && QT != 23 && QT != 11;  // (signed: Q8_0, IQ4_XS, Q3_K)
                     const int s0 = dot16<UB>(xq[nn], q), s1 = dot16<UB>(xq[nn] + 8, q + 4);
                     float a = acc[i][n0 + nn];
                     a = fmaf(cf[i].a0 * xs[nn][0], (float)s0, a);

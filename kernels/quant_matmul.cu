@@ -1033,6 +1033,10 @@ template <>
 struct Lay<23> {  // IQ4_XS {f16 d; u16 scales_h; u8 scales_l[4]; u8 qs[128]}: qs | the 8-byte header
     static constexpr int MAIN = 128, SIDE = 8, SWZ = 0;
 };
+template <>
+struct Lay<11> {  // Q3_K {u8 hmask[32]; u8 qs[64]; u8 scales[12]; f16 d}: hmask+qs | scales+d, as Q6_K's split (the
+    static constexpr int MAIN = 96, SIDE = 14, SWZ = 0;  // scale bytes as quant_matmul.Q3K_SIDE orders them)
+};
 
 // bytes per row of a chunk of C values (C < 256 only for F16 / Q8_0 tails)
 template <int QT>
@@ -1049,6 +1053,9 @@ SS_DEV int side_bytes(int C) {
 
 constexpr u32 H_16TH = 0x2C002C00u;  // half2(1/16)
 constexpr u32 H_M64 = 0xD400D400u;   // half2(-64)
+constexpr u32 H1028 = 0x64046404u;      // half2(1028) = 1024 + 4 (Q3_K's offset)
+constexpr u32 H_QUARTER = 0x34003400u;  // half2(1/4)
+constexpr u32 H_M260 = 0xDC10DC10u;     // half2(-260) = -(1024 / 4 + 4)
 
 // d = lop3(a, b, c) with truth table LUT (a = 0xF0, b = 0xCC, c = 0xAA); one instruction where the
 // compiler would otherwise split a masked OR into two.
@@ -1200,6 +1207,21 @@ SS_DEV RowState prep2(const u8* quants, const u8* side, int t) {
         const u32 s2 = hmul2(hsub2(bytes01_to_half2(ls), 0x50005000u), bcast_lo(hdr.x));  // half2(d(ls0-32), ...)
         st.v[0] = bcast_lo(s2);
         st.v[1] = bcast_hi(s2);
+    } else if constexpr (QT == 11) {
+        // Q3_K: sub-block i's 6-bit scale (stored + 32) is nibble i >> 3 of scales[i & 7] plus bits 2 (i >> 2), +1 of
+        // scales[8 + (i & 3)]. Lane t's i = 4t..4t+3 are then nibble t >> 1 of word t & 1 and bits 2t, 2t+1 of each byte
+        // of word 2: one word of the four scales, bytes sc[4t + k], k = 0, 2, 1, 3 (Q3K_SIDE's order of both words).
+        // As Q6_K's: v[k] = d (sc - 32), sc - 32 exact in fp16, one rounding of the product. (Side rows are 14 bytes:
+        // rd32 for the 2-byte aligned words.)
+        const u32 lo = rd32(side + 4 * (t & 1)) >> (4 * (t >> 1)), hi = rd32(side + 8) >> (2 * t);
+        const u32 sc = lop3<LUT_AND_OR>(hi << 4, 0x30303030u, lo & 0x0F0F0F0Fu);
+        const u32 d2 = bcast_lo(rd16(side + 12));
+        const u32 s01 = hmul2(hsub2(lop3<LUT_AND_OR>(sc, 0x00FF00FFu, H1024), H1056), d2);
+        const u32 s23 = hmul2(hsub2(lop3<LUT_AND_OR>(sc >> 8, 0x00FF00FFu, H1024), H1056), d2);
+        st.v[0] = bcast_lo(s01);
+        st.v[1] = bcast_hi(s01);
+        st.v[2] = bcast_lo(s23);
+        st.v[3] = bcast_hi(s23);
     }
     return st;
 }
@@ -1306,6 +1328,34 @@ SS_DEV void frag2(const u8* q, int t, const RowState& st, const LaneK& k, int j,
             a[2 * e + 1] = hmul2(hsub2(q8_pair(va >> 8), H1152), st.v[0]);
             a[4 + 2 * e] = hmul2(hsub2(q8_pair(vb), H1152), st.v[1]);
             a[5 + 2 * e] = hmul2(hsub2(q8_pair(vb >> 8), H1152), st.v[1]);
+        }
+    } else if constexpr (QT == 11) {
+        // Q3_K: value 128h + 32s + 16p + l (ggml's order) is bits 2s, 2s+1 of qs[32h + 16p + l] (qs after hmask[32]),
+        // less 4 unless bit 4h + s of hmask[16p + l] is set. Lane t: h = t >> 1, s = 2 (t & 1) for a[0..3] and s + 1 for
+        // a[4..7] (sub-blocks 4t + j / 2 and 4t + 2 + j / 2: Q6_K's); word pair j: p = j >> 1, l = 8 (j & 1) + 0..7, so
+        // qs bytes 32h + 8j.., hmask bytes 8j.. and hmask bits 2t, 2t + 1. A half becomes 1024 + u with u = q + 4 hbit
+        // (0..7; the hmask bit moved in above q's two) for s, 1024 + 4u for s + 1 (q's bits where they are); one exact
+        // sub / fma gives u - 4, then the sub-block scale: fp16(fp16(d (sc - 32)) (u - 4)), two roundings as Q6_K's.
+        const uint2 qw = *(const uint2*)(q + 32 + 32 * (t >> 1) + 8 * j);
+        const uint2 hw = *(const uint2*)(q + 8 * j);
+        const u32 qs[2] = {qw.x, qw.y}, hs[2] = {hw.x, hw.y};
+        const u32 sq = 4u * (u32)(t & 1), sh = 2u * (u32)t;
+        const u32 s0 = st.v[j >> 1], s1 = st.v[2 + (j >> 1)];
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+            // hb: the lane's hmask bits at bits 0 / 1 of each byte, then moved to bit 2 (s) / 4 (s + 1) of each half
+            // by constant shifts (four rotations by lane-dependent distances held more registers: the 64-register
+            // narrow variant spilled more)
+            const u32 v = qs[e] >> sq, v8 = v >> 8, hb = hs[e] >> sh;
+            const u32 h0 = hb << 2, h1 = hb >> 6, h2 = hb << 3, h3 = hb >> 5;
+            const u32 r0 = lop3<LUT_AND_OR>(v, 0x00030003u, lop3<LUT_AND_OR>(h0, 0x00040004u, H1024));
+            const u32 r1 = lop3<LUT_AND_OR>(v8, 0x00030003u, lop3<LUT_AND_OR>(h1, 0x00040004u, H1024));
+            const u32 r2 = lop3<LUT_AND_OR>(v, 0x000C000Cu, lop3<LUT_AND_OR>(h2, 0x00100010u, H1024));
+            const u32 r3 = lop3<LUT_AND_OR>(v8, 0x000C000Cu, lop3<LUT_AND_OR>(h3, 0x00100010u, H1024));
+            a[2 * e] = hmul2(hsub2(r0, H1028), s0);
+            a[2 * e + 1] = hmul2(hsub2(r1, H1028), s0);
+            a[4 + 2 * e] = hmul2(hfma2(r2, H_QUARTER, H_M260), s1);  // (1024 + 4u) / 4 - 260
+            a[5 + 2 * e] = hmul2(hfma2(r3, H_QUARTER, H_M260), s1);
         }
     } else if constexpr (QT == 8) {
         // block 2t (c = 0) and 2t+1 (c = 1) of the chunk, bytes 8j..8j+7 of each
@@ -2288,7 +2338,7 @@ __global__ void SS_BOUNDS(288, 1) qmw_kernel(const u8* __restrict__ W, long long
 #endif
             const u8* const stage = smem + s * SB;
             // K-quant rows are whole 256-value super-blocks: only F16 / Q8_0 have a shorter last chunk
-            const int C = (QT == 12 || QT == 13 || QT == 14 || QT == 23) ? CHUNK : imin(CHUNK, K - (ch0 + c) * CHUNK);
+            const int C = (QT == 11 || QT == 12 || QT == 13 || QT == 14 || QT == 23) ? CHUNK : imin(CHUNK, K - (ch0 + c) * CHUNK);
 #if SS_WG
             wide_chunk_wg<QT, NT, MT>(acc, stage + XB + warp * MT * BLK, smem_s + (u32)(s * SB), C, g, t, lk);
             wg_wait<0>();  // the stage's x is read (and acc final) only once the last group is done

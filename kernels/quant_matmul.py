@@ -9,7 +9,8 @@ once whatever the width. NumPy twin: services.engine.quants.dequantize.
     y = W.matmul(x)            # x: cupy [T, in] float16 (or float32) -> y: cupy [T, out] float32
 
 Supported storage types: F16, Q8_0, Q4_K, Q6_K (what a Qwen3.6 Q4_K_M file holds in its matrices), Q5_K (a Q5_K_M /
-Q5_K_S file's) and IQ4_XS; every kernel here and in quant_gemv / quant_wide dequantizes each of them.
+Q5_K_S file's) and IQ4_XS; every kernel here and in quant_gemv / quant_wide dequantizes each of them. Q3_K: the kernels
+dequantize it too, so far checked in the CPU simulation only (UNPROVEN_QTYPES: the engine keeps it as F16).
 Activations: fp16 is the native input; float32 input is rounded to fp16 by the packing kernel. Products
 accumulate in fp32 on the tensor cores (mma.sync m16n8k16), and the weights are dequantized to fp16 on the
 way (so results carry fp16 rounding of x and of each dequantized weight: relative error ~3e-4).
@@ -43,6 +44,7 @@ SOURCE = "quant_matmul.cu"
 # ggml type ids (gguf.GGMLQuantizationType values)
 F16 = 1
 Q8_0 = 8
+Q3_K = 11
 Q4_K = 12
 Q5_K = 13
 Q6_K = 14
@@ -52,17 +54,18 @@ IQ4_XS = 23
 _TYPES: dict[int, tuple[str, int, int, int]] = {
     F16: ("F16", 1, 2, 528),
     Q8_0: ("Q8_0", 32, 34, 304),
+    Q3_K: ("Q3_K", 256, 110, 110),
     Q4_K: ("Q4_K", 256, 144, 144),
     Q5_K: ("Q5_K", 256, 176, 176),
     Q6_K: ("Q6_K", 256, 210, 240),
     IQ4_XS: ("IQ4_XS", 256, 136, 136),
 }
 # types whose v2 dequantization has run in the CPU simulation only: QuantMatrix takes them (the GPU tests do), the
-# engine and the memory plan keep them as F16 until a GPU run of tests/test_kernels_quant_matmul.py passes. None now
-# (IQ4_XS passed on an H200 in session 40); a new type starts here.
-UNPROVEN_QTYPES: frozenset[int] = frozenset()
+# engine and the memory plan keep them as F16 until a GPU run of tests/test_kernels_quant_matmul.py passes (IQ4_XS
+# passed on an H200 in session 40); a new type starts here: Q3_K (session 41)
+UNPROVEN_QTYPES: frozenset[int] = frozenset((Q3_K,))
 SUPPORTED_QTYPES = frozenset(_TYPES) - UNPROVEN_QTYPES
-# the v1 kernel's types (not Q5_K, IQ4_XS: v2 and the kernels on its layout)
+# the v1 kernel's types (not Q3_K, Q5_K, IQ4_XS: v2 and the kernels on its layout)
 V1_QTYPES = frozenset((F16, Q8_0, Q4_K, Q6_K))
 
 KERNELS = ("v2", "v1")
@@ -95,8 +98,12 @@ def smem_bytes(qtype: int) -> int:
 # v2 (qmv_kernel): bytes per row of a full 256-value chunk in the tiled layout (quants + side data), and
 # whether the quants' 16-byte units are swizzled (kernel constants ss::Lay<QT>)
 _CHUNK_ROW_BYTES = {F16: (512, 0), Q8_0: (256, 16), Q4_K: (144, 0), Q5_K: (176, 0), Q6_K: (192, 18),
-                    IQ4_XS: (128, 8)}
+                    IQ4_XS: (128, 8), Q3_K: (96, 14)}
 _SWIZZLED = frozenset({F16, Q8_0})
+# Q3_K's side bytes in the v2 layout: scales 0, 2, 1, 3, 4, 6, 5, 7, 8, 10, 9, 11 then d. A gemv lane's two runs take
+# sub-blocks whose scale bytes are 2 apart (their low nibbles in scales[c], [c + 2], top bits in [8 + p], [10 + p]):
+# so each pair is one aligned 16-bit word (side rows are 14 bytes, 2-byte aligned), two loads instead of four.
+Q3K_SIDE = (0, 2, 1, 3, 4, 6, 5, 7, 8, 10, 9, 11, 12, 13)
 TILE_ROWS = 16  # rows per layout tile (one m16 mma tile)
 SMEM_LIMIT = 227 * 1024  # dynamic shared memory one block may opt into (sm_80 / sm_90)
 SMEM_PER_SM = 228 * 1024  # shared memory per SM (each block also reserves 1 KiB)
@@ -147,6 +154,7 @@ def device_layout(qtype: int, raw: Any) -> Any:
     (F16 / Q8_0 when K % 256 != 0) comes last the same way. Every block starts 16-byte aligned and no byte is added
     or dropped per row. In full chunks of F16 and Q8_0 the 16-byte units of tile row r's quants are permuted (unit u
     stored at u ^ ((r + 2 (u >> 3)) & 7)) so that the lanes' shared-memory reads fall in distinct banks.
+    Q3_K splits like Q6_K: hmask+qs (96 bytes) | scales+d (14), its scale bytes in the order Q3K_SIDE.
     Returns a flat uint8 array of ceil(n_out / 16) * 16 * row_bytes bytes.
     """
     qtype = int(qtype)
@@ -173,6 +181,9 @@ def device_layout(qtype: int, raw: Any) -> Any:
     elif qtype == Q6_K:
         blocks = raw.reshape(npad, nfull, 210)
         main, side = blocks[:, :, :192], blocks[:, :, 192:]
+    elif qtype == Q3_K:
+        blocks = raw.reshape(npad, nfull, 110)
+        main, side = blocks[:, :, :96], blocks[:, :, 96:][:, :, xp.asarray(Q3K_SIDE)]
     else:  # Q8_0
         blocks = raw.reshape(npad, k // 32, 34)
         qs, d = blocks[:, :, 2:], blocks[:, :, :2]

@@ -125,6 +125,7 @@ extern "C" int sim_gemv(int qt, int nt, const unsigned char* W, long long row_by
         case 12: g_body = pick<12>(nt, pd); break;
         case 13: g_body = pick<13>(nt, pd); break;
         case 23: g_body = pick<23>(nt, pd); break;
+        case 11: g_body = pick<11>(nt, pd); break;
         case 14: g_body = pick<14>(nt, pd); break;
         default: g_body = nullptr;
     }
@@ -169,6 +170,7 @@ extern "C" int sim_gemv_split(int qt, int nt, const unsigned char* W, long long 
         case 12: g_body = pick_split<12>(nt); break;
         case 13: g_body = pick_split<13>(nt); break;
         case 23: g_body = pick_split<23>(nt); break;
+        case 11: g_body = pick_split<11>(nt); break;
         case 14: g_body = pick_split<14>(nt); break;
         default: g_body = nullptr;
     }
@@ -215,6 +217,7 @@ extern "C" int sim_gemv_ring(int qt, int nt, const unsigned char* W, long long r
         case 12: g_body = pick_ring<12>(nt); break;
         case 13: g_body = pick_ring<13>(nt); break;
         case 23: g_body = pick_ring<23>(nt); break;
+        case 11: g_body = pick_ring<11>(nt); break;
         case 14: g_body = pick_ring<14>(nt); break;
         default: g_body = nullptr;
     }
@@ -235,6 +238,7 @@ extern "C" int sim_gemv_ring_swiglu(int qt, int nt, const unsigned char* W, long
         case 12: g_body = pick_ring<12, 1>(nt); break;
         case 13: g_body = pick_ring<13, 1>(nt); break;
         case 23: g_body = pick_ring<23, 1>(nt); break;
+        case 11: g_body = pick_ring<11, 1>(nt); break;
         case 14: g_body = pick_ring<14, 1>(nt); break;
         default: g_body = nullptr;
     }

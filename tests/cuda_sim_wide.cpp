@@ -136,6 +136,7 @@ static void (*pick(int qt, int nt, int mt))() {
         case 12: return mt == 1 ? pick_nt<12, 1, WIDE>(nt) : pick_nt<12, 2, WIDE>(nt);
         case 13: return mt == 1 ? pick_nt_few<13, 1, WIDE>(nt) : pick_nt_few<13, 2, WIDE>(nt);
         case 23: return mt == 1 ? pick_nt_few<23, 1, WIDE>(nt) : pick_nt_few<23, 2, WIDE>(nt);
+        case 11: return mt == 1 ? pick_nt_few<11, 1, WIDE>(nt) : pick_nt_few<11, 2, WIDE>(nt);  // Q3_K (session 41)
         case 14: return mt == 1 ? pick_nt<14, 1, WIDE>(nt) : pick_nt<14, 2, WIDE>(nt);
     }
     return nullptr;

@@ -36,7 +36,7 @@ from tests.quant_twins import (  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
-TYPES = (qm.Q4_K, qm.Q5_K, qm.IQ4_XS, qm.Q6_K, qm.Q8_0, qm.F16)
+TYPES = (qm.Q4_K, qm.Q5_K, qm.IQ4_XS, qm.Q3_K, qm.Q6_K, qm.Q8_0, qm.F16)
 TOL = 2e-4
 
 
@@ -52,6 +52,7 @@ SHAPES = {
     qm.Q4_K: (77, 768),  # rows not a multiple of 16
     qm.Q5_K: (40, 1280),
     qm.IQ4_XS: (33, 768),
+    qm.Q3_K: (37, 1280),
     qm.Q6_K: (50, 1024),
     qm.Q8_0: (45, 1248),  # K % 256 == 224: a tail chunk of seven 32-value blocks
     qm.F16: (33, 800),  # K % 256 == 32
@@ -238,6 +239,7 @@ SPLIT_SHAPES = {
     qm.Q6_K: (96, 3072),
     qm.Q5_K: (144, 2304),  # 9 tiles, 9 chunks
     qm.IQ4_XS: (200, 3072),
+    qm.Q3_K: (112, 2816),  # 7 tiles, 11 chunks
     qm.Q8_0: (130, 2336),  # a tail chunk of 32 values
     qm.F16: (64, 1312),  # a tail chunk of 32 values
 }
@@ -347,7 +349,7 @@ def test_split_k_auto_at_27b_shapes(qtype: int, shape: tuple[int, int], monkeypa
 
 
 RING_SHAPES = [(qm.Q4_K, (17408, 5120)), (qm.Q4_K, (5120, 17408)), (qm.Q5_K, (5120, 6144)), (qm.Q5_K, (77, 768)),
-               (qm.IQ4_XS, (5120, 6144)), (qm.IQ4_XS, (77, 768)),
+               (qm.IQ4_XS, (5120, 6144)), (qm.IQ4_XS, (77, 768)), (qm.Q3_K, (5120, 6144)), (qm.Q3_K, (77, 768)),
                (qm.Q6_K, (5120, 17408)), (qm.Q6_K, (77, 768)),
                (qm.Q8_0, (1040, 1280)), (qm.Q4_K, (48, 5120)),
                (qm.Q6_K, (65536, 512))]   # tall: the default launch takes RING_TALL_SHAPE (as the LM head)

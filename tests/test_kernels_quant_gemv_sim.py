@@ -38,7 +38,7 @@ SOURCE = ROOT / "kernels" / "quant_gemv.cu"
 QMM_SOURCE = ROOT / "kernels" / "quant_matmul.cu"
 HARNESS = Path(__file__).resolve().parent / "cuda_sim_gemv.cpp"
 
-F16, Q8_0, Q4_K, Q5_K, Q6_K, IQ4_XS = 1, 8, 12, 13, 14, 23
+F16, Q8_0, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_XS = 1, 8, 11, 12, 13, 14, 23
 PAD = 1024
 TOL = 2e-4
 
@@ -176,6 +176,8 @@ CASES = [
     (Q5_K, 33, 512, 16, 2),
     (IQ4_XS, 40, 1280, 1, 3),
     (IQ4_XS, 33, 512, 11, 2),
+    (Q3_K, 40, 1280, 3, 3),
+    (Q3_K, 33, 512, 16, 2),
     (Q6_K, 37, 768, 2, 2),
     (Q6_K, 64, 1024, 8, 4),
     (Q6_K, 20, 512, 11, 8),  # more warps than chunks: idle warps still stage x and meet the others
@@ -278,6 +280,7 @@ PERSIST_CASES = [
     (Q4_K, 40, 512, 3, 4, 1, 1),  # depth 1; one block, 3 tiles; more warps than chunks
     (Q5_K, 64, 1280, 2, 3, 2, 3),
     (IQ4_XS, 77, 768, 1, 1, 2, 2),
+    (Q3_K, 64, 1280, 2, 3, 2, 3),
     (Q6_K, 50, 1024, 1, 4, 2, 2),
     (Q6_K, 48, 512, 5, 2, 1, 2),
     (Q8_0, 45, 1248, 2, 2, 2, 2),  # a tail chunk of 224 values per tile
@@ -330,6 +333,8 @@ RING_CASES = [
     (Q5_K, 16, 2048, 3, 2, 3),
     (IQ4_XS, 40, 1280, 1, 2, 2),
     (IQ4_XS, 16, 2048, 2, 2, 3),
+    (Q3_K, 40, 1280, 1, 2, 2),
+    (Q3_K, 16, 2048, 3, 2, 3),
     (Q6_K, 37, 1024, 1, 3, 2),
     (Q6_K, 16, 2048, 3, 2, 3),  # 4 chunks per warp through 3 slots: the ring wraps
     (Q8_0, 45, 1280, 1, 2, 2),
@@ -588,6 +593,9 @@ def test_ring_shared_memory_and_choice() -> None:
     for q in (Q5_K, IQ4_XS):
         assert [qg.prefer_gemv(q, 5120, t, q16=True) for t in range(1, 6)] == [True] * 3 + [False] * 2
         assert [qg.prefer_gemv(q, 5120, t, q16=False) for t in range(1, 3)] == [True, False]
+    # Q3_K: the kernels take it (simulated above) but the dispatch keeps it on v2 until it has run on a GPU
+    assert qg.ring_usable(Q3_K, 5120, True) and qg.ring_slot_bytes(Q3_K, 1) == 16 * 110 + 512 + 64
+    assert not any(qg.prefer_gemv(Q3_K, 5120, t, q16=q16) for t in range(1, qg.MAX_TOKENS + 1) for q16 in (0, 1))
     assert not qg.ring_usable(Q8_0, 5120 + 32, True)  # a tail chunk
     assert not qg.ring_usable(F16, 5120, True)
     for qtype in (Q8_0, Q4_K, Q6_K):
@@ -748,6 +756,7 @@ SPLIT_CASES = [
     (Q4_K, 33, 512, 3, 3, 2),  # more warps than chunks: idle warps publish zeros
     (Q5_K, 77, 1536, 1, 2, 3),
     (IQ4_XS, 40, 2560, 2, 2, 4),
+    (Q3_K, 77, 1536, 1, 2, 3),
     (Q6_K, 50, 1792, 1, 4, 2),
     (Q6_K, 20, 1024, 5, 1, 8),  # one warp per block, more blocks than chunks
     (Q8_0, 45, 1248, 2, 2, 3),  # a tail chunk of 224 values, owned by the last split's last warp

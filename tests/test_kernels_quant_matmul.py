@@ -405,16 +405,23 @@ def test_pack_rms_matches_numpy(tokens: int, k: int, group: int, res: int, gate:
 
 
 @pytest.mark.parametrize("shape", [(256, 512), (77, 768), (1024, 2048), (5120, 6144)], ids=case_id)
-@pytest.mark.parametrize("qtype", [qm.Q5_K, qm.IQ4_XS], ids=NAMES.get)
+@pytest.mark.parametrize("qtype", [qm.Q5_K, qm.IQ4_XS, qm.Q3_K], ids=NAMES.get)
 def test_newer_types_on_v2_at_every_width(qtype: int, shape: tuple[int, int]) -> None:
-    """Q5_K (a Q5_K_M file's matrices: the fifth bit from qh in both nibbles' paths) and IQ4_XS (the codebook looked
-    up by byte permutes, the 6-bit scales from scales_l and scales_h) on the v2 kernel at every width: launch
-    shapes, K split across blocks, the portable build, an accumulating launch; v1 refuses them at construction; and
-    matmul()'s own choice at each width (Q4_K's dispatch: gemv, ring, wide) against the same twin."""
+    """Q5_K (a Q5_K_M file's matrices: the fifth bit from qh in both nibbles' paths), IQ4_XS (the codebook looked
+    up by byte permutes, the 6-bit scales from scales_l and scales_h) and Q3_K (two qs bits and an hmask bit, less 4
+    unless it is set) on the v2 kernel at every width: launch shapes, K split across blocks, the portable build, an
+    accumulating launch; v1 refuses them at construction; and matmul()'s own choice at each width (Q4_K's dispatch:
+    gemv, ring, wide; v2 for a type still in UNPROVEN_QTYPES) against the same twin."""
+    from kernels import quant_gemv as qg
+    from kernels import quant_wide as qw
+
     rng = np.random.default_rng(5 + qtype + shape[0] + shape[1])
     raw = random_weights(qtype, *shape, rng)
     w64 = dequantize(qtype, raw, *shape)
     W = qm.QuantMatrix(qtype, raw, shape, name=f"{NAMES[qtype]} {shape}")
+    if qtype in qm.UNPROVEN_QTYPES:  # the dispatch tables leave it out: matmul() keeps it on v2
+        assert not any(qg.prefer_gemv(qtype, shape[1], t, q16=True) for t in range(1, qg.MAX_TOKENS + 1))
+        assert not any(qw.prefer_wide(qtype, t, *shape, order=o) for t in WIDTHS for o in (0, 1))
     for tokens in WIDTHS:
         check(W, w64, tokens, rng, W.name, kernel="v2")
         check(W, w64, tokens, rng, f"{W.name} dispatched")

@@ -39,7 +39,7 @@ ROOT = Path(__file__).resolve().parents[1]
 SOURCE = ROOT / "kernels" / "quant_matmul.cu"
 HARNESS = Path(__file__).resolve().parent / "cuda_sim_wide.cpp"
 
-F16, Q8_0, Q4_K, Q5_K, Q6_K, IQ4_XS = 1, 8, 12, 13, 14, 23
+F16, Q8_0, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_XS = 1, 8, 11, 12, 13, 14, 23
 PAD = 1024
 TOL = 2e-3  # v2's numerics: fp16 x and fp16-rounded weights (~3e-4)
 SMEM_CANARY = 0xA5  # the harness fills shared memory with it before every block
@@ -430,7 +430,7 @@ def test_shared_memory_and_scratch_sizes() -> None:
     assert qw.scratch_floats(132, 8, 2, 8) == 2 * 132 * 256 * 64
 
 
-@pytest.mark.parametrize("qtype", [F16, Q8_0, Q4_K, Q5_K, Q6_K, IQ4_XS])
+@pytest.mark.parametrize("qtype", [F16, Q8_0, Q4_K, Q5_K, Q6_K, IQ4_XS, Q3_K])
 @pytest.mark.parametrize("tokens", [1, 9, 23, 41, 64])
 def test_default_config_fits(qtype, tokens) -> None:
     for shape in ((17408, 5120), (5120, 17408), (248320, 5120), (48, 5120)):
@@ -589,6 +589,10 @@ def test_dispatch_widths() -> None:
     tables = (qg.CROSSOVER, qg.RING_UP_TO, qw.CROSSOVER, qw.DEEP_CROSSOVER, qw.TALL_CROSSOVER, qw.HIGH_CROSSOVER,
               qw.MID_CROSSOVER, qw.STAGES3_TILES, qw.WG_TYPES)
     assert all(t[Q5_K] == t[IQ4_XS] == t[Q4_K] for t in tables)
+    # session 41: Q3_K (simulated only) in none of them, so matmul() keeps it on v2 though the kernel takes it
+    assert Q3_K in qw.WIDE_QTYPES and not any(Q3_K in t for t in tables)
+    assert not any(qw.prefer_wide(Q3_K, w, *shape, order=o) for w in range(1, 65) for o in (0, 1)
+                   for shape in ((0, 0), (5120, 17408), (248320, 5120), (34816, 5120), (14336, 5120), (5120, 6144)))
 
 
 def test_dispatch_in_the_wgmma_order(monkeypatch) -> None:
@@ -970,15 +974,16 @@ def test_wg_order_twin() -> None:
 def test_wgmma_build_on_cpu(tmp_path_factory) -> None:
     """The wgmma build (SPECSPLIT_QMW_WG) on the simulated sm_90 path: each warp's rows of a wgmma through the mma
     emulation with B read from the stage as its descriptor addresses it (64-byte swizzle, 8-token groups), on x in the
-    wgmma order: bit for bit the default build's sums on the mma order, as on the GPU; K-quants (Q5_K, IQ4_XS too), tail
-    chunks, split row blocks, 4 and 8 warps, interleaved blocks, 3 register sets in flight; the SwiGLU launch writes the
-    down product's x in the wgmma order."""
+    wgmma order: bit for bit the default build's sums on the mma order, as on the GPU; K-quants (Q5_K, IQ4_XS, Q3_K
+    too), tail chunks, split row blocks, 4 and 8 warps, interleaved blocks, 3 register sets in flight; the SwiGLU
+    launch writes the down product's x in the wgmma order."""
     base = build_sim(tmp_path_factory, "bulk")
     wg = build_sim(tmp_path_factory, "bulk", ("SPECSPLIT_QMW_WG",))
     for qtype, n_out, k, tokens, cfg in ((Q4_K, 100, 1280, 23, (1, 4, 2, 3)), (Q6_K, 80, 768, 64, (2, 4, 2, 4)),
                                          (Q8_0, 33, 1248, 17, (2, 4, 3, 4)), (F16, 50, 800, 27, (1, 8, 2, 3)),
                                          (Q4_K, 64, 2048, 41, (1, 4, 3, 7)), (Q8_0, 20, 32, 5, (1, 4, 2, 1)),
-                                         (Q5_K, 100, 1280, 23, (1, 4, 2, 3)), (IQ4_XS, 64, 2048, 41, (1, 4, 3, 7))):
+                                         (Q5_K, 100, 1280, 23, (1, 4, 2, 3)), (IQ4_XS, 64, 2048, 41, (1, 4, 3, 7)),
+                                         (Q3_K, 100, 1280, 23, (1, 4, 2, 3))):
         seed = qtype * 131 + n_out + k + tokens
         want, _ = Problem(base, qtype, n_out, k, tokens, seed=seed).wide(*cfg)
         p = Problem(wg, qtype, n_out, k, tokens, seed=seed)
@@ -1009,11 +1014,12 @@ def test_wgmma_build_on_cpu(tmp_path_factory) -> None:
 
 
 @needs_gxx
-@pytest.mark.parametrize("qtype", [Q5_K, IQ4_XS], ids=["Q5_K", "IQ4_XS"])
+@pytest.mark.parametrize("qtype", [Q5_K, IQ4_XS, Q3_K], ids=["Q5_K", "IQ4_XS", "Q3_K"])
 def test_new_types_on_the_wide_kernel_on_cpu(sim, qtype) -> None:
-    """Q5_K and IQ4_XS through the wide kernel (its dequantization is v2's frag2, which takes them): the twin at split
-    and whole row blocks, and bit for bit v2 with one row-block piece (the wgmma build: test_wgmma_build_on_cpu). The
-    dispatch does not send them there yet (no quant_wide.CROSSOVER entry); this holds the kernel ready for it."""
+    """Q5_K, IQ4_XS and Q3_K through the wide kernel (its dequantization is v2's frag2, which takes them): the twin at
+    split and whole row blocks, and bit for bit v2 with one row-block piece (the wgmma build: test_wgmma_build_on_cpu).
+    The dispatch sends Q5_K and IQ4_XS there since their GPU run (session 40), Q3_K not yet (no quant_wide.CROSSOVER
+    entry); this holds the kernel ready for it."""
     for n_out, k, tokens, cfg in ((100, 1280, 23, (2, 4, 2, 3)), (48, 768, 41, (1, 3, 4, 2))):
         p = Problem(sim, qtype, n_out, k, tokens, seed=131 * qtype + n_out + k + tokens)
         y, _ = p.wide(*cfg)

@@ -97,14 +97,35 @@ def test_q5_k_m_mix_is_the_q4_k_m_mix_with_q5_k(tmp_path):
     assert target.file.tensors["blk.0.ffn_up.weight"].qtype == Q.Q5_K
     out = target.model.forward(target.model.new_state(16), [1, 2, 3])
     assert np.isfinite(out.logits).all() and 0.1 < float(out.logits.std()) < 10.0
-    with pytest.raises(SpecsplitError, match="unknown --quant 'q3_k_m'"):
-        S.target_tensors(shape.target, "q3_k_m")
+    with pytest.raises(SpecsplitError, match="unknown --quant 'q2_k'"):
+        S.target_tensors(shape.target, "q2_k")
     iq = S.target_tensors(shape.target, "iq4_xs")
     assert S.bytes_by_type(iq)["IQ4_XS"] == PEER_BYTES["Q4_K"] // 144 * 136
     assert S.target_metadata(S.get_shape("tiny"), "iq4_xs")["general.file_type"] == S.FILE_TYPE_IQ4_XS == 30
     res = S.make_synthetic("tiny", str(tmp_path), quant="iq4_xs", seed=3, draft=False, quiet=True)
     target = load_target(res.target_path)
     assert target.file.tensors["blk.0.ffn_up.weight"].qtype == Q.IQ4_XS
+    out = target.model.forward(target.model.new_state(16), [1, 2, 3])
+    assert np.isfinite(out.logits).all() and 0.1 < float(out.logits.std()) < 10.0
+
+
+def test_q3_k_m_mix_is_the_q4_k_m_mix_with_q3_k(tmp_path):
+    """--quant q3_k_m: Q4_K_M's mix with Q3_K for Q4_K (an approximation of llama.cpp's Q3_K_M: synthetic.QUANT_MIXES
+    says where it differs), its file type (LLAMA_FTYPE_MOSTLY_Q3_K_M) in the metadata; a tiny file loads and runs."""
+    shape = S.get_shape("qwen3.6-27b")
+    q4 = {s.name: s for s in S.target_tensors(shape.target)}
+    q3 = S.target_tensors(shape.target, "q3_k_m")
+    assert [s.name for s in q3] == list(q4)
+    for s in q3:
+        want = Q.Q3_K if q4[s.name].qtype == Q.Q4_K else q4[s.name].qtype
+        assert (s.shape, s.qtype) == (q4[s.name].shape, want), s.name
+    by = S.bytes_by_type(q3)
+    assert by["Q6_K"] == PEER_BYTES["Q6_K"] and by["Q3_K"] == PEER_BYTES["Q4_K"] // 144 * 110
+    assert S.target_metadata(S.get_shape("tiny"), "q3_k_m")["general.file_type"] == S.FILE_TYPE_Q3_K_M == 12
+    res = S.make_synthetic("tiny", str(tmp_path), quant="q3_k_m", seed=3, draft=False, quiet=True)
+    assert res.target_path.endswith("-q3_k_m.synthetic.gguf")
+    target = load_target(res.target_path)
+    assert target.file.tensors["blk.0.ffn_up.weight"].qtype == Q.Q3_K
     out = target.model.forward(target.model.new_state(16), [1, 2, 3])
     assert np.isfinite(out.logits).all() and 0.1 < float(out.logits.std()) < 10.0
 
@@ -145,7 +166,7 @@ def test_27b_width_layers_2_header(tmp_path):
 
 
 @pytest.mark.parametrize("qtype,fan_in", [(Q.Q4_K, 5120), (Q.Q5_K, 6144), (Q.IQ4_XS, 5120), (Q.Q6_K, 17408),
-                                          (Q.Q8_0, 25600)])
+                                          (Q.Q8_0, 25600), (Q.Q3_K, 6144)])
 def test_random_blocks_are_valid_and_scaled(qtype, fan_in):
     rng = np.random.default_rng(0)
     block = gguf.GGML_QUANT_SIZES[qtype][0]
@@ -157,7 +178,7 @@ def test_random_blocks_are_valid_and_scaled(qtype, fan_in):
     assert abs(float(w.std()) / std - 1) < 0.1
     assert abs(float(w.mean())) < 0.05 * std
     # the fp16 super-scales are finite and positive
-    at = {Q.Q4_K: 0, Q.Q5_K: 0, Q.IQ4_XS: 0, Q.Q6_K: 208, Q.Q8_0: 0}[qtype]
+    at = {Q.Q4_K: 0, Q.Q5_K: 0, Q.IQ4_XS: 0, Q.Q6_K: 208, Q.Q8_0: 0, Q.Q3_K: 108}[qtype]
     d = np.ascontiguousarray(raw[:, at:at + 2]).view(np.float16).astype(np.float32)
     assert np.isfinite(d).all() and (d > 0).all()
 

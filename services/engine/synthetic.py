@@ -2,7 +2,8 @@
 (valid) quantized weights, plus the matching DFlash drafter; written streaming, so a 16.5 GB file never sits in RAM.
 
 Tensor types follow llama.cpp's Q4_K_M mix (`src/llama-quant.cpp`, as the peer baseline's synthetic file; `--quant
-q5_k_m`: its Q5_K_M mix, the same with Q5_K for Q4_K; `--quant iq4_xs`: the same with IQ4_XS for Q4_K):
+q5_k_m`: its Q5_K_M mix, the same with Q5_K for Q4_K; `--quant iq4_xs`: the same with IQ4_XS for Q4_K; `--quant
+q3_k_m`: the same with Q3_K for Q4_K, which approximates llama.cpp's Q3_K_M, see QUANT_MIXES):
 every 2-D weight is Q4_K, except `output.weight` (Q6_K) and, on the "more bits" layers (the first eighth,
 the last eighth and every third layer in between: `use_more_bits`), `attn_v` / `attn_qkv` (counted
 together, one per layer) and `ffn_down` (Q6_K). `token_embd` stays Q4_K (the model is untied). Norms,
@@ -48,6 +49,7 @@ CHUNK_BYTES = 64 << 20                      # bytes of one tensor generated and 
 FILE_TYPE_Q4_K_M = 15                       # llama_ftype LLAMA_FTYPE_MOSTLY_Q4_K_M
 FILE_TYPE_Q5_K_M = 17                       # LLAMA_FTYPE_MOSTLY_Q5_K_M
 FILE_TYPE_IQ4_XS = 30                       # LLAMA_FTYPE_MOSTLY_IQ4_XS
+FILE_TYPE_Q3_K_M = 12                       # LLAMA_FTYPE_MOSTLY_Q3_K_M
 DISK_MARGIN = 64 << 20                      # free space kept beyond the files (metadata, filesystem slack)
 
 SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|object_ref_start|>", "<|object_ref_end|>",
@@ -109,9 +111,13 @@ def _tiny() -> SyntheticShape:
 
 SHAPES: dict[str, Callable[[], SyntheticShape]] = {"qwen3.6-27b": _qwen36_27b, "tiny": _tiny}
 # --quant: (the base matrix type, the "more bits" / LM head type, llama_ftype). iq4_xs is Q4_K_M's mix with IQ4_XS for
-# Q4_K (llama.cpp's own IQ4_XS mix differs in which tensors it raises): a file of its bytes and its decoding work
+# Q4_K (llama.cpp's own IQ4_XS mix differs in which tensors it raises): a file of its bytes and its decoding work.
+# q3_k_m likewise with Q3_K: the LM head Q6_K and token_embd Q3_K as llama.cpp's Q3_K_M, but where it raises every
+# attn_v / attn_qkv (the first two Q5_K, the rest Q4_K), every ffn_down (Q5_K in the first n_layer / 16 layers, Q4_K
+# after) and attn_output to Q4_K, this raises the "more bits" layers' attn_v / attn_qkv and ffn_down to Q6_K and leaves
+# the rest Q3_K: the 27B 13.68 GB against llama.cpp's 13.29 GB, 9.2 GB of it Q3_K against 7.2
 QUANT_MIXES = {"q4_k_m": (Q.Q4_K, Q.Q6_K, FILE_TYPE_Q4_K_M), "q5_k_m": (Q.Q5_K, Q.Q6_K, FILE_TYPE_Q5_K_M),
-               "iq4_xs": (Q.IQ4_XS, Q.Q6_K, FILE_TYPE_IQ4_XS)}
+               "iq4_xs": (Q.IQ4_XS, Q.Q6_K, FILE_TYPE_IQ4_XS), "q3_k_m": (Q.Q3_K, Q.Q6_K, FILE_TYPE_Q3_K_M)}
 QUANTS = tuple(QUANT_MIXES)
 DRAFT_QUANTS = {"q8_0": Q.Q8_0, "f16": Q.F16, "q4_k": Q.Q4_K}
 
@@ -175,7 +181,7 @@ def _matrix(name: str, out: int, inp: int, qtype: Q) -> TensorSpec:
 
 def target_tensors(cfg: ModelConfig, quant: str = "q4_k_m", type_layers: int | None = None) -> list[TensorSpec]:
     """The tensors of a qwen35 GGUF in llama.cpp's order (globals, then per layer), with Q4_K_M types (q5_k_m: Q5_K_M's,
-    the same mix with Q5_K for Q4_K).
+    the same mix with Q5_K for Q4_K; iq4_xs, q3_k_m: with IQ4_XS, Q3_K for Q4_K: QUANT_MIXES).
 
     type_layers: the layer count the "more bits" rule uses (default cfg.n_layer); with the real model's
     count a --layers N file has, layer by layer, the real file's types.
@@ -389,6 +395,18 @@ def random_blocks(qtype: Q, n_blocks: int, std: float, rng: np.random.Generator)
         out[:, 2:4] = high.astype("<u2").view(np.uint8).reshape(-1, 2)
         low = (ls & np.uint16(0x0F)).astype(np.uint8)
         out[:, 4:8] = low[:, 0::2] | (low[:, 1::2] << np.uint8(4))
+    elif qtype == Q.Q3_K:
+        # {u8 hmask[32]; u8 qs[64]; u8 scales[12]; f16 d}: w = d*(sc - 32)*q, q = q2 - 4 (hmask bit clear) uniform in
+        # [-4, 3] (random qs and hmask bytes): E[q^2] = 5.5. Its mean (-0.5 against a spread of 2.3) cancels with
+        # sc - 32 of either sign, magnitude drawn from [8, 31]; sc packed as ggml's 6-bit scales (low nibbles in bytes
+        # 0-7, scales 8-15 in their high halves; top two bits 2 (i / 4) of byte 8 + i % 4)
+        mag = rng.integers(_K_SC[0], _K_SC[1] + 1, size=(n_blocks, 16)).astype(np.int32)
+        sc = (32 + np.where(rng.random((n_blocks, 16)) < 0.5, -mag, mag)).astype(np.uint8)
+        low = sc & np.uint8(0x0F)
+        out[:, 96:104] = low[:, :8] | (low[:, 8:] << np.uint8(4))
+        top = (sc >> np.uint8(4)).reshape(n_blocks, 4, 4) << (2 * np.arange(4, dtype=np.uint8))[None, :, None]
+        out[:, 104:108] = np.bitwise_or.reduce(top, axis=1)
+        out[:, 108:110] = _f16_bytes(std / (_sub_scale_ms(*_K_SC) * math.sqrt(5.5)) * jitter)
     elif qtype == Q.Q6_K:
         # {u8 ql[128]; u8 qh[64]; int8 scales[16]; f16 d}: w = d*sc*(q - 32), q uniform in [0, 63]:
         # E[(q-32)^2] = 341.5 (mean -0.5 of 32: small against the spread)
