@@ -249,17 +249,18 @@ def test_gpu_weights_count_matrices_vectors_and_fallbacks(q27):
 
 def test_gpu_matrices_go_up_as_stored_only_where_a_gpu_run_proved_the_kernel(monkeypatch):
     """backend.GpuMatrix.of: Q5_K and IQ4_XS as stored (their kernels ran on a GPU); a type whose v2 dequantization
-    has run only in the CPU simulation (quant_matmul.UNPROVEN_QTYPES: IQ4_XS as it stood before session 40) and a
-    type without a kernel (Q4_0) as F16, as the plan counts."""
+    has run only in the CPU simulation (quant_matmul.UNPROVEN_QTYPES: Q4_0 and IQ4_NL, IQ4_XS as it stood before
+    session 40) and a type without a kernel (BF16) as F16, as the plan counts."""
     from kernels import quant_matmul as qm
     from services.engine.backend import GpuMatrix
     from services.engine.formats import RawTensor
     from tests.quant_twins import random_weights
 
     rng = np.random.default_rng(0)
-    assert {qm.Q5_K, qm.IQ4_XS} <= qm.SUPPORTED_QTYPES and not qm.UNPROVEN_QTYPES
-    raws = {q: random_weights(q, 32, 512, rng) for q in (qm.Q5_K, qm.IQ4_XS)}
-    for unproven in (frozenset(), frozenset((qm.IQ4_XS,))):
+    assert {qm.Q5_K, qm.IQ4_XS} <= qm.SUPPORTED_QTYPES
+    assert {qm.Q4_0, qm.IQ4_NL} <= qm.UNPROVEN_QTYPES and not qm.UNPROVEN_QTYPES & qm.SUPPORTED_QTYPES
+    raws = {q: random_weights(q, 32, 512, rng) for q in (qm.Q5_K, qm.IQ4_XS, qm.Q4_0)}
+    for unproven in (qm.UNPROVEN_QTYPES, frozenset((qm.IQ4_XS, qm.Q4_0))):
         monkeypatch.setattr(qm, "SUPPORTED_QTYPES", frozenset(qm._TYPES) - unproven)
         for qtype, raw in raws.items():
             m = GpuMatrix.of(RawTensor("w", qtype, (32, 512), raw, "test"))
@@ -268,8 +269,8 @@ def test_gpu_matrices_go_up_as_stored_only_where_a_gpu_run_proved_the_kernel(mon
             if not native:
                 want = RawTensor("w", qtype, (32, 512), raw, "test").dequantize().astype(np.float16)
                 assert np.array_equal(m.rows.view(np.float16), want)
-    blocks = np.zeros((32 * 512 // 32, 18), np.uint8)
-    assert GpuMatrix.of(RawTensor("w", 2, (32, 512), blocks, "test")).fallback      # Q4_0: no kernel at all
+    blocks = np.zeros((32 * 512, 2), np.uint8)
+    assert GpuMatrix.of(RawTensor("w", 30, (32, 512), blocks, "test")).fallback      # BF16: no kernel at all
 
 
 def test_gpu_table_types_are_those_the_device_decodes():
