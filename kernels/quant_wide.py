@@ -51,8 +51,10 @@ BARRIER_BYTES = 16  # per stage: the full and empty mbarriers
 # F16, Q8_0, Q4_K, Q6_K; Q5_K and IQ4_XS (v2's frag2 takes them; their GPU tests passed in session 40) as Q4_K here and
 # in the tables below
 CROSSOVER = {1: 17, 8: 25, 12: 25, 13: 25, 14: 25, 23: 25}
-# the types the kernel has
-WIDE_QTYPES = frozenset((1, 8, 12, 13, 14, 23))
+# the types the kernel has: those above, and Q4_0 and IQ4_NL (v2's frag2 and tail take them), so far run only in the
+# CPU simulation: without a CROSSOVER entry prefer_wide never picks the kernel for them (kernel="wide" runs it, as
+# tests/test_kernels_quant_wide.py does), nor wg_takes its wgmma build (WG_TYPES)
+WIDE_QTYPES = frozenset((1, 2, 8, 12, 13, 14, 20, 23))
 # Deep: since v2 lost its per-load index math (ceea517) it is level with or ahead of the wide kernel on ffn_down up to
 # 16-23 tokens (H100: Q4_K 31.3 vs 34.4 us at 16, 33.2 vs 33.0 at 23; Q6_K 41.2 vs 43.2 at 16, 44.2 vs 41.3 at 23);
 # in the 27B step (graph replay, interleaved) these crossovers beat 9 everywhere: -0.4 / -1.0 / -0.9 / -0.8 % at 12 /
