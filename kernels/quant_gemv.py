@@ -30,10 +30,12 @@ CHUNK = 256
 SMEM_PER_SM = 228 * 1024
 SMEM_LIMIT = 227 * 1024
 
-# the types this kernel has (F16, Q8_0, Q4_K, Q5_K, Q6_K, IQ4_XS). Q5_K and IQ4_XS (session 40: their GPU tests passed
-# on an H200) take Q4_K's dispatch below (the same chunk walk, a few more bytes a block)
-GEMV_QTYPES = frozenset({1, 8, 12, 13, 14, 23})
-_INT = frozenset({8, 12, 13, 14, 23})  # x staged as int16 with an fp32 scale per 16 values
+# the types this kernel has (F16, Q8_0, Q4_K, Q5_K, Q6_K, IQ4_XS, Q4_0, IQ4_NL). Q5_K and IQ4_XS (session 40: their GPU
+# tests passed on an H200) take Q4_K's dispatch below (the same chunk walk, a few more bytes a block). Q4_0 and IQ4_NL
+# (session 41) have run only in the CPU simulation: the dispatch tables below (CROSSOVER, RING_UP_TO) leave them out,
+# so matmul() keeps their products on v2 (kernel="gemv" runs them, as tests/test_kernels_quant_gemv.py does)
+GEMV_QTYPES = frozenset({1, 2, 8, 12, 13, 14, 20, 23})
+_INT = frozenset({2, 8, 12, 13, 14, 20, 23})  # x staged as int16 with an fp32 scale per 16 values
 _SUMS = frozenset({12, 13, 14})  # and the fp32 sum of every 16 values (the K-quants' offsets)
 # Widest T for which matmul() takes this kernel instead of v2, per storage type: the widest at which it beat v2 on
 # every 27B matrix (bench/roofline.py --kernels gemv,v2,auto on an H100, docs/gpu_quant_matmul.md). Time stays
