@@ -139,6 +139,20 @@ _V2_NEW_TYPES = {"CROSSOVER": {1: 2, 8: 2, 12: 1, 14: 1}, "qw.CROSSOVER": {1: 17
                  "qw.WG_TYPES": {1: 1, 8: 1, 12: 1, 14: 25}}
 
 
+# Q4_0 and IQ4_NL (session 41, on v2 at every width so far) added to the dispatch tables as Q4_K's (their bytes a
+# weight, 18 / 32, are Q4_K's 144 / 256), as Q5_K and IQ4_XS were in session 40: the A/B before they join them
+# (newtypes41)
+_Q4K_NEW_TYPES_41 = {"CROSSOVER": {1: 2, 8: 2, 12: 1, 13: 1, 14: 1, 23: 1, 2: 1, 20: 1},
+                     "qw.CROSSOVER": {1: 17, 8: 25, 12: 25, 13: 25, 14: 25, 23: 25, 2: 25, 20: 25},
+                     "qw.DEEP_CROSSOVER": {12: 4, 13: 4, 14: 4, 23: 4, 2: 4, 20: 4},
+                     "qw.TALL_CROSSOVER": {12: 9, 13: 9, 14: 9, 23: 9, 2: 9, 20: 9},
+                     "qw.HIGH_CROSSOVER": {12: 4, 13: 4, 14: 4, 23: 4, 2: 4, 20: 4},
+                     "qw.MID_CROSSOVER": {12: 17, 13: 17, 14: 17, 23: 17, 2: 17, 20: 17},
+                     "qw.STAGES3_TILES": {12: (3, 4, 5, 6), 13: (3, 4, 5, 6), 14: (2, 3, 4, 5, 6), 23: (3, 4, 5, 6),
+                                          2: (3, 4, 5, 6), 20: (3, 4, 5, 6)},
+                     "qw.WG_TYPES": {1: 1, 8: 1, 12: 1, 13: 1, 14: 25, 23: 1, 2: 1, 20: 1}}
+
+
 _STAGES3_BEFORE_30 = {12: (3, 4, 6), 14: (2, 3, 4, 6)}  # quant_wide.STAGES3_TILES before session 30 (w5tiles)
 # quant_wide's gate|up shapes at 7 token tiles before session 31 (w7tiles): the product 1 x 4 and the SwiGLU pack
 _W7_BEFORE_31 = {"qw.VERY_HIGH_SHAPES": {12: {6: (2, 8)}},
@@ -540,6 +554,12 @@ STEP_ABS = {
     "newtypes": ([("new types on v2", {8: 1, 12: 3, 14: 3}, 3, "capture", _V2_NEW_TYPES),
                   ("shipped", SMALL, 3, "capture", {})],
                  (1, 2, 3, 8, 16, 23, 41), [("shipped", "new types on v2")]),
+    # a Q4_0 / IQ4_NL model's step (make-synthetic --quant q4_0 / iq4_nl) with their products on the gemv, ring and
+    # wide kernels as Q4_K's against the shipped v2 at every width: step 3 of docs/gpu_quant_matmul.md "Adding a
+    # storage type" for them, once they left quant_matmul.UNPROVEN_QTYPES (before, the engine holds them as F16)
+    "newtypes41": ([("shipped", SMALL, 3, "capture", {}),
+                    ("new types as Q4_K", {**SMALL, 2: 3, 20: 3}, 3, "capture", _Q4K_NEW_TYPES_41)],
+                   (1, 2, 3, 8, 16, 23, 41), [("new types as Q4_K", "shipped")]),
     # small deep matrices (the 27B's attn_v, 1024 x 5120) on v2 up to quant_wide.CROSSOVER (DEEP_MIN_ROWS 2048,
     # shipped since session 40: 0.9972 / 0.9967 / 0.9967 / 1.0007 at 4 / 8 / 16 / 23) instead of the wide kernel from
     # DEEP_CROSSOVER (0)

@@ -1,8 +1,9 @@
 """Files in the storage types the GPU kernels learnt last, on the GPU engine: a Q5_K_M file (`make-synthetic --quant
-q5_k_m`: Q5_K matrices, Q6_K on the LM head and the "more bits" layers, a Q5_K token table the device cannot decode)
-and an IQ4_XS one (`--quant iq4_xs`): every matrix goes up in its stored type (none as F16), and the GPU step's logits
-follow the NumPy engine's at prompt and verify widths, teacher-forced (each width on the kernel the dispatch picks:
-gemv / ring, v2, wide).
+q5_k_m`: Q5_K matrices, Q6_K on the LM head and the "more bits" layers, a Q5_K token table the device cannot decode),
+an IQ4_XS one (`--quant iq4_xs`), and Q4_0 / IQ4_NL ones (`--quant q4_0` / `iq4_nl`; the engine takes those natively
+once they leave quant_matmul.UNPROVEN_QTYPES, so the test lifts that for them): every matrix goes up in its stored type
+(none as F16), and the GPU step's logits follow the NumPy engine's at prompt and verify widths, teacher-forced (each
+width on the kernel the dispatch picks: gemv / ring, v2, wide; v2 at every width for Q4_0 / IQ4_NL so far).
 
 Needs CuPy and a CUDA GPU; skipped (with the reason) anywhere else. Tolerance: max |GPU - NumPy| over the row's logits
 spread, 0.07 as for tests/test_kernels_quant_wide.py's 64-token chain: on these random tiny models the fp16
@@ -33,11 +34,15 @@ pytestmark = pytest.mark.gpu
 REL_TOL = 0.07
 
 
-MIXES = {"q5_k_m": gguf.GGMLQuantizationType.Q5_K, "iq4_xs": gguf.GGMLQuantizationType.IQ4_XS}
+MIXES = {"q5_k_m": gguf.GGMLQuantizationType.Q5_K, "iq4_xs": gguf.GGMLQuantizationType.IQ4_XS,
+         "q4_0": gguf.GGMLQuantizationType.Q4_0, "iq4_nl": gguf.GGMLQuantizationType.IQ4_NL}
 
 
 @pytest.mark.parametrize("quant", list(MIXES))
-def test_new_type_files_run_on_the_gpu_in_their_stored_types(quant, tmp_path):
+def test_new_type_files_run_on_the_gpu_in_their_stored_types(quant, tmp_path, monkeypatch):
+    from kernels import quant_matmul as qm
+
+    monkeypatch.setattr(qm, "SUPPORTED_QTYPES", qm.SUPPORTED_QTYPES | {int(MIXES[quant])})
     res = S.make_synthetic("tiny", str(tmp_path), quant=quant, seed=5, draft=False, quiet=True)
     cpu, gpu = load_target(res.target_path), load_gpu_target(res.target_path, 0, with_tokenizer=False)
     types = {t.qtype for t in cpu.file.tensors.values()}

@@ -2,7 +2,8 @@
 (valid) quantized weights, plus the matching DFlash drafter; written streaming, so a 16.5 GB file never sits in RAM.
 
 Tensor types follow llama.cpp's Q4_K_M mix (`src/llama-quant.cpp`, as the peer baseline's synthetic file; `--quant
-q5_k_m`: its Q5_K_M mix, the same with Q5_K for Q4_K; `--quant iq4_xs`: the same with IQ4_XS for Q4_K):
+q5_k_m`: its Q5_K_M mix, the same with Q5_K for Q4_K; `--quant iq4_xs` / `q4_0` / `iq4_nl`: the same with IQ4_XS /
+Q4_0 / IQ4_NL for Q4_K, see QUANT_MIXES for where llama.cpp's own mixes of those differ):
 every 2-D weight is Q4_K, except `output.weight` (Q6_K) and, on the "more bits" layers (the first eighth,
 the last eighth and every third layer in between: `use_more_bits`), `attn_v` / `attn_qkv` (counted
 together, one per layer) and `ffn_down` (Q6_K). `token_embd` stays Q4_K (the model is untied). Norms,
@@ -48,6 +49,8 @@ CHUNK_BYTES = 64 << 20                      # bytes of one tensor generated and 
 FILE_TYPE_Q4_K_M = 15                       # llama_ftype LLAMA_FTYPE_MOSTLY_Q4_K_M
 FILE_TYPE_Q5_K_M = 17                       # LLAMA_FTYPE_MOSTLY_Q5_K_M
 FILE_TYPE_IQ4_XS = 30                       # LLAMA_FTYPE_MOSTLY_IQ4_XS
+FILE_TYPE_Q4_0 = 2                          # LLAMA_FTYPE_MOSTLY_Q4_0
+FILE_TYPE_IQ4_NL = 25                       # LLAMA_FTYPE_MOSTLY_IQ4_NL
 DISK_MARGIN = 64 << 20                      # free space kept beyond the files (metadata, filesystem slack)
 
 SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|object_ref_start|>", "<|object_ref_end|>",
@@ -109,9 +112,15 @@ def _tiny() -> SyntheticShape:
 
 SHAPES: dict[str, Callable[[], SyntheticShape]] = {"qwen3.6-27b": _qwen36_27b, "tiny": _tiny}
 # --quant: (the base matrix type, the "more bits" / LM head type, llama_ftype). iq4_xs is Q4_K_M's mix with IQ4_XS for
-# Q4_K (llama.cpp's own IQ4_XS mix differs in which tensors it raises): a file of its bytes and its decoding work
+# Q4_K (llama.cpp's own IQ4_XS mix differs in which tensors it raises): a file of its bytes and its decoding work.
+# q4_0 and iq4_nl likewise. llama.cpp's MOSTLY_Q4_0 (llama_tensor_get_type) raises the LM head alone (Q6_K; without
+# an imatrix nothing else), so its more-bits layers' attn_v / attn_qkv / ffn_down stay Q4_0 where this form gives
+# them Q6_K. MOSTLY_IQ4_NL raises the LM head (Q6_K), attn_v / attn_qkv on every layer to Q5_K (n_gqa >= 4: the 27B's
+# 6) and ffn_down on the first eighth to Q5_K (no imatrix); here the more-bits layers' Q6_K. The token table is the
+# base type in both, as here.
 QUANT_MIXES = {"q4_k_m": (Q.Q4_K, Q.Q6_K, FILE_TYPE_Q4_K_M), "q5_k_m": (Q.Q5_K, Q.Q6_K, FILE_TYPE_Q5_K_M),
-               "iq4_xs": (Q.IQ4_XS, Q.Q6_K, FILE_TYPE_IQ4_XS)}
+               "iq4_xs": (Q.IQ4_XS, Q.Q6_K, FILE_TYPE_IQ4_XS), "q4_0": (Q.Q4_0, Q.Q6_K, FILE_TYPE_Q4_0),
+               "iq4_nl": (Q.IQ4_NL, Q.Q6_K, FILE_TYPE_IQ4_NL)}
 QUANTS = tuple(QUANT_MIXES)
 DRAFT_QUANTS = {"q8_0": Q.Q8_0, "f16": Q.F16, "q4_k": Q.Q4_K}
 
@@ -389,6 +398,13 @@ def random_blocks(qtype: Q, n_blocks: int, std: float, rng: np.random.Generator)
         out[:, 2:4] = high.astype("<u2").view(np.uint8).reshape(-1, 2)
         low = (ls & np.uint16(0x0F)).astype(np.uint8)
         out[:, 4:8] = low[:, 0::2] | (low[:, 1::2] << np.uint8(4))
+    elif qtype in (Q.Q4_0, Q.IQ4_NL):
+        # {f16 d; u8 qs[16]}: w = d*(q - 8) (Q4_0: E[(q - 8)^2] = 21.5) or d*kv[q] (IQ4_NL: the codebook, E[kv^2] =
+        # 4548), q uniform in [0, 15]; their means (-0.5 against a spread of 4.6, -5.9 against 67) cancel with d of
+        # either sign
+        ms = 21.5 if qtype == Q.Q4_0 else 4548.0
+        sign = np.where(rng.random(n_blocks) < 0.5, np.float32(-1), np.float32(1))
+        out[:, 0:2] = _f16_bytes(std / math.sqrt(ms) * jitter * sign)
     elif qtype == Q.Q6_K:
         # {u8 ql[128]; u8 qh[64]; int8 scales[16]; f16 d}: w = d*sc*(q - 32), q uniform in [0, 63]:
         # E[(q-32)^2] = 341.5 (mean -0.5 of 32: small against the spread)
