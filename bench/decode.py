@@ -1,5 +1,5 @@
-"""Decode timing of the GPU engine on a Qwen3.6-27B-shaped target (`make-synthetic`: Q4_K_M, Q5_K_M or IQ4_XS; or any
-GGUF file of that architecture): verify-width curve, plain decode vs the
+"""Decode timing of the GPU engine on a Qwen3.6-27B-shaped target (`make-synthetic`: Q4_K_M, Q5_K_M, IQ4_XS, Q4_0 or
+IQ4_NL; or any GGUF file of that architecture): verify-width curve, plain decode vs the
 copy-bandwidth roofline, and a forced-acceptance projection of speculative tokens/s, all measured in one run;
 with --drafter, the DFlash drafter on the same GPU too (models/dflash_gpu.py): one drafter pass (block 16, one
 CUDA graph replay) against the width-23 verify step, and the whole speculative loop with forced acceptance.

@@ -290,7 +290,8 @@ def launch_overhead(cupy, qm, W, packed, out, calls: int = 200, **how) -> dict:
 def random_matrix(cupy, qm, qtype: int, shape: tuple[int, int], kernel: str = "v2"):
     """A QuantMatrix of valid random blocks (small finite fp16 scales), built on the GPU."""
     n_out, k = shape
-    fp16_fields = {qm.Q8_0: (0,), qm.Q4_K: (0, 2), qm.Q5_K: (0, 2), qm.Q6_K: (208,), qm.IQ4_XS: (0,), qm.Q3_K: (108,)}
+    fp16_fields = {qm.Q8_0: (0,), qm.Q4_K: (0, 2), qm.Q5_K: (0, 2), qm.Q6_K: (208,), qm.IQ4_XS: (0,), qm.Q3_K: (108,),
+                   qm.Q4_0: (0,), qm.IQ4_NL: (0,)}
     if qtype == qm.F16:
         raw = (cupy.random.standard_normal(n_out * k, dtype=cupy.float32) * 0.5).astype(cupy.float16).view(cupy.uint8)
     else:
@@ -739,6 +740,12 @@ def main(argv: list[str]) -> int:
         (qm.Q3_K, "ffn_up"),  # a Q3_K_M file's: v2 at every width in matmul() until its GPU run (session 41)
         (qm.Q3_K, "ffn_down"),
         (qm.Q3_K, "ssm_out"),
+        (qm.Q4_0, "ffn_up"),  # a Q4_0 / IQ4_NL file's: v2 at every width until their GPU run (session 41)
+        (qm.Q4_0, "ffn_down"),
+        (qm.Q4_0, "ssm_out"),
+        (qm.IQ4_NL, "ffn_up"),
+        (qm.IQ4_NL, "ffn_down"),
+        (qm.IQ4_NL, "ssm_out"),
     ]
     if "--types" in argv:
         keep = set(_arg(argv, "--types").split(","))

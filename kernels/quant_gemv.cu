@@ -129,6 +129,17 @@ GV_DEV int dp2a_hi(u32 a, u32 b, int c) {
 #endif
 }
 
+// (a & b) ^ c as one LOP3 (ptxas keeps two immediates apart in two)
+GV_DEV u32 lop3_and_xor(u32 a, u32 b, u32 c) {
+#if SS_PTX
+    u32 d;
+    asm("lop3.b32 %0, %1, %2, %3, 0x6A;\n" : "=r"(d) : "r"(a), "r"(b), "r"(c));
+    return d;
+#else
+    return (a & b) ^ c;
+#endif
+}
+
 GV_DEV uint4 ldg16(const u8* p) { return GV_LDG((const uint4*)p); }
 GV_DEV u32 ldg_u16(const u8* p) { return (u32)GV_LDG((const u16*)p); }
 GV_DEV u32 ldg_u8(const u8* p) { return (u32)GV_LDG(p); }
@@ -203,6 +214,16 @@ struct Lay<11> {  // Q3_K: hmask[32] qs[64] | scales[12] d (quant_matmul.device_
     static constexpr int MAIN = 96, SIDE = 14;    // quant (signed bytes -4..3), so no offsets
     static constexpr bool INT = true, SUMS = false;
 };
+template <>
+struct Lay<2> {  // Q4_0: the 8 blocks' qs (8-byte pieces swizzled: load_raw, xunit) | their d's; signed 16 (q - 8)
+    static constexpr int MAIN = 128, SIDE = 16;
+    static constexpr bool INT = true, SUMS = false;
+};
+template <>
+struct Lay<20> {  // IQ4_NL: Q4_0's layout; signed codebook values
+    static constexpr int MAIN = 128, SIDE = 16;
+    static constexpr bool INT = true, SUMS = false;
+};
 
 template <int QT>
 struct Raw;
@@ -225,6 +246,16 @@ struct Raw<11> {  // Q3_K: qs unit j / 2, hmask unit (j / 2) & 1, the runs' scal
     u32 s[4], d[4];
 };
 template <>
+struct Raw<2> {  // Q4_0: qs unit j (block j), its d
+    uint4 q[4];
+    u32 d[4];
+};
+template <>
+struct Raw<20> {  // IQ4_NL: as Q4_0
+    uint4 q[4];
+    u32 d[4];
+};
+template <>
 struct Raw<14> {  // Q6_K: ql unit j, qh unit, two int8 scales, d
     uint4 l[4], h[4];
     u32 s[4], d[4];
@@ -241,9 +272,10 @@ struct Raw<1> {  // F16: logical units j, j + 8, j + 16, j + 24
 
 // x units (16 bytes = 8 values, natural order within a chunk) lane j uses: its k-th 8 values are x unit
 // xunit(j, k / 8). For the quantized types units come in pairs (u, u + 1) = one 16-value group: its values
-// 0..15 ("low run") and 16..31 ("high run") are the two groups whose scale / offset it applies.
+// 0..15 ("low run") and 16..31 ("high run") are the two groups whose scale / offset it applies. r4: the lane's rows'
+// r & 3 (Q4_0 / IQ4_NL: odd rows hold each qs unit's halves swapped, so their lanes take the x units swapped).
 template <int QT>
-GV_DEV int xunit(int j, int k) {
+GV_DEV int xunit(int j, int k, int r4 = 0) {
     if constexpr (QT == 12 || QT == 13) {  // qs bytes 16j..16j+15: low nibbles values 64(j/2) + 16(j&1) + b, high + 32
         const int base = 8 * (j >> 1) + 2 * (j & 1);
         return base + (k & 1) + 4 * (k >> 1);
@@ -258,6 +290,8 @@ GV_DEV int xunit(int j, int k) {
         // s + 1 (high): values 128h + 32s + 16p + b and + 32
         const int base = 16 * (j >> 2) + 8 * (j & 1) + 2 * ((j >> 1) & 1);
         return base + (k & 1) + 4 * (k >> 1);
+    } else if constexpr (QT == 2 || QT == 20) {  // as IQ4_XS's, bytes 8..15 of the unit first in odd rows
+        return 4 * j + (k ^ (r4 & 1));
     } else {  // F16: logical unit j + 8k
         return j + 8 * k;
     }
@@ -284,6 +318,11 @@ GV_DEV void load_raw(Raw<QT>& w, const u8* blk, int r4, int j) {
             const u8* side = blk + 16 * L::MAIN + r * L::SIDE;
             w.s[i] = ld_u8<SMEM>(side + 8 * hh + 2 * c + s) | (ld_u8<SMEM>(side + 8 * hh + 4 + 2 * c + s) << 8);
             w.d[i] = ld_u16<SMEM>(side + 16);
+        } else if constexpr (QT == 2 || QT == 20) {
+            // qs unit j (block j) of row r at unit j ^ [0, 2, 5, 7][r & 3] (quant_matmul.device_layout: 8-byte piece s
+            // at s ^ 5 (r & 3), so the unit's halves come swapped in odd rows); the d of block j
+            w.q[i] = ld16<SMEM>(row + 16 * (j ^ ((5 * (r & 3)) >> 1)));
+            w.d[i] = ld_u16<SMEM>(blk + 16 * L::MAIN + r * L::SIDE + 2 * j);
         } else if constexpr (QT == 23) {
             w.q[i] = ld16<SMEM>(row + 16 * j);
             const u8* side = blk + 16 * L::MAIN + r * L::SIDE;
@@ -338,6 +377,12 @@ GV_DEV Coef coef(const Raw<QT>& w, int i, int j) {
         c.a1 = fmaf(d, as_float(byte_perm(v, 0x4B000000u, 0x7441u)), dm);
         c.b0 = fmaf(dmin, as_float(byte_perm(v, 0x4B000000u, 0x7442u)), mm);
         c.b1 = fmaf(dmin, as_float(byte_perm(v, 0x4B000000u, 0x7443u)), mm);
+    } else if constexpr (QT == 2) {  // 16 (q - 8) bytes (qbytes): d / 16, exact
+        c.a0 = c.a1 = h2f(w.d[i]) * 0.0625f;
+        c.b0 = c.b1 = 0.f;
+    } else if constexpr (QT == 20) {
+        c.a0 = c.a1 = h2f(w.d[i]);
+        c.b0 = c.b1 = 0.f;
     } else if constexpr (QT == 23) {
         // sub-block j's 6-bit scale: nibble j & 1 of scales_l[j / 2] and bits 2j, 2j + 1 of scales_h, stored + 32
         const u32 ls = ((w.s[i] >> (4 * (j & 1))) & 0xFu) | (((w.d[i] >> (16 + 2 * j)) & 3u) << 4);
@@ -390,7 +435,7 @@ GV_DEV void qbytes(const Raw<QT>& w, int i, int j, u32 (&q)[8]) {
             q[m] = (ws[m] & 0x0F0F0F0Fu) | (((hs[m] >> g2) & 0x01010101u) << 4);
             q[4 + m] = ((ws[m] >> 4) & 0x0F0F0F0Fu) | (((hs[m] >> (g2 + 1)) & 0x01010101u) << 4);
         }
-    } else if constexpr (QT == 23) {
+    } else if constexpr (QT == 23 || QT == 20) {
         // the codebook's int8 values (signed: dot16<false>): low nibbles the low run, high nibbles the high run
         const u32 ws[4] = {w.q[i].x, w.q[i].y, w.q[i].z, w.q[i].w};
 #pragma unroll
@@ -409,6 +454,17 @@ GV_DEV void qbytes(const Raw<QT>& w, int i, int j, u32 (&q)[8]) {
             const u32 qq = ws[m] >> sq, hb = hs[m] >> sh;
             q[m] = (qq & 0x03030303u) | (0xFCFCFCFCu - (hb & 0x01010101u) * 0xFCu);
             q[4 + m] = (qq & 0x0C0C0C0Cu) | (0xF0F0F0F0u - (hb & 0x02020202u) * 0x78u);
+        }
+    } else if constexpr (QT == 2) {
+        // signed 16 (q - 8): (q ^ 8) in a byte's top nibble is q - 8 in two's complement, so one LOP3 a run (and the
+        // low run's shift) where q - 8 itself would take a borrow-free subtraction and a sign extension; coef has
+        // the 1 / 16. (Unsigned q with the x sums' offset -8 d X, as Q4_K's, saves the shift but adds two FFMA a row
+        // and token, and subtracts two sums of the same size.)
+        const u32 ws[4] = {w.q[i].x, w.q[i].y, w.q[i].z, w.q[i].w};
+#pragma unroll
+        for (int m = 0; m < 4; ++m) {
+            q[m] = lop3_and_xor(ws[m] << 4, 0xF0F0F0F0u, 0x80808080u);
+            q[4 + m] = lop3_and_xor(ws[m], 0xF0F0F0F0u, 0x80808080u);
         }
     } else if constexpr (QT == 14) {
         const int c2 = 2 * ((j >> 1) & 1);  // qh bit pair 2c (low nibbles) / 4 + 2c (high nibbles)
@@ -603,7 +659,7 @@ GV_DEV void chunk_int(const Raw<QT>& w, int c, int j, const int (&xu)[4], const 
 #pragma unroll
             for (int nn = 0; nn < TB; ++nn) {
                 if (n0 + nn < NT) {
-                    constexpr bool UB = QT != 8 && QT != 23 && QT != 11;  // (signed: Q8_0, IQ4_XS, Q3_K)
+                    constexpr bool UB = QT != 8 && QT != 23 && QT != 11 && QT != 2 && QT != 20;  // (signed: Q8_0, IQ4_*, Q3_K, Q4_0)
                     const int s0 = dot16<UB>(xq[nn], q), s1 = dot16<UB>(xq[nn] + 8, q + 4);
                     float a = acc[i][n0 + nn];
                     a = fmaf(cf[i].a0 * xs[nn][0], (float)s0, a);
@@ -619,9 +675,9 @@ GV_DEV void chunk_int(const Raw<QT>& w, int c, int j, const int (&xu)[4], const 
     }
 }
 
-// Tail chunk c (F16 / Q8_0 with K % 256 = 32m) of the tile at wt, staged as x chunk cx: rows of C = 32m values,
-// not swizzled; lane j takes 8-value units j, j + 8, ... of its 4 rows. Q8_0: quants [16][C] then d [16][m]; F16:
-// halves [16][C].
+// Tail chunk c (F16 / Q8_0 / Q4_0 / IQ4_NL with K % 256 = 32m) of the tile at wt, staged as x chunk cx: rows of C =
+// 32m values, not swizzled; lane j takes 8-value units j, j + 8, ... of its 4 rows. Q8_0: quants [16][C] then d
+// [16][m]; Q4_0 / IQ4_NL: qs [16][C / 2] then d [16][m]; F16: halves [16][C].
 template <int QT, int NT>
 GV_DEV void tail_chunk(const u8* wt, int c, int cx, int K, int r4, int j, const uint4* sx, const float* sxq,
                        float (&acc)[4][NT]) {
@@ -633,7 +689,30 @@ GV_DEV void tail_chunk(const u8* wt, int c, int cx, int K, int r4, int j, const 
     for (int i = 0; i < 4; ++i) {
         const int r = r4 + 4 * i;
         for (int u = j; u < 4 * m; u += 8) {
-            if constexpr (QT == 8) {
+            if constexpr (QT == 2 || QT == 20) {
+                // unit u: nibble (u >> 1) & 1 of qs bytes 8 (u & 1) .. of block u / 4, as signed bytes (qbytes')
+                const uint2 raw = GV_LDG((const uint2*)(tb + r * (C >> 1) + 16 * (u >> 2) + 8 * (u & 1)));
+                const u32 sh = 4u * (u32)((u >> 1) & 1);
+                u32 q0 = (raw.x >> sh) & 0x0F0F0F0Fu, q1 = (raw.y >> sh) & 0x0F0F0F0Fu;
+                float d = h2f(ldg_u16(tb + 16 * (C >> 1) + r * 2 * m + 2 * (u >> 2)));
+                if constexpr (QT == 2) {
+                    q0 = lop3_and_xor(q0 << 4, 0xF0F0F0F0u, 0x80808080u);
+                    q1 = lop3_and_xor(q1 << 4, 0xF0F0F0F0u, 0x80808080u);
+                    d *= 0.0625f;
+                } else {
+                    q0 = bits::iq4_lookup(q0);
+                    q1 = bits::iq4_lookup(q1);
+                }
+#pragma unroll
+                for (int n = 0; n < NT; ++n) {
+                    const uint4 xv = sx[(cx * NT + n) * 32 + u];
+                    int s = dp2a_lo(xv.x, q0, 0);
+                    s = dp2a_hi(xv.y, q0, s);
+                    s = dp2a_lo(xv.z, q1, s);
+                    s = dp2a_hi(xv.w, q1, s);
+                    acc[i][n] = fmaf(d * sxq[(cx * NT + n) * 16 + (u >> 1)], (float)s, acc[i][n]);
+                }
+            } else if constexpr (QT == 8) {
                 const uint2 q = GV_LDG((const uint2*)(tb + r * C + 8 * u));
                 const float d = h2f(ldg_u16(tb + 16 * C + r * 2 * m + 2 * (u >> 2)));
 #pragma unroll
@@ -924,7 +1003,7 @@ GV_DEV void warp_chunks(Raw<QT>& cur, const u8* wt, int c0, int c1, int K, int c
 
     int xu[4];
 #pragma unroll
-    for (int k = 0; k < 4; ++k) xu[k] = xunit<QT>(j, k);
+    for (int k = 0; k < 4; ++k) xu[k] = xunit<QT>(j, k, r4);
 
     for (int c = c0; c < c1f; ++c) {
         if constexpr (PREFETCH) {
@@ -965,7 +1044,7 @@ GV_DEV void warp_chunks(Raw<QT>& cur, const u8* wt, int c0, int c1, int K, int c
             }
         }
     }
-    if constexpr (QT == 1 || QT == 8) {
+    if constexpr (QT == 1 || QT == 8 || QT == 2 || QT == 20) {
         if (c1 > nfull) tail_chunk<QT, NT>(wt, nfull, nfull - cx0, K, r4, j, sx, sxq, acc);
     }
 }
@@ -1069,7 +1148,7 @@ __global__ void GV_BOUNDS(256) gemv_persist_kernel(const u8* __restrict__ W, lon
 
     int xu[4];
 #pragma unroll
-    for (int k = 0; k < 4; ++k) xu[k] = xunit<QT>(j, k);
+    for (int k = 0; k < 4; ++k) xu[k] = xunit<QT>(j, k, r4);
 
     int k = 0, phase = 0;  // item index and its buffer (k mod PD + 1)
     for (int ti = 0; ti < my_tiles; ++ti) {
@@ -1093,7 +1172,7 @@ __global__ void GV_BOUNDS(256) gemv_persist_kernel(const u8* __restrict__ W, lon
             }
             phase = phase == PD ? 0 : phase + 1;
         }
-        if constexpr (QT == 8) {
+        if constexpr (QT == 8 || QT == 2 || QT == 20) {
             if (c1 > nfull) tail_chunk<QT, NT>(W + (i64)tile * tile_bytes, nfull, nfull, K, r4, j, sx, sxq, acc);
         }
         finish_tile<NT>(acc, red + (ti & 1) * KW * 16 * NT, 16 * tile, N, y, ldy, accumulate);
@@ -1334,7 +1413,7 @@ static __device__ __forceinline__ void gemv_ring_body(const u8* __restrict__ W, 
 
     int xu[4];
 #pragma unroll
-    for (int k = 0; k < 4; ++k) xu[k] = xunit<QT>(j, k);
+    for (int k = 0; k < 4; ++k) xu[k] = xunit<QT>(j, k, r4);
     float acc[4][NT], gate[4][NT];  // SWIGLU: gate holds the gate tile's sums while acc takes the up tile's
 #pragma unroll
     for (int i = 0; i < 4; ++i)

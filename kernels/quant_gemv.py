@@ -30,17 +30,18 @@ CHUNK = 256
 SMEM_PER_SM = 228 * 1024
 SMEM_LIMIT = 227 * 1024
 
-# the types this kernel has (F16, Q8_0, Q4_K, Q5_K, Q6_K, IQ4_XS, Q3_K). Q5_K and IQ4_XS (session 40: their GPU tests
-# passed on an H200) take Q4_K's dispatch below (the same chunk walk, a few more bytes a block). Q3_K's has run only in
-# the CPU simulation so far: the dispatch tables below (CROSSOVER, RING_UP_TO) leave it out, so matmul() keeps its
-# products on v2 (explicit kernel="gemv" runs it, as tests/test_kernels_quant_gemv.py does)
-GEMV_QTYPES = frozenset({1, 8, 12, 13, 14, 23, 11})
-_INT = frozenset({8, 12, 13, 14, 23, 11})  # x staged as int16 with an fp32 scale per 16 values
+# the types this kernel has (F16, Q8_0, Q4_K, Q5_K, Q6_K, IQ4_XS, Q3_K, Q4_0, IQ4_NL). Q5_K and IQ4_XS (session 40:
+# their GPU tests passed on an H200), Q4_0 and IQ4_NL (session 41) take Q4_K's dispatch below (the same chunk walk, a
+# few more or fewer bytes a block). Q3_K (session 41) its own at 2 and 3 tokens: its per-tile kernel reads 0.31 / 0.22
+# of the copy bandwidth on ffn_up / ffn_down at 2 tokens (28.8 / 40.3 us, H200) where the wide kernel takes 26.2 /
+# 26.7, so the gemv kernels run it at one token only (RING_UP_TO 1)
+GEMV_QTYPES = frozenset({1, 2, 8, 11, 12, 13, 14, 20, 23})
+_INT = frozenset({2, 8, 11, 12, 13, 14, 20, 23})  # x staged as int16 with an fp32 scale per 16 values
 _SUMS = frozenset({12, 13, 14})  # and the fp32 sum of every 16 values (the K-quants' offsets)
 # Widest T for which matmul() takes this kernel instead of v2, per storage type: the widest at which it beat v2 on
 # every 27B matrix (bench/roofline.py --kernels gemv,v2,auto on an H100, docs/gpu_quant_matmul.md). Time stays
 # monotone in T across the switch (v2 is flat up to 16 tokens and slower than gemv at the crossover width).
-CROSSOVER = {1: 2, 8: 2, 12: 1, 13: 1, 14: 1, 23: 1}
+CROSSOVER = {1: 2, 8: 2, 12: 1, 13: 1, 14: 1, 23: 1, 2: 1, 20: 1, 11: 1}
 # Widest T for which gemv() launches the persistent variant (gemv_persist_kernel) instead of one block per tile, per
 # storage type (quantized types only); types not listed keep the per-tile kernel. Empty: on the H100 (docs/
 # gpu_quant_matmul.md, "gemv: persistent blocks") it won only on the 1088-tile ffn_up at T=1 (3-6 %), lost on
@@ -68,7 +69,7 @@ SPLIT_UP_TO: dict[int, int] = {}
 # every 27B matrix (decode step 8.99 -> 8.16 ms), 4 warps x 2 stages the best or within 3 % (fewer, smaller slots let
 # more blocks in); 2 / 3 tokens 0.67-0.94x / 0.78-0.92x v2's time; 4 tokens 0.93-1.13x (acc and x registers: 108-128
 # a thread from two tokens), so v2 from there. Q8_0 (no 27B matrix) was measured at one token only.
-RING_UP_TO: dict[int, int] = {8: 1, 12: 3, 13: 3, 14: 3, 23: 3}
+RING_UP_TO: dict[int, int] = {8: 1, 12: 3, 13: 3, 14: 3, 23: 3, 2: 3, 20: 3, 11: 1}
 RING_STAGES = 2
 MAX_RING_STAGES = 32  # the kernel keeps one parity bit per slot in a 32-bit word
 # Tall matrices (the LM head: 15520 tiles of 16 rows) stream best with more of each block in flight: H100, one

@@ -1037,17 +1037,32 @@ template <>
 struct Lay<11> {  // Q3_K {u8 hmask[32]; u8 qs[64]; u8 scales[12]; f16 d}: hmask+qs | scales+d, as Q6_K's split (the
     static constexpr int MAIN = 96, SIDE = 14, SWZ = 0;  // scale bytes as quant_matmul.Q3K_SIDE orders them)
 };
+// Q4_0 {f16 d; u8 qs[16]} and IQ4_NL (the same block of codebook indices): a full chunk's 8 blocks' qs (block b at
+// 16 b) | their 8 d's, a shorter last chunk as Q8_0's. SWZ 2: the qs's 8-byte pieces of tile row r at piece ^ 5 (r & 3)
+// (16-byte unit u at u ^ [0, 2, 5, 7][r & 3], its halves swapped in odd rows): frag2's 8-byte loads of a half-warp
+// (rows g, pieces 4t + 2c + (j & 1)) and the gemv ring's 16-byte loads of a quarter-warp (rows r4, units j) then fall
+// in distinct banks. (Q8_0's unit swizzle leaves frag2's loads two-way, the rows unswizzled four-way.)
+template <>
+struct Lay<2> {
+    static constexpr int MAIN = 128, SIDE = 16, SWZ = 2;
+};
+template <>
+struct Lay<20> {
+    static constexpr int MAIN = 128, SIDE = 16, SWZ = 2;
+};
 
-// bytes per row of a chunk of C values (C < 256 only for F16 / Q8_0 tails)
+// bytes per row of a chunk of C values (C < 256 only for the tails of F16 and the 32-value block types)
 template <int QT>
 SS_DEV int main_bytes(int C) {
     if constexpr (QT == 1) return 2 * C;
     if constexpr (QT == 8) return C;
+    if constexpr (QT == 2 || QT == 20) return C >> 1;
     return Lay<QT>::MAIN;
 }
 template <int QT>
 SS_DEV int side_bytes(int C) {
     if constexpr (QT == 8) return C >> 4;
+    if constexpr (QT == 2 || QT == 20) return C >> 4;
     return Lay<QT>::SIDE;
 }
 
@@ -1056,6 +1071,7 @@ constexpr u32 H_M64 = 0xD400D400u;   // half2(-64)
 constexpr u32 H1028 = 0x64046404u;      // half2(1028) = 1024 + 4 (Q3_K's offset)
 constexpr u32 H_QUARTER = 0x34003400u;  // half2(1/4)
 constexpr u32 H_M260 = 0xDC10DC10u;     // half2(-260) = -(1024 / 4 + 4)
+constexpr u32 H1032 = 0x64086408u;  // half2(1032) = 1024 + 8 (Q4_0's offset)
 
 // d = lop3(a, b, c) with truth table LUT (a = 0xF0, b = 0xCC, c = 0xAA); one instruction where the
 // compiler would otherwise split a masked OR into two.
@@ -1198,6 +1214,10 @@ SS_DEV RowState prep2(const u8* quants, const u8* side, int t) {
         const u32 dd = *(const u32*)(side + 4 * t);
         st.v[0] = bcast_lo(dd);
         st.v[1] = bcast_hi(dd);
+    } else if constexpr (QT == 2 || QT == 20) {  // Q4_0, IQ4_NL: d of blocks 2t, 2t+1, as Q8_0's
+        const u32 dd = *(const u32*)(side + 4 * t);
+        st.v[0] = bcast_lo(dd);
+        st.v[1] = bcast_hi(dd);
     } else if constexpr (QT == 23) {
         // IQ4_XS: sub-block b's 6-bit scale is the nibble b & 1 of scales_l[b / 2] plus bits 2b, 2b+1 of scales_h,
         // stored + 32; lane t needs b = 2t (v[0]) and 2t+1 (v[1]): d * (ls - 32), ls - 32 exact in fp16
@@ -1232,7 +1252,8 @@ SS_DEV u32 q8_pair(u32 w) { return lop3<LUT_SEL_XOR>(w, 0x00FF00FFu, 0x64806480u
 // Lane constants: Q6_K nibble selection; byte offsets of the swizzled 16-byte units (Q8_0, F16).
 struct LaneK {
     u32 mq, mh, mul, add;  // Q6_K
-    int off[8];            // Q8_0: [2c + jj] unit (4t + 2c + jj); F16: [4c + j] unit (8t + 4c + j)
+    int off[8];            // Q8_0: [2c + jj] unit (4t + 2c + jj); F16: [4c + j] unit (8t + 4c + j);
+                           // Q4_0 / IQ4_NL: [2c + h] 8-byte piece (4t + 2c + h) of row g (Lay<2>)
 };
 
 template <int QT>
@@ -1249,6 +1270,7 @@ SS_DEV LaneK lane_consts(int g, int t) {
         if constexpr (QT == 8) u = 4 * t + (i & 3);
         if constexpr (QT == 1) u = 8 * t + i;
         k.off[i] = 16 * (u ^ ((g + 2 * (u >> 3)) & 7));
+        if constexpr (QT == 2 || QT == 20) k.off[i] = 8 * ((4 * t + (i & 3)) ^ (5 * (g & 3)));
     }
     return k;
 }
@@ -1357,6 +1379,32 @@ SS_DEV void frag2(const u8* q, int t, const RowState& st, const LaneK& k, int j,
             a[4 + 2 * e] = hmul2(hfma2(r2, H_QUARTER, H_M260), s1);  // (1024 + 4u) / 4 - 260
             a[5 + 2 * e] = hmul2(hfma2(r3, H_QUARTER, H_M260), s1);
         }
+    } else if constexpr (QT == 2 || QT == 20) {
+        // blocks 2t (a[0..3]) and 2t+1 (a[4..7]): their values 8j..8j+7 are nibble j / 2 of qs bytes 8 (j & 1) ..
+        const uint2 qa = *(const uint2*)(q + k.off[j & 1]);
+        const uint2 qb = *(const uint2*)(q + k.off[2 + (j & 1)]);
+        const u32 as[2] = {qa.x, qa.y}, bs[2] = {qb.x, qb.y};
+        const u32 sh = 4u * (u32)(j >> 1);
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+            if constexpr (QT == 2) {
+                // q - 8 exact in fp16 ((1024 + q) - 1032), then one rounding: fp16(d (q - 8)). (The high nibbles as
+                // 1024 + 16 q through Q4_K's exact fma would save a shift, but then ptxas keeps more of the loads
+                // live: 254 registers instead of 188 at 3 token tiles x 2 row tiles, spills in the 64-register cap.)
+                const u32 va = as[e] >> sh, vb = bs[e] >> sh;
+                a[2 * e] = hmul2(hsub2(lop3<LUT_AND_OR>(va, 0x000F000Fu, H1024), H1032), st.v[0]);
+                a[2 * e + 1] = hmul2(hsub2(lop3<LUT_AND_OR>(va >> 8, 0x000F000Fu, H1024), H1032), st.v[0]);
+                a[4 + 2 * e] = hmul2(hsub2(lop3<LUT_AND_OR>(vb, 0x000F000Fu, H1024), H1032), st.v[1]);
+                a[5 + 2 * e] = hmul2(hsub2(lop3<LUT_AND_OR>(vb >> 8, 0x000F000Fu, H1024), H1032), st.v[1]);
+            } else {  // IQ4_NL: IQ4_XS's lookup, d the block's own: fp16(kv d), one rounding
+                const u32 va = bits::iq4_lookup((as[e] >> sh) & 0x0F0F0F0Fu);
+                const u32 vb = bits::iq4_lookup((bs[e] >> sh) & 0x0F0F0F0Fu);
+                a[2 * e] = hmul2(hsub2(q8_pair(va), H1152), st.v[0]);
+                a[2 * e + 1] = hmul2(hsub2(q8_pair(va >> 8), H1152), st.v[0]);
+                a[4 + 2 * e] = hmul2(hsub2(q8_pair(vb), H1152), st.v[1]);
+                a[5 + 2 * e] = hmul2(hsub2(q8_pair(vb >> 8), H1152), st.v[1]);
+            }
+        }
     } else if constexpr (QT == 8) {
         // block 2t (c = 0) and 2t+1 (c = 1) of the chunk, bytes 8j..8j+7 of each
         const uint2 qa = *(const uint2*)(q + k.off[j >> 1] + 8 * (j & 1));
@@ -1383,12 +1431,31 @@ SS_DEV void frag2(const u8* q, int t, const RowState& st, const LaneK& k, int j,
     }
 }
 
-// Tail chunk (F16 / Q8_0, C = 32m < 256 values, not swizzled): lane t owns values 8mt .. 8mt+8m-1, pair p
-// covers 8mt+8p .. +7 (unit p of packed x): a[0..1] values +{0..3}, a[2..3] +{4..7}.
+// Tail chunk (F16 and the 32-value block types, C = 32m < 256 values, not swizzled): lane t owns values 8mt ..
+// 8mt+8m-1, pair p covers 8mt+8p .. +7 (unit p of packed x): a[0..1] values +{0..3}, a[2..3] +{4..7}.
 template <int QT>
 SS_DEV void frag2_tail(const u8* q, const u8* side, int t, int m, int p, u32 (&a)[4]) {
     const int v0 = 8 * m * t + 8 * p;
-    if constexpr (QT == 8) {
+    if constexpr (QT == 2 || QT == 20) {
+        // block v0 / 32: nibble (v0 >> 4) & 1 of its qs bytes (v0 & 15) .. + 7 (p is not a constant: a shift)
+        const int b = v0 >> 5;
+        const u32 d2 = bcast2(rd16(side + 2 * b));
+        const uint2 w = *(const uint2*)(q + 16 * b + (v0 & 15));
+        const u32 sh = 4u * (u32)((v0 >> 4) & 1);
+        const u32 w0 = w.x >> sh, w1 = w.y >> sh;
+        if constexpr (QT == 2) {  // (1024 + q) - 1032 exact, then one rounding by d (frag2's values)
+            a[0] = hmul2(hsub2(lop3<LUT_AND_OR>(w0, 0x000F000Fu, H1024), H1032), d2);
+            a[1] = hmul2(hsub2(lop3<LUT_AND_OR>(w0 >> 8, 0x000F000Fu, H1024), H1032), d2);
+            a[2] = hmul2(hsub2(lop3<LUT_AND_OR>(w1, 0x000F000Fu, H1024), H1032), d2);
+            a[3] = hmul2(hsub2(lop3<LUT_AND_OR>(w1 >> 8, 0x000F000Fu, H1024), H1032), d2);
+        } else {
+            const u32 v0w = bits::iq4_lookup(w0 & 0x0F0F0F0Fu), v1w = bits::iq4_lookup(w1 & 0x0F0F0F0Fu);
+            a[0] = hmul2(hsub2(q8_pair(v0w), H1152), d2);
+            a[1] = hmul2(hsub2(q8_pair(v0w >> 8), H1152), d2);
+            a[2] = hmul2(hsub2(q8_pair(v1w), H1152), d2);
+            a[3] = hmul2(hsub2(q8_pair(v1w >> 8), H1152), d2);
+        }
+    } else if constexpr (QT == 8) {
         const u32 d2 = bcast2(rd16(side + 2 * (v0 >> 5)));
         const uint2 w = *(const uint2*)(q + v0);
         a[0] = hmul2(hsub2(q8_pair(w.x), H1152), d2);
@@ -1436,12 +1503,12 @@ SS_DEV uint4 ld_unit(const uint4* xr, int idx, const XUnit& xu) {
     }
 }
 
-// acc += the MT tiles of a tail chunk (F16 / Q8_0, C = 32 m < 256 values) times all TPAD tokens, for the v2 and the
-// wide kernel: wst the warp's first tile block in its stage, xr this lane's token row's first packed-x record of the
-// chunk.
+// acc += the MT tiles of a tail chunk (F16 / Q8_0 / Q4_0 / IQ4_NL, C = 32 m < 256 values) times all TPAD tokens, for
+// the v2 and the wide kernel: wst the warp's first tile block in its stage, xr this lane's token row's first packed-x
+// record of the chunk.
 template <int QT, int NT, int MT>
 SS_DEV void tail_mma(float (&acc)[MT][NT][4], const u8* wst, const uint4* xr, int C, int g, int t) {
-    if constexpr (QT == 1 || QT == 8) {
+    if constexpr (QT == 1 || QT == 8 || QT == 2 || QT == 20) {
         constexpr int BLK = 16 * (Lay<QT>::MAIN + Lay<QT>::SIDE);
         constexpr int TPAD = 8 * NT;
         const int m = C >> 5;  // 1..7 pairs per lane
@@ -1552,7 +1619,7 @@ __global__ void SS_BOUNDS(256, (MT == 1 && NT == 1 && QT != 14) ? 4 : 1) qmv_ker
     auto issue_next = [&](int idx) {
         if (idx < total) {
             const int ch = c0 + ic;
-            const int rest = K - ch * CHUNK;  // a tail chunk (F16, Q8_0) is shorter
+            const int rest = K - ch * CHUNK;  // a tail chunk (F16, 32-value blocks) is shorter
             const int bytes = rest >= CHUNK ? BLK : 16 * (main_bytes<QT>(rest) + side_bytes<QT>(rest));
             issue_blocks<MT>(wsm + sx * STAGE_BYTES, wsm_s + (u32)(sx * STAGE_BYTES), bars_s + 8u * (u32)sx, src,
                              tile_stride, bytes, BLK, lane, imin(MT, ntiles - itile));
@@ -1793,7 +1860,7 @@ SS_DEV unsigned int peek_count(unsigned int* counter) {
 }
 
 // acc += this warp's MT tiles of one chunk times all TPAD tokens. wst: the warp's first tile block in the stage
-// (tiles BLK bytes apart); xs: the chunk's packed x in the stage; C: the chunk's length (256, or a F16 / Q8_0 tail).
+// (tiles BLK bytes apart); xs: the chunk's packed x in the stage; C: the chunk's length (256, or a tail of F16 or 32-value blocks).
 template <int QT, int NT, int MT>
 SS_DEV void wide_chunk(float (&acc)[MT][NT][4], const u8* wst, const uint4* xs, int C, int g, int t, const LaneK& lk) {
     using L = Lay<QT>;
@@ -2001,7 +2068,7 @@ SS_DEV void wide_chunk_wg(float (&acc)[MT][NT][4], const u8* wst, u32 xs_s, int 
     constexpr int BLK = 16 * (L::MAIN + L::SIDE);
     constexpr int TPAD = 8 * NT;
     const u32 d0 = __shfl_sync(0xffffffffu, wg_desc_lo(xs_s), 0);  // warp-uniform: the descriptors in uniform registers
-    if constexpr (QT == 1 || QT == 8) {
+    if constexpr (QT == 1 || QT == 8 || QT == 2 || QT == 20) {
         if (C != CHUNK) {  // tail: pair p of each lane's 8 m values, two k-steps (record p's first and second 32 bytes)
             const int m = C >> 5, mb = main_bytes<QT>(C), sb = side_bytes<QT>(C);
             for (int p = 0; p < m; ++p) {
@@ -2337,7 +2404,7 @@ __global__ void SS_BOUNDS(288, 1) qmw_kernel(const u8* __restrict__ W, long long
             __syncthreads();  // every thread's pieces of item idx have landed
 #endif
             const u8* const stage = smem + s * SB;
-            // K-quant rows are whole 256-value super-blocks: only F16 / Q8_0 have a shorter last chunk
+            // K-quant rows are whole 256-value super-blocks: F16 and 32-value blocks may end in a shorter chunk
             const int C = (QT == 11 || QT == 12 || QT == 13 || QT == 14 || QT == 23) ? CHUNK : imin(CHUNK, K - (ch0 + c) * CHUNK);
 #if SS_WG
             wide_chunk_wg<QT, NT, MT>(acc, stage + XB + warp * MT * BLK, smem_s + (u32)(s * SB), C, g, t, lk);

@@ -9,8 +9,8 @@ once whatever the width. NumPy twin: services.engine.quants.dequantize.
     y = W.matmul(x)            # x: cupy [T, in] float16 (or float32) -> y: cupy [T, out] float32
 
 Supported storage types: F16, Q8_0, Q4_K, Q6_K (what a Qwen3.6 Q4_K_M file holds in its matrices), Q5_K (a Q5_K_M /
-Q5_K_S file's) and IQ4_XS; every kernel here and in quant_gemv / quant_wide dequantizes each of them. Q3_K: the kernels
-dequantize it too, so far checked in the CPU simulation only (UNPROVEN_QTYPES: the engine keeps it as F16).
+Q5_K_S file's), IQ4_XS, Q3_K (a Q3_K_M file's), Q4_0 and IQ4_NL; every kernel here and in quant_gemv / quant_wide
+dequantizes each of them.
 Activations: fp16 is the native input; float32 input is rounded to fp16 by the packing kernel. Products
 accumulate in fp32 on the tensor cores (mma.sync m16n8k16), and the weights are dequantized to fp16 on the
 way (so results carry fp16 rounding of x and of each dequantized weight: relative error ~3e-4).
@@ -43,12 +43,14 @@ SOURCE = "quant_matmul.cu"
 
 # ggml type ids (gguf.GGMLQuantizationType values)
 F16 = 1
+Q4_0 = 2
 Q8_0 = 8
 Q3_K = 11
 Q4_K = 12
 Q5_K = 13
 Q6_K = 14
 IQ4_XS = 23
+IQ4_NL = 20
 
 # qtype -> (name, values per block, bytes per block, shared-memory bytes per row slot)
 _TYPES: dict[int, tuple[str, int, int, int]] = {
@@ -59,13 +61,15 @@ _TYPES: dict[int, tuple[str, int, int, int]] = {
     Q5_K: ("Q5_K", 256, 176, 176),
     Q6_K: ("Q6_K", 256, 210, 240),
     IQ4_XS: ("IQ4_XS", 256, 136, 136),
+    Q4_0: ("Q4_0", 32, 18, 144),
+    IQ4_NL: ("IQ4_NL", 32, 18, 144),
 }
 # types whose v2 dequantization has run in the CPU simulation only: QuantMatrix takes them (the GPU tests do), the
 # engine and the memory plan keep them as F16 until a GPU run of tests/test_kernels_quant_matmul.py passes (IQ4_XS
-# passed on an H200 in session 40); a new type starts here: Q3_K (session 41)
-UNPROVEN_QTYPES: frozenset[int] = frozenset((Q3_K,))
+# passed on an H200 in session 40; Q3_K, Q4_0 and IQ4_NL in session 41); a new type starts here
+UNPROVEN_QTYPES: frozenset[int] = frozenset()
 SUPPORTED_QTYPES = frozenset(_TYPES) - UNPROVEN_QTYPES
-# the v1 kernel's types (not Q3_K, Q5_K, IQ4_XS: v2 and the kernels on its layout)
+# the v1 kernel's types (not Q3_K, Q5_K, IQ4_XS, Q4_0, IQ4_NL: v2 and the kernels on its layout)
 V1_QTYPES = frozenset((F16, Q8_0, Q4_K, Q6_K))
 
 KERNELS = ("v2", "v1")
@@ -98,8 +102,10 @@ def smem_bytes(qtype: int) -> int:
 # v2 (qmv_kernel): bytes per row of a full 256-value chunk in the tiled layout (quants + side data), and
 # whether the quants' 16-byte units are swizzled (kernel constants ss::Lay<QT>)
 _CHUNK_ROW_BYTES = {F16: (512, 0), Q8_0: (256, 16), Q4_K: (144, 0), Q5_K: (176, 0), Q6_K: (192, 18),
-                    IQ4_XS: (128, 8), Q3_K: (96, 14)}
+                    IQ4_XS: (128, 8), Q3_K: (96, 14), Q4_0: (128, 16), IQ4_NL: (128, 16)}
 _SWIZZLED = frozenset({F16, Q8_0})
+# Q4_0 / IQ4_NL full chunks: the quants' 8-byte pieces swizzled instead (piece s of row r at s ^ 5 (r & 3): ss::Lay<2>)
+_PIECE_SWIZZLED = frozenset({Q4_0, IQ4_NL})
 # Q3_K's side bytes in the v2 layout: scales 0, 2, 1, 3, 4, 6, 5, 7, 8, 10, 9, 11 then d. A gemv lane's two runs take
 # sub-blocks whose scale bytes are 2 apart (their low nibbles in scales[c], [c + 2], top bits in [8 + p], [10 + p]):
 # so each pair is one aligned 16-bit word (side rows are 14 bytes, 2-byte aligned), two loads instead of four.
@@ -149,11 +155,12 @@ def device_layout(qtype: int, raw: Any) -> Any:
     """The v2 kernel's tiled layout of packed GGUF rows `raw` [n_out, row_bytes] (numpy or cupy uint8).
 
     Rows are padded with zeros to a multiple of 16. For each 16-row tile and each 256-value chunk of K one
-    contiguous block follows: the 16 rows' quants, then the 16 rows' side data (Q8_0: qs | d; Q6_K: ql+qh |
-    scales+d; IQ4_XS: qs | d, scales_h, scales_l; Q4_K, Q5_K and F16: whole, no side data); a shorter last chunk
-    (F16 / Q8_0 when K % 256 != 0) comes last the same way. Every block starts 16-byte aligned and no byte is added
-    or dropped per row. In full chunks of F16 and Q8_0 the 16-byte units of tile row r's quants are permuted (unit u
-    stored at u ^ ((r + 2 (u >> 3)) & 7)) so that the lanes' shared-memory reads fall in distinct banks.
+    contiguous block follows: the 16 rows' quants, then the 16 rows' side data (Q8_0, Q4_0, IQ4_NL: qs | d; Q6_K:
+    ql+qh | scales+d; IQ4_XS: qs | d, scales_h, scales_l; Q4_K, Q5_K and F16: whole, no side data); a shorter last
+    chunk (F16 and the 32-value block types when K % 256 != 0) comes last the same way. Every block starts 16-byte
+    aligned and no byte is added or dropped per row. In full chunks of F16 and Q8_0 the 16-byte units of tile row r's
+    quants are permuted (unit u stored at u ^ ((r + 2 (u >> 3)) & 7)), in those of Q4_0 and IQ4_NL their 8-byte pieces
+    (piece s at s ^ 5 (r & 3)), so that the lanes' shared-memory reads fall in distinct banks.
     Q3_K splits like Q6_K: hmask+qs (96 bytes) | scales+d (14), its scale bytes in the order Q3K_SIDE.
     Returns a flat uint8 array of ceil(n_out / 16) * 16 * row_bytes bytes.
     """
@@ -184,10 +191,10 @@ def device_layout(qtype: int, raw: Any) -> Any:
     elif qtype == Q3_K:
         blocks = raw.reshape(npad, nfull, 110)
         main, side = blocks[:, :, :96], blocks[:, :, 96:][:, :, xp.asarray(Q3K_SIDE)]
-    else:  # Q8_0
-        blocks = raw.reshape(npad, k // 32, 34)
+    else:  # Q8_0, Q4_0, IQ4_NL: {f16 d; qs}
+        blocks = raw.reshape(npad, k // 32, bb)
         qs, d = blocks[:, :, 2:], blocks[:, :, :2]
-        main = qs[:, : 8 * nfull].reshape(npad, nfull, 256)
+        main = qs[:, : 8 * nfull].reshape(npad, nfull, main_b)
         side = d[:, : 8 * nfull].reshape(npad, nfull, 16)
         t_main = qs[:, 8 * nfull :].reshape(npad, -1)
         t_side = d[:, 8 * nfull :].reshape(npad, -1)
@@ -198,6 +205,12 @@ def device_layout(qtype: int, raw: Any) -> Any:
         src = p ^ ((r + 2 * (p >> 3)) & 7)  # stored unit p of row r holds unit src (the map is an involution)
         idx = xp.asarray(np.ascontiguousarray(src.reshape(1, TILE_ROWS, 1, units, 1)))
         m5 = main.reshape(tiles, TILE_ROWS, nfull, units, 16)
+        main = xp.take_along_axis(m5, xp.broadcast_to(idx, m5.shape), axis=3)
+    elif qtype in _PIECE_SWIZZLED and nfull:
+        r = np.arange(TILE_ROWS)[:, None]
+        src = np.arange(16)[None, :] ^ (5 * (r & 3))  # an involution too
+        idx = xp.asarray(np.ascontiguousarray(src.reshape(1, TILE_ROWS, 1, 16, 1)))
+        m5 = main.reshape(tiles, TILE_ROWS, nfull, 16, 8)
         main = xp.take_along_axis(m5, xp.broadcast_to(idx, m5.shape), axis=3)
     parts = []
     if nfull:

@@ -48,12 +48,14 @@ BARRIER_BYTES = 16  # per stage: the full and empty mbarriers
 # stream-K split wins from 9 tokens. So: the wide kernel from CROSSOVER[qtype] tokens, from DEEP_CROSSOVER[qtype] on
 # deep matrices and TALL_CROSSOVER[qtype] on tall ones (a type missing there: CROSSOVER); gemv keeps the widths up to
 # quant_gemv.CROSSOVER. (Those sweeps predate v2's address fix: DEEP_CROSSOVER was re-measured after it, below.)
-# F16, Q8_0, Q4_K, Q6_K; Q5_K and IQ4_XS (v2's frag2 takes them; their GPU tests passed in session 40) as Q4_K here and
-# in the tables below
-CROSSOVER = {1: 17, 8: 25, 12: 25, 13: 25, 14: 25, 23: 25}
-# the types the kernel has; Q3_K (v2's frag2 takes it) so far run only in the CPU simulation: without a CROSSOVER entry
-# prefer_wide never picks the kernel for it (kernel="wide" runs it, as tests/test_kernels_quant_wide.py does)
-WIDE_QTYPES = frozenset((1, 8, 12, 13, 14, 23, 11))
+# F16, Q8_0, Q4_K, Q6_K; Q5_K and IQ4_XS (v2's frag2 takes them; their GPU tests passed in session 40), Q4_0, IQ4_NL
+# and Q3_K (session 41) as Q4_K here and in the tables below, but Q3_K on deep and high matrices from 2 tokens: the gemv
+# kernels run it at one token only (quant_gemv.RING_UP_TO), and from 2 the wide kernel beats v2 there (H200, 2 tokens:
+# ffn_up 26.2 vs 29.4 us, ffn_down 26.7 vs 32.6; bench/roofline.py, docs/benchmarks.md "Session 41")
+CROSSOVER = {1: 17, 8: 25, 12: 25, 13: 25, 14: 25, 23: 25, 2: 25, 20: 25, 11: 25}
+# the types the kernel has: those above (a type without a CROSSOVER entry: prefer_wide never picks the kernel for it,
+# kernel="wide" runs it)
+WIDE_QTYPES = frozenset((1, 2, 8, 11, 12, 13, 14, 20, 23))
 # Deep: since v2 lost its per-load index math (ceea517) it is level with or ahead of the wide kernel on ffn_down up to
 # 16-23 tokens (H100: Q4_K 31.3 vs 34.4 us at 16, 33.2 vs 33.0 at 23; Q6_K 41.2 vs 43.2 at 16, 44.2 vs 41.3 at 23);
 # in the 27B step (graph replay, interleaved) these crossovers beat 9 everywhere: -0.4 / -1.0 / -0.9 / -0.8 % at 12 /
@@ -71,8 +73,8 @@ WIDE_QTYPES = frozenset((1, 8, 12, 13, 14, 23, 11))
 # gemv_ab.py --step-ab wide4, H100, three rounds): 0.932 / 0.927 / 0.931 at widths 4 / 6 / 8; every K-quant matrix
 # from 4 (--step-ab all4) 1.032 / 1.033 / 1.040 / 1.037 of that at 4 / 8 / 12 / 16, the LM head from 4 too (tall4)
 # 1.001-1.002: neither taken.
-DEEP_CROSSOVER = {12: 4, 13: 4, 14: 4, 23: 4}  # the K-quants and IQ4_XS (F16 / Q8_0: no sweep yet)
-TALL_CROSSOVER = {12: 9, 13: 9, 14: 9, 23: 9}  # tall matrices (a type missing: DEEP_CROSSOVER)
+DEEP_CROSSOVER = {12: 4, 13: 4, 14: 4, 23: 4, 2: 4, 20: 4, 11: 2}  # (F16 / Q8_0: no sweep yet)
+TALL_CROSSOVER = {12: 9, 13: 9, 14: 9, 23: 9, 2: 9, 20: 9, 11: 9}  # tall matrices (a type missing: DEEP_CROSSOVER)
 TALL_ROWS = 65536  # a matrix of this many rows or more is "tall"
 # A deep matrix of fewer rows keeps CROSSOVER. The 27B's attn_v (1024 x 5120, its own product where its type differs
 # from q / k's) runs the wide kernel at 1.6x v2's time from 4 to 16 tokens (H200, Q4_K: 11.1 vs 6.9 us at 8;
@@ -85,7 +87,7 @@ DEEP_MIN_ROWS = 2048
 # ffn_up 30.6 vs v2 31.1 us at 23 tokens (29.3 vs 28.8 at 16), and the 27B step (graph replay, H100, 2026-11-27)
 # -2.5 / -2.3 / -2.4 % at widths 17 / 20 / 23; Q4_K's deep matrices from 17 as well gave back a third of that.
 # (a type missing: CROSSOVER; from 9 in session 24, from 4 in 25: DEEP_CROSSOVER)
-HIGH_CROSSOVER = {12: 4, 13: 4, 14: 4, 23: 4}
+HIGH_CROSSOVER = {12: 4, 13: 4, 14: 4, 23: 4, 2: 4, 20: 4, 11: 2}
 HIGH_ROWS = 16384
 # Mid-high (MID_ROWS..HIGH_ROWS - 1 rows, neither deep nor tall: the attention's q|k|v and q|k stacks of 14336 / 13312
 # rows, the DeltaNet attn_qkv of 10240 rows that the more-bits layers keep apart as Q6_K) from 17 tokens. Session 27
@@ -95,7 +97,7 @@ HIGH_ROWS = 16384
 # / 8 / 16 / 23 (from 6144 rows, the DeltaNet gate stack of 6240 too: 1.0079 / 1.0076 / 1.0071 / 0.9955), so these from
 # 17 only; the 5120 x 6144 projections and the 6240-row gate stack keep v2 (at 23: 15.6 vs 15.3 us, 14.7 vs 13.7).
 # Session 30 (--step-ab mid): this rule's step 0.9862 / 0.9869 / 0.9924 of v2 up to 24 at 17 / 20 / 23.
-MID_CROSSOVER = {12: 17, 13: 17, 14: 17, 23: 17}  # (a type missing: CROSSOVER)
+MID_CROSSOVER = {12: 17, 13: 17, 14: 17, 23: 17, 2: 17, 20: 17, 11: 17}  # (a type missing: CROSSOVER)
 MID_ROWS = 10240
 # x in the wgmma order (PackedX.order 1): the wide kernel from these widths on every matrix of the type (a type missing:
 # the shape's crossover). Empty: a pack takes that order only for products the dispatch puts on the wide kernel anyway
@@ -127,7 +129,8 @@ WARPS = 4
 # Session 30: 5 token tiles (33..40 tokens), which no sweep had covered, too (--step-ab w5tiles, three rounds, with the
 # tall shape at 5 below): the step 0.9643 / 0.9623 at widths 36 / 40 (the tall shape alone 0.9946 / 0.995); at 7 and 8
 # tiles 3 stages lose (--step-ab w78tiles: 1.0115 / 1.0689 at 56 / 64).
-STAGES3_TILES = {12: (3, 4, 5, 6), 13: (3, 4, 5, 6), 14: (2, 3, 4, 5, 6), 23: (3, 4, 5, 6)}
+STAGES3_TILES = {12: (3, 4, 5, 6), 13: (3, 4, 5, 6), 14: (2, 3, 4, 5, 6), 23: (3, 4, 5, 6), 2: (3, 4, 5, 6),
+                 20: (3, 4, 5, 6), 11: (3, 4, 5, 6)}
 # per type, token tiles -> (m16 tiles per warp, warps) of a matrix of VERY_HIGH_ROWS rows or more that is neither deep
 # nor tall (the 27B's stacked gate|up of 34816 rows); elsewhere M_TILES, WARPS. Session 27 (H100): at 6 token tiles 8
 # warps x 2 tiles (256 rows a block, one block a SM: x staged once for 4x the rows), Q4_K gate|up at 41 tokens 60.3 vs
@@ -479,7 +482,7 @@ WGMMA = True
 WG_FROM = 17
 # per storage type, the width from which a product of x in the wgmma order runs the wgmma build (below it, or a type
 # missing: the mma.sync build reading that order)
-WG_TYPES: dict[int, int] = {1: 1, 8: 1, 12: 1, 13: 1, 14: 25, 23: 1}
+WG_TYPES: dict[int, int] = {1: 1, 8: 1, 12: 1, 13: 1, 14: 25, 23: 1, 2: 1, 20: 1, 11: 1}
 # A-fragment register sets the wgmma build keeps in flight, per storage type (2..4, missing: 2; a word pair's
 # dequantization overlaps the groups of depth - 1 pairs before it; SS_WG_DEPTH). 2 measured (session 35); 3 costs Q4_K
 # at 3 token tiles 121 -> 148 registers (a block a SM fewer), Q6_K 128 -> 152 (its 2 blocks a SM are set by shared

@@ -248,9 +248,9 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Synthetic models for benchmarks: the real shapes, tensor types and metadata "
                        "with random valid weights, written streaming; see services/engine/synthetic.py.")
     m.add_argument("--shape", required=True, choices=["qwen3.6-27b", "tiny"])
-    m.add_argument("--quant", default="q4_k_m", choices=["q4_k_m", "q5_k_m", "iq4_xs", "q3_k_m"],
-                   help="tensor type mix (llama.cpp's Q4_K_M / Q5_K_M; iq4_xs, q3_k_m: Q4_K_M's with IQ4_XS, Q3_K for "
-                   "Q4_K)")
+    m.add_argument("--quant", default="q4_k_m", choices=["q4_k_m", "q5_k_m", "iq4_xs", "q4_0", "iq4_nl", "q3_k_m"],
+                   help="tensor type mix (llama.cpp's Q4_K_M / Q5_K_M; iq4_xs, q4_0, iq4_nl, q3_k_m: Q4_K_M's with "
+                   "IQ4_XS / Q4_0 / IQ4_NL / Q3_K for Q4_K)")
     m.add_argument("--out", required=True, help="folder to write the GGUF files into")
     m.add_argument("--seed", type=int, default=0)
     m.add_argument("--ctx", type=int, default=None, help="context_length to store (default: the real model's)")

@@ -97,6 +97,8 @@ extern "C" int sim_qmv(int qt, int nt, int mt, int kw, int stages, const unsigne
         case 13: g_body = pick_qmv<13>(nt, mt); break;
         case 23: g_body = pick_qmv<23>(nt, mt); break;
         case 11: g_body = pick_qmv<11>(nt, mt); break;
+        case 2: g_body = pick_qmv<2>(nt, mt); break;
+        case 20: g_body = pick_qmv<20>(nt, mt); break;
         case 14: g_body = pick_qmv<14>(nt, mt); break;
         default: g_body = nullptr;
     }

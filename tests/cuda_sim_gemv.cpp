@@ -113,6 +113,17 @@ static void (*pick(int nt, int pd))() {
     return pd == 0 ? pick_nt<QT, 0>(nt) : nullptr;
 }
 
+// Q4_0 and IQ4_NL (not dispatched to these kernels yet): the widths their tests use only, so the library's every
+// build does not pay their full instantiation
+template <int QT>
+static void (*pick_few(int nt, int pd))() {
+    if (pd < 0 || pd > 2 || nt < 1 || nt > 3) return nullptr;
+    static void (*const bodies[3][3])() = {{body<QT, 1, 0>, body<QT, 2, 0>, body<QT, 3, 0>},
+                                           {body<QT, 1, 1>, body<QT, 2, 1>, body<QT, 3, 1>},
+                                           {body<QT, 1, 2>, body<QT, 2, 2>, body<QT, 3, 2>}};
+    return bodies[pd][nt - 1];
+}
+
 // One launch of `grid` blocks (0: ceil(N / 16), one per tile) of 32 kw threads, one after another; pd = 0: the
 // per-tile kernel, 1 / 2: the persistent one with that prefetch depth (F16 has none: pd must be 0). Returns the
 // simulation errors, or -1 for an instantiation this harness does not hold. ldy: y's row stride in floats. xq: the
@@ -126,6 +137,8 @@ extern "C" int sim_gemv(int qt, int nt, const unsigned char* W, long long row_by
         case 13: g_body = pick<13>(nt, pd); break;
         case 23: g_body = pick<23>(nt, pd); break;
         case 11: g_body = pick<11>(nt, pd); break;
+        case 2: g_body = pick_few<2>(nt, pd); break;
+        case 20: g_body = pick_few<20>(nt, pd); break;
         case 14: g_body = pick<14>(nt, pd); break;
         default: g_body = nullptr;
     }
@@ -171,6 +184,8 @@ extern "C" int sim_gemv_split(int qt, int nt, const unsigned char* W, long long 
         case 13: g_body = pick_split<13>(nt); break;
         case 23: g_body = pick_split<23>(nt); break;
         case 11: g_body = pick_split<11>(nt); break;
+        case 2: g_body = nt == 1 ? split_body<2, 1> : nt == 2 ? split_body<2, 2> : nullptr; break;
+        case 20: g_body = nt == 1 ? split_body<20, 1> : nt == 2 ? split_body<20, 2> : nullptr; break;
         case 14: g_body = pick_split<14>(nt); break;
         default: g_body = nullptr;
     }
@@ -218,6 +233,8 @@ extern "C" int sim_gemv_ring(int qt, int nt, const unsigned char* W, long long r
         case 13: g_body = pick_ring<13>(nt); break;
         case 23: g_body = pick_ring<23>(nt); break;
         case 11: g_body = pick_ring<11>(nt); break;
+        case 2: g_body = pick_ring<2>(nt); break;
+        case 20: g_body = pick_ring<20>(nt); break;
         case 14: g_body = pick_ring<14>(nt); break;
         default: g_body = nullptr;
     }

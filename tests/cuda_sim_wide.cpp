@@ -107,7 +107,8 @@ static void (*pick_nt(int nt))() {
     return nullptr;
 }
 
-// Q5_K and IQ4_XS (the types whose wide launches the dispatch does not take yet): the token-tile counts their tests use
+// Q5_K, IQ4_XS, Q4_0 and IQ4_NL (the types whose wide launches the dispatch does not take yet, or took last): the
+// token-tile counts their tests use
 // only, so the library's every build does not pay their full instantiation
 template <int QT, int MT, bool WIDE>
 static void (*pick_nt_few(int nt))() {
@@ -137,6 +138,8 @@ static void (*pick(int qt, int nt, int mt))() {
         case 13: return mt == 1 ? pick_nt_few<13, 1, WIDE>(nt) : pick_nt_few<13, 2, WIDE>(nt);
         case 23: return mt == 1 ? pick_nt_few<23, 1, WIDE>(nt) : pick_nt_few<23, 2, WIDE>(nt);
         case 11: return mt == 1 ? pick_nt_few<11, 1, WIDE>(nt) : pick_nt_few<11, 2, WIDE>(nt);  // Q3_K (session 41)
+        case 2: return mt == 1 ? pick_nt_few<2, 1, WIDE>(nt) : pick_nt_few<2, 2, WIDE>(nt);
+        case 20: return mt == 1 ? pick_nt_few<20, 1, WIDE>(nt) : pick_nt_few<20, 2, WIDE>(nt);
         case 14: return mt == 1 ? pick_nt<14, 1, WIDE>(nt) : pick_nt<14, 2, WIDE>(nt);
     }
     return nullptr;

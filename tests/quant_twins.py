@@ -34,10 +34,11 @@ kquants, legacy, iquants = _load_twins()
 
 # values, bytes a block; the fp16 scales' offsets in a block
 BLOCK = {qm.F16: (1, 2), qm.Q8_0: (32, 34), qm.Q4_K: (256, 144), qm.Q5_K: (256, 176), qm.Q6_K: (256, 210),
-         qm.IQ4_XS: (256, 136), qm.Q3_K: (256, 110)}
-FP16_FIELDS = {qm.Q8_0: (0,), qm.Q4_K: (0, 2), qm.Q5_K: (0, 2), qm.Q6_K: (208,), qm.IQ4_XS: (0,), qm.Q3_K: (108,)}
+         qm.IQ4_XS: (256, 136), qm.Q3_K: (256, 110), qm.Q4_0: (32, 18), qm.IQ4_NL: (32, 18)}
+FP16_FIELDS = {qm.Q8_0: (0,), qm.Q4_K: (0, 2), qm.Q5_K: (0, 2), qm.Q6_K: (208,), qm.IQ4_XS: (0,), qm.Q3_K: (108,),
+               qm.Q4_0: (0,), qm.IQ4_NL: (0,)}
 NAMES = {qm.F16: "F16", qm.Q8_0: "Q8_0", qm.Q4_K: "Q4_K", qm.Q5_K: "Q5_K", qm.Q6_K: "Q6_K", qm.IQ4_XS: "IQ4_XS",
-         qm.Q3_K: "Q3_K"}
+         qm.Q3_K: "Q3_K", qm.Q4_0: "Q4_0", qm.IQ4_NL: "IQ4_NL"}
 
 # (storage type, (out, in)) the GPU matmul kernels are checked on: every type at three shapes (rows not a multiple of
 # 16 among them), and the F16 / Q8_0 tail chunks
@@ -87,7 +88,8 @@ def dequantize(qtype: int, raw: np.ndarray, n_out: int, k: int) -> np.ndarray:
         return raw.reshape(-1).view(np.float16).astype(np.float64).reshape(n_out, k)
     blocks = raw.reshape(-1, BLOCK[qtype][1])
     decode = {qm.Q8_0: legacy.dequantize_q8_0, qm.Q4_K: kquants.dequantize_q4_k, qm.Q5_K: kquants.dequantize_q5_k,
-              qm.Q6_K: kquants.dequantize_q6_k, qm.IQ4_XS: iquants.dequantize_iq4_xs, qm.Q3_K: kquants.dequantize_q3_k}
+              qm.Q6_K: kquants.dequantize_q6_k, qm.IQ4_XS: iquants.dequantize_iq4_xs, qm.Q3_K: kquants.dequantize_q3_k,
+              qm.Q4_0: legacy.dequantize_q4_0, qm.IQ4_NL: iquants.dequantize_iq4_nl}
     return decode[qtype](blocks).astype(np.float64).reshape(n_out, k)
 
 

@@ -1,9 +1,10 @@
 """Files in the storage types the GPU kernels learnt last, on the GPU engine: a Q5_K_M file (`make-synthetic --quant
 q5_k_m`: Q5_K matrices, Q6_K on the LM head and the "more bits" layers, a Q5_K token table the device cannot decode),
-an IQ4_XS one (`--quant iq4_xs`) and a Q3_K one (`--quant q3_k_m`; the engine takes Q3_K natively once it leaves
-quant_matmul.UNPROVEN_QTYPES, so this test lifts that for itself): every matrix goes up in its stored type (none as
-F16), and the GPU step's logits follow the NumPy engine's at prompt and verify widths, teacher-forced (each width on
-the kernel the dispatch picks: gemv / ring, v2, wide; v2 at every width for a type still in UNPROVEN_QTYPES).
+an IQ4_XS one (`--quant iq4_xs`), and Q3_K / Q4_0 / IQ4_NL ones (`--quant q3_k_m` / `q4_0` / `iq4_nl`; the engine
+takes them natively since they left quant_matmul.UNPROVEN_QTYPES; the test lifts that for a type still there): every
+matrix goes up in its stored type (none as F16), and the GPU step's logits follow the NumPy engine's at prompt and
+verify widths, teacher-forced (each width on the kernel the dispatch picks: gemv / ring, v2, wide; v2 at every width
+for a type still in UNPROVEN_QTYPES).
 
 Needs CuPy and a CUDA GPU; skipped (with the reason) anywhere else. Tolerance: max |GPU - NumPy| over the row's logits
 spread, 0.07 as for tests/test_kernels_quant_wide.py's 64-token chain: on these random tiny models the fp16
@@ -35,7 +36,8 @@ REL_TOL = 0.07
 
 
 MIXES = {"q5_k_m": gguf.GGMLQuantizationType.Q5_K, "iq4_xs": gguf.GGMLQuantizationType.IQ4_XS,
-         "q3_k_m": gguf.GGMLQuantizationType.Q3_K}
+         "q3_k_m": gguf.GGMLQuantizationType.Q3_K, "q4_0": gguf.GGMLQuantizationType.Q4_0,
+         "iq4_nl": gguf.GGMLQuantizationType.IQ4_NL}
 
 
 @pytest.mark.parametrize("quant", list(MIXES))

@@ -27,10 +27,11 @@ ROOT = Path(__file__).resolve().parents[1]
 SOURCE = ROOT / "kernels" / "quant_matmul.cu"
 HARNESS = Path(__file__).resolve().parent / "cuda_sim.cpp"
 
-F16, Q8_0, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_XS = 1, 8, 11, 12, 13, 14, 23
+F16, Q8_0, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_XS, Q4_0, IQ4_NL = 1, 8, 11, 12, 13, 14, 23, 2, 20
 BLOCK = {F16: (1, 2), Q8_0: (32, 34), Q4_K: (256, 144), Q5_K: (256, 176), Q6_K: (256, 210), IQ4_XS: (256, 136),
-         Q3_K: (256, 110)}
-FP16_FIELDS = {Q8_0: (0,), Q4_K: (0, 2), Q5_K: (0, 2), Q6_K: (208,), IQ4_XS: (0,), Q3_K: (108,)}
+         Q3_K: (256, 110), Q4_0: (32, 18), IQ4_NL: (32, 18)}
+FP16_FIELDS = {Q8_0: (0,), Q4_K: (0, 2), Q5_K: (0, 2), Q6_K: (208,), IQ4_XS: (0,), Q3_K: (108,), Q4_0: (0,),
+               IQ4_NL: (0,)}
 ROWS_PER_BLOCK = 128
 PAD = 1024
 TOL = 2e-3
@@ -154,6 +155,11 @@ V2_CASES = [
     (Q3_K, 64, 1024, 1, (1, 1, 3, 1, 2)),  # the narrow variant (its 64-register cap)
     (Q3_K, 40, 1280, 9, (1, 3, 2, 1, 2)),  # rows not a multiple of 16
     (Q3_K, 48, 768, 41, (2, 2, 4, 2, 1)),
+    (Q4_0, 40, 1280, 9, (1, 3, 2, 1, 2)),  # rows not a multiple of 16 (the swizzled pieces of every row class)
+    (Q4_0, 33, 1248, 41, (2, 2, 3, 2, 1)),  # tail chunk of 224 values; warps and blocks split K
+    (Q4_0, 20, 32, 5, (2, 1, 2, 1, 1)),  # only a tail chunk
+    (IQ4_NL, 64, 1024, 1, (2, 1, 3, 1, 2)),
+    (IQ4_NL, 45, 544, 17, (1, 2, 4, 1, 2)),  # tail of 32 values
     (Q6_K, 37, 768, 3, (2, 2, 3, 1, 2)),
     (Q6_K, 64, 1024, 16, (1, 4, 2, 1, 3)),  # 4 groups over 3 blocks
     (Q6_K, 20, 512, 41, (2, 1, 2, 1, 1)),

@@ -36,7 +36,8 @@ from tests.quant_twins import (  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
-TYPES = (qm.Q4_K, qm.Q5_K, qm.IQ4_XS, qm.Q3_K, qm.Q6_K, qm.Q8_0, qm.F16)
+TYPES = (qm.Q4_K, qm.Q5_K, qm.IQ4_XS, qm.Q3_K, qm.Q6_K, qm.Q8_0, qm.F16, qm.Q4_0, qm.IQ4_NL)
+BLOCKS32 = (qm.Q8_0, qm.Q4_0, qm.IQ4_NL)  # the 32-value block types: K need not be whole super-blocks
 TOL = 2e-4
 
 
@@ -53,6 +54,8 @@ SHAPES = {
     qm.Q5_K: (40, 1280),
     qm.IQ4_XS: (33, 768),
     qm.Q3_K: (37, 1280),
+    qm.Q4_0: (77, 1248),  # a tail chunk of 224 values
+    qm.IQ4_NL: (40, 1312),  # a tail of 32 values
     qm.Q6_K: (50, 1024),
     qm.Q8_0: (45, 1248),  # K % 256 == 224: a tail chunk of seven 32-value blocks
     qm.F16: (33, 800),  # K % 256 == 32
@@ -73,7 +76,7 @@ def test_matches_twin_at_every_width(qtype: int) -> None:
 @pytest.mark.parametrize("qtype", TYPES, ids=NAMES.get)
 def test_k_warps_variants_and_determinism(qtype: int) -> None:
     rng = np.random.default_rng(600 + qtype)
-    shape = (64, 2304) if qtype != qm.Q8_0 else (64, 2336)  # Q8_0: a tail chunk of 32 values
+    shape = (64, 2304) if qtype not in BLOCKS32 else (64, 2336)  # Q8_0, Q4_0, IQ4_NL: a tail chunk of 32 values
     raw = random_weights(qtype, *shape, rng)
     W = qm.QuantMatrix(qtype, raw, shape, name=f"{NAMES[qtype]} k_warps")
     w64 = dequantize(qtype, raw, *shape)
@@ -147,12 +150,12 @@ PERSIST_CONFIGS = (
 )
 
 
-@pytest.mark.parametrize("qtype", (qm.Q4_K, qm.Q6_K, qm.Q8_0), ids=NAMES.get)
+@pytest.mark.parametrize("qtype", (qm.Q4_K, qm.Q6_K, qm.Q8_0, qm.Q4_0, qm.IQ4_NL), ids=NAMES.get)
 def test_persistent_variant_matches_twin_and_per_tile(qtype: int) -> None:
     # blocks walking several tiles (one block per SM over 2000+ rows), both prefetch depths, KW 1 / 3 / 4: the same
     # sums in the same order as one block per tile, so bitwise equal to it at the same KW
     rng = np.random.default_rng(1000 + qtype)
-    shape = (4200, 1024) if qtype != qm.Q8_0 else (4200, 1248)
+    shape = (4200, 1024) if qtype not in BLOCKS32 else (4200, 1248)
     raw = random_weights(qtype, *shape, rng)
     W = qm.QuantMatrix(qtype, raw, shape, name=f"{NAMES[qtype]} persistent")
     w64 = dequantize(qtype, raw, *shape)
@@ -241,6 +244,8 @@ SPLIT_SHAPES = {
     qm.IQ4_XS: (200, 3072),
     qm.Q3_K: (112, 2816),  # 7 tiles, 11 chunks
     qm.Q8_0: (130, 2336),  # a tail chunk of 32 values
+    qm.Q4_0: (200, 3040),  # a tail chunk of 224 values
+    qm.IQ4_NL: (96, 2336),
     qm.F16: (64, 1312),  # a tail chunk of 32 values
 }
 
@@ -350,6 +355,7 @@ def test_split_k_auto_at_27b_shapes(qtype: int, shape: tuple[int, int], monkeypa
 
 RING_SHAPES = [(qm.Q4_K, (17408, 5120)), (qm.Q4_K, (5120, 17408)), (qm.Q5_K, (5120, 6144)), (qm.Q5_K, (77, 768)),
                (qm.IQ4_XS, (5120, 6144)), (qm.IQ4_XS, (77, 768)), (qm.Q3_K, (5120, 6144)), (qm.Q3_K, (77, 768)),
+               (qm.Q4_0, (5120, 6144)), (qm.Q4_0, (77, 768)), (qm.IQ4_NL, (5120, 6144)), (qm.IQ4_NL, (77, 768)),
                (qm.Q6_K, (5120, 17408)), (qm.Q6_K, (77, 768)),
                (qm.Q8_0, (1040, 1280)), (qm.Q4_K, (48, 5120)),
                (qm.Q6_K, (65536, 512))]   # tall: the default launch takes RING_TALL_SHAPE (as the LM head)

@@ -38,7 +38,7 @@ SOURCE = ROOT / "kernels" / "quant_gemv.cu"
 QMM_SOURCE = ROOT / "kernels" / "quant_matmul.cu"
 HARNESS = Path(__file__).resolve().parent / "cuda_sim_gemv.cpp"
 
-F16, Q8_0, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_XS = 1, 8, 11, 12, 13, 14, 23
+F16, Q8_0, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_XS, Q4_0, IQ4_NL = 1, 8, 11, 12, 13, 14, 23, 2, 20
 PAD = 1024
 TOL = 2e-4
 
@@ -178,6 +178,10 @@ CASES = [
     (IQ4_XS, 33, 512, 11, 2),
     (Q3_K, 40, 1280, 3, 3),
     (Q3_K, 33, 512, 16, 2),
+    (Q4_0, 40, 1280, 3, 3),  # (the harness holds Q4_0 / IQ4_NL at 1..3 tokens)
+    (Q4_0, 33, 1248, 2, 2),  # a tail chunk of 224 values
+    (IQ4_NL, 33, 768, 1, 2),
+    (IQ4_NL, 45, 544, 2, 3),  # a tail of 32 values, owned by the last warp alone
     (Q6_K, 37, 768, 2, 2),
     (Q6_K, 64, 1024, 8, 4),
     (Q6_K, 20, 512, 11, 8),  # more warps than chunks: idle warps still stage x and meet the others
@@ -281,6 +285,8 @@ PERSIST_CASES = [
     (Q5_K, 64, 1280, 2, 3, 2, 3),
     (IQ4_XS, 77, 768, 1, 1, 2, 2),
     (Q3_K, 64, 1280, 2, 3, 2, 3),
+    (Q4_0, 45, 1248, 2, 2, 2, 2),  # a tail chunk of 224 values per tile
+    (IQ4_NL, 64, 1280, 1, 3, 1, 3),
     (Q6_K, 50, 1024, 1, 4, 2, 2),
     (Q6_K, 48, 512, 5, 2, 1, 2),
     (Q8_0, 45, 1248, 2, 2, 2, 2),  # a tail chunk of 224 values per tile
@@ -335,6 +341,9 @@ RING_CASES = [
     (IQ4_XS, 16, 2048, 2, 2, 3),
     (Q3_K, 40, 1280, 1, 2, 2),
     (Q3_K, 16, 2048, 3, 2, 3),
+    (Q4_0, 40, 1280, 1, 2, 2),
+    (Q4_0, 16, 2048, 3, 2, 3),
+    (IQ4_NL, 37, 1024, 2, 3, 2),
     (Q6_K, 37, 1024, 1, 3, 2),
     (Q6_K, 16, 2048, 3, 2, 3),  # 4 chunks per warp through 3 slots: the ring wraps
     (Q8_0, 45, 1280, 1, 2, 2),
@@ -757,6 +766,8 @@ SPLIT_CASES = [
     (Q5_K, 77, 1536, 1, 2, 3),
     (IQ4_XS, 40, 2560, 2, 2, 4),
     (Q3_K, 77, 1536, 1, 2, 3),
+    (Q4_0, 77, 1536, 1, 2, 3),
+    (IQ4_NL, 45, 1248, 2, 2, 3),  # a tail chunk of 224 values
     (Q6_K, 50, 1792, 1, 4, 2),
     (Q6_K, 20, 1024, 5, 1, 8),  # one warp per block, more blocks than chunks
     (Q8_0, 45, 1248, 2, 2, 3),  # a tail chunk of 224 values, owned by the last split's last warp

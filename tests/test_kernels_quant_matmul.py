@@ -168,7 +168,7 @@ def test_bad_inputs_are_refused() -> None:
     with pytest.raises(ValueError, match="bytes"):
         qm.QuantMatrix(qm.Q4_K, raw[:, :-1], (8, 256))
     with pytest.raises(ValueError, match="no GPU matmul"):
-        qm.QuantMatrix(2, raw, (8, 256))  # Q4_0 has no kernel yet
+        qm.QuantMatrix(30, raw, (8, 256))  # BF16 has no kernel
     with pytest.raises(ValueError, match="kernel"):
         qm.QuantMatrix(qm.Q4_K, raw, (8, 256), kernel="v3")
     W = qm.QuantMatrix(qm.Q4_K, raw, (8, 256))
@@ -404,14 +404,19 @@ def test_pack_rms_matches_numpy(tokens: int, k: int, group: int, res: int, gate:
         assert rel_error(got, ref) < 1e-3
 
 
-@pytest.mark.parametrize("shape", [(256, 512), (77, 768), (1024, 2048), (5120, 6144)], ids=case_id)
-@pytest.mark.parametrize("qtype", [qm.Q5_K, qm.IQ4_XS, qm.Q3_K], ids=NAMES.get)
+NEWER_SHAPES = [(256, 512), (77, 768), (1024, 2048), (5120, 6144)]
+NEWER_CASES = [(q, s) for q in (qm.Q5_K, qm.IQ4_XS, qm.Q3_K) for s in NEWER_SHAPES] + [
+    (q, s) for q in (qm.Q4_0, qm.IQ4_NL) for s in NEWER_SHAPES + [(200, 544), (45, 1248)]]  # (tails of 32 / 224)
+
+
+@pytest.mark.parametrize("qtype,shape", NEWER_CASES, ids=case_id)
 def test_newer_types_on_v2_at_every_width(qtype: int, shape: tuple[int, int]) -> None:
-    """Q5_K (a Q5_K_M file's matrices: the fifth bit from qh in both nibbles' paths), IQ4_XS (the codebook looked
-    up by byte permutes, the 6-bit scales from scales_l and scales_h) and Q3_K (two qs bits and an hmask bit, less 4
-    unless it is set) on the v2 kernel at every width: launch shapes, K split across blocks, the portable build, an
-    accumulating launch; v1 refuses them at construction; and matmul()'s own choice at each width (Q4_K's dispatch:
-    gemv, ring, wide; v2 for a type still in UNPROVEN_QTYPES) against the same twin."""
+    """Q5_K (a Q5_K_M file's matrices: the fifth bit from qh in both nibbles' paths), IQ4_XS (the codebook looked up
+    by byte permutes, the 6-bit scales from scales_l and scales_h), Q3_K (two qs bits and an hmask bit, less 4 unless
+    it is set), Q4_0 and IQ4_NL (32-value blocks: swizzled 8-byte pieces of qs, tail chunks) on the v2 kernel at every
+    width: launch shapes, K split across blocks, the portable build, an accumulating launch; v1 refuses them at
+    construction; and matmul()'s own choice at each width (Q4_K's dispatch: gemv, ring, wide; v2 for a type still in
+    UNPROVEN_QTYPES) against the same twin."""
     from kernels import quant_gemv as qg
     from kernels import quant_wide as qw
 

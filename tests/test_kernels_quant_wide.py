@@ -38,7 +38,8 @@ from tests.quant_twins import (  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
-TYPES = (qm.Q4_K, qm.Q5_K, qm.IQ4_XS, qm.Q3_K, qm.Q6_K, qm.Q8_0, qm.F16)
+TYPES = (qm.Q4_K, qm.Q5_K, qm.IQ4_XS, qm.Q3_K, qm.Q6_K, qm.Q8_0, qm.F16, qm.Q4_0, qm.IQ4_NL)
+BLOCKS32 = (qm.Q8_0, qm.Q4_0, qm.IQ4_NL)  # the 32-value block types: K need not be whole super-blocks
 TOL = 2e-3
 WIDTHS = (1, 5, 8, 9, 13, 16, 17, 23, 31, 32, 33, 41, 47, 48, 57, 64)
 
@@ -82,7 +83,7 @@ SHAPES = [
 @pytest.mark.parametrize("qtype", TYPES, ids=NAMES.get)
 def test_launch_shapes_agree(qtype: int) -> None:
     rng = np.random.default_rng(41 + qtype)
-    shape = (200, 2304) if qtype != qm.Q8_0 else (200, 2336)  # Q8_0: a tail chunk of 32 values
+    shape = (200, 2304) if qtype not in BLOCKS32 else (200, 2336)  # Q8_0, Q4_0, IQ4_NL: a tail chunk of 32 values
     W, w64 = _matrix(qtype, shape, rng)
     for cfg in SHAPES:
         for tokens in (9, 36, 41, 52, 64):  # (36: 5 token tiles, 3 stages and the tall 2 x 4 since session 30; 52: 7)
@@ -95,7 +96,8 @@ def test_launch_shapes_agree(qtype: int) -> None:
 
 
 @pytest.mark.parametrize("qtype,shape,mt,warps", [(qm.Q4_K, (1000, 2048), 2, 4), (qm.Q6_K, (300, 1536), 1, 8),
-                                                  (qm.Q8_0, (250, 1248), 2, 2), (qm.F16, (130, 800), 1, 4)],
+                                                  (qm.Q8_0, (250, 1248), 2, 2), (qm.F16, (130, 800), 1, 4),
+                                                  (qm.IQ4_NL, (250, 1248), 2, 2), (qm.Q4_0, (130, 800), 1, 4)],
                          ids=str)  # fmt: skip
 def test_whole_row_blocks_equal_v2_bitwise(qtype: int, shape: tuple[int, int], mt: int, warps: int) -> None:
     """One block per row block: every row block is one block's sequential sum over the chunks, with v2's
@@ -308,7 +310,7 @@ def test_portable_fallback_path(qtype: int) -> None:
     """Compiled with -DSPECSPLIT_PORTABLE: software fp16 and mma, cp.async replaced by plain copies, the
     __syncthreads pipeline instead of bulk copies and mbarriers."""
     rng = np.random.default_rng(99 + qtype)
-    shape = (200, 544) if qtype in (qm.Q8_0, qm.F16) else (256, 512)   # (a tail chunk where the type has one)
+    shape = (200, 544) if qtype in (*BLOCKS32, qm.F16) else (256, 512)   # (a tail chunk where the type has one)
     W, w64 = _matrix(qtype, shape, rng)
     for tokens in (9, 23):
         check(W, w64, tokens, rng, f"portable {NAMES[qtype]}", kernel="wide", portable=True,
@@ -431,13 +433,15 @@ def test_wg_order_is_quant_wide_twin() -> None:
 @needs_wg
 @pytest.mark.parametrize("qtype,shape", [(qm.Q4_K, (1024, 2048)), (qm.Q6_K, (1000, 1536)), (qm.Q8_0, (200, 2336)),
                                          (qm.F16, (130, 800)), (qm.Q4_K, (77, 768)), (qm.Q5_K, (300, 1536)),
-                                         (qm.IQ4_XS, (300, 1536)), (qm.Q3_K, (300, 1536))], ids=case_id)  # fmt: skip
+                                         (qm.IQ4_XS, (300, 1536)), (qm.Q3_K, (300, 1536)), (qm.Q4_0, (200, 2336)),
+                                         (qm.IQ4_NL, (300, 1312))], ids=case_id)  # fmt: skip
 def test_wgmma_build_same_bits_as_mma(qtype: int, shape: tuple[int, int], monkeypatch) -> None:
     """x in the wgmma order through QuantMatrix.matmul runs the wgmma build, whose sums equal the mma.sync build's bit
-    for bit at the same launch shape (its HGMMA steps accumulate as HMMA's, in the same k order), F16 / Q8_0 tail
-    chunks included, and stay within the float64 twin's bound; accumulating and in a CUDA graph too. A type the
-    dispatch leaves off the wgmma build (Q3_K until its GPU run: no WG_TYPES entry) is put on it here from one token,
-    else x in that order would run the mma.sync build reading it, and this would compare that build with itself."""
+    for bit at the same launch shape (its HGMMA steps accumulate as HMMA's, in the same k order), F16 / Q8_0 / Q4_0 /
+    IQ4_NL tail chunks included, and stay within the float64 twin's bound; accumulating and in a CUDA graph too. A type
+    the dispatch leaves off the wgmma build (no quant_wide.WG_TYPES entry before its GPU run) is put on it here from one
+    token, else x in that order would run the mma.sync build reading it, and this would compare that build with
+    itself."""
     monkeypatch.setitem(qw.WG_TYPES, qtype, qw.WG_TYPES.get(qtype, 1))
     rng = np.random.default_rng(500 + qtype + shape[0])
     W, w64 = _matrix(qtype, shape, rng)

@@ -39,7 +39,7 @@ ROOT = Path(__file__).resolve().parents[1]
 SOURCE = ROOT / "kernels" / "quant_matmul.cu"
 HARNESS = Path(__file__).resolve().parent / "cuda_sim_wide.cpp"
 
-F16, Q8_0, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_XS = 1, 8, 11, 12, 13, 14, 23
+F16, Q8_0, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_XS, Q4_0, IQ4_NL = 1, 8, 11, 12, 13, 14, 23, 2, 20
 PAD = 1024
 TOL = 2e-3  # v2's numerics: fp16 x and fp16-rounded weights (~3e-4)
 SMEM_CANARY = 0xA5  # the harness fills shared memory with it before every block
@@ -975,15 +975,16 @@ def test_wgmma_build_on_cpu(tmp_path_factory) -> None:
     """The wgmma build (SPECSPLIT_QMW_WG) on the simulated sm_90 path: each warp's rows of a wgmma through the mma
     emulation with B read from the stage as its descriptor addresses it (64-byte swizzle, 8-token groups), on x in the
     wgmma order: bit for bit the default build's sums on the mma order, as on the GPU; K-quants (Q5_K, IQ4_XS, Q3_K
-    too), tail chunks, split row blocks, 4 and 8 warps, interleaved blocks, 3 register sets in flight; the SwiGLU
-    launch writes the down product's x in the wgmma order."""
+    too), tail chunks (Q4_0's and IQ4_NL's too), split row blocks, 4 and 8 warps, interleaved blocks, 3 register sets
+    in flight; the SwiGLU launch writes the down product's x in the wgmma order."""
     base = build_sim(tmp_path_factory, "bulk")
     wg = build_sim(tmp_path_factory, "bulk", ("SPECSPLIT_QMW_WG",))
     for qtype, n_out, k, tokens, cfg in ((Q4_K, 100, 1280, 23, (1, 4, 2, 3)), (Q6_K, 80, 768, 64, (2, 4, 2, 4)),
                                          (Q8_0, 33, 1248, 17, (2, 4, 3, 4)), (F16, 50, 800, 27, (1, 8, 2, 3)),
                                          (Q4_K, 64, 2048, 41, (1, 4, 3, 7)), (Q8_0, 20, 32, 5, (1, 4, 2, 1)),
                                          (Q5_K, 100, 1280, 23, (1, 4, 2, 3)), (IQ4_XS, 64, 2048, 41, (1, 4, 3, 7)),
-                                         (Q3_K, 100, 1280, 23, (1, 4, 2, 3))):
+                                         (Q3_K, 100, 1280, 23, (1, 4, 2, 3)),
+                                         (Q4_0, 33, 1248, 17, (2, 4, 3, 4)), (IQ4_NL, 45, 1312, 41, (1, 4, 2, 3))):
         seed = qtype * 131 + n_out + k + tokens
         want, _ = Problem(base, qtype, n_out, k, tokens, seed=seed).wide(*cfg)
         p = Problem(wg, qtype, n_out, k, tokens, seed=seed)
@@ -1014,17 +1015,21 @@ def test_wgmma_build_on_cpu(tmp_path_factory) -> None:
 
 
 @needs_gxx
-@pytest.mark.parametrize("qtype", [Q5_K, IQ4_XS, Q3_K], ids=["Q5_K", "IQ4_XS", "Q3_K"])
+@pytest.mark.parametrize("qtype", [Q5_K, IQ4_XS, Q3_K, Q4_0, IQ4_NL], ids=["Q5_K", "IQ4_XS", "Q3_K", "Q4_0", "IQ4_NL"])
 def test_new_types_on_the_wide_kernel_on_cpu(sim, qtype) -> None:
-    """Q5_K, IQ4_XS and Q3_K through the wide kernel (its dequantization is v2's frag2, which takes them): the twin at
-    split and whole row blocks, and bit for bit v2 with one row-block piece (the wgmma build: test_wgmma_build_on_cpu).
-    The dispatch sends Q5_K and IQ4_XS there since their GPU run (session 40), Q3_K not yet (no quant_wide.CROSSOVER
-    entry); this holds the kernel ready for it."""
-    for n_out, k, tokens, cfg in ((100, 1280, 23, (2, 4, 2, 3)), (48, 768, 41, (1, 3, 4, 2))):
+    """Q5_K, IQ4_XS, Q3_K, Q4_0 and IQ4_NL through the wide kernel (its dequantization is v2's frag2 and tail_mma, which
+    take them): the twin at split and whole row blocks, tail chunks of the 32-value block types, and bit for bit v2 with
+    one row-block piece (the wgmma build: test_wgmma_build_on_cpu). The dispatch sends Q5_K and IQ4_XS there since
+    their GPU run (session 40), Q3_K, Q4_0 and IQ4_NL since theirs (session 41; a type in UNPROVEN_QTYPES not yet); this
+    holds the kernel ready."""
+    small = qtype in (Q4_0, IQ4_NL)  # 32-value blocks: K need not be whole super-blocks
+    cases = ((100, 1280, 23, (2, 4, 2, 3)), (48, 768, 41, (1, 3, 4, 2))) if not small else (
+        (100, 1280, 23, (2, 4, 2, 3)), (45, 544, 41, (1, 3, 4, 2)))  # (a tail of 32 values)
+    for n_out, k, tokens, cfg in cases:
         p = Problem(sim, qtype, n_out, k, tokens, seed=131 * qtype + n_out + k + tokens)
         y, _ = p.wide(*cfg)
         check_twin(p, y)
-    p = Problem(sim, qtype, 70, 1024, 19, seed=5)
+    p = Problem(sim, qtype, 70, 1248 if small else 1024, 19, seed=5)  # (a tail of 224 values)
     blocks = qw.row_blocks(70, 2, 2)
     y, _ = p.wide(2, 2, 2, blocks, seed=3)
     assert np.array_equal(y, p.v2(2, kw=1))

@@ -230,10 +230,10 @@ def test_gpu_weights_count_matrices_vectors_and_fallbacks(q27):
     mats = [t for t in specs if len(t.shape) == 2 and t.name != "token_embd.weight" and "conv1d" not in t.name]
     assert len(mats) == 497 and w.gpu == w.stored + 289 * 1024 + 48 * 2 * 320 and not w.embd_on_host
     assert len(w.mats) == 11 and w.head == (S.Q.Q6_K, 248320, 5120)
-    # a matrix type the kernel lacks goes up as F16; a token table it cannot decode stays on the host
+    # a matrix type the kernels lack (BF16) goes up as F16; a token table they cannot decode stays on the host
     Q = S.Q
     odd = {t.name: t for t in specs}
-    odd["output.weight"] = S.TensorSpec("output.weight", (248320, 5120), Q.Q3_K, "matrix")
+    odd["output.weight"] = S.TensorSpec("output.weight", (248320, 5120), Q.BF16, "matrix")
     odd["token_embd.weight"] = S.TensorSpec("token_embd.weight", (248320, 5120), Q.Q6_K, "embedding")
     w2 = M.WeightBytes.of(odd)
     assert w2.embd_on_host and w2.embd_gpu == 0
@@ -248,19 +248,19 @@ def test_gpu_weights_count_matrices_vectors_and_fallbacks(q27):
 
 
 def test_gpu_matrices_go_up_as_stored_only_where_a_gpu_run_proved_the_kernel(monkeypatch):
-    """backend.GpuMatrix.of: Q5_K and IQ4_XS as stored (their kernels ran on a GPU); a type whose v2 dequantization
-    has run only in the CPU simulation (quant_matmul.UNPROVEN_QTYPES: Q3_K since session 41, IQ4_XS as it stood before
-    session 40) and a type without a kernel (Q4_0) as F16, as the plan counts."""
+    """backend.GpuMatrix.of: Q5_K, IQ4_XS, Q3_K, Q4_0 and IQ4_NL as stored (their kernels ran on a GPU: sessions 40
+    and 41); a type whose v2 dequantization has run only in the CPU simulation (quant_matmul.UNPROVEN_QTYPES, empty
+    now: as IQ4_XS stood before session 40, Q3_K and Q4_0 before session 41) and a type without a kernel (BF16) as F16,
+    as the plan counts."""
     from kernels import quant_matmul as qm
     from services.engine.backend import GpuMatrix
     from services.engine.formats import RawTensor
     from tests.quant_twins import random_weights
 
     rng = np.random.default_rng(0)
-    assert {qm.Q5_K, qm.IQ4_XS} <= qm.SUPPORTED_QTYPES and qm.UNPROVEN_QTYPES == {qm.Q3_K}
-    assert qm.Q3_K not in qm.SUPPORTED_QTYPES
-    raws = {q: random_weights(q, 32, 512, rng) for q in (qm.Q5_K, qm.IQ4_XS, qm.Q3_K)}
-    for unproven in (qm.UNPROVEN_QTYPES, frozenset((qm.IQ4_XS, qm.Q3_K))):
+    assert {qm.Q5_K, qm.IQ4_XS, qm.Q3_K, qm.Q4_0, qm.IQ4_NL} <= qm.SUPPORTED_QTYPES and not qm.UNPROVEN_QTYPES
+    raws = {q: random_weights(q, 32, 512, rng) for q in (qm.Q5_K, qm.IQ4_XS, qm.Q3_K, qm.Q4_0)}
+    for unproven in (qm.UNPROVEN_QTYPES, frozenset((qm.IQ4_XS, qm.Q3_K, qm.Q4_0))):
         monkeypatch.setattr(qm, "SUPPORTED_QTYPES", frozenset(qm._TYPES) - unproven)
         for qtype, raw in raws.items():
             m = GpuMatrix.of(RawTensor("w", qtype, (32, 512), raw, "test"))
@@ -269,8 +269,8 @@ def test_gpu_matrices_go_up_as_stored_only_where_a_gpu_run_proved_the_kernel(mon
             if not native:
                 want = RawTensor("w", qtype, (32, 512), raw, "test").dequantize().astype(np.float16)
                 assert np.array_equal(m.rows.view(np.float16), want)
-    blocks = np.zeros((32 * 512 // 32, 18), np.uint8)
-    assert GpuMatrix.of(RawTensor("w", 2, (32, 512), blocks, "test")).fallback      # Q4_0: no kernel at all
+    blocks = np.zeros((32 * 512, 2), np.uint8)
+    assert GpuMatrix.of(RawTensor("w", 30, (32, 512), blocks, "test")).fallback      # BF16: no kernel at all
 
 
 def test_bf16_and_f32_matrices_go_up_as_f16_or_are_refused_by_name():
@@ -353,10 +353,14 @@ def test_refusal_names_what_fits(q27):
         M.plan_memory(cfg, w, s, ds, free={"cuda:0": (10 * GiB, 16 * GiB)})
 
 
-def test_a_file_the_gpu_kernels_cannot_read_says_so(q27):
-    """A Q3_K 27B (a Q3_K_M-sized file of ~12 GB a 16 GB card would run): its matrices go up as F16, ~4.7x their
-    bytes. The plan says so (--plan-only's note, the start-up log's warning), and a refusal names the cause and a file
-    in the kernels' types instead of "a smaller quantization"; a Q4_K_M file plans no such note."""
+def test_a_file_the_gpu_kernels_cannot_read_says_so(q27, monkeypatch):
+    """A Q3_K 27B (a Q3_K_M-sized file of ~12 GB a 16 GB card would run) goes up as stored; as it did before the kernels
+    read Q3_K (session 41; as a type without a kernel would now: quant_matmul.SUPPORTED_QTYPES without it), its
+    matrices go up as F16, ~4.7x their bytes. The plan says so (--plan-only's note, the start-up log's warning), and a
+    refusal names the cause and a file in the kernels' types instead of "a smaller quantization"; a Q4_K_M file plans
+    no such note."""
+    from kernels import quant_matmul as qm
+
     cfg, w, ds = q27
     assert w.f16_fallback == {} and _plan(q27).warnings == []
     sh = S.get_shape("qwen3.6-27b")
@@ -364,13 +368,16 @@ def test_a_file_the_gpu_kernels_cannot_read_says_so(q27):
     for t in S.target_tensors(sh.target):
         q = S.Q.Q3_K if t.qtype in (S.Q.Q4_K, S.Q.Q6_K) and t.name != "token_embd.weight" else t.qtype
         iq[t.name] = S.TensorSpec(t.name, t.shape, q, t.kind)
+    native = M.WeightBytes.of(iq)
+    assert native.f16_fallback == {} and native.gpu < 1.01 * native.stored < 12 * GiB
+    monkeypatch.setattr(qm, "SUPPORTED_QTYPES", qm.SUPPORTED_QTYPES - {qm.Q3_K})
     wi = M.WeightBytes.of(iq)
     stored, gpu = wi.f16_fallback["Q3_K"]
     assert list(wi.f16_fallback) == ["Q3_K"] and 4.6 < gpu / stored < 4.7 and stored < 11 * GiB < 45 * GiB < gpu
     s = M.PlanSettings(max_ctx=4096, budget=22, device=GPU)
     plan = M.build_plan(cfg, wi, s, ds, free={"cuda:0": (140 * GiB, 141 * GiB)})
     assert plan.fits and len(plan.warnings) == 1 and plan.warnings[0].startswith("target: the Q3_K matrices")
-    assert "dequantized to F16" in plan.warnings[0] and "Q4_K, Q5_K, Q6_K, IQ4_XS" in plan.warnings[0]
+    assert "dequantized to F16" in plan.warnings[0] and "Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS" in plan.warnings[0]
     assert "note: target: the Q3_K matrices" in plan.table()
     with pytest.raises(M.MemoryPlanError) as e:
         M.plan_memory(cfg, wi, s, ds, free={"cuda:0": (22 * GiB, 24 * GiB)})

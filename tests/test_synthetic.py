@@ -126,6 +126,25 @@ def test_q3_k_m_mix_is_the_q4_k_m_mix_with_q3_k(tmp_path):
     assert res.target_path.endswith("-q3_k_m.synthetic.gguf")
     target = load_target(res.target_path)
     assert target.file.tensors["blk.0.ffn_up.weight"].qtype == Q.Q3_K
+
+
+@pytest.mark.parametrize("quant,qtype,ftype", [("q4_0", Q.Q4_0, 2), ("iq4_nl", Q.IQ4_NL, 25)])
+def test_32_value_block_mixes(tmp_path, quant, qtype, ftype):
+    """--quant q4_0 / iq4_nl: the Q4_K_M mix with Q4_0 / IQ4_NL for Q4_K (llama.cpp's file types in the metadata; its
+    own mixes raise other tensors: synthetic.QUANT_MIXES), 18 bytes a 32 values; a tiny file loads and runs."""
+    shape = S.get_shape("qwen3.6-27b")
+    q4 = {s.name: s for s in S.target_tensors(shape.target)}
+    mix = S.target_tensors(shape.target, quant)
+    assert [s.name for s in mix] == list(q4)
+    for s in mix:
+        want = qtype if q4[s.name].qtype == Q.Q4_K else q4[s.name].qtype
+        assert (s.shape, s.qtype) == (q4[s.name].shape, want), s.name
+    assert S.bytes_by_type(mix)[qtype.name] == PEER_BYTES["Q4_K"]    # 18 / 32 bytes a value, as Q4_K's 144 / 256
+    assert S.target_metadata(S.get_shape("tiny"), quant)["general.file_type"] == ftype
+    res = S.make_synthetic("tiny", str(tmp_path), quant=quant, seed=3, draft=False, quiet=True)
+    assert res.target_path.endswith(f"-{quant}.synthetic.gguf")
+    target = load_target(res.target_path)
+    assert target.file.tensors["blk.0.ffn_up.weight"].qtype == qtype
     out = target.model.forward(target.model.new_state(16), [1, 2, 3])
     assert np.isfinite(out.logits).all() and 0.1 < float(out.logits.std()) < 10.0
 
@@ -166,7 +185,7 @@ def test_27b_width_layers_2_header(tmp_path):
 
 
 @pytest.mark.parametrize("qtype,fan_in", [(Q.Q4_K, 5120), (Q.Q5_K, 6144), (Q.IQ4_XS, 5120), (Q.Q6_K, 17408),
-                                          (Q.Q8_0, 25600), (Q.Q3_K, 6144)])
+                                          (Q.Q8_0, 25600), (Q.Q3_K, 6144), (Q.Q4_0, 5120), (Q.IQ4_NL, 17408)])
 def test_random_blocks_are_valid_and_scaled(qtype, fan_in):
     rng = np.random.default_rng(0)
     block = gguf.GGML_QUANT_SIZES[qtype][0]
@@ -177,10 +196,11 @@ def test_random_blocks_are_valid_and_scaled(qtype, fan_in):
     std = 1 / np.sqrt(fan_in)
     assert abs(float(w.std()) / std - 1) < 0.1
     assert abs(float(w.mean())) < 0.05 * std
-    # the fp16 super-scales are finite and positive
-    at = {Q.Q4_K: 0, Q.Q5_K: 0, Q.IQ4_XS: 0, Q.Q6_K: 208, Q.Q8_0: 0, Q.Q3_K: 108}[qtype]
+    # the fp16 super-scales are finite and positive (Q4_0 / IQ4_NL: of either sign, their codes' means cancel)
+    at = {Q.Q4_K: 0, Q.Q5_K: 0, Q.IQ4_XS: 0, Q.Q6_K: 208, Q.Q8_0: 0, Q.Q3_K: 108, Q.Q4_0: 0, Q.IQ4_NL: 0}[qtype]
     d = np.ascontiguousarray(raw[:, at:at + 2]).view(np.float16).astype(np.float32)
-    assert np.isfinite(d).all() and (d > 0).all()
+    signed = qtype in (Q.Q4_0, Q.IQ4_NL)
+    assert np.isfinite(d).all() and ((np.abs(d) if signed else d) > 0).all()
 
 
 def test_disk_space_check(tmp_path, monkeypatch):

@@ -287,8 +287,8 @@ class WeightBytes:
         gpu = sum(v[1] for v in self.f16_fallback.values())
         takes = ", ".join(type_name(q) for q in sorted(SUPPORTED_QTYPES))
         return (f"the {names} matrices ({_gib(stored)} stored) go to the GPU dequantized to F16 ({_gib(gpu)}): the "
-                f"GPU kernels read {takes}; a file of this model in those types (Q4_K_M, Q5_K_M, IQ4_XS, Q8_0) keeps "
-                "them at their stored size, and each step reads fewer bytes")
+                f"GPU kernels read {takes}; a file of this model in those types (Q4_K_M, Q5_K_M, Q3_K_M, Q4_0, IQ4_XS, "
+                "Q8_0) keeps them at their stored size, and each step reads fewer bytes")
 
     def head_mats(self) -> set[tuple[int, int, int]]:
         """The LM head's matrix (what a drafter on another GPU multiplies by too), as a set of `mats`."""

@@ -2,8 +2,8 @@
 (valid) quantized weights, plus the matching DFlash drafter; written streaming, so a 16.5 GB file never sits in RAM.
 
 Tensor types follow llama.cpp's Q4_K_M mix (`src/llama-quant.cpp`, as the peer baseline's synthetic file; `--quant
-q5_k_m`: its Q5_K_M mix, the same with Q5_K for Q4_K; `--quant iq4_xs`: the same with IQ4_XS for Q4_K; `--quant
-q3_k_m`: the same with Q3_K for Q4_K, which approximates llama.cpp's Q3_K_M, see QUANT_MIXES):
+q5_k_m`: its Q5_K_M mix, the same with Q5_K for Q4_K; `--quant iq4_xs` / `q4_0` / `iq4_nl` / `q3_k_m`: the same with
+IQ4_XS / Q4_0 / IQ4_NL / Q3_K for Q4_K, see QUANT_MIXES for where llama.cpp's own mixes of those differ):
 every 2-D weight is Q4_K, except `output.weight` (Q6_K) and, on the "more bits" layers (the first eighth,
 the last eighth and every third layer in between: `use_more_bits`), `attn_v` / `attn_qkv` (counted
 together, one per layer) and `ffn_down` (Q6_K). `token_embd` stays Q4_K (the model is untied). Norms,
@@ -50,6 +50,8 @@ FILE_TYPE_Q4_K_M = 15                       # llama_ftype LLAMA_FTYPE_MOSTLY_Q4_
 FILE_TYPE_Q5_K_M = 17                       # LLAMA_FTYPE_MOSTLY_Q5_K_M
 FILE_TYPE_IQ4_XS = 30                       # LLAMA_FTYPE_MOSTLY_IQ4_XS
 FILE_TYPE_Q3_K_M = 12                       # LLAMA_FTYPE_MOSTLY_Q3_K_M
+FILE_TYPE_Q4_0 = 2                          # LLAMA_FTYPE_MOSTLY_Q4_0
+FILE_TYPE_IQ4_NL = 25                       # LLAMA_FTYPE_MOSTLY_IQ4_NL
 DISK_MARGIN = 64 << 20                      # free space kept beyond the files (metadata, filesystem slack)
 
 SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|object_ref_start|>", "<|object_ref_end|>",
@@ -116,8 +118,15 @@ SHAPES: dict[str, Callable[[], SyntheticShape]] = {"qwen3.6-27b": _qwen36_27b, "
 # attn_v / attn_qkv (the first two Q5_K, the rest Q4_K), every ffn_down (Q5_K in the first n_layer / 16 layers, Q4_K
 # after) and attn_output to Q4_K, this raises the "more bits" layers' attn_v / attn_qkv and ffn_down to Q6_K and leaves
 # the rest Q3_K: the 27B 13.68 GB against llama.cpp's 13.29 GB, 9.2 GB of it Q3_K against 7.2
+# q4_0 and iq4_nl likewise. llama.cpp's MOSTLY_Q4_0 (llama_tensor_get_type) raises the LM head alone (Q6_K; without
+# an imatrix nothing else), so its more-bits layers' attn_v / attn_qkv / ffn_down stay Q4_0 where this form gives
+# them Q6_K. MOSTLY_IQ4_NL raises the LM head (Q6_K), attn_v / attn_qkv on every layer to Q5_K (n_gqa >= 4: the 27B's
+# 6) and ffn_down on the first eighth to Q5_K (no imatrix); here the more-bits layers' Q6_K. The token table is the
+# base type in both, as here.
 QUANT_MIXES = {"q4_k_m": (Q.Q4_K, Q.Q6_K, FILE_TYPE_Q4_K_M), "q5_k_m": (Q.Q5_K, Q.Q6_K, FILE_TYPE_Q5_K_M),
-               "iq4_xs": (Q.IQ4_XS, Q.Q6_K, FILE_TYPE_IQ4_XS), "q3_k_m": (Q.Q3_K, Q.Q6_K, FILE_TYPE_Q3_K_M)}
+               "iq4_xs": (Q.IQ4_XS, Q.Q6_K, FILE_TYPE_IQ4_XS), "q4_0": (Q.Q4_0, Q.Q6_K, FILE_TYPE_Q4_0),
+               "iq4_nl": (Q.IQ4_NL, Q.Q6_K, FILE_TYPE_IQ4_NL),
+               "q3_k_m": (Q.Q3_K, Q.Q6_K, FILE_TYPE_Q3_K_M)}
 QUANTS = tuple(QUANT_MIXES)
 DRAFT_QUANTS = {"q8_0": Q.Q8_0, "f16": Q.F16, "q4_k": Q.Q4_K}
 
@@ -407,6 +416,13 @@ def random_blocks(qtype: Q, n_blocks: int, std: float, rng: np.random.Generator)
         top = (sc >> np.uint8(4)).reshape(n_blocks, 4, 4) << (2 * np.arange(4, dtype=np.uint8))[None, :, None]
         out[:, 104:108] = np.bitwise_or.reduce(top, axis=1)
         out[:, 108:110] = _f16_bytes(std / (_sub_scale_ms(*_K_SC) * math.sqrt(5.5)) * jitter)
+    elif qtype in (Q.Q4_0, Q.IQ4_NL):
+        # {f16 d; u8 qs[16]}: w = d*(q - 8) (Q4_0: E[(q - 8)^2] = 21.5) or d*kv[q] (IQ4_NL: the codebook, E[kv^2] =
+        # 4548), q uniform in [0, 15]; their means (-0.5 against a spread of 4.6, -5.9 against 67) cancel with d of
+        # either sign
+        ms = 21.5 if qtype == Q.Q4_0 else 4548.0
+        sign = np.where(rng.random(n_blocks) < 0.5, np.float32(-1), np.float32(1))
+        out[:, 0:2] = _f16_bytes(std / math.sqrt(ms) * jitter * sign)
     elif qtype == Q.Q6_K:
         # {u8 ql[128]; u8 qh[64]; int8 scales[16]; f16 d}: w = d*sc*(q - 32), q uniform in [0, 63]:
         # E[(q-32)^2] = 341.5 (mean -0.5 of 32: small against the spread)
