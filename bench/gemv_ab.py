@@ -131,7 +131,7 @@ def per_width(cupy, qm, qg, widths: list[int], copy_gbps: float) -> list[dict]:
 # Step A/Bs: (name, RING_UP_TO, Q16_TOKENS, SPECSPLIT_PDL, backend.STACK_CONCURRENT or the mode's own flag) per mode,
 # the widths they run at, and the ratios printed
 ONE = {8: 1, 12: 1, 13: 1, 14: 1, 23: 1, 2: 1, 20: 1, 11: 1}
-SMALL = {8: 1, 12: 3, 13: 3, 14: 3, 23: 3, 2: 3, 20: 3, 11: 1}  # quant_gemv.RING_UP_TO as shipped
+SMALL = {8: 1, 12: 3, 13: 3, 14: 3, 23: 3, 2: 3, 20: 3, 11: 3}  # quant_gemv.RING_UP_TO as shipped
 # the dispatch tables before Q5_K and IQ4_XS joined them (session 40): their products on v2 at every width (newtypes)
 _V2_NEW_TYPES = {"CROSSOVER": {1: 2, 8: 2, 12: 1, 14: 1}, "qw.CROSSOVER": {1: 17, 8: 25, 12: 25, 14: 25},
                  "qw.DEEP_CROSSOVER": {12: 4, 14: 4}, "qw.TALL_CROSSOVER": {12: 9, 14: 9},
@@ -146,7 +146,7 @@ _V2_TYPES_41 = {"CROSSOVER": {1: 2, 8: 2, 12: 1, 13: 1, 14: 1, 23: 1},
                 "qw.DEEP_CROSSOVER": {12: 4, 13: 4, 14: 4, 23: 4}, "qw.TALL_CROSSOVER": {12: 9, 13: 9, 14: 9, 23: 9},
                 "qw.HIGH_CROSSOVER": {12: 4, 13: 4, 14: 4, 23: 4}, "qw.MID_CROSSOVER": {12: 17, 13: 17, 14: 17, 23: 17},
                 "qw.WG_TYPES": {1: 1, 8: 1, 12: 1, 13: 1, 14: 25, 23: 1}}
-_RING_BEFORE_41 = {8: 1, 12: 3, 13: 3, 14: 3, 23: 3}
+_RING_BEFORE_41 = {8: 1, 12: 3, 13: 3, 14: 3, 23: 3}  # (Q3_K's newtypes41 run had the ring to 1 token)
 
 
 _STAGES3_BEFORE_30 = {12: (3, 4, 6), 14: (2, 3, 4, 6)}  # quant_wide.STAGES3_TILES before session 30 (w5tiles)
@@ -557,6 +557,10 @@ STEP_ABS = {
     "newtypes41": ([("new types on v2", _RING_BEFORE_41, 3, "capture", _V2_TYPES_41),
                     ("shipped", SMALL, 3, "capture", {})],
                    (1, 2, 3, 8, 16, 23, 41), [("shipped", "new types on v2")]),
+    # Q3_K's ring at 2 and 3 tokens (shipped) against one token only (its per-tile kernel loses to the wide kernel at 2
+    # tokens): 1.0006 / 0.8252 / 0.8975 / 1.0006 at 1 / 2 / 3 / 4 (H200, session 41)
+    "q3kring": ([("Q3_K ring to 1", {**SMALL, 11: 1}, 3, "capture", {}), ("Q3_K ring to 3", SMALL, 3, "capture", {})],
+                (1, 2, 3, 4), [("Q3_K ring to 3", "Q3_K ring to 1")]),
     # small deep matrices (the 27B's attn_v, 1024 x 5120) on v2 up to quant_wide.CROSSOVER (DEEP_MIN_ROWS 2048,
     # shipped since session 40: 0.9972 / 0.9967 / 0.9967 / 1.0007 at 4 / 8 / 16 / 23) instead of the wide kernel from
     # DEEP_CROSSOVER (0)

@@ -31,10 +31,11 @@ SMEM_PER_SM = 228 * 1024
 SMEM_LIMIT = 227 * 1024
 
 # the types this kernel has (F16, Q8_0, Q4_K, Q5_K, Q6_K, IQ4_XS, Q3_K, Q4_0, IQ4_NL). Q5_K and IQ4_XS (session 40:
-# their GPU tests passed on an H200), Q4_0 and IQ4_NL (session 41) take Q4_K's dispatch below (the same chunk walk, a
-# few more or fewer bytes a block). Q3_K (session 41) its own at 2 and 3 tokens: its per-tile kernel reads 0.31 / 0.22
-# of the copy bandwidth on ffn_up / ffn_down at 2 tokens (28.8 / 40.3 us, H200) where the wide kernel takes 26.2 /
-# 26.7, so the gemv kernels run it at one token only (RING_UP_TO 1)
+# their GPU tests passed on an H200), Q3_K, Q4_0 and IQ4_NL (session 41) take Q4_K's dispatch below (the same chunk
+# walk, a few more or fewer bytes a block). Q3_K's per-tile kernel is weak at 2 tokens (0.31 / 0.22 of the copy
+# bandwidth on ffn_up / ffn_down, H200, where the wide kernel takes 26.2 / 26.7 us against its 28.8 / 40.3), but its
+# ring is not: the Q3_K_M 27B step with the ring to 3 tokens against to 1, 0.825 / 0.898 at 2 / 3 (bench/gemv_ab.py
+# --step-ab q3kring)
 GEMV_QTYPES = frozenset({1, 2, 8, 11, 12, 13, 14, 20, 23})
 _INT = frozenset({2, 8, 11, 12, 13, 14, 20, 23})  # x staged as int16 with an fp32 scale per 16 values
 _SUMS = frozenset({12, 13, 14})  # and the fp32 sum of every 16 values (the K-quants' offsets)
@@ -69,7 +70,7 @@ SPLIT_UP_TO: dict[int, int] = {}
 # every 27B matrix (decode step 8.99 -> 8.16 ms), 4 warps x 2 stages the best or within 3 % (fewer, smaller slots let
 # more blocks in); 2 / 3 tokens 0.67-0.94x / 0.78-0.92x v2's time; 4 tokens 0.93-1.13x (acc and x registers: 108-128
 # a thread from two tokens), so v2 from there. Q8_0 (no 27B matrix) was measured at one token only.
-RING_UP_TO: dict[int, int] = {8: 1, 12: 3, 13: 3, 14: 3, 23: 3, 2: 3, 20: 3, 11: 1}
+RING_UP_TO: dict[int, int] = {8: 1, 12: 3, 13: 3, 14: 3, 23: 3, 2: 3, 20: 3, 11: 3}
 RING_STAGES = 2
 MAX_RING_STAGES = 32  # the kernel keeps one parity bit per slot in a 32-bit word
 # Tall matrices (the LM head: 15520 tiles of 16 rows) stream best with more of each block in flight: H100, one

@@ -49,9 +49,9 @@ BARRIER_BYTES = 16  # per stage: the full and empty mbarriers
 # deep matrices and TALL_CROSSOVER[qtype] on tall ones (a type missing there: CROSSOVER); gemv keeps the widths up to
 # quant_gemv.CROSSOVER. (Those sweeps predate v2's address fix: DEEP_CROSSOVER was re-measured after it, below.)
 # F16, Q8_0, Q4_K, Q6_K; Q5_K and IQ4_XS (v2's frag2 takes them; their GPU tests passed in session 40), Q4_0, IQ4_NL
-# and Q3_K (session 41) as Q4_K here and in the tables below, but Q3_K on deep and high matrices from 2 tokens: the gemv
-# kernels run it at one token only (quant_gemv.RING_UP_TO), and from 2 the wide kernel beats v2 there (H200, 2 tokens:
-# ffn_up 26.2 vs 29.4 us, ffn_down 26.7 vs 32.6; bench/roofline.py, docs/benchmarks.md "Session 41")
+# and Q3_K (session 41) as Q4_K here and in the tables below, but Q3_K on deep and high matrices from 2 tokens where
+# x has no int16 staging for the ring (quant_gemv.RING_UP_TO): there the wide kernel beats v2 and the per-tile gemv
+# (H200, 2 tokens: ffn_up 26.2 vs 29.4 / 28.8 us, ffn_down 26.7 vs 32.6 / 40.3; docs/benchmarks.md "Session 41")
 CROSSOVER = {1: 17, 8: 25, 12: 25, 13: 25, 14: 25, 23: 25, 2: 25, 20: 25, 11: 25}
 # the types the kernel has: those above (a type without a CROSSOVER entry: prefer_wide never picks the kernel for it,
 # kernel="wide" runs it)
