@@ -546,14 +546,14 @@ STEP_ABS = {
                (17, 23, 32, 41), [("shipped", "wg from 25"), ("shipped", "crossover 17"),
                                   ("Q6_K wg from 41", "shipped")]),
     # a Q5_K_M / IQ4_XS model's step with their products on the gemv, ring and wide kernels as Q4_K's (shipped since
-    # session 40) against v2 at every width (the dispatch before); a Q3_K_M one's (make-synthetic --quant q3_k_m) once
-    # Q3_K has left quant_matmul.UNPROVEN_QTYPES and joined the tables as Q4_K (_V2_NEW_TYPES has no Q3_K either)
+    # session 40) against v2 at every width (the dispatch before; a session-41 type in the file: newtypes41)
     "newtypes": ([("new types on v2", {8: 1, 12: 3, 14: 3}, 3, "capture", _V2_NEW_TYPES),
                   ("shipped", SMALL, 3, "capture", {})],
                  (1, 2, 3, 8, 16, 23, 41), [("shipped", "new types on v2")]),
-    # a Q4_0 / IQ4_NL model's step (make-synthetic --quant q4_0 / iq4_nl) with their products on the gemv, ring and
-    # wide kernels as Q4_K's against the shipped v2 at every width: step 3 of docs/gpu_quant_matmul.md "Adding a
-    # storage type" for them, once they left quant_matmul.UNPROVEN_QTYPES (before, the engine holds them as F16)
+    # a Q3_K_M / Q4_0 / IQ4_NL model's step (make-synthetic --quant q3_k_m / q4_0 / iq4_nl) with their products on the
+    # gemv, ring and wide kernels (shipped since session 41) against v2 at every width: step 3 of
+    # docs/gpu_quant_matmul.md "Adding a storage type" for them (H200: Q4_0 0.719 / 0.880 / 0.600, Q3_K_M 0.679 /
+    # 0.930 / 0.594 at 1 / 23 / 41 tokens, Q3_K's ring then to one token)
     "newtypes41": ([("new types on v2", _RING_BEFORE_41, 3, "capture", _V2_TYPES_41),
                     ("shipped", SMALL, 3, "capture", {})],
                    (1, 2, 3, 8, 16, 23, 41), [("shipped", "new types on v2")]),

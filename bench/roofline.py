@@ -737,10 +737,10 @@ def main(argv: list[str]) -> int:
         (qm.IQ4_XS, "ffn_up"),
         (qm.IQ4_XS, "ffn_down"),
         (qm.IQ4_XS, "ssm_out"),
-        (qm.Q3_K, "ffn_up"),  # a Q3_K_M file's: v2 at every width in matmul() until its GPU run (session 41)
+        (qm.Q3_K, "ffn_up"),  # a Q3_K_M file's (session 41)
         (qm.Q3_K, "ffn_down"),
         (qm.Q3_K, "ssm_out"),
-        (qm.Q4_0, "ffn_up"),  # a Q4_0 / IQ4_NL file's: v2 at every width until their GPU run (session 41)
+        (qm.Q4_0, "ffn_up"),  # a Q4_0 / IQ4_NL file's (session 41)
         (qm.Q4_0, "ffn_down"),
         (qm.Q4_0, "ssm_out"),
         (qm.IQ4_NL, "ffn_up"),
