@@ -220,10 +220,7 @@ struct Lay<2> {  // Q4_0: the 8 blocks' qs (8-byte pieces swizzled: load_raw, xu
     static constexpr bool INT = true, SUMS = false;
 };
 template <>
-struct Lay<20> {  // IQ4_NL: Q4_0's layout; signed codebook values
-    static constexpr int MAIN = 128, SIDE = 16;
-    static constexpr bool INT = true, SUMS = false;
-};
+struct Lay<20> : Lay<2> {};  // IQ4_NL: Q4_0's layout; signed codebook values
 
 template <int QT>
 struct Raw;

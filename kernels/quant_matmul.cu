@@ -1047,9 +1047,7 @@ struct Lay<2> {
     static constexpr int MAIN = 128, SIDE = 16, SWZ = 2;
 };
 template <>
-struct Lay<20> {
-    static constexpr int MAIN = 128, SIDE = 16, SWZ = 2;
-};
+struct Lay<20> : Lay<2> {};
 
 // bytes per row of a chunk of C values (C < 256 only for the tails of F16 and the 32-value block types)
 template <int QT>

@@ -597,14 +597,14 @@ def test_ring_shared_memory_and_choice() -> None:
 
     assert qg.ring_usable(Q4_K, 5120, True)
     assert not qg.ring_usable(Q4_K, 5120, False)  # the pack wrote no staging
-    # Q5_K and IQ4_XS take Q4_K's dispatch: the ring up to 3 tokens with the staging, the per-tile kernel at 1 without
+    # Q5_K, IQ4_XS (session 40), Q3_K, Q4_0 and IQ4_NL (session 41) take Q4_K's dispatch: the ring up to 3 tokens with
+    # the staging, the per-tile kernel at 1 without
     assert qg.ring_usable(Q5_K, 5120, True) and qg.ring_slot_bytes(Q5_K, 1) == 16 * 176 + 512 + 128
-    for q in (Q5_K, IQ4_XS):
+    assert qg.ring_usable(Q3_K, 5120, True) and qg.ring_slot_bytes(Q3_K, 1) == 16 * 110 + 512 + 64
+    for q in (Q5_K, IQ4_XS, Q3_K, Q4_0, IQ4_NL):
         assert [qg.prefer_gemv(q, 5120, t, q16=True) for t in range(1, 6)] == [True] * 3 + [False] * 2
         assert [qg.prefer_gemv(q, 5120, t, q16=False) for t in range(1, 3)] == [True, False]
-    # Q3_K: the kernels take it (simulated above) but the dispatch keeps it on v2 until it has run on a GPU
-    assert qg.ring_usable(Q3_K, 5120, True) and qg.ring_slot_bytes(Q3_K, 1) == 16 * 110 + 512 + 64
-    assert not any(qg.prefer_gemv(Q3_K, 5120, t, q16=q16) for t in range(1, qg.MAX_TOKENS + 1) for q16 in (0, 1))
+    assert not qg.ring_usable(Q4_0, 5120 + 32, True)  # a tail chunk
     assert not qg.ring_usable(Q8_0, 5120 + 32, True)  # a tail chunk
     assert not qg.ring_usable(F16, 5120, True)
     for qtype in (Q8_0, Q4_K, Q6_K):

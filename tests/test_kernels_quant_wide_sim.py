@@ -554,7 +554,7 @@ def test_grid_counts_the_producer_warp(monkeypatch, regs: int, tokens: int, fit:
 
 
 def test_dispatch_widths() -> None:
-    for q in (F16, Q8_0, Q4_K, Q5_K, Q6_K, IQ4_XS):
+    for q in (F16, Q8_0, Q4_K, Q5_K, Q6_K, IQ4_XS, Q3_K, Q4_0, IQ4_NL):
         assert qw.CROSSOVER[q] > qg.CROSSOVER[q]  # gemv keeps its widths
         assert not qw.prefer_wide(q, qw.CROSSOVER[q] - 1) and qw.prefer_wide(q, qw.CROSSOVER[q])
         assert qw.prefer_wide(q, 64) and not qw.prefer_wide(q, 65)
@@ -585,14 +585,15 @@ def test_dispatch_widths() -> None:
     # session 27: the 10240..16383-row stacks (the attention's q|k|v, the DeltaNet attn_qkv kept apart) from 17
     assert qw.MID_CROSSOVER[Q4_K] == qw.MID_CROSSOVER[Q6_K] == 17 and qw.MID_ROWS == 10240
     assert all(qw.HIGH_CROSSOVER[q] > qg.RING_UP_TO[q] for q in (Q4_K, Q5_K, Q6_K, IQ4_XS))
-    # session 40: Q5_K and IQ4_XS (their kernels' GPU tests passed) take Q4_K's widths in every table
+    # session 40: Q5_K and IQ4_XS (their kernels' GPU tests passed) take Q4_K's widths in every table; session 41:
+    # Q4_0, IQ4_NL and Q3_K too, but Q3_K's deep and high matrices from 2 tokens (where no int16 staging feeds the
+    # ring, the wide kernel beat v2 and its per-tile gemv there)
     tables = (qg.CROSSOVER, qg.RING_UP_TO, qw.CROSSOVER, qw.DEEP_CROSSOVER, qw.TALL_CROSSOVER, qw.HIGH_CROSSOVER,
               qw.MID_CROSSOVER, qw.STAGES3_TILES, qw.WG_TYPES)
-    assert all(t[Q5_K] == t[IQ4_XS] == t[Q4_K] for t in tables)
-    # session 41: Q3_K (simulated only) in none of them, so matmul() keeps it on v2 though the kernel takes it
-    assert Q3_K in qw.WIDE_QTYPES and not any(Q3_K in t for t in tables)
-    assert not any(qw.prefer_wide(Q3_K, w, *shape, order=o) for w in range(1, 65) for o in (0, 1)
-                   for shape in ((0, 0), (5120, 17408), (248320, 5120), (34816, 5120), (14336, 5120), (5120, 6144)))
+    assert all(t[Q5_K] == t[IQ4_XS] == t[Q4_0] == t[IQ4_NL] == t[Q4_K] for t in tables)
+    assert all(t[Q3_K] == t[Q4_K] for t in (qg.CROSSOVER, qg.RING_UP_TO, qw.CROSSOVER, qw.TALL_CROSSOVER,
+                                           qw.MID_CROSSOVER, qw.STAGES3_TILES, qw.WG_TYPES))
+    assert qw.DEEP_CROSSOVER[Q3_K] == qw.HIGH_CROSSOVER[Q3_K] == 2
 
 
 def test_dispatch_in_the_wgmma_order(monkeypatch) -> None:

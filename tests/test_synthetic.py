@@ -77,76 +77,39 @@ def test_27b_types_and_bytes_equal_the_peer_file():
     assert sum(s.nbytes for s in drafter) == 1_838_535_680        # ~1.73 B params at Q8_0
 
 
-def test_q5_k_m_mix_is_the_q4_k_m_mix_with_q5_k(tmp_path):
-    """--quant q5_k_m: llama.cpp's Q5_K_M mix (Q5_K where Q4_K_M has Q4_K; the LM head and the "more bits" layers'
-    attn_v / attn_qkv and ffn_down Q6_K), its file type in the metadata; a tiny file loads and runs. --quant iq4_xs
-    likewise with IQ4_XS for Q4_K."""
-    shape = S.get_shape("qwen3.6-27b")
-    q4 = {s.name: s for s in S.target_tensors(shape.target)}
-    q5 = S.target_tensors(shape.target, "q5_k_m")
-    assert [s.name for s in q5] == list(q4)
-    for s in q5:
-        want = Q.Q5_K if q4[s.name].qtype == Q.Q4_K else q4[s.name].qtype
-        assert (s.shape, s.qtype) == (q4[s.name].shape, want), s.name
-    by = S.bytes_by_type(q5)
-    assert by["Q6_K"] == PEER_BYTES["Q6_K"] and by["Q5_K"] == PEER_BYTES["Q4_K"] // 144 * 176
-    assert S.target_metadata(S.get_shape("tiny"), "q5_k_m")["general.file_type"] == S.FILE_TYPE_Q5_K_M == 17
-    res = S.make_synthetic("tiny", str(tmp_path), quant="q5_k_m", seed=3, draft=False, quiet=True)
-    assert res.target_path.endswith("-q5_k_m.synthetic.gguf")
-    target = load_target(res.target_path)
-    assert target.file.tensors["blk.0.ffn_up.weight"].qtype == Q.Q5_K
-    out = target.model.forward(target.model.new_state(16), [1, 2, 3])
-    assert np.isfinite(out.logits).all() and 0.1 < float(out.logits.std()) < 10.0
-    with pytest.raises(SpecsplitError, match="unknown --quant 'q2_k'"):
-        S.target_tensors(shape.target, "q2_k")
-    iq = S.target_tensors(shape.target, "iq4_xs")
-    assert S.bytes_by_type(iq)["IQ4_XS"] == PEER_BYTES["Q4_K"] // 144 * 136
-    assert S.target_metadata(S.get_shape("tiny"), "iq4_xs")["general.file_type"] == S.FILE_TYPE_IQ4_XS == 30
-    res = S.make_synthetic("tiny", str(tmp_path), quant="iq4_xs", seed=3, draft=False, quiet=True)
-    target = load_target(res.target_path)
-    assert target.file.tensors["blk.0.ffn_up.weight"].qtype == Q.IQ4_XS
-    out = target.model.forward(target.model.new_state(16), [1, 2, 3])
-    assert np.isfinite(out.logits).all() and 0.1 < float(out.logits.std()) < 10.0
+MIXES = [("q5_k_m", Q.Q5_K, 17), ("iq4_xs", Q.IQ4_XS, 30), ("q3_k_m", Q.Q3_K, 12), ("q4_0", Q.Q4_0, 2),
+         ("iq4_nl", Q.IQ4_NL, 25)]
 
 
-def test_q3_k_m_mix_is_the_q4_k_m_mix_with_q3_k(tmp_path):
-    """--quant q3_k_m: Q4_K_M's mix with Q3_K for Q4_K (an approximation of llama.cpp's Q3_K_M: synthetic.QUANT_MIXES
-    says where it differs), its file type (LLAMA_FTYPE_MOSTLY_Q3_K_M) in the metadata; a tiny file loads and runs."""
-    shape = S.get_shape("qwen3.6-27b")
-    q4 = {s.name: s for s in S.target_tensors(shape.target)}
-    q3 = S.target_tensors(shape.target, "q3_k_m")
-    assert [s.name for s in q3] == list(q4)
-    for s in q3:
-        want = Q.Q3_K if q4[s.name].qtype == Q.Q4_K else q4[s.name].qtype
-        assert (s.shape, s.qtype) == (q4[s.name].shape, want), s.name
-    by = S.bytes_by_type(q3)
-    assert by["Q6_K"] == PEER_BYTES["Q6_K"] and by["Q3_K"] == PEER_BYTES["Q4_K"] // 144 * 110
-    assert S.target_metadata(S.get_shape("tiny"), "q3_k_m")["general.file_type"] == S.FILE_TYPE_Q3_K_M == 12
-    res = S.make_synthetic("tiny", str(tmp_path), quant="q3_k_m", seed=3, draft=False, quiet=True)
-    assert res.target_path.endswith("-q3_k_m.synthetic.gguf")
-    target = load_target(res.target_path)
-    assert target.file.tensors["blk.0.ffn_up.weight"].qtype == Q.Q3_K
-
-
-@pytest.mark.parametrize("quant,qtype,ftype", [("q4_0", Q.Q4_0, 2), ("iq4_nl", Q.IQ4_NL, 25)])
-def test_32_value_block_mixes(tmp_path, quant, qtype, ftype):
-    """--quant q4_0 / iq4_nl: the Q4_K_M mix with Q4_0 / IQ4_NL for Q4_K (llama.cpp's file types in the metadata; its
-    own mixes raise other tensors: synthetic.QUANT_MIXES), 18 bytes a 32 values; a tiny file loads and runs."""
+@pytest.mark.parametrize("quant,base,ftype", MIXES, ids=[m[0] for m in MIXES])
+def test_type_mixes_are_the_q4_k_m_mix_with_another_base_type(tmp_path, quant, base, ftype):
+    """--quant q5_k_m (llama.cpp's Q5_K_M mix: Q5_K where Q4_K_M has Q4_K; the LM head and the "more bits" layers'
+    attn_v / attn_qkv and ffn_down Q6_K) and likewise iq4_xs / q3_k_m / q4_0 / iq4_nl (approximations of llama.cpp's
+    own mixes: synthetic.QUANT_MIXES says where they differ): the base type's bytes as its block size scales Q4_K's,
+    the file type (llama_ftype) in the metadata; a tiny file loads and runs."""
     shape = S.get_shape("qwen3.6-27b")
     q4 = {s.name: s for s in S.target_tensors(shape.target)}
     mix = S.target_tensors(shape.target, quant)
     assert [s.name for s in mix] == list(q4)
     for s in mix:
-        want = qtype if q4[s.name].qtype == Q.Q4_K else q4[s.name].qtype
+        want = base if q4[s.name].qtype == Q.Q4_K else q4[s.name].qtype
         assert (s.shape, s.qtype) == (q4[s.name].shape, want), s.name
-    assert S.bytes_by_type(mix)[qtype.name] == PEER_BYTES["Q4_K"]    # 18 / 32 bytes a value, as Q4_K's 144 / 256
+    block, size = gguf.GGML_QUANT_SIZES[base]
+    by = S.bytes_by_type(mix)
+    assert by["Q6_K"] == PEER_BYTES["Q6_K"] and by[base.name] == PEER_BYTES["Q4_K"] // 144 * (256 // block * size)
     assert S.target_metadata(S.get_shape("tiny"), quant)["general.file_type"] == ftype
     res = S.make_synthetic("tiny", str(tmp_path), quant=quant, seed=3, draft=False, quiet=True)
     assert res.target_path.endswith(f"-{quant}.synthetic.gguf")
     target = load_target(res.target_path)
-    assert target.file.tensors["blk.0.ffn_up.weight"].qtype == qtype
+    assert target.file.tensors["blk.0.ffn_up.weight"].qtype == base
     out = target.model.forward(target.model.new_state(16), [1, 2, 3])
     assert np.isfinite(out.logits).all() and 0.1 < float(out.logits.std()) < 10.0
+
+
+def test_an_unknown_mix_is_refused():
+    assert set(S.QUANTS) == {"q4_k_m"} | {m[0] for m in MIXES}
+    with pytest.raises(SpecsplitError, match="unknown --quant 'q2_k'"):
+        S.target_tensors(S.get_shape("qwen3.6-27b").target, "q2_k")
 
 
 def _header_only(path, shape):
