@@ -248,10 +248,7 @@ struct Raw<2> {  // Q4_0: qs unit j (block j), its d
     u32 d[4];
 };
 template <>
-struct Raw<20> {  // IQ4_NL: as Q4_0
-    uint4 q[4];
-    u32 d[4];
-};
+struct Raw<20> : Raw<2> {};  // IQ4_NL: as Q4_0
 template <>
 struct Raw<14> {  // Q6_K: ql unit j, qh unit, two int8 scales, d
     uint4 l[4], h[4];
@@ -656,7 +653,8 @@ GV_DEV void chunk_int(const Raw<QT>& w, int c, int j, const int (&xu)[4], const 
 #pragma unroll
             for (int nn = 0; nn < TB; ++nn) {
                 if (n0 + nn < NT) {
-                    constexpr bool UB = QT != 8 && QT != 23 && QT != 11 && QT != 2 && QT != 20;  // (signed: Q8_0, IQ4_*, Q3_K, Q4_0)
+                    // unsigned quant bytes (the signed: Q8_0, IQ4_XS, IQ4_NL, Q3_K, Q4_0)
+                    constexpr bool UB = QT != 8 && QT != 23 && QT != 11 && QT != 2 && QT != 20;
                     const int s0 = dot16<UB>(xq[nn], q), s1 = dot16<UB>(xq[nn] + 8, q + 4);
                     float a = acc[i][n0 + nn];
                     a = fmaf(cf[i].a0 * xs[nn][0], (float)s0, a);
