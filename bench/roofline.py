@@ -200,9 +200,12 @@ def _compile_job(job: tuple) -> str:
 
 def compile_jobs(qm, widths, sweep: bool, kernels, full: bool = True) -> list[tuple]:
     """Kernel builds for this run; full: also what tests/test_kernels_quant_matmul.py uses (tiles 1, 3, 6, 8 and
-    the portable builds)."""
+    the portable builds), for every storage type the GPU tests take (the newer ones too: the suite would otherwise
+    build theirs one at a time mid-test)."""
     tiles = sorted({(t + 7) // 8 for t in widths} | ({1, 3, 6, 8} if full else set()))
     types = (qm.Q4_K, qm.Q6_K, qm.Q8_0, qm.F16)
+    if full:
+        types += (qm.Q5_K, qm.IQ4_XS, qm.Q3_K, qm.Q4_0, qm.IQ4_NL)
     jobs: list[tuple] = [("pack", f32, portable) for f32 in (False, True) for portable in (False, True)]
     for q in types:
         for portable in (False, True) if full else (False,):
@@ -210,7 +213,7 @@ def compile_jobs(qm, widths, sweep: bool, kernels, full: bool = True) -> list[tu
                 if "v2" in kernels:
                     mts = (1, 2) if (sweep or portable is False) and not portable else (qm.default_m_tiles(nt),)
                     jobs += [("v2", q, nt, mt, 0, portable) for mt in mts]
-                if "v1" in kernels:
+                if "v1" in kernels and q in qm.V1_QTYPES:
                     jobs.append(("v1", q, nt, portable))
         if any(k.startswith("gemv") or k == "auto" for k in kernels):
             from kernels import quant_gemv
