@@ -135,11 +135,13 @@ static void (*pick(int qt, int nt, int mt))() {
         case 1: return mt == 1 ? pick_nt<1, 1, WIDE>(nt) : pick_nt<1, 2, WIDE>(nt);
         case 8: return mt == 1 ? pick_nt<8, 1, WIDE>(nt) : pick_nt<8, 2, WIDE>(nt);
         case 12: return mt == 1 ? pick_nt<12, 1, WIDE>(nt) : pick_nt<12, 2, WIDE>(nt);
+#ifndef SS_SIM_BASE_TYPES  // (a build for a test of F16 / Q8_0 / Q4_K / Q6_K only: a third less to compile)
         case 13: return mt == 1 ? pick_nt_few<13, 1, WIDE>(nt) : pick_nt_few<13, 2, WIDE>(nt);
         case 23: return mt == 1 ? pick_nt_few<23, 1, WIDE>(nt) : pick_nt_few<23, 2, WIDE>(nt);
         case 11: return mt == 1 ? pick_nt_few<11, 1, WIDE>(nt) : pick_nt_few<11, 2, WIDE>(nt);  // Q3_K (session 41)
         case 2: return mt == 1 ? pick_nt_few<2, 1, WIDE>(nt) : pick_nt_few<2, 2, WIDE>(nt);
         case 20: return mt == 1 ? pick_nt_few<20, 1, WIDE>(nt) : pick_nt_few<20, 2, WIDE>(nt);
+#endif
         case 14: return mt == 1 ? pick_nt<14, 1, WIDE>(nt) : pick_nt<14, 2, WIDE>(nt);
     }
     return nullptr;

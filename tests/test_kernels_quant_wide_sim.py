@@ -58,11 +58,17 @@ def sim(request, tmp_path_factory) -> ctypes.CDLL:
     return build_sim(tmp_path_factory, request.param)
 
 
+_BUILT: dict[tuple[str, str], ctypes.CDLL] = {}  # one g++ build (~30 s) a variant and set of defines, per session
+
+
 def build_sim(tmp_path_factory, variant: str, defines: tuple[str, ...] = ()) -> ctypes.CDLL:
-    """sim's library for a variant ("portable" / "bulk"), with extra -D defines (the kernels' compile-time knobs)."""
+    """sim's library for a variant ("portable" / "bulk"), with extra -D defines (the kernels' compile-time knobs); a
+    build asked for again (the sim fixture's by test_wgmma_build_on_cpu) is the same library."""
     parts = (SOURCE, *sorted(SOURCE.parent.glob("*.cuh")), HARNESS,
              HARNESS.with_name("cuda_sim.h"), HARNESS.with_name("cuda_sim_pack.h"))
     digest = hashlib.sha256(b"".join(p.read_bytes() for p in parts) + repr(defines).encode()).hexdigest()[:16]
+    if (variant, digest) in _BUILT:
+        return _BUILT[variant, digest]
     lib_path = tmp_path_factory.mktemp("cuda_sim_wide") / f"cuda_sim_wide_{variant}_{digest}.so"
     bulk = ["-DSPECSPLIT_SIM_BULK"] if variant == "bulk" else []
     cmd = [
@@ -91,6 +97,7 @@ def build_sim(tmp_path_factory, variant: str, defines: tuple[str, ...] = ()) -> 
     lib.sim_bulk.restype = I
     lib.bulk = bool(lib.sim_bulk())
     assert lib.bulk == (variant == "bulk")
+    _BUILT[variant, digest] = lib
     return lib
 
 
@@ -248,7 +255,8 @@ def test_pieces_two_at_a_time_at_more_token_tiles_on_cpu(sim, tmp_path_factory) 
     """The writer's pieces loaded two at a time at 4 and 5 token tiles too (quant_wide.PIECE_GROUP_TILES, the
     SS_QMW_PG2_* masks): bitwise the default build's output (one at a time there) on row blocks of 2..5 pieces,
     blocks one at a time and interleaved; on the portable path and the sm_90 bulk one alike."""
-    pg = build_sim(tmp_path_factory, "bulk" if sim.bulk else "portable", ("SS_QMW_PG2_Q4K=56", "SS_QMW_PG2_Q6K=48"))
+    pg = build_sim(tmp_path_factory, "bulk" if sim.bulk else "portable",
+                   ("SS_QMW_PG2_Q4K=56", "SS_QMW_PG2_Q6K=48", "SS_SIM_BASE_TYPES"))
     for qtype, n_out, k, tokens, cfg in ((Q4_K, 64, 2048, 29, (1, 4, 3, 7)), (Q6_K, 48, 1536, 36, (1, 3, 3, 5)),
                                          (Q4_K, 96, 1280, 40, (1, 2, 2, 9))):  # fmt: skip
         assert max(pieces(n_out, k, *cfg[:2], cfg[3])) >= 3
@@ -938,7 +946,7 @@ def test_mma_kernels_read_the_wgmma_order_on_cpu(sim, tmp_path_factory) -> None:
     """Built with SPECSPLIT_XO_WG (quant_wide.wide_function / qm.qmv_function's order 1), the v2 and the mma.sync wide
     kernel read x in the wgmma build's order (quant_wide.wg_order of the pack; tail chunks too) and the SwiGLU launch
     writes its output in it: bit for bit the default build's sums, and its output in that order."""
-    xo = build_sim(tmp_path_factory, "bulk" if sim.bulk else "portable", ("SPECSPLIT_XO_WG",))
+    xo = build_sim(tmp_path_factory, "bulk" if sim.bulk else "portable", ("SPECSPLIT_XO_WG", "SS_SIM_BASE_TYPES"))
     for qtype, n_out, k, tokens, cfg in (CASES[1], CASES[4], CASES[7], CASES[10], (Q4_K, 64, 2048, 23, (1, 4, 3, 7))):
         seed = qtype * 131 + n_out + k + tokens
         want = Problem(sim, qtype, n_out, k, tokens, seed=seed)
@@ -1000,7 +1008,7 @@ def test_wgmma_build_on_cpu(tmp_path_factory) -> None:
         p = Problem(wg, qtype, 2 * f, k, tokens, seed=seed, x_scale=SWIGLU_X)
         p.xp[:] = qw.wg_order(p.xp, p.tpad)
         assert np.array_equal(swiglu_launch(p, warps, stages, 4, wg=True), qw.wg_order(want, p.tpad)), (qtype, tokens)
-    deep = build_sim(tmp_path_factory, "bulk", ("SPECSPLIT_QMW_WG", "SS_WG_DEPTH=3"))  # (quant_wide.WG_DEPTH)
+    deep = build_sim(tmp_path_factory, "bulk", ("SPECSPLIT_QMW_WG", "SS_WG_DEPTH=3", "SS_SIM_BASE_TYPES"))  # WG_DEPTH
     for qtype, n_out, k, tokens, cfg in ((Q6_K, 80, 768, 64, (2, 4, 2, 4)), (Q4_K, 64, 2048, 41, (1, 4, 3, 7))):
         seed = qtype * 131 + n_out + k + tokens
         want, _ = Problem(base, qtype, n_out, k, tokens, seed=seed).wide(*cfg)
