@@ -190,7 +190,7 @@ def _matrix(name: str, out: int, inp: int, qtype: Q) -> TensorSpec:
 
 def target_tensors(cfg: ModelConfig, quant: str = "q4_k_m", type_layers: int | None = None) -> list[TensorSpec]:
     """The tensors of a qwen35 GGUF in llama.cpp's order (globals, then per layer), with Q4_K_M types (q5_k_m: Q5_K_M's,
-    the same mix with Q5_K for Q4_K; iq4_xs, q3_k_m: with IQ4_XS, Q3_K for Q4_K: QUANT_MIXES).
+    the same mix with Q5_K for Q4_K; iq4_xs, q3_k_m, q4_0, iq4_nl: with their base type for Q4_K: QUANT_MIXES).
 
     type_layers: the layer count the "more bits" rule uses (default cfg.n_layer); with the real model's
     count a --layers N file has, layer by layer, the real file's types.
