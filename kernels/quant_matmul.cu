@@ -1059,8 +1059,7 @@ SS_DEV int main_bytes(int C) {
 }
 template <int QT>
 SS_DEV int side_bytes(int C) {
-    if constexpr (QT == 8) return C >> 4;
-    if constexpr (QT == 2 || QT == 20) return C >> 4;
+    if constexpr (QT == 8 || QT == 2 || QT == 20) return C >> 4;  // a 2-byte d a 32 values
     return Lay<QT>::SIDE;
 }
 
@@ -1208,11 +1207,7 @@ SS_DEV RowState prep2(const u8* quants, const u8* side, int t) {
         st.v[1] = bcast_lo(s13);
         st.v[2] = bcast_hi(s02);
         st.v[3] = bcast_hi(s13);
-    } else if constexpr (QT == 8) {
-        const u32 dd = *(const u32*)(side + 4 * t);
-        st.v[0] = bcast_lo(dd);
-        st.v[1] = bcast_hi(dd);
-    } else if constexpr (QT == 2 || QT == 20) {  // Q4_0, IQ4_NL: d of blocks 2t, 2t+1, as Q8_0's
+    } else if constexpr (QT == 8 || QT == 2 || QT == 20) {  // Q8_0, Q4_0, IQ4_NL: d of blocks 2t, 2t+1
         const u32 dd = *(const u32*)(side + 4 * t);
         st.v[0] = bcast_lo(dd);
         st.v[1] = bcast_hi(dd);
