@@ -6,6 +6,8 @@ CUDA graph replay) against the width-23 verify step, and the whole speculative l
 
     python3 bench/decode.py --make-synthetic DIR [--layers N] [--drafter] [--json OUT]   # write the files first
     python3 bench/decode.py --model PATH.gguf [--draft DRAFTER.gguf] [--json OUT]
+    python3 bench/decode.py --model PATH.gguf --draft DRAFTER.gguf --drafter-service unix:///tmp/d.sock
+        # with `specsplit drafter --model PATH.gguf --draft DRAFTER.gguf --device cuda:1 --listen unix:///tmp/d.sock`
 
 Roofline tokens/s = device copy bandwidth (bench/roofline.py's copy_bandwidth: bytes read + written by a
 device-to-device copy) / bytes of weights read per decode step. Counted: every quantized matrix of the blocks
@@ -34,7 +36,10 @@ step draft_topk (k=8) -> DDTree of 22 nodes -> tree verify (23 tokens, checkpoin
 (speculative.begin_propose, the host building the next tree while the commit runs), and `spec_loop_serial` runs the
 same steps one after another, each from an idle device. Its
 `outside_kernels_ms` = step - the loop's own drafter, verify and commit graphs each replayed alone: the loop's work
-outside kernels (Python, uploads and downloads, tree build, argmax, graph launches). With DECODE_PROFILE=PATH
+outside kernels (Python, uploads and downloads, tree build, argmax, graph launches). With --drafter-service ADDR
+the same loop (the engine's order) runs with a DrafterClient of that running drafter service as its proposer: its
+draft is the features' trip out, the service's pass and the top-k's trip back (`vs_in_process`: its tok/s over the
+in-process drafter's at the same acceptance length, in the same run). With DECODE_PROFILE=PATH
 the last acceptance length runs PROFILE_STEPS more steps under cProfile after its timed ones (stats to PATH).
 
 Prompt processing (`--prompts`, llama-bench's "pp n"; ../shared/reference/peer_baseline.md has the peer's): a prompt
@@ -52,6 +57,7 @@ import statistics
 import sys
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -66,6 +72,7 @@ WIDTHS = (1, 2, 4, 8, 16, 23, 32, 41, 64)
 ACCEPT = (2, 3, 4, 6)
 PROMPTS = (32, 128, 512, 2048)
 SPEC_WIDTH = 23
+SERVICE_READY_S = 60.0     # how long a --drafter-service may take to say it is serving
 PROFILE_STEPS = 20
 REPLAYS = 20             # width_curve: replays of each captured verify graph (median)
 WARM_STEPS = 4           # spec_loop's untimed first row
@@ -406,19 +413,20 @@ def _time_pass(dr, timer: Timer, ctx: int, reps: int, n_new: int = 3) -> dict[st
     return res
 
 
-def spec_loop(model, dr, timer: Timer, context: int, steps: int, deadline: float,
-              overlap: bool = True) -> dict[int, dict]:
-    """The speculative loop with the GPU drafter and a forced acceptance length a (see the module docstring).
+def spec_loop(model, new_proposer: Callable[[], Any], layer_ids: list[int], timer: Timer, context: int, steps: int,
+              deadline: float, overlap: bool = True) -> dict[int, dict]:
+    """The speculative loop with a drafter and a forced acceptance length a (see the module docstring).
+    new_proposer() makes the proposer of one run of steps: the in-process GPU drafter's (GpuProposer), or a
+    DrafterClient of a drafter service (its draft then includes the features' trip and the answer's).
     overlap (the engine's order, speculative.begin_propose): the next draft is queued before the step's commit and
     the host builds the next tree while the commit runs; a step is then the time from one step's end to the next's.
     Without: draft, tree, verify, accept and commit one after another, the device idle between steps."""
     from services.engine.ddtree import build_ddtree
-    from services.engine.models.dflash_gpu import GpuProposer
     from services.engine.speculative import begin_propose
 
     rng = np.random.default_rng(3)
     n_vocab = model.cfg.n_vocab
-    layer_ids = list(dr.target_layer_ids)
+    layer_ids = list(layer_ids)
     out: dict[int, dict] = {}
     # a first, untimed row of WARM_STEPS steps: the loop's first-time host costs (the proposer's and the tree's
     # first calls, pinned buffers, the allocator's pools) otherwise land in the first timed row, which every session
@@ -435,7 +443,7 @@ def spec_loop(model, dr, timer: Timer, context: int, steps: int, deadline: float
         res = model.forward(state, rng.integers(0, n_vocab, size=context), capture=layer_ids, logits="last")
         state.commit(list(range(context)))
         feats, root = res.captured, int(np.argmax(np.asarray(res.logits)[-1]))
-        prop = GpuProposer(dr)
+        prop = new_proposer()
         parts: dict[str, list[float]] = {"step": [], "draft": [], "tree": [], "verify": [], "accept": []}
         prof = None
         pending, t_end = None, 0.0
@@ -487,16 +495,19 @@ def spec_loop(model, dr, timer: Timer, context: int, steps: int, deadline: float
         out[a]["tps"] = round(a / med["step"], 2)
         # the loop's own captured passes replayed alone (device time of its kernels, no host work): what is left
         # of a step is the loop's overhead outside kernels (Python, uploads, downloads, tree, commit)
-        dg = [g for k, g in prop.session.graphs.items() if k[0] == a]
+        # (a drafter service's passes run in its own process: no graph of them here, so no outside share)
+        session = getattr(prop, "session", None)
+        dg = [g for k, g in session.graphs.items() if k[0] == a] if session is not None else []
         vg = [g for k, g in getattr(state, "graphs", {}).items() if isinstance(k, tuple) and k and k[0] == SPEC_WIDTH]
         # the commit's graph (DeltaNet state replayed along the path, conv window; models/qwen35_gpu.commit) is
         # device work too; replayed alone it recomputes the state in place again, so it is timed last, on a state
         # this loop is done with
         cg = [g for k, g in getattr(state, "commit_graphs", {}).items() if k and k[0] == SPEC_WIDTH]
-        if dg and vg:
-            out[a]["draft_replay_ms"] = round(_replay_s(dg[-1].graph, timer) * 1e3, 3)
+        if vg:
             out[a]["verify_replay_ms"] = round(_replay_s(vg[-1].graph, timer) * 1e3, 3)
             out[a]["commit_replay_ms"] = round(_replay_s(cg[-1], timer) * 1e3, 3) if cg else 0.0
+        if dg and vg:
+            out[a]["draft_replay_ms"] = round(_replay_s(dg[-1].graph, timer) * 1e3, 3)
             out[a]["outside_kernels_ms"] = round(out[a]["step_ms"] - out[a]["draft_replay_ms"]
                                                  - out[a]["verify_replay_ms"] - out[a]["commit_replay_ms"], 3)
         prop.close()
@@ -529,6 +540,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--widths", type=int, nargs="+", default=list(WIDTHS), help="verify widths to time")
     ap.add_argument("--drafter", action="store_true", help="with --make-synthetic: write and time its DFlash drafter")
     ap.add_argument("--draft", help="with --model: a DFlash drafter GGUF to time")
+    ap.add_argument("--drafter-service", action="append", default=[], metavar="ADDR",
+                    help="a running `specsplit drafter` for this target (unix:///path or host:port; repeatable): the "
+                         "speculative loop through it, against the in-process drafter's (--draft) in the same run")
+    ap.add_argument("--draft-features", choices=("auto", "f32", "f16"), nargs="+", default=["auto"],
+                    help="features on the wire to a --drafter-service (auto: f32 through shared memory, else f16); "
+                         "more than one: the loop through each service once with each")
     ap.add_argument("--long-context", type=int, default=2600,
                     help="drafter pass also timed at this context (past the 2048 window; 0: skip)")
     ap.add_argument("--no-decode", action="store_true", help="skip the plain-decode part")
@@ -628,6 +645,8 @@ def main(argv: list[str] | None = None) -> int:
         measure(model, r, timer, args, scale, rep["roofline_tps"], deadline, log, save)
         if args.draft and graphs:
             measure_drafter(model, r, timer, args, scale, deadline, log, save)
+        if args.drafter_service and graphs and args.spec_steps > 0:
+            spec_with_services(model, r, timer, args, scale, deadline, log)
         r["graph_stats"] = dict(model.graph_stats)
         r["graph_blocker"] = model.graph_blocker
         save()
@@ -693,8 +712,11 @@ def spec_with_drafter(model, dr, d: dict[str, Any], r: dict[str, Any], timer: Ti
     """The speculative loop with the GPU drafter (spec_loop), scaled like the verify when the model is short."""
     try:
         # the engine's order (the next draft before the commit) and the serial one, in one process
+        from services.engine.models.dflash_gpu import GpuProposer
+
         for key, overlap in (("spec_loop", True), ("spec_loop_serial", False)):
-            loop = spec_loop(model, dr, timer, args.context, args.spec_steps, deadline, overlap=overlap)
+            loop = spec_loop(model, lambda: GpuProposer(dr), dr.target_layer_ids, timer, args.context,
+                             args.spec_steps, deadline, overlap=overlap)
             for a, v in loop.items():
                 if scale != 1 and "blocks_ms" in r:
                     step = v["step_ms"] + (scale - 1) * r["blocks_ms"][SPEC_WIDTH]
@@ -703,6 +725,39 @@ def spec_with_drafter(model, dr, d: dict[str, Any], r: dict[str, Any], timer: Ti
             log(f"speculative loop with the GPU drafter ({key}): {loop}")
     except Exception:
         d["spec_loop_error"] = _err()
+
+
+def spec_with_services(model, r: dict[str, Any], timer: Timer, args, scale: float, deadline: float, log) -> None:
+    """The speculative loop (the engine's order) through each --drafter-service, into r["drafter_services"][ADDR],
+    with each acceptance length's tok/s relative to the in-process drafter's in this run (when --draft was timed)."""
+    from services.drafter.client import DrafterClient
+
+    r["drafter_services"] = out = {}
+    local = r.get("drafter", {}).get("spec_loop", {})
+    dtypes = list(args.draft_features)
+    for addr, dtype in ((a, t) for a in args.drafter_service for t in dtypes):
+        out[addr if len(dtypes) == 1 else f"{addr} {dtype}"] = d = {"address": addr}
+        try:
+            with DrafterClient(addr, wait_ready=True, ready_timeout=SERVICE_READY_S, feature_dtype=dtype) as c:
+                info = c.info()
+                d.update(backend=info.backend, transport=c.transport, feature_dtype=c.feature_dtype,
+                         block=info.block_size)
+                layer_ids = list(c.target_layer_ids)
+
+            def client(addr=addr, dtype=dtype) -> Any:
+                return DrafterClient(addr, feature_dtype=dtype)
+
+            loop = spec_loop(model, client, layer_ids, timer, args.context, args.spec_steps, deadline)
+            for a, v in loop.items():
+                if scale != 1 and "blocks_ms" in r:
+                    step = v["step_ms"] + (scale - 1) * r["blocks_ms"][SPEC_WIDTH]
+                    v["scaled_step_ms"], v["scaled_tps"] = round(step, 3), round(a / (step / 1e3), 2)
+                if a in local:
+                    v["vs_in_process"] = round(v["tps"] / local[a]["tps"], 4)
+            d["spec_loop"] = loop
+            log(f"speculative loop through the drafter service {addr} ({d['backend']}): {loop}")
+        except Exception:
+            d["error"] = _err()
 
 
 def measure(model, r: dict[str, Any], timer: Timer, args, scale: float, roof: float | None, deadline: float, log,
@@ -853,8 +908,27 @@ def print_table(rep: dict[str, Any], path: str) -> None:
                 f"{v['draft_ms']:.2f} / {v['tree_ms']:.2f} / {v['verify_ms']:.2f} / {v['accept_ms']:.2f}; "
                 f"{v.get('commit_replay_ms')}; {v.get('outside_kernels_ms')} ({_share(v)})"
                 for v in m["drafter"][key].values()))
+    first = next(iter(modes.values()), {})
+    for addr, svc in first.get("drafter_services", {}).items():
+        loops = list(svc.get("spec_loop", {}))
+        if not loops:
+            continue
+        row(f"speculative loop through the drafter service {svc['address']} ({svc.get('backend')}, "
+            f"{svc.get('transport')}, {svc.get('feature_dtype')} features), forced acceptance "
+            f"{' / '.join(map(str, loops))}: tok/s ({'scaled' if scaled else 'measured'}; relative to the "
+            "in-process drafter's)",
+            lambda m, addr=addr: " / ".join(
+                f"{v.get('scaled_tps', v['tps']):.1f} ({_f(v.get('vs_in_process'), 3)})"
+                for v in m["drafter_services"][addr]["spec_loop"].values()))
+        row("  per step: draft (features out, draft, top-k back) / tree / verify / accept ms",
+            lambda m, addr=addr: " | ".join(
+                f"{v['draft_ms']:.2f} / {v['tree_ms']:.2f} / {v['verify_ms']:.2f} / {v['accept_ms']:.2f}"
+                for v in m["drafter_services"][addr]["spec_loop"].values()))
     print("\n".join(lines))
     for name, m in modes.items():
+        for addr, svc in m.get("drafter_services", {}).items():
+            if svc.get("error"):
+                print(f"{name} drafter service {addr} error: {svc['error']}")
         for k in ("width_error", "decode_error", "prompts_error", "spec_error", "graph_blocker"):
             if m.get(k):
                 print(f"{name} {k}: {m[k]}")

@@ -171,3 +171,63 @@ def test_prompt_processing_times_the_served_prefill_and_eager_chunks() -> None:
         assert v["eager_over_served"] == pytest.approx(v["eager_ms"] / v["ms"], rel=0.05)
     plain = decode.prompt_processing(make_tiny_target(), (4,), reps=1, deadline=float("inf"), sync=lambda: None)
     assert set(plain[4]) == {"ms", "tps"}                               # no knob: the served prefill only
+
+
+class _HostTimer:
+    """bench/decode.py's Timer on the host: wall time of the call, a device that has nothing to wait for."""
+
+    cupy = SimpleNamespace(cuda=SimpleNamespace(Device=lambda: SimpleNamespace(synchronize=lambda: None)))
+
+    def __call__(self, fn):
+        import time
+
+        t0 = time.perf_counter()
+        r = fn()
+        return time.perf_counter() - t0, r
+
+
+def test_speculative_loop_through_a_drafter_service_process(tiny_pair, tmp_path, capsys) -> None:
+    """--drafter-service: the forced-acceptance loop with a DrafterClient to a real `specsplit drafter` process as its
+    proposer (the tiny NumPy pair here; a GPU target and a drafter on another GPU on the device), each acceptance
+    length's rate set against the in-process drafter's of the same run, and the table's rows for it."""
+    from services.engine.loader import load_target
+    from tests.test_drafter_service import spawn_drafter, stop
+
+    decode = _decode_module()
+    decode.SERVICE_READY_S = 2.0
+    model = load_target(tiny_pair[1], with_tokenizer=False).model
+    proc, addr = spawn_drafter(tiny_pair, tmp_path / "d.sock")
+    try:
+        args = SimpleNamespace(drafter_service=[addr, "unix:///nonexistent/drafter.sock"], draft_features=["f16"],
+                               context=12, spec_steps=2)
+        local = {a: {"tps": 100.0} for a in decode.ACCEPT}
+        r = {"drafter": {"spec_loop": local}}
+        decode.spec_with_services(model, r, _HostTimer(), args, 1.0, float("inf"), lambda msg: None)
+    finally:
+        stop(proc)
+    svc = r["drafter_services"][addr]
+    assert "error" not in svc, svc.get("error")
+    assert (svc["backend"], svc["transport"], svc["feature_dtype"]) == ("numpy", "shm", "f16")
+    loop = svc["spec_loop"]
+    assert list(loop) == list(decode.ACCEPT)
+    for a, v in loop.items():
+        assert v["step_ms"] > 0 and v["draft_ms"] > 0 and v["tps"] == pytest.approx(a / (v["step_ms"] / 1e3), rel=0.01)
+        assert v["vs_in_process"] == pytest.approx(v["tps"] / 100.0, abs=1e-3)
+        assert "outside_kernels_ms" not in v          # the drafter's passes are in another process: no graph here
+    # a drafter that is not there: an error for that address alone
+    assert "error" in r["drafter_services"]["unix:///nonexistent/drafter.sock"]
+    decode.print_table({"device": "test", "modes": {"graphs": dict(r, graph_stats={"captures": 0, "replays": 0,
+                                                                                      "eager": 1})}}, "x.gguf")
+    out = capsys.readouterr().out
+    assert f"through the drafter service {addr} (numpy, shm, f16 features)" in out
+    assert "drafter service unix:///nonexistent/drafter.sock error" in out
+    # two wire types: the loop once with each, keyed by both
+    args.drafter_service, args.draft_features, args.spec_steps = [addr], ["f32", "f16"], 1
+    proc, addr2 = spawn_drafter(tiny_pair, tmp_path / "d.sock")
+    try:
+        decode.spec_with_services(model, r, _HostTimer(), args, 1.0, float("inf"), lambda msg: None)
+    finally:
+        stop(proc)
+    assert list(r["drafter_services"]) == [f"{addr} f32", f"{addr} f16"]
+    assert [v["feature_dtype"] for v in r["drafter_services"].values()] == ["f32", "f16"]
+    assert all(list(v["spec_loop"]) == list(decode.ACCEPT) for v in r["drafter_services"].values())
