@@ -3,8 +3,11 @@
 # the kernels in parallel first (CuPy's disk cache then serves the tests), then runs the test files that need a GPU
 # (they skip elsewhere).
 # Log under $OUT (default ./out): gpu_tests.log. Wheels in .whl/ (gguf, opentelemetry, grpcio-health, ...) are
-# installed first when present. The whole suite takes ~480 s on an H200, more than one device call may: GPU_TESTS_PART
+# installed first when present. The whole suite takes ~700 s on an H200, more than one device call may: GPU_TESTS_PART
 # = k/n runs the k-th of n parts (the files dealt round-robin, in order), GPU_TEST_FILES a list of its own.
+# GPU_TESTS_JOBS = j runs the files as j pytest processes at once, job i on visible GPU i % (GPUs) (j may exceed the
+# GPUs: processes share a GPU then); each job's log is gpu_tests.<i>.log. Tests marked gpus2 (two GPUs) skip in
+# those jobs, which see one GPU each, and run afterwards in one process that sees them all.
 set -o pipefail
 OUT=${OUT:-out}
 mkdir -p "$OUT"
@@ -23,10 +26,39 @@ if [ -n "$GPU_TESTS_PART" ]; then
     FILES=$(echo $FILES | tr ' ' '\n' | awk -v k="$k" -v n="$n" '(NR - 1) % n == k - 1')
 fi
 echo "test files: $(echo $FILES | tr '\n' ' ')"
-timeout "${GPU_TESTS_LIMIT:-520}" python3 -m pytest -q -rs -p no:cacheprovider --durations=5 $FILES \
-    > "$OUT/gpu_tests.log" 2>&1
-rc=$?
-grep -E "^(FAILED|ERROR)" "$OUT/gpu_tests.log" | head -30
-tail -12 "$OUT/gpu_tests.log"
+JOBS=${GPU_TESTS_JOBS:-1}
+if ! [[ "$JOBS" =~ ^[0-9]+$ ]] || [ "$JOBS" -lt 1 ]; then
+    echo "GPU_TESTS_JOBS must be a count of 1 or more, not '$JOBS'"; exit 2
+fi
+PYTEST="python3 -m pytest -q -rfEs -p no:cacheprovider --durations=5"
+if [ "$JOBS" -eq 1 ]; then
+    timeout "${GPU_TESTS_LIMIT:-520}" $PYTEST $FILES > "$OUT/gpu_tests.log" 2>&1
+    rc=$?
+    LOGS="$OUT/gpu_tests.log"
+else
+    GPUS=$(nvidia-smi --query-gpu=index --format=csv,noheader | wc -l)
+    [ "$GPUS" -ge 1 ] || { echo "GPU_TESTS_JOBS: nvidia-smi lists no GPU"; exit 2; }
+    pids=(); LOGS=""
+    for ((i = 0; i < JOBS; i++)); do
+        part=$(echo $FILES | tr ' ' '\n' | awk -v k="$i" -v n="$JOBS" '(NR - 1) % n == k')
+        [ -n "$part" ] || continue
+        CUDA_VISIBLE_DEVICES=$(( i % GPUS )) timeout "${GPU_TESTS_LIMIT:-520}" $PYTEST -m "not gpus2" $part \
+            > "$OUT/gpu_tests.$i.log" 2>&1 &
+        pids+=($!); LOGS="$LOGS $OUT/gpu_tests.$i.log"
+    done
+    rc=0
+    for p in "${pids[@]}"; do wait "$p" || rc=$?; done
+    if [ "$GPUS" -ge 2 ]; then
+        timeout "${GPU_TESTS_LIMIT:-520}" $PYTEST -m gpus2 $FILES > "$OUT/gpu_tests.gpus2.log" 2>&1
+        r=$?; [ "$r" -eq 5 ] && r=0               # 5: no test carries the mark in these files
+        [ "$r" -ne 0 ] && rc=$r
+        LOGS="$LOGS $OUT/gpu_tests.gpus2.log"
+    fi
+fi
+for f in $LOGS; do
+    echo "== $(basename "$f")"
+    grep -E "^(FAILED|ERROR)" "$f" | head -30
+    tail -6 "$f"
+done
 echo "gpu tests rc $rc after $(( $(date +%s) - t0 )) s"
 exit $rc

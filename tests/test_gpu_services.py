@@ -211,3 +211,45 @@ def test_a_gpu_targets_features_cross_to_a_drafter_service_as_f16(tmp_path, monk
     assert sum(n for _, _, n in dtypes[:first + 1]) == 300
     assert all(d == "f16" for _, d, n in dtypes if n)
     assert casts and all(dt == np.float16 for dt, _ in casts) and casts[0][1] >= 256
+
+
+def _gpu_count() -> int:
+    if _REASON is not None:
+        return 0
+    import cupy
+
+    return int(cupy.cuda.runtime.getDeviceCount())
+
+
+@pytest.mark.gpus2
+@pytest.mark.skipif(_gpu_count() < 2, reason=f"needs two GPUs ({_REASON or f'{_gpu_count()} visible'})")
+def test_verifier_on_one_gpu_with_its_drafter_service_on_another(tmp_path, cpu_target):
+    """The split the README describes for two cards: `specsplit drafter --device cuda:1` and `specsplit verifier
+    --device cuda:0 --drafter ADDR`, two processes over gRPC. The drafter reports cuda:1, the verifier drafts through
+    it (no fallback), and the tokens are the CPU target's plain ones, for a short prompt and a 300-token one (whose
+    features go ahead as appends)."""
+    from services.drafter.client import DrafterClient
+    from tests.test_drafter_service import spawn_drafter, stop
+
+    gguf, drafter = _pair()
+    dproc, addr = spawn_drafter((None, gguf, drafter), tmp_path / "d.sock", max_sessions=2,
+                                extra=("--device", "cuda:1", "--max-ctx", "1024"))
+    v = None
+    try:
+        with DrafterClient(addr, wait_ready=True, ready_timeout=60) as client:
+            assert client.info().backend == "cuda:1"
+        v = VerifierProcess(tmp_path / "v.sock", ["--model", gguf, "--drafter", addr, "--device", "cuda:0",
+                                                  "--slots", "2", "--cache-type-k", "f16", "--cache-type-v", "f16"])
+        tok = cpu_target.tokenizer
+        short = tok.encode("def fibonacci(n):\n    if n < 2:\n        return n\n")
+        long = (short * (300 // len(short) + 1))[:300]
+        for ids, n in ((short, 32), (long, 24)):
+            want = generate(cpu_target.model, ids, n, resolve_sampling({}, cpu_target.sampling_defaults)).token_ids
+            got, last, _ = v.generate(prompt_ids=ids, max_tokens=n, speculative=True)
+            assert got == want
+            assert last.spec.steps > 0 and not last.spec.fallback
+    finally:
+        if v is not None:
+            v.stop()
+        stop(dproc)
+    assert dproc.returncode == 0, dproc.stderr.read()
