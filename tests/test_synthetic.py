@@ -13,7 +13,6 @@ from services.engine.config import config_from_gguf
 from services.engine.errors import SpecsplitError
 from services.engine.formats import open_model_file
 from services.engine.loader import load_target
-from services.engine.memory_plan import read_gguf_header
 from services.engine.models.dflash import load_drafter
 from services.engine.quants import dequantize
 from services.engine.sampling import SamplingParams
@@ -128,8 +127,9 @@ def test_27b_width_layers_2_header(tmp_path):
     shape = S.get_shape("qwen3.6-27b", layers=2)
     path = tmp_path / "h.gguf"
     specs = _header_only(path, shape)
-    # gguf-py's reader needs about a minute for a 248k-token vocabulary; the planner's scan reads the same header
-    meta, tensors = read_gguf_header(str(path))
+    # gguf-py's reader needs about a minute for a 248k-token vocabulary; formats' own walk reads it in a second
+    mf = open_model_file(str(path))
+    meta, tensors = mf.metadata, mf.tensors
     cfg = config_from_gguf(meta, n_vocab=tensors["token_embd.weight"].shape[0], path=str(path))
     assert (cfg.n_embd, cfg.n_ff, cfg.n_vocab, cfg.n_head, cfg.n_head_kv, cfg.head_dim, cfg.n_rot) == \
         (5120, 17408, 248320, 24, 4, 256, 64)
