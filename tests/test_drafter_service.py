@@ -508,3 +508,30 @@ def test_feature_reader_widens_f16_unless_the_drafter_takes_it():
         got16, got32 = reader.read(msg16), reader.read(msg32)
         assert got16.dtype == (np.float16 if keep else np.float32) and got32.dtype == np.float32
         assert got16.shape == got32.shape == (3, 8) and np.array_equal(got16.astype(np.float32), got32)
+
+
+def test_the_service_loads_only_the_targets_table_and_head(tiny_pair, local, monkeypatch):
+    """The drafter service reads of its target the token table and the LM head (loader.load_target_head), never
+    its blocks: a 27B's would be ~100 GB of float32 in the NumPy engine. The head is the target model's own values;
+    packed (a GPU drafter's), the tensor as stored."""
+    from services.drafter.service import DrafterConfig, load
+    from services.engine.formats import RawTensor
+    from services.engine.loader import TargetHead, load_target_head
+    from services.engine.models.base import TargetModel
+
+    _, target, draft = tiny_pair
+    model, _ = local
+
+    def no_blocks(*a, **k):
+        raise AssertionError("the drafter service built the whole target")
+
+    monkeypatch.setattr(TargetModel, "__init__", no_blocks)
+    d = load(DrafterConfig(model=target, draft=draft, max_sessions=1))
+    assert isinstance(d.target, TargetHead)
+    head = load_target_head(target)
+    assert head.cfg.n_embd == model.cfg.n_embd and head.cfg.n_layer == model.cfg.n_layer
+    assert np.array_equal(head.output, model.output)
+    ids = np.array([0, 3, int(head.tok_embd.shape[0]) - 1])
+    assert np.array_equal(head.be.embed(head.tok_embd, ids), model.be.embed(model.tok_embd, ids))
+    packed = load_target_head(target, packed=True)
+    assert isinstance(packed.output, RawTensor) and np.array_equal(packed.output.dequantize(), model.output)

@@ -323,11 +323,11 @@ class DrafterConfig:
 
 
 def load(cfg: DrafterConfig) -> Any:
-    """Load the target (for its token table and lm head) and the drafter; draft once as a warm-up. On a GPU the
+    """Load the target's token table and LM head (not its blocks) and the drafter; draft once as a warm-up. On a GPU the
     memory plan comes first (headers only: a refusal names --max-ctx / --max-sessions before anything loads), then
     every session and the graph arena are made, each session's passes captured and a prompt's appends run once (so
     no stream builds a kernel or, in the first context bucket, captures a pass)."""
-    from services.engine.loader import load_target
+    from services.engine.loader import load_target_head
     from services.engine.models.dflash import load_drafter
     from services.engine.placement import is_gpu
 
@@ -344,7 +344,8 @@ def load(cfg: DrafterConfig) -> Any:
         log.info("%s", plan.summary())
         for w in plan.warnings:
             log.warning("memory plan: %s", w)
-    target = load_target(cfg.model, with_tokenizer=False).model
+    # only the target's token table and LM head: on a GPU the head as stored (quantized, as the plan counts it)
+    target = load_target_head(cfg.model, packed=plan is not None)
     if plan is not None:
         from services.engine.models.dflash_gpu import load_gpu_drafter
         from services.engine.models.qwen35_gpu import graph_arena

@@ -73,6 +73,38 @@ def config_of(mf: ModelFile) -> ModelConfig:
     return hf_checkpoint(mf)[0]
 
 
+@dataclass
+class TargetHead:
+    """What a drafter reads of its target, without the target's blocks: the config, the token table and the LM
+    head. The drafter service's target: a 27B's blocks would be ~100 GB of float32 as the NumPy engine holds them,
+    and minutes to dequantize, for nothing it uses."""
+    cfg: ModelConfig
+    tok_embd: Any       # as NumpyBackend.embedding keeps it: packed, rows dequantized on lookup
+    output: Any         # float32 (out, in) for the NumPy drafter, or the RawTensor as stored (packed=True)
+    be: NumpyBackend
+    source: str
+
+
+def load_target_head(path: str, packed: bool = False) -> TargetHead:
+    """The token table and LM head of a target file (GGUF or HF folder). packed: the LM head as stored, for a GPU
+    drafter that uploads it in its quantized form (as the target's own GPU model does); else float32."""
+    mf = open_model_file(path)
+    if mf.kind == "gguf":
+        cfg = config_of(mf)
+        arch_module(cfg.arch)
+        tensors: Any = mf.tensors
+    else:
+        cfg, tensors = hf_checkpoint(mf)
+    emb = tensors.get("token_embd.weight")
+    if emb is None:
+        raise ModelFormatError(mf.path, f"tensor 'token_embd.weight' ({cfg.arch})",
+                               f"it missing ({len(tensors)} tensors in the file)")
+    out = tensors.get("output.weight")
+    out = emb if out is None else out       # tied embeddings
+    be = NumpyBackend()
+    return TargetHead(cfg, be.embedding(emb), out if packed else be.weight(out), be, mf.path)
+
+
 def load_target(path: str, backend: NumpyBackend | None = None, with_tokenizer: bool = True) -> LoadedTarget:
     mf = open_model_file(path)
     if mf.kind == "gguf":
