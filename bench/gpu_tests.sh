@@ -17,7 +17,7 @@ nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
 python3 bench/roofline.py --precompile-only > "$OUT/precompile.log" 2>&1
 python3 bench/gpu_deltanet_check.py --precompile-only --precompile 12 >> "$OUT/precompile.log" 2>&1
 echo "precompiled $(( $(date +%s) - t0 )) s"
-FILES=${GPU_TEST_FILES:-$(grep -l "unavailable_reason\|needs_gpu\|mark.gpu" tests/test_*.py | grep -v "_sim.py")}
+FILES=${GPU_TEST_FILES:-$(grep -l "unavailable_reason\|needs_gpu\|mark\.gpu\b" tests/test_*.py | grep -v "_sim.py")}
 if [ -n "$GPU_TESTS_PART" ]; then
     k=${GPU_TESTS_PART%/*}; n=${GPU_TESTS_PART#*/}
     if ! [[ "$k" =~ ^[0-9]+$ && "$n" =~ ^[0-9]+$ ]] || [ "$k" -lt 1 ] || [ "$k" -gt "$n" ]; then

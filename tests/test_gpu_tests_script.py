@@ -38,7 +38,10 @@ def _run(tmp: Path, files: dict[str, bool], jobs: int) -> tuple[int, str, list[s
     smi = tmp / "bin" / "nvidia-smi"
     smi.write_text("#!/bin/sh\ncase \"$*\" in *index*) printf '0\\n1\\n';; *) echo 'Stand-in GPU, 0';; esac\n")
     smi.chmod(0o755)
-    (tmp / "bin" / "python3").symlink_to(sys.executable)
+    # a wrapper, not a link: a virtual environment's interpreter reached through a link elsewhere loses its packages
+    py = tmp / "bin" / "python3"
+    py.write_text(f'#!/bin/sh\nexec "{sys.executable}" "$@"\n')
+    py.chmod(0o755)
     names = []
     for name, ok in files.items():
         (tmp / f"test_{name}.py").write_text(_TEST.format(name=name, ok=ok))
