@@ -214,6 +214,7 @@ def test_speculative_loop_through_a_drafter_service_process(tiny_pair, tmp_path,
         assert v["step_ms"] > 0 and v["draft_ms"] > 0 and v["tps"] == pytest.approx(a / (v["step_ms"] / 1e3), rel=0.01)
         assert v["vs_in_process"] == pytest.approx(v["tps"] / 100.0, abs=1e-3)
         assert "outside_kernels_ms" not in v          # the drafter's passes are in another process: no graph here
+        assert v["service_draft_ms"] > 0             # the service's own time of its drafts, as it answered
     # a drafter that is not there: an error for that address alone
     assert "error" in r["drafter_services"]["unix:///nonexistent/drafter.sock"]
     decode.print_table({"device": "test", "modes": {"graphs": dict(r, graph_stats={"captures": 0, "replays": 0,

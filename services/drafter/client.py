@@ -304,6 +304,9 @@ class DrafterClient:
         # the shared-memory segment is not rewritten before the drafter has read it)
         self._appending: concurrent.futures.Future[pb.DraftResponse] | None = None
         self._held: np.ndarray | None = None      # features for the next draft (a drafter without appends)
+        # the drafter's own time for the last draft answered (DraftResponse.draft_ms): the rest of a propose()
+        # is the features' trip, the exchange and the answer's (bench/decode.py --drafter-service reports both)
+        self.last_draft_ms = 0.0
         if wait_ready:
             self._conn.wait_ready(ready_timeout)
             self._conn.info(self.timeout)
@@ -449,6 +452,7 @@ class DrafterClient:
         if len(resp.token_ids) != n or len(resp.logprobs) != n or resp.positions < 1:
             raise self._fail(f"drafter {self.address} sent a malformed answer ({resp.positions} x {resp.top_k}, "
                              f"{len(resp.token_ids)} ids, {len(resp.logprobs)} log-probabilities)")
+        self.last_draft_ms = float(resp.draft_ms)
         ids = np.asarray(resp.token_ids, dtype=np.int64).reshape(resp.positions, resp.top_k)
         logp = np.asarray(resp.logprobs, dtype=np.float32).astype(np.float64).reshape(resp.positions, resp.top_k)
         return ids, logp
