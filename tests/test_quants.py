@@ -56,6 +56,19 @@ def test_dequantize_matches_gguf_py_bit_exactly(qtype: Q) -> None:
     assert same_bits(ours, ref.reshape(shape))
 
 
+@pytest.mark.parametrize("qtype", sorted(quants.SUPPORTED_TYPES), ids=lambda t: t.name)
+def test_big_tensors_decode_in_pieces_to_the_same_bits(qtype: Q, monkeypatch) -> None:
+    """A tensor past DEQUANT_CHUNK_VALUES is decoded a piece at a time (a 27B's LM head: 11 s and its own size in
+    memory instead of 40 s and several copies); pieces that end mid-row and a short last piece included."""
+    rng = np.random.default_rng(100 + int(qtype))
+    block, _ = gguf.GGML_QUANT_SIZES[qtype]
+    per_row = 8 if block > 1 else 96
+    raw = random_blocks(qtype, 7, per_row, rng)
+    shape = (7, per_row * block)
+    monkeypatch.setattr(quants, "DEQUANT_CHUNK_VALUES", 3 * block)
+    assert same_bits(quants.dequantize(raw, qtype, shape), gguf.quants.dequantize(raw, qtype).reshape(shape))
+
+
 @pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q6_K, Q.BF16, Q.F16], ids=lambda t: t.name)
 def test_dequantize_accepts_flat_bytes_and_3d_shapes(qtype: Q) -> None:
     rng = np.random.default_rng(7)

@@ -81,6 +81,9 @@ def _as_bytes(data: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(data).reshape(-1).view(np.uint8)
 
 
+DEQUANT_CHUNK_VALUES = 1 << 20     # values decoded at a time (4 MB of float32)
+
+
 def dequantize(data: np.ndarray, qtype: int, shape: tuple[int, ...]) -> np.ndarray:
     """Raw storage of a tensor -> float32 array of `shape` (numpy order: rows first, ggml ne reversed).
 
@@ -100,7 +103,16 @@ def dequantize(data: np.ndarray, qtype: int, shape: tuple[int, ...]) -> np.ndarr
     raw = _as_bytes(data)
     if raw.size != need:
         raise ValueError(f"{qt.name} data for shape {shape} must be {need} bytes, found {raw.size} bytes")
-    return decode(raw.reshape(-1, size)).reshape(shape)
+    blocks = raw.reshape(-1, size)
+    step = max(1, DEQUANT_CHUNK_VALUES // block)
+    if qt == GGMLQuantizationType.F32 or len(blocks) <= step:
+        return decode(blocks).reshape(shape)
+    # A big tensor in cache-sized pieces: the decoders' temporaries are several times their output, which for a
+    # 27B's LM head would be gigabytes each, and 3-4x the time of the same work in pieces.
+    out = np.empty((len(blocks), block), dtype=np.float32)
+    for i in range(0, len(blocks), step):
+        out[i : i + step] = decode(blocks[i : i + step]).reshape(-1, block)
+    return out.reshape(shape)
 
 
 def quantize(values: np.ndarray, qtype: int) -> np.ndarray:
