@@ -211,19 +211,6 @@ class _Cursor:
         return value
 
 
-_SCALAR_SIZES: dict[int, int] = {
-    GVT.UINT8: 1,
-    GVT.INT8: 1,
-    GVT.BOOL: 1,
-    GVT.UINT16: 2,
-    GVT.INT16: 2,
-    GVT.UINT32: 4,
-    GVT.INT32: 4,
-    GVT.FLOAT32: 4,
-    GVT.UINT64: 8,
-    GVT.INT64: 8,
-    GVT.FLOAT64: 8,
-}
 _GGML_TYPE_IDS = frozenset(int(t) for t in gguf.GGML_QUANT_SIZES)
 _VALUE_TYPES = ", ".join(f"{t.value}={t.name}" for t in GVT)
 
