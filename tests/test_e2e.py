@@ -208,6 +208,11 @@ def test_completions_match_plain_generation(cluster):
     assert "".join(ch.choices[0].text for ch in chunks if ch.choices) == ref["text"]
     assert chunks[-1].usage.completion_tokens == len(ref["token_ids"])
     assert chunks[-1].model_extra["timings"]["draft_n"] > 0
+    # the drafter service's own drafting time reaches /metrics beside the steps' wait on drafting
+    metrics = http("GET", f"{c['url']}/metrics")[1].decode()
+    own = re.search(r"^specsplit:spec_decode_drafter_seconds_total (\S+)$", metrics, re.M)
+    waited = re.search(r"^specsplit:spec_decode_draft_seconds_total (\S+)$", metrics, re.M)
+    assert own and waited and float(own.group(1)) > 0 and float(waited.group(1)) > 0
 
 
 def test_chat_matches_plain_generation(cluster):

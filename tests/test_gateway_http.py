@@ -337,6 +337,7 @@ def test_metrics_match_the_requests_made(tiny_pair, source):
             assert m[("specsplit:spec_decode_mean_acceptance_length", ())] == pytest.approx(1 + accepted / drafts)
             assert m[("specsplit:spec_decode_fallbacks_total", ())] == 0
             assert m[("specsplit:spec_decode_draft_seconds_total", ())] > 0
+            assert m[("specsplit:spec_decode_drafter_seconds_total", ())] == 0     # the drafter is in process
             assert m[("specsplit:requests_running", ())] == 0
             # The inter-token histogram counts every token after the first of each request.
             assert m[("specsplit:inter_token_latency_seconds_count", ())] <= gen - 3

@@ -468,12 +468,16 @@ def test_remote_drafter_in_process(tiny_pair, target, tmp_path):
 
     first, tokens, last = asyncio.run(main())
     assert first.spec.steps > 0 and not first.spec.fallback
+    # the drafter service's own time of its drafts, beside the time the steps waited on drafting
+    assert first.spec.drafter_ms > 0 and first.spec.draft_ms > 0
     assert tokens == want
     assert last.spec.fallback and last.spec.fallback_reason and last.spec.steps >= 1
     spans = mem.get_finished_spans()
     gens = [s for s in spans if s.name == "verifier.generate"]
     sessions = [s for s in spans if s.name == "drafter.session"]
     assert sessions and sessions[0].parent.span_id == gens[0].context.span_id
+    drafts = [s for s in spans if s.name == "spec.draft" and s.parent.span_id == gens[0].context.span_id]
+    assert drafts and all(s.attributes["spec.drafter_ms"] > 0 for s in drafts)
     assert any(e.name == "spec.fallback" for e in gens[1].events)
 
 

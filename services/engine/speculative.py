@@ -119,6 +119,7 @@ class StepInfo:
     draft_ms: float
     verify_ms: float
     accept_ms: float
+    drafter_ms: float | None = None  # a drafter service's own time of this draft (draft_ms: what the step waited)
 
 
 @dataclass
@@ -133,6 +134,7 @@ class SpecStats:
     draft_ms: float = 0.0
     verify_ms: float = 0.0
     accept_ms: float = 0.0
+    drafter_ms: float = 0.0                                 # a drafter service's own time of its drafts
     fallback: bool = False
     fallback_reason: str = ""
     auto: bool = False                                      # budget chosen per step (`--budget auto`)
@@ -158,6 +160,7 @@ class SpecStats:
         self.draft_ms += info.draft_ms
         self.verify_ms += info.verify_ms
         self.accept_ms += info.accept_ms
+        self.drafter_ms += info.drafter_ms or 0.0
 
     def as_dict(self) -> dict:
         budget = self.budget
@@ -176,6 +179,7 @@ class SpecStats:
             "draft_ms": round(self.draft_ms, 3),
             "verify_ms": round(self.verify_ms, 3),
             "accept_ms": round(self.accept_ms, 3),
+            "drafter_ms": round(self.drafter_ms, 3),
             "fallback": self.fallback,
             "plain_steps": self.plain_steps,
             **({"fallback_reason": self.fallback_reason} if self.fallback else {}),
@@ -375,6 +379,8 @@ def _spec_loop(target: TargetModel, proposer: Proposer | None, prompt_ids: Seque
                 proposer = None
             draft_ms = (time.perf_counter() - td) * 1e3 + begin_ms
             pending, begin_ms = None, 0.0
+            # a drafter service says how long its own draft took (DrafterClient); in process there is no exchange
+            drafter_ms = getattr(proposer, "last_draft_ms", None) if proposer is not None else None
         if proposer is None:    # no drafter (any more): the rest is plain decoding (a GPU target runs it ahead)
             rest = plain_tokens(target, state, root, max_tokens - len(res.token_ids), params, rng, history)
             try:
@@ -432,7 +438,8 @@ def _spec_loop(target: TargetModel, proposer: Proposer | None, prompt_ids: Seque
         state.commit(path)
         accept_ms = (time.perf_counter() - ta) * 1e3 - begin_ms
         info = StepInfo(index=step, budget=budget_cap if spec.tuner is None else len(tree), tree_size=len(tree),
-                        accepted=len(path) - 1, draft_ms=draft_ms, verify_ms=(ta - tv) * 1e3, accept_ms=accept_ms)
+                        accepted=len(path) - 1, draft_ms=draft_ms, verify_ms=(ta - tv) * 1e3, accept_ms=accept_ms,
+                        drafter_ms=drafter_ms)
         stats.record(info)
         step += 1
         if on_step is not None:

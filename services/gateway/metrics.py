@@ -55,6 +55,9 @@ class GatewayMetrics:
                                             "1 + accepted / drafts since start (bonus token included)",
                                             registry=r)
         self.draft_seconds = Counter(p + "spec_decode_draft_seconds", "time spent drafting", registry=r)
+        self.drafter_seconds = Counter(p + "spec_decode_drafter_seconds",
+                                       "time a drafter service spent on its drafts, as it reported them (0 with an "
+                                       "in-process drafter); beside draft_seconds, what the steps waited", registry=r)
         self.verify_seconds = Counter(p + "spec_decode_verify_seconds", "time spent verifying", registry=r)
         self.draft_step = Histogram(p + "spec_decode_draft_step_seconds",
                                     "mean draft time per step of each request", buckets=_STEP_BUCKETS, registry=r)
@@ -111,6 +114,7 @@ class GatewayMetrics:
         if self._drafts_total:
             self.mean_acceptance_length.set(1.0 + self._accepted_total / self._drafts_total)
         self.draft_seconds.inc(spec.draft_ms / 1e3)
+        self.drafter_seconds.inc(spec.drafter_ms / 1e3)
         self.verify_seconds.inc(spec.verify_ms / 1e3)
         if steps:
             self.draft_step.observe(spec.draft_ms / 1e3 / steps)

@@ -211,6 +211,11 @@ class _GuardedProposer:
     def propose(self, new_features, last_token, start, k):
         return self._guarded(self.inner.propose, new_features, last_token, start, k)
 
+    @property
+    def last_draft_ms(self) -> float | None:
+        """A drafter service's own time of its last draft (DrafterClient); None for an in-process drafter."""
+        return getattr(self.inner, "last_draft_ms", None)
+
     def _append_features(self, new_features, start):
         return self._guarded(self.inner.append_features, new_features, start)
 
@@ -815,6 +820,8 @@ class VerifierServicer(pb_grpc.VerifierServicer):
                                       ("spec.accept", accept_start, end, info.accept_ms)):
             s = self._tracer.start_span(name, context=parent, start_time=start, attributes=attrs)
             s.set_attribute(f"{name}_ms", ms)
+            if name == "spec.draft" and info.drafter_ms is not None:    # a drafter service's own time of it
+                s.set_attribute("spec.drafter_ms", info.drafter_ms)
             s.end(end_time=stop)
 
 
@@ -835,6 +842,7 @@ def _spec_stats(spec: dict | None, job: _Job) -> pb.SpecStats:
         accept_ms=float(spec.get("accept_ms", 0.0)), fallback=bool(spec.get("fallback", False)),
         fallback_reason=spec.get("fallback_reason", "") or job.fallback_reason,
         plain_steps=int(spec.get("plain_steps", 0)) if job.speculative else 0,
+        drafter_ms=float(spec.get("drafter_ms", 0.0)),
     )
 
 
