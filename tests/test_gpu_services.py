@@ -194,9 +194,9 @@ def test_a_gpu_targets_features_cross_to_a_drafter_service_as_f16(tmp_path, monk
             dtypes = []
             exchange = client._exchange
 
-            async def logged(req, *rest):
+            async def logged(req):
                 dtypes.append((req.top_k, req.features.dtype, req.features.rows))
-                return await exchange(req, *rest)
+                return await exchange(req)
 
             client._exchange = logged
             res = GenerationResult()

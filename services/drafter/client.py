@@ -362,41 +362,15 @@ class DrafterClient:
                              "prompt's features in pieces; upgrade it, or send f16 features)")
         return pb.Features(rows=rows, width=width, dtype=name, data=a.tobytes())
 
-    def _send(self, req: pb.DraftRequest) -> concurrent.futures.Future[pb.DraftResponse]:
-        """Start an exchange and return once gRPC has its request (or the exchange has ended), so it travels and is
-        drafted while the caller runs on in Python: the connection's loop thread only gets the interpreter when
-        this thread waits, so an exchange merely queued would not start before the caller's next wait (a
-        verifier's commit then ran alone instead of beside the drafter's pass)."""
-        sent = threading.Event()
-        fut = self._conn.submit(self._exchange(req, sent))
-        fut.add_done_callback(lambda _: sent.set())
-        sent.wait(self.timeout)
-        return fut
-
-    async def _exchange(self, req: pb.DraftRequest, sent: threading.Event | None = None) -> pb.DraftResponse:
+    async def _exchange(self, req: pb.DraftRequest) -> pb.DraftResponse:
         if self._call is None:
             # No deadline on the stream (it lives as long as the request); each exchange has its own.
             self._call = self._conn.stub.Draft(metadata=telemetry.inject_metadata(context=self._trace_context))
         call = self._call
 
         async def once() -> pb.DraftResponse | Any:
-            # The write's and the read's first steps hand both operations to gRPC's core, which sends the message
-            # and takes the answer without the interpreter; the caller may go on from there (a big inline message
-            # need not have left yet), and one wake-up of this loop later finds both done.
-            write = asyncio.ensure_future(call.write(req))
-            read = asyncio.ensure_future(call.read())
-            await asyncio.sleep(0)
-            if sent is not None:
-                sent.set()
-            try:
-                await write
-                return await read
-            finally:
-                for t in (write, read):         # after a failure or a timeout: nothing left running or unread
-                    if not t.done():
-                        t.cancel()
-                    elif not t.cancelled():
-                        t.exception()
+            await call.write(req)
+            return await call.read()
 
         try:
             resp = await asyncio.wait_for(once(), self.timeout)
@@ -433,7 +407,7 @@ class DrafterClient:
         except (OSError, ValueError) as e:
             raise self._fail(f"drafter {self.address}: cannot send features: {e}") from None
         try:
-            self._appending = self._send(req)
+            self._appending = self._conn.submit(self._exchange(req))
         except DrafterUnavailableError as e:
             raise self._fail(str(e)) from None
 
@@ -467,7 +441,7 @@ class DrafterClient:
         except (OSError, ValueError) as e:      # shared memory full, odd shapes
             raise self._fail(f"drafter {self.address}: cannot send features: {e}") from None
         try:
-            fut = self._send(req)
+            fut = self._conn.submit(self._exchange(req))
         except DrafterUnavailableError as e:
             raise self._fail(str(e)) from None
         return lambda: self._answer(fut)
