@@ -537,3 +537,48 @@ def test_the_service_loads_only_the_targets_table_and_head(tiny_pair, local, mon
     assert np.array_equal(head.be.embed(head.tok_embd, ids), model.be.embed(model.tok_embd, ids))
     packed = load_target_head(target, packed=True)
     assert isinstance(packed.output, RawTensor) and np.array_equal(packed.output.dequantize(), model.output)
+
+
+def test_gpu_drafts_run_on_the_event_loop_when_the_drafter_is_free():
+    """A drafter with a device (use_device) drafts on the service's event loop, bound to its device there at attach,
+    unless something else is in the drafter (a long prompt append on the drafting thread): then the draft queues on
+    that thread after it. Never two callers in the drafter at once; a NumPy drafter always drafts off the loop."""
+    import asyncio
+    import threading
+    import time
+    from types import SimpleNamespace
+
+    from services.drafter.service import DrafterServicer
+
+    bound = []
+    gpu_like = SimpleNamespace(use_device=lambda: bound.append(threading.current_thread()),
+                               target=SimpleNamespace(tok_embd=SimpleNamespace(shape=(10, 4))),
+                               target_layer_ids=[0], cfg=SimpleNamespace(n_embd=4))
+    numpy_like = SimpleNamespace(target=gpu_like.target, target_layer_ids=[0], cfg=gpu_like.cfg)
+
+    async def run(servicer, drafter):
+        loop_thread = threading.current_thread()
+        servicer.attach(drafter)
+        seen, active, overlap = [], [0], [False]
+
+        def work(tag, seconds):
+            active[0] += 1
+            overlap[0] |= active[0] > 1
+            seen.append((tag, threading.current_thread() is loop_thread))
+            time.sleep(seconds)
+            active[0] -= 1
+
+        await servicer._call(work, "draft", 0.0, inline=servicer.inline_drafts)
+        append = asyncio.ensure_future(servicer._call(work, "append", 0.3))
+        await asyncio.sleep(0.05)
+        await servicer._call(work, "draft while appending", 0.0, inline=servicer.inline_drafts)
+        await append
+        return loop_thread, seen, overlap[0]
+
+    s = DrafterServicer(max_sessions=2)
+    loop_thread, seen, overlap = asyncio.run(run(s, gpu_like))
+    assert s.inline_drafts and bound == [loop_thread]
+    assert seen == [("draft", True), ("append", False), ("draft while appending", False)] and not overlap
+    s = DrafterServicer(max_sessions=2)
+    _, seen, overlap = asyncio.run(run(s, numpy_like))
+    assert not s.inline_drafts and [on_loop for _, on_loop in seen] == [False, False, False] and not overlap

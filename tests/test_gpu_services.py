@@ -164,8 +164,9 @@ def test_drafter_service_on_a_gpu_of_its_own(tmp_path, cpu_target):
 @needs_gpu
 def test_a_gpu_targets_features_cross_to_a_drafter_service_as_f16(tmp_path, monkeypatch):
     """A GPU target and a drafter service with f16 on the wire (`--draft-features f16`, auto's choice across hosts):
-    the captured rows are cast on the device (DeviceRows.to_host: half the bytes leave it), a 300-token prompt's
-    features go as an f16 append, the steps' as f16 too, and the tokens are the GPU target's plain ones."""
+    the captured rows are cast on the device and written by it into the stream's registered segment
+    (DeviceRows.copy_into: half the bytes leave it, no host copy), a 300-token prompt's features go as an f16
+    append, the steps' as f16 too, and the tokens are the GPU target's plain ones."""
     from services.drafter.client import DrafterClient
     from services.engine.generate import GenerationResult
     from services.engine.models.qwen35_gpu import DeviceRows
@@ -175,14 +176,13 @@ def test_a_gpu_targets_features_cross_to_a_drafter_service_as_f16(tmp_path, monk
 
     gguf, drafter = _pair()
     casts = []
-    to_host = DeviceRows.to_host
+    copy_into = DeviceRows.copy_into
 
-    def spy(self, dtype=np.float32):
-        out = to_host(self, dtype)
-        casts.append((out.dtype, out.shape[0]))
-        return out
+    def spy(self, dst):
+        copy_into(self, dst)
+        casts.append((dst.dtype, dst.shape[0]))
 
-    monkeypatch.setattr(DeviceRows, "to_host", spy)
+    monkeypatch.setattr(DeviceRows, "copy_into", spy)
     target = load_target_on(gguf, "cuda:0")
     model = target.model
     prompt = target.tokenizer.encode("def fibonacci(n):\n    if n < 2:\n        return n\n")
@@ -200,8 +200,10 @@ def test_a_gpu_targets_features_cross_to_a_drafter_service_as_f16(tmp_path, monk
 
             client._exchange = logged
             res = GenerationResult()
+            seg = client._segment
             for _ in speculative_stream(model, client, long, 24, spec=SpecConfig(budget=22), result=res):
                 pass
+        assert seg.pinned       # registered on the first rows (copy_into runs only into a registered segment)
     finally:
         stop(proc)
     assert res.token_ids == plain and not res.spec["fallback"]

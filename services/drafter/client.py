@@ -25,6 +25,7 @@ import numpy as np
 from opentelemetry import context as otel_context
 
 from services import rpc, telemetry
+from services.engine.pinned import pin_host
 from services.engine.speculative import DrafterUnavailableError
 from services.wire import pb, pb_grpc
 
@@ -206,27 +207,62 @@ def close_connections() -> None:
 class _Segment:
     """A stream's shared-memory segment: reused every step, replaced by a bigger one (twice the size at least)
     when a step needs more room; kept by the connection for the next stream when this one ends (give_segment).
-    Unlinked on close (and by a finalizer if it is dropped unclosed)."""
+    Device rows (a GPU target's) are written by the device itself: the segment is registered with CUDA on their
+    first write (pinned.pin_host) and released before it is unmapped. Unlinked on close (and by a finalizer if it is
+    dropped unclosed)."""
 
     def __init__(self) -> None:
         self.shm: shared_memory.SharedMemory | None = None
+        self._pins: list[Any] = []          # this segment's registration, if any (shared with its finalizer)
+        self._pin_refused = False           # registration failed once: device rows come through the host copy
         self._finalizer: weakref.finalize | None = None
 
-    def write(self, a: np.ndarray) -> str:
-        if self.shm is None or self.shm.size < a.nbytes:
-            size = max(a.nbytes, 2 * (self.shm.size if self.shm else 0), 1 << 16)
+    def _room(self, nbytes: int) -> shared_memory.SharedMemory:
+        if self.shm is None or self.shm.size < nbytes:
+            size = max(nbytes, 2 * (self.shm.size if self.shm else 0), 1 << 16)
             self.close()
             self.shm = shared_memory.SharedMemory(name=f"specsplit-{secrets.token_hex(8)}", create=True, size=size)
-            self._finalizer = weakref.finalize(self, _unlink, self.shm)
-        dst = np.ndarray(a.shape, dtype=a.dtype, buffer=self.shm.buf)
+            self._pins = []
+            self._finalizer = weakref.finalize(self, _unlink, self.shm, self._pins)
+        return self.shm
+
+    def write(self, a: np.ndarray) -> str:
+        shm = self._room(a.nbytes)
+        dst = np.ndarray(a.shape, dtype=a.dtype, buffer=shm.buf)
         dst[...] = a
         del dst                     # a live view would make shm.close() fail
-        return self.shm.name
+        return shm.name
+
+    def write_device(self, features: Any, dtype: Any) -> str | None:
+        """Device rows (with copy_into) straight into the segment as (rows, width) `dtype`; None when the segment
+        cannot be registered (the caller copies through the host instead)."""
+        if self._pin_refused:
+            return None
+        rows = int(features.shape[0])
+        width = int(np.prod(features.shape[1:]))
+        dtype = np.dtype(dtype)
+        shm = self._room(rows * width * dtype.itemsize)
+        if not self._pins:
+            pin = pin_host(shm.buf)
+            if pin is None:
+                self._pin_refused = True
+                return None
+            self._pins.append(pin)
+        dst = np.ndarray((rows, width), dtype=dtype, buffer=shm.buf)
+        try:
+            features.copy_into(dst)
+        finally:
+            del dst
+        return shm.name
+
+    @property
+    def pinned(self) -> bool:
+        return bool(self._pins)
 
     def close(self) -> None:
         if self._finalizer is not None:
             self._finalizer()
-        self.shm, self._finalizer = None, None
+        self.shm, self._finalizer, self._pins = None, None, []
 
 
 def wire_array(features: Any, name: str) -> np.ndarray:
@@ -245,7 +281,9 @@ def wire_array(features: Any, name: str) -> np.ndarray:
     return np.ascontiguousarray(a.reshape(a.shape[0], -1), dtype=dtype)
 
 
-def _unlink(shm: shared_memory.SharedMemory) -> None:
+def _unlink(shm: shared_memory.SharedMemory, pins: list[Any]) -> None:
+    for pin in pins:                # unregistered before it is unmapped
+        pin.release()
     try:
         shm.close()
         shm.unlink()
@@ -352,6 +390,11 @@ class DrafterClient:
         if len(new_features) == 0:
             return None
         name = self.feature_dtype or ("f16" if getattr(new_features, "dtype", None) == np.float16 else "f32")
+        if self._segment is not None and hasattr(new_features, "copy_into"):    # device rows: the device writes them
+            shm_name = self._segment.write_device(new_features, FEATURE_DTYPES[name])
+            if shm_name is not None:
+                return pb.Features(rows=int(new_features.shape[0]), width=int(np.prod(new_features.shape[1:])),
+                                   dtype=name, shm_name=shm_name, shm_offset=0)
         a = wire_array(new_features, name)
         rows, width = a.shape
         if self._segment is not None:

@@ -6,6 +6,8 @@ implements the same methods with the fused kernels in kernels/ (models/qwen35_gp
 
 from __future__ import annotations
 
+import threading
+from collections import OrderedDict
 from typing import Any
 
 import numpy as np
@@ -54,6 +56,48 @@ class NumpyBackend:
 
     def to_host(self, a: Any) -> np.ndarray:
         return np.asarray(a)
+
+
+class HostRowCache:
+    """float32 rows of a token table kept on the host, each dequantized once into a bounded LRU cache.
+
+    Dequantizing a K-quant row in NumPy costs ~0.1-0.2 ms, and a request's tokens repeat (drafted trees, the bonus
+    token a drafter embeds again): a GPU model whose table stays on the host, and a GPU drafter service's block row,
+    look rows up here. Thread-safe (a verifier's slots share their model)."""
+
+    def __init__(self, table: Any, n_embd: int, max_bytes: int = 64 << 20):
+        self.table = table                  # RawTensor or array (rows, n_embd), as NumpyBackend.embed takes it
+        self.n_embd = int(n_embd)
+        self.max_rows = max(1, int(max_bytes) // (4 * self.n_embd))
+        self._rows: OrderedDict[int, np.ndarray] = OrderedDict()
+        self._lock = threading.Lock()
+        self.stats = {"hits": 0, "misses": 0}
+
+    def lookup(self, tokens: Any, out: np.ndarray | None = None) -> np.ndarray:
+        """(len(tokens), n_embd) float32 rows, into `out` when given."""
+        ids = np.asarray(tokens, dtype=np.int64).reshape(-1)
+        if out is None:
+            out = np.empty((len(ids), self.n_embd), np.float32)
+        cache = self._rows
+        with self._lock:
+            miss = []
+            for i, t in enumerate(ids.tolist()):
+                row = cache.get(t)
+                if row is None:
+                    miss.append(i)
+                else:
+                    cache.move_to_end(t)
+                    out[i] = row
+            if miss:
+                rows = NumpyBackend().embed(self.table, ids[miss])
+                out[miss] = rows
+                for i, row in zip(miss, rows):
+                    cache[int(ids[i])] = row.copy()      # its own row: a view would keep the block alive
+                while len(cache) > self.max_rows:
+                    cache.popitem(last=False)
+            self.stats["hits"] += len(ids) - len(miss)
+            self.stats["misses"] += len(miss)
+        return out
 
 
 F16_MAX = float(np.finfo(np.float16).max)   # the largest weight an F16-fallback matrix can hold

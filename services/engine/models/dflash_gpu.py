@@ -41,9 +41,10 @@ from kernels import norm_rope as nr
 from kernels import quant_matmul as qm
 from kernels import sampling as smp
 
-from ..backend import CupyBackend
+from ..backend import CupyBackend, HostRowCache
 from ..errors import DrafterMismatchError, ModelFormatError, is_out_of_memory
 from ..formats import RawTensor
+from ..pinned import HostRows, pin_host
 from . import qwen35_gpu as QG
 from .dflash import _LAYER_TENSORS, DFlashDrafter, DrafterConfig, _expected_shapes, read_drafter
 
@@ -174,6 +175,16 @@ class DFlashGpuDrafter:
     # no conversion on the host (services/drafter/service.py FeatureReader keeps them f16 for a drafter saying so)
     takes_f16_features = True
 
+    def use_device(self) -> None:
+        """Make this drafter's device the calling thread's current one (CuPy's is per thread): a thread that drafts
+        besides the one that loaded it (a drafter service's event loop) calls this first."""
+        self.xp.cuda.Device(self.be.device).use()
+
+    def pin_host_rows(self, buf: Any) -> Any:
+        """A drafter service's read-only mapping of a stream's segment registered in this drafter's device context
+        (pinned.pin_host), or None: its features then reach _features as HostRows, one direct copy each."""
+        return pin_host(buf, read_only=True, device=self.be.device)
+
     def __init__(self, cfg: DrafterConfig, tensors: Mapping[str, RawTensor | np.ndarray], target: Any,
                  backend: CupyBackend | None = None, source: str = "<drafter>"):
         tbe = getattr(target, "be", None)
@@ -244,6 +255,10 @@ class DFlashGpuDrafter:
         self._device_embed = (self.tok_embd is getattr(target, "tok_embd", None)
                               and bool(getattr(target, "embeds_on_device", False)))
         self._host_table = bool(getattr(self.tok_embd, "on_host", False)) and not self._device_embed
+        # the block's first row from a table on the host that is the drafter's own (a drafter service's): each row
+        # dequantized once (host_embed)
+        self._row_cache = (HostRowCache(self.tok_embd.host, cfg.n_embd, QG.HOST_ROW_CACHE_BYTES)
+                           if getattr(self.tok_embd, "on_host", False) else None)
         self.use_graphs = QG.graphs_default()
         self.graph_blocker: str | None = None
         self.graph_stats = {"captures": 0, "replays": 0, "eager": 0, "failed": 0}
@@ -374,6 +389,8 @@ class DFlashGpuDrafter:
             return cp.zeros((0, c.n_features), cp.float32)
         if isinstance(features, QG.DeviceRows):      # the GPU target's captured rows: already on the device
             features = features.rows
+        elif isinstance(features, HostRows):         # rows in a registered segment: one direct copy up
+            features = features.upload(cp)
         f = features
         if not isinstance(f, cp.ndarray):   # host rows: f16 ones stay f16, widened on the device after the upload
             f = np.asarray(f)
@@ -517,9 +534,9 @@ class DFlashGpuDrafter:
     def host_embed(self, ids: np.ndarray) -> np.ndarray:
         if self.tok_embd is getattr(self.target, "tok_embd", None) and hasattr(self.target, "host_head_embed"):
             return self.target.host_head_embed(np.asarray(ids))     # the target's table and its row cache
-        from ..backend import NumpyBackend
-
-        return NumpyBackend().embed(self.tok_embd.host, np.asarray(ids))
+        if self._row_cache is None:
+            raise ValueError("the drafter's token table is not kept on the host")
+        return self._row_cache.lookup(np.asarray(ids))
 
     def _pass(self, s: GpuDraftSession, features: Any, last_token: int, start: int) -> tuple[Any, Any, Any, Any]:
         """Append + block + head as one graph replay (or eager launches): device (logits, ids, logp, packed)."""

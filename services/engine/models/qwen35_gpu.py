@@ -52,7 +52,6 @@ import threading
 import warnings
 import weakref
 from bisect import insort
-from collections import OrderedDict
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -67,7 +66,15 @@ from kernels import quant_wide as qw
 from kernels import sampling as smp
 
 from .. import faults
-from ..backend import CupyBackend, can_fuse_swiglu, can_stage_norm, can_wide_swiglu, device_ids, reads_staging
+from ..backend import (
+    CupyBackend,
+    HostRowCache,
+    can_fuse_swiglu,
+    can_stage_norm,
+    can_wide_swiglu,
+    device_ids,
+    reads_staging,
+)
 from ..config import ModelConfig
 from ..device_sampling import draw_rows
 from ..errors import ContextOverflowError, is_out_of_memory
@@ -588,6 +595,19 @@ class DeviceLogits:
 
 
 F16_MAX = float(np.finfo(np.float16).max)   # DeviceRows.to_host saturates f16 here
+_saturating_f16: Any = None
+
+
+def saturating_f16(rows: Any) -> Any:
+    """float32 device rows as float16, saturated at +-F16_MAX (NaN stays NaN): one launch where clip then astype took
+    two (~0.1 ms a step more through CuPy on an H200 host)."""
+    global _saturating_f16
+    cp = nr.loader.require()
+    if _saturating_f16 is None:
+        _saturating_f16 = cp.ElementwiseKernel(
+            "float32 x", "float16 y", "y = (float16)((x != x) ? x : fminf(fmaxf(x, -65504.0f), 65504.0f))",
+            "specsplit_saturating_f16")
+    return _saturating_f16(rows)
 
 
 class DeviceRows:
@@ -636,8 +656,26 @@ class DeviceRows:
         cp = nr.loader.require()
         rows = self.rows
         if np.dtype(dtype) == np.float16:
-            rows = cp.clip(rows, -F16_MAX, F16_MAX).astype(cp.float16)
+            rows = saturating_f16(rows)
         return cp.asnumpy(rows).astype(dtype, copy=False)
+
+    def copy_into(self, dst: np.ndarray) -> None:
+        """The rows into the host array `dst` ((T, K * n_embd) float32 or float16, cast on the device as to_host
+        casts), with one copy in stream order: into page-locked memory (a drafter stream's registered segment,
+        services/drafter/client) the device writes it directly."""
+        cp = nr.loader.require()
+        rows = self.rows.reshape(self.rows.shape[0], -1)
+        if dst.shape != rows.shape or not dst.flags.c_contiguous:
+            raise ValueError(f"rows {tuple(rows.shape)} do not fit a host array {dst.shape} (C-contiguous)")
+        if dst.dtype == np.float16:
+            rows = saturating_f16(rows)
+        elif dst.dtype != np.float32:
+            raise ValueError(f"feature rows go to the host as float32 or float16, not {dst.dtype}")
+        rows = cp.ascontiguousarray(rows)
+        stream = cp.cuda.get_current_stream()
+        cp.cuda.runtime.memcpyAsync(dst.ctypes.data, rows.data.ptr, rows.nbytes, cp.cuda.runtime.memcpyDeviceToHost,
+                                    stream.ptr)
+        stream.synchronize()
 
     def __array__(self, dtype: Any = None, copy: bool | None = None) -> np.ndarray:
         return self.to_host(np.float32 if dtype is None else dtype)
@@ -730,10 +768,9 @@ class Qwen35GpuModel(TargetModel):
             data = np.asarray(host.data if isinstance(host, RawTensor) else host).reshape(-1).view(np.uint8)
             self._embd_dev = be.xp.asarray(data).reshape(int(self.tok_embd.shape[0]), -1)
             self._host_table = False
-        self._row_cache: OrderedDict[int, np.ndarray] = OrderedDict()    # host_head_embed's dequantized rows
-        self._row_cache_rows = max(1, HOST_ROW_CACHE_BYTES // (4 * cfg.n_embd))
-        self._row_lock = threading.Lock()
-        self.row_cache_stats = {"hits": 0, "misses": 0}
+        # host_head_embed's dequantized rows (a table the device does not decode)
+        self._row_cache = (HostRowCache(self.tok_embd.host, cfg.n_embd, HOST_ROW_CACHE_BYTES)
+                           if getattr(self.tok_embd, "on_host", False) else None)
         # detached: replays that first copied the rows of a still-held result of the same graph (DeviceLogits)
         self.graph_stats = {"captures": 0, "replays": 0, "eager": 0, "failed": 0, "detached": 0}
         self._capture_stream = None
@@ -954,35 +991,16 @@ class Qwen35GpuModel(TargetModel):
         return self.be.embed(self.tok_embd, ids)
 
     def host_head_embed(self, tokens: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
-        """float32 rows of a token table kept on the host (GpuEmbedding.on_host), into `out` when given.
-        Dequantizing K-quant rows in NumPy costs ~0.1-0.2 ms a row, about a tenth of a 27B verify step for
-        23 rows, and a request's tokens repeat (drafted trees, the bonus token the drafter embeds again): the
-        rows are kept in a bounded LRU cache (HOST_ROW_CACHE_BYTES), each dequantized once."""
-        from ..backend import NumpyBackend
+        """float32 rows of a token table kept on the host (GpuEmbedding.on_host), into `out` when given, through a
+        bounded LRU cache (backend.HostRowCache, HOST_ROW_CACHE_BYTES): ~0.1-0.2 ms a row dequantized, about a tenth
+        of a 27B verify step for 23 rows, and a request's tokens repeat."""
+        if self._row_cache is None:
+            raise ValueError("this model's token table is not kept on the host")
+        return self._row_cache.lookup(tokens, out)
 
-        ids = np.asarray(tokens, dtype=np.int64).reshape(-1)
-        if out is None:
-            out = np.empty((len(ids), self.cfg.n_embd), np.float32)
-        cache = self._row_cache
-        with self._row_lock:
-            miss = []
-            for i, t in enumerate(ids.tolist()):
-                row = cache.get(t)
-                if row is None:
-                    miss.append(i)
-                else:
-                    cache.move_to_end(t)
-                    out[i] = row
-            if miss:
-                rows = NumpyBackend().embed(self.tok_embd.host, ids[miss])
-                out[miss] = rows
-                for i, row in zip(miss, rows):
-                    cache[int(ids[i])] = row.copy()      # its own row: a view would keep the block alive
-                while len(cache) > self._row_cache_rows:
-                    cache.popitem(last=False)
-            self.row_cache_stats["hits"] += len(ids) - len(miss)
-            self.row_cache_stats["misses"] += len(miss)
-        return out
+    @property
+    def row_cache_stats(self) -> dict[str, int]:
+        return self._row_cache.stats if self._row_cache is not None else {"hits": 0, "misses": 0}
 
     def host_head(self) -> HostHead:
         """What a CPU drafter needs from this target: cfg, token table and lm head on the host (NumPy)."""
