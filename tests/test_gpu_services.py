@@ -215,6 +215,40 @@ def test_a_gpu_targets_features_cross_to_a_drafter_service_as_f16(tmp_path, monk
     assert casts and all(dt == np.float16 for dt, _ in casts) and casts[0][1] >= 256
 
 
+@needs_gpu
+def test_concurrent_requests_through_a_drafter_service_on_the_same_gpu(tmp_path, cpu_target):
+    """`specsplit verifier --device cuda:0 --drafter ADDR` with the drafter service on the same GPU and two slots: two
+    requests at once, each slot's wait for its draft with the engine lock released (the other slot steps meanwhile);
+    each gets the CPU target's plain tokens, drafting throughout."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from tests.test_drafter_service import spawn_drafter, stop
+
+    gguf, drafter = _pair()
+    dproc, addr = spawn_drafter((None, gguf, drafter), tmp_path / "d.sock", max_sessions=2,
+                                extra=("--device", "cuda:0", "--max-ctx", "1024"))
+    v = None
+    try:
+        v = VerifierProcess(tmp_path / "v.sock", ["--model", gguf, "--drafter", addr, "--device", "cuda:0",
+                                                  "--slots", "2", "--cache-type-k", "f16", "--cache-type-v", "f16"])
+        tok = cpu_target.tokenizer
+        prompts = [tok.encode("def fibonacci(n):\n    if n < 2:\n        return n\n"),
+                   tok.encode("class Stack:\n    def __init__(self):\n")]
+        params = resolve_sampling({}, cpu_target.sampling_defaults)
+        want = [generate(cpu_target.model, ids, 40, params).token_ids for ids in prompts]
+        for _ in range(2):
+            with ThreadPoolExecutor(2) as pool:
+                got = list(pool.map(lambda ids: v.generate(prompt_ids=ids, max_tokens=40, speculative=True), prompts))
+            for (tokens, last, _), w in zip(got, want):
+                assert tokens == w
+                assert last.spec.steps > 0 and not last.spec.fallback
+    finally:
+        if v is not None:
+            v.stop()
+        stop(dproc)
+    assert dproc.returncode == 0, dproc.stderr.read()
+
+
 def _gpu_count() -> int:
     if _REASON is not None:
         return 0

@@ -514,3 +514,60 @@ def test_the_guard_passes_prompt_appends_only_where_the_drafter_takes_them():
         guarded.append_features("rows", -1)
     assert failures == ["ValueError: bad start"]
     assert not hasattr(_GuardedProposer(Keeps(), failures.append), "append_features")
+
+
+def test_a_slot_waiting_for_a_drafter_service_lets_the_others_step():
+    """A GPU verifier's slots take turns on the engine lock step by step; a slot waiting for a drafter service's
+    answer releases it for the wait only (the features go out under it), so another slot steps meanwhile, and holds
+    it again when the answer is in. Released on a thread that does not hold it: nothing happens."""
+    import numpy as np
+
+    from services.verifier.service import _EngineLock, _GuardedProposer
+
+    lock = _EngineLock()
+    answered = threading.Event()
+    seen = {}
+
+    class Remote:                       # a DrafterClient's shape: the send now, the answer later
+        block_size, target_layer_ids = 16, [0]
+
+        def propose_begin(self, feats, last, start, k):
+            seen["sent_under_lock"] = lock._owner == threading.get_ident()
+
+            def answer():
+                assert answered.wait(5.0), "no other slot stepped while this one waited"
+                return np.zeros((15, k), np.int64), np.zeros((15, k))
+            return answer
+
+        def close(self):
+            pass
+
+    def other_slot():
+        time.sleep(0.05)
+        with lock:                      # only possible while the first slot waits
+            seen["other_stepped"] = True
+        answered.set()
+
+    guarded = _GuardedProposer(Remote(), lambda reason: seen.setdefault("failed", reason), waiting=lock.released)
+    t = threading.Thread(target=other_slot)
+    with lock:
+        t.start()
+        ids, _ = guarded.propose(None, 1, 2, 4)
+        assert lock._owner == threading.get_ident()    # held again after the wait
+    t.join(5.0)
+    assert ids.shape == (15, 4) and seen == {"sent_under_lock": True, "other_stepped": True}
+    # not the holder: released() does nothing (the lock stays with the thread that has it)
+    holder_in, holder_out = threading.Event(), threading.Event()
+
+    def hold():
+        with lock:
+            holder_in.set()
+            holder_out.wait(5.0)
+
+    h = threading.Thread(target=hold)
+    h.start()
+    assert holder_in.wait(5.0)
+    with lock.released():
+        assert lock._owner == h.ident and lock._lock.locked()
+    holder_out.set()
+    h.join(5.0)

@@ -44,7 +44,7 @@ import threading
 import time
 import traceback
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -195,21 +195,59 @@ class _FailedProposer:
         pass
 
 
+class _EngineLock:
+    """A GPU target's lock (slots take turns step by step), knowing which thread holds it, so that a slot waiting
+    for a drafter service's answer can let the others step meanwhile (released())."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._owner: int | None = None
+
+    def __enter__(self) -> _EngineLock:
+        self._lock.acquire()
+        self._owner = threading.get_ident()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._owner = None
+        self._lock.release()
+
+    @contextlib.contextmanager
+    def released(self) -> Iterator[None]:
+        """Other slots may step inside (nothing in it may touch the device); a no-op on a thread not holding it."""
+        if self._owner != threading.get_ident():
+            yield
+            return
+        self._owner = None
+        self._lock.release()
+        try:
+            yield
+        finally:
+            self._lock.acquire()
+            self._owner = threading.get_ident()
+
+
 class _GuardedProposer:
     """Wraps a proposer: any failure becomes DrafterUnavailableError (so the request goes on with plain
-    decoding) and is recorded on the request span the moment it happens; close() is idempotent."""
+    decoding) and is recorded on the request span the moment it happens; close() is idempotent.
 
-    def __init__(self, inner: Proposer, on_failure: Callable[[str], None]):
+    waiting: a context the wait for an answer runs in. A drafter service's answer is waited for with the engine lock
+    released (_EngineLock.released): the request is between two steps then (its features already sent, nothing of it
+    on the device in flight but its commit), so the other slots' steps fill the GPU while the drafter drafts."""
+
+    def __init__(self, inner: Proposer, on_failure: Callable[[str], None],
+                 waiting: Callable[[], contextlib.AbstractContextManager[Any]] = contextlib.nullcontext):
         self.inner = inner
         self.block_size = inner.block_size
         self.target_layer_ids = list(inner.target_layer_ids)
         self._on_failure = on_failure
+        self._waiting = waiting
         self._closed = False
         if hasattr(inner, "append_features"):     # only where the inner one takes features ahead of a draft
             self.append_features = self._append_features
 
     def propose(self, new_features, last_token, start, k):
-        return self._guarded(self.inner.propose, new_features, last_token, start, k)
+        return self.propose_begin(new_features, last_token, start, k)()
 
     @property
     def last_draft_ms(self) -> float | None:
@@ -222,7 +260,12 @@ class _GuardedProposer:
     def propose_begin(self, new_features, last_token, start, k):
         """speculative.begin_propose through the guard: a failure in either half becomes DrafterUnavailableError."""
         fetch = self._guarded(begin_propose, self.inner, new_features, last_token, start, k)
-        return lambda: self._guarded(fetch)
+
+        def wait():
+            with self._waiting():
+                return self._guarded(fetch)
+
+        return wait
 
     def _guarded(self, fn, *args):
         try:
@@ -337,7 +380,7 @@ class VerifierServicer(pb_grpc.VerifierServicer):
         if getattr(self.target.model.be, "name", "numpy") == "cuda":
             # One GPU, one stream of steps: slots take turns step by step (a step is a CUDA-graph replay
             # that must not interleave with another thread's capture); NumPy slots run side by side.
-            self._engine_lock = threading.Lock()
+            self._engine_lock = _EngineLock()
         if self.cfg.draft:
             self.drafter = load_drafter_on(self.cfg.draft, self.target.model, self.cfg.draft_device)
         elif self.cfg.drafter_address:
@@ -696,7 +739,8 @@ class VerifierServicer(pb_grpc.VerifierServicer):
         if problem:
             client.close()
             return _GuardedProposer(_FailedProposer(f"drafter {addr} does not fit the target: {problem}"), failed)
-        return _GuardedProposer(client, failed)
+        # its answers are waited for with a GPU engine's lock released: the other slots step meanwhile
+        return _GuardedProposer(client, failed, waiting=getattr(self._engine_lock, "released", contextlib.nullcontext))
 
     def _drafter_mismatch(self, info: Any) -> str:
         """Why a remote drafter cannot serve this target ('' when it can): its features would not exist."""
