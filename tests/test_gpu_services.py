@@ -6,6 +6,9 @@ flag checks, which need none.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import numpy as np
 import pytest
 
@@ -215,6 +218,27 @@ def test_a_gpu_targets_features_cross_to_a_drafter_service_as_f16(tmp_path, monk
     assert casts and all(dt == np.float16 for dt, _ in casts) and casts[0][1] >= 256
 
 
+@contextlib.contextmanager
+def _split_deployment(tmp_path, drafter_device: str) -> Iterator[tuple[VerifierProcess, str]]:
+    """`specsplit drafter --device DEV` and `specsplit verifier --device cuda:0 --drafter ADDR` (two slots, f16 KV),
+    two processes over gRPC: (the verifier, the drafter's address); both stopped after, the drafter cleanly."""
+    from tests.test_drafter_service import spawn_drafter, stop
+
+    gguf, drafter = _pair()
+    dproc, addr = spawn_drafter((None, gguf, drafter), tmp_path / "d.sock", max_sessions=2,
+                                extra=("--device", drafter_device, "--max-ctx", "1024"))
+    v = None
+    try:
+        v = VerifierProcess(tmp_path / "v.sock", ["--model", gguf, "--drafter", addr, "--device", "cuda:0",
+                                                  "--slots", "2", "--cache-type-k", "f16", "--cache-type-v", "f16"])
+        yield v, addr
+    finally:
+        if v is not None:
+            v.stop()
+        stop(dproc)
+    assert dproc.returncode == 0, dproc.stderr.read()
+
+
 @needs_gpu
 def test_concurrent_requests_through_a_drafter_service_on_the_same_gpu(tmp_path, cpu_target):
     """`specsplit verifier --device cuda:0 --drafter ADDR` with the drafter service on the same GPU and two slots: two
@@ -222,15 +246,7 @@ def test_concurrent_requests_through_a_drafter_service_on_the_same_gpu(tmp_path,
     each gets the CPU target's plain tokens, drafting throughout."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from tests.test_drafter_service import spawn_drafter, stop
-
-    gguf, drafter = _pair()
-    dproc, addr = spawn_drafter((None, gguf, drafter), tmp_path / "d.sock", max_sessions=2,
-                                extra=("--device", "cuda:0", "--max-ctx", "1024"))
-    v = None
-    try:
-        v = VerifierProcess(tmp_path / "v.sock", ["--model", gguf, "--drafter", addr, "--device", "cuda:0",
-                                                  "--slots", "2", "--cache-type-k", "f16", "--cache-type-v", "f16"])
+    with _split_deployment(tmp_path, "cuda:0") as (v, _):
         tok = cpu_target.tokenizer
         prompts = [tok.encode("def fibonacci(n):\n    if n < 2:\n        return n\n"),
                    tok.encode("class Stack:\n    def __init__(self):\n")]
@@ -242,11 +258,6 @@ def test_concurrent_requests_through_a_drafter_service_on_the_same_gpu(tmp_path,
             for (tokens, last, _), w in zip(got, want):
                 assert tokens == w
                 assert last.spec.steps > 0 and not last.spec.fallback
-    finally:
-        if v is not None:
-            v.stop()
-        stop(dproc)
-    assert dproc.returncode == 0, dproc.stderr.read()
 
 
 def _gpu_count() -> int:
@@ -265,17 +276,10 @@ def test_verifier_on_one_gpu_with_its_drafter_service_on_another(tmp_path, cpu_t
     it (no fallback), and the tokens are the CPU target's plain ones, for a short prompt and a 300-token one (whose
     features go ahead as appends)."""
     from services.drafter.client import DrafterClient
-    from tests.test_drafter_service import spawn_drafter, stop
 
-    gguf, drafter = _pair()
-    dproc, addr = spawn_drafter((None, gguf, drafter), tmp_path / "d.sock", max_sessions=2,
-                                extra=("--device", "cuda:1", "--max-ctx", "1024"))
-    v = None
-    try:
+    with _split_deployment(tmp_path, "cuda:1") as (v, addr):
         with DrafterClient(addr, wait_ready=True, ready_timeout=60) as client:
             assert client.info().backend == "cuda:1"
-        v = VerifierProcess(tmp_path / "v.sock", ["--model", gguf, "--drafter", addr, "--device", "cuda:0",
-                                                  "--slots", "2", "--cache-type-k", "f16", "--cache-type-v", "f16"])
         tok = cpu_target.tokenizer
         short = tok.encode("def fibonacci(n):\n    if n < 2:\n        return n\n")
         long = (short * (300 // len(short) + 1))[:300]
@@ -284,8 +288,3 @@ def test_verifier_on_one_gpu_with_its_drafter_service_on_another(tmp_path, cpu_t
             got, last, _ = v.generate(prompt_ids=ids, max_tokens=n, speculative=True)
             assert got == want
             assert last.spec.steps > 0 and not last.spec.fallback
-    finally:
-        if v is not None:
-            v.stop()
-        stop(dproc)
-    assert dproc.returncode == 0, dproc.stderr.read()
