@@ -175,16 +175,6 @@ class DFlashGpuDrafter:
     # no conversion on the host (services/drafter/service.py FeatureReader keeps them f16 for a drafter saying so)
     takes_f16_features = True
 
-    def use_device(self) -> None:
-        """Make this drafter's device the calling thread's current one (CuPy's is per thread): a thread that drafts
-        besides the one that loaded it (a drafter service's event loop) calls this first."""
-        self.xp.cuda.Device(self.be.device).use()
-
-    def pin_host_rows(self, buf: Any) -> Any:
-        """A drafter service's read-only mapping of a stream's segment registered in this drafter's device context
-        (pinned.pin_host), or None: its features then reach _features as HostRows, one direct copy each."""
-        return pin_host(buf, read_only=True, device=self.be.device)
-
     def __init__(self, cfg: DrafterConfig, tensors: Mapping[str, RawTensor | np.ndarray], target: Any,
                  backend: CupyBackend | None = None, source: str = "<drafter>"):
         tbe = getattr(target, "be", None)
@@ -380,6 +370,16 @@ class DFlashGpuDrafter:
     def clear_pool(self) -> None:
         with self._pool_lock:
             self._pool.clear()
+
+    def use_device(self) -> None:
+        """Make this drafter's device the calling thread's current one (CuPy's is per thread): a thread that drafts
+        besides the one that loaded it (a drafter service's event loop) calls this first."""
+        self.xp.cuda.Device(self.be.device).use()
+
+    def pin_host_rows(self, buf: Any) -> Any:
+        """A drafter service's read-only mapping of a stream's segment registered in this drafter's device context
+        (pinned.pin_host), or None: its features then reach _features as HostRows, one direct copy each."""
+        return pin_host(buf, read_only=True, device=self.be.device)
 
     def _features(self, features: Any) -> Any:
         """(n, n_features) rows: device rows as they are, host rows as float32 or float16 (widened on the device after
