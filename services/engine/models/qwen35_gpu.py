@@ -599,8 +599,8 @@ _saturating_f16: Any = None
 
 
 def saturating_f16(rows: Any) -> Any:
-    """float32 device rows as float16, saturated at +-F16_MAX (NaN stays NaN): one launch where clip then astype took
-    two (~0.1 ms a step more through CuPy on an H200 host)."""
+    """float32 device rows as float16, saturated at +-F16_MAX (NaN stays NaN), in one launch where clip then astype
+    took two (the f16 wire's cast: ~0.03 ms a step less on an H200 host, session 43)."""
     global _saturating_f16
     cp = nr.loader.require()
     if _saturating_f16 is None:
