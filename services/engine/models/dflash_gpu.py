@@ -245,10 +245,13 @@ class DFlashGpuDrafter:
         self._device_embed = (self.tok_embd is getattr(target, "tok_embd", None)
                               and bool(getattr(target, "embeds_on_device", False)))
         self._host_table = bool(getattr(self.tok_embd, "on_host", False)) and not self._device_embed
-        # the block's first row from a table on the host that is the drafter's own (a drafter service's): each row
-        # dequantized once (host_embed)
-        self._row_cache = (HostRowCache(self.tok_embd.host, cfg.n_embd, QG.HOST_ROW_CACHE_BYTES)
-                           if getattr(self.tok_embd, "on_host", False) else None)
+        # host_embed's rows of a table on the host, each dequantized once: the target's cache when the table is the
+        # target's, else one of the drafter's own (a drafter service's)
+        self._host_rows: Callable[[np.ndarray], np.ndarray] | None = None
+        if self.tok_embd is getattr(target, "tok_embd", None) and hasattr(target, "host_head_embed"):
+            self._host_rows = target.host_head_embed
+        elif getattr(self.tok_embd, "on_host", False):
+            self._host_rows = HostRowCache(self.tok_embd.host, cfg.n_embd, QG.HOST_ROW_CACHE_BYTES).lookup
         self.use_graphs = QG.graphs_default()
         self.graph_blocker: str | None = None
         self.graph_stats = {"captures": 0, "replays": 0, "eager": 0, "failed": 0}
@@ -532,11 +535,9 @@ class DFlashGpuDrafter:
         return np.asarray(cp.asnumpy(logits), dtype=np.float32)
 
     def host_embed(self, ids: np.ndarray) -> np.ndarray:
-        if self.tok_embd is getattr(self.target, "tok_embd", None) and hasattr(self.target, "host_head_embed"):
-            return self.target.host_head_embed(np.asarray(ids))     # the target's table and its row cache
-        if self._row_cache is None:
+        if self._host_rows is None:
             raise ValueError("the drafter's token table is not kept on the host")
-        return self._row_cache.lookup(np.asarray(ids))
+        return self._host_rows(np.asarray(ids))
 
     def _pass(self, s: GpuDraftSession, features: Any, last_token: int, start: int) -> tuple[Any, Any, Any, Any]:
         """Append + block + head as one graph replay (or eager launches): device (logits, ids, logp, packed)."""
