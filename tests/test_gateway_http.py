@@ -136,13 +136,16 @@ def test_bad_requests_get_openai_errors_and_server_keeps_serving(tiny_pair, sour
                  "chat_template_kwargs"),
                 ({**CHAT, "messages": [{"content": "no role"}]}, 400, "invalid_request_error", "messages"),
                 ({"messages": [{"role": "user", "content": "def add(a, b): return a + b " * 10}],
-                  "max_tokens": 4}, 400, "exceed_context_size_error", None),
+                  "max_tokens": 4}, 400, "exceed_context_size_error", "messages"),
             ]
             for body, status, typ, param in cases:
                 s, b, _ = await post(http, "/v1/chat/completions", body)
                 assert_error(s, b, status, typ, param)
                 ok, resp, _ = await post(http, "/v1/chat/completions", CHAT)   # still serving
                 assert ok == 200, resp
+            s, b, _ = await post(http, "/v1/completions", {"prompt": "def add(a, b): return a + b " * 10,
+                                                           "max_tokens": 4})
+            assert_error(s, b, 400, "exceed_context_size_error", "prompt")
             s, b, _ = await post(http, "/v1/completions", {"prompt": {"x": 1}})
             assert_error(s, b, 400, "invalid_request_error", "prompt")
             s, b, _ = await post(http, "/v1/completions", {"prompt": [1, 2, 99999], "max_tokens": 2})
@@ -161,10 +164,13 @@ def test_over_long_prompt_is_caught_at_the_verifier_too(tiny_pair, source):
     """The gateway checks the context itself; the verifier's INVALID_ARGUMENT maps to the same answer."""
     async def scenario():
         async with stack(tiny_pair, source, max_ctx=48) as (g, http):
-            g.core.check_prompt = lambda ids, ep=None: None          # let it through to the verifier
+            g.core.check_prompt = lambda ids, ep=None, param="prompt": None     # let it through to the verifier
             long = "def add(a, b): return a + b " * 10
             s, b, _ = await post(http, "/v1/completions", {"prompt": long, "max_tokens": 4})
-            assert_error(s, b, 400, "exceed_context_size_error")
+            assert_error(s, b, 400, "exceed_context_size_error", "prompt")
+            s, b, _ = await post(http, "/v1/chat/completions",
+                                 {"messages": [{"role": "user", "content": long}], "max_tokens": 4})
+            assert_error(s, b, 400, "exceed_context_size_error", "messages")
     run(scenario())
 
 

@@ -30,7 +30,7 @@ from services.engine.sampling import SamplingParams
 from services.engine.tokenizer import Tokenizer
 from services.wire import pb, sampling_to_pb
 
-from .errors import APIError, context_exceeded, from_engine, from_grpc, unavailable
+from .errors import APIError, context_exceeded, from_engine, from_grpc, prompt_param, unavailable
 from .metrics import GatewayMetrics
 from .pool import VerifierEndpoint, VerifierPool
 from .textstream import TextAssembler, think_token_ids
@@ -211,8 +211,10 @@ class GatewayCore:
     def encode(self, text: str, add_special: bool) -> list[int]:
         return self.tokenizer.encode(text, add_special=add_special)
 
-    def check_prompt(self, prompt_ids: list[int], endpoint: VerifierEndpoint | None = None) -> int | None:
-        """Raise 400 when the prompt cannot fit; return the context length used (None if unknown yet)."""
+    def check_prompt(self, prompt_ids: list[int], endpoint: VerifierEndpoint | None = None,
+                     param: str = "prompt") -> int | None:
+        """Raise 400 when the prompt cannot fit (blamed on `param`: prompt_param); return the context length used
+        (None if unknown yet)."""
         if not prompt_ids:
             raise APIError(400, "the prompt is empty", param="prompt")
         n_vocab = self.tokenizer.vocab_size
@@ -225,7 +227,7 @@ class GatewayCore:
                            param="prompt")
         ctx = int(info.context_length) if info is not None and info.context_length > 0 else None
         if ctx is not None and len(prompt_ids) >= ctx:
-            raise context_exceeded(len(prompt_ids) + 1, ctx)
+            raise context_exceeded(len(prompt_ids) + 1, ctx, param)
         return ctx
 
     # -------------------------------------------------------------------------------------- generation
@@ -332,9 +334,9 @@ class Generation:
         except APIError as e:
             self._queue.put_nowait(e)
         except grpc.aio.AioRpcError as e:
-            self._queue.put_nowait(from_grpc(e))
+            self._queue.put_nowait(from_grpc(e, prompt_param(self.req.operation)))
         except SpecsplitError as e:
-            self._queue.put_nowait(from_engine(e))
+            self._queue.put_nowait(from_engine(e, prompt_param(self.req.operation)))
         except Exception as e:       # a bug must reach the client as a 500, not a hung stream
             log.exception("generation %s failed", self.req.request_id)
             self._queue.put_nowait(APIError(500, f"internal error: {type(e).__name__}: {e}"))
@@ -366,7 +368,7 @@ class Generation:
         tried: set[str] = set()
         while True:
             ep = core.pool.pick(exclude=tried)
-            ctx = core.check_prompt(req.prompt_ids, ep)
+            ctx = core.check_prompt(req.prompt_ids, ep, prompt_param(req.operation))
             left = None if deadline is None else max(0.001, deadline - time.monotonic())
             ep.outstanding += 1
             call = ep.stub.Generate(self._grpc_request(ctx), timeout=left)

@@ -60,35 +60,41 @@ def invalid(message: str, param: str | None = None) -> APIError:
     return APIError(400, message, param=param)
 
 
-def context_exceeded(needed: int, available: int) -> APIError:
+def prompt_param(operation: str) -> str:
+    """The request field a prompt that does not fit is blamed on: a chat's messages, a completion's prompt."""
+    return "messages" if operation == "chat" else "prompt"
+
+
+def context_exceeded(needed: int, available: int, param: str = "prompt") -> APIError:
     return APIError(400, f"the request needs {needed} tokens of context but the model has {available} "
                          f"(prompt plus at least one generated token)",
-                    type="exceed_context_size_error", param="messages")
+                    type="exceed_context_size_error", param=param)
 
 
 def unavailable(message: str = "no verifier is ready", retry_after: float | None = 1.0) -> APIError:
     return APIError(503, message, retry_after=retry_after)
 
 
-def from_engine(err: SpecsplitError) -> APIError:
+def from_engine(err: SpecsplitError, prompt: str = "prompt") -> APIError:
+    """prompt: the request field a context overflow is blamed on (prompt_param)."""
     if isinstance(err, ContextOverflowError):
-        return context_exceeded(err.needed, err.available)
+        return context_exceeded(err.needed, err.available, prompt)
     if isinstance(err, InvalidRequestError):
         return invalid(str(err), err.param)
     return APIError(500, str(err))
 
 
-def from_grpc(err: grpc.aio.AioRpcError | grpc.RpcError) -> APIError:
-    """Map a verifier's status to the client's (serving.md §3.3 table)."""
+def from_grpc(err: grpc.aio.AioRpcError | grpc.RpcError, prompt: str = "prompt") -> APIError:
+    """Map a verifier's status to the client's (serving.md §3.3 table); prompt as for from_engine."""
     code = err.code() if hasattr(err, "code") else grpc.StatusCode.UNKNOWN
     details = (err.details() if hasattr(err, "details") else None) or str(code)
     if code == grpc.StatusCode.INVALID_ARGUMENT:
         low = details.lower()
         if "context" in low and any(w in low for w in ("exceed", "needs", "too long", "does not fit")):
-            return APIError(400, details, type="exceed_context_size_error", param="messages")
+            return APIError(400, details, type="exceed_context_size_error", param=prompt)
         return invalid(details)
     if code == grpc.StatusCode.OUT_OF_RANGE:
-        return APIError(400, details, type="exceed_context_size_error", param="messages")
+        return APIError(400, details, type="exceed_context_size_error", param=prompt)
     if code == grpc.StatusCode.NOT_FOUND:
         return APIError(404, details)
     if code == grpc.StatusCode.RESOURCE_EXHAUSTED:

@@ -67,7 +67,7 @@ class GatewayServicer(pb_grpc.GatewayServicer):
             prompt_ids = core.encode(core.render_chat(msgs, None, kwargs), add_special=False)
         else:
             raise invalid("set either prompt or chat", "input")
-        core.check_prompt(prompt_ids)
+        core.check_prompt(prompt_ids, param="messages" if which == "chat" else "prompt")
         return GenerationRequest(
             request_id=new_id("gen"), operation=operation, endpoint=ENDPOINT, model=model, prompt_ids=prompt_ids,
             max_tokens=request.max_tokens or None, sampling=sampling, sampling_set=frozenset(sampling_fields_set(s)),

@@ -182,7 +182,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
         raise invalid("'tools' must be an array", "tools")
     prompt_text = core.render_chat(messages, tools or None, kwargs)
     prompt_ids = core.encode(prompt_text, add_special=False)
-    core.check_prompt(prompt_ids)
+    core.check_prompt(prompt_ids, param="messages")
     split = core.think_ids is not None
     req = GenerationRequest(request_id=new_id("chatcmpl"), operation="chat", endpoint="/v1/chat/completions",
                             model=model, prompt_ids=prompt_ids, max_tokens=params.max_tokens,
