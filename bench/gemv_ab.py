@@ -567,6 +567,10 @@ STEP_ABS = {
     "smalldeep": ([("every deep wide", SMALL, 3, "capture", {"qw.DEEP_MIN_ROWS": 0}),
                    ("small deep on v2", SMALL, 3, "capture", {"qw.DEEP_MIN_ROWS": 2048})],
                   (4, 8, 16, 23), [("small deep on v2", "every deep wide")]),
+    # the products' weight copies with an evict-first L2 policy (quant_matmul.WEIGHTS_EVICT_FIRST) or none
+    "evict": ([("normal", SMALL, 3, "capture", {"qm.WEIGHTS_EVICT_FIRST": False}),
+               ("evict first", SMALL, 3, "capture", {"qm.WEIGHTS_EVICT_FIRST": True})], (1, 4, 16, 23, 41),
+              [("evict first", "normal")]),
     "v2stages": ([("shipped", SMALL, 3, "capture", {}), ("v2 3 stages", SMALL, 3, "capture", {"qm.STAGES_V2": 3}),
                   ("v2 4 stages", SMALL, 3, "capture", {"qm.STAGES_V2": 4})], (8, 16, 23),
                  [("v2 3 stages", "shipped"), ("v2 4 stages", "shipped")]),

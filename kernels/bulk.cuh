@@ -145,6 +145,10 @@ static inline void bulk_g2s_s(unsigned int dst, const void* src, unsigned int by
     else
         sim_perform(p);
 }
+// a copy of bytes a step reads once (below): the L2 hint changes nothing the simulation models
+static inline void bulk_g2s_once_s(unsigned int dst, const void* src, unsigned int bytes, unsigned int bar) {
+    bulk_g2s_s(dst, src, bytes, bar);
+}
 static inline void bulk_s2g_add_f32(void* dst, unsigned int src, unsigned int bytes) {
     const SimPending p{1, simb::cur, nullptr, (char*)dst, sim_smem_base() + src, bytes};
     if (sim_defer())
@@ -192,6 +196,24 @@ static __device__ __forceinline__ void bulk_g2s_s(unsigned int dst, const void* 
                      dst),
                  "l"(src), "r"(bytes), "r"(bar)
                  : "memory");
+}
+// A copy of bytes a step reads once: a product's weights, which stream through the L2 cache (16 GB a step through
+// 50 MB at the 27B). Built with SPECSPLIT_WEIGHTS_EVICT_FIRST, the copy carries an evict-first L2 policy, so that the
+// stream does not push out what the step reads again soon (packed x, partial sums and their counters, the residual
+// stream, the KV cache of a short context); else it is bulk_g2s_s.
+static __device__ __forceinline__ void bulk_g2s_once_s(unsigned int dst, const void* src, unsigned int bytes,
+                                                       unsigned int bar) {
+#ifdef SPECSPLIT_WEIGHTS_EVICT_FIRST
+    unsigned long long policy;
+    asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;\n" : "=l"(policy));
+    asm volatile(
+        "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint [%0], [%1], %2, [%3], %4;\n" ::
+            "r"(dst),
+        "l"(src), "r"(bytes), "r"(bar), "l"(policy)
+        : "memory");
+#else
+    bulk_g2s_s(dst, src, bytes, bar);
+#endif
 }
 // Thread block clusters (sm_90, a kernel declared __cluster_dims__): the split cluster barrier (every thread of every
 // block of the cluster arrives, then waits; relaxed: orders nothing, for "every block has started") and a store into

@@ -1351,7 +1351,7 @@ static __device__ __forceinline__ void gemv_ring_body(const u8* __restrict__ W, 
             const u32 d = ring_s + (u32)(slot * SLOT), bar = bars_s + 8u * (u32)slot;
             if (parts & W_PART) {
                 mbar_expect_tx_s(bar, (u32)SLOT);
-                bulk_g2s_s(d, wsrc_i + (i64)i * BLK, (u32)BLK, bar);
+                bulk_g2s_once_s(d, wsrc_i + (i64)i * BLK, (u32)BLK, bar);
             }
             if (parts & X_PART) {
                 bulk_g2s_s(d + BLK, usrc + (i64)i * NT * 32, (u32)XU, bar);

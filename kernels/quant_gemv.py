@@ -226,7 +226,7 @@ def prefer_persistent(qtype: int, tokens: int) -> bool:
 
 
 def _defines(portable: bool) -> tuple[str, ...]:
-    return ("SPECSPLIT_PORTABLE",) if portable else ()
+    return (("SPECSPLIT_PORTABLE",) if portable else ()) + qm.weight_defines()
 
 
 def gemv_function(qtype: int, tokens: int, portable: bool = False) -> Any:
@@ -300,8 +300,9 @@ def pair_function(qtype: int, tokens: int, portable: bool = False) -> Any:
     if not clusters_available(portable):
         raise ValueError("the SwiGLU ring of cluster pairs needs CUDA thread block clusters (sm_90, not the portable "
                          "build)")
-    fn = loader.get_function(SOURCE, f"gemv_ring_pair_kernel<{qtype}, {tokens}>", (), pdl=not portable)
-    key = (SOURCE, "pair", qtype, tokens, qm._device_id())
+    defines = qm.weight_defines()
+    fn = loader.get_function(SOURCE, f"gemv_ring_pair_kernel<{qtype}, {tokens}>", defines, pdl=not portable)
+    key = (SOURCE, "pair", qtype, tokens, defines, qm._device_id())
     if key not in _configured:
         fn.max_dynamic_shared_size_bytes = SMEM_LIMIT
         _configured[key] = SMEM_LIMIT

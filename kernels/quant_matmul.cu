@@ -1133,7 +1133,7 @@ SS_DEV void issue_blocks(u8* stage, u32 stage_s, u32 bar_s, const u8* src, i64 t
         mbar_expect_tx_s(bar_s, (u32)(valid * bytes));
 #pragma unroll
         for (int m = 0; m < MT; ++m)
-            if (m < valid) bulk_g2s_s(stage_s + (u32)(m * blk_stride), src + m * tile_stride, (u32)bytes, bar_s);
+            if (m < valid) bulk_g2s_once_s(stage_s + (u32)(m * blk_stride), src + m * tile_stride, (u32)bytes, bar_s);
     }
 #else
     (void)stage_s, (void)bar_s;
@@ -2308,7 +2308,8 @@ __global__ void SS_BOUNDS(288, 1) qmw_kernel(const u8* __restrict__ W, long long
                 mbar_expect_tx_s(bar, (u32)(xbytes + valid * wbytes));
                 if (with_x) bulk_g2s_s(dst, xsrc, (u32)xbytes, bar);
                 for (int m = 0; m < valid; ++m)
-                    bulk_g2s_s(dst + (u32)(XB + m * BLK), wsrc + tile_at<SW>(m, units) * tile_stride, (u32)wbytes, bar);
+                    bulk_g2s_once_s(dst + (u32)(XB + m * BLK), wsrc + tile_at<SW>(m, units) * tile_stride, (u32)wbytes,
+                                    bar);
             }
 #else
             (void)with_x;

@@ -258,6 +258,7 @@ def prefer_wide(qtype: int, tokens: int, n_out: int = 0, k: int = 0, order: int 
 
 def _defines(portable: bool) -> tuple[str, ...]:
     out = (("SPECSPLIT_PORTABLE",) if portable else ()) + (() if PIECE_GROUP else ("SPECSPLIT_QMW_PIECES_ONE",))
+    out += qm.weight_defines()
     for qtype, (macro, default) in _PG2_MACROS.items():  # (only where they differ: the default build keeps its key)
         mask = sum(1 << t for t in PIECE_GROUP_TILES.get(qtype, ()))
         if PIECE_GROUP and mask != default:
