@@ -203,6 +203,27 @@ def test_pieces_two_at_a_time_same_bits(monkeypatch, tokens: int) -> None:
         assert launches[shape, True]["blocks"] == launches[shape, False]["blocks"], shape
 
 
+@pytest.mark.parametrize("tokens,kernel,order", [(1, "gemv", 0), (8, "v2", 0), (23, "wide", 0), (41, "wide", 1)])
+def test_weights_evict_first_same_bits(monkeypatch, tokens: int, kernel: str, order: int) -> None:
+    """The weight copies' evict-first L2 policy (quant_matmul.WEIGHTS_EVICT_FIRST) decides what stays cached, never a
+    value: the ring gemv, v2 and the wide kernel (at 41 tokens x in the wgmma order: its wgmma build where the device
+    has one), plain and accumulating, give the same bits from the builds with and without it."""
+    if order and not _WG:
+        order = 0
+    rng = np.random.default_rng(300 + tokens)
+    W, w64 = _matrix(qm.Q4_K, (5120, 6144), rng)
+    x = (rng.standard_normal((tokens, 6144)) * 0.5).astype(np.float16)
+    px = qm.pack_activations(cupy.asarray(x), q16=tokens == 1, order=order)
+    y0 = rng.standard_normal((tokens, 5120)).astype(np.float32)
+    kw = {"config": qg.GemvConfig(ring=True)} if kernel == "gemv" else {}
+    got = {}
+    for on in (True, False):
+        monkeypatch.setattr(qm, "WEIGHTS_EVICT_FIRST", on)
+        got[on] = (run(W, px, kernel=kernel, **kw), run(W, px, y0, kernel=kernel, accumulate=True, **kw))
+    assert np.array_equal(got[True][0], got[False][0]) and np.array_equal(got[True][1], got[False][1])
+    assert rel_error(got[True][0], x.astype(np.float64) @ w64.T) < TOL
+
+
 def test_reproducible_and_counters_left_zero() -> None:
     rng = np.random.default_rng(5)
     W, _ = _matrix(qm.Q4_K, (5120, 6144), rng)

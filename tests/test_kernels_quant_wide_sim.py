@@ -1042,3 +1042,15 @@ def test_new_types_on_the_wide_kernel_on_cpu(sim, qtype) -> None:
     blocks = qw.row_blocks(70, 2, 2)
     y, _ = p.wide(2, 2, 2, blocks, seed=3)
     assert np.array_equal(y, p.v2(2, kw=1))
+
+
+def test_weight_copies_policy_reaches_every_product_build(monkeypatch) -> None:
+    """quant_matmul.WEIGHTS_EVICT_FIRST switches the evict-first L2 policy of the weight copies (kernels/bulk.cuh
+    bulk_g2s_once_s) in every product kernel's build, the ring gemv's, v2's and the wide kernel's, so their modules'
+    keys differ with it (bench/gemv_ab.py --step-ab evict compares two builds, not one)."""
+    src = (Path(__file__).resolve().parents[1] / "kernels" / "bulk.cuh").read_text()
+    assert "SPECSPLIT_WEIGHTS_EVICT_FIRST" in src and ".L2::cache_hint" in src
+    for on in (True, False):
+        monkeypatch.setattr(qm, "WEIGHTS_EVICT_FIRST", on)
+        for defines in (qg._defines(False), qm._defines(False), qw._defines(False), qm._defines(True)):
+            assert ("SPECSPLIT_WEIGHTS_EVICT_FIRST" in defines) == on
