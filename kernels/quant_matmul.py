@@ -232,9 +232,9 @@ def _array_module(a: Any):
     return loader.require()
 
 
-# Products' weight copies marked evict-first in the L2 cache (kernels/bulk.cuh bulk_g2s_once_s: a step reads its
-# weights once, and the rest of what it reads it reads again soon), on the sm_90 bulk-copy paths of the ring gemv, v2
-# and the wide kernel. The synthetic 27B's step on an H200: 0.998 / 0.992 / 0.994 / 0.992 / 0.984 of the time without
+# Products' weight copies marked evict-first in the L2 cache (kernels/bulk.cuh bulk_g2s_once_s: a step reads each
+# weight byte once, and most of the rest again soon), on the sm_90 bulk-copy paths of the ring gemv, v2 and the wide
+# kernel. The synthetic 27B's step on an H200: 0.998 / 0.992 / 0.994 / 0.992 / 0.984 of the time without
 # at 1 / 4 / 16 / 23 / 41 tokens (bench/gemv_ab.py --step-ab evict, session 44)
 WEIGHTS_EVICT_FIRST = True
 
