@@ -108,11 +108,12 @@ def cmd_generate(args: argparse.Namespace) -> int:
         else:
             spec = SpecConfig(budget=args.budget)
         res = speculative_generate(target.model, proposer, prompt_ids, args.max_tokens, params, spec,
-                                   stop_ids=stop, max_ctx=args.max_ctx)
+                                   stop_ids=stop, max_ctx=args.max_ctx, top_logprobs=args.logprobs)
     else:
         if gpu:
             target.model.max_tree = state_width(False, None, 1, "cuda")   # a prompt's graph steps
-        res = generate(target.model, prompt_ids, args.max_tokens, params, stop_ids=stop, max_ctx=args.max_ctx)
+        res = generate(target.model, prompt_ids, args.max_tokens, params, stop_ids=stop, max_ctx=args.max_ctx,
+                       top_logprobs=args.logprobs)
     out_ids = res.token_ids
     text_ids = out_ids[:-1] if res.finish_reason == "stop" else out_ids
     text = tok.decode(text_ids) if tok is not None else None
@@ -122,6 +123,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
                "timings": {"load_ms": round(load_ms, 3), **res.timings()}}
         if res.spec is not None:
             obj["spec"] = res.spec
+        if res.logprobs is not None:
+            obj["logprobs"] = [{"token_id": lp.token, "logprob": lp.logprob, "top": [list(p) for p in lp.top]}
+                               for lp in res.logprobs]
         from .engine.kvcache import kv_info
 
         obj["kv_cache"] = kv_info(target.cfg, cache_k, cache_v, len(prompt_ids) + len(out_ids))
@@ -133,6 +137,11 @@ def cmd_generate(args: argparse.Namespace) -> int:
                  if res.spec is not None else "")
         print(f"[{t['prompt_n']} prompt tokens, {t['predicted_n']} generated, "
               f"{t['predicted_per_second']:.1f} tok/s{extra}]", file=sys.stderr)
+        for lp in res.logprobs or ():
+            def show(i: int) -> str:
+                return repr(tok.decode([i])) if tok is not None else str(i)
+            alts = "  ".join(f"{show(i)} {v:.4f}" for i, v in lp.top)
+            print(f"{lp.logprob:10.4f}  {show(lp.token)}" + (f"  | {alts}" if alts else ""), file=sys.stderr)
     return 0
 
 
@@ -230,6 +239,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--max-ctx", type=int, default=None, help="context size (default: the model's)")
     g.add_argument("--ignore-eos", action="store_true")
     g.add_argument("--json", action="store_true", help="print one JSON object")
+    g.add_argument("--logprobs", type=int, default=None, metavar="N",
+                   help="each generated token's log-probability and its N best alternatives (0..20)")
     g.add_argument("--draft", help="DFlash drafter (z-lab safetensors folder or GGUF): speculative decoding")
     g.add_argument("--no-draft", action="store_true", help="plain decoding even with the embedded default model")
     g.add_argument("--cache-type-k", type=kv_cache_type, default="auto", help=KV_CACHE_HELP.format(side="keys"))

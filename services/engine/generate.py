@@ -10,6 +10,7 @@ from typing import Any
 import numpy as np
 
 from .errors import ContextOverflowError, InvalidRequestError
+from .logprobs import TokenLogprob, check_top_logprobs, row_logprobs
 from .models.base import TargetModel
 from .sampling import SamplingParams, make_rng, sample_row
 from .state import SequenceState
@@ -25,6 +26,8 @@ class GenerationResult:
     prompt_ms: float = 0.0
     decode_ms: float = 0.0
     spec: dict | None = None               # filled by speculative decoding
+    # one per token_ids entry when the request asked for log-probabilities (top_logprobs set), else None
+    logprobs: list[TokenLogprob] | None = None
 
     def timings(self) -> dict:
         n = len(self.token_ids)
@@ -85,16 +88,19 @@ def prefill(model: TargetModel, state: SequenceState, prompt_ids: Sequence[int],
 def generate_stream(model: TargetModel, prompt_ids: Sequence[int], max_tokens: int,
                     params: SamplingParams = SamplingParams(), stop_ids: Sequence[int] = (),
                     max_ctx: int | None = None, result: GenerationResult | None = None,
-                    ) -> Iterator[list[int]]:
+                    top_logprobs: int | None = None) -> Iterator[list[int]]:
     """Yield generated token ids as they are decided; `result` (if given) holds the totals at the end.
 
-    A stop id ends generation and is included as the last token (callers strip it from text).
+    A stop id ends generation and is included as the last token (callers strip it from text). top_logprobs set
+    (0..20): result.logprobs gets each token's log-probability and that many alternatives (logprobs.py).
     """
     params.validate()
+    top_logprobs = check_top_logprobs(top_logprobs)
     max_ctx = max_ctx or model.cfg.context_length
     check_request(model, prompt_ids, max_tokens, max_ctx)
     res = result if result is not None else GenerationResult()
     res.prompt_tokens = len(prompt_ids)
+    res.logprobs = [] if top_logprobs is not None else None
     stop = set(int(s) for s in stop_ids)
     rng = make_rng(params.seed)
     need = min(max_ctx, len(prompt_ids) + max_tokens)
@@ -102,7 +108,7 @@ def generate_stream(model: TargetModel, prompt_ids: Sequence[int], max_tokens: i
     acquire = getattr(model, "acquire_state", None)
     state = acquire(need, max_ctx) if acquire is not None else model.new_state(need)
     try:
-        yield from _plain_loop(model, state, prompt_ids, max_tokens, params, stop, rng, res)
+        yield from _plain_loop(model, state, prompt_ids, max_tokens, params, stop, rng, res, top_logprobs)
     finally:
         release = getattr(model, "release_state", None)
         if release is not None:
@@ -110,7 +116,7 @@ def generate_stream(model: TargetModel, prompt_ids: Sequence[int], max_tokens: i
 
 
 def _plain_loop(model: TargetModel, state, prompt_ids: Sequence[int], max_tokens: int, params: SamplingParams,
-                stop: set[int], rng, res: GenerationResult) -> Iterator[list[int]]:
+                stop: set[int], rng, res: GenerationResult, top_logprobs: int | None = None) -> Iterator[list[int]]:
     """generate_stream's loop over a state it was handed."""
     t0 = time.perf_counter()
     logits, _ = prefill(model, state, prompt_ids)
@@ -118,11 +124,14 @@ def _plain_loop(model: TargetModel, state, prompt_ids: Sequence[int], max_tokens
     t1 = time.perf_counter()
     history = list(prompt_ids) if params.penalized else None    # what repetition penalties look back on
     tok = sample_row(logits, -1, params, rng, history)
+    lps = None if top_logprobs is None else row_logprobs(logits, [-1], [tok], top_logprobs)
     logits = None
-    rest = plain_tokens(model, state, tok, max_tokens - 1, params, rng, history)
+    rest = plain_tokens(model, state, tok, max_tokens - 1, params, rng, history, top_logprobs, lps)
     try:
         while True:
             res.token_ids.append(tok)
+            if lps is not None:
+                res.logprobs.append(lps.pop(0))
             if history is not None:
                 history.append(tok)
             yield [tok]
@@ -139,15 +148,18 @@ def _plain_loop(model: TargetModel, state, prompt_ids: Sequence[int], max_tokens
 
 
 def plain_tokens(model: TargetModel, state, token: int, limit: int, params: SamplingParams, rng,
-                 history: list[int] | None = None) -> Iterator[int]:
+                 history: list[int] | None = None, top_logprobs: int | None = None,
+                 logprobs_out: list[TokenLogprob] | None = None) -> Iterator[int]:
     """Plain decoding after `token` (decided, not yet fed): up to `limit` more tokens, fewer when the context is
     full; one target pass and commit each. `history` (penalized params) must hold every token up to the one last
     yielded. Greedy decoding on a GPU target that can (can_decode_ahead) runs a step ahead of the host there
     (decode_ahead: the same tokens and states; closed early, the step after the last token read has run too). Close
-    the generator when stopping early."""
+    the generator when stopping early. top_logprobs set: each token's TokenLogprob is appended to `logprobs_out`
+    before the token is yielded (those steps read their logits row, so they do not run ahead)."""
     if limit < 1:
         return
-    if params.greedy and not params.penalized and getattr(model, "can_decode_ahead", lambda _: False)(state):
+    if (top_logprobs is None and params.greedy and not params.penalized
+            and getattr(model, "can_decode_ahead", lambda _: False)(state)):
         yield from model.decode_ahead(state, token, limit)
         return
     for _ in range(limit):
@@ -156,14 +168,16 @@ def plain_tokens(model: TargetModel, state, token: int, limit: int, params: Samp
         out = model.forward(state, [token], logits="last")
         state.commit([0])
         token = sample_row(out.logits, -1, params, rng, history)   # on a GPU model the row stays there when greedy
+        if top_logprobs is not None:
+            logprobs_out.extend(row_logprobs(out.logits, [-1], [token], top_logprobs))
         out = None     # a GPU result still held when its graph replays next is copied first
         yield token
 
 
 def generate(model: TargetModel, prompt_ids: Sequence[int], max_tokens: int,
              params: SamplingParams = SamplingParams(), stop_ids: Sequence[int] = (),
-             max_ctx: int | None = None) -> GenerationResult:
+             max_ctx: int | None = None, top_logprobs: int | None = None) -> GenerationResult:
     res = GenerationResult()
-    for _ in generate_stream(model, prompt_ids, max_tokens, params, stop_ids, max_ctx, res):
+    for _ in generate_stream(model, prompt_ids, max_tokens, params, stop_ids, max_ctx, res, top_logprobs):
         pass
     return res

@@ -20,6 +20,7 @@ from .budget import BudgetTuner
 from .ddtree import DraftTree, build_chain, build_ddtree, topk_logprobs
 from .errors import SpecsplitError
 from .generate import GenerationResult, check_request, plain_tokens, prefill
+from .logprobs import TokenLogprob, check_top_logprobs, row_logprobs
 from .models.base import TargetModel
 from .sampling import SamplingParams, make_rng, sample, sample_row
 
@@ -245,13 +246,18 @@ def speculative_stream(target: TargetModel, proposer: Proposer | None, prompt_id
                        max_tokens: int, params: SamplingParams = SamplingParams(),
                        spec: SpecConfig = SpecConfig(), stop_ids: Sequence[int] = (),
                        max_ctx: int | None = None, result: GenerationResult | None = None,
-                       on_step: Callable[[StepInfo], None] | None = None) -> Iterator[list[int]]:
-    """Yield the committed tokens of each round. Falls back to plain decoding if the drafter fails."""
+                       on_step: Callable[[StepInfo], None] | None = None,
+                       top_logprobs: int | None = None) -> Iterator[list[int]]:
+    """Yield the committed tokens of each round. Falls back to plain decoding if the drafter fails.
+    top_logprobs set (0..20): result.logprobs gets each committed token's log-probability and that many alternatives,
+    read off the rows its draw came from (the verify's rows along the accepted path)."""
     params.validate()
+    top_logprobs = check_top_logprobs(top_logprobs)
     max_ctx = max_ctx or target.cfg.context_length
     check_request(target, prompt_ids, max_tokens, max_ctx)
     res = result if result is not None else GenerationResult()
     res.prompt_tokens = len(prompt_ids)
+    res.logprobs = [] if top_logprobs is not None else None
     block = proposer.block_size if proposer is not None else 16
     stats = SpecStats(block_size=block, budget=spec.budget, auto=spec.tuner is not None)
     res.spec = stats.as_dict()
@@ -262,7 +268,7 @@ def speculative_stream(target: TargetModel, proposer: Proposer | None, prompt_id
     state = acquire(need, max_ctx) if acquire is not None else target.new_state(need)
     try:
         yield from _spec_loop(target, proposer, prompt_ids, max_tokens, params, spec, stop_ids, res, on_step,
-                              state, stats, block, budget_cap)
+                              state, stats, block, budget_cap, top_logprobs)
     finally:
         release = getattr(target, "release_state", None)
         if release is not None:
@@ -272,7 +278,7 @@ def speculative_stream(target: TargetModel, proposer: Proposer | None, prompt_id
 def _spec_loop(target: TargetModel, proposer: Proposer | None, prompt_ids: Sequence[int], max_tokens: int,
                params: SamplingParams, spec: SpecConfig, stop_ids: Sequence[int], res: GenerationResult,
                on_step: Callable[[StepInfo], None] | None, state, stats: SpecStats, block: int,
-               budget_cap: int) -> Iterator[list[int]]:
+               budget_cap: int, top_logprobs: int | None = None) -> Iterator[list[int]]:
     """speculative_stream's loop over a state it owns."""
     stop = {int(s) for s in stop_ids}
     rng = make_rng(params.seed)
@@ -312,12 +318,20 @@ def _spec_loop(target: TargetModel, proposer: Proposer | None, prompt_ids: Seque
 
     history = list(prompt_ids) if params.penalized else None   # what repetition penalties look back on
 
-    def emit(tokens: list[int]) -> tuple[list[int], bool]:
-        """Append tokens to the result up to a stop id or max_tokens; report whether generation ended."""
+    lp_n = top_logprobs
+
+    def logprobs(logits, rows: Sequence[int], tokens: Sequence[int]) -> list[TokenLogprob] | None:
+        return None if lp_n is None else row_logprobs(logits, rows, tokens, lp_n)
+
+    def emit(tokens: list[int], lps: list[TokenLogprob] | None = None) -> tuple[list[int], bool]:
+        """Append tokens (and their log-probabilities, when asked) to the result up to a stop id or max_tokens;
+        report whether generation ended."""
         out = []
-        for t in tokens:
+        for i, t in enumerate(tokens):
             out.append(int(t))
             res.token_ids.append(int(t))
+            if lps is not None:
+                res.logprobs.append(lps[i])
             if history is not None:
                 history.append(int(t))
             if t in stop:
@@ -329,7 +343,7 @@ def _spec_loop(target: TargetModel, proposer: Proposer | None, prompt_ids: Seque
         return out, False
 
     root = sample(logits, params, rng, history)
-    chunk, done = emit([root])
+    chunk, done = emit([root], logprobs(logits, [-1], [root]))
     yield chunk
     step = 0
     # `--budget auto` pauses a drafter that does not pay for plain steps, per request, for as long as the step that
@@ -364,10 +378,11 @@ def _spec_loop(target: TargetModel, proposer: Proposer | None, prompt_ids: Seque
             if out.captured is not None:
                 feats = _append_rows(feats, out.captured)
             root = sample_row(out.logits, -1, params, rng, history)
+            lps = logprobs(out.logits, [-1], [root])
             out = None    # a GPU result still held when its graph replays next is copied first
             spec.tuner.observe_plain(time.perf_counter() - tp)
             stats.plain_steps += 1
-            chunk, done = emit([root])
+            chunk, done = emit([root], lps)
             yield chunk
             continue
         if drafting:
@@ -382,10 +397,11 @@ def _spec_loop(target: TargetModel, proposer: Proposer | None, prompt_ids: Seque
             # a drafter service says how long its own draft took (DrafterClient); in process there is no exchange
             drafter_ms = getattr(proposer, "last_draft_ms", None) if proposer is not None else None
         if proposer is None:    # no drafter (any more): the rest is plain decoding (a GPU target runs it ahead)
-            rest = plain_tokens(target, state, root, max_tokens - len(res.token_ids), params, rng, history)
+            lps: list[TokenLogprob] | None = [] if lp_n is not None else None
+            rest = plain_tokens(target, state, root, max_tokens - len(res.token_ids), params, rng, history, lp_n, lps)
             try:
                 for root in rest:
-                    chunk, done = emit([root])
+                    chunk, done = emit([root], None if lps is None else [lps.pop(0)])
                     yield chunk
                     if done:
                         break
@@ -398,8 +414,9 @@ def _spec_loop(target: TargetModel, proposer: Proposer | None, prompt_ids: Seque
             out = target.forward(state, [root], logits="last")
             state.commit([0])
             root = sample_row(out.logits, -1, params, rng, history)
+            lps = logprobs(out.logits, [-1], [root])
             out = None
-            chunk, done = emit([root])
+            chunk, done = emit([root], lps)
             yield chunk
             continue
 
@@ -418,8 +435,10 @@ def _spec_loop(target: TargetModel, proposer: Proposer | None, prompt_ids: Seque
         path, bonus = walk_tree(tree, out.logits, params, rng, history)
         tw = time.perf_counter()        # the walk computed the logits rows it read: part of the verify's cost
         feats = out.captured[path] if out.captured is not None else None
+        committed = [int(tokens[i]) for i in path[1:]] + [bonus]
+        lps = logprobs(out.logits, path, committed)     # token j was drawn at row path[j]
         out = None
-        chunk, done = emit([int(tokens[i]) for i in path[1:]] + [bonus])
+        chunk, done = emit(committed, lps)
         root = bonus
         if spec.tuner is not None:
             spec.tuner.observe(full, len(tree), len(path) - 1, verify_s=tw - tv, draft_s=draft_ms / 1e3)
@@ -466,8 +485,9 @@ def _append_rows(feats, new):
 def speculative_generate(target: TargetModel, proposer: Proposer | None, prompt_ids: Sequence[int],
                          max_tokens: int, params: SamplingParams = SamplingParams(),
                          spec: SpecConfig = SpecConfig(), stop_ids: Sequence[int] = (),
-                         max_ctx: int | None = None) -> GenerationResult:
+                         max_ctx: int | None = None, top_logprobs: int | None = None) -> GenerationResult:
     res = GenerationResult()
-    for _ in speculative_stream(target, proposer, prompt_ids, max_tokens, params, spec, stop_ids, max_ctx, res):
+    for _ in speculative_stream(target, proposer, prompt_ids, max_tokens, params, spec, stop_ids, max_ctx, res,
+                                top_logprobs=top_logprobs):
         pass
     return res
