@@ -42,6 +42,7 @@ def main(argv: list[str] | None = None) -> int:
     from services.engine.budget import BudgetTuner
     from services.engine.default_model import default_model_paths
     from services.engine.generate import generate
+    from services.engine.logprobs import MAX_TOP_LOGPROBS
     from services.engine.placement import load_drafter_on, load_target_on, reserve_serving
     from services.engine.speculative import AUTO_MAX_BUDGET, SpecConfig, speculative_generate, speculative_stream
 
@@ -67,6 +68,9 @@ def main(argv: list[str] | None = None) -> int:
     for _ in speculative_stream(g, placed.new_proposer(), [1, 2, 3, 4], 2, spec=SpecConfig.auto(tuner),
                                 max_ctx=args.max_ctx):
         pass
+    for _ in speculative_stream(g, placed.new_proposer(), [1, 2, 3, 4], 3, spec=SpecConfig.auto(tuner),
+                                max_ctx=args.max_ctx, top_logprobs=MAX_TOP_LOGPROBS):   # and one with logprobs
+        pass
     modules["serving"] = True
     start = {"s": round(time.perf_counter() - t0, 2), "loader": loader.functions_loaded(), "modules": modules["n"]}
     names = set(loader.function_names())
@@ -82,6 +86,9 @@ def main(argv: list[str] | None = None) -> int:
         m0, f0, k0 = modules["n"], loader.functions_loaded(), counts()
         generate(g, prompt, 8)
         speculative_generate(g, placed.new_proposer(), prompt, 24, spec=SpecConfig.auto(tuner))
+        # requests asking for logprobs: plain (steps that read their rows) and speculative (a verify's path rows)
+        generate(g, prompt, 4, top_logprobs=n % 21)
+        speculative_generate(g, placed.new_proposer(), prompt, 12, spec=SpecConfig.auto(tuner), top_logprobs=2)
         cupy.cuda.get_current_stream().synchronize()
         k1 = counts()
         runs.append({"prompt": n, "loader": loader.functions_loaded() - f0, "modules": modules["n"] - m0,

@@ -1,5 +1,6 @@
-// Per-row argmax and top-k (k <= 8) with log-softmax over a vocabulary of logits, for greedy verification
-// and DDTree drafting, and the exact sampled draw of one token per row. NumPy twins: np.argmax
+// Per-row argmax and top-k (k <= 8; 20 with a given token's value, for OpenAI logprobs) with log-softmax over a
+// vocabulary of logits, for greedy verification, DDTree drafting and generated tokens' log-probabilities, and the
+// exact sampled draw of one token per row. NumPy twins: np.argmax
 // (services/engine/sampling.py: lowest id on ties), services/engine/ddtree.py topk_logprobs (best first, lower id
 // on ties), and services/engine/sampling.py target_distribution + sample_from for the draw (design at the
 // `sxs` namespace below).
@@ -262,16 +263,14 @@ __global__ __launch_bounds__(256) void topk_partial_kernel(const void* __restric
     }
 }
 
-// grid rows, block THREADS: out_logp[row, j], out_ids[row, j] for j < K, best first.
+namespace sss {
+
+// A row's merge of its chunks' records (all threads call): the row's K best (z, index) in every thread, and logZ.
 template <int K>
-__global__ __launch_bounds__(256) void topk_final_kernel(const float* __restrict__ ms, const float* __restrict__ pv,
-                                                         const int* __restrict__ pi, int chunks,
-                                                         float* __restrict__ out_logp, int* __restrict__ out_ids) {
-    using namespace sss;
-    const int row = (int)blockIdx.x;
-    const i64 r0 = (i64)row * chunks;
-    float vals[K], bv[K];
-    int ids[K], bi[K];
+SS_DEV float topk_merge(const float* __restrict__ ms, const float* __restrict__ pv, const int* __restrict__ pi,
+                        int chunks, i64 r0, float (&bv)[K], int (&bi)[K]) {
+    float vals[K];
+    int ids[K];
 #pragma unroll
     for (int j = 0; j < K; ++j) {
         vals[j] = neg_inf();
@@ -285,13 +284,52 @@ __global__ __launch_bounds__(256) void topk_final_kernel(const float* __restrict
     }
     block_ms(m, s);
     block_topk<K>(vals, ids, bv, bi);
+    return m + logf(s);
+}
+
+}  // namespace sss
+
+// grid rows, block THREADS: out_logp[row, j], out_ids[row, j] for j < K, best first.
+template <int K>
+__global__ __launch_bounds__(256) void topk_final_kernel(const float* __restrict__ ms, const float* __restrict__ pv,
+                                                         const int* __restrict__ pi, int chunks,
+                                                         float* __restrict__ out_logp, int* __restrict__ out_ids) {
+    using namespace sss;
+    const int row = (int)blockIdx.x;
+    float bv[K];
+    int bi[K];
+    const float logz = topk_merge<K>(ms, pv, pi, chunks, (i64)row * chunks, bv, bi);
     if (threadIdx.x == 0) {
-        const float logz = m + logf(s);
 #pragma unroll
         for (int j = 0; j < K; ++j) {
             out_logp[(i64)row * K + j] = bv[j] - logz;
             out_ids[(i64)row * K + j] = bi[j];
         }
+    }
+}
+
+// topk_final_kernel and the log-probability of one given token a row (a generated token's OpenAI `logprobs`):
+// out_tok[row] = x[row, tok[row]] * inv_temp - logZ, x the f32 rows the partial kernel read.
+template <int K>
+__global__ __launch_bounds__(256) void topk_token_final_kernel(const float* __restrict__ ms,
+                                                               const float* __restrict__ pv,
+                                                               const int* __restrict__ pi, int chunks,
+                                                               float* __restrict__ out_logp,
+                                                               int* __restrict__ out_ids, const float* __restrict__ x,
+                                                               i64 ld_x, const int* __restrict__ tok, float inv_temp,
+                                                               float* __restrict__ out_tok) {
+    using namespace sss;
+    const int row = (int)blockIdx.x;
+    float bv[K];
+    int bi[K];
+    const float logz = topk_merge<K>(ms, pv, pi, chunks, (i64)row * chunks, bv, bi);
+    if (threadIdx.x == 0) {
+#pragma unroll
+        for (int j = 0; j < K; ++j) {
+            out_logp[(i64)row * K + j] = bv[j] - logz;
+            out_ids[(i64)row * K + j] = bi[j];
+        }
+        out_tok[row] = x[(i64)row * ld_x + tok[row]] * inv_temp - logz;
     }
 }
 

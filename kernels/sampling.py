@@ -7,6 +7,7 @@ sample_from (penalties, temperature, top-k, top-p, min-p, then an inverse-CDF dr
 
     idx, val = argmax(logits)                 # logits cupy [rows, V] f32/f16/bf16 -> int32 [rows], f32 [rows]
     ids, logp = topk_logprobs(logits, k=8)    # int32 [rows, k], f32 [rows, k]
+    tok_lp, ids, logp = token_logprobs(logits, tokens)   # f32 [rows], int32 / f32 [rows, 20]: OpenAI logprobs
     toks = sample(logits, rows, us, temperature=0.7, top_p=0.9, ...)   # host int64 [len(rows)]
     probs = distribution(logits, rows, temperature=0.7, top_p=0.9)     # device f64 [len(rows), V]
 
@@ -153,6 +154,43 @@ def topk_logprobs(
     )
     loader.get_function(SOURCE, f"topk_final_kernel<{k}>")((rows,), (THREADS,), (ms, pv, pi, np.int32(nch), logp, ids))
     return ids, logp
+
+
+LOGPROB_K = 20  # token_logprobs' alternatives a row: one build serves every OpenAI top_logprobs (0..20)
+
+
+def token_logprobs(logits: Any, tokens: Any, *, chunks: int | None = None,
+                   out: tuple[Any, Any, Any] | None = None) -> tuple[Any, Any, Any]:
+    """(f32 [rows] log-probability of tokens[i] in row i, int32 [rows, LOGPROB_K] ids and f32 [rows, LOGPROB_K]
+    log-probabilities of each row's best tokens, best first, lower id on ties), all at temperature 1, on the device:
+    the generated tokens' OpenAI `logprobs`. logits: f32 rows; tokens: int32 device [rows]. NumPy twin:
+    services.engine.logprobs.logprobs_of_row. `out`: the three arrays to write (rows of larger ones, say)."""
+    cupy = loader.require()
+    x, rows, n, ld = _rows(logits)
+    if x.dtype != cupy.float32:
+        raise ValueError(f"token_logprobs takes float32 logits, not {x.dtype}")
+    k = min(LOGPROB_K, n)
+    tok = cupy.ascontiguousarray(as_device(tokens).astype(cupy.int32, copy=False).reshape(-1))
+    if int(tok.size) != rows:
+        raise ValueError(f"{int(tok.size)} tokens for {rows} rows")
+    nch = chunks or chunks_for(rows, n)
+    chunk = math.ceil(n / nch)
+    nch = math.ceil(n / chunk)
+    ms, pv, pi = make_topk_workspace(rows, nch, k)
+    if out is not None:
+        tok_logp, ids, logp = out
+        if tok_logp.shape != (rows,) or ids.shape != (rows, k) or logp.shape != (rows, k):
+            raise ValueError(f"out must be shaped ({rows},), ({rows}, {k}), ({rows}, {k})")
+    else:
+        tok_logp = cupy.empty((rows,), cupy.float32)
+        ids, logp = cupy.empty((rows, k), cupy.int32), cupy.empty((rows, k), cupy.float32)
+    loader.get_function(SOURCE, f"topk_partial_kernel<0, {k}>")(
+        (nch, rows), (THREADS,), (x, np.int64(ld), np.int32(n), np.int32(chunk), np.float32(1.0), ms, pv, pi)
+    )
+    loader.get_function(SOURCE, f"topk_token_final_kernel<{k}>")(
+        (rows,), (THREADS,), (ms, pv, pi, np.int32(nch), logp, ids, x, np.int64(ld), tok, np.float32(1.0), tok_logp)
+    )
+    return tok_logp, ids, logp
 
 
 # -- exact sampled draws ---------------------------------------------------------------------------------------

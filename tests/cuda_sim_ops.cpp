@@ -329,6 +329,20 @@ extern "C" int sim_topk(int ti, int k, const void* x, long long ld, int rows, in
     return -1;
 }
 
+// kernels/sampling.py token_logprobs' two launches, one at a time (the launcher's own argument tuples).
+extern "C" int sim_topk_partial20(const void* x, long long ld, int rows, int n, int chunks, int chunk,
+                                  float inv_temp, float* ms, float* pv, int* pi) {
+    g_body = [=] { topk_partial_kernel<0, 20>(x, ld, n, chunk, inv_temp, ms, pv, pi); };
+    return launch(chunks, rows, 1, 256);
+}
+
+extern "C" int sim_topk_token_final20(int rows, const float* ms, const float* pv, const int* pi, int chunks,
+                                      float* logp, int* ids, const float* x, long long ld, const int* tok,
+                                      float inv_temp, float* out_tok) {
+    g_body = [=] { topk_token_final_kernel<20>(ms, pv, pi, chunks, logp, ids, x, ld, tok, inv_temp, out_tok); };
+    return launch(rows, 1, 1, 256);
+}
+
 // The exact sampler's kernels (kernels/sampling.py runs them in this order: prep, the select passes, draw_sum,
 // then draw_scan or probs); `order`: launch_ordered's block order.
 extern "C" int sim_sample_prep(const float* x, long long ldx, const int* rin, int rows, int n, const int* tok, double rp,

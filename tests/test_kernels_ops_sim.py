@@ -52,6 +52,8 @@ SIGNATURES = {
     "sim_deq_tile": [I, I, P, P, P, I, I],
     "sim_argmax": [I, P, LL, I, I, I, I, P, P, P, P, P, P, P],
     "sim_topk": [I, I, P, LL, I, I, I, I, F, P, P, P, P, P],
+    "sim_topk_partial20": [P, LL, I, I, I, I, F, P, P, P],
+    "sim_topk_token_final20": [I, P, P, P, I, P, P, P, LL, P, F, P],
     "sim_conv_rows": [I, P, LL, P, P, P, I, I, P, LL, P, LL, I],
 }
 
@@ -769,6 +771,34 @@ def test_topk_logprobs(libs, code: int, k: int, temp: float) -> None:
     full = np.stack([np.lexsort((np.arange(n), -decode(xs, code)[r]))[:k] for r in range(rows)])
     assert ids.tolist() == full.tolist()
     assert np.abs(logp - ref_logp).max() < 1e-4
+
+
+def test_token_logprobs(libs) -> None:
+    """token_logprobs' kernels (a generated token's OpenAI logprobs) against logprobs.logprobs_of_row."""
+    from services.engine.logprobs import logprobs_of_row
+
+    rng = np.random.default_rng(3)
+    rows, n, chunks, k = 3, 5000, 4, 20
+    chunk = math.ceil(n / chunks)
+    x = (rng.standard_normal((rows, n)) * 3).astype(np.float32)
+    x[0, [4000, 7, 2100]] = 11.0                 # ties among the best, across chunks
+    x[1, rng.choice(n, 30, replace=False)] = 9.0  # a tie across the 20th place
+    tok = np.array([7, 4999, 0], np.int32)
+    ms = np.full((rows, chunks, 2), np.nan, np.float32)
+    pv = np.full((rows, chunks, k), np.nan, np.float32)
+    pi = np.full((rows, chunks, k), -7, np.int32)
+    logp = np.full((rows, k), np.nan, np.float32)
+    ids = np.full((rows, k), -7, np.int32)
+    out = np.full(rows, np.nan, np.float32)
+    lib = libs["sampling"]
+    assert lib.sim_topk_partial20(ptr(x), n, rows, n, chunks, chunk, 1.0, ptr(ms), ptr(pv), ptr(pi)) == 0
+    assert lib.sim_topk_token_final20(rows, ptr(ms), ptr(pv), ptr(pi), chunks, ptr(logp), ptr(ids), ptr(x), n,
+                                      ptr(tok), 1.0, ptr(out)) == 0
+    for r in range(rows):
+        want = logprobs_of_row(x[r], int(tok[r]), k)
+        assert abs(out[r] - want.logprob) < 1e-4
+        assert ids[r].tolist() == [i for i, _ in want.top]
+        assert np.abs(logp[r] - [v for _, v in want.top]).max() < 1e-4
 
 
 # -- deltanet.cu: the conv that keeps its raw rows ------------------------------------------------------------

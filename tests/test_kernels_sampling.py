@@ -265,3 +265,49 @@ def test_seeded_gpu_requests_repeat_and_match_host_draws(monkeypatch):
     monkeypatch.delattr(DeviceLogits, "sample_rows")
     host = runs()
     assert host == first
+
+
+def test_token_logprobs_against_the_twin():
+    """kernels/sampling.py token_logprobs (generated tokens' OpenAI logprobs) on a Qwen-sized vocabulary against
+    logprobs.logprobs_of_row: the token's value and the 20 best, ties to the lower ids; a strided run of rows."""
+    from services.engine.logprobs import logprobs_of_row
+
+    x = rows_of(VOCAB)[:3].copy()
+    x[0, [7, 200000, 99]] = x[0].max() + 1.0           # ties at the top
+    toks = np.array([7, int(np.argmin(x[1])), 123456], np.int32)
+    dev = cupy.asarray(np.concatenate([x, x]))          # rows 0..2 of a taller array: a view with its own rows
+    tok_lp, ids, lp = ks.token_logprobs(dev[:3], cupy.asarray(toks))
+    tok_lp, ids, lp = cupy.asnumpy(tok_lp), cupy.asnumpy(ids), cupy.asnumpy(lp)
+    for r in range(3):
+        want = logprobs_of_row(x[r], int(toks[r]), ks.LOGPROB_K)
+        assert abs(tok_lp[r] - want.logprob) < 1e-4
+        assert ids[r].tolist() == [i for i, _ in want.top]
+        assert np.abs(lp[r] - [v for _, v in want.top]).max() < 1e-4
+
+
+def test_gpu_logprobs_equal_the_numpy_engines():
+    """Greedy decoding with top_logprobs on the GPU engine, speculative (the verify's rows along the path) and
+    plain: the same tokens as the NumPy engine, and log-probabilities within the GPU's logit noise of the NumPy
+    engine's."""
+    from services.engine.backend import NumpyBackend
+    from services.engine.default_model import default_model_paths
+    from services.engine.generate import generate
+    from services.engine.loader import load_target
+    from services.engine.models.dflash import load_drafter
+    from services.engine.speculative import LocalProposer, SpecConfig, speculative_generate
+
+    gpu, ids, draft_path = engine()
+    cpu = load_target(default_model_paths()[0], with_tokenizer=False).model
+    want = generate(cpu, ids, 24, top_logprobs=5)
+    drafter = load_drafter(draft_path, gpu.host_head(), NumpyBackend())
+    spec = speculative_generate(gpu, LocalProposer(drafter), ids, 24, spec=SpecConfig(budget=22), top_logprobs=5)
+    plain = generate(gpu, ids, 24, top_logprobs=5)
+    assert spec.spec["accepted"] > 0
+    for got in (spec, plain):
+        assert got.token_ids == want.token_ids
+        assert len(got.logprobs) == 24
+        for g, w in zip(got.logprobs, want.logprobs):
+            # a log-probability is a logit less logZ: at most twice the logits' noise (test_gpu_backend LOGIT_TOL)
+            assert g.token == w.token and abs(g.logprob - w.logprob) < 0.1
+            assert g.top[0][0] == w.top[0][0] == g.token and len(g.top) == 5
+            assert np.allclose([v for _, v in g.top], [v for _, v in w.top], atol=0.1)

@@ -326,6 +326,10 @@ def _sim_function(lib, order: int):
         def launch(grid, block, args):
             assert tuple(block) == (ks.THREADS,)
             a = [conv(v) for v in args]
+            if name == "topk_partial_kernel<0, 20>":        # token_logprobs
+                return lib.sim_topk_partial20(a[0], a[1], grid[1], a[2], grid[0], *a[3:])
+            if name == "topk_token_final_kernel<20>":
+                return lib.sim_topk_token_final20(grid[0], *a)
             if name == "sample_draw_scan_kernel":
                 return lib.sim_sample_draw_scan(*a[:4], grid[0], *a[4:])
             nch, rows = grid
@@ -419,3 +423,25 @@ def test_engine_walk_and_plain_draws_on_simulated_kernels(sim_device):
     with pytest.raises(ValueError, match="no finite maximum"):
         walk_tree(tree, DeviceLogits(x, np.zeros(len(x), np.int32)), SamplingParams(temperature=1.0),
                   np.random.default_rng(0), hist)
+
+
+def test_device_logprobs_on_simulated_kernels(sim_device, monkeypatch):
+    """DeviceLogits.logprobs (the OpenAI logprobs of a GPU step's rows) on the simulated kernels equals the NumPy
+    path over the same rows: runs of rows (sliced) and scattered ones (gathered), each with its own token."""
+    from services.engine.logprobs import row_logprobs
+    from services.engine.models.qwen35_gpu import DeviceLogits
+
+    monkeypatch.setitem(ks._sm_count, 0, 3)
+    rng = np.random.default_rng(9)
+    x = (rng.standard_normal((6, 4000)) * 3).astype(np.float32)
+    x[2, [5, 3000]] = 10.0
+    lg = DeviceLogits(x, np.argmax(x, axis=-1).astype(np.int32))
+    for rows, n in (([0, 1, 2], 5), ([4, 1, 5, 2], 20), ([-1], 0), ([3], 1)):
+        toks = [int(t) for t in rng.integers(0, 4000, len(rows))]
+        got, want = row_logprobs(lg, rows, toks, n), row_logprobs(x, rows, toks, n)
+        for g, w in zip(got, want):
+            assert g.token == w.token and abs(g.logprob - w.logprob) < 1e-4
+            assert [i for i, _ in g.top] == [i for i, _ in w.top]
+            assert np.allclose([v for _, v in g.top], [v for _, v in w.top], atol=1e-4)
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        lg.logprobs([0], [4000], 1)

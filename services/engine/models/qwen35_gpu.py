@@ -80,6 +80,7 @@ from ..device_sampling import draw_rows
 from ..errors import ContextOverflowError, is_out_of_memory
 from ..formats import RawTensor
 from ..kvcache import resolve_cache_types
+from ..logprobs import TokenLogprob
 from ..quants import tq3
 from ..sampling import SamplingParams
 from ..state import check_commit_path
@@ -571,6 +572,32 @@ class DeviceLogits:
         """int64: a token drawn on the device from each row rows[i] with uniform us[i] (device_sampling.draw_rows);
         only the token ids cross to the host."""
         return draw_rows(self._rows, rows, params, us, history, paths)
+
+    def logprobs(self, rows: Sequence[int], tokens: Sequence[int], n: int) -> list[TokenLogprob]:
+        """logprobs.row_logprobs on the device: tokens[i]'s log-probability in row rows[i] and the row's n best
+        (sampling.token_logprobs, a launch pair per run of consecutive rows, so that no gather kernel is needed);
+        three small arrays cross to the host, no row does."""
+        cp = nr.loader.require()
+        idx = [int(r) % len(self) for r in rows]
+        toks = np.asarray(tokens, dtype=np.int32)
+        if toks.size and not (0 <= toks.min() and toks.max() < self.shape[1]):
+            raise ValueError(f"token ids {toks.tolist()} outside the vocabulary of {self.shape[1]}")
+        k = min(smp.LOGPROB_K, self.shape[1])
+        m = len(idx)
+        tok_lp, ids, lp = cp.empty((m,), cp.float32), cp.empty((m, k), cp.int32), cp.empty((m, k), cp.float32)
+        dev_toks = cp.asarray(toks)
+        i = 0
+        while i < m:
+            j = i + 1
+            while j < m and idx[j] == idx[j - 1] + 1:
+                j += 1
+            smp.token_logprobs(self._rows[idx[i]:idx[i] + j - i], dev_toks[i:j],
+                               out=(tok_lp[i:j], ids[i:j], lp[i:j]))
+            i = j
+        # whole arrays: a strided slice would be made contiguous by a CuPy copy kernel first
+        tok_lp, ids, lp = cp.asnumpy(tok_lp), cp.asnumpy(ids)[:, :n], cp.asnumpy(lp)[:, :n]
+        return [TokenLogprob(int(t), float(tok_lp[i]), tuple(zip(ids[i].tolist(), lp[i].astype(float).tolist())))
+                for i, t in enumerate(toks.tolist())]
 
     def argmax(self, axis: int | None = None, out: np.ndarray | None = None, keepdims: bool = False) -> Any:
         """ndarray.argmax; along the rows (what np.argmax(x, axis=-1) asks) without copying the rows."""
