@@ -185,3 +185,19 @@ def sampling_to_pb(params, fields_set=None):
         if v is not None:
             setattr(out, name, v)
     return out
+
+
+def logprobs_to_pb(logprobs) -> list:
+    """Wire `TokenLogprob`s of the engine's logprobs.TokenLogprob list."""
+    msg = __getattr__("pb").TokenLogprob
+    return [msg(token_id=lp.token, logprob=lp.logprob, top_ids=[i for i, _ in lp.top],
+                top_logprobs=[v for _, v in lp.top]) for lp in logprobs]
+
+
+def logprobs_from_pb(msgs) -> list:
+    """The engine's TokenLogprob list of wire `TokenLogprob`s."""
+    from services.engine.logprobs import TokenLogprob
+
+    return [TokenLogprob(int(m.token_id), float(m.logprob), tuple(zip((int(i) for i in m.top_ids),
+                                                                       (float(v) for v in m.top_logprobs))))
+            for m in msgs]

@@ -239,6 +239,35 @@ def test_chat_matches_plain_generation(cluster):
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == r.usage.completion_tokens
 
 
+def test_logprobs_match_specsplit_generate(cluster):
+    """`logprobs` through three processes (speculative, the drafter service) read by the openai client: the numbers
+    `specsplit generate --logprobs` prints for plain decoding, end-of-sequence tokens left out."""
+    c = cluster
+    client, model, tok = c["client"], c["model"], c["tok"]
+    ids = c["tok"].encode("def add(a, b):")
+    ref = reference(c["target"], ids, N, ("--logprobs", "3"))
+    listed = [lp for lp in ref["logprobs"] if lp["token_id"] not in tok.eos_ids]
+    r = client.completions.create(model=model, prompt=ids, max_tokens=N, logprobs=3)
+    lp = r.choices[0].logprobs
+    assert r.model_extra["timings"]["draft_n"] > 0
+    assert lp.tokens == [tok.token_bytes(x["token_id"]).decode("utf-8", "replace") for x in listed]
+    assert lp.token_logprobs == pytest.approx([x["logprob"] for x in listed], abs=2e-4)
+    assert [len(t) for t in lp.top_logprobs] == [len({tok.token_bytes(i).decode("utf-8", "replace")
+                                                      for i, _ in x["top"]} | {t}) for x, t in zip(listed, lp.tokens)]
+    r = client.chat.completions.create(model=model, messages=MSGS, max_tokens=N, logprobs=True, top_logprobs=2)
+    ref = reference(c["target"], chat_prompt_ids(c, MSGS), N, ("--logprobs", "2"))
+    listed = [x for x in ref["logprobs"] if x["token_id"] not in tok.eos_ids]
+    content = r.choices[0].logprobs.content
+    assert [bytes(e.bytes) for e in content] == [tok.token_bytes(x["token_id"]) for x in listed]
+    assert [e.logprob for e in content] == pytest.approx([x["logprob"] for x in listed], abs=2e-4)
+    for e, x in zip(content, listed):
+        assert [t.logprob for t in e.top_logprobs] == pytest.approx([v for _, v in x["top"]], abs=2e-4)
+    stream = client.chat.completions.create(model=model, messages=MSGS, max_tokens=N, logprobs=True,
+                                            top_logprobs=2, stream=True)
+    streamed = [e for ch in stream for cc in ch.choices if cc.logprobs for e in cc.logprobs.content]
+    assert [e.token for e in streamed] == [e.token for e in content]
+
+
 def test_penalties_reach_the_verifier(cluster):
     """OpenAI presence_penalty and the vLLM / llama.cpp extensions travel to the verifier; speculative decoding
     under them gives `specsplit generate`'s plain tokens; an out-of-range value is a 400 naming the field."""

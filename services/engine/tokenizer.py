@@ -398,6 +398,10 @@ class Tokenizer:
         self._bytes_cache[token_id] = data
         return data
 
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes one token stands for (part of a UTF-8 character for some byte-level tokens)."""
+        return self._token_bytes(int(token_id))
+
     def decode(self, ids: Iterable[int], skip_special: bool = False) -> str:
         """Text of `ids`; invalid or incomplete UTF-8 becomes U+FFFD (like HF and llama.cpp)."""
         data = b"".join(self._token_bytes(int(i), skip_special) for i in ids)

@@ -26,9 +26,10 @@ from opentelemetry.trace import SpanKind, Status, StatusCode
 from services.engine.chat_template import DEFAULT_CHATML_TEMPLATE, ChatTemplate
 from services.engine.errors import SpecsplitError
 from services.engine.formats import open_model_file
+from services.engine.logprobs import TokenLogprob
 from services.engine.sampling import SamplingParams
 from services.engine.tokenizer import Tokenizer
-from services.wire import pb, sampling_to_pb
+from services.wire import logprobs_from_pb, pb, sampling_to_pb
 
 from .errors import APIError, context_exceeded, from_engine, from_grpc, prompt_param, unavailable
 from .metrics import GatewayMetrics
@@ -101,6 +102,7 @@ class GenerationRequest:
     in_reasoning: bool = False              # the prompt opened a think block
     timeout: float | None = None            # seconds; becomes the gRPC deadline
     ignore_eos: bool = False                # do not stop at the model's end-of-sequence tokens
+    top_logprobs: int | None = None         # set (0..20): each token's log-probability and that many alternatives
     arrived: float = field(default_factory=time.perf_counter)
     trace_context: Context | None = None    # extracted from the client's traceparent
 
@@ -110,6 +112,8 @@ class Delta:
     content: str = ""
     reasoning: str = ""
     token_ids: list[int] = field(default_factory=list)   # tokens consumed since the previous Delta
+    # their log-probabilities when the request asked (end-of-sequence tokens left out: they have no text)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
 
 
 @dataclass
@@ -122,6 +126,9 @@ class Outcome:
     prompt_ms: float = 0.0
     predicted_ms: float = 0.0
     stop_string: str | None = None
+    # every generated token's log-probability but the end-of-sequence ones', when the request asked (else None);
+    # a stream's Deltas carried a prefix of it
+    logprobs: list[TokenLogprob] | None = None
 
     @property
     def usage(self) -> dict:
@@ -211,6 +218,12 @@ class GatewayCore:
     def encode(self, text: str, add_special: bool) -> list[int]:
         return self.tokenizer.encode(text, add_special=add_special)
 
+    def token_text(self, token_id: int) -> tuple[str, bytes]:
+        """A token as log-probability listings show it: its bytes decoded (U+FFFD for part of a character), and
+        the bytes."""
+        data = self.tokenizer.token_bytes(int(token_id))
+        return data.decode("utf-8", errors="replace"), data
+
     def check_prompt(self, prompt_ids: list[int], endpoint: VerifierEndpoint | None = None,
                      param: str = "prompt") -> int | None:
         """Raise 400 when the prompt cannot fit (blamed on `param`: prompt_param); return the context length used
@@ -249,6 +262,7 @@ class Generation:
         self.outcome: Outcome | None = None
         self.first_token_at: float | None = None
         self._attributed = 0                    # token ids already handed out with a Delta
+        self._token_lps: list[TokenLogprob] = []  # one per token id received, when the request asked
 
     async def __aenter__(self) -> Generation:
         req = self.req
@@ -350,8 +364,11 @@ class Generation:
         elif max_tokens is None:
             max_tokens = 0                      # unknown context: the verifier's own limit decides
         sampling = sampling_to_pb(req.sampling, None if req.sampling_set is None else sorted(req.sampling_set))
-        return pb.GenerateRequest(request_id=req.request_id, prompt_ids=req.prompt_ids, max_tokens=max_tokens,
-                                  sampling=sampling, stop_ids=self._stop_ids())
+        out = pb.GenerateRequest(request_id=req.request_id, prompt_ids=req.prompt_ids, max_tokens=max_tokens,
+                                 sampling=sampling, stop_ids=self._stop_ids())
+        if req.top_logprobs is not None:
+            out.top_logprobs = req.top_logprobs
+        return out
 
     def _stop_ids(self) -> list[int]:
         return [] if self.req.ignore_eos else self.core.stop_ids
@@ -382,8 +399,11 @@ class Generation:
                         elif last is not None:
                             core.metrics.observe_chunk(len(chunk.token_ids), now - last)
                         last = now
-                    for t in chunk.token_ids:
+                    lps = self._chunk_logprobs(chunk)
+                    for j, t in enumerate(chunk.token_ids):
                         token_ids.append(int(t))
+                        if lps is not None:
+                            self._token_lps.append(lps[j])
                         self._emit(asm.push(t), token_ids)
                         if asm.stopped:
                             break
@@ -415,14 +435,28 @@ class Generation:
                 if not call.done():
                     call.cancel()
 
+    def _chunk_logprobs(self, chunk: Any) -> list[TokenLogprob] | None:
+        if self.req.top_logprobs is None:
+            return None
+        if len(chunk.logprobs) != len(chunk.token_ids):
+            raise APIError(502, f"the verifier sent {len(chunk.logprobs)} log-probabilities for "
+                                f"{len(chunk.token_ids)} tokens", type="server_error")
+        return logprobs_from_pb(chunk.logprobs)
+
+    def _listed(self, lps: list[TokenLogprob]) -> list[TokenLogprob]:
+        """The log-probabilities a client sees: end-of-sequence tokens' left out (their text is never shown)."""
+        stop = set(self._stop_ids())
+        return [lp for lp in lps if lp.token not in stop]
+
     def _emit(self, pieces, token_ids: list[int]) -> None:
         for p in pieces:
             ids = token_ids[self._attributed:]
+            lps = self._listed(self._token_lps[self._attributed:])
             self._attributed = len(token_ids)
             if p.channel == "reasoning":
-                self._queue.put_nowait(Delta(reasoning=p.text, token_ids=ids))
+                self._queue.put_nowait(Delta(reasoning=p.text, token_ids=ids, logprobs=lps))
             else:
-                self._queue.put_nowait(Delta(content=p.text, token_ids=ids))
+                self._queue.put_nowait(Delta(content=p.text, token_ids=ids, logprobs=lps))
 
     def _finish(self, asm: TextAssembler, token_ids: list[int], finish: str, last: Any) -> None:
         req, core = self.req, self.core
@@ -444,7 +478,8 @@ class Generation:
                 predicted_ms = float(last.timings.decode_ms)
         out = Outcome(finish_reason=finish, prompt_tokens=n_prompt, completion_tokens=n_gen,
                       token_ids=token_ids[:n_gen], spec=spec, prompt_ms=prompt_ms, predicted_ms=predicted_ms,
-                      stop_string=asm.matched_stop)
+                      stop_string=asm.matched_stop,
+                      logprobs=None if req.top_logprobs is None else self._listed(self._token_lps[:n_gen]))
         self.outcome = out
         m = core.metrics
         m.observe_tokens(n_prompt, n_gen)

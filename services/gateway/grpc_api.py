@@ -14,6 +14,7 @@ import grpc
 
 from services import telemetry
 from services.engine.errors import InvalidRequestError
+from services.engine.logprobs import check_top_logprobs
 from services.wire import pb, pb_grpc, sampling_fields_set, sampling_from_pb
 
 from .core import Delta, GatewayCore, GenerationRequest, Outcome
@@ -50,6 +51,10 @@ class GatewayServicer(pb_grpc.GatewayServicer):
             sampling = sampling_from_pb(s).validate()
         except InvalidRequestError as e:
             raise invalid(str(e), e.param) from None
+        try:
+            top_logprobs = check_top_logprobs(request.top_logprobs if request.HasField("top_logprobs") else None)
+        except InvalidRequestError as e:
+            raise invalid(str(e), e.param) from None
         if len(request.stop) > MAX_STOP:
             raise invalid(f"stop takes at most {MAX_STOP} sequences, got {len(request.stop)}", "stop")
         which = request.WhichOneof("input")
@@ -71,9 +76,17 @@ class GatewayServicer(pb_grpc.GatewayServicer):
         return GenerationRequest(
             request_id=new_id("gen"), operation=operation, endpoint=ENDPOINT, model=model, prompt_ids=prompt_ids,
             max_tokens=request.max_tokens or None, sampling=sampling, sampling_set=frozenset(sampling_fields_set(s)),
-            stop=[x for x in request.stop if x],
+            stop=[x for x in request.stop if x], top_logprobs=top_logprobs,
             timeout=context.time_remaining(), arrived=arrived,
             trace_context=telemetry.extract_context(context))
+
+    def _logprobs(self, lps: list) -> list:
+        def text(token: int, logprob: float) -> pb.TokenText:
+            t, data = self.core.token_text(token)
+            return pb.TokenText(token_id=token, token=t, bytes=data, logprob=logprob)
+
+        return [pb.PublicTokenLogprob(chosen=text(lp.token, lp.logprob), top=[text(i, v) for i, v in lp.top])
+                for lp in lps]
 
     async def Generate(self, request: pb.PublicGenerateRequest, context: grpc.aio.ServicerContext
                        ) -> AsyncIterator[pb.PublicGenerateChunk]:
@@ -82,18 +95,20 @@ class GatewayServicer(pb_grpc.GatewayServicer):
         try:
             req = self._request(request, context, time.perf_counter())
             async with core.open(req) as gen:
-                sent = 0
+                sent = sent_lps = 0
                 while True:
                     ev = await gen.next()
                     if isinstance(ev, Delta):
                         sent += len(ev.token_ids)
-                        yield pb.PublicGenerateChunk(text=ev.content + ev.reasoning, token_ids=ev.token_ids)
+                        sent_lps += len(ev.logprobs)
+                        yield pb.PublicGenerateChunk(text=ev.content + ev.reasoning, token_ids=ev.token_ids,
+                                                     logprobs=self._logprobs(ev.logprobs))
                     elif isinstance(ev, Outcome):
                         yield pb.PublicGenerateChunk(
                             token_ids=ev.token_ids[sent:], finish_reason=_FINISH.get(ev.finish_reason,
                                                                                      pb.FINISH_REASON_STOP),
                             usage=pb.Usage(prompt_tokens=ev.prompt_tokens, completion_tokens=ev.completion_tokens),
-                            spec=ev.spec)
+                            spec=ev.spec, logprobs=self._logprobs((ev.logprobs or [])[sent_lps:]))
                         return
         except APIError as e:
             status = e.status

@@ -26,15 +26,19 @@ from .core import Delta, GatewayCore, Generation, GenerationRequest, Outcome
 from .errors import APIError, invalid, unavailable
 from .openai_api import (
     chat_chunk,
+    chat_logprobs,
     chat_response,
     completion_chunk,
+    completion_logprobs,
     completion_response,
     new_id,
     now,
     opt_bool,
     opt_model,
     opt_object,
+    parse_chat_logprobs,
     parse_common,
+    parse_completion_logprobs,
     parse_messages,
     parse_prompt,
 )
@@ -172,6 +176,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     body = await read_json(request)
     model = core.resolve_model(opt_model(body))
     params = parse_common(body)
+    top_logprobs = parse_chat_logprobs(body)
     messages = parse_messages(body)
     kwargs = dict(opt_object(body, "chat_template_kwargs") or {})
     reserved = sorted(set(kwargs) & {"messages", "tools", "add_generation_prompt"})
@@ -189,12 +194,14 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
                             sampling=params.sampling, sampling_set=params.sampling_set, stop=params.stop,
                             split_reasoning=split,
                             in_reasoning=split and prompt_opens_thinking(prompt_text), timeout=params.timeout,
-                            ignore_eos=params.ignore_eos, arrived=arrived, trace_context=_trace_context(request))
+                            ignore_eos=params.ignore_eos, top_logprobs=top_logprobs, arrived=arrived,
+                            trace_context=_trace_context(request))
     if params.stream:
         return await _stream(request, core, req, chat=True, include_usage=params.include_usage)
     async with core.open(req) as gen:
         content, reasoning, out = await gen.collect()
-    return web.json_response(chat_response(req.request_id, now(), model, content, reasoning, out))
+    lps = None if out.logprobs is None else chat_logprobs(out.logprobs, core.token_text)
+    return web.json_response(chat_response(req.request_id, now(), model, content, reasoning, out, lps))
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
@@ -203,19 +210,21 @@ async def completions(request: web.Request) -> web.StreamResponse:
     body = await read_json(request)
     model = core.resolve_model(opt_model(body))
     params = parse_common(body)
+    top_logprobs = parse_completion_logprobs(body)
     prompt = parse_prompt(body)
     prompt_ids = core.encode(prompt, add_special=True) if isinstance(prompt, str) else prompt
     core.check_prompt(prompt_ids)
     req = GenerationRequest(request_id=new_id("cmpl"), operation="text_completion", endpoint="/v1/completions",
                             model=model, prompt_ids=prompt_ids, max_tokens=params.max_tokens,
                             sampling=params.sampling, sampling_set=params.sampling_set, stop=params.stop,
-                            timeout=params.timeout,
-                            ignore_eos=params.ignore_eos, arrived=arrived, trace_context=_trace_context(request))
+                            timeout=params.timeout, ignore_eos=params.ignore_eos, top_logprobs=top_logprobs,
+                            arrived=arrived, trace_context=_trace_context(request))
     if params.stream:
         return await _stream(request, core, req, chat=False, include_usage=params.include_usage)
     async with core.open(req) as gen:
         content, _, out = await gen.collect()
-    return web.json_response(completion_response(req.request_id, now(), model, content, out))
+    lps = None if out.logprobs is None else completion_logprobs(out.logprobs, core.token_text)[0]
+    return web.json_response(completion_response(req.request_id, now(), model, content, out, lps))
 
 
 # ----------------------------------------------------------------------------------------- streaming
@@ -239,15 +248,16 @@ async def _stream(request: web.Request, core: GatewayCore, req: GenerationReques
         await resp.prepare(request)
         if chat:
             await resp.write(_sse(chat_chunk(rid, created, model, {"role": "assistant", "content": None})))
+        lp = _StreamLogprobs(core, chat) if req.top_logprobs is not None else None
         try:
             ev = first
             while True:
                 if ev is None:
                     await resp.write(b": ping\n\n")
                 elif isinstance(ev, Delta):
-                    await resp.write(_sse(_delta_chunk(rid, created, model, ev, chat)))
+                    await resp.write(_sse(_delta_chunk(rid, created, model, ev, chat, lp)))
                 elif isinstance(ev, Outcome):
-                    await _write_end(resp, rid, created, model, ev, chat, include_usage)
+                    await _write_end(resp, rid, created, model, ev, chat, include_usage, lp)
                     break
                 ev = await gen.next(timeout=ping or None)
         except APIError as e:
@@ -265,21 +275,45 @@ async def _stream(request: web.Request, core: GatewayCore, req: GenerationReques
         return resp
 
 
-def _delta_chunk(rid: str, created: int, model: str, ev: Delta, chat: bool) -> dict:
+class _StreamLogprobs:
+    """A stream's log-probabilities chunk by chunk: each Delta's tokens, the rest (tokens that released no text)
+    with the finish chunk, and a completion's text offsets running on across chunks."""
+
+    def __init__(self, core: GatewayCore, chat: bool):
+        self.core, self.chat = core, chat
+        self.sent = 0
+        self.offset = 0
+
+    def shape(self, lps: list) -> dict | None:
+        self.sent += len(lps)
+        if self.chat:
+            return chat_logprobs(lps, self.core.token_text)
+        out, self.offset = completion_logprobs(lps, self.core.token_text, self.offset)
+        return out
+
+    def rest(self, out: Outcome) -> dict | None:
+        left = (out.logprobs or [])[self.sent:]
+        return self.shape(left) if left else None
+
+
+def _delta_chunk(rid: str, created: int, model: str, ev: Delta, chat: bool, lp: _StreamLogprobs | None) -> dict:
+    lps = lp.shape(ev.logprobs) if lp is not None else None
     if not chat:
-        return completion_chunk(rid, created, model, ev.content)
+        return completion_chunk(rid, created, model, ev.content, logprobs=lps)
     delta = {"reasoning_content": ev.reasoning} if ev.reasoning else {"content": ev.content}
-    return chat_chunk(rid, created, model, delta)
+    return chat_chunk(rid, created, model, delta, logprobs=lps)
 
 
 async def _write_end(resp: web.StreamResponse, rid: str, created: int, model: str, out: Outcome, chat: bool,
-                     include_usage: bool) -> None:
+                     include_usage: bool, lp: _StreamLogprobs | None = None) -> None:
     # llama.cpp puts `timings` in the last chunk before [DONE]: the usage chunk when asked for, else the
     # finish chunk.
     make = chat_chunk if chat else completion_chunk
     finish_payload: Any = {} if chat else ""
     timings = None if include_usage else out.timings
-    await resp.write(_sse(make(rid, created, model, finish_payload, out.finish_reason, timings=timings)))
+    lps = lp.rest(out) if lp is not None else None
+    await resp.write(_sse(make(rid, created, model, finish_payload, out.finish_reason, timings=timings,
+                               logprobs=lps)))
     if include_usage:
         await resp.write(_sse(make(rid, created, model, None, usage=out.usage, timings=out.timings)))
     await resp.write(b"data: [DONE]\n\n")

@@ -10,10 +10,12 @@ from __future__ import annotations
 import math
 import time
 import uuid
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from services.engine.errors import InvalidRequestError
+from services.engine.logprobs import MAX_TOP_LOGPROBS, TokenLogprob
 from services.engine.sampling import SamplingParams
 
 from .core import Outcome
@@ -157,9 +159,10 @@ def parse_common(body: dict) -> CommonParams:
     timeout = opt_number(body, "timeout")
     if timeout is not None and timeout <= 0:
         raise invalid(f"'timeout' must be > 0 seconds, got {timeout}", "timeout")
-    if body.get("logprobs") not in (None, False) or body.get("echo") not in (None, False):
-        # Silently ignoring these would hand evaluation harnesses wrong numbers.
-        raise APIError(400, "logprobs and echo are not supported by this server", param="logprobs")
+    if body.get("echo") not in (None, False):
+        # Silently ignoring it would hand evaluation harnesses wrong numbers (they score the prompt's tokens).
+        raise APIError(400, "echo (the prompt's tokens and log-probabilities) is not supported by this server",
+                       param="echo")
     rf = body.get("response_format")
     if rf is not None:
         if not isinstance(rf, dict) or rf.get("type") not in ("text",):
@@ -167,6 +170,27 @@ def parse_common(body: dict) -> CommonParams:
     return CommonParams(max_tokens=max_tokens, sampling=sampling, stop=parse_stop(body.get("stop")),
                         stream=stream, include_usage=include_usage, timeout=timeout,
                         ignore_eos=opt_bool(body, "ignore_eos"), sampling_set=frozenset(given))
+
+
+def parse_chat_logprobs(body: dict) -> int | None:
+    """Chat's `logprobs` (bool) and `top_logprobs` (0..20, needs logprobs): None, or how many alternatives."""
+    on = opt_bool(body, "logprobs")
+    top = opt_int(body, "top_logprobs")
+    if top is not None and not on:
+        raise invalid("'top_logprobs' needs 'logprobs' set to true", "top_logprobs")
+    if top is not None and top > MAX_TOP_LOGPROBS:
+        raise invalid(f"'top_logprobs' must be in 0..{MAX_TOP_LOGPROBS}, got {top}", "top_logprobs")
+    if top is not None and top < 0:
+        raise invalid(f"'top_logprobs' must be in 0..{MAX_TOP_LOGPROBS}, got {top}", "top_logprobs")
+    return (top or 0) if on else None
+
+
+def parse_completion_logprobs(body: dict) -> int | None:
+    """Completions' `logprobs`: None, or an integer 0..20 (alternatives a token; the sampled one is listed too)."""
+    n = opt_int(body, "logprobs")
+    if n is not None and not 0 <= n <= MAX_TOP_LOGPROBS:
+        raise invalid(f"'logprobs' must be an integer in 0..{MAX_TOP_LOGPROBS}, got {n}", "logprobs")
+    return n
 
 
 def parse_messages(body: dict) -> list[dict]:
@@ -200,10 +224,48 @@ def parse_prompt(body: dict) -> str | list[int]:
 
 # -------------------------------------------------------------------------------------------- shaping
 
+TokenText = Callable[[int], tuple[str, bytes]]      # GatewayCore.token_text
+LOGPROB_FLOOR = -9999.0                             # JSON has no -inf (vLLM's floor)
+
+
+def _lp(v: float) -> float:
+    v = float(v)
+    return max(v, LOGPROB_FLOOR) if math.isfinite(v) else LOGPROB_FLOOR
+
+
+def chat_logprobs(lps: Sequence[TokenLogprob], text_of: TokenText) -> dict:
+    """A chat choice's `logprobs`: {content: [{token, logprob, bytes, top_logprobs: [...]}], refusal}."""
+    def entry(token: int, logprob: float) -> dict:
+        text, data = text_of(token)
+        return {"token": text, "logprob": _lp(logprob), "bytes": list(data)}
+
+    return {"content": [{**entry(lp.token, lp.logprob), "top_logprobs": [entry(i, v) for i, v in lp.top]}
+                        for lp in lps],
+            "refusal": None}
+
+
+def completion_logprobs(lps: Sequence[TokenLogprob], text_of: TokenText, offset: int = 0) -> tuple[dict, int]:
+    """A completion choice's legacy `logprobs` ({tokens, token_logprobs, top_logprobs, text_offset}) and the text
+    offset after its tokens. Each top_logprobs map holds the best alternatives and the sampled token (OpenAI: up
+    to logprobs + 1 entries; tokens of the same text keep the first, best, value)."""
+    tokens, values, tops, offsets = [], [], [], []
+    for lp in lps:
+        text, _ = text_of(lp.token)
+        tokens.append(text)
+        values.append(_lp(lp.logprob))
+        offsets.append(offset)
+        offset += len(text)
+        top: dict[str, float] = {}
+        for i, v in lp.top:
+            top.setdefault(text_of(i)[0], _lp(v))
+        top.setdefault(text, _lp(lp.logprob))
+        tops.append(top)
+    return {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops, "text_offset": offsets}, offset
+
 
 def chat_chunk(rid: str, created: int, model: str, delta: dict | None, finish: str | None = None,
-               usage: dict | None = None, timings: dict | None = None) -> dict:
-    choices = [] if delta is None else [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}]
+               usage: dict | None = None, timings: dict | None = None, logprobs: dict | None = None) -> dict:
+    choices = [] if delta is None else [{"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}]
     obj = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
            "system_fingerprint": None, "choices": choices, "usage": usage}
     if timings is not None:
@@ -212,8 +274,8 @@ def chat_chunk(rid: str, created: int, model: str, delta: dict | None, finish: s
 
 
 def completion_chunk(rid: str, created: int, model: str, text: str | None, finish: str | None = None,
-                     usage: dict | None = None, timings: dict | None = None) -> dict:
-    choices = [] if text is None else [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish}]
+                     usage: dict | None = None, timings: dict | None = None, logprobs: dict | None = None) -> dict:
+    choices = [] if text is None else [{"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}]
     obj = {"id": rid, "object": "text_completion", "created": created, "model": model,
            "system_fingerprint": None, "choices": choices, "usage": usage}
     if timings is not None:
@@ -221,20 +283,22 @@ def completion_chunk(rid: str, created: int, model: str, text: str | None, finis
     return obj
 
 
-def chat_response(rid: str, created: int, model: str, content: str, reasoning: str, out: Outcome) -> dict:
+def chat_response(rid: str, created: int, model: str, content: str, reasoning: str, out: Outcome,
+                  logprobs: dict | None = None) -> dict:
     message: dict[str, Any] = {"role": "assistant", "content": content}
     if reasoning:
         message["reasoning_content"] = reasoning.strip()
     return {"id": rid, "object": "chat.completion", "created": created, "model": model,
             "system_fingerprint": None,
-            "choices": [{"index": 0, "message": message, "logprobs": None, "finish_reason": out.finish_reason}],
+            "choices": [{"index": 0, "message": message, "logprobs": logprobs, "finish_reason": out.finish_reason}],
             "usage": out.usage, "timings": out.timings}
 
 
-def completion_response(rid: str, created: int, model: str, text: str, out: Outcome) -> dict:
+def completion_response(rid: str, created: int, model: str, text: str, out: Outcome,
+                        logprobs: dict | None = None) -> dict:
     return {"id": rid, "object": "text_completion", "created": created, "model": model,
             "system_fingerprint": None,
-            "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": out.finish_reason}],
+            "choices": [{"index": 0, "text": text, "logprobs": logprobs, "finish_reason": out.finish_reason}],
             "usage": out.usage, "timings": out.timings}
 
 

@@ -65,6 +65,7 @@ from services.engine.errors import (
 )
 from services.engine.generate import GenerationResult, check_request
 from services.engine.kvcache import kv_info
+from services.engine.logprobs import MAX_TOP_LOGPROBS, check_top_logprobs
 from services.engine.sampling import SamplingParams
 from services.engine.speculative import (
     AUTO_MAX_BUDGET,
@@ -75,7 +76,7 @@ from services.engine.speculative import (
     begin_propose,
     speculative_stream,
 )
-from services.wire import pb, pb_grpc, sampling_from_pb
+from services.wire import logprobs_to_pb, pb, pb_grpc, sampling_from_pb
 
 log = logging.getLogger("specsplit.verifier")
 
@@ -304,6 +305,7 @@ class _Job:
     speculative: bool
     spec: SpecConfig
     deadline: float | None                      # time.monotonic() value, None = no deadline
+    top_logprobs: int | None                    # set: the chunks carry each token's log-probability
     span: Any                                   # the verifier.generate span
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue
@@ -402,6 +404,11 @@ class VerifierServicer(pb_grpc.VerifierServicer):
         proposer = self.drafter.new_proposer() if self.drafter is not None else None
         for _ in speculative_stream(self.target.model, proposer, prompt, WARMUP_TOKENS,
                                     spec=self._spec_config(self.cfg.budget), max_ctx=self.max_ctx):
+            pass
+        # and a request that asks for log-probabilities (their kernels on a GPU), plain and from a verify's rows
+        proposer = self.drafter.new_proposer() if self.drafter is not None else None
+        for _ in speculative_stream(self.target.model, proposer, prompt, 3, spec=self._spec_config(self.cfg.budget),
+                                    max_ctx=self.max_ctx, top_logprobs=MAX_TOP_LOGPROBS):
             pass
         log.info("verifier: %s (%s, vocab %d, context %d) loaded in %.0f ms, warm-up %.0f ms; drafter: %s",
                  self.target.name, self.target.cfg.arch, self.target.cfg.n_vocab, self.max_ctx, load_ms,
@@ -503,8 +510,9 @@ class VerifierServicer(pb_grpc.VerifierServicer):
         return self.info()
 
     # -- Generate ----------------------------------------------------------------------------------
-    def _validate(self, request: pb.GenerateRequest) -> tuple[SamplingParams, bool, SpecConfig]:
+    def _validate(self, request: pb.GenerateRequest) -> tuple[SamplingParams, bool, SpecConfig, int | None]:
         """Raise InvalidRequestError / ContextOverflowError for anything the engine would reject."""
+        top_logprobs = check_top_logprobs(request.top_logprobs if request.HasField("top_logprobs") else None)
         s = request.sampling
         # fields the client left unset: the model file's declared sampling (GGUF general.sampling.*)
         params = sampling_from_pb(s, self.target.sampling_defaults).validate()
@@ -524,7 +532,7 @@ class VerifierServicer(pb_grpc.VerifierServicer):
             budget = request.budget or None
             if budget is not None and self.width > 1:
                 budget = min(budget, self.width - 1)     # the widest verify the memory plan counted
-        return params, speculative and has_drafter, self._spec_config(budget)
+        return params, speculative and has_drafter, self._spec_config(budget), top_logprobs
 
     def _spec_config(self, budget: int | str | None) -> SpecConfig:
         if budget == "auto":
@@ -540,7 +548,7 @@ class VerifierServicer(pb_grpc.VerifierServicer):
         if self._draining:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the verifier is shutting down")
         try:
-            params, speculative, spec = self._validate(request)
+            params, speculative, spec, top_logprobs = self._validate(request)
         except ContextOverflowError as e:
             self.counters.invalid += 1
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
@@ -588,6 +596,7 @@ class VerifierServicer(pb_grpc.VerifierServicer):
             remaining = context.time_remaining()
             job = _Job(request_id=request_id, prompt_ids=list(request.prompt_ids), max_tokens=request.max_tokens,
                        params=params, stop_ids=list(request.stop_ids), speculative=speculative, spec=spec,
+                       top_logprobs=top_logprobs,
                        deadline=time.monotonic() + remaining if remaining is not None else None,
                        span=span, loop=asyncio.get_running_loop(), queue=asyncio.Queue())
             self._queued += 1
@@ -602,7 +611,8 @@ class VerifierServicer(pb_grpc.VerifierServicer):
             while True:
                 kind, payload = await job.queue.get()
                 if kind == "chunk":
-                    yield pb.GenerateChunk(token_ids=payload)
+                    tokens, lps = payload
+                    yield pb.GenerateChunk(token_ids=tokens, logprobs=logprobs_to_pb(lps))
                 elif kind == "final":
                     span_open = False          # _final_chunk ends it with the totals
                     # The slot must be free before the client hears the end: a client that sends its next
@@ -670,7 +680,8 @@ class VerifierServicer(pb_grpc.VerifierServicer):
 
         fut.add_done_callback(release)
 
-    def _final_chunk(self, job: _Job, tokens: list[int], queue_ms: float) -> pb.GenerateChunk:
+    def _final_chunk(self, job: _Job, payload: tuple[list[int], list], queue_ms: float) -> pb.GenerateChunk:
+        tokens, lps = payload
         res = job.result
         spec = _spec_stats(res.spec, job)
         span = job.span
@@ -694,6 +705,7 @@ class VerifierServicer(pb_grpc.VerifierServicer):
         span.end()
         return pb.GenerateChunk(
             token_ids=tokens,
+            logprobs=logprobs_to_pb(lps),
             finish_reason=_FINISH.get(res.finish_reason, pb.FINISH_REASON_LENGTH),
             usage=pb.Usage(prompt_tokens=res.prompt_tokens, completion_tokens=len(res.token_ids)),
             spec=spec,
@@ -791,9 +803,15 @@ class VerifierServicer(pb_grpc.VerifierServicer):
             proposer = self._make_proposer(job)
             gen = speculative_stream(self.target.model, proposer, job.prompt_ids, job.max_tokens, job.params,
                                      job.spec, job.stop_ids, self.max_ctx, job.result,
-                                     on_step=lambda info: self._step_spans(job, info))
+                                     on_step=lambda info: self._step_spans(job, info),
+                                     top_logprobs=job.top_logprobs)
             stop = set(job.stop_ids)
             n = 0
+
+            def with_logprobs(chunk: list[int]) -> tuple[list[int], list]:
+                lps = job.result.logprobs
+                return chunk, ([] if lps is None else lps[n - len(chunk):n])
+
             while True:
                 if self._expired(job):
                     job.put("stopped")
@@ -804,7 +822,7 @@ class VerifierServicer(pb_grpc.VerifierServicer):
                 except StopIteration:
                     # Ended for a reason we could not see coming (the context filled up): the last chunk
                     # was already sent, so the totals go in an empty closing chunk.
-                    job.put("final", [])
+                    job.put("final", ([], []))
                     return
                 n += len(chunk)
                 if (chunk and chunk[-1] in stop) or n >= job.max_tokens:
@@ -813,9 +831,9 @@ class VerifierServicer(pb_grpc.VerifierServicer):
                     with self._engine_lock:
                         for _ in gen:
                             pass
-                    job.put("final", chunk)
+                    job.put("final", with_logprobs(chunk))
                     return
-                job.put("chunk", chunk)
+                job.put("chunk", with_logprobs(chunk))
         except BaseException as e:          # noqa: BLE001 - handed to the event loop, which reports it
             job.put("error", self._out_of_memory(job, e) if is_out_of_memory(e) else e)
         finally:
