@@ -69,7 +69,8 @@ def main(argv: list[str] | None = None) -> int:
                                 max_ctx=args.max_ctx):
         pass
     for _ in speculative_stream(g, placed.new_proposer(), [1, 2, 3, 4], 3, spec=SpecConfig.auto(tuner),
-                                max_ctx=args.max_ctx, top_logprobs=MAX_TOP_LOGPROBS):   # and one with logprobs
+                                max_ctx=args.max_ctx, top_logprobs=MAX_TOP_LOGPROBS,
+                                prompt_logprobs=MAX_TOP_LOGPROBS):   # and one with logprobs (the verifier's too)
         pass
     modules["serving"] = True
     start = {"s": round(time.perf_counter() - t0, 2), "loader": loader.functions_loaded(), "modules": modules["n"]}
@@ -89,6 +90,7 @@ def main(argv: list[str] | None = None) -> int:
         # requests asking for logprobs: plain (steps that read their rows) and speculative (a verify's path rows)
         generate(g, prompt, 4, top_logprobs=n % 21)
         speculative_generate(g, placed.new_proposer(), prompt, 12, spec=SpecConfig.auto(tuner), top_logprobs=2)
+        generate(g, prompt, 0, prompt_logprobs=1)      # a scored prompt (OpenAI echo): its chunks' every row
         cupy.cuda.get_current_stream().synchronize()
         k1 = counts()
         runs.append({"prompt": n, "loader": loader.functions_loaded() - f0, "modules": modules["n"] - m0,

@@ -108,12 +108,13 @@ def cmd_generate(args: argparse.Namespace) -> int:
         else:
             spec = SpecConfig(budget=args.budget)
         res = speculative_generate(target.model, proposer, prompt_ids, args.max_tokens, params, spec,
-                                   stop_ids=stop, max_ctx=args.max_ctx, top_logprobs=args.logprobs)
+                                   stop_ids=stop, max_ctx=args.max_ctx, top_logprobs=args.logprobs,
+                                   prompt_logprobs=args.prompt_logprobs)
     else:
         if gpu:
             target.model.max_tree = state_width(False, None, 1, "cuda")   # a prompt's graph steps
         res = generate(target.model, prompt_ids, args.max_tokens, params, stop_ids=stop, max_ctx=args.max_ctx,
-                       top_logprobs=args.logprobs)
+                       top_logprobs=args.logprobs, prompt_logprobs=args.prompt_logprobs)
     out_ids = res.token_ids
     text_ids = out_ids[:-1] if res.finish_reason == "stop" else out_ids
     text = tok.decode(text_ids) if tok is not None else None
@@ -123,9 +124,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
                "timings": {"load_ms": round(load_ms, 3), **res.timings()}}
         if res.spec is not None:
             obj["spec"] = res.spec
-        if res.logprobs is not None:
-            obj["logprobs"] = [{"token_id": lp.token, "logprob": lp.logprob, "top": [list(p) for p in lp.top]}
-                               for lp in res.logprobs]
+        for key in ("logprobs", "prompt_logprobs"):
+            if getattr(res, key) is not None:
+                obj[key] = [{"token_id": lp.token, "logprob": lp.logprob, "top": [list(p) for p in lp.top]}
+                            for lp in getattr(res, key)]
         from .engine.kvcache import kv_info
 
         obj["kv_cache"] = kv_info(target.cfg, cache_k, cache_v, len(prompt_ids) + len(out_ids))
@@ -137,7 +139,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
                  if res.spec is not None else "")
         print(f"[{t['prompt_n']} prompt tokens, {t['predicted_n']} generated, "
               f"{t['predicted_per_second']:.1f} tok/s{extra}]", file=sys.stderr)
-        for lp in res.logprobs or ():
+        for lp in (res.prompt_logprobs or []) + (res.logprobs or []):
             def show(i: int) -> str:
                 return repr(tok.decode([i])) if tok is not None else str(i)
             alts = "  ".join(f"{show(i)} {v:.4f}" for i, v in lp.top)
@@ -241,6 +243,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--json", action="store_true", help="print one JSON object")
     g.add_argument("--logprobs", type=int, default=None, metavar="N",
                    help="each generated token's log-probability and its N best alternatives (0..20)")
+    g.add_argument("--prompt-logprobs", type=int, default=None, metavar="N",
+                   help="the prompt's tokens' log-probabilities too (after the first), with N alternatives; "
+                        "--max-tokens may then be 0")
     g.add_argument("--draft", help="DFlash drafter (z-lab safetensors folder or GGUF): speculative decoding")
     g.add_argument("--no-draft", action="store_true", help="plain decoding even with the embedded default model")
     g.add_argument("--cache-type-k", type=kv_cache_type, default="auto", help=KV_CACHE_HELP.format(side="keys"))

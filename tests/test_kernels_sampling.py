@@ -311,3 +311,23 @@ def test_gpu_logprobs_equal_the_numpy_engines():
             assert g.token == w.token and abs(g.logprob - w.logprob) < 0.1
             assert g.top[0][0] == w.top[0][0] == g.token and len(g.top) == 5
             assert np.allclose([v for _, v in g.top], [v for _, v in w.top], atol=0.1)
+
+
+def test_gpu_prompt_logprobs_equal_the_numpy_engines():
+    """A scored prompt (OpenAI echo) on the GPU engine: its chunks as prompt graph steps with every row kept (the
+    last one padded), 150 tokens past two 64-token chunks, against the NumPy engine's within twice its logit noise."""
+    from services.engine.default_model import default_model_paths
+    from services.engine.generate import generate
+    from services.engine.loader import load_target
+
+    gpu, ids, _ = engine()
+    cpu = load_target(default_model_paths()[0], with_tokenizer=False).model
+    prompt = (list(ids) * 20)[:150]
+    want = generate(cpu, prompt, 2, prompt_logprobs=3)
+    for max_tokens in (0, 2):
+        got = generate(gpu, prompt, max_tokens, prompt_logprobs=3)
+        assert len(got.prompt_logprobs) == len(prompt) - 1
+        assert got.token_ids == want.token_ids[:max_tokens]
+        for g, w in zip(got.prompt_logprobs, want.prompt_logprobs):
+            assert g.token == w.token and abs(g.logprob - w.logprob) < 0.1
+            assert np.allclose([v for _, v in g.top], [v for _, v in w.top], atol=0.1)

@@ -166,3 +166,47 @@ def test_no_logprobs_unless_asked_and_bad_counts_refused(target_path):
         assert e.value.param == "top_logprobs"
         with pytest.raises(InvalidRequestError):
             next(speculative_stream(target, None, [1, 2], 3, top_logprobs=bad))
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "qwen35"])
+def test_prompt_logprobs_are_the_targets_over_several_chunks(tmp_path, arch):
+    """The prompt's log-probabilities (OpenAI echo): token j's from row j - 1 of one teacher-forced pass, across the
+    64-token chunks a scored prompt runs in; with max_tokens 0 nothing is generated."""
+    make_hf_model(arch, tmp_path / "hf", seed=7, num_hidden_layers=2)
+    convert_hf_to_gguf(str(tmp_path / "hf"), str(tmp_path / "t.gguf"), "f32")
+    target = load_target(str(tmp_path / "t.gguf"), with_tokenizer=False).model
+    prompt = np.random.default_rng(1).integers(0, 300, 150).tolist()
+    state = target.new_state(len(prompt) + 1)
+    full = np.asarray(target.forward(state, prompt, logits="all").logits, dtype=np.float64)
+    want = torch.log_softmax(torch.from_numpy(full), dim=-1).numpy()
+    for max_tokens in (0, 5):
+        res = generate(target, prompt, max_tokens, prompt_logprobs=2)
+        assert len(res.prompt_logprobs) == len(prompt) - 1 and len(res.token_ids) == max_tokens
+        assert res.logprobs is None and (max_tokens or res.finish_reason == "length")
+        for j, lp in enumerate(res.prompt_logprobs, start=1):
+            assert lp.token == prompt[j] and abs(lp.logprob - want[j - 1, prompt[j]]) < TOL
+            assert [i for i, _ in lp.top] == sorted(range(want.shape[1]), key=lambda i: (-want[j - 1, i], i))[:2]
+    assert res.token_ids == generate(target, prompt, 5).token_ids
+
+
+def test_speculative_prompt_logprobs_and_scoring_only(target_path):
+    target = load_target(target_path, with_tokenizer=False).model
+    draft = perturbed_copy(target_path, 0.05, seed=3)
+    prompt = [9, 8, 7, 6, 5, 4, 3, 2, 1]
+    plain = generate(target, prompt, 6, prompt_logprobs=1, top_logprobs=1)
+    for max_tokens in (0, 6):
+        res = GenerationResult()
+        chunks = list(speculative_stream(target, TrackingProposer(draft, prompt, res), prompt, max_tokens,
+                                         SamplingParams(), SpecConfig(budget=4), result=res, prompt_logprobs=1,
+                                         top_logprobs=1))
+        assert [lp.token for lp in res.prompt_logprobs] == prompt[1:]
+        assert np.allclose([lp.logprob for lp in res.prompt_logprobs],
+                           [lp.logprob for lp in plain.prompt_logprobs], atol=1e-6)
+        assert res.token_ids == plain.token_ids[:max_tokens] and len(res.logprobs) == max_tokens
+        assert (chunks == []) == (max_tokens == 0)
+    with pytest.raises(InvalidRequestError) as e:
+        next(speculative_stream(target, None, prompt, 0))        # max_tokens 0 scores a prompt only when asked
+    assert e.value.param == "max_tokens"
+    with pytest.raises(InvalidRequestError) as e:
+        next(generate_stream(target, prompt, 1, prompt_logprobs=21))
+    assert e.value.param == "prompt_logprobs"

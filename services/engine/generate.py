@@ -16,6 +16,10 @@ from .sampling import SamplingParams, make_rng, sample_row
 from .state import SequenceState
 
 PREFILL_CHUNK = 512
+# a prompt whose tokens' log-probabilities are asked for (OpenAI `echo`) runs in chunks of at most this many tokens:
+# each chunk's every logits row exists at once (64 x 248320 f32 = 64 MB for a Qwen3.6 vocabulary); on a GPU a chunk
+# is a graph step of the prompt's (the planned width) either way
+PROMPT_LOGPROBS_CHUNK = 64
 
 
 @dataclass
@@ -28,6 +32,8 @@ class GenerationResult:
     spec: dict | None = None               # filled by speculative decoding
     # one per token_ids entry when the request asked for log-probabilities (top_logprobs set), else None
     logprobs: list[TokenLogprob] | None = None
+    # the prompt's tokens after the first (which has no context), when asked (prompt_logprobs set), else None
+    prompt_logprobs: list[TokenLogprob] | None = None
 
     def timings(self) -> dict:
         n = len(self.token_ids)
@@ -41,11 +47,14 @@ class GenerationResult:
         }
 
 
-def check_request(model: TargetModel, prompt_ids: Sequence[int], max_tokens: int, max_ctx: int) -> None:
+def check_request(model: TargetModel, prompt_ids: Sequence[int], max_tokens: int, max_ctx: int,
+                  scoring: bool = False) -> None:
+    """Raise for a request the engine cannot run. scoring: the prompt's log-probabilities are asked for, so
+    max_tokens 0 (score the prompt, generate nothing) is a request too."""
     if len(prompt_ids) == 0:
         raise InvalidRequestError("the prompt is empty", param="prompt")
-    if max_tokens < 1:
-        raise InvalidRequestError("max_tokens must be at least 1", param="max_tokens")
+    if max_tokens < (0 if scoring else 1):
+        raise InvalidRequestError(f"max_tokens must be at least {0 if scoring else 1}", param="max_tokens")
     bad = [t for t in prompt_ids if not 0 <= int(t) < model.cfg.n_vocab]
     if bad:
         raise InvalidRequestError(f"prompt token id {bad[0]} outside the vocabulary (0..{model.cfg.n_vocab - 1})",
@@ -56,7 +65,8 @@ def check_request(model: TargetModel, prompt_ids: Sequence[int], max_tokens: int
 
 def prefill(model: TargetModel, state: SequenceState, prompt_ids: Sequence[int],
             capture: Sequence[int] = (), chunk: int = PREFILL_CHUNK,
-            on_captured: Callable[[Any, int], None] | None = None):
+            on_captured: Callable[[Any, int], None] | None = None,
+            prompt_logprobs: int | None = None, logprobs_out: list[TokenLogprob] | None = None):
     """Commit the prompt in chunks (of the model's own length for this state where it has one: a GPU model's
     graph steps); returns the last position's logits and the captured layer outputs (on the host).
 
@@ -64,8 +74,13 @@ def prefill(model: TargetModel, state: SequenceState, prompt_ids: Sequence[int],
     handed on once the chunk is committed instead of collected (the returned features are then None), so that a
     drafter beside the target takes them where they are. Collected ones go to the host chunk by chunk: a GPU
     model's rows left on the device would pile up a whole prompt's features there, past what the memory plan
-    counts."""
+    counts.
+
+    prompt_logprobs set (0..20): each chunk's every row is computed, and the log-probabilities of the prompt's tokens
+    after the first (each from the row before it) are appended to `logprobs_out`."""
     ids = np.asarray(prompt_ids, dtype=np.int64)
+    if prompt_logprobs is not None:
+        chunk = min(chunk, PROMPT_LOGPROBS_CHUNK)
     if hasattr(model, "prompt_chunk"):
         chunk = model.prompt_chunk(state, chunk)
     feats = []
@@ -73,7 +88,14 @@ def prefill(model: TargetModel, state: SequenceState, prompt_ids: Sequence[int],
     for s in range(0, len(ids), chunk):
         part = ids[s:s + chunk]
         last = s + chunk >= len(ids)
-        res = model.forward(state, part, capture=capture, logits="last" if last else "none")
+        if prompt_logprobs is not None:
+            # one token: its one row is the last (a decode step's shape, whose graph a GPU state has)
+            res = model.forward(state, part, capture=capture, logits="rows" if len(part) > 1 else "last")
+            nxt = ids[s + 1:s + len(part) + 1]      # the token each row predicts (the last row's: generated)
+            rows = res.logits if hasattr(res.logits, "logprobs") else np.asarray(res.logits)
+            logprobs_out.extend(row_logprobs(rows, range(len(nxt)), nxt.tolist(), prompt_logprobs))
+        else:
+            res = model.forward(state, part, capture=capture, logits="last" if last else "none")
         state.commit(range(len(part)))
         if res.captured is not None:
             if on_captured is not None:
@@ -88,19 +110,22 @@ def prefill(model: TargetModel, state: SequenceState, prompt_ids: Sequence[int],
 def generate_stream(model: TargetModel, prompt_ids: Sequence[int], max_tokens: int,
                     params: SamplingParams = SamplingParams(), stop_ids: Sequence[int] = (),
                     max_ctx: int | None = None, result: GenerationResult | None = None,
-                    top_logprobs: int | None = None) -> Iterator[list[int]]:
+                    top_logprobs: int | None = None, prompt_logprobs: int | None = None) -> Iterator[list[int]]:
     """Yield generated token ids as they are decided; `result` (if given) holds the totals at the end.
 
     A stop id ends generation and is included as the last token (callers strip it from text). top_logprobs set
-    (0..20): result.logprobs gets each token's log-probability and that many alternatives (logprobs.py).
+    (0..20): result.logprobs gets each token's log-probability and that many alternatives (logprobs.py);
+    prompt_logprobs set: result.prompt_logprobs the prompt's (OpenAI `echo`), and max_tokens may be 0.
     """
     params.validate()
     top_logprobs = check_top_logprobs(top_logprobs)
+    prompt_logprobs = check_top_logprobs(prompt_logprobs, "prompt_logprobs")
     max_ctx = max_ctx or model.cfg.context_length
-    check_request(model, prompt_ids, max_tokens, max_ctx)
+    check_request(model, prompt_ids, max_tokens, max_ctx, scoring=prompt_logprobs is not None)
     res = result if result is not None else GenerationResult()
     res.prompt_tokens = len(prompt_ids)
     res.logprobs = [] if top_logprobs is not None else None
+    res.prompt_logprobs = [] if prompt_logprobs is not None else None
     stop = set(int(s) for s in stop_ids)
     rng = make_rng(params.seed)
     need = min(max_ctx, len(prompt_ids) + max_tokens)
@@ -108,7 +133,8 @@ def generate_stream(model: TargetModel, prompt_ids: Sequence[int], max_tokens: i
     acquire = getattr(model, "acquire_state", None)
     state = acquire(need, max_ctx) if acquire is not None else model.new_state(need)
     try:
-        yield from _plain_loop(model, state, prompt_ids, max_tokens, params, stop, rng, res, top_logprobs)
+        yield from _plain_loop(model, state, prompt_ids, max_tokens, params, stop, rng, res, top_logprobs,
+                               prompt_logprobs)
     finally:
         release = getattr(model, "release_state", None)
         if release is not None:
@@ -116,11 +142,15 @@ def generate_stream(model: TargetModel, prompt_ids: Sequence[int], max_tokens: i
 
 
 def _plain_loop(model: TargetModel, state, prompt_ids: Sequence[int], max_tokens: int, params: SamplingParams,
-                stop: set[int], rng, res: GenerationResult, top_logprobs: int | None = None) -> Iterator[list[int]]:
+                stop: set[int], rng, res: GenerationResult, top_logprobs: int | None = None,
+                prompt_logprobs: int | None = None) -> Iterator[list[int]]:
     """generate_stream's loop over a state it was handed."""
     t0 = time.perf_counter()
-    logits, _ = prefill(model, state, prompt_ids)
+    logits, _ = prefill(model, state, prompt_ids, prompt_logprobs=prompt_logprobs, logprobs_out=res.prompt_logprobs)
     res.prompt_ms = (time.perf_counter() - t0) * 1e3
+    if max_tokens == 0:         # the prompt scored, nothing generated
+        res.finish_reason = "length"
+        return
     t1 = time.perf_counter()
     history = list(prompt_ids) if params.penalized else None    # what repetition penalties look back on
     tok = sample_row(logits, -1, params, rng, history)
@@ -176,8 +206,10 @@ def plain_tokens(model: TargetModel, state, token: int, limit: int, params: Samp
 
 def generate(model: TargetModel, prompt_ids: Sequence[int], max_tokens: int,
              params: SamplingParams = SamplingParams(), stop_ids: Sequence[int] = (),
-             max_ctx: int | None = None, top_logprobs: int | None = None) -> GenerationResult:
+             max_ctx: int | None = None, top_logprobs: int | None = None,
+             prompt_logprobs: int | None = None) -> GenerationResult:
     res = GenerationResult()
-    for _ in generate_stream(model, prompt_ids, max_tokens, params, stop_ids, max_ctx, res, top_logprobs):
+    for _ in generate_stream(model, prompt_ids, max_tokens, params, stop_ids, max_ctx, res, top_logprobs,
+                             prompt_logprobs):
         pass
     return res

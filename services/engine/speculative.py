@@ -247,17 +247,20 @@ def speculative_stream(target: TargetModel, proposer: Proposer | None, prompt_id
                        spec: SpecConfig = SpecConfig(), stop_ids: Sequence[int] = (),
                        max_ctx: int | None = None, result: GenerationResult | None = None,
                        on_step: Callable[[StepInfo], None] | None = None,
-                       top_logprobs: int | None = None) -> Iterator[list[int]]:
+                       top_logprobs: int | None = None, prompt_logprobs: int | None = None) -> Iterator[list[int]]:
     """Yield the committed tokens of each round. Falls back to plain decoding if the drafter fails.
     top_logprobs set (0..20): result.logprobs gets each committed token's log-probability and that many alternatives,
-    read off the rows its draw came from (the verify's rows along the accepted path)."""
+    read off the rows its draw came from (the verify's rows along the accepted path). prompt_logprobs set:
+    result.prompt_logprobs the prompt's tokens' (OpenAI `echo`), and max_tokens may be 0 (the prompt scored only)."""
     params.validate()
     top_logprobs = check_top_logprobs(top_logprobs)
+    prompt_logprobs = check_top_logprobs(prompt_logprobs, "prompt_logprobs")
     max_ctx = max_ctx or target.cfg.context_length
-    check_request(target, prompt_ids, max_tokens, max_ctx)
+    check_request(target, prompt_ids, max_tokens, max_ctx, scoring=prompt_logprobs is not None)
     res = result if result is not None else GenerationResult()
     res.prompt_tokens = len(prompt_ids)
     res.logprobs = [] if top_logprobs is not None else None
+    res.prompt_logprobs = [] if prompt_logprobs is not None else None
     block = proposer.block_size if proposer is not None else 16
     stats = SpecStats(block_size=block, budget=spec.budget, auto=spec.tuner is not None)
     res.spec = stats.as_dict()
@@ -268,7 +271,7 @@ def speculative_stream(target: TargetModel, proposer: Proposer | None, prompt_id
     state = acquire(need, max_ctx) if acquire is not None else target.new_state(need)
     try:
         yield from _spec_loop(target, proposer, prompt_ids, max_tokens, params, spec, stop_ids, res, on_step,
-                              state, stats, block, budget_cap, top_logprobs)
+                              state, stats, block, budget_cap, top_logprobs, prompt_logprobs)
     finally:
         release = getattr(target, "release_state", None)
         if release is not None:
@@ -278,7 +281,8 @@ def speculative_stream(target: TargetModel, proposer: Proposer | None, prompt_id
 def _spec_loop(target: TargetModel, proposer: Proposer | None, prompt_ids: Sequence[int], max_tokens: int,
                params: SamplingParams, spec: SpecConfig, stop_ids: Sequence[int], res: GenerationResult,
                on_step: Callable[[StepInfo], None] | None, state, stats: SpecStats, block: int,
-               budget_cap: int, top_logprobs: int | None = None) -> Iterator[list[int]]:
+               budget_cap: int, top_logprobs: int | None = None,
+               prompt_logprobs: int | None = None) -> Iterator[list[int]]:
     """speculative_stream's loop over a state it owns."""
     stop = {int(s) for s in stop_ids}
     rng = make_rng(params.seed)
@@ -306,7 +310,8 @@ def _spec_loop(target: TargetModel, proposer: Proposer | None, prompt_ids: Seque
             held = None
 
     logits, feats = prefill(target, state, prompt_ids, capture=layer_ids,
-                            on_captured=to_drafter if append is not None else None)
+                            on_captured=to_drafter if append is not None else None,
+                            prompt_logprobs=prompt_logprobs, logprobs_out=res.prompt_logprobs)
     if append is not None:
         feats, held = held, None
     if lost is not None:    # the drafter failed while the prompt ran: the request goes on with plain decoding
@@ -314,6 +319,11 @@ def _spec_loop(target: TargetModel, proposer: Proposer | None, prompt_ids: Seque
         proposer.close()
         proposer, feats = None, None
     res.prompt_ms = (time.perf_counter() - t0) * 1e3
+    if max_tokens == 0:         # the prompt scored, nothing generated
+        res.finish_reason = "length"
+        if proposer is not None:
+            proposer.close()
+        return
     t1 = time.perf_counter()
 
     history = list(prompt_ids) if params.penalized else None   # what repetition penalties look back on
@@ -485,9 +495,10 @@ def _append_rows(feats, new):
 def speculative_generate(target: TargetModel, proposer: Proposer | None, prompt_ids: Sequence[int],
                          max_tokens: int, params: SamplingParams = SamplingParams(),
                          spec: SpecConfig = SpecConfig(), stop_ids: Sequence[int] = (),
-                         max_ctx: int | None = None, top_logprobs: int | None = None) -> GenerationResult:
+                         max_ctx: int | None = None, top_logprobs: int | None = None,
+                         prompt_logprobs: int | None = None) -> GenerationResult:
     res = GenerationResult()
     for _ in speculative_stream(target, proposer, prompt_ids, max_tokens, params, spec, stop_ids, max_ctx, res,
-                                top_logprobs=top_logprobs):
+                                top_logprobs=top_logprobs, prompt_logprobs=prompt_logprobs):
         pass
     return res

@@ -1043,9 +1043,11 @@ class Qwen35GpuModel(TargetModel):
         cp = self.be.xp
         if logits not in ("all", "last", "none", "rows"):
             raise ValueError(f"logits must be 'all', 'last', 'none' or 'rows', not {logits!r}")
+        # a chain asking for "rows" without checkpoints is a scored prompt's chunk (generate.prefill with
+        # prompt_logprobs): padded to a prompt graph step like any prompt chunk, every row kept
+        pad = self._prompt_pad(state, tokens, parents, checkpoints, logits)
         if logits == "rows":    # DeviceLogits already copies a row to the host only when it is read
             logits = "all"
-        pad = self._prompt_pad(state, tokens, parents, checkpoints, logits)
         if pad:   # a prompt chunk as a wider checkpointed chain's graph step (PROMPT_GRAPHS)
             n_real = len(tokens)
             padded = np.concatenate([np.asarray(tokens, np.int64), np.full(pad - n_real, int(tokens[-1]), np.int64)])
@@ -1092,8 +1094,9 @@ class Qwen35GpuModel(TargetModel):
     def _prompt_pad(self, state: GpuSequenceState, tokens: Sequence[int], parents: Sequence[int] | None,
                     checkpoints: bool, logits: str) -> int:
         """The checkpointed chain width a prompt chunk (a chain of 2+ tokens without checkpoints whose logits are
-        the last row's or none) is padded to, so that it replays a graph; 0: it runs as it is (a whole chunk without
-        logits is a graph step of its own; a chain with every row's logits is not a prompt's: eager, as before)."""
+        the last row's, none, or every row's as "rows": a scored prompt's) is padded to, so that it replays a graph;
+        0: it runs as it is (a whole chunk without logits is a graph step of its own; another chain asking for
+        "all" is not a prompt's: eager, as before)."""
         top = self._prompt_top(state)
         T = len(tokens)
         if (not top or parents is not None or checkpoints or logits == "all" or not 2 <= T <= top
