@@ -268,6 +268,25 @@ def test_logprobs_match_specsplit_generate(cluster):
     assert [e.token for e in streamed] == [e.token for e in content]
 
 
+def test_echo_scores_the_prompt_like_specsplit_generate(cluster):
+    """lm-eval's loglikelihood request (echo, logprobs 1, max_tokens 1, token ids) through the three processes: the
+    prompt's log-probabilities `specsplit generate --prompt-logprobs` prints; max_tokens 0 scores it alone."""
+    c = cluster
+    client, model, tok = c["client"], c["model"], c["tok"]
+    ids = tok.encode("def fibonacci(n):\n    if n < 2:\n        return n\n" * 3)     # past one 64-token chunk
+    assert len(ids) > 64
+    ref = reference(c["target"], ids, 1, ("--logprobs", "1", "--prompt-logprobs", "1"))
+    r = client.completions.create(model=model, prompt=ids, max_tokens=1, logprobs=1, echo=True, temperature=0)
+    lp = r.choices[0].logprobs
+    assert lp.token_logprobs[0] is None and len(lp.tokens) == len(ids) + 1
+    assert lp.token_logprobs[1:-1] == pytest.approx([x["logprob"] for x in ref["prompt_logprobs"]], abs=2e-4)
+    assert lp.token_logprobs[-1] == pytest.approx(ref["logprobs"][0]["logprob"], abs=2e-4)
+    assert r.choices[0].text.startswith(tok.decode(ids))
+    r = client.completions.create(model=model, prompt=ids, max_tokens=0, logprobs=0, echo=True)
+    assert r.choices[0].text == tok.decode(ids) and r.usage.completion_tokens == 0
+    assert r.choices[0].logprobs.token_logprobs[1:] == pytest.approx(lp.token_logprobs[1:-1], abs=2e-4)
+
+
 def test_penalties_reach_the_verifier(cluster):
     """OpenAI presence_penalty and the vLLM / llama.cpp extensions travel to the verifier; speculative decoding
     under them gives `specsplit generate`'s plain tokens; an out-of-range value is a 400 naming the field."""

@@ -135,6 +135,58 @@ def test_logprobs_stop_at_a_stop_string(tiny_pair):
     run(scenario())
 
 
+def test_completion_echo_scores_the_prompt_as_lm_eval_asks(tiny_pair, target):
+    """lm-eval's loglikelihood payload (local-completions): token-id prompt, echo, logprobs 1, max_tokens 1; its
+    parse (token_logprobs[ctxlen:-1], greedy when each equals its top_logprobs' max) on the engine's numbers."""
+    async def scenario():
+        async with stack(tiny_pair, load_source(tiny_pair)) as (g, http):
+            ids = g.core.encode("def add(a, b):\n    return a + b", add_special=False)
+            body = {"prompt": [ids], "max_tokens": 1, "logprobs": 1, "echo": True, "temperature": 0, "seed": 1234}
+            s, b, _ = await post(http, "/v1/completions", body)
+            assert s == 200, b
+            choice = b["choices"][0]
+            lp = choice["logprobs"]
+            want = generate(target, ids, 1, prompt_logprobs=1, top_logprobs=1)
+            assert len(lp["tokens"]) == len(ids) + 1
+            assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+            for j in range(1, len(ids)):
+                w = want.prompt_logprobs[j - 1]
+                assert lp["tokens"][j] == g.core.token_text(ids[j])[0]
+                assert abs(lp["token_logprobs"][j] - w.logprob) < TOL
+                assert max(lp["top_logprobs"][j].values()) == pytest.approx(w.top[0][1], abs=TOL)
+            assert abs(lp["token_logprobs"][-1] - want.logprobs[0].logprob) < TOL
+            assert lp["text_offset"] == [sum(len(t) for t in lp["tokens"][:j]) for j in range(len(lp["tokens"]))]
+            assert choice["text"].startswith(g.core.tokenizer.decode(ids))
+            ctxlen = 3
+            score = sum(lp["token_logprobs"][ctxlen:-1])
+            assert score == pytest.approx(sum(w.logprob for w in want.prompt_logprobs[ctxlen - 1:]), abs=10 * TOL)
+            greedy = all(t == max(top.values()) for t, top in zip(lp["token_logprobs"][ctxlen:-1],
+                                                                    lp["top_logprobs"][ctxlen:-1]))
+            assert greedy == all(w.top[0][0] == w.token for w in want.prompt_logprobs[ctxlen - 1:])
+            # max_tokens 0: the prompt scored, nothing generated
+            s, z, _ = await post(http, "/v1/completions", {**body, "max_tokens": 0})
+            assert s == 200, z
+            assert z["choices"][0]["logprobs"]["tokens"] == lp["tokens"][:-1]
+            assert z["choices"][0]["text"] == g.core.tokenizer.decode(ids)
+            assert z["usage"]["completion_tokens"] == 0 and z["choices"][0]["finish_reason"] == "length"
+            # echo without logprobs: the prompt's text leads, nothing else changes
+            s, e, _ = await post(http, "/v1/completions", {"prompt": "def add(a, b):", "max_tokens": 6,
+                                                           "echo": True, "temperature": 0})
+            s, plain, _ = await post(http, "/v1/completions", {"prompt": "def add(a, b):", "max_tokens": 6,
+                                                               "temperature": 0})
+            assert e["choices"][0]["text"] == "def add(a, b):" + plain["choices"][0]["text"]
+            assert e["choices"][0]["logprobs"] is None
+            # streamed: the prompt's chunk first, then the completion's, offsets running on
+            s, events = await sse(http, "/v1/completions", {**body, "max_tokens": 3, "stream": True})
+            chunks = [c for ev in events[:-1] for c in ev["choices"]]
+            assert chunks[0]["text"] == g.core.tokenizer.decode(ids)
+            merged = [t for c in chunks if c["logprobs"] for t in c["logprobs"]["tokens"]]
+            offsets = [o for c in chunks if c["logprobs"] for o in c["logprobs"]["text_offset"]]
+            assert merged[:len(ids) + 1] == lp["tokens"]
+            assert offsets == [sum(len(t) for t in merged[:j]) for j in range(len(merged))]
+    run(scenario())
+
+
 def test_bad_logprobs_fields_are_400s(tiny_pair):
     async def scenario():
         async with stack(tiny_pair, load_source(tiny_pair)) as (g, http):
@@ -147,7 +199,10 @@ def test_bad_logprobs_fields_are_400s(tiny_pair):
                 ("/v1/completions", {"prompt": "x", "logprobs": 21}, "logprobs"),
                 ("/v1/completions", {"prompt": "x", "logprobs": -1}, "logprobs"),
                 ("/v1/completions", {"prompt": "x", "logprobs": "2"}, "logprobs"),
-                ("/v1/completions", {"prompt": "x", "logprobs": 1, "echo": True}, "echo"),
+                ("/v1/chat/completions", {**chat, "echo": True}, "echo"),
+                ("/v1/completions", {"prompt": "x", "echo": "yes"}, "echo"),
+                ("/v1/completions", {"prompt": "x", "max_tokens": 0}, "max_tokens"),
+                ("/v1/completions", {"prompt": "x", "max_tokens": -1, "echo": True}, "max_tokens"),
             ]
             for path, body, param in cases:
                 s, b, _ = await post(http, path, body)

@@ -105,6 +105,29 @@ def test_gpu_verifier_greedy_equals_cpu_plain(gpu_verifier, cpu_target):
 
 
 @needs_gpu
+def test_gpu_verifier_logprobs_equal_cpu_ones(gpu_verifier, cpu_target):
+    """Verifier.Generate with top_logprobs and prompt_logprobs on the GPU: one entry per token (the prompt's in the
+    first chunk), within twice the logits' noise (test_gpu_backend LOGIT_TOL) of the NumPy engine's raw numbers,
+    speculative and plain, and a prompt scored alone (max_tokens 0)."""
+    from services.wire import logprobs_from_pb
+
+    ids = cpu_target.tokenizer.encode("def add(a, b):\n")
+    want = generate(cpu_target.model, ids, 12, resolve_sampling({}, cpu_target.sampling_defaults), top_logprobs=2,
+                    prompt_logprobs=2)
+    for speculative, max_tokens in ((True, 12), (False, 12), (True, 0)):
+        chunks = list(gpu_verifier.stub.Generate(pb.GenerateRequest(
+            prompt_ids=ids, max_tokens=max_tokens, speculative=speculative, top_logprobs=2, prompt_logprobs=2),
+            timeout=120))
+        got = [lp for c in chunks for lp in logprobs_from_pb(c.logprobs)]
+        prompt = logprobs_from_pb(chunks[0].prompt_logprobs)
+        assert not any(c.prompt_logprobs for c in chunks[1:])
+        assert [lp.token for lp in got] == want.token_ids[:max_tokens] == [t for c in chunks for t in c.token_ids]
+        for g, w in zip(prompt + got, want.prompt_logprobs + want.logprobs):
+            assert g.token == w.token and abs(g.logprob - w.logprob) < 0.1 and len(g.top) == 2
+        assert len(prompt) == len(ids) - 1
+
+
+@needs_gpu
 def test_gpu_verifier_keeps_serving_after_bad_input(gpu_verifier, cpu_target):
     import grpc
 

@@ -103,6 +103,7 @@ class GenerationRequest:
     timeout: float | None = None            # seconds; becomes the gRPC deadline
     ignore_eos: bool = False                # do not stop at the model's end-of-sequence tokens
     top_logprobs: int | None = None         # set (0..20): each token's log-probability and that many alternatives
+    prompt_logprobs: int | None = None      # set (0..20): the prompt's tokens' too (completions' `echo`)
     arrived: float = field(default_factory=time.perf_counter)
     trace_context: Context | None = None    # extracted from the client's traceparent
 
@@ -129,6 +130,8 @@ class Outcome:
     # every generated token's log-probability but the end-of-sequence ones', when the request asked (else None);
     # a stream's Deltas carried a prefix of it
     logprobs: list[TokenLogprob] | None = None
+    # the prompt's tokens' after the first, when the request asked (prompt_logprobs set), else None
+    prompt_logprobs: list[TokenLogprob] | None = None
 
     @property
     def usage(self) -> dict:
@@ -263,6 +266,12 @@ class Generation:
         self.first_token_at: float | None = None
         self._attributed = 0                    # token ids already handed out with a Delta
         self._token_lps: list[TokenLogprob] = []  # one per token id received, when the request asked
+        self._prompt_lps: list[TokenLogprob] | None = None
+
+    @property
+    def prompt_logprobs(self) -> list[TokenLogprob] | None:
+        """The prompt's tokens' log-probabilities (after the first), once the verifier's first chunk came."""
+        return self._prompt_lps
 
     async def __aenter__(self) -> Generation:
         req = self.req
@@ -368,6 +377,8 @@ class Generation:
                                  sampling=sampling, stop_ids=self._stop_ids())
         if req.top_logprobs is not None:
             out.top_logprobs = req.top_logprobs
+        if req.prompt_logprobs is not None:
+            out.prompt_logprobs = req.prompt_logprobs
         return out
 
     def _stop_ids(self) -> list[int]:
@@ -400,6 +411,8 @@ class Generation:
                             core.metrics.observe_chunk(len(chunk.token_ids), now - last)
                         last = now
                     lps = self._chunk_logprobs(chunk)
+                    if self._prompt_lps is None and req.prompt_logprobs is not None:
+                        self._prompt_lps = self._chunk_prompt_logprobs(chunk)
                     for j, t in enumerate(chunk.token_ids):
                         token_ids.append(int(t))
                         if lps is not None:
@@ -443,6 +456,13 @@ class Generation:
                                 f"{len(chunk.token_ids)} tokens", type="server_error")
         return logprobs_from_pb(chunk.logprobs)
 
+    def _chunk_prompt_logprobs(self, chunk: Any) -> list[TokenLogprob]:
+        want = len(self.req.prompt_ids) - 1
+        if len(chunk.prompt_logprobs) != want:
+            raise APIError(502, f"the verifier sent {len(chunk.prompt_logprobs)} prompt log-probabilities for a "
+                                f"{want + 1}-token prompt", type="server_error")
+        return logprobs_from_pb(chunk.prompt_logprobs)
+
     def _listed(self, lps: list[TokenLogprob]) -> list[TokenLogprob]:
         """The log-probabilities a client sees: end-of-sequence tokens' left out (their text is never shown)."""
         stop = set(self._stop_ids())
@@ -479,7 +499,8 @@ class Generation:
         out = Outcome(finish_reason=finish, prompt_tokens=n_prompt, completion_tokens=n_gen,
                       token_ids=token_ids[:n_gen], spec=spec, prompt_ms=prompt_ms, predicted_ms=predicted_ms,
                       stop_string=asm.matched_stop,
-                      logprobs=None if req.top_logprobs is None else self._listed(self._token_lps[:n_gen]))
+                      logprobs=None if req.top_logprobs is None else self._listed(self._token_lps[:n_gen]),
+                      prompt_logprobs=self._prompt_lps)
         self.outcome = out
         m = core.metrics
         m.observe_tokens(n_prompt, n_gen)

@@ -31,16 +31,19 @@ from .openai_api import (
     completion_chunk,
     completion_logprobs,
     completion_response,
+    join_logprobs,
     new_id,
     now,
     opt_bool,
     opt_model,
     opt_object,
+    parse_chat_echo,
     parse_chat_logprobs,
     parse_common,
     parse_completion_logprobs,
     parse_messages,
     parse_prompt,
+    prompt_logprobs,
 )
 from .textstream import prompt_opens_thinking
 
@@ -176,6 +179,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     body = await read_json(request)
     model = core.resolve_model(opt_model(body))
     params = parse_common(body)
+    parse_chat_echo(body)
     top_logprobs = parse_chat_logprobs(body)
     messages = parse_messages(body)
     kwargs = dict(opt_object(body, "chat_template_kwargs") or {})
@@ -209,22 +213,34 @@ async def completions(request: web.Request) -> web.StreamResponse:
     arrived = time.perf_counter()
     body = await read_json(request)
     model = core.resolve_model(opt_model(body))
-    params = parse_common(body)
+    echo = opt_bool(body, "echo")
+    params = parse_common(body, echo=echo)
     top_logprobs = parse_completion_logprobs(body)
     prompt = parse_prompt(body)
     prompt_ids = core.encode(prompt, add_special=True) if isinstance(prompt, str) else prompt
     core.check_prompt(prompt_ids)
+    # echo: the prompt's text leads the answer, and with logprobs its tokens' (scored on the verifier); a prompt
+    # scored with nothing generated (max_tokens 0) is asked for even without logprobs
+    scored = echo and (top_logprobs is not None or params.max_tokens == 0)
     req = GenerationRequest(request_id=new_id("cmpl"), operation="text_completion", endpoint="/v1/completions",
                             model=model, prompt_ids=prompt_ids, max_tokens=params.max_tokens,
                             sampling=params.sampling, sampling_set=params.sampling_set, stop=params.stop,
                             timeout=params.timeout, ignore_eos=params.ignore_eos, top_logprobs=top_logprobs,
+                            prompt_logprobs=(top_logprobs or 0) if scored else None,
                             arrived=arrived, trace_context=_trace_context(request))
+    echo_text = (prompt if isinstance(prompt, str) else core.tokenizer.decode(prompt_ids)) if echo else None
     if params.stream:
-        return await _stream(request, core, req, chat=False, include_usage=params.include_usage)
+        return await _stream(request, core, req, chat=False, include_usage=params.include_usage, echo=echo_text)
     async with core.open(req) as gen:
         content, _, out = await gen.collect()
-    lps = None if out.logprobs is None else completion_logprobs(out.logprobs, core.token_text)[0]
-    return web.json_response(completion_response(req.request_id, now(), model, content, out, lps))
+    lps = None
+    if out.logprobs is not None:
+        lps, offset = completion_logprobs([], core.token_text)
+        if echo:    # the prompt's tokens first (its first without a value), then the completion's
+            lps, offset = prompt_logprobs(prompt_ids[0], out.prompt_logprobs or [], core.token_text)
+        lps = join_logprobs(lps, completion_logprobs(out.logprobs, core.token_text, offset)[0])
+    text = (echo_text or "") + content
+    return web.json_response(completion_response(req.request_id, now(), model, text, out, lps))
 
 
 # ----------------------------------------------------------------------------------------- streaming
@@ -235,7 +251,7 @@ def _sse(obj: Any) -> bytes:
 
 
 async def _stream(request: web.Request, core: GatewayCore, req: GenerationRequest, chat: bool,
-                  include_usage: bool) -> web.StreamResponse:
+                  include_usage: bool, echo: str | None = None) -> web.StreamResponse:
     ping = request.app[PING_KEY]
     created = now()
     rid, model = req.request_id, req.model
@@ -252,6 +268,10 @@ async def _stream(request: web.Request, core: GatewayCore, req: GenerationReques
         try:
             ev = first
             while True:
+                if echo is not None and ev is not None:   # completions' echo: the prompt first, once it is scored
+                    await resp.write(_sse(completion_chunk(rid, created, model, echo,
+                                                           logprobs=lp.prompt(req, gen) if lp is not None else None)))
+                    echo = None
                 if ev is None:
                     await resp.write(b": ping\n\n")
                 elif isinstance(ev, Delta):
@@ -289,6 +309,11 @@ class _StreamLogprobs:
         if self.chat:
             return chat_logprobs(lps, self.core.token_text)
         out, self.offset = completion_logprobs(lps, self.core.token_text, self.offset)
+        return out
+
+    def prompt(self, req: GenerationRequest, gen: Generation) -> dict:
+        """An echoed prompt's logprobs (completions), the text offsets of what follows counted from its end."""
+        out, self.offset = prompt_logprobs(req.prompt_ids[0], gen.prompt_logprobs or [], self.core.token_text)
         return out
 
     def rest(self, out: Outcome) -> dict | None:

@@ -117,16 +117,19 @@ def parse_stop(value: Any) -> list[str]:
     raise invalid(f"'stop' must be a string or a list of strings, got {type(value).__name__}", "stop")
 
 
-def parse_common(body: dict) -> CommonParams:
+def parse_common(body: dict, echo: bool = False) -> CommonParams:
+    """The fields chat and completions share. echo (completions' `echo`, read by the caller): max_tokens may be 0,
+    the prompt scored and nothing generated."""
     n = opt_int(body, "n")
     if n is not None and n != 1:
         raise invalid(f"only n=1 is supported, got n={n}", "n")
     mct = opt_int(body, "max_completion_tokens")
     mt = opt_int(body, "max_tokens")
     max_tokens = mct if mct is not None else mt
-    if max_tokens is not None and max_tokens < 1:
+    if max_tokens is not None and max_tokens < (0 if echo else 1):
         name = "max_completion_tokens" if mct is not None else "max_tokens"
-        raise invalid(f"'{name}' must be at least 1, got {max_tokens}", name)
+        least = "0 (with echo)" if echo else "1"
+        raise invalid(f"'{name}' must be at least {least}, got {max_tokens}", name)
     temperature = opt_number(body, "temperature")
     top_p = opt_number(body, "top_p")
     min_p = opt_number(body, "min_p")
@@ -159,10 +162,6 @@ def parse_common(body: dict) -> CommonParams:
     timeout = opt_number(body, "timeout")
     if timeout is not None and timeout <= 0:
         raise invalid(f"'timeout' must be > 0 seconds, got {timeout}", "timeout")
-    if body.get("echo") not in (None, False):
-        # Silently ignoring it would hand evaluation harnesses wrong numbers (they score the prompt's tokens).
-        raise APIError(400, "echo (the prompt's tokens and log-probabilities) is not supported by this server",
-                       param="echo")
     rf = body.get("response_format")
     if rf is not None:
         if not isinstance(rf, dict) or rf.get("type") not in ("text",):
@@ -170,6 +169,12 @@ def parse_common(body: dict) -> CommonParams:
     return CommonParams(max_tokens=max_tokens, sampling=sampling, stop=parse_stop(body.get("stop")),
                         stream=stream, include_usage=include_usage, timeout=timeout,
                         ignore_eos=opt_bool(body, "ignore_eos"), sampling_set=frozenset(given))
+
+
+def parse_chat_echo(body: dict) -> None:
+    """Chat has no `echo` (a completions field); silently ignoring it would hand a harness wrong numbers."""
+    if body.get("echo") not in (None, False):
+        raise invalid("'echo' is a /v1/completions field (the prompt's text and log-probabilities)", "echo")
 
 
 def parse_chat_logprobs(body: dict) -> int | None:
@@ -242,6 +247,20 @@ def chat_logprobs(lps: Sequence[TokenLogprob], text_of: TokenText) -> dict:
     return {"content": [{**entry(lp.token, lp.logprob), "top_logprobs": [entry(i, v) for i, v in lp.top]}
                         for lp in lps],
             "refusal": None}
+
+
+def prompt_logprobs(first: int, lps: Sequence[TokenLogprob], text_of: TokenText) -> tuple[dict, int]:
+    """A completion's legacy `logprobs` for an echoed prompt: its first token without a value (no context), then the
+    others', and the text offset after them."""
+    text, _ = text_of(first)
+    rest, offset = completion_logprobs(lps, text_of, len(text))
+    return {"tokens": [text] + rest["tokens"], "token_logprobs": [None] + rest["token_logprobs"],
+            "top_logprobs": [None] + rest["top_logprobs"], "text_offset": [0] + rest["text_offset"]}, offset
+
+
+def join_logprobs(a: dict, b: dict) -> dict:
+    """Two legacy `logprobs` objects one after the other (an echoed prompt's, then the completion's)."""
+    return {k: a[k] + b[k] for k in ("tokens", "token_logprobs", "top_logprobs", "text_offset")}
 
 
 def completion_logprobs(lps: Sequence[TokenLogprob], text_of: TokenText, offset: int = 0) -> tuple[dict, int]:

@@ -306,6 +306,7 @@ class _Job:
     spec: SpecConfig
     deadline: float | None                      # time.monotonic() value, None = no deadline
     top_logprobs: int | None                    # set: the chunks carry each token's log-probability
+    prompt_logprobs: int | None                 # set: the first chunk carries the prompt's
     span: Any                                   # the verifier.generate span
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue
@@ -405,10 +406,12 @@ class VerifierServicer(pb_grpc.VerifierServicer):
         for _ in speculative_stream(self.target.model, proposer, prompt, WARMUP_TOKENS,
                                     spec=self._spec_config(self.cfg.budget), max_ctx=self.max_ctx):
             pass
-        # and a request that asks for log-probabilities (their kernels on a GPU), plain and from a verify's rows
+        # and a request that asks for log-probabilities (their kernels on a GPU): a scored prompt's, plain steps' and
+        # a verify's rows
         proposer = self.drafter.new_proposer() if self.drafter is not None else None
         for _ in speculative_stream(self.target.model, proposer, prompt, 3, spec=self._spec_config(self.cfg.budget),
-                                    max_ctx=self.max_ctx, top_logprobs=MAX_TOP_LOGPROBS):
+                                    max_ctx=self.max_ctx, top_logprobs=MAX_TOP_LOGPROBS,
+                                    prompt_logprobs=MAX_TOP_LOGPROBS):
             pass
         log.info("verifier: %s (%s, vocab %d, context %d) loaded in %.0f ms, warm-up %.0f ms; drafter: %s",
                  self.target.name, self.target.cfg.arch, self.target.cfg.n_vocab, self.max_ctx, load_ms,
@@ -510,13 +513,17 @@ class VerifierServicer(pb_grpc.VerifierServicer):
         return self.info()
 
     # -- Generate ----------------------------------------------------------------------------------
-    def _validate(self, request: pb.GenerateRequest) -> tuple[SamplingParams, bool, SpecConfig, int | None]:
+    def _validate(self, request: pb.GenerateRequest) -> tuple[SamplingParams, bool, SpecConfig, int | None,
+                                                              int | None]:
         """Raise InvalidRequestError / ContextOverflowError for anything the engine would reject."""
         top_logprobs = check_top_logprobs(request.top_logprobs if request.HasField("top_logprobs") else None)
+        prompt_logprobs = check_top_logprobs(request.prompt_logprobs if request.HasField("prompt_logprobs") else None,
+                                             "prompt_logprobs")
         s = request.sampling
         # fields the client left unset: the model file's declared sampling (GGUF general.sampling.*)
         params = sampling_from_pb(s, self.target.sampling_defaults).validate()
-        check_request(self.target.model, request.prompt_ids, request.max_tokens, self.max_ctx)
+        check_request(self.target.model, request.prompt_ids, request.max_tokens, self.max_ctx,
+                      scoring=prompt_logprobs is not None)
         n_vocab = self.target.cfg.n_vocab
         bad = [t for t in request.stop_ids if not 0 <= t < n_vocab]
         if bad:
@@ -532,7 +539,7 @@ class VerifierServicer(pb_grpc.VerifierServicer):
             budget = request.budget or None
             if budget is not None and self.width > 1:
                 budget = min(budget, self.width - 1)     # the widest verify the memory plan counted
-        return params, speculative and has_drafter, self._spec_config(budget), top_logprobs
+        return params, speculative and has_drafter, self._spec_config(budget), top_logprobs, prompt_logprobs
 
     def _spec_config(self, budget: int | str | None) -> SpecConfig:
         if budget == "auto":
@@ -548,7 +555,7 @@ class VerifierServicer(pb_grpc.VerifierServicer):
         if self._draining:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the verifier is shutting down")
         try:
-            params, speculative, spec, top_logprobs = self._validate(request)
+            params, speculative, spec, top_logprobs, prompt_logprobs = self._validate(request)
         except ContextOverflowError as e:
             self.counters.invalid += 1
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
@@ -596,7 +603,7 @@ class VerifierServicer(pb_grpc.VerifierServicer):
             remaining = context.time_remaining()
             job = _Job(request_id=request_id, prompt_ids=list(request.prompt_ids), max_tokens=request.max_tokens,
                        params=params, stop_ids=list(request.stop_ids), speculative=speculative, spec=spec,
-                       top_logprobs=top_logprobs,
+                       top_logprobs=top_logprobs, prompt_logprobs=prompt_logprobs,
                        deadline=time.monotonic() + remaining if remaining is not None else None,
                        span=span, loop=asyncio.get_running_loop(), queue=asyncio.Queue())
             self._queued += 1
@@ -611,8 +618,9 @@ class VerifierServicer(pb_grpc.VerifierServicer):
             while True:
                 kind, payload = await job.queue.get()
                 if kind == "chunk":
-                    tokens, lps = payload
-                    yield pb.GenerateChunk(token_ids=tokens, logprobs=logprobs_to_pb(lps))
+                    tokens, lps, prompt_lps = payload
+                    yield pb.GenerateChunk(token_ids=tokens, logprobs=logprobs_to_pb(lps),
+                                           prompt_logprobs=logprobs_to_pb(prompt_lps))
                 elif kind == "final":
                     span_open = False          # _final_chunk ends it with the totals
                     # The slot must be free before the client hears the end: a client that sends its next
@@ -680,8 +688,8 @@ class VerifierServicer(pb_grpc.VerifierServicer):
 
         fut.add_done_callback(release)
 
-    def _final_chunk(self, job: _Job, payload: tuple[list[int], list], queue_ms: float) -> pb.GenerateChunk:
-        tokens, lps = payload
+    def _final_chunk(self, job: _Job, payload: tuple[list[int], list, list], queue_ms: float) -> pb.GenerateChunk:
+        tokens, lps, prompt_lps = payload
         res = job.result
         spec = _spec_stats(res.spec, job)
         span = job.span
@@ -706,6 +714,7 @@ class VerifierServicer(pb_grpc.VerifierServicer):
         return pb.GenerateChunk(
             token_ids=tokens,
             logprobs=logprobs_to_pb(lps),
+            prompt_logprobs=logprobs_to_pb(prompt_lps),
             finish_reason=_FINISH.get(res.finish_reason, pb.FINISH_REASON_LENGTH),
             usage=pb.Usage(prompt_tokens=res.prompt_tokens, completion_tokens=len(res.token_ids)),
             spec=spec,
@@ -804,13 +813,18 @@ class VerifierServicer(pb_grpc.VerifierServicer):
             gen = speculative_stream(self.target.model, proposer, job.prompt_ids, job.max_tokens, job.params,
                                      job.spec, job.stop_ids, self.max_ctx, job.result,
                                      on_step=lambda info: self._step_spans(job, info),
-                                     top_logprobs=job.top_logprobs)
+                                     top_logprobs=job.top_logprobs, prompt_logprobs=job.prompt_logprobs)
             stop = set(job.stop_ids)
             n = 0
+            prompt_sent = False
 
-            def with_logprobs(chunk: list[int]) -> tuple[list[int], list]:
-                lps = job.result.logprobs
-                return chunk, ([] if lps is None else lps[n - len(chunk):n])
+            def with_logprobs(chunk: list[int]) -> tuple[list[int], list, list]:
+                """A chunk's tokens, their log-probabilities and (the first chunk sent) the prompt's."""
+                nonlocal prompt_sent
+                lps, plps = job.result.logprobs, job.result.prompt_logprobs
+                first = not prompt_sent and plps is not None
+                prompt_sent = True
+                return chunk, ([] if lps is None else lps[n - len(chunk):n]), (plps if first else [])
 
             while True:
                 if self._expired(job):
@@ -821,8 +835,9 @@ class VerifierServicer(pb_grpc.VerifierServicer):
                         chunk = next(gen)
                 except StopIteration:
                     # Ended for a reason we could not see coming (the context filled up): the last chunk
-                    # was already sent, so the totals go in an empty closing chunk.
-                    job.put("final", ([], []))
+                    # was already sent, so the totals go in an empty closing chunk (and a scored prompt that
+                    # generated nothing its log-probabilities).
+                    job.put("final", with_logprobs([]))
                     return
                 n += len(chunk)
                 if (chunk and chunk[-1] in stop) or n >= job.max_tokens:
