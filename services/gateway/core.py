@@ -35,6 +35,7 @@ from .errors import APIError, context_exceeded, from_engine, from_grpc, prompt_p
 from .metrics import GatewayMetrics
 from .pool import VerifierEndpoint, VerifierPool
 from .textstream import TextAssembler, think_token_ids
+from .toolcalls import ToolCall, ToolCallParser
 
 log = logging.getLogger("specsplit.gateway")
 
@@ -104,6 +105,7 @@ class GenerationRequest:
     ignore_eos: bool = False                # do not stop at the model's end-of-sequence tokens
     top_logprobs: int | None = None         # set (0..20): each token's log-probability and that many alternatives
     prompt_logprobs: int | None = None      # set (0..20): the prompt's tokens' too (completions' `echo`)
+    tools: list[dict] | None = None         # set: the answer's `<tool_call>` blocks become tool calls
     arrived: float = field(default_factory=time.perf_counter)
     trace_context: Context | None = None    # extracted from the client's traceparent
 
@@ -115,6 +117,7 @@ class Delta:
     token_ids: list[int] = field(default_factory=list)   # tokens consumed since the previous Delta
     # their log-probabilities when the request asked (end-of-sequence tokens left out: they have no text)
     logprobs: list[TokenLogprob] = field(default_factory=list)
+    tool_calls: list[ToolCall] = field(default_factory=list)
 
 
 @dataclass
@@ -132,6 +135,7 @@ class Outcome:
     logprobs: list[TokenLogprob] | None = None
     # the prompt's tokens' after the first, when the request asked (prompt_logprobs set), else None
     prompt_logprobs: list[TokenLogprob] | None = None
+    tool_calls: list[ToolCall] = field(default_factory=list)   # every call the answer made, in order
 
     @property
     def usage(self) -> dict:
@@ -267,6 +271,8 @@ class Generation:
         self._attributed = 0                    # token ids already handed out with a Delta
         self._token_lps: list[TokenLogprob] = []  # one per token id received, when the request asked
         self._prompt_lps: list[TokenLogprob] | None = None
+        self._tools = ToolCallParser(req.tools) if req.tools else None
+        self._calls: list[ToolCall] = []
 
     @property
     def prompt_logprobs(self) -> list[TokenLogprob] | None:
@@ -337,7 +343,7 @@ class Generation:
         return item
 
     async def collect(self) -> tuple[str, str, Outcome]:
-        """Run to the end: (content, reasoning, outcome)."""
+        """Run to the end: (content, reasoning, outcome); the outcome holds the tool calls."""
         content, reasoning = [], []
         while True:
             ev = await self.next()
@@ -470,16 +476,32 @@ class Generation:
 
     def _emit(self, pieces, token_ids: list[int]) -> None:
         for p in pieces:
-            ids = token_ids[self._attributed:]
-            lps = self._listed(self._token_lps[self._attributed:])
-            self._attributed = len(token_ids)
             if p.channel == "reasoning":
-                self._queue.put_nowait(Delta(reasoning=p.text, token_ids=ids, logprobs=lps))
-            else:
-                self._queue.put_nowait(Delta(content=p.text, token_ids=ids, logprobs=lps))
+                self._put(Delta(reasoning=p.text), token_ids)
+            elif self._tools is None:
+                self._put(Delta(content=p.text), token_ids)
+            else:       # the content channel through the tool-call parser: text, or a whole call
+                self._put_parsed(self._tools.push(p.text), token_ids)
+
+    def _put_parsed(self, events: list, token_ids: list[int]) -> None:
+        for ev in events:
+            if isinstance(ev, ToolCall):
+                self._calls.append(ev)
+                self._put(Delta(tool_calls=[ev]), token_ids)
+            elif ev:
+                self._put(Delta(content=ev), token_ids)
+
+    def _put(self, delta: Delta, token_ids: list[int]) -> None:
+        """Queue a Delta with the tokens consumed since the last one (and their log-probabilities)."""
+        delta.token_ids = token_ids[self._attributed:]
+        delta.logprobs = self._listed(self._token_lps[self._attributed:])
+        self._attributed = len(token_ids)
+        self._queue.put_nowait(delta)
 
     def _finish(self, asm: TextAssembler, token_ids: list[int], finish: str, last: Any) -> None:
         req, core = self.req, self.core
+        if self._tools is not None:     # what the parser held back: text, or a call the answer ended in
+            self._put_parsed(self._tools.finish(), token_ids)
         now = time.perf_counter()
         spec = last.spec if last is not None and last.HasField("spec") else None
         n_prompt = len(req.prompt_ids)
@@ -488,6 +510,8 @@ class Generation:
             finish = "stop"
         elif last is not None and last.HasField("usage") and last.usage.completion_tokens > 0:
             n_gen = int(last.usage.completion_tokens)
+        if self._calls and finish == "stop":    # OpenAI's reason when the answer called tools
+            finish = "tool_calls"
         first = self.first_token_at
         prompt_ms = ((first if first is not None else now) - req.arrived) * 1e3
         predicted_ms = (now - first) * 1e3 if first is not None else 0.0
@@ -500,7 +524,7 @@ class Generation:
                       token_ids=token_ids[:n_gen], spec=spec, prompt_ms=prompt_ms, predicted_ms=predicted_ms,
                       stop_string=asm.matched_stop,
                       logprobs=None if req.top_logprobs is None else self._listed(self._token_lps[:n_gen]),
-                      prompt_logprobs=self._prompt_lps)
+                      prompt_logprobs=self._prompt_lps, tool_calls=list(self._calls))
         self.outcome = out
         m = core.metrics
         m.observe_tokens(n_prompt, n_gen)

@@ -46,6 +46,7 @@ from .openai_api import (
     prompt_logprobs,
 )
 from .textstream import prompt_opens_thinking
+from .toolcalls import arguments_as_objects, check_tool_choice, check_tools
 
 log = logging.getLogger("specsplit.gateway")
 
@@ -186,10 +187,9 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     reserved = sorted(set(kwargs) & {"messages", "tools", "add_generation_prompt"})
     if reserved:
         raise invalid(f"chat_template_kwargs may not set {', '.join(reserved)}", "chat_template_kwargs")
-    tools = body.get("tools")
-    if tools is not None and not isinstance(tools, list):
-        raise invalid("'tools' must be an array", "tools")
-    prompt_text = core.render_chat(messages, tools or None, kwargs)
+    tools = check_tools(body.get("tools"))
+    parse_calls = check_tool_choice(body.get("tool_choice"), tools)
+    prompt_text = core.render_chat(arguments_as_objects(messages), tools, kwargs)
     prompt_ids = core.encode(prompt_text, add_special=False)
     core.check_prompt(prompt_ids, param="messages")
     split = core.think_ids is not None
@@ -198,7 +198,8 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
                             sampling=params.sampling, sampling_set=params.sampling_set, stop=params.stop,
                             split_reasoning=split,
                             in_reasoning=split and prompt_opens_thinking(prompt_text), timeout=params.timeout,
-                            ignore_eos=params.ignore_eos, top_logprobs=top_logprobs, arrived=arrived,
+                            ignore_eos=params.ignore_eos, top_logprobs=top_logprobs,
+                            tools=tools if parse_calls else None, arrived=arrived,
                             trace_context=_trace_context(request))
     if params.stream:
         return await _stream(request, core, req, chat=True, include_usage=params.include_usage)
@@ -325,7 +326,12 @@ def _delta_chunk(rid: str, created: int, model: str, ev: Delta, chat: bool, lp: 
     lps = lp.shape(ev.logprobs) if lp is not None else None
     if not chat:
         return completion_chunk(rid, created, model, ev.content, logprobs=lps)
-    delta = {"reasoning_content": ev.reasoning} if ev.reasoning else {"content": ev.content}
+    if ev.tool_calls:      # a whole call a chunk: index, id, type and name with the complete arguments
+        delta: dict = {"tool_calls": [c.as_openai(with_index=True) for c in ev.tool_calls]}
+    elif ev.reasoning:
+        delta = {"reasoning_content": ev.reasoning}
+    else:
+        delta = {"content": ev.content}
     return chat_chunk(rid, created, model, delta, logprobs=lps)
 
 

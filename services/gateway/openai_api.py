@@ -305,6 +305,10 @@ def completion_chunk(rid: str, created: int, model: str, text: str | None, finis
 def chat_response(rid: str, created: int, model: str, content: str, reasoning: str, out: Outcome,
                   logprobs: dict | None = None) -> dict:
     message: dict[str, Any] = {"role": "assistant", "content": content}
+    if out.tool_calls:     # the calls; what text the answer had beside them stays content (null when none)
+        message["tool_calls"] = [c.as_openai() for c in out.tool_calls]
+        if not content.strip():
+            message["content"] = None
     if reasoning:
         message["reasoning_content"] = reasoning.strip()
     return {"id": rid, "object": "chat.completion", "created": created, "model": model,
