@@ -135,6 +135,11 @@ def test_bad_requests_get_openai_errors_and_server_keeps_serving(tiny_pair, sour
                 ({**CHAT, "chat_template_kwargs": {"messages": []}}, 400, "invalid_request_error",
                  "chat_template_kwargs"),
                 ({**CHAT, "messages": [{"content": "no role"}]}, 400, "invalid_request_error", "messages"),
+                # fields that would change the answer, which the server does not do: refused, never ignored
+                ({**CHAT, "logit_bias": {"42": -100}}, 400, "invalid_request_error", "logit_bias"),
+                ({**CHAT, "min_tokens": 5}, 400, "invalid_request_error", "min_tokens"),
+                ({**CHAT, "guided_json": {"type": "object"}}, 400, "invalid_request_error", "guided_json"),
+                ({**CHAT, "functions": [{"name": "f"}]}, 400, "invalid_request_error", "functions"),
                 ({"messages": [{"role": "user", "content": "def add(a, b): return a + b " * 10}],
                   "max_tokens": 4}, 400, "exceed_context_size_error", "messages"),
             ]
@@ -146,6 +151,12 @@ def test_bad_requests_get_openai_errors_and_server_keeps_serving(tiny_pair, sour
             s, b, _ = await post(http, "/v1/completions", {"prompt": "def add(a, b): return a + b " * 10,
                                                            "max_tokens": 4})
             assert_error(s, b, 400, "exceed_context_size_error", "prompt")
+            for field, value in (("suffix", "}"), ("best_of", 3), ("grammar", "root ::= \"a\"")):
+                s, b, _ = await post(http, "/v1/completions", {"prompt": "x", "max_tokens": 2, field: value})
+                assert_error(s, b, 400, "invalid_request_error", field)
+            s, b, _ = await post(http, "/v1/completions", {"prompt": "x", "max_tokens": 2, "suffix": "", "best_of": 1,
+                                                           "logit_bias": {}, "min_tokens": 0})
+            assert s == 200, b
             s, b, _ = await post(http, "/v1/completions", {"prompt": {"x": 1}})
             assert_error(s, b, 400, "invalid_request_error", "prompt")
             s, b, _ = await post(http, "/v1/completions", {"prompt": [1, 2, 99999], "max_tokens": 2})

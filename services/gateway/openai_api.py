@@ -162,6 +162,7 @@ def parse_common(body: dict, echo: bool = False) -> CommonParams:
     timeout = opt_number(body, "timeout")
     if timeout is not None and timeout <= 0:
         raise invalid(f"'timeout' must be > 0 seconds, got {timeout}", "timeout")
+    refuse_unhonoured(body)
     rf = body.get("response_format")
     if rf is not None:
         if not isinstance(rf, dict) or rf.get("type") not in ("text",):
@@ -169,6 +170,31 @@ def parse_common(body: dict, echo: bool = False) -> CommonParams:
     return CommonParams(max_tokens=max_tokens, sampling=sampling, stop=parse_stop(body.get("stop")),
                         stream=stream, include_usage=include_usage, timeout=timeout,
                         ignore_eos=opt_bool(body, "ignore_eos"), sampling_set=frozenset(given))
+
+
+# Fields that change what a request means, which specsplit does not do: set to anything but their neutral value they
+# are a 400, never ignored (unknown fields are ignored, as vLLM does, only because they cannot change the answer).
+UNHONOURED = {
+    "logit_bias": (lambda v: v in (None, {}), "per-token logit biases"),
+    "suffix": (lambda v: v in (None, ""), "a suffix (fill in the middle)"),
+    "best_of": (lambda v: v in (None, 1), "best_of > 1"),
+    "functions": (lambda v: v in (None, []), "legacy 'functions' (send 'tools')"),
+    "function_call": (lambda v: v in (None, "none", "auto"), "legacy 'function_call' (send 'tool_choice')"),
+    "min_tokens": (lambda v: v in (None, 0), "min_tokens (vLLM's)"),
+    "guided_json": (lambda v: v is None, "guided decoding (vLLM's guided_*)"),
+    "guided_regex": (lambda v: v is None, "guided decoding (vLLM's guided_*)"),
+    "guided_choice": (lambda v: v is None, "guided decoding (vLLM's guided_*)"),
+    "guided_grammar": (lambda v: v is None, "guided decoding (vLLM's guided_*)"),
+    "grammar": (lambda v: v in (None, ""), "grammar-constrained decoding (llama.cpp's grammar)"),
+    "json_schema": (lambda v: v is None, "schema-constrained decoding (llama.cpp's json_schema)"),
+}
+
+
+def refuse_unhonoured(body: dict) -> None:
+    """A 400 for a field in UNHONOURED set to a value that would change the answer."""
+    for name, (neutral, what) in UNHONOURED.items():
+        if name in body and not neutral(body[name]):
+            raise invalid(f"'{name}': {what} is not supported by this server", name)
 
 
 def parse_chat_echo(body: dict) -> None:
