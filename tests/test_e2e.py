@@ -287,6 +287,21 @@ def test_echo_scores_the_prompt_like_specsplit_generate(cluster):
     assert r.choices[0].logprobs.token_logprobs[1:] == pytest.approx(lp.token_logprobs[1:-1], abs=2e-4)
 
 
+def test_n_choices_through_the_openai_client(cluster):
+    """n = 2 through the three processes: choice i is the request with seed + i, and the client reads both."""
+    c = cluster
+    client, model = c["client"], c["model"]
+    kw = dict(model=model, prompt="def add(a, b):", max_tokens=12, temperature=0.9)
+    r = client.completions.create(n=2, seed=5, **kw)
+    assert [ch.index for ch in r.choices] == [0, 1]
+    singles = [client.completions.create(seed=5 + i, **kw).choices[0].text for i in range(2)]
+    assert [ch.text for ch in r.choices] == singles
+    stream = client.chat.completions.create(model=model, messages=MSGS, max_tokens=6, n=2, stream=True,
+                                            temperature=0.9, seed=3)
+    seen = {cc.index for ch in stream for cc in ch.choices}
+    assert seen == {0, 1}
+
+
 def test_penalties_reach_the_verifier(cluster):
     """OpenAI presence_penalty and the vLLM / llama.cpp extensions travel to the verifier; speculative decoding
     under them gives `specsplit generate`'s plain tokens; an out-of-range value is a 400 naming the field."""

@@ -124,7 +124,8 @@ def test_bad_requests_get_openai_errors_and_server_keeps_serving(tiny_pair, sour
                 ({**CHAT, "max_tokens": -1}, 400, "invalid_request_error", "max_tokens"),
                 ({**CHAT, "max_tokens": 0}, 400, "invalid_request_error", "max_tokens"),
                 ({**CHAT, "max_completion_tokens": 0}, 400, "invalid_request_error", "max_completion_tokens"),
-                ({**CHAT, "n": 2}, 400, "invalid_request_error", "n"),
+                ({**CHAT, "n": 17}, 400, "invalid_request_error", "n"),
+                ({**CHAT, "n": 0}, 400, "invalid_request_error", "n"),
                 ({**CHAT, "top_p": 0}, 400, "invalid_request_error", "top_p"),
                 ({**CHAT, "min_p": 2}, 400, "invalid_request_error", "min_p"),
                 ({**CHAT, "top_k": -5}, 400, "invalid_request_error", "top_k"),
@@ -331,7 +332,7 @@ def test_metrics_match_the_requests_made(tiny_pair, source):
             prompt += ev[-2]["usage"]["prompt_tokens"]
             draft += ev[-2]["timings"].get("draft_n", 0)
             accepted += ev[-2]["timings"].get("draft_n_accepted", 0)
-            await post(http, "/v1/chat/completions", {**CHAT, "n": 3})
+            await post(http, "/v1/chat/completions", {**CHAT, "n": 99})
             await post(http, "/v1/chat/completions", b"oops")
 
             async with http.get("/metrics") as r:
@@ -648,3 +649,50 @@ def test_gateway_cli_flags_and_env(monkeypatch):
                                                       "--verifier", "h:2", "--port", "81",
                                                       "--request-timeout", "30"]))
     assert cfg.verifiers == ["h:1", "h:2"] and cfg.port == 81 and cfg.request_timeout == 30
+
+
+# ------------------------------------------------------------------------------------------- n > 1
+
+
+def test_n_choices_streamed_and_not(tiny_pair, source):
+    """n choices: each its own generation (seed + i), indexed; usage counts the prompt once and every choice's
+    tokens; streamed, each index has its role chunk, deltas and finish chunk, one usage chunk and one [DONE]; more
+    choices than the verifier takes is a 429 and the server goes on."""
+    async def scenario():
+        async with stack(tiny_pair, source, max_queue=0) as (g, http):
+            body = {**CHAT, "temperature": 1.0, "seed": 7, "max_tokens": 8}
+            singles = []
+            for i in range(3):
+                s, b, _ = await post(http, "/v1/chat/completions", {**body, "seed": 7 + i})
+                singles.append(b)
+            s, b, _ = await post(http, "/v1/chat/completions", {**body, "n": 2})
+            assert s == 429, b                        # one slot and no queue: the second choice does not fit
+            await wait_idle(g)
+        async with stack(tiny_pair, source) as (g, http):
+            s, b, _ = await post(http, "/v1/chat/completions", {**body, "n": 3})
+            assert s == 200, b
+            assert [c["index"] for c in b["choices"]] == [0, 1, 2]
+            assert [c["message"]["content"] for c in b["choices"]] == \
+                [x["choices"][0]["message"]["content"] for x in singles]
+            assert b["usage"]["prompt_tokens"] == singles[0]["usage"]["prompt_tokens"]
+            assert b["usage"]["completion_tokens"] == sum(x["usage"]["completion_tokens"] for x in singles)
+            s, events = await sse(http, "/v1/chat/completions", {**body, "n": 3, "stream": True,
+                                                               "stream_options": {"include_usage": True}})
+            assert events[-1] == "[DONE]" and events.count("[DONE]") == 1
+            usage = events[-2]
+            assert usage["choices"] == [] and usage["usage"] == b["usage"]
+            texts, roles, finishes = ["", "", ""], [0, 0, 0], [0, 0, 0]
+            for ev in events[:-2]:
+                assert ev["id"] == events[0]["id"]
+                (c,) = ev["choices"]
+                roles[c["index"]] += c["delta"].get("role") == "assistant"
+                texts[c["index"]] += c["delta"].get("content") or ""
+                finishes[c["index"]] += c["finish_reason"] is not None
+            assert roles == [1, 1, 1] and finishes == [1, 1, 1]
+            assert texts == [c["message"]["content"] for c in b["choices"]]
+            # completions, greedy: the same text twice, each with its own logprobs
+            s, b, _ = await post(http, "/v1/completions", {"prompt": "def add(a, b):", "max_tokens": 5, "n": 2,
+                                                           "logprobs": 1, "temperature": 0})
+            assert s == 200 and b["choices"][0]["text"] == b["choices"][1]["text"]
+            assert b["choices"][0]["logprobs"]["tokens"] == b["choices"][1]["logprobs"]["tokens"]
+    run(scenario())

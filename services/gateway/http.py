@@ -13,6 +13,8 @@ after the headers are one `data: {"error": ...}` event. A client that disconnect
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import dataclasses
 import json
 import logging
 import time
@@ -32,6 +34,8 @@ from .openai_api import (
     completion_logprobs,
     completion_response,
     join_logprobs,
+    merge_choices,
+    merged_usage,
     new_id,
     now,
     opt_bool,
@@ -201,12 +205,14 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
                             ignore_eos=params.ignore_eos, top_logprobs=top_logprobs,
                             tools=tools if parse_calls else None, arrived=arrived,
                             trace_context=_trace_context(request))
+    reqs = _choices(req, params.n)
     if params.stream:
-        return await _stream(request, core, req, chat=True, include_usage=params.include_usage)
-    async with core.open(req) as gen:
-        content, reasoning, out = await gen.collect()
-    lps = None if out.logprobs is None else chat_logprobs(out.logprobs, core.token_text)
-    return web.json_response(chat_response(req.request_id, now(), model, content, reasoning, out, lps))
+        return await _stream(request, core, reqs, chat=True, include_usage=params.include_usage)
+    created, answers = now(), []
+    for content, reasoning, out in await _collect_all(core, reqs):
+        lps = None if out.logprobs is None else chat_logprobs(out.logprobs, core.token_text)
+        answers.append((chat_response(req.request_id, created, model, content, reasoning, out, lps), out))
+    return web.json_response(_one_response(answers))
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
@@ -230,18 +236,46 @@ async def completions(request: web.Request) -> web.StreamResponse:
                             prompt_logprobs=(top_logprobs or 0) if scored else None,
                             arrived=arrived, trace_context=_trace_context(request))
     echo_text = (prompt if isinstance(prompt, str) else core.tokenizer.decode(prompt_ids)) if echo else None
+    reqs = _choices(req, params.n)
     if params.stream:
-        return await _stream(request, core, req, chat=False, include_usage=params.include_usage, echo=echo_text)
-    async with core.open(req) as gen:
-        content, _, out = await gen.collect()
-    lps = None
-    if out.logprobs is not None:
-        lps, offset = completion_logprobs([], core.token_text)
-        if echo:    # the prompt's tokens first (its first without a value), then the completion's
-            lps, offset = prompt_logprobs(prompt_ids[0], out.prompt_logprobs or [], core.token_text)
-        lps = join_logprobs(lps, completion_logprobs(out.logprobs, core.token_text, offset)[0])
-    text = (echo_text or "") + content
-    return web.json_response(completion_response(req.request_id, now(), model, text, out, lps))
+        return await _stream(request, core, reqs, chat=False, include_usage=params.include_usage, echo=echo_text)
+    created, answers = now(), []
+    for content, _, out in await _collect_all(core, reqs):
+        lps = None
+        if out.logprobs is not None:
+            lps, offset = completion_logprobs([], core.token_text)
+            if echo:    # the prompt's tokens first (its first without a value), then the completion's
+                lps, offset = prompt_logprobs(prompt_ids[0], out.prompt_logprobs or [], core.token_text)
+            lps = join_logprobs(lps, completion_logprobs(out.logprobs, core.token_text, offset)[0])
+        text = (echo_text or "") + content
+        answers.append((completion_response(req.request_id, created, model, text, out, lps), out))
+    return web.json_response(_one_response(answers))
+
+
+def _choices(req: GenerationRequest, n: int) -> list[GenerationRequest]:
+    """A request's n choices, each a generation of its own: choice i draws with seed + i when a seed is given
+    (llama.cpp's rule), else with its own random seed; request ids `<id>`, `<id>.1`, ..."""
+    out = [req]
+    for i in range(1, n):
+        sampling, fields = req.sampling, req.sampling_set
+        if sampling.seed is not None:
+            sampling = dataclasses.replace(sampling, seed=sampling.seed + i)
+        out.append(dataclasses.replace(req, request_id=f"{req.request_id}.{i}", sampling=sampling,
+                                       sampling_set=fields))
+    return out
+
+
+async def _collect_all(core: GatewayCore, reqs: list[GenerationRequest]) -> list[tuple[str, str, Outcome]]:
+    """Run every choice to its end at once; the first error ends them all (their verifier calls cancelled)."""
+    async with contextlib.AsyncExitStack() as stack:
+        gens = [await stack.enter_async_context(core.open(r)) for r in reqs]
+        return list(await asyncio.gather(*(g.collect() for g in gens)))
+
+
+def _one_response(answers: list[tuple[dict, Outcome]]) -> dict:
+    if len(answers) == 1:
+        return answers[0][0]
+    return merge_choices([a for a, _ in answers], [o for _, o in answers])
 
 
 # ----------------------------------------------------------------------------------------- streaming
@@ -251,36 +285,49 @@ def _sse(obj: Any) -> bytes:
     return b"data: " + json.dumps(obj, separators=(",", ":"), ensure_ascii=False).encode() + b"\n\n"
 
 
-async def _stream(request: web.Request, core: GatewayCore, req: GenerationRequest, chat: bool,
+async def _stream(request: web.Request, core: GatewayCore, reqs: list[GenerationRequest], chat: bool,
                   include_usage: bool, echo: str | None = None) -> web.StreamResponse:
+    """SSE of one or more choices (n): each choice's chunks carry its index, in the order its events come; one
+    usage chunk for all (include_usage) and one [DONE] at the end."""
     ping = request.app[PING_KEY]
     created = now()
-    rid, model = req.request_id, req.model
-    async with core.open(req) as gen:
+    rid, model = reqs[0].request_id, reqs[0].model
+    async with contextlib.AsyncExitStack() as stack:
+        choices = [_StreamChoice(i, r, await stack.enter_async_context(core.open(r)), core, chat, echo)
+                   for i, r in enumerate(reqs)]
         # Errors raised here (before any byte is sent) propagate to the middleware as HTTP statuses.
-        first = await gen.next(timeout=ping or None)
+        firsts = [await c.gen.next(timeout=ping or None) for c in choices]
         resp = web.StreamResponse(status=200, headers={
             "Content-Type": "text/event-stream; charset=utf-8", "Cache-Control": "no-cache",
             "X-Accel-Buffering": "no"})
         await resp.prepare(request)
         if chat:
-            await resp.write(_sse(chat_chunk(rid, created, model, {"role": "assistant", "content": None})))
-        lp = _StreamLogprobs(core, chat) if req.top_logprobs is not None else None
+            for c in choices:
+                await resp.write(_sse(chat_chunk(rid, created, model, {"role": "assistant", "content": None},
+                                                 index=c.index)))
+        outs: list[Outcome | None] = [None] * len(choices)
+        tasks: dict[asyncio.Future, _StreamChoice] = {}
         try:
-            ev = first
-            while True:
-                if echo is not None and ev is not None:   # completions' echo: the prompt first, once it is scored
-                    await resp.write(_sse(completion_chunk(rid, created, model, echo,
-                                                           logprobs=lp.prompt(req, gen) if lp is not None else None)))
-                    echo = None
-                if ev is None:
+            for c, ev in zip(choices, firsts):
+                if ev is not None:
+                    await _write_event(resp, rid, created, model, c, ev, outs, include_usage)
+                if outs[c.index] is None:
+                    tasks[asyncio.ensure_future(c.gen.next())] = c
+            while tasks:
+                done, _ = await asyncio.wait(tasks, timeout=ping or None, return_when=asyncio.FIRST_COMPLETED)
+                if not done:
                     await resp.write(b": ping\n\n")
-                elif isinstance(ev, Delta):
-                    await resp.write(_sse(_delta_chunk(rid, created, model, ev, chat, lp)))
-                elif isinstance(ev, Outcome):
-                    await _write_end(resp, rid, created, model, ev, chat, include_usage, lp)
-                    break
-                ev = await gen.next(timeout=ping or None)
+                for t in done:
+                    c = tasks.pop(t)
+                    await _write_event(resp, rid, created, model, c, t.result(), outs, include_usage)
+                    if outs[c.index] is None:
+                        tasks[asyncio.ensure_future(c.gen.next())] = c
+            done_outs = [o for o in outs if o is not None]
+            if include_usage:
+                make = chat_chunk if chat else completion_chunk
+                await resp.write(_sse(make(rid, created, model, None, usage=merged_usage(done_outs),
+                                           timings=done_outs[0].timings)))
+            await resp.write(b"data: [DONE]\n\n")
         except APIError as e:
             request[_STATUS_KEY] = e.status
             await resp.write(_sse(e.body()))
@@ -292,8 +339,33 @@ async def _stream(request: web.Request, core: GatewayCore, req: GenerationReques
             log.exception("stream %s failed", rid)
             request[_STATUS_KEY] = 500
             await resp.write(_sse(APIError(500, f"internal error: {type(e).__name__}: {e}").body()))
+        finally:
+            for t in tasks:
+                t.cancel()
         await resp.write_eof()
         return resp
+
+
+class _StreamChoice:
+    """One choice of a stream: its generation, index, logprobs state and whether its echoed prompt went out."""
+
+    def __init__(self, index: int, req: GenerationRequest, gen: Generation, core: GatewayCore, chat: bool,
+                 echo: str | None):
+        self.index, self.req, self.gen, self.chat, self.echo = index, req, gen, chat, echo
+        self.lp = _StreamLogprobs(core, chat) if req.top_logprobs is not None else None
+
+
+async def _write_event(resp: web.StreamResponse, rid: str, created: int, model: str, c: _StreamChoice, ev: Any,
+                       outs: list, include_usage: bool) -> None:
+    if c.echo is not None:     # completions' echo: the prompt first, once it is scored
+        await resp.write(_sse(completion_chunk(rid, created, model, c.echo, index=c.index,
+                                               logprobs=c.lp.prompt(c.req, c.gen) if c.lp is not None else None)))
+        c.echo = None
+    if isinstance(ev, Delta):
+        await resp.write(_sse(_delta_chunk(rid, created, model, ev, c.chat, c.lp, c.index)))
+    elif isinstance(ev, Outcome):
+        outs[c.index] = ev
+        await _write_finish(resp, rid, created, model, ev, c, timings=not include_usage)
 
 
 class _StreamLogprobs:
@@ -322,32 +394,29 @@ class _StreamLogprobs:
         return self.shape(left) if left else None
 
 
-def _delta_chunk(rid: str, created: int, model: str, ev: Delta, chat: bool, lp: _StreamLogprobs | None) -> dict:
+def _delta_chunk(rid: str, created: int, model: str, ev: Delta, chat: bool, lp: _StreamLogprobs | None,
+                 index: int = 0) -> dict:
     lps = lp.shape(ev.logprobs) if lp is not None else None
     if not chat:
-        return completion_chunk(rid, created, model, ev.content, logprobs=lps)
+        return completion_chunk(rid, created, model, ev.content, logprobs=lps, index=index)
     if ev.tool_calls:      # a whole call a chunk: index, id, type and name with the complete arguments
         delta: dict = {"tool_calls": [c.as_openai(with_index=True) for c in ev.tool_calls]}
     elif ev.reasoning:
         delta = {"reasoning_content": ev.reasoning}
     else:
         delta = {"content": ev.content}
-    return chat_chunk(rid, created, model, delta, logprobs=lps)
+    return chat_chunk(rid, created, model, delta, logprobs=lps, index=index)
 
 
-async def _write_end(resp: web.StreamResponse, rid: str, created: int, model: str, out: Outcome, chat: bool,
-                     include_usage: bool, lp: _StreamLogprobs | None = None) -> None:
-    # llama.cpp puts `timings` in the last chunk before [DONE]: the usage chunk when asked for, else the
-    # finish chunk.
-    make = chat_chunk if chat else completion_chunk
-    finish_payload: Any = {} if chat else ""
-    timings = None if include_usage else out.timings
-    lps = lp.rest(out) if lp is not None else None
-    await resp.write(_sse(make(rid, created, model, finish_payload, out.finish_reason, timings=timings,
-                               logprobs=lps)))
-    if include_usage:
-        await resp.write(_sse(make(rid, created, model, None, usage=out.usage, timings=out.timings)))
-    await resp.write(b"data: [DONE]\n\n")
+async def _write_finish(resp: web.StreamResponse, rid: str, created: int, model: str, out: Outcome,
+                        c: _StreamChoice, timings: bool) -> None:
+    """A choice's finish chunk (with what log-probabilities are left). llama.cpp puts `timings` in the last chunk
+    before [DONE]: this one when no usage chunk follows."""
+    make = chat_chunk if c.chat else completion_chunk
+    finish_payload: Any = {} if c.chat else ""
+    lps = c.lp.rest(out) if c.lp is not None else None
+    await resp.write(_sse(make(rid, created, model, finish_payload, out.finish_reason,
+                               timings=out.timings if timings else None, logprobs=lps, index=c.index)))
 
 
 # --------------------------------------------------------------------------------------------- app

@@ -22,6 +22,7 @@ from .core import Outcome
 from .errors import APIError, invalid
 
 MAX_STOP = 4
+MAX_N = 16          # choices a request may ask for (each a generation of its own on the verifiers)
 
 
 def new_id(prefix: str) -> str:
@@ -99,6 +100,7 @@ class CommonParams:
     stream: bool
     include_usage: bool
     timeout: float | None
+    n: int = 1                          # choices: each its own generation (seed + i when a seed is given)
     ignore_eos: bool = False            # vLLM extension: generate through end-of-sequence tokens (benchmarks)
     sampling_set: frozenset[str] = frozenset()   # the sampling fields the request set (others: model defaults)
 
@@ -121,8 +123,8 @@ def parse_common(body: dict, echo: bool = False) -> CommonParams:
     """The fields chat and completions share. echo (completions' `echo`, read by the caller): max_tokens may be 0,
     the prompt scored and nothing generated."""
     n = opt_int(body, "n")
-    if n is not None and n != 1:
-        raise invalid(f"only n=1 is supported, got n={n}", "n")
+    if n is not None and not 1 <= n <= MAX_N:
+        raise invalid(f"'n' must be in 1..{MAX_N}, got {n}", "n")
     mct = opt_int(body, "max_completion_tokens")
     mt = opt_int(body, "max_tokens")
     max_tokens = mct if mct is not None else mt
@@ -168,7 +170,7 @@ def parse_common(body: dict, echo: bool = False) -> CommonParams:
         if not isinstance(rf, dict) or rf.get("type") not in ("text",):
             raise APIError(400, "only response_format {\"type\": \"text\"} is supported", param="response_format")
     return CommonParams(max_tokens=max_tokens, sampling=sampling, stop=parse_stop(body.get("stop")),
-                        stream=stream, include_usage=include_usage, timeout=timeout,
+                        stream=stream, include_usage=include_usage, timeout=timeout, n=n or 1,
                         ignore_eos=opt_bool(body, "ignore_eos"), sampling_set=frozenset(given))
 
 
@@ -309,8 +311,10 @@ def completion_logprobs(lps: Sequence[TokenLogprob], text_of: TokenText, offset:
 
 
 def chat_chunk(rid: str, created: int, model: str, delta: dict | None, finish: str | None = None,
-               usage: dict | None = None, timings: dict | None = None, logprobs: dict | None = None) -> dict:
-    choices = [] if delta is None else [{"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}]
+               usage: dict | None = None, timings: dict | None = None, logprobs: dict | None = None,
+               index: int = 0) -> dict:
+    choices = [] if delta is None else [{"index": index, "delta": delta, "logprobs": logprobs,
+                                         "finish_reason": finish}]
     obj = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
            "system_fingerprint": None, "choices": choices, "usage": usage}
     if timings is not None:
@@ -319,8 +323,9 @@ def chat_chunk(rid: str, created: int, model: str, delta: dict | None, finish: s
 
 
 def completion_chunk(rid: str, created: int, model: str, text: str | None, finish: str | None = None,
-                     usage: dict | None = None, timings: dict | None = None, logprobs: dict | None = None) -> dict:
-    choices = [] if text is None else [{"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}]
+                     usage: dict | None = None, timings: dict | None = None, logprobs: dict | None = None,
+                     index: int = 0) -> dict:
+    choices = [] if text is None else [{"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}]
     obj = {"id": rid, "object": "text_completion", "created": created, "model": model,
            "system_fingerprint": None, "choices": choices, "usage": usage}
     if timings is not None:
@@ -349,6 +354,23 @@ def completion_response(rid: str, created: int, model: str, text: str, out: Outc
             "system_fingerprint": None,
             "choices": [{"index": 0, "text": text, "logprobs": logprobs, "finish_reason": out.finish_reason}],
             "usage": out.usage, "timings": out.timings}
+
+
+def merged_usage(outs: Sequence[Outcome]) -> dict:
+    """Usage of a request's choices together: the prompt once, every choice's generated tokens (OpenAI's count)."""
+    u = dict(outs[0].usage)
+    u["completion_tokens"] = sum(o.completion_tokens for o in outs)
+    u["total_tokens"] = u["prompt_tokens"] + u["completion_tokens"]
+    return u
+
+
+def merge_choices(responses: Sequence[dict], outs: Sequence[Outcome]) -> dict:
+    """One response of several single-choice ones (n > 1): their choices, indexed in order, and the merged usage;
+    `timings` are the first choice's."""
+    out = dict(responses[0])
+    out["choices"] = [{**r["choices"][0], "index": i} for i, r in enumerate(responses)]
+    out["usage"] = merged_usage(outs)
+    return out
 
 
 def now() -> int:
