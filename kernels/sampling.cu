@@ -586,12 +586,12 @@ SS_DEV bool arrive_last(u32* counter, int& flag) {
     return flag != 0;
 }
 
-// The twin's apply_penalties for a value seen c times in the window, in float64, then rounded to float32.
-SS_DEV float penalize(float x, u32 c, double rp, double fp, double pp) {
-    double v = (double)x;
+// The twin's apply_penalties for a value (its logit bias already added, in float64) seen c times in the window, in
+// float64; the caller rounds the result to float32.
+SS_DEV double penalize(double v, u32 c, double rp, double fp, double pp) {
     if (rp != 1.0) v = v > 0.0 ? v / rp : mul_rn(v, rp);
     v = v - mul_rn((double)c, fp);
-    return (float)(v - pp);
+    return v - pp;
 }
 
 // Kept weight of the values i0 .. i0 + PER - 1 (this thread's), before the cut's tie quota: w[j] (0 if not kept),
@@ -634,23 +634,35 @@ SS_DEV int popc(u32 v) {
 }  // namespace sxs
 
 // grid (chunks, rows). rin[RIN r ..]: the row's logits row, then its penalty window as two runs of tok (offset,
-// length each). zs (null: no penalties): the penalised row, float32, row r at zs + r * ldz. pm[r][0 .. 2 nch):
-// each chunk's max key, then its NaN flag.
+// length each). zs (null: neither penalties nor a bias): the penalised row, float32, row r at zs + r * ldz.
+// bias_ids / bias_vals: the request's logit bias, n_bias (token id, value) pairs with distinct ids (every row's),
+// added in float64 before the penalties, as the twin does. pm[r][0 .. 2 nch): each chunk's max key, then its NaN
+// flag.
 __global__ __launch_bounds__(256) void sample_prep_kernel(const float* __restrict__ x, i64 ldx,
                                                           const int* __restrict__ rin, int n,
                                                           const int* __restrict__ tok, double rp, double fp,
                                                           double pp, float* __restrict__ zs, i64 ldz,
-                                                          u32* __restrict__ pm, sxs::RowState* __restrict__ st) {
+                                                          u32* __restrict__ pm, sxs::RowState* __restrict__ st,
+                                                          const int* __restrict__ bias_ids,
+                                                          const double* __restrict__ bias_vals, int n_bias) {
     using namespace sxs;
     static __shared__ u32 cnt[CHUNK];
+    static __shared__ unsigned short bix[CHUNK];  // 1 + the bias entry of each value of the chunk (0: none)
     const int r = (int)blockIdx.y, c = (int)blockIdx.x, nch = (int)gridDim.x, t = (int)threadIdx.x;
     const int lo = c * CHUNK, hi = lo + CHUNK < n ? lo + CHUNK : n;
     const int* ri = rin + RIN * r;
     const float* xr = x + (i64)ri[0] * ldx;
     const bool pen = zs != nullptr;
     if (pen) {
-        for (int j = t; j < CHUNK; j += THREADS) cnt[j] = 0u;
+        for (int j = t; j < CHUNK; j += THREADS) {
+            cnt[j] = 0u;
+            bix[j] = 0;
+        }
         __syncthreads();
+        for (int j = t; j < n_bias; j += THREADS) {
+            const int id = bias_ids[j];
+            if (id >= lo && id < hi) bix[id - lo] = (unsigned short)(j + 1);
+        }
         for (int part = 0; part < 2; ++part) {
             const int off = ri[1 + 2 * part], len = ri[2 + 2 * part];
             for (int j = t; j < len; j += THREADS) {
@@ -665,7 +677,12 @@ __global__ __launch_bounds__(256) void sample_prep_kernel(const float* __restric
         float v = xr[i];
         if (pen) {
             const u32 k = cnt[i - lo];
-            if (k != 0u) v = penalize(v, k, rp, fp, pp);
+            const int b = bix[i - lo];
+            if (k != 0u || b != 0) {
+                double d = (double)v;
+                if (b != 0) d += bias_vals[b - 1];
+                v = (float)(k != 0u ? penalize(d, k, rp, fp, pp) : d);
+            }
             zs[(i64)r * ldz + i] = v;
         }
         if (v != v) {

@@ -198,6 +198,7 @@ def token_logprobs(logits: Any, tokens: Any, *, chunks: int | None = None,
 CHUNK = 4096          # sxs::CHUNK: values per block of a full-row pass
 NB = 2048             # sxs::NB: histogram digits
 RIN = 5               # sxs::RIN: ints per drawn row (logits row, penalty window as two runs of the token list)
+MAX_LOGIT_BIAS = 1024  # a request's logit bias entries (the prep kernel indexes them with 16 bits)
 STATE_BYTES = 128     # >= sizeof(sxs::RowState)
 SELECT_LEVELS = 3     # radix digits of 11, 11 and 10 bits
 
@@ -280,13 +281,19 @@ class SampleWorkspace:
             self.scratch = loader.require().empty((self.rows, self.n), np.float32)
         return self.scratch
 
-    def upload(self, us: np.ndarray, rin: np.ndarray, tok: np.ndarray) -> tuple[Any, Any, Any]:
-        """(us f64, rin int32, tok int32 or a null pointer) on the device, from one copy out of pinned memory."""
+    def upload(self, us: np.ndarray, rin: np.ndarray, tok: np.ndarray, bias_vals: np.ndarray | None = None,
+               bias_ids: np.ndarray | None = None) -> tuple[Any, ...]:
+        """(us f64, rin int32, tok int32 or a null pointer, bias values f64 and ids int32 or null pointers) on the
+        device, from one copy out of pinned memory."""
         cp = loader.require()
+        bias_vals = np.zeros(0, np.float64) if bias_vals is None else np.asarray(bias_vals, np.float64)
+        bias_ids = np.zeros(0, np.int32) if bias_ids is None else np.asarray(bias_ids, np.int32)
         r = len(us)
         o_rin = 8 * r
         o_tok = o_rin + -(-rin.nbytes // 8) * 8
-        total = o_tok + tok.nbytes
+        o_bv = o_tok + -(-tok.nbytes // 8) * 8
+        o_bi = o_bv + bias_vals.nbytes
+        total = o_bi + bias_ids.nbytes
         if self._host_in is None or self._host_in.size < total:
             size = max(4096, 2 * total)
             self._host_in, self._dev_in = _pinned(cp, size, np.uint8), cp.empty(size, cp.uint8)
@@ -296,7 +303,9 @@ class SampleWorkspace:
         h = self._host_in
         h[:o_rin].view(np.float64)[:] = us
         h[o_rin:o_rin + rin.nbytes].view(np.int32)[:] = rin.reshape(-1)
-        h[o_tok:total].view(np.int32)[:] = tok
+        h[o_tok:o_tok + tok.nbytes].view(np.int32)[:] = tok
+        h[o_bv:o_bi].view(np.float64)[:] = bias_vals
+        h[o_bi:total].view(np.int32)[:] = bias_ids
         stream = cp.cuda.get_current_stream()
         if isinstance(self._dev_in, np.ndarray):     # a NumPy stand-in for CuPy (the CPU simulation's tests)
             self._dev_in[:total] = h[:total]
@@ -304,8 +313,10 @@ class SampleWorkspace:
             self._dev_in[:total].set(h[:total], stream=stream)
         self._uploaded = stream.record()
         d = self._dev_in
-        tok_d = d[o_tok:total].view(cp.int32) if tok.size else _NULL
-        return d[:o_rin].view(cp.float64), d[o_rin:o_rin + rin.nbytes].view(cp.int32), tok_d
+        tok_d = d[o_tok:o_tok + tok.nbytes].view(cp.int32) if tok.size else _NULL
+        bv_d = d[o_bv:o_bi].view(cp.float64) if bias_vals.size else _NULL
+        bi_d = d[o_bi:total].view(cp.int32) if bias_ids.size else _NULL
+        return d[:o_rin].view(cp.float64), d[o_rin:o_rin + rin.nbytes].view(cp.int32), tok_d, bv_d, bi_d
 
 
 _NULL = np.uint64(0)
@@ -349,7 +360,7 @@ def _float_rows(logits: Any) -> tuple[Any, int, int]:
 
 def _enqueue(logits: Any, rows, us, temperature: float, top_k: int, top_p: float, min_p: float,
              repetition_penalty: float, presence_penalty: float, frequency_penalty: float, history, paths,
-             last_n: int, workspace: SampleWorkspace | None):
+             last_n: int, workspace: SampleWorkspace | None, logit_bias=()):
     """Everything up to the draw's chunk choice; returns what the last launch (scan or probs) takes."""
     x, n, ld = _float_rows(logits)
     rows = np.asarray(rows, dtype=np.int64).reshape(-1)
@@ -367,8 +378,13 @@ def _enqueue(logits: Any, rows, us, temperature: float, top_k: int, top_p: float
         us = np.zeros(nr)
     pen = last_n != 0 and (repetition_penalty != 1.0 or presence_penalty != 0.0 or frequency_penalty != 0.0)
     rin, tok = penalty_windows(rows, history, paths, last_n if pen else 0)
-    us_d, rin_d, tok_d = ws.upload(us, rin, tok)
+    bias = [(int(i), float(v)) for i, v in logit_bias if 0 <= int(i) < n]
+    if len(bias) > MAX_LOGIT_BIAS or len({i for i, _ in bias}) != len(bias):
+        raise ValueError(f"logit_bias takes at most {MAX_LOGIT_BIAS} distinct token ids")
+    us_d, rin_d, tok_d, bv_d, bi_d = ws.upload(us, rin, tok, np.array([v for _, v in bias], np.float64),
+                                               np.array([i for i, _ in bias], np.int32))
     nch = ws.nch
+    pen = pen or bool(bias)     # the bias is applied where the penalties are: into the workspace's rows
     if pen:
         z, ldz, zsel = ws.penalised_rows(), n, 0
     else:
@@ -377,7 +393,8 @@ def _enqueue(logits: Any, rows, us, temperature: float, top_k: int, top_p: float
     f(SOURCE, "sample_prep_kernel")(
         (nch, nr), (THREADS,),
         (x, np.int64(ld), rin_d, np.int32(n), tok_d, np.float64(repetition_penalty), np.float64(frequency_penalty),
-         np.float64(presence_penalty), z if pen else _NULL, np.int64(ldz), ws.pm, ws.state),
+         np.float64(presence_penalty), z if pen else _NULL, np.int64(ldz), ws.pm, ws.state, bi_d, bv_d,
+         np.int32(len(bias))),
     )  # fmt: skip
     common = (z, np.int64(ldz), np.int32(zsel), rin_d, np.int32(n))
     for lane, level in select_passes(k, p):
@@ -397,11 +414,12 @@ def _enqueue(logits: Any, rows, us, temperature: float, top_k: int, top_p: float
 def sample_async(logits: Any, rows, us, *, temperature: float, top_k: int = 0, top_p: float = 1.0,
                  min_p: float = 0.0, repetition_penalty: float = 1.0, presence_penalty: float = 0.0,
                  frequency_penalty: float = 0.0, history=None, paths=None, last_n: int = 0,
-                 workspace: SampleWorkspace | None = None) -> Any:
+                 workspace: SampleWorkspace | None = None, logit_bias=()) -> Any:
     """`sample`'s launches, without waiting: device int32 [len(rows)] tokens (the workspace's: read them before
     the next call on it)."""
     ws, nr, common, tail = _enqueue(logits, rows, us, temperature, top_k, top_p, min_p, repetition_penalty,
-                                    presence_penalty, frequency_penalty, history, paths, last_n, workspace)
+                                    presence_penalty, frequency_penalty, history, paths, last_n, workspace,
+                                    logit_bias)
     loader.get_function(SOURCE, "sample_draw_scan_kernel")((nr,), (THREADS,), (*common, *tail, ws.pm, ws.state,
                                                                                 ws.tokens))
     return ws.tokens[:nr]
@@ -409,9 +427,11 @@ def sample_async(logits: Any, rows, us, *, temperature: float, top_k: int = 0, t
 
 def sample(logits: Any, rows, us, *, temperature: float, top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0,
            repetition_penalty: float = 1.0, presence_penalty: float = 0.0, frequency_penalty: float = 0.0,
-           history=None, paths=None, last_n: int = 0, workspace: SampleWorkspace | None = None) -> np.ndarray:
+           history=None, paths=None, last_n: int = 0, workspace: SampleWorkspace | None = None,
+           logit_bias=()) -> np.ndarray:
     """int64 [len(rows)]: a token drawn from each logits row rows[i] (device [rows, V]) with the uniform us[i] in
-    [0, 1), from the twin's distribution: penalties over the window (history + paths[i])[-last_n:], temperature,
+    [0, 1), from the twin's distribution: the logit bias ((id, value) pairs), penalties over the window
+    (history + paths[i])[-last_n:], temperature,
     top-k, top-p, min-p (temperature <= 0: the argmax after penalties; us unused). -1 for a row the twin rejects
     (a NaN, +inf, or no finite value), -2 if a cut could not be placed (the caller samples that row on the host).
     Waits for the draws (one small copy of the tokens)."""
@@ -422,7 +442,7 @@ def sample(logits: Any, rows, us, *, temperature: float, top_k: int = 0, top_p: 
     toks = sample_async(x, rows, us, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
                         repetition_penalty=repetition_penalty, presence_penalty=presence_penalty,
                         frequency_penalty=frequency_penalty, history=history, paths=paths, last_n=last_n,
-                        workspace=ws)
+                        workspace=ws, logit_bias=logit_bias)
     out = ws.host_tokens[:nr]
     cp.asnumpy(toks, out=out, blocking=False)
     cp.cuda.get_current_stream().synchronize()
@@ -431,12 +451,14 @@ def sample(logits: Any, rows, us, *, temperature: float, top_k: int = 0, top_p: 
 
 def distribution(logits: Any, rows, *, temperature: float, top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0,
                  repetition_penalty: float = 1.0, presence_penalty: float = 0.0, frequency_penalty: float = 0.0,
-                 history=None, paths=None, last_n: int = 0, workspace: SampleWorkspace | None = None) -> Any:
+                 history=None, paths=None, last_n: int = 0, workspace: SampleWorkspace | None = None,
+                 logit_bias=()) -> Any:
     """Device float64 [len(rows), V]: the distribution `sample` draws from for each row (the twin's
     target_distribution), NaN rows where the twin raises. For tests and inspection: sample never builds it."""
     cp = loader.require()
     ws, nr, common, tail = _enqueue(logits, rows, 0.0, temperature, top_k, top_p, min_p, repetition_penalty,
-                                    presence_penalty, frequency_penalty, history, paths, last_n, workspace)
+                                    presence_penalty, frequency_penalty, history, paths, last_n, workspace,
+                                    logit_bias)
     out = cp.empty((nr, ws.n), cp.float64)
     loader.get_function(SOURCE, "sample_probs_kernel")(
         (ws.nch, nr), (THREADS,), (*common, *tail, ws.pm, ws.state, ws.rties, out, np.int64(ws.n))

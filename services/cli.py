@@ -35,16 +35,26 @@ def _add_sampling(p: argparse.ArgumentParser) -> None:
     p.add_argument("--frequency-penalty", type=float, default=None, help="OpenAI frequency penalty (0 = off)")
     p.add_argument("--repeat-last-n", type=int, default=None,
                    help="how many recent tokens the penalties look at (-1 = all; default 64)")
+    p.add_argument("--logit-bias", action="append", type=_bias_pair, default=None, metavar="ID=BIAS",
+                   help="add BIAS (-100..100) to token ID's logit before sampling (OpenAI logit_bias; repeatable)")
+
+
+def _bias_pair(text: str) -> tuple[int, float]:
+    try:
+        tok, value = text.split("=")
+        return int(tok), float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--logit-bias takes ID=BIAS (e.g. 198=-100), got '{text}'") from None
 
 
 SAMPLING_OPTIONS = ("temperature", "top_k", "top_p", "min_p", "seed", "repetition_penalty", "presence_penalty",
-                    "frequency_penalty", "repeat_last_n")
+                    "frequency_penalty", "repeat_last_n", "logit_bias")
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
     from .engine.generate import generate
     from .engine.placement import is_gpu, load_drafter_on, load_target_on
-    from .engine.sampling import resolve_sampling
+    from .engine.sampling import normalize_logit_bias, resolve_sampling
 
     if args.model is None:
         from .engine.default_model import default_model_paths
@@ -84,7 +94,13 @@ def cmd_generate(args: argparse.Namespace) -> int:
         else:
             text = args.prompt
         prompt_ids = tok.encode(text)
-    params = resolve_sampling({k: getattr(args, k) for k in SAMPLING_OPTIONS}, target.sampling_defaults)
+    given = {k: getattr(args, k) for k in SAMPLING_OPTIONS}
+    given["logit_bias"] = normalize_logit_bias(args.logit_bias) if args.logit_bias else None
+    bad = [i for i, _ in given["logit_bias"] or () if i >= target.cfg.n_vocab]
+    if bad:
+        raise InvalidRequestError(f"--logit-bias token id {bad[0]} is outside the vocabulary "
+                                  f"(0..{target.cfg.n_vocab - 1})", param="logit_bias")
+    params = resolve_sampling(given, target.sampling_defaults)
     stop = sorted(tok.eos_ids) if tok is not None and not args.ignore_eos else []
     from .engine.memory_plan import serving_width, state_width
 

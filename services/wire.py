@@ -160,10 +160,12 @@ def sampling_from_pb(s, defaults: dict | None = None):
     """The engine's SamplingParams from a wire `SamplingParams`: unset fields take the model's declared
     defaults (`defaults`, from its GGUF general.sampling.* keys), then the engine's. Not validated."""
     # Imported here: setup.py loads this module at build time, where NumPy may not be installed.
-    from services.engine.sampling import SamplingParams
+    from services.engine.sampling import SamplingParams, normalize_logit_bias
 
     kw = dict(defaults or {})
-    kw.update({name: getattr(s, name) for name in sampling_fields_set(s)})
+    kw.update({name: getattr(s, name) for name in sampling_fields_set(s) if name != "logit_bias"})
+    if len(s.logit_bias):
+        kw["logit_bias"] = normalize_logit_bias(dict(s.logit_bias))
     return SamplingParams(**kw)
 
 
@@ -172,8 +174,8 @@ SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "min_p", "seed", "repetition
 
 
 def sampling_fields_set(s) -> list[str]:
-    """The fields of a wire `SamplingParams` that the sender set."""
-    return [name for name in SAMPLING_FIELDS if s.HasField(name)]
+    """The fields of a wire `SamplingParams` that the sender set (a map is set when not empty)."""
+    return [name for name in SAMPLING_FIELDS if s.HasField(name)] + (["logit_bias"] if len(s.logit_bias) else [])
 
 
 def sampling_to_pb(params, fields_set=None):
@@ -182,8 +184,10 @@ def sampling_to_pb(params, fields_set=None):
     out = __getattr__("pb").SamplingParams()
     for name in SAMPLING_FIELDS if fields_set is None else fields_set:
         v = getattr(params, name)
-        if v is not None:
+        if v is not None and name != "logit_bias":
             setattr(out, name, v)
+    if fields_set is None or "logit_bias" in fields_set:
+        out.logit_bias.update(dict(params.logit_bias))
     return out
 
 

@@ -346,9 +346,13 @@ extern "C" int sim_topk_token_final20(int rows, const float* ms, const float* pv
 // The exact sampler's kernels (kernels/sampling.py runs them in this order: prep, the select passes, draw_sum,
 // then draw_scan or probs); `order`: launch_ordered's block order.
 extern "C" int sim_sample_prep(const float* x, long long ldx, const int* rin, int rows, int n, const int* tok, double rp,
-                               double fp, double pp, float* zs, long long ldz, unsigned* pm, void* st) {
+                               double fp, double pp, float* zs, long long ldz, unsigned* pm, void* st,
+                               const int* bias_ids, const double* bias_vals, int n_bias) {
     const int nch = (n + sxs::CHUNK - 1) / sxs::CHUNK;
-    g_body = [=] { sample_prep_kernel(x, ldx, rin, n, tok, rp, fp, pp, zs, ldz, pm, (sxs::RowState*)st); };
+    g_body = [=] {
+        sample_prep_kernel(x, ldx, rin, n, tok, rp, fp, pp, zs, ldz, pm, (sxs::RowState*)st, bias_ids, bias_vals,
+                           n_bias);
+    };
     return launch(nch, rows, 1, 256);
 }
 

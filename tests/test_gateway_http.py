@@ -137,7 +137,10 @@ def test_bad_requests_get_openai_errors_and_server_keeps_serving(tiny_pair, sour
                  "chat_template_kwargs"),
                 ({**CHAT, "messages": [{"content": "no role"}]}, 400, "invalid_request_error", "messages"),
                 # fields that would change the answer, which the server does not do: refused, never ignored
-                ({**CHAT, "logit_bias": {"42": -100}}, 400, "invalid_request_error", "logit_bias"),
+                ({**CHAT, "logit_bias": {"42": -101}}, 400, "invalid_request_error", "logit_bias"),
+                ({**CHAT, "logit_bias": {"not-an-id": 1}}, 400, "invalid_request_error", "logit_bias"),
+                ({**CHAT, "logit_bias": [1, 2]}, 400, "invalid_request_error", "logit_bias"),
+                ({**CHAT, "logit_bias": {"99999999": 1}}, 400, "invalid_request_error", "logit_bias"),  # verifier
                 ({**CHAT, "min_tokens": 5}, 400, "invalid_request_error", "min_tokens"),
                 ({**CHAT, "guided_json": {"type": "object"}}, 400, "invalid_request_error", "guided_json"),
                 ({**CHAT, "functions": [{"name": "f"}]}, 400, "invalid_request_error", "functions"),
@@ -695,4 +698,30 @@ def test_n_choices_streamed_and_not(tiny_pair, source):
                                                            "logprobs": 1, "temperature": 0})
             assert s == 200 and b["choices"][0]["text"] == b["choices"][1]["text"]
             assert b["choices"][0]["logprobs"]["tokens"] == b["choices"][1]["logprobs"]["tokens"]
+    run(scenario())
+
+
+def test_logit_bias_reaches_the_verifier(tiny_pair, source):
+    """OpenAI logit_bias through the gateway and the verifier's speculative loop: +100 on a token makes every
+    generated token that one; -100 on the tokens plain decoding chose takes them out, and the answer is the
+    engine's plain decoding under the same bias."""
+    from services.engine.generate import generate
+    from services.engine.loader import load_target
+    from services.engine.sampling import SamplingParams
+
+    target = load_target(tiny_pair[1], with_tokenizer=False).model
+    plain = generate(target, [5, 6, 7], 6).token_ids
+    ban = {i: -100.0 for i in sorted(set(plain))}
+    want = generate(target, [5, 6, 7], 6, SamplingParams(logit_bias=tuple(ban.items()))).token_ids
+    assert not set(want) & set(plain)
+
+    async def scenario():
+        async with stack(tiny_pair, source) as (g, http):
+            tok = g.core.encode("7", add_special=False)[-1]
+            body = {"prompt": [5, 6, 7], "max_tokens": 6, "temperature": 0, "ignore_eos": True}
+            s, b, _ = await post(http, "/v1/completions", {**body, "logit_bias": {str(tok): 100}})
+            assert s == 200 and b["choices"][0]["text"] == g.core.tokenizer.decode([tok] * 6)
+            assert b["timings"].get("draft_n", 0) > 0     # speculative steps ran under the bias
+            s, b, _ = await post(http, "/v1/completions", {**body, "logit_bias": {str(i): v for i, v in ban.items()}})
+            assert s == 200 and b["choices"][0]["text"] == g.core.tokenizer.decode(want)
     run(scenario())

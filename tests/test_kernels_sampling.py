@@ -331,3 +331,51 @@ def test_gpu_prompt_logprobs_equal_the_numpy_engines():
         for g, w in zip(got.prompt_logprobs, want.prompt_logprobs):
             assert g.token == w.token and abs(g.logprob - w.logprob) < 0.1
             assert np.allclose([v for _, v in g.top], [v for _, v in w.top], atol=0.1)
+
+
+def test_logit_bias_against_the_twin():
+    """The sampler with an OpenAI logit bias (added before the penalties) on a Qwen-sized vocabulary: the
+    distribution and the draws the twin gives; a +100 bias is the greedy token, -100 takes the argmax out."""
+    x = (np.round(rows_of(VOCAB)[:2] * 64) / 64).astype(np.float32)
+    top = int(np.argmax(x[0]))
+    bias = ((3, 2.5), (top, -100.0), (200000, 0.75), (VOCAB - 1, -1.25))
+    dev = cupy.asarray(x)
+    for params in (SamplingParams(temperature=0.8, top_p=0.9, logit_bias=bias),
+                   SamplingParams(temperature=1.0, top_k=50, repetition_penalty=1.5, repeat_last_n=-1,
+                                  logit_bias=bias)):
+        hist = [3, 9, 200000]
+        kw = dict(kwargs(params), logit_bias=params.logit_bias)
+        probs = cupy.asnumpy(ks.distribution(dev, [0, 1], history=hist, **kw))
+        us = [0.25, 0.75]
+        toks = ks.sample(dev, [0, 1], us, history=hist, **kw)
+        for r in range(2):
+            ref = twin_probs(x[r], params, hist)
+            # a penalised value is rounded to float32 on the device (x + 2.5 on a 1/64 grid is exact; / 1.5 is not)
+            np.testing.assert_allclose(probs[r], ref, rtol=1e-5 if params.penalized else 1e-12, atol=1e-300)
+            if not near_boundary(ref, us[r], 1e-5):
+                assert toks[r] == twin_token(ref, us[r])
+        assert probs[0][top] == 0.0
+    greedy = ks.sample(dev, [0, 1], [0.0, 0.0], temperature=0.0, logit_bias=((123456, 100.0),))
+    assert greedy.tolist() == [123456, 123456]
+
+
+def test_gpu_greedy_under_a_logit_bias_equals_the_numpy_engines():
+    """Greedy decoding under a logit bias on the GPU engine (every draw through the sampler, not the step's argmax),
+    speculative and plain, gives the NumPy engine's tokens."""
+    from services.engine.backend import NumpyBackend
+    from services.engine.default_model import default_model_paths
+    from services.engine.generate import generate
+    from services.engine.loader import load_target
+    from services.engine.models.dflash import load_drafter
+    from services.engine.speculative import LocalProposer, SpecConfig, speculative_generate
+
+    gpu, ids, draft_path = engine()
+    cpu = load_target(default_model_paths()[0], with_tokenizer=False).model
+    plain = generate(cpu, ids, 16).token_ids
+    params = SamplingParams(logit_bias=((plain[2], -100.0), (plain[5], -100.0), (13, 1.5)))
+    want = generate(cpu, ids, 16, params).token_ids
+    assert want != plain
+    drafter = load_drafter(draft_path, gpu.host_head(), NumpyBackend())
+    spec = speculative_generate(gpu, LocalProposer(drafter), ids, 16, params, spec=SpecConfig(budget=22))
+    assert spec.token_ids == want and spec.spec["accepted"] > 0
+    assert generate(gpu, ids, 16, params).token_ids == want

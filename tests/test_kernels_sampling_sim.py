@@ -28,7 +28,7 @@ pytestmark = pytest.mark.skipif(
 P = ctypes.c_void_p
 I, LL, D = ctypes.c_int, ctypes.c_longlong, ctypes.c_double
 SIGNATURES = {
-    "sim_sample_prep": [P, LL, P, I, I, P, D, D, D, P, LL, P, P],
+    "sim_sample_prep": [P, LL, P, I, I, P, D, D, D, P, LL, P, P, P, P, I],
     "sim_sample_select": [I, P, LL, I, P, I, I, I, D, I, D, P, P, P, P, P, P, I],
     "sim_sample_draw_sum": [P, LL, I, P, I, I, D, I, D, P, P, P, P, P, P, I],
     "sim_sample_draw_scan": [P, LL, I, P, I, I, D, I, D, P, P, P],
@@ -77,14 +77,16 @@ class SimSampler:
         nr = len(rows)
         temp, k, p, mp = ks.kernel_filters(params.temperature, params.top_k, params.top_p, params.min_p, n)
         us = np.zeros(nr) if params.greedy else np.broadcast_to(np.asarray(us, np.float64), (nr,)).copy()
-        pen = params.penalized
-        rin, tok = ks.penalty_windows(rows, history, paths, params.repeat_last_n if pen else 0)
+        pen = params.shifted
+        rin, tok = ks.penalty_windows(rows, history, paths, params.repeat_last_n if params.penalized else 0)
         tok = tok if tok.size else np.zeros(1, np.int32)
         zs = self.scratch if pen else None
         z, ldz, zsel = (self.scratch, n, 0) if pen else (x, n, 1)
+        b_ids = np.array([i for i, _ in params.logit_bias] or [0], np.int32)
+        b_vals = np.array([v for _, v in params.logit_bias] or [0.0], np.float64)
         errs = lib.sim_sample_prep(ptr(x), n, ptr(rin), nr, n, ptr(tok), params.repetition_penalty,
                                    params.frequency_penalty, params.presence_penalty, ptr(zs), n, ptr(self.pm),
-                                   ptr(self.st))  # fmt: skip
+                                   ptr(self.st), ptr(b_ids), ptr(b_vals), len(params.logit_bias))  # fmt: skip
         common = (ptr(z), ldz, zsel, ptr(rin), nr, n)
         for lane, level in ks.select_passes(k, p):
             errs += lib.sim_sample_select(lane, *common, level, temp, k, p, ptr(self.pm), ptr(self.st),
@@ -230,6 +232,30 @@ def test_penalties_per_row_windows(lib, rows9k):
                     assert toks[i] == twin_token(ref, us[i])
 
 
+def test_logit_bias_alone_and_before_penalties(lib, rows9k):
+    """OpenAI logit_bias: added in float64 before the penalties, as the twin does; values on a 1/64 grid stay exact in
+    float32, so kept sets and probabilities equal the twin's; a bias of +100 makes its token the greedy one, -100
+    takes the argmax out."""
+    x = (np.round(rows9k[0] * 64) / 64).astype(np.float32)
+    top = int(np.argmax(x))
+    bias = ((3, 2.5), (top, -100.0), (4500, 0.75), (8999, -1.25))
+    hist = [5, 9, 4500, 3]
+    for extra in ({}, {"repetition_penalty": 2.0, "presence_penalty": 0.25, "repeat_last_n": -1}):
+        params = params_of(0.8, 40, 0.9, 0.0, logit_bias=bias, **extra)
+        us = [0.2, 0.7]
+        toks, probs = SimSampler(lib, 2, N).run(x[None], [0, 0], us, params, history=hist, paths=[[], [3]])
+        for i, path in enumerate(([], [3])):
+            ref = twin_probs(x, params, hist + path)
+            assert np.flatnonzero(probs[i] > 0).tolist() == np.flatnonzero(ref > 0).tolist()
+            np.testing.assert_allclose(probs[i], ref, rtol=1e-12, atol=1e-300)
+            assert probs[i][top] == 0.0
+            if not near_boundary(ref, us[i]):
+                assert toks[i] == twin_token(ref, us[i])
+    greedy = params_of(0.0, 0, 1.0, 0.0, logit_bias=((1234, 100.0),))
+    toks, _ = SimSampler(lib, 1, N).run(x[None], [0], [0.5], greedy)
+    assert toks.tolist() == [1234]
+
+
 def test_greedy_after_penalties(lib, rows9k):
     x = rows9k[0]
     top = np.argsort(-x)[:3]
@@ -368,20 +394,21 @@ def test_launcher_against_the_twin(sim_device, rows9k):
                    SamplingParams(temperature=1.3),
                    SamplingParams(temperature=0.7, top_p=0.35, repetition_penalty=1.3, presence_penalty=0.4,
                                   repeat_last_n=5),
-                   SamplingParams(temperature=0.0, frequency_penalty=1.0, repeat_last_n=-1)):
+                   SamplingParams(temperature=0.0, frequency_penalty=1.0, repeat_last_n=-1),
+                   SamplingParams(temperature=0.9, top_p=0.95, logit_bias=((7, 3.0), (4500, -100.0)))):
         hist = [int(np.argmax(x[0])), 17, 17, 4500]
         paths = [[], [int(np.argmax(x[1]))], [8999, 3], []]
         us = [0.1, 0.5, 0.77, 0.99]
         kw = dict(temperature=params.temperature, top_k=params.top_k, top_p=params.top_p, min_p=params.min_p,
                   repetition_penalty=params.repetition_penalty, presence_penalty=params.presence_penalty,
                   frequency_penalty=params.frequency_penalty,
-                  last_n=params.repeat_last_n if params.penalized else 0)
+                  last_n=params.repeat_last_n if params.penalized else 0, logit_bias=params.logit_bias)
         rows = [3, 1, 0, 2]
         toks = ks.sample(x, rows, us, history=hist, paths=paths, **kw)
         probs = ks.distribution(x, rows, history=hist, paths=paths, **kw)
         for i, r in enumerate(rows):
             ref = twin_probs(x[r], params, hist + paths[i])
-            check_against_twin(probs[i], toks[i], ref, us[i], 1e-5 if params.penalized else 1e-12)
+            check_against_twin(probs[i], toks[i], ref, us[i], 1e-5 if params.shifted else 1e-12)
     bad = x.copy()
     bad[2, 5] = np.nan
     assert ks.sample(bad, [2, 0], [0.5, 0.5], temperature=1.0).tolist()[0] == -1
@@ -408,7 +435,8 @@ def test_engine_walk_and_plain_draws_on_simulated_kernels(sim_device):
     deep = 0
     for params in (SamplingParams(temperature=0.9, top_p=0.9),
                    SamplingParams(temperature=1.1, top_k=4, presence_penalty=0.5, repeat_last_n=8),
-                   SamplingParams(temperature=0.0, repetition_penalty=3.0, repeat_last_n=-1)):
+                   SamplingParams(temperature=0.0, repetition_penalty=3.0, repeat_last_n=-1),
+                   SamplingParams(temperature=0.0, logit_bias=((11, 60.0),))):
         for seed in range(6):
             a, b = np.random.default_rng(seed), np.random.default_rng(seed)
             got = walk_tree(tree, lg, params, a, hist)

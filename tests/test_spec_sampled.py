@@ -70,6 +70,8 @@ def chi_square_pvalue(observed: dict, expected_p: dict, n: int) -> float:
     (SamplingParams(temperature=0.7), SpecConfig(budget=None)),
     (SamplingParams(temperature=1.0, top_p=0.9), SpecConfig(budget=6)),
     (SamplingParams(temperature=1.0, top_p=0.9, top_k=8), SpecConfig(budget=2)),
+    # a logit bias shapes the target's distribution; the drafter does not know it (token 5 banned, 2 favoured)
+    (SamplingParams(temperature=1.0, logit_bias=((2, 1.5), (5, -100.0))), SpecConfig(budget=4)),
 ])
 def test_sampled_distribution_matches_target(small_vocab_pair, params, spec):
     target, drafter = small_vocab_pair

@@ -29,11 +29,13 @@ class _FixedUniform:
 def draw_rows(dev_rows: Any, rows: Sequence[int], params: SamplingParams, us: Sequence[float],
               history: Sequence[int] | None = None, paths: Sequence[Sequence[int]] | None = None) -> np.ndarray:
     """int64 tokens: row rows[i] of the device logits (rows, vocab) float32, drawn with uniform us[i] (unused when
-    greedy) from target_distribution with the penalty window history + paths[i] (paths: None = none of its own)."""
+    greedy) from target_distribution with the penalty window history + paths[i] (paths: None = none of its own) and
+    the request's logit bias."""
     toks = ks.sample(dev_rows, rows, us, temperature=params.temperature, top_k=params.top_k, top_p=params.top_p,
                      min_p=params.min_p, repetition_penalty=params.repetition_penalty,
                      presence_penalty=params.presence_penalty, frequency_penalty=params.frequency_penalty,
-                     history=history, paths=paths, last_n=params.repeat_last_n if params.penalized else 0)
+                     history=history, paths=paths, last_n=params.repeat_last_n if params.penalized else 0,
+                     logit_bias=params.logit_bias)
     for i in np.flatnonzero(toks < 0):
         cp = ks.loader.require()
         window = list(history or ()) + list(paths[i] if paths is not None else ())

@@ -188,7 +188,7 @@ def plain_tokens(model: TargetModel, state, token: int, limit: int, params: Samp
     before the token is yielded (those steps read their logits row, so they do not run ahead)."""
     if limit < 1:
         return
-    if (top_logprobs is None and params.greedy and not params.penalized
+    if (top_logprobs is None and params.greedy and not params.shifted
             and getattr(model, "can_decode_ahead", lambda _: False)(state)):
         yield from model.decode_ahead(state, token, limit)
         return

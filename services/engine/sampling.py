@@ -8,11 +8,12 @@ distribution the previous one left (renormalised). llama.cpp's default chain app
 last instead, so its top-p / min-p cut-offs differ from ours when temperature != 1.
 Ties at a cut-off are broken towards the lower token id, so the kept set is always exactly determined.
 
-Repetition penalties come before all of them, as in llama.cpp's `penalties` sampler: over the last
-`repeat_last_n` tokens of the sequence (prompt and output; -1 = all of it, 0 = none), a token seen c times has
-its logit divided by `repetition_penalty` when positive (multiplied when negative: HF / vLLM / llama.cpp
-semantics), then lowered by c * frequency_penalty + presence_penalty (OpenAI's formula). They need the
-sequence so far (`history`); a speculative tree hands each node its own path.
+A logit bias (OpenAI `logit_bias`: token id -> a value in [-100, 100] added to its logit) comes first, as
+llama.cpp's `logit-bias` sampler heads its chain. Repetition penalties come next, as in llama.cpp's `penalties`
+sampler: over the last `repeat_last_n` tokens of the sequence (prompt and output; -1 = all of it, 0 = none), a
+token seen c times has its logit divided by `repetition_penalty` when positive (multiplied when negative: HF /
+vLLM / llama.cpp semantics), then lowered by c * frequency_penalty + presence_penalty (OpenAI's formula). They need
+the sequence so far (`history`); a speculative tree hands each node its own path.
 """
 
 from __future__ import annotations
@@ -26,12 +27,15 @@ import numpy as np
 
 from services.engine.errors import InvalidRequestError
 
+MAX_LOGIT_BIAS = 1024    # a request's logit_bias entries (kernels/sampling.py indexes them with 16 bits)
+
 
 @dataclass(frozen=True)
 class SamplingParams:
     """What a request asks of the sampler. temperature <= 0 is greedy; top_k=0, top_p=1, min_p=0 are off, and so
     are repetition_penalty=1, presence_penalty=0, frequency_penalty=0. repeat_last_n: the penalties' window
-    (llama.cpp's penalty_last_n, default 64; -1 = the whole sequence)."""
+    (llama.cpp's penalty_last_n, default 64; -1 = the whole sequence). logit_bias: (token id, value) pairs added to
+    those logits first (ids unique, in increasing order)."""
 
     temperature: float = 0.0
     top_k: int = 0
@@ -42,10 +46,17 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repeat_last_n: int = 64
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
     @property
     def greedy(self) -> bool:
         return self.temperature <= 0
+
+    @property
+    def shifted(self) -> bool:
+        """Whether the logits are changed before the filters (a bias or penalties): then a greedy draw is not the
+        raw logits' argmax."""
+        return self.penalized or bool(self.logit_bias)
 
     @property
     def penalized(self) -> bool:
@@ -74,6 +85,17 @@ class SamplingParams:
             v = getattr(self, name)
             if not -2.0 <= v <= 2.0:       # OpenAI's range; also rejects NaN
                 raise InvalidRequestError(f"{name} must be in [-2, 2], got {v}", param=name)
+        if len(self.logit_bias) > MAX_LOGIT_BIAS:
+            raise InvalidRequestError(f"logit_bias takes at most {MAX_LOGIT_BIAS} tokens, got {len(self.logit_bias)}",
+                                      param="logit_bias")
+        ids = [i for i, _ in self.logit_bias]
+        if any(isinstance(i, bool) or not isinstance(i, (int, np.integer)) or i < 0 for i in ids) or \
+                len(set(ids)) != len(ids):
+            raise InvalidRequestError("logit_bias keys must be distinct token ids >= 0", param="logit_bias")
+        bad = [v for _, v in self.logit_bias if not (isinstance(v, (int, float, np.floating)) and -100 <= v <= 100)]
+        if bad:
+            raise InvalidRequestError(f"logit_bias values must be numbers in [-100, 100], got {bad[0]!r}",
+                                      param="logit_bias")
         n = self.repeat_last_n
         if isinstance(n, bool) or int(n) != n or n < -1:
             raise InvalidRequestError(f"repeat_last_n must be an integer >= -1 (-1: the whole sequence), got {n}",
@@ -149,11 +171,35 @@ def resolve_sampling(given: dict[str, Any], defaults: dict[str, Any] | None = No
     return SamplingParams(**merged).validate()
 
 
-def apply_penalties(logits: np.ndarray, history: Sequence[int], params: SamplingParams) -> np.ndarray:
-    """float64 copy of one row of logits with the repetition penalties of `params` applied for `history`."""
+def normalize_logit_bias(bias: Any) -> tuple[tuple[int, float], ...]:
+    """SamplingParams.logit_bias from a {token id: value} mapping (OpenAI's keys are strings) or pairs: sorted by
+    id; bias 0 entries dropped. Raises InvalidRequestError for keys that are not integers."""
+    items = bias.items() if isinstance(bias, dict) else (bias or ())
+    out = {}
+    for k, v in items:
+        try:
+            key = int(k) if not isinstance(k, bool) else None
+        except (TypeError, ValueError):
+            key = None
+        if key is None or (isinstance(k, str) and not k.strip().lstrip("-").isdigit()):
+            raise InvalidRequestError(f"logit_bias keys must be token ids, got {k!r}", param="logit_bias")
+        if isinstance(v, bool) or not isinstance(v, (int, float)):
+            raise InvalidRequestError(f"logit_bias values must be numbers, got {v!r}", param="logit_bias")
+        out[key] = float(v)
+    return tuple(sorted((k, v) for k, v in out.items() if v != 0.0))
+
+
+def apply_penalties(logits: np.ndarray, history: Sequence[int] | None, params: SamplingParams) -> np.ndarray:
+    """float64 copy of one row of logits with the logit bias of `params` added, then its repetition penalties
+    applied for `history` (needed only when params are penalized)."""
     row = np.array(logits, dtype=np.float64).reshape(-1)
+    if params.logit_bias:
+        ids = np.array([i for i, _ in params.logit_bias], dtype=np.int64)
+        keep = ids < row.shape[0]
+        row[ids[keep]] += np.array([v for _, v in params.logit_bias], dtype=np.float64)[keep]
     if not params.penalized:
         return row
+    history = _need_history(history)
     window = history if params.repeat_last_n < 0 else history[max(0, len(history) - params.repeat_last_n):]
     if len(window) == 0:
         return row
@@ -247,8 +293,8 @@ def target_distribution(logits: np.ndarray, params: SamplingParams,
     logits = np.asarray(logits)
     if logits.ndim != 1:
         raise ValueError(f"expected (vocab,) logits, got shape {logits.shape}")
-    if params.penalized:
-        logits = apply_penalties(logits, _need_history(history), params)
+    if params.shifted:
+        logits = apply_penalties(logits, history, params)
     return target_distributions(logits[None, :], params)[0]
 
 
@@ -275,8 +321,8 @@ def sample(logits: np.ndarray, params: SamplingParams, rng: np.random.Generator,
     """One token. Greedy is argmax and consumes no randomness; otherwise one uniform from `rng`. `history`: the
     sequence so far (prompt and output), needed when params are penalized."""
     logits = np.asarray(logits)
-    if params.penalized:
-        logits = apply_penalties(logits, _need_history(history), params)
+    if params.shifted:
+        logits = apply_penalties(logits, history, params)
     if params.greedy:
         return int(np.argmax(logits))
     return sample_from(target_distributions(logits[None, :], params)[0], rng)
@@ -298,7 +344,7 @@ def sample_row(logits, row: int, params: SamplingParams, rng: np.random.Generato
     the same distribution and the same one `rng.random()`, only the token crosses); else only that row is read."""
     if np.ndim(logits) == 1:
         return sample(logits, params, rng, history)
-    if params.greedy and not params.penalized and hasattr(logits, "argmax_rows"):
+    if params.greedy and not params.shifted and hasattr(logits, "argmax_rows"):
         return int(logits.argmax_rows()[row])
     if hasattr(logits, "sample_rows"):
         u = 0.0 if params.greedy else rng.random()

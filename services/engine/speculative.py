@@ -199,7 +199,7 @@ def walk_tree(tree: DraftTree, logits: np.ndarray, params: SamplingParams,
     with its own path appended, so penalties see exactly what plain decoding would have seen.
     """
     kids = tree.children()
-    if hasattr(logits, "sample_rows") and not (params.greedy and not params.penalized):
+    if hasattr(logits, "sample_rows") and not (params.greedy and not params.shifted):
         return _walk_on_device(tree, kids, logits, params, rng, history)
     path = [0]
     seq = None

@@ -6,6 +6,8 @@ as an int (llama.cpp and vLLM do so; clients only read `message`). Types follow 
 
 from __future__ import annotations
 
+import re
+
 import grpc
 
 from services.engine.errors import ContextOverflowError, InvalidRequestError, SpecsplitError
@@ -92,7 +94,8 @@ def from_grpc(err: grpc.aio.AioRpcError | grpc.RpcError, prompt: str = "prompt")
         low = details.lower()
         if "context" in low and any(w in low for w in ("exceed", "needs", "too long", "does not fit")):
             return APIError(400, details, type="exceed_context_size_error", param=prompt)
-        return invalid(details)
+        named = re.search(r" \[(\w+)\]$", details)      # the verifier names the field: "... [param]"
+        return invalid(details[:named.start()] if named else details, named.group(1) if named else None)
     if code == grpc.StatusCode.OUT_OF_RANGE:
         return APIError(400, details, type="exceed_context_size_error", param=prompt)
     if code == grpc.StatusCode.NOT_FOUND:

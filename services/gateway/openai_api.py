@@ -16,7 +16,7 @@ from typing import Any
 
 from services.engine.errors import InvalidRequestError
 from services.engine.logprobs import MAX_TOP_LOGPROBS, TokenLogprob
-from services.engine.sampling import SamplingParams
+from services.engine.sampling import SamplingParams, normalize_logit_bias
 
 from .core import Outcome
 from .errors import APIError, invalid
@@ -149,6 +149,13 @@ def parse_common(body: dict, echo: bool = False) -> CommonParams:
              "repeat_last_n": opt_int(body, "repeat_last_n")}
     if given["repetition_penalty"] is None:
         given["repetition_penalty"] = opt_number(body, "repeat_penalty")
+    lb = body.get("logit_bias")
+    if lb is not None and not isinstance(lb, dict):
+        raise invalid(f"'logit_bias' must be an object of token id -> bias, got {type(lb).__name__}", "logit_bias")
+    try:
+        given["logit_bias"] = normalize_logit_bias(lb) or None
+    except InvalidRequestError as e:
+        raise invalid(str(e), e.param) from None
     given = {k: v for k, v in given.items() if v is not None}
     try:
         # validated against the engine's defaults here; the verifier fills unset fields from its model's
@@ -177,7 +184,6 @@ def parse_common(body: dict, echo: bool = False) -> CommonParams:
 # Fields that change what a request means, which specsplit does not do: set to anything but their neutral value they
 # are a 400, never ignored (unknown fields are ignored, as vLLM does, only because they cannot change the answer).
 UNHONOURED = {
-    "logit_bias": (lambda v: v in (None, {}), "per-token logit biases"),
     "suffix": (lambda v: v in (None, ""), "a suffix (fill in the middle)"),
     "best_of": (lambda v: v in (None, 1), "best_of > 1"),
     "functions": (lambda v: v in (None, []), "legacy 'functions' (send 'tools')"),

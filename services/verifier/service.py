@@ -525,6 +525,10 @@ class VerifierServicer(pb_grpc.VerifierServicer):
         check_request(self.target.model, request.prompt_ids, request.max_tokens, self.max_ctx,
                       scoring=prompt_logprobs is not None)
         n_vocab = self.target.cfg.n_vocab
+        bad = [i for i, _ in params.logit_bias if i >= n_vocab]
+        if bad:
+            raise InvalidRequestError(f"logit_bias token id {bad[0]} outside the vocabulary (0..{n_vocab - 1})",
+                                      param="logit_bias")
         bad = [t for t in request.stop_ids if not 0 <= t < n_vocab]
         if bad:
             raise InvalidRequestError(f"stop id {bad[0]} outside the vocabulary (0..{n_vocab - 1})",
