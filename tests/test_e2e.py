@@ -329,7 +329,7 @@ def test_bad_requests_and_server_keeps_serving(cluster):
     with pytest.raises(openai.BadRequestError):
         client.chat.completions.create(model=model, messages=MSGS, max_tokens=-1)
     with pytest.raises(openai.BadRequestError):
-        client.chat.completions.create(model=model, messages=MSGS, n=2)
+        client.chat.completions.create(model=model, messages=MSGS, n=17)
     with pytest.raises(openai.NotFoundError):
         client.chat.completions.create(model="no-such-model", messages=MSGS, max_tokens=2)
     with pytest.raises(openai.BadRequestError) as e:
