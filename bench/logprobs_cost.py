@@ -2,7 +2,7 @@
 speculative) with top_logprobs against without, and a prompt scored (echo: every row of every chunk) against a plain
 prefill.
 
-    python3 bench/logprobs_cost.py [--model M --draft D] [--device cuda:0] [--tokens 128] [--prompt 512] [--top 5]
+    python3 bench/logprobs_cost.py [--model M --draft D] [--device cuda:0|cpu] [--tokens 128] [--prompt 512] [--top 5]
 
 Plain greedy decoding without logprobs runs a step ahead of the host (decode_ahead); with them every step reads its
 row, so that ratio also holds the lost overlap. Speculative steps compute their path rows' values after the walk.
@@ -69,9 +69,12 @@ def main(argv: list[str] | None = None) -> int:
                                                                    max_ctx=ctx, top_logprobs=k))
     rows["prefill"] = best(lambda: generate(g, prompt, 1, max_ctx=ctx))
     rows["prefill_scored"] = best(lambda: generate(g, prompt, 1, max_ctx=ctx, prompt_logprobs=k))
-    import cupy
+    device = args.device
+    if device.startswith("cuda"):
+        import cupy
 
-    rep = {"device": cupy.cuda.runtime.getDeviceProperties(0)["name"].decode(), "model": os.path.basename(model_path),
+        device = cupy.cuda.runtime.getDeviceProperties(0)["name"].decode()
+    rep = {"device": device, "model": os.path.basename(model_path),
            "n_vocab": g.cfg.n_vocab, "tokens": n, "prompt": args.prompt, "top_logprobs": k,
            "seconds": {key: round(v, 4) for key, v in rows.items()},
            "ratios": {"plain": round(rows["plain_logprobs"] / rows["plain"], 3),
