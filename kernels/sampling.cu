@@ -287,6 +287,17 @@ SS_DEV float topk_merge(const float* __restrict__ ms, const float* __restrict__ 
     return m + logf(s);
 }
 
+// A row's K best as log-probabilities (thread 0 writes them).
+template <int K>
+SS_DEV void topk_store(int row, float logz, const float (&bv)[K], const int (&bi)[K], float* __restrict__ out_logp,
+                       int* __restrict__ out_ids) {
+#pragma unroll
+    for (int j = 0; j < K; ++j) {
+        out_logp[(i64)row * K + j] = bv[j] - logz;
+        out_ids[(i64)row * K + j] = bi[j];
+    }
+}
+
 }  // namespace sss
 
 // grid rows, block THREADS: out_logp[row, j], out_ids[row, j] for j < K, best first.
@@ -299,13 +310,7 @@ __global__ __launch_bounds__(256) void topk_final_kernel(const float* __restrict
     float bv[K];
     int bi[K];
     const float logz = topk_merge<K>(ms, pv, pi, chunks, (i64)row * chunks, bv, bi);
-    if (threadIdx.x == 0) {
-#pragma unroll
-        for (int j = 0; j < K; ++j) {
-            out_logp[(i64)row * K + j] = bv[j] - logz;
-            out_ids[(i64)row * K + j] = bi[j];
-        }
-    }
+    if (threadIdx.x == 0) topk_store<K>(row, logz, bv, bi, out_logp, out_ids);
 }
 
 // topk_final_kernel and the log-probability of one given token a row (a generated token's OpenAI `logprobs`):
@@ -324,11 +329,7 @@ __global__ __launch_bounds__(256) void topk_token_final_kernel(const float* __re
     int bi[K];
     const float logz = topk_merge<K>(ms, pv, pi, chunks, (i64)row * chunks, bv, bi);
     if (threadIdx.x == 0) {
-#pragma unroll
-        for (int j = 0; j < K; ++j) {
-            out_logp[(i64)row * K + j] = bv[j] - logz;
-            out_ids[(i64)row * K + j] = bi[j];
-        }
+        topk_store<K>(row, logz, bv, bi, out_logp, out_ids);
         out_tok[row] = x[(i64)row * ld_x + tok[row]] * inv_temp - logz;
     }
 }

@@ -81,3 +81,12 @@ def hf_hidden_states(model, ids) -> list[np.ndarray]:
 
 def write_config(folder: Path, **cfg) -> None:
     (folder / "config.json").write_text(json.dumps(cfg))
+
+
+def make_gguf_model(kind: str, folder: Path, seed: int = 0, **overrides) -> str:
+    """A tiny random model (make_hf_model) converted to an f32 GGUF in `folder`; its path."""
+    from services.engine.convert import convert_hf_to_gguf
+
+    make_hf_model(kind, folder / "hf", seed=seed, **overrides)
+    convert_hf_to_gguf(str(folder / "hf"), str(folder / "t.gguf"), "f32")
+    return str(folder / "t.gguf")

@@ -5,22 +5,18 @@ test_kernels_sampling_sim.py, the sampled distribution's in test_spec_sampled.py
 import numpy as np
 import pytest
 
-from services.engine.convert import convert_hf_to_gguf
 from services.engine.errors import InvalidRequestError
 from services.engine.generate import GenerationResult, generate
 from services.engine.loader import load_target
 from services.engine.sampling import SamplingParams, apply_penalties, normalize_logit_bias, sample
 from services.engine.speculative import SpecConfig, speculative_stream
-from tests.hf_models import make_hf_model
+from tests.hf_models import make_gguf_model
 from tests.spec_helpers import TrackingProposer, perturbed_copy
 
 
 @pytest.fixture(scope="module")
 def target_path(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("qwen35_lb")
-    make_hf_model("qwen35", folder / "hf", seed=9, num_hidden_layers=3)
-    convert_hf_to_gguf(str(folder / "hf"), str(folder / "t.gguf"), "f32")
-    return str(folder / "t.gguf")
+    return make_gguf_model("qwen35", tmp_path_factory.mktemp("qwen35_lb"), seed=9, num_hidden_layers=3)
 
 
 def test_bias_comes_before_the_penalties():

@@ -5,14 +5,13 @@ import numpy as np
 import pytest
 import torch
 
-from services.engine.convert import convert_hf_to_gguf
 from services.engine.errors import InvalidRequestError
 from services.engine.generate import GenerationResult, generate, generate_stream
 from services.engine.loader import load_target
 from services.engine.logprobs import MAX_TOP_LOGPROBS, logprobs_of_row, row_logprobs
 from services.engine.sampling import SamplingParams
 from services.engine.speculative import SpecConfig, speculative_stream
-from tests.hf_models import make_hf_model
+from tests.hf_models import make_gguf_model
 from tests.spec_helpers import TrackingProposer, perturbed_copy
 
 TOL = 2e-4      # batched verify rows against one-token rows (f32 sums in another order), and f32 vs f64
@@ -20,10 +19,7 @@ TOL = 2e-4      # batched verify rows against one-token rows (f32 sums in anothe
 
 @pytest.fixture(scope="module")
 def target_path(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("qwen35_lp")
-    make_hf_model("qwen35", folder / "hf", seed=5, num_hidden_layers=4)
-    convert_hf_to_gguf(str(folder / "hf"), str(folder / "t.gguf"), "f32")
-    return str(folder / "t.gguf")
+    return make_gguf_model("qwen35", tmp_path_factory.mktemp("qwen35_lp"), seed=5, num_hidden_layers=4)
 
 
 def reference(target, prompt, tokens, n):
@@ -172,9 +168,7 @@ def test_no_logprobs_unless_asked_and_bad_counts_refused(target_path):
 def test_prompt_logprobs_are_the_targets_over_several_chunks(tmp_path, arch):
     """The prompt's log-probabilities (OpenAI echo): token j's from row j - 1 of one teacher-forced pass, across the
     64-token chunks a scored prompt runs in; with max_tokens 0 nothing is generated."""
-    make_hf_model(arch, tmp_path / "hf", seed=7, num_hidden_layers=2)
-    convert_hf_to_gguf(str(tmp_path / "hf"), str(tmp_path / "t.gguf"), "f32")
-    target = load_target(str(tmp_path / "t.gguf"), with_tokenizer=False).model
+    target = load_target(make_gguf_model(arch, tmp_path, seed=7, num_hidden_layers=2), with_tokenizer=False).model
     prompt = np.random.default_rng(1).integers(0, 300, 150).tolist()
     state = target.new_state(len(prompt) + 1)
     full = np.asarray(target.forward(state, prompt, logits="all").logits, dtype=np.float64)
