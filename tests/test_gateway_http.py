@@ -725,3 +725,32 @@ def test_logit_bias_reaches_the_verifier(tiny_pair, source):
             s, b, _ = await post(http, "/v1/completions", {**body, "logit_bias": {str(i): v for i, v in ban.items()}})
             assert s == 200 and b["choices"][0]["text"] == g.core.tokenizer.decode(want)
     run(scenario())
+
+
+def test_more_choices_than_slots_stream_at_once(tiny_pair, source):
+    """n = 3 streamed on a one-slot verifier: the choices run one after another, and each choice's tokens reach the
+    client as they are made (not gathered until every choice has ended); the role chunks come first."""
+    async def scenario():
+        async with stack(tiny_pair, source, slots=1, max_queue=4, ping_interval=0.05) as (g, http):
+            body = {**CHAT, "max_tokens": 160, "ignore_eos": True, "n": 3, "stream": True, "temperature": 0.7}
+            t0 = loop.time()
+            seen: dict = {}
+            async with http.post("/v1/chat/completions", json=body) as r:
+                assert r.status == 200
+                async for raw in r.content:
+                    line = raw.decode().strip()
+                    if not line.startswith("data: {"):
+                        continue
+                    for c in json.loads(line[6:])["choices"]:
+                        key = ("role" if c["delta"].get("role") else "text" if c["delta"].get("content") else
+                               "end" if c["finish_reason"] else "other", c["index"])
+                        seen.setdefault(key, loop.time() - t0)
+            # one slot: choice 0 ends before choice 2 says anything; its tokens reached the client as they were made,
+            # not in one burst once every choice had started (then they would all arrive within a millisecond)
+            assert seen[("end", 0)] < seen[("text", 2)]
+            assert seen[("role", 2)] <= seen[("text", 0)] < seen[("end", 0)] - 0.02, seen
+    loop = asyncio.new_event_loop()
+    try:
+        loop.run_until_complete(asyncio.wait_for(scenario(), 120))
+    finally:
+        loop.close()

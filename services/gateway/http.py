@@ -295,8 +295,19 @@ async def _stream(request: web.Request, core: GatewayCore, reqs: list[Generation
     async with contextlib.AsyncExitStack() as stack:
         choices = [_StreamChoice(i, r, await stack.enter_async_context(core.open(r)), core, chat, echo)
                    for i, r in enumerate(reqs)]
-        # Errors raised here (before any byte is sent) propagate to the middleware as HTTP statuses.
-        firsts = [await c.gen.next(timeout=ping or None) for c in choices]
+        # Errors raised here (before any byte is sent) propagate to the middleware as HTTP statuses. Several choices
+        # wait together for at most one ping interval: on a verifier with fewer slots than choices the last ones
+        # start only as the first ones end, and the client must hear from the server before that.
+        tasks: dict[asyncio.Future, _StreamChoice] = {asyncio.ensure_future(c.gen.next()): c for c in choices}
+        done, _ = await asyncio.wait(tasks, timeout=ping or None,
+                                     return_when=asyncio.ALL_COMPLETED if ping else asyncio.FIRST_COMPLETED)
+        try:
+            for t in done:
+                t.result()
+        except BaseException:
+            for t in tasks:
+                t.cancel()
+            raise
         resp = web.StreamResponse(status=200, headers={
             "Content-Type": "text/event-stream; charset=utf-8", "Cache-Control": "no-cache",
             "X-Accel-Buffering": "no"})
@@ -306,11 +317,12 @@ async def _stream(request: web.Request, core: GatewayCore, reqs: list[Generation
                 await resp.write(_sse(chat_chunk(rid, created, model, {"role": "assistant", "content": None},
                                                  index=c.index)))
         outs: list[Outcome | None] = [None] * len(choices)
-        tasks: dict[asyncio.Future, _StreamChoice] = {}
         try:
-            for c, ev in zip(choices, firsts):
-                if ev is not None:
-                    await _write_event(resp, rid, created, model, c, ev, outs, include_usage)
+            if len(done) < len(tasks):      # a choice's first event is a ping interval late: the client hears so
+                await resp.write(b": ping\n\n")
+            for t in sorted(done, key=lambda t: tasks[t].index):     # the first events, in choice order
+                c = tasks.pop(t)
+                await _write_event(resp, rid, created, model, c, t.result(), outs, include_usage)
                 if outs[c.index] is None:
                     tasks[asyncio.ensure_future(c.gen.next())] = c
             while tasks:
