@@ -1,7 +1,8 @@
 """The OpenAI-compatible HTTP surface (aiohttp, on the same event loop as the gRPC clients).
 
 Routes (each also without the /v1 prefix, as llama-server serves them): /v1/models, /v1/chat/completions,
-/v1/completions, /tokenize, /detokenize, /health (/v1/health), /metrics.
+/v1/completions, /tokenize, /detokenize, /health (/v1/health), /metrics; and Anthropic's /v1/messages and
+/v1/messages/count_tokens (anthropic_api.py), whose errors take Anthropic's shape.
 
 Streaming: the handler waits for the first event before sending headers (up to one ping interval), so
 errors the verifier reports at once (queue full, prompt too long) still become proper HTTP statuses; a
@@ -24,6 +25,7 @@ from typing import Any
 from aiohttp import web
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
+from . import anthropic_api as anth
 from .core import Delta, GatewayCore, Generation, GenerationRequest, Outcome
 from .errors import APIError, invalid, unavailable
 from .openai_api import (
@@ -67,13 +69,18 @@ _ENDPOINTS = {
     "/v1/models": "/v1/models", "/models": "/v1/models",
     "/health": "/health", "/v1/health": "/health",
     "/tokenize": "/tokenize", "/detokenize": "/detokenize",
+    "/v1/messages": "/v1/messages", "/messages": "/v1/messages",
+    "/v1/messages/count_tokens": "/v1/messages/count_tokens", "/messages/count_tokens": "/v1/messages/count_tokens",
 }
+_ANTHROPIC = frozenset(p for p, e in _ENDPOINTS.items() if e.startswith("/v1/messages"))
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
-def error_response(err: APIError) -> web.Response:
-    return web.json_response(err.body(), status=err.status, headers=err.headers())
+def error_response(err: APIError, anthropic: bool = False) -> web.Response:
+    """The error in OpenAI's body shape, or Anthropic's on its routes."""
+    return web.json_response(anth.error_body(err) if anthropic else err.body(), status=err.status,
+                             headers=err.headers())
 
 
 async def read_json(request: web.Request) -> dict:
@@ -92,6 +99,7 @@ async def _errors_and_metrics(request: web.Request, handler: Handler) -> web.Str
     """Every error becomes an OpenAI error body; every API request is counted by endpoint and status."""
     core = request.app[CORE_KEY]
     endpoint = _ENDPOINTS.get(request.path)
+    shaped = request.path in _ANTHROPIC
     status: int | str = 500
     try:
         resp = await handler(request)
@@ -99,24 +107,24 @@ async def _errors_and_metrics(request: web.Request, handler: Handler) -> web.Str
         return resp
     except APIError as e:
         status = e.status
-        return error_response(e)
+        return error_response(e, shaped)
     except web.HTTPException as e:
         status = e.status
         if e.status == 404:
-            return error_response(APIError(404, f"no route for {request.method} {request.path}"))
+            return error_response(APIError(404, f"no route for {request.method} {request.path}"), shaped)
         if e.status == 405:
             return error_response(APIError(405, f"method {request.method} not allowed on {request.path}",
-                                           type="invalid_request_error"))
+                                           type="invalid_request_error"), shaped)
         if e.status >= 400:                 # e.g. 413 for a body over client_max_size
             return error_response(APIError(e.status, e.reason or e.text or "request failed",
-                                           type="invalid_request_error" if e.status < 500 else None))
+                                           type="invalid_request_error" if e.status < 500 else None), shaped)
         raise
     except asyncio.CancelledError:
         status = 499                     # client went away (nginx's convention; logs and metrics only)
         raise
     except Exception as e:
         log.exception("unhandled error on %s", request.path)
-        return error_response(APIError(500, f"internal error: {type(e).__name__}: {e}"))
+        return error_response(APIError(500, f"internal error: {type(e).__name__}: {e}"), shaped)
     finally:
         if endpoint is not None and endpoint not in ("/health",):
             core.metrics.observe_request(endpoint, status)
@@ -250,6 +258,102 @@ async def completions(request: web.Request) -> web.StreamResponse:
         text = (echo_text or "") + content
         answers.append((completion_response(req.request_id, created, model, text, out, lps), out))
     return web.json_response(_one_response(answers))
+
+
+def _anthropic_request(core: GatewayCore, body: dict, arrived: float, request: web.Request
+                       ) -> tuple[GenerationRequest, bool]:
+    """A Messages request as a chat generation (anthropic_api.py), and whether it streams."""
+    model = core.resolve_model(opt_model(body))
+    max_tokens, sampling, given, stop, stream = anth.sampling(body)
+    tools, parse_calls = anth.to_tools(body)
+    messages = anth.to_chat_messages(body)
+    prompt_text = core.render_chat(messages, tools, anth.thinking_kwargs(body))
+    prompt_ids = core.encode(prompt_text, add_special=False)
+    core.check_prompt(prompt_ids, param="messages")
+    split = core.think_ids is not None
+    req = GenerationRequest(request_id=anth.new_message_id(), operation="chat", endpoint="/v1/messages",
+                            model=model, prompt_ids=prompt_ids, max_tokens=max_tokens, sampling=sampling,
+                            sampling_set=given, stop=stop, split_reasoning=split,
+                            in_reasoning=split and prompt_opens_thinking(prompt_text),
+                            tools=tools if parse_calls else None, arrived=arrived,
+                            trace_context=_trace_context(request))
+    return req, stream
+
+
+async def anthropic_messages(request: web.Request) -> web.StreamResponse:
+    core = request.app[CORE_KEY]
+    arrived = time.perf_counter()
+    req, stream = _anthropic_request(core, await read_json(request), arrived, request)
+    if stream:
+        return await _anthropic_stream(request, core, req)
+    blocks = anth.BlockAssembler()
+    async with core.open(req) as gen:
+        while not isinstance(ev := await gen.next(), Outcome):
+            blocks.add(ev.reasoning, ev.content, ev.tool_calls)
+    blocks.finish()
+    return web.json_response(anth.message(req.request_id, req.model, blocks.blocks, ev))
+
+
+async def anthropic_count_tokens(request: web.Request) -> web.Response:
+    core = request.app[CORE_KEY]
+    body = await read_json(request)
+    core.resolve_model(opt_model(body))
+    tools, _ = anth.to_tools(body)
+    text = core.render_chat(anth.to_chat_messages(body), tools, anth.thinking_kwargs(body))
+    return web.json_response({"input_tokens": len(core.encode(text, add_special=False))})
+
+
+def _event(obj: dict) -> bytes:
+    """An Anthropic SSE event: its type as the event name, the object as data."""
+    return (f"event: {obj['type']}\n".encode() + b"data: " +
+            json.dumps(obj, separators=(",", ":"), ensure_ascii=False).encode() + b"\n\n")
+
+
+async def _anthropic_stream(request: web.Request, core: GatewayCore, req: GenerationRequest) -> web.StreamResponse:
+    """message_start, each block's start / deltas / stop, message_delta (stop reason, usage), message_stop; ping
+    events while nothing else is due; an error after the headers is an `error` event."""
+    ping = request.app[PING_KEY]
+    async with core.open(req) as gen:
+        first = await gen.next(timeout=ping or None)     # errors before any byte: HTTP statuses
+        resp = web.StreamResponse(status=200, headers={
+            "Content-Type": "text/event-stream; charset=utf-8", "Cache-Control": "no-cache",
+            "X-Accel-Buffering": "no"})
+        await resp.prepare(request)
+        await resp.write(_event({"type": "message_start", "message": {
+            "id": req.request_id, "type": "message", "role": "assistant", "model": req.model, "content": [],
+            "stop_reason": None, "stop_sequence": None,
+            "usage": {"input_tokens": len(req.prompt_ids), "output_tokens": 0}}}))
+        blocks = anth.BlockAssembler()
+        try:
+            ev = first
+            while True:
+                if ev is None:
+                    await resp.write(_event({"type": "ping"}))
+                elif isinstance(ev, Delta):
+                    for e in blocks.add(ev.reasoning, ev.content, ev.tool_calls):
+                        await resp.write(_event(e))
+                elif isinstance(ev, Outcome):
+                    for e in blocks.finish():
+                        await resp.write(_event(e))
+                    reason, seq = anth.stop_reason(ev)
+                    await resp.write(_event({"type": "message_delta",
+                                             "delta": {"stop_reason": reason, "stop_sequence": seq},
+                                             "usage": {"output_tokens": ev.completion_tokens}}))
+                    await resp.write(_event({"type": "message_stop"}))
+                    break
+                ev = await gen.next(timeout=ping or None)
+        except APIError as e:
+            request[_STATUS_KEY] = e.status
+            await resp.write(_event(anth.error_body(e)))
+        except ConnectionError:
+            request[_STATUS_KEY] = 499
+            return resp
+        except Exception as e:
+            log.exception("stream %s failed", req.request_id)
+            request[_STATUS_KEY] = 500
+            await resp.write(_event(anth.error_body(APIError(500, f"internal error: {type(e).__name__}: {e}"))))
+        await resp.write_eof()
+        return resp
 
 
 def _choices(req: GenerationRequest, n: int) -> list[GenerationRequest]:
@@ -445,6 +549,9 @@ def create_app(core: GatewayCore, ping_interval: float = 15.0) -> web.Applicatio
         app.router.add_post(f"{prefix}/completions", completions)
         app.router.add_get(f"{prefix}/models", models)
         app.router.add_get(f"{prefix}/health", health)
+    for prefix in ("/v1", ""):
+        app.router.add_post(f"{prefix}/messages", anthropic_messages)
+        app.router.add_post(f"{prefix}/messages/count_tokens", anthropic_count_tokens)
     app.router.add_post("/tokenize", tokenize)
     app.router.add_post("/detokenize", detokenize)
     app.router.add_get("/metrics", metrics)
