@@ -302,6 +302,23 @@ def test_n_choices_through_the_openai_client(cluster):
     assert seen == {0, 1}
 
 
+def test_anthropic_messages_match_plain_generation(cluster):
+    """The Anthropic Messages API through the three processes, read by the `anthropic` client: the text plain
+    decoding of the same rendered chat gives, streamed and not."""
+    import anthropic
+
+    c = cluster
+    ids = c["tok"].encode(c["template"].render(MSGS, add_generation_prompt=True, enable_thinking=False))
+    ref = reference(c["target"], ids, N)
+    client = anthropic.Anthropic(base_url=c["url"], api_key="none", max_retries=0, timeout=60)
+    r = client.messages.create(model=c["model"], max_tokens=N, messages=MSGS)
+    text = "".join(b.text for b in r.content if b.type == "text")
+    assert text == ref["text"] and r.usage.input_tokens == len(ids)
+    assert r.stop_reason == {"length": "max_tokens", "stop": "end_turn"}[ref["finish_reason"]]
+    with client.messages.stream(model=c["model"], max_tokens=N, messages=MSGS) as stream:
+        assert "".join(stream.text_stream) == text
+
+
 def test_penalties_reach_the_verifier(cluster):
     """OpenAI presence_penalty and the vLLM / llama.cpp extensions travel to the verifier; speculative decoding
     under them gives `specsplit generate`'s plain tokens; an out-of-range value is a 400 naming the field."""
