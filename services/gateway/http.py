@@ -1,8 +1,8 @@
 """The OpenAI-compatible HTTP surface (aiohttp, on the same event loop as the gRPC clients).
 
 Routes (each also without the /v1 prefix, as llama-server serves them): /v1/models, /v1/chat/completions,
-/v1/completions, /tokenize, /detokenize, /health (/v1/health), /metrics; and Anthropic's /v1/messages and
-/v1/messages/count_tokens (anthropic_api.py), whose errors take Anthropic's shape.
+/v1/completions, /v1/responses (responses_api.py), /tokenize, /detokenize, /health (/v1/health), /metrics; and
+Anthropic's /v1/messages and /v1/messages/count_tokens (anthropic_api.py), whose errors take Anthropic's shape.
 
 Streaming: the handler waits for the first event before sending headers (up to one ping interval), so
 errors the verifier reports at once (queue full, prompt too long) still become proper HTTP statuses; a
@@ -26,6 +26,7 @@ from aiohttp import web
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
 from . import anthropic_api as anth
+from . import responses_api as rapi
 from .core import Delta, GatewayCore, Generation, GenerationRequest, Outcome
 from .errors import APIError, invalid, unavailable
 from .openai_api import (
@@ -69,6 +70,7 @@ _ENDPOINTS = {
     "/v1/models": "/v1/models", "/models": "/v1/models",
     "/health": "/health", "/v1/health": "/health",
     "/tokenize": "/tokenize", "/detokenize": "/detokenize",
+    "/v1/responses": "/v1/responses", "/responses": "/v1/responses",
     "/v1/messages": "/v1/messages", "/messages": "/v1/messages",
     "/v1/messages/count_tokens": "/v1/messages/count_tokens", "/messages/count_tokens": "/v1/messages/count_tokens",
 }
@@ -356,6 +358,89 @@ async def _anthropic_stream(request: web.Request, core: GatewayCore, req: Genera
         return resp
 
 
+async def responses(request: web.Request) -> web.StreamResponse:
+    """OpenAI's Responses API (responses_api.py): the chat core, answered as output items."""
+    core = request.app[CORE_KEY]
+    arrived = time.perf_counter()
+    body = await read_json(request)
+    model = core.resolve_model(opt_model(body))
+    max_tokens, sampling, given, stream = rapi.sampling(body)
+    tools, parse_calls = rapi.to_tools(body)
+    messages = rapi.to_chat_messages(body)
+    prompt_text = core.render_chat(messages, tools, rapi.thinking_kwargs(body))
+    prompt_ids = core.encode(prompt_text, add_special=False)
+    core.check_prompt(prompt_ids, param="input")
+    split = core.think_ids is not None
+    req = GenerationRequest(request_id=rapi.new_response_id(), operation="chat", endpoint="/v1/responses",
+                            model=model, prompt_ids=prompt_ids, max_tokens=max_tokens, sampling=sampling,
+                            sampling_set=given, split_reasoning=split,
+                            in_reasoning=split and prompt_opens_thinking(prompt_text),
+                            tools=tools if parse_calls else None, arrived=arrived,
+                            trace_context=_trace_context(request))
+    created = rapi.now()
+    if stream:
+        return await _responses_stream(request, core, req, body, tools, created)
+    items = rapi.OutputAssembler()
+    async with core.open(req) as gen:
+        while not isinstance(ev := await gen.next(), Outcome):
+            items.add(ev.reasoning, ev.content, ev.tool_calls)
+    items.finish()
+    return web.json_response(rapi.response(req.request_id, created, model, body, items.items, ev, tools))
+
+
+async def _responses_stream(request: web.Request, core: GatewayCore, req: GenerationRequest, body: dict,
+                            tools: list[dict] | None, created: int) -> web.StreamResponse:
+    """response.created / .in_progress, each output item's added / deltas / done events, response.completed; SSE
+    comments while a long prompt runs; an error after the headers is an `error` event."""
+    ping = request.app[PING_KEY]
+    seq = 0
+
+    async def send(obj: dict) -> None:
+        nonlocal seq
+        await resp.write(_event({**obj, "sequence_number": seq}))
+        seq += 1
+
+    async with core.open(req) as gen:
+        first = await gen.next(timeout=ping or None)     # errors before any byte: HTTP statuses
+        resp = web.StreamResponse(status=200, headers={
+            "Content-Type": "text/event-stream; charset=utf-8", "Cache-Control": "no-cache",
+            "X-Accel-Buffering": "no"})
+        await resp.prepare(request)
+        started = rapi.response(req.request_id, created, req.model, body, [], None, tools)
+        await send({"type": "response.created", "response": started})
+        await send({"type": "response.in_progress", "response": started})
+        items = rapi.OutputAssembler()
+        try:
+            ev = first
+            while True:
+                if ev is None:
+                    await resp.write(b": ping\n\n")
+                elif isinstance(ev, Delta):
+                    for e in items.add(ev.reasoning, ev.content, ev.tool_calls):
+                        await send(e)
+                elif isinstance(ev, Outcome):
+                    for e in items.finish():
+                        await send(e)
+                    done = rapi.response(req.request_id, created, req.model, body, items.items, ev, tools)
+                    await send({"type": "response.incomplete" if done["status"] == "incomplete"
+                                else "response.completed", "response": done})
+                    break
+                ev = await gen.next(timeout=ping or None)
+        except APIError as e:
+            request[_STATUS_KEY] = e.status
+            await send({"type": "error", "code": e.type, "message": e.message, "param": e.param})
+        except ConnectionError:
+            request[_STATUS_KEY] = 499
+            return resp
+        except Exception as e:
+            log.exception("stream %s failed", req.request_id)
+            request[_STATUS_KEY] = 500
+            await send({"type": "error", "code": "server_error", "message": f"internal error: {type(e).__name__}: {e}",
+                        "param": None})
+        await resp.write_eof()
+        return resp
+
+
 def _choices(req: GenerationRequest, n: int) -> list[GenerationRequest]:
     """A request's n choices, each a generation of its own: choice i draws with seed + i when a seed is given
     (llama.cpp's rule), else with its own random seed; request ids `<id>`, `<id>.1`, ..."""
@@ -547,6 +632,7 @@ def create_app(core: GatewayCore, ping_interval: float = 15.0) -> web.Applicatio
     for prefix in ("/v1", ""):
         app.router.add_post(f"{prefix}/chat/completions", chat_completions)
         app.router.add_post(f"{prefix}/completions", completions)
+        app.router.add_post(f"{prefix}/responses", responses)
         app.router.add_get(f"{prefix}/models", models)
         app.router.add_get(f"{prefix}/health", health)
     for prefix in ("/v1", ""):
