@@ -319,6 +319,16 @@ def test_anthropic_messages_match_plain_generation(cluster):
         assert "".join(stream.text_stream) == text
 
 
+def test_responses_api_matches_plain_generation(cluster):
+    """The Responses API through the three processes, read by the openai client: plain decoding's text."""
+    c = cluster
+    ids = chat_prompt_ids(c, MSGS)
+    ref = reference(c["target"], ids, N)
+    r = c["client"].responses.create(model=c["model"], input=MSGS[0]["content"], max_output_tokens=N)
+    assert r.output_text == ref["text"] and r.usage.input_tokens == len(ids)
+    assert r.status == {"length": "incomplete", "stop": "completed"}[ref["finish_reason"]]
+
+
 def test_penalties_reach_the_verifier(cluster):
     """OpenAI presence_penalty and the vLLM / llama.cpp extensions travel to the verifier; speculative decoding
     under them gives `specsplit generate`'s plain tokens; an out-of-range value is a 400 naming the field."""
