@@ -18,6 +18,14 @@ def tiny_pair(tmp_path_factory):
     return make_tiny_pair(tmp_path_factory.mktemp("tiny_pair"))
 
 
+@pytest.fixture(scope="session")
+def source(tiny_pair):
+    """The gateway's tokenizer source (tokenizer, chat template, name) of the tiny pair's target."""
+    from services.gateway.core import load_tokenizer_source
+
+    return load_tokenizer_source(tiny_pair[1])
+
+
 SMALL_VOCAB = 12
 
 

@@ -5,28 +5,17 @@ come back as tool_use blocks (a scripted verifier answers with them), and errors
 from __future__ import annotations
 
 import asyncio
-import uuid
 
 import anthropic
 import pytest
 
-from services.gateway.core import load_tokenizer_source
-from services.gateway.pool import VERIFIER_SERVICE
-from services.gateway.server import GatewayConfig, serve_gateway
-from services.rpc import start_server
-from services.wire import pb_grpc
 from tests.test_gateway_http import post, run, stack
-from tests.test_gateway_tools import JSON_ANSWER, TOOLS, XML_ANSWER, XML_ARGS, ScriptedVerifier
+from tests.test_gateway_tools import JSON_ANSWER, TOOLS, XML_ANSWER, XML_ARGS, scripted_stack
 
 SYSTEM = "You are terse."
 MSGS = [{"role": "user", "content": "Hello, how are you?"}]
 ANTHROPIC_TOOLS = [{"name": t["function"]["name"], "description": t["function"].get("description", ""),
                     "input_schema": t["function"]["parameters"]} for t in TOOLS]
-
-
-@pytest.fixture(scope="module")
-def source(tiny_pair):
-    return load_tokenizer_source(tiny_pair[1])
 
 
 def test_messages_match_the_chat_endpoint(tiny_pair, source):
@@ -81,18 +70,9 @@ def test_messages_match_the_chat_endpoint(tiny_pair, source):
     run(scenario())
 
 
-def test_tool_use_blocks_and_a_tool_result_turn(tiny_pair):
-    source = load_tokenizer_source(tiny_pair[1])
-
+def test_tool_use_blocks_and_a_tool_result_turn(tiny_pair, source):
     async def scenario():
-        script = ScriptedVerifier(source.tokenizer, source.tokenizer.vocab_size)
-        addr = f"inproc:scripted-{uuid.uuid4().hex[:8]}"
-        v = await start_server([(pb_grpc.add_VerifierServicer_to_server, script)], addr, [VERIFIER_SERVICE])
-        await v.set_ready(VERIFIER_SERVICE)
-        g = await serve_gateway(GatewayConfig(model=tiny_pair[1], verifiers=[addr], host="127.0.0.1", port=0),
-                                source=source)
-        try:
-            assert await g.core.pool.wait_ready(30)
+        async with scripted_stack(tiny_pair) as (script, g):
             client = anthropic.AsyncAnthropic(base_url=g.url, api_key="none", max_retries=0, timeout=30)
             msgs = [{"role": "user", "content": "Weather in Paris?"}]
             script.answer = XML_ANSWER
@@ -124,8 +104,5 @@ def test_tool_use_blocks_and_a_tool_result_turn(tiny_pair):
             assert r.content[0].text == "It is sunny." and r.stop_reason == "end_turn"
             prompt = source.tokenizer.decode(script.requests[-1].prompt_ids)
             assert "sunny, 21 C" in prompt and "And tomorrow?" in prompt and "Checking." in prompt
-        finally:
-            await g.stop(0)
-            await v.stop(0)
 
     asyncio.run(asyncio.wait_for(scenario(), 120))

@@ -19,18 +19,12 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from services import telemetry
-from services.gateway.core import load_tokenizer_source
 from services.gateway.server import GatewayConfig, serve_gateway
 from services.gateway.textstream import TextAssembler, prompt_opens_thinking, think_token_ids
 from services.verifier.service import VerifierConfig, serve_verifier
 from services.wire import pb, pb_grpc
 
 TIMEOUT = aiohttp.ClientTimeout(total=60)
-
-
-@pytest.fixture(scope="module")
-def source(tiny_pair):
-    return load_tokenizer_source(tiny_pair[1])
 
 
 @contextlib.asynccontextmanager

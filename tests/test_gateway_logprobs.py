@@ -45,9 +45,9 @@ def check_chat_entries(g, entries, want, top):
             assert t["token"] == core.token_text(i)[0] or abs(t["logprob"] - e["top_logprobs"][0]["logprob"]) < TOL
 
 
-def test_chat_logprobs_streamed_and_not(tiny_pair, target):
+def test_chat_logprobs_streamed_and_not(tiny_pair, source, target):
     async def scenario():
-        async with stack(tiny_pair, load_source(tiny_pair)) as (g, http):
+        async with stack(tiny_pair, source) as (g, http):
             body = {"messages": MSGS, "max_tokens": 14, "logprobs": True, "top_logprobs": 3, **KW}
             s, b, _ = await post(http, "/v1/chat/completions", body)
             assert s == 200, b
@@ -80,9 +80,9 @@ def test_chat_logprobs_streamed_and_not(tiny_pair, target):
     run(scenario())
 
 
-def test_completion_logprobs_streamed_and_not(tiny_pair, target):
+def test_completion_logprobs_streamed_and_not(tiny_pair, source, target):
     async def scenario():
-        async with stack(tiny_pair, load_source(tiny_pair)) as (g, http):
+        async with stack(tiny_pair, source) as (g, http):
             prompt = "def add(a, b):"
             body = {"prompt": prompt, "max_tokens": 10, "logprobs": 2, "temperature": 0}
             s, b, _ = await post(http, "/v1/completions", body)
@@ -114,9 +114,9 @@ def test_completion_logprobs_streamed_and_not(tiny_pair, target):
     run(scenario())
 
 
-def test_logprobs_stop_at_a_stop_string(tiny_pair):
+def test_logprobs_stop_at_a_stop_string(tiny_pair, source):
     async def scenario():
-        async with stack(tiny_pair, load_source(tiny_pair)) as (g, http):
+        async with stack(tiny_pair, source) as (g, http):
             body = {"prompt": "def add(a, b):", "max_tokens": 16, "logprobs": 0, "temperature": 0}
             s, full, _ = await post(http, "/v1/completions", body)
             text = full["choices"][0]["text"]
@@ -135,11 +135,11 @@ def test_logprobs_stop_at_a_stop_string(tiny_pair):
     run(scenario())
 
 
-def test_completion_echo_scores_the_prompt_as_lm_eval_asks(tiny_pair, target):
+def test_completion_echo_scores_the_prompt_as_lm_eval_asks(tiny_pair, source, target):
     """lm-eval's loglikelihood payload (local-completions): token-id prompt, echo, logprobs 1, max_tokens 1; its
     parse (token_logprobs[ctxlen:-1], greedy when each equals its top_logprobs' max) on the engine's numbers."""
     async def scenario():
-        async with stack(tiny_pair, load_source(tiny_pair)) as (g, http):
+        async with stack(tiny_pair, source) as (g, http):
             ids = g.core.encode("def add(a, b):\n    return a + b", add_special=False)
             body = {"prompt": [ids], "max_tokens": 1, "logprobs": 1, "echo": True, "temperature": 0, "seed": 1234}
             s, b, _ = await post(http, "/v1/completions", body)
@@ -187,9 +187,9 @@ def test_completion_echo_scores_the_prompt_as_lm_eval_asks(tiny_pair, target):
     run(scenario())
 
 
-def test_bad_logprobs_fields_are_400s(tiny_pair):
+def test_bad_logprobs_fields_are_400s(tiny_pair, source):
     async def scenario():
-        async with stack(tiny_pair, load_source(tiny_pair)) as (g, http):
+        async with stack(tiny_pair, source) as (g, http):
             chat = {"messages": MSGS, "max_tokens": 2}
             cases = [
                 ("/v1/chat/completions", {**chat, "top_logprobs": 2}, "top_logprobs"),
@@ -212,9 +212,9 @@ def test_bad_logprobs_fields_are_400s(tiny_pair):
     run(scenario())
 
 
-def test_public_grpc_logprobs(tiny_pair, target):
+def test_public_grpc_logprobs(tiny_pair, source, target):
     async def scenario():
-        async with stack(tiny_pair, load_source(tiny_pair), grpc_listen=f"inproc:gw-{uuid.uuid4().hex[:6]}") as (
+        async with stack(tiny_pair, source, grpc_listen=f"inproc:gw-{uuid.uuid4().hex[:6]}") as (
                 g, http):
             async with grpc.aio.insecure_channel(g.grpc_server.address.target) as ch:
                 stub = pb_grpc.GatewayStub(ch)
@@ -237,9 +237,3 @@ def test_public_grpc_logprobs(tiny_pair, target):
                         pass
                 assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     run(scenario())
-
-
-def load_source(tiny_pair):
-    from services.gateway.core import load_tokenizer_source
-
-    return load_tokenizer_source(tiny_pair[1])

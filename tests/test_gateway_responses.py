@@ -6,25 +6,14 @@ from __future__ import annotations
 
 import asyncio
 import json
-import uuid
 
 import openai
 import pytest
 
-from services.gateway.core import load_tokenizer_source
-from services.gateway.pool import VERIFIER_SERVICE
-from services.gateway.server import GatewayConfig, serve_gateway
-from services.rpc import start_server
-from services.wire import pb_grpc
 from tests.test_gateway_http import post, run, stack
-from tests.test_gateway_tools import JSON_ANSWER, TOOLS, XML_ANSWER, XML_ARGS, ScriptedVerifier
+from tests.test_gateway_tools import JSON_ANSWER, TOOLS, XML_ANSWER, XML_ARGS, scripted_stack
 
 FLAT_TOOLS = [{"type": "function", **t["function"]} for t in TOOLS]
-
-
-@pytest.fixture(scope="module")
-def source(tiny_pair):
-    return load_tokenizer_source(tiny_pair[1])
 
 
 def test_responses_match_the_chat_endpoint(tiny_pair, source):
@@ -80,14 +69,7 @@ def test_responses_match_the_chat_endpoint(tiny_pair, source):
 
 def test_function_calls_out_and_back(tiny_pair, source):
     async def scenario():
-        script = ScriptedVerifier(source.tokenizer, source.tokenizer.vocab_size)
-        addr = f"inproc:scripted-{uuid.uuid4().hex[:8]}"
-        v = await start_server([(pb_grpc.add_VerifierServicer_to_server, script)], addr, [VERIFIER_SERVICE])
-        await v.set_ready(VERIFIER_SERVICE)
-        g = await serve_gateway(GatewayConfig(model=tiny_pair[1], verifiers=[addr], host="127.0.0.1", port=0),
-                                source=source)
-        try:
-            assert await g.core.pool.wait_ready(30)
+        async with scripted_stack(tiny_pair) as (script, g):
             client = openai.AsyncOpenAI(base_url=f"{g.url}/v1", api_key="none", max_retries=0, timeout=30)
             script.answer = XML_ANSWER
             r = await client.responses.create(model="scripted", input="Weather in Paris?", tools=FLAT_TOOLS)
@@ -116,8 +98,5 @@ def test_function_calls_out_and_back(tiny_pair, source):
             assert r.output_text == "It is sunny." and r.status == "completed"
             prompt = source.tokenizer.decode(script.requests[-1].prompt_ids)
             assert "sunny, 21 C" in prompt and "Weather in Paris?" in prompt
-        finally:
-            await g.stop(0)
-            await v.stop(0)
 
     asyncio.run(asyncio.wait_for(scenario(), 120))

@@ -5,6 +5,7 @@ streams the tokens of a given answer (a random test model does not call tools)."
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import uuid
 
@@ -125,18 +126,27 @@ class ScriptedVerifier(pb_grpc.VerifierServicer):
                                usage=pb.Usage(prompt_tokens=len(request.prompt_ids), completion_tokens=len(ids) + 1))
 
 
-def test_chat_with_tools_through_the_openai_client(tiny_pair):
+@contextlib.asynccontextmanager
+async def scripted_stack(tiny_pair):
+    """(script, gateway): a gateway on the tiny pair's tokenizer routed to a ScriptedVerifier (set script.answer)."""
     source = load_tokenizer_source(tiny_pair[1])
+    script = ScriptedVerifier(source.tokenizer, source.tokenizer.vocab_size)
+    addr = f"inproc:scripted-{uuid.uuid4().hex[:8]}"
+    v = await start_server([(pb_grpc.add_VerifierServicer_to_server, script)], addr, [VERIFIER_SERVICE])
+    await v.set_ready(VERIFIER_SERVICE)
+    g = await serve_gateway(GatewayConfig(model=tiny_pair[1], verifiers=[addr], host="127.0.0.1", port=0),
+                            source=source)
+    try:
+        assert await g.core.pool.wait_ready(30)
+        yield script, g
+    finally:
+        await g.stop(0)
+        await v.stop(0)
 
+
+def test_chat_with_tools_through_the_openai_client(tiny_pair):
     async def scenario():
-        script = ScriptedVerifier(source.tokenizer, source.tokenizer.vocab_size)
-        addr = f"inproc:scripted-{uuid.uuid4().hex[:8]}"
-        v = await start_server([(pb_grpc.add_VerifierServicer_to_server, script)], addr, [VERIFIER_SERVICE])
-        await v.set_ready(VERIFIER_SERVICE)
-        g = await serve_gateway(GatewayConfig(model=tiny_pair[1], verifiers=[addr], host="127.0.0.1", port=0),
-                                source=source)
-        try:
-            assert await g.core.pool.wait_ready(30)
+        async with scripted_stack(tiny_pair) as (script, g):
             client = openai.AsyncOpenAI(base_url=f"{g.url}/v1", api_key="none", max_retries=0, timeout=30)
             msgs = [{"role": "user", "content": "Weather in Paris?"}]
             script.answer = XML_ANSWER
@@ -186,8 +196,5 @@ def test_chat_with_tools_through_the_openai_client(tiny_pair):
                 with pytest.raises(openai.BadRequestError) as e:
                     await client.chat.completions.create(model="scripted", messages=msgs, tools=bad)
                 assert e.value.body["param"] == "tools"
-        finally:
-            await g.stop(0)
-            await v.stop(0)
 
     asyncio.run(asyncio.wait_for(scenario(), 120))

@@ -10,7 +10,6 @@ model wrote them (thinking, text, tool_use); `thinking` absent or disabled rende
 from __future__ import annotations
 
 import json
-import math
 import uuid
 from typing import Any
 
@@ -19,7 +18,7 @@ from services.engine.sampling import SamplingParams
 
 from .core import Outcome
 from .errors import APIError, invalid
-from .openai_api import MAX_STOP
+from .openai_api import MAX_STOP, opt_bool, opt_number, text_parts
 from .toolcalls import ToolCall
 
 # Anthropic's error types by HTTP status (docs.anthropic.com "Errors")
@@ -38,17 +37,7 @@ def new_message_id() -> str:
 
 
 def _text(content: Any, where: str) -> str:
-    """A content that must be text: a string or text blocks."""
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):
-        parts = []
-        for b in content:
-            if not isinstance(b, dict) or b.get("type") != "text" or not isinstance(b.get("text"), str):
-                raise invalid(f"{where} takes text blocks only here, got {b!r:.80}", "messages")
-            parts.append(b["text"])
-        return "".join(parts)
-    raise invalid(f"{where} must be a string or an array of text blocks", "messages")
+    return text_parts(content, where, "messages")
 
 
 def to_chat_messages(body: dict) -> list[dict]:
@@ -153,13 +142,7 @@ def sampling(body: dict) -> tuple[int, SamplingParams, frozenset[str], list[str]
     mt = body.get("max_tokens")
     if isinstance(mt, bool) or not isinstance(mt, int) or mt < 1:
         raise invalid(f"'max_tokens' is required and must be an integer >= 1, got {mt!r}", "max_tokens")
-    given: dict[str, Any] = {}
-    for name in ("temperature", "top_p"):
-        v = body.get(name)
-        if v is not None:
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
-                raise invalid(f"'{name}' must be a number, got {v!r}", name)
-            given[name] = float(v)
+    given = {name: v for name in ("temperature", "top_p") if (v := opt_number(body, name)) is not None}
     if "temperature" in given and not 0.0 <= given["temperature"] <= 1.0:
         raise invalid(f"'temperature' must be in [0, 1], got {given['temperature']}", "temperature")
     k = body.get("top_k")
@@ -176,10 +159,7 @@ def sampling(body: dict) -> tuple[int, SamplingParams, frozenset[str], list[str]
         raise invalid("'stop_sequences' must be an array of strings", "stop_sequences")
     if len(stop) > MAX_STOP:
         raise invalid(f"'stop_sequences' takes at most {MAX_STOP} sequences here, got {len(stop)}", "stop_sequences")
-    stream = body.get("stream", False)
-    if not isinstance(stream, bool):
-        raise invalid("'stream' must be a boolean", "stream")
-    return mt, params, frozenset(given), [s for s in stop if s], stream
+    return mt, params, frozenset(given), [s for s in stop if s], opt_bool(body, "stream")
 
 
 # ------------------------------------------------------------------------------------------------ shaping

@@ -262,23 +262,31 @@ async def completions(request: web.Request) -> web.StreamResponse:
     return web.json_response(_one_response(answers))
 
 
+def _chat_request(core: GatewayCore, request: web.Request, arrived: float, rid: str, endpoint: str, model: str,
+                  messages: list[dict], tools: list[dict] | None, parse_calls: bool, template_kwargs: dict,
+                  param: str, **fields: Any) -> GenerationRequest:
+    """A chat generation from the messages another API's request became (Anthropic's, the Responses API's): the
+    template rendered, the prompt checked (blamed on `param`), reasoning split, tool calls parsed when asked;
+    `fields`: the GenerationRequest's sampling ones."""
+    prompt_text = core.render_chat(messages, tools, template_kwargs)
+    prompt_ids = core.encode(prompt_text, add_special=False)
+    core.check_prompt(prompt_ids, param=param)
+    split = core.think_ids is not None
+    return GenerationRequest(request_id=rid, operation="chat", endpoint=endpoint, model=model, prompt_ids=prompt_ids,
+                             split_reasoning=split, in_reasoning=split and prompt_opens_thinking(prompt_text),
+                             tools=tools if parse_calls else None, arrived=arrived,
+                             trace_context=_trace_context(request), **fields)
+
+
 def _anthropic_request(core: GatewayCore, body: dict, arrived: float, request: web.Request
                        ) -> tuple[GenerationRequest, bool]:
     """A Messages request as a chat generation (anthropic_api.py), and whether it streams."""
     model = core.resolve_model(opt_model(body))
     max_tokens, sampling, given, stop, stream = anth.sampling(body)
     tools, parse_calls = anth.to_tools(body)
-    messages = anth.to_chat_messages(body)
-    prompt_text = core.render_chat(messages, tools, anth.thinking_kwargs(body))
-    prompt_ids = core.encode(prompt_text, add_special=False)
-    core.check_prompt(prompt_ids, param="messages")
-    split = core.think_ids is not None
-    req = GenerationRequest(request_id=anth.new_message_id(), operation="chat", endpoint="/v1/messages",
-                            model=model, prompt_ids=prompt_ids, max_tokens=max_tokens, sampling=sampling,
-                            sampling_set=given, stop=stop, split_reasoning=split,
-                            in_reasoning=split and prompt_opens_thinking(prompt_text),
-                            tools=tools if parse_calls else None, arrived=arrived,
-                            trace_context=_trace_context(request))
+    req = _chat_request(core, request, arrived, anth.new_message_id(), "/v1/messages", model,
+                        anth.to_chat_messages(body), tools, parse_calls, anth.thinking_kwargs(body), "messages",
+                        max_tokens=max_tokens, sampling=sampling, sampling_set=given, stop=stop)
     return req, stream
 
 
@@ -317,16 +325,14 @@ async def _anthropic_stream(request: web.Request, core: GatewayCore, req: Genera
     ping = request.app[PING_KEY]
     async with core.open(req) as gen:
         first = await gen.next(timeout=ping or None)     # errors before any byte: HTTP statuses
-        resp = web.StreamResponse(status=200, headers={
-            "Content-Type": "text/event-stream; charset=utf-8", "Cache-Control": "no-cache",
-            "X-Accel-Buffering": "no"})
-        await resp.prepare(request)
-        await resp.write(_event({"type": "message_start", "message": {
-            "id": req.request_id, "type": "message", "role": "assistant", "model": req.model, "content": [],
-            "stop_reason": None, "stop_sequence": None,
-            "usage": {"input_tokens": len(req.prompt_ids), "output_tokens": 0}}}))
-        blocks = anth.BlockAssembler()
-        try:
+        resp = await _open_sse(request)
+
+        async def body() -> None:
+            await resp.write(_event({"type": "message_start", "message": {
+                "id": req.request_id, "type": "message", "role": "assistant", "model": req.model, "content": [],
+                "stop_reason": None, "stop_sequence": None,
+                "usage": {"input_tokens": len(req.prompt_ids), "output_tokens": 0}}}))
+            blocks = anth.BlockAssembler()
             ev = first
             while True:
                 if ev is None:
@@ -334,28 +340,18 @@ async def _anthropic_stream(request: web.Request, core: GatewayCore, req: Genera
                 elif isinstance(ev, Delta):
                     for e in blocks.add(ev.reasoning, ev.content, ev.tool_calls):
                         await resp.write(_event(e))
-                elif isinstance(ev, Outcome):
+                else:
                     for e in blocks.finish():
                         await resp.write(_event(e))
-                    reason, seq = anth.stop_reason(ev)
+                    reason, stop_seq = anth.stop_reason(ev)
                     await resp.write(_event({"type": "message_delta",
-                                             "delta": {"stop_reason": reason, "stop_sequence": seq},
+                                             "delta": {"stop_reason": reason, "stop_sequence": stop_seq},
                                              "usage": {"output_tokens": ev.completion_tokens}}))
                     await resp.write(_event({"type": "message_stop"}))
-                    break
+                    return
                 ev = await gen.next(timeout=ping or None)
-        except APIError as e:
-            request[_STATUS_KEY] = e.status
-            await resp.write(_event(anth.error_body(e)))
-        except ConnectionError:
-            request[_STATUS_KEY] = 499
-            return resp
-        except Exception as e:
-            log.exception("stream %s failed", req.request_id)
-            request[_STATUS_KEY] = 500
-            await resp.write(_event(anth.error_body(APIError(500, f"internal error: {type(e).__name__}: {e}"))))
-        await resp.write_eof()
-        return resp
+
+        return await _run_stream(request, resp, req.request_id, body, lambda e: _event(anth.error_body(e)))
 
 
 async def responses(request: web.Request) -> web.StreamResponse:
@@ -366,17 +362,9 @@ async def responses(request: web.Request) -> web.StreamResponse:
     model = core.resolve_model(opt_model(body))
     max_tokens, sampling, given, stream = rapi.sampling(body)
     tools, parse_calls = rapi.to_tools(body)
-    messages = rapi.to_chat_messages(body)
-    prompt_text = core.render_chat(messages, tools, rapi.thinking_kwargs(body))
-    prompt_ids = core.encode(prompt_text, add_special=False)
-    core.check_prompt(prompt_ids, param="input")
-    split = core.think_ids is not None
-    req = GenerationRequest(request_id=rapi.new_response_id(), operation="chat", endpoint="/v1/responses",
-                            model=model, prompt_ids=prompt_ids, max_tokens=max_tokens, sampling=sampling,
-                            sampling_set=given, split_reasoning=split,
-                            in_reasoning=split and prompt_opens_thinking(prompt_text),
-                            tools=tools if parse_calls else None, arrived=arrived,
-                            trace_context=_trace_context(request))
+    req = _chat_request(core, request, arrived, rapi.new_response_id(), "/v1/responses", model,
+                        rapi.to_chat_messages(body), tools, parse_calls, rapi.thinking_kwargs(body), "input",
+                        max_tokens=max_tokens, sampling=sampling, sampling_set=given)
     created = rapi.now()
     if stream:
         return await _responses_stream(request, core, req, body, tools, created)
@@ -393,52 +381,39 @@ async def _responses_stream(request: web.Request, core: GatewayCore, req: Genera
     """response.created / .in_progress, each output item's added / deltas / done events, response.completed; SSE
     comments while a long prompt runs; an error after the headers is an `error` event."""
     ping = request.app[PING_KEY]
-    seq = 0
+    seq = [0]
 
-    async def send(obj: dict) -> None:
-        nonlocal seq
-        await resp.write(_event({**obj, "sequence_number": seq}))
-        seq += 1
+    def event(obj: dict) -> bytes:
+        seq[0] += 1
+        return _event({**obj, "sequence_number": seq[0] - 1})
 
     async with core.open(req) as gen:
         first = await gen.next(timeout=ping or None)     # errors before any byte: HTTP statuses
-        resp = web.StreamResponse(status=200, headers={
-            "Content-Type": "text/event-stream; charset=utf-8", "Cache-Control": "no-cache",
-            "X-Accel-Buffering": "no"})
-        await resp.prepare(request)
-        started = rapi.response(req.request_id, created, req.model, body, [], None, tools)
-        await send({"type": "response.created", "response": started})
-        await send({"type": "response.in_progress", "response": started})
-        items = rapi.OutputAssembler()
-        try:
+        resp = await _open_sse(request)
+
+        async def events() -> None:
+            started = rapi.response(req.request_id, created, req.model, body, [], None, tools)
+            await resp.write(event({"type": "response.created", "response": started}))
+            await resp.write(event({"type": "response.in_progress", "response": started}))
+            items = rapi.OutputAssembler()
             ev = first
             while True:
                 if ev is None:
                     await resp.write(b": ping\n\n")
                 elif isinstance(ev, Delta):
                     for e in items.add(ev.reasoning, ev.content, ev.tool_calls):
-                        await send(e)
-                elif isinstance(ev, Outcome):
+                        await resp.write(event(e))
+                else:
                     for e in items.finish():
-                        await send(e)
+                        await resp.write(event(e))
                     done = rapi.response(req.request_id, created, req.model, body, items.items, ev, tools)
-                    await send({"type": "response.incomplete" if done["status"] == "incomplete"
-                                else "response.completed", "response": done})
-                    break
+                    await resp.write(event({"type": "response.incomplete" if done["status"] == "incomplete"
+                                            else "response.completed", "response": done}))
+                    return
                 ev = await gen.next(timeout=ping or None)
-        except APIError as e:
-            request[_STATUS_KEY] = e.status
-            await send({"type": "error", "code": e.type, "message": e.message, "param": e.param})
-        except ConnectionError:
-            request[_STATUS_KEY] = 499
-            return resp
-        except Exception as e:
-            log.exception("stream %s failed", req.request_id)
-            request[_STATUS_KEY] = 500
-            await send({"type": "error", "code": "server_error", "message": f"internal error: {type(e).__name__}: {e}",
-                        "param": None})
-        await resp.write_eof()
-        return resp
+
+        return await _run_stream(request, resp, req.request_id, events, lambda e: event(
+            {"type": "error", "code": e.type, "message": e.message, "param": e.param}))
 
 
 def _choices(req: GenerationRequest, n: int) -> list[GenerationRequest]:
@@ -470,6 +445,33 @@ def _one_response(answers: list[tuple[dict, Outcome]]) -> dict:
 # ----------------------------------------------------------------------------------------- streaming
 
 
+async def _open_sse(request: web.Request) -> web.StreamResponse:
+    resp = web.StreamResponse(status=200, headers={
+        "Content-Type": "text/event-stream; charset=utf-8", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    await resp.prepare(request)
+    return resp
+
+
+async def _run_stream(request: web.Request, resp: web.StreamResponse, rid: str, body: Callable[[], Awaitable[None]],
+                      error_event: Callable[[APIError], bytes]) -> web.StreamResponse:
+    """Write a stream's events (`body`) after its headers: an error then can only travel as an event (its real
+    status kept for logs and metrics); a client gone between writes ends it quietly."""
+    try:
+        await body()
+    except APIError as e:
+        request[_STATUS_KEY] = e.status
+        await resp.write(error_event(e))
+    except ConnectionError:     # aiohttp noticed the disconnect on a write rather than by cancelling
+        request[_STATUS_KEY] = 499
+        return resp
+    except Exception as e:
+        log.exception("stream %s failed", rid)
+        request[_STATUS_KEY] = 500
+        await resp.write(error_event(APIError(500, f"internal error: {type(e).__name__}: {e}")))
+    await resp.write_eof()
+    return resp
+
+
 def _sse(obj: Any) -> bytes:
     return b"data: " + json.dumps(obj, separators=(",", ":"), ensure_ascii=False).encode() + b"\n\n"
 
@@ -497,16 +499,14 @@ async def _stream(request: web.Request, core: GatewayCore, reqs: list[Generation
             for t in tasks:
                 t.cancel()
             raise
-        resp = web.StreamResponse(status=200, headers={
-            "Content-Type": "text/event-stream; charset=utf-8", "Cache-Control": "no-cache",
-            "X-Accel-Buffering": "no"})
-        await resp.prepare(request)
+        resp = await _open_sse(request)
         if chat:
             for c in choices:
                 await resp.write(_sse(chat_chunk(rid, created, model, {"role": "assistant", "content": None},
                                                  index=c.index)))
         outs: list[Outcome | None] = [None] * len(choices)
-        try:
+
+        async def events() -> None:
             if len(done) < len(tasks):      # a choice's first event is a ping interval late: the client hears so
                 await resp.write(b": ping\n\n")
             for t in sorted(done, key=lambda t: tasks[t].index):     # the first events, in choice order
@@ -515,10 +515,10 @@ async def _stream(request: web.Request, core: GatewayCore, reqs: list[Generation
                 if outs[c.index] is None:
                     tasks[asyncio.ensure_future(c.gen.next())] = c
             while tasks:
-                done, _ = await asyncio.wait(tasks, timeout=ping or None, return_when=asyncio.FIRST_COMPLETED)
-                if not done:
+                ready, _ = await asyncio.wait(tasks, timeout=ping or None, return_when=asyncio.FIRST_COMPLETED)
+                if not ready:
                     await resp.write(b": ping\n\n")
-                for t in done:
+                for t in ready:
                     c = tasks.pop(t)
                     await _write_event(resp, rid, created, model, c, t.result(), outs, include_usage)
                     if outs[c.index] is None:
@@ -529,22 +529,12 @@ async def _stream(request: web.Request, core: GatewayCore, reqs: list[Generation
                 await resp.write(_sse(make(rid, created, model, None, usage=merged_usage(done_outs),
                                            timings=done_outs[0].timings)))
             await resp.write(b"data: [DONE]\n\n")
-        except APIError as e:
-            request[_STATUS_KEY] = e.status
-            await resp.write(_sse(e.body()))
-        except ConnectionError:
-            # The client went away between writes (aiohttp noticed on write rather than by cancelling).
-            request[_STATUS_KEY] = 499
-            return resp
-        except Exception as e:         # headers are out: the error can only travel as an event
-            log.exception("stream %s failed", rid)
-            request[_STATUS_KEY] = 500
-            await resp.write(_sse(APIError(500, f"internal error: {type(e).__name__}: {e}").body()))
+
+        try:
+            return await _run_stream(request, resp, rid, events, lambda e: _sse(e.body()))
         finally:
             for t in tasks:
                 t.cancel()
-        await resp.write_eof()
-        return resp
 
 
 class _StreamChoice:

@@ -62,6 +62,21 @@ def opt_number(body: dict, name: str) -> float | None:
     return float(v)
 
 
+def text_parts(content: Any, where: str, param: str, kinds: tuple[str, ...] = ("text",)) -> str:
+    """A content that must be text: a string, or an array of parts of `kinds` with a `text` (Anthropic's text
+    blocks, the Responses API's input_text / output_text parts), joined; else a 400 blaming `param`."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        parts = []
+        for p in content:
+            if not isinstance(p, dict) or p.get("type") not in kinds or not isinstance(p.get("text"), str):
+                raise invalid(f"{where}: content part {p!r:.80} is not supported (text only)", param)
+            parts.append(p["text"])
+        return "".join(parts)
+    raise invalid(f"{where} must be a string or an array of text parts", param)
+
+
 def opt_bool(body: dict, name: str, default: bool = False) -> bool:
     v = body.get(name)
     if v is None:

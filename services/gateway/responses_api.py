@@ -11,7 +11,6 @@ messages); the answer comes back as output items in the order the model wrote th
 from __future__ import annotations
 
 import json
-import math
 import time
 import uuid
 from typing import Any
@@ -21,6 +20,7 @@ from services.engine.sampling import SamplingParams
 
 from .core import Outcome
 from .errors import invalid
+from .openai_api import opt_bool, opt_number, text_parts
 from .toolcalls import ToolCall, check_tool_choice, check_tools
 
 _UNHONOURED = {
@@ -40,17 +40,7 @@ def new_response_id() -> str:
 
 
 def _text(content: Any, where: str) -> str:
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):
-        parts = []
-        for p in content:
-            if not isinstance(p, dict) or p.get("type") not in ("input_text", "output_text", "text") or \
-                    not isinstance(p.get("text"), str):
-                raise invalid(f"{where}: content part {p!r:.80} is not supported (text parts only)", "input")
-            parts.append(p["text"])
-        return "".join(parts)
-    raise invalid(f"{where}: content must be a string or an array of text parts", "input")
+    return text_parts(content, where, "input", ("input_text", "output_text", "text"))
 
 
 def to_chat_messages(body: dict) -> list[dict]:
@@ -142,13 +132,7 @@ def sampling(body: dict) -> tuple[int | None, SamplingParams, frozenset[str], bo
     mt = body.get("max_output_tokens")
     if mt is not None and (isinstance(mt, bool) or not isinstance(mt, int) or mt < 1):
         raise invalid(f"'max_output_tokens' must be an integer >= 1, got {mt!r}", "max_output_tokens")
-    given: dict[str, Any] = {}
-    for name in ("temperature", "top_p"):
-        v = body.get(name)
-        if v is not None:
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
-                raise invalid(f"'{name}' must be a number, got {v!r}", name)
-            given[name] = float(v)
+    given = {name: v for name in ("temperature", "top_p") if (v := opt_number(body, name)) is not None}
     try:
         params = SamplingParams(**given).validate()
     except InvalidRequestError as e:
@@ -158,10 +142,7 @@ def sampling(body: dict) -> tuple[int | None, SamplingParams, frozenset[str], bo
         raise invalid("only text output is supported (text.format {\"type\": \"text\"})", "text")
     if body.get("top_logprobs") not in (None, 0):
         raise invalid("'top_logprobs' is not supported on /v1/responses (use /v1/chat/completions)", "top_logprobs")
-    stream = body.get("stream", False)
-    if not isinstance(stream, bool):
-        raise invalid("'stream' must be a boolean", "stream")
-    return mt, params, frozenset(given), stream
+    return mt, params, frozenset(given), opt_bool(body, "stream")
 
 
 # ------------------------------------------------------------------------------------------------ shaping
