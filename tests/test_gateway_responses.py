@@ -10,6 +10,7 @@ import json
 import openai
 import pytest
 
+from services.gateway import responses_api as rapi
 from tests.test_gateway_http import post, run, stack
 from tests.test_gateway_tools import JSON_ANSWER, TOOLS, XML_ANSWER, XML_ARGS, scripted_stack
 
@@ -54,7 +55,8 @@ def test_responses_match_the_chat_endpoint(tiny_pair, source):
                 assert "".join(deltas) == want == final.output_text and final.status == r.status
                 assert [e.sequence_number for e in events] == list(range(len(events)))
             for bad, param in (({"previous_response_id": "resp_1"}, "previous_response_id"),
-                               ({"tools": [{"type": "web_search"}]}, "tools"),
+                               ({"tools": [42]}, "tools"),
+                               ({"tools": [{"type": "custom"}]}, "tools"),
                                ({"tools": FLAT_TOOLS, "tool_choice": "required"}, "tool_choice"),
                                ({"text": {"format": {"type": "json_schema", "name": "x", "schema": {}}}}, "text"),
                                ({"input": [{"role": "user", "content": [{"type": "input_image",
@@ -100,3 +102,46 @@ def test_function_calls_out_and_back(tiny_pair, source):
             assert "sunny, 21 C" in prompt and "Weather in Paris?" in prompt
 
     asyncio.run(asyncio.wait_for(scenario(), 120))
+
+
+PATCH = "*** Begin Patch\n*** Add File: hello.txt\n+hello\n*** End Patch"
+CODEX_TOOLS = [{"type": "function", "name": "shell", "description": "Run a command",
+                "parameters": {"type": "object", "properties": {"command": {"type": "array"}}}},
+               {"type": "custom", "name": "apply_patch", "description": "Edit files with a patch",
+                "format": {"type": "grammar", "syntax": "lark", "definition": "start: /.+/s"}},
+               {"type": "web_search"}]
+
+
+def test_codex_tools_custom_apply_patch_and_hosted_ones(tiny_pair, source):
+    """What Codex CLI sends: a function tool, apply_patch as a custom (freeform) tool, a hosted web_search. The custom
+    tool reaches the model as a one-string function and its call comes back as a custom_tool_call with the raw
+    patch; the hosted tool is not offered; the call and its output go back as the next turn's history."""
+    async def scenario():
+        async with scripted_stack(tiny_pair) as (script, g):
+            client = openai.AsyncOpenAI(base_url=f"{g.url}/v1", api_key="none", max_retries=0, timeout=30)
+            script.answer = ("<tool_call>\n<function=apply_patch>\n<parameter=input>\n" + PATCH +
+                             "\n</parameter>\n</function>\n</tool_call>")
+            r = await client.responses.create(model="scripted", input="Write hello.txt", tools=CODEX_TOOLS,
+                                              store=False, reasoning={"effort": "medium"})
+            (call,) = r.output
+            assert call.type == "custom_tool_call" and call.name == "apply_patch" and call.input == PATCH
+            async with client.responses.stream(model="scripted", input="Write hello.txt", tools=CODEX_TOOLS) as st:
+                events = [e async for e in st]
+            assert [e.input for e in events if e.type == "response.custom_tool_call_input.done"] == [PATCH]
+            assert events[-1].response.output[0].input == PATCH
+            script.answer = "Done."
+            follow = [{"role": "user", "content": "Write hello.txt"},
+                      {"type": "custom_tool_call", "call_id": call.call_id, "name": "apply_patch", "input": PATCH},
+                      {"type": "custom_tool_call_output", "call_id": call.call_id, "output": "Success. Updated 1 file"}]
+            r = await client.responses.create(model="scripted", input=follow, tools=CODEX_TOOLS)
+            assert r.output_text == "Done."
+            history = source.tokenizer.decode(script.requests[-1].prompt_ids)
+            assert "Success. Updated 1 file" in history and "Write hello.txt" in history
+    run(scenario())
+    # what the template gets: the function tool, apply_patch as a one-string function naming its grammar, no
+    # web_search (the tiny model's ChatML template does not render tools, so this is read off the translation)
+    tools, parse = rapi.to_tools({"tools": CODEX_TOOLS})
+    assert parse and [t["function"]["name"] for t in tools] == ["shell", "apply_patch"]
+    patch = tools[1]["function"]
+    assert patch["parameters"]["properties"] == {"input": {"type": "string"}} and "start: /.+/s" in \
+        patch["description"]

@@ -368,7 +368,7 @@ async def responses(request: web.Request) -> web.StreamResponse:
     created = rapi.now()
     if stream:
         return await _responses_stream(request, core, req, body, tools, created)
-    items = rapi.OutputAssembler()
+    items = rapi.OutputAssembler(rapi.custom_tool_names(body))
     async with core.open(req) as gen:
         while not isinstance(ev := await gen.next(), Outcome):
             items.add(ev.reasoning, ev.content, ev.tool_calls)
@@ -395,7 +395,7 @@ async def _responses_stream(request: web.Request, core: GatewayCore, req: Genera
             started = rapi.response(req.request_id, created, req.model, body, [], None, tools)
             await resp.write(event({"type": "response.created", "response": started}))
             await resp.write(event({"type": "response.in_progress", "response": started}))
-            items = rapi.OutputAssembler()
+            items = rapi.OutputAssembler(rapi.custom_tool_names(body))
             ev = first
             while True:
                 if ev is None:

@@ -6,11 +6,18 @@ Nothing is stored: a request carries its whole conversation in `input` (Codex se
 developer messages first, `function_call` items as the assistant's tool calls, `function_call_output` items as tool
 messages); the answer comes back as output items in the order the model wrote them: `reasoning`, `message`
 (`output_text`), and a `function_call` per parsed `<tool_call>`.
+
+Custom (freeform) tools, which Codex declares its `apply_patch` as, reach the model as function tools of one string
+parameter `input` (their grammar quoted in the description), and a call of one comes back as a `custom_tool_call`
+with that raw input; `custom_tool_call` / `custom_tool_call_output` items in `input` go back the same way. Hosted
+tools (web_search, file_search, ...) run on OpenAI's servers: a local model cannot call them, so they are not offered
+to it (logged), which is what llama.cpp's server does too.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import time
 import uuid
 from typing import Any
@@ -22,6 +29,8 @@ from .core import Outcome
 from .errors import invalid
 from .openai_api import opt_bool, opt_number, text_parts
 from .toolcalls import ToolCall, check_tool_choice, check_tools
+
+log = logging.getLogger("specsplit.gateway")
 
 _UNHONOURED = {
     "previous_response_id": "stored responses (nothing is stored: send the whole conversation in input)",
@@ -66,13 +75,18 @@ def to_chat_messages(body: dict) -> list[dict]:
                 raise invalid(f"input[{i}].role must be user, assistant, system or developer", "input")
             out.append({"role": "system" if role == "developer" else role,
                         "content": _text(it.get("content", ""), f"input[{i}]")})
-        elif kind == "function_call":
-            if not isinstance(it.get("name"), str) or not isinstance(it.get("arguments", "{}"), str):
-                raise invalid(f"input[{i}]: a function_call needs a name and its arguments as JSON text", "input")
-            try:
-                args = json.loads(it.get("arguments") or "{}")
-            except ValueError:
-                raise invalid(f"input[{i}].arguments is not JSON", "input") from None
+        elif kind in ("function_call", "custom_tool_call"):
+            if not isinstance(it.get("name"), str):
+                raise invalid(f"input[{i}]: a {kind} needs a name", "input")
+            if kind == "custom_tool_call":      # a custom tool's raw input, as its function form's one parameter
+                args = {CUSTOM_INPUT: str(it.get("input", ""))}
+            else:
+                if not isinstance(it.get("arguments", "{}"), str):
+                    raise invalid(f"input[{i}]: a function_call's arguments must be JSON text", "input")
+                try:
+                    args = json.loads(it.get("arguments") or "{}")
+                except ValueError:
+                    raise invalid(f"input[{i}].arguments is not JSON", "input") from None
             call = {"id": str(it.get("call_id", "")), "type": "function",
                     "function": {"name": it["name"], "arguments": args}}
             last = out[-1] if out else None
@@ -80,7 +94,7 @@ def to_chat_messages(body: dict) -> list[dict]:
                 last.setdefault("tool_calls", []).append(call)
             else:
                 out.append({"role": "assistant", "content": "", "tool_calls": [call]})
-        elif kind == "function_call_output":
+        elif kind in ("function_call_output", "custom_tool_call_output"):
             output = it.get("output", "")
             out.append({"role": "tool", "tool_call_id": str(it.get("call_id", "")),
                         "content": _text(output, f"input[{i}].output")})
@@ -92,25 +106,55 @@ def to_chat_messages(body: dict) -> list[dict]:
     return out
 
 
+CUSTOM_INPUT = "input"      # the one parameter a custom tool's function form takes
+
+
+def custom_tool_names(body: dict) -> frozenset[str]:
+    """The request's custom (freeform) tools: a call of one is answered as a custom_tool_call."""
+    return frozenset(t["name"] for t in body.get("tools") or () if isinstance(t, dict) and t.get("type") == "custom"
+                     and isinstance(t.get("name"), str))
+
+
+def _custom_as_function(t: dict) -> dict:
+    fmt = t.get("format") or {}
+    grammar = fmt.get("definition") if isinstance(fmt, dict) and fmt.get("type") == "grammar" else None
+    desc = (t.get("description") or "").strip()
+    desc += ("\n\nPass the raw input as the string parameter `input`, not as JSON" +
+             (f"; it follows this {fmt.get('syntax', '')} grammar:\n{grammar}" if grammar else "."))
+    return {"name": t["name"], "description": desc.strip(),
+            "parameters": {"type": "object", "properties": {CUSTOM_INPUT: {"type": "string"}},
+                           "required": [CUSTOM_INPUT]}}
+
+
 def to_tools(body: dict) -> tuple[list[dict] | None, bool]:
-    """Responses tools ({type: function, name, description, parameters}) as chat function tools, and whether the
-    answer is searched for calls (tool_choice as on chat: auto or none; a forced call is a 400)."""
+    """Responses tools as chat function tools (function tools as they are, custom ones as one-string-parameter
+    functions; hosted tools left out: see the module's doc), and whether the answer is searched for calls
+    (tool_choice as on chat: auto or none; a forced call is a 400)."""
     tools = body.get("tools")
-    if tools is None or tools == []:
+    if tools is not None and not isinstance(tools, list):
+        raise invalid("'tools' must be an array", "tools")
+    out, hosted = [], []
+    for i, t in enumerate(tools or ()):
+        kind = t.get("type") if isinstance(t, dict) else None
+        if kind == "function":
+            out.append({"type": "function", "function": {k: t[k] for k in ("name", "description", "parameters")
+                                                         if k in t}})
+        elif kind == "custom":
+            if not isinstance(t.get("name"), str) or not t["name"]:
+                raise invalid(f"tools[{i}]: a custom tool needs a name", "tools")
+            out.append({"type": "function", "function": _custom_as_function(t)})
+        elif isinstance(kind, str):
+            hosted.append(kind)
+        else:
+            raise invalid(f"tools[{i}] must be an object with a type", "tools")
+    if hosted:
+        log.info("responses: hosted tools %s are not offered to the local model", ", ".join(sorted(set(hosted))))
+    if not out:
         check_tool_choice(body.get("tool_choice") if body.get("tool_choice") != "auto" else None, None)
         return None, False
-    if not isinstance(tools, list):
-        raise invalid("'tools' must be an array", "tools")
-    out = []
-    for i, t in enumerate(tools):
-        if not isinstance(t, dict) or t.get("type") != "function":
-            kind = t.get("type") if isinstance(t, dict) else t
-            raise invalid(f"tools[{i}]: tool type {kind!r} is not supported (function tools only)", "tools")
-        out.append({"type": "function", "function": {k: t[k] for k in ("name", "description", "parameters")
-                                                     if k in t}})
     out = check_tools(out)
     choice = body.get("tool_choice")
-    if isinstance(choice, dict) and choice.get("type") == "function":
+    if isinstance(choice, dict) and choice.get("type") in ("function", "custom"):
         choice = {"type": "function", "function": {"name": choice.get("name")}}
     return out, check_tool_choice(choice, out)
 
@@ -171,10 +215,11 @@ def response(rid: str, created: int, model: str, body: dict, output: list[dict],
 
 class OutputAssembler:
     """An answer's Deltas as Responses output items in order: consecutive reasoning, or text, is one item; each
-    tool call an item of its own; whitespace alone opens no message. add() returns the stream events (without
-    sequence numbers) it makes; items holds the whole answer."""
+    tool call an item of its own (a custom tool's as a custom_tool_call); whitespace alone opens no message. add()
+    returns the stream events (without sequence numbers) it makes; items holds the whole answer."""
 
-    def __init__(self) -> None:
+    def __init__(self, custom: frozenset[str] = frozenset()) -> None:
+        self.custom = custom
         self.items: list[dict] = []
         self._open: str | None = None
         self._space = ""
@@ -200,6 +245,9 @@ class OutputAssembler:
         for call in calls:
             self._space = ""
             events += self._close()
+            if call.name in self.custom:
+                events += self._custom_call(call)
+                continue
             item = {"type": "function_call", "id": _id("fc"), "call_id": call.id, "name": call.name,
                     "arguments": call.arguments, "status": "completed"}
             self.items.append(item)
@@ -214,6 +262,20 @@ class OutputAssembler:
 
     def finish(self) -> list[dict]:
         return self._close()
+
+    def _custom_call(self, call: ToolCall) -> list[dict]:
+        args = json.loads(call.arguments)
+        raw = args[CUSTOM_INPUT] if set(args) == {CUSTOM_INPUT} and isinstance(args[CUSTOM_INPUT], str) else \
+            call.arguments      # not the one string parameter: the arguments as the model wrote them
+        item = {"type": "custom_tool_call", "id": _id("ctc"), "call_id": call.id, "name": call.name, "input": raw,
+                "status": "completed"}
+        self.items.append(item)
+        where = self._where()
+        return [{"type": "response.output_item.added", "output_index": where["output_index"],
+                 "item": {**item, "input": "", "status": "in_progress"}},
+                {"type": "response.custom_tool_call_input.delta", **where, "delta": raw},
+                {"type": "response.custom_tool_call_input.done", **where, "input": raw},
+                {"type": "response.output_item.done", "output_index": where["output_index"], "item": item}]
 
     def _where(self) -> dict:
         return {"item_id": self.items[-1]["id"], "output_index": len(self.items) - 1}
