@@ -76,8 +76,10 @@ def test_tool_use_blocks_and_a_tool_result_turn(tiny_pair, source):
             client = anthropic.AsyncAnthropic(base_url=g.url, api_key="none", max_retries=0, timeout=30)
             msgs = [{"role": "user", "content": "Weather in Paris?"}]
             script.answer = XML_ANSWER
+            # a server tool beside them (Claude Code may offer web search): not offered to the local model
             r = await client.messages.create(model="scripted", max_tokens=200, messages=msgs,
-                                             tools=ANTHROPIC_TOOLS)
+                                             tools=ANTHROPIC_TOOLS + [{"type": "web_search_20250305",
+                                                                       "name": "web_search", "max_uses": 2}])
             assert r.stop_reason == "tool_use"
             assert [b.type for b in r.content] == ["text", "tool_use"]
             assert r.content[0].text == "Let me look that up.\n\n"

@@ -10,6 +10,7 @@ model wrote them (thinking, text, tool_use); `thinking` absent or disabled rende
 from __future__ import annotations
 
 import json
+import logging
 import uuid
 from typing import Any
 
@@ -20,6 +21,8 @@ from .core import Outcome
 from .errors import APIError, invalid
 from .openai_api import MAX_STOP, opt_bool, opt_number, text_parts
 from .toolcalls import ToolCall
+
+log = logging.getLogger("specsplit.gateway")
 
 # Anthropic's error types by HTTP status (docs.anthropic.com "Errors")
 _ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
@@ -97,23 +100,28 @@ def to_chat_messages(body: dict) -> list[dict]:
 
 def to_tools(body: dict) -> tuple[list[dict] | None, bool]:
     """Anthropic tools ({name, description, input_schema}) as OpenAI function tools, and whether the answer is
-    searched for calls (tool_choice auto, the default; none: no). Forcing a call (any, tool) is a 400."""
+    searched for calls (tool_choice auto, the default; none: no). Forcing a call (any, tool) is a 400. Server tools
+    (web_search_..., code_execution_...) run on Anthropic's servers: a local model cannot call them, so they are not
+    offered to it (logged), as on the Responses API."""
     tools = body.get("tools")
     if tools is None:
         return None, False
     if not isinstance(tools, list):
         raise invalid("'tools' must be an array", "tools")
-    out = []
+    out, server = [], []
     for i, t in enumerate(tools):
         if not isinstance(t, dict) or not isinstance(t.get("name"), str) or not t["name"]:
             raise invalid(f"tools[{i}] needs a name", "tools")
         if t.get("type") not in (None, "custom"):
-            raise invalid(f"tools[{i}]: server tool {t.get('type')!r} is not supported (only custom tools)", "tools")
+            server.append(str(t["type"]))
+            continue
         schema = t.get("input_schema", {"type": "object", "properties": {}})
         if not isinstance(schema, dict):
             raise invalid(f"tools[{i}].input_schema must be a JSON schema object", "tools")
         out.append({"type": "function", "function": {"name": t["name"], "description": t.get("description", ""),
                                                       "parameters": schema}})
+    if server:
+        log.info("messages: server tools %s are not offered to the local model", ", ".join(sorted(set(server))))
     choice = body.get("tool_choice")
     kind = choice.get("type") if isinstance(choice, dict) else choice
     if kind in (None, "auto"):
