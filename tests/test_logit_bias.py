@@ -49,6 +49,15 @@ def test_greedy_and_speculative_decoding_under_a_bias(target_path):
             assert res.token_ids == want and res.spec["steps"] > 0
 
 
+def test_a_bias_outside_the_vocabulary_is_refused(target_path):
+    target = load_target(target_path, with_tokenizer=False).model
+    for stream in (lambda p: generate(target, [1, 2], 2, p),
+                   lambda p: next(speculative_stream(target, None, [1, 2], 2, p))):
+        with pytest.raises(InvalidRequestError) as e:
+            stream(SamplingParams(logit_bias=((target.cfg.n_vocab, 1.0),)))
+        assert e.value.param == "logit_bias"
+
+
 def test_bad_biases_are_refused():
     assert normalize_logit_bias({"10": 1, "3": -2.5, "4": 0}) == ((3, -2.5), (10, 1.0))
     for bad in ({"x": 1}, {"1.5": 1}, {"2": "a"}, {"2": True}):

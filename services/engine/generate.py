@@ -48,9 +48,10 @@ class GenerationResult:
 
 
 def check_request(model: TargetModel, prompt_ids: Sequence[int], max_tokens: int, max_ctx: int,
-                  scoring: bool = False) -> None:
+                  scoring: bool = False, params: SamplingParams | None = None) -> None:
     """Raise for a request the engine cannot run. scoring: the prompt's log-probabilities are asked for, so
-    max_tokens 0 (score the prompt, generate nothing) is a request too."""
+    max_tokens 0 (score the prompt, generate nothing) is a request too. params: their logit bias must name tokens
+    of the model's vocabulary."""
     if len(prompt_ids) == 0:
         raise InvalidRequestError("the prompt is empty", param="prompt")
     if max_tokens < (0 if scoring else 1):
@@ -59,6 +60,10 @@ def check_request(model: TargetModel, prompt_ids: Sequence[int], max_tokens: int
     if bad:
         raise InvalidRequestError(f"prompt token id {bad[0]} outside the vocabulary (0..{model.cfg.n_vocab - 1})",
                                   param="prompt")
+    bad = [i for i, _ in params.logit_bias if i >= model.cfg.n_vocab] if params is not None else []
+    if bad:
+        raise InvalidRequestError(f"logit_bias token id {bad[0]} outside the vocabulary (0..{model.cfg.n_vocab - 1})",
+                                  param="logit_bias")
     if len(prompt_ids) >= max_ctx:
         raise ContextOverflowError(len(prompt_ids) + 1, max_ctx)
 
@@ -121,7 +126,7 @@ def generate_stream(model: TargetModel, prompt_ids: Sequence[int], max_tokens: i
     top_logprobs = check_top_logprobs(top_logprobs)
     prompt_logprobs = check_top_logprobs(prompt_logprobs, "prompt_logprobs")
     max_ctx = max_ctx or model.cfg.context_length
-    check_request(model, prompt_ids, max_tokens, max_ctx, scoring=prompt_logprobs is not None)
+    check_request(model, prompt_ids, max_tokens, max_ctx, scoring=prompt_logprobs is not None, params=params)
     res = result if result is not None else GenerationResult()
     res.prompt_tokens = len(prompt_ids)
     res.logprobs = [] if top_logprobs is not None else None

@@ -177,11 +177,11 @@ def normalize_logit_bias(bias: Any) -> tuple[tuple[int, float], ...]:
     items = bias.items() if isinstance(bias, dict) else (bias or ())
     out = {}
     for k, v in items:
-        try:
-            key = int(k) if not isinstance(k, bool) else None
-        except (TypeError, ValueError):
-            key = None
-        if key is None or (isinstance(k, str) and not k.strip().lstrip("-").isdigit()):
+        if isinstance(k, str) and k.strip().lstrip("-").isdigit():
+            key = int(k)
+        elif isinstance(k, (int, np.integer)) and not isinstance(k, bool):
+            key = int(k)
+        else:
             raise InvalidRequestError(f"logit_bias keys must be token ids, got {k!r}", param="logit_bias")
         if isinstance(v, bool) or not isinstance(v, (int, float)):
             raise InvalidRequestError(f"logit_bias values must be numbers, got {v!r}", param="logit_bias")

@@ -256,7 +256,7 @@ def speculative_stream(target: TargetModel, proposer: Proposer | None, prompt_id
     top_logprobs = check_top_logprobs(top_logprobs)
     prompt_logprobs = check_top_logprobs(prompt_logprobs, "prompt_logprobs")
     max_ctx = max_ctx or target.cfg.context_length
-    check_request(target, prompt_ids, max_tokens, max_ctx, scoring=prompt_logprobs is not None)
+    check_request(target, prompt_ids, max_tokens, max_ctx, scoring=prompt_logprobs is not None, params=params)
     res = result if result is not None else GenerationResult()
     res.prompt_tokens = len(prompt_ids)
     res.logprobs = [] if top_logprobs is not None else None

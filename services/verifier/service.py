@@ -523,12 +523,8 @@ class VerifierServicer(pb_grpc.VerifierServicer):
         # fields the client left unset: the model file's declared sampling (GGUF general.sampling.*)
         params = sampling_from_pb(s, self.target.sampling_defaults).validate()
         check_request(self.target.model, request.prompt_ids, request.max_tokens, self.max_ctx,
-                      scoring=prompt_logprobs is not None)
+                      scoring=prompt_logprobs is not None, params=params)
         n_vocab = self.target.cfg.n_vocab
-        bad = [i for i, _ in params.logit_bias if i >= n_vocab]
-        if bad:
-            raise InvalidRequestError(f"logit_bias token id {bad[0]} outside the vocabulary (0..{n_vocab - 1})",
-                                      param="logit_bias")
         bad = [t for t in request.stop_ids if not 0 <= t < n_vocab]
         if bad:
             raise InvalidRequestError(f"stop id {bad[0]} outside the vocabulary (0..{n_vocab - 1})",
