@@ -14,12 +14,11 @@ import grpc
 
 from services import telemetry
 from services.engine.errors import InvalidRequestError
-from services.engine.logprobs import check_top_logprobs
 from services.wire import pb, pb_grpc, sampling_fields_set, sampling_from_pb
 
 from .core import Delta, GatewayCore, GenerationRequest, Outcome
 from .errors import APIError, invalid
-from .openai_api import MAX_STOP, new_id
+from .openai_api import MAX_STOP, new_id, parse_top_logprobs
 
 _FINISH = {"stop": pb.FINISH_REASON_STOP, "length": pb.FINISH_REASON_LENGTH}
 ENDPOINT = "grpc:Generate"
@@ -51,10 +50,7 @@ class GatewayServicer(pb_grpc.GatewayServicer):
             sampling = sampling_from_pb(s).validate()
         except InvalidRequestError as e:
             raise invalid(str(e), e.param) from None
-        try:
-            top_logprobs = check_top_logprobs(request.top_logprobs if request.HasField("top_logprobs") else None)
-        except InvalidRequestError as e:
-            raise invalid(str(e), e.param) from None
+        top_logprobs = parse_top_logprobs(request.top_logprobs if request.HasField("top_logprobs") else None)
         if len(request.stop) > MAX_STOP:
             raise invalid(f"stop takes at most {MAX_STOP} sequences, got {len(request.stop)}", "stop")
         which = request.WhichOneof("input")

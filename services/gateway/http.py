@@ -19,7 +19,7 @@ import dataclasses
 import json
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 from aiohttp import web
@@ -203,18 +203,11 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
         raise invalid(f"chat_template_kwargs may not set {', '.join(reserved)}", "chat_template_kwargs")
     tools = check_tools(body.get("tools"))
     parse_calls = check_tool_choice(body.get("tool_choice"), tools)
-    prompt_text = core.render_chat(arguments_as_objects(messages), tools, kwargs)
-    prompt_ids = core.encode(prompt_text, add_special=False)
-    core.check_prompt(prompt_ids, param="messages")
-    split = core.think_ids is not None
-    req = GenerationRequest(request_id=new_id("chatcmpl"), operation="chat", endpoint="/v1/chat/completions",
-                            model=model, prompt_ids=prompt_ids, max_tokens=params.max_tokens,
-                            sampling=params.sampling, sampling_set=params.sampling_set, stop=params.stop,
-                            split_reasoning=split,
-                            in_reasoning=split and prompt_opens_thinking(prompt_text), timeout=params.timeout,
-                            ignore_eos=params.ignore_eos, top_logprobs=top_logprobs,
-                            tools=tools if parse_calls else None, arrived=arrived,
-                            trace_context=_trace_context(request))
+    req = _chat_request(core, request, arrived, new_id("chatcmpl"), "/v1/chat/completions", model,
+                        arguments_as_objects(messages), tools, parse_calls, kwargs, "messages",
+                        max_tokens=params.max_tokens, sampling=params.sampling, sampling_set=params.sampling_set,
+                        stop=params.stop, timeout=params.timeout, ignore_eos=params.ignore_eos,
+                        top_logprobs=top_logprobs)
     reqs = _choices(req, params.n)
     if params.stream:
         return await _stream(request, core, reqs, chat=True, include_usage=params.include_usage)
@@ -265,9 +258,9 @@ async def completions(request: web.Request) -> web.StreamResponse:
 def _chat_request(core: GatewayCore, request: web.Request, arrived: float, rid: str, endpoint: str, model: str,
                   messages: list[dict], tools: list[dict] | None, parse_calls: bool, template_kwargs: dict,
                   param: str, **fields: Any) -> GenerationRequest:
-    """A chat generation from the messages another API's request became (Anthropic's, the Responses API's): the
-    template rendered, the prompt checked (blamed on `param`), reasoning split, tool calls parsed when asked;
-    `fields`: the GenerationRequest's sampling ones."""
+    """A chat generation from a request's messages (OpenAI chat's, or what an Anthropic or Responses request
+    became): the template rendered, the prompt checked (blamed on `param`), reasoning split, tool calls parsed when
+    asked; `fields`: the GenerationRequest's sampling and limit ones."""
     prompt_text = core.render_chat(messages, tools, template_kwargs)
     prompt_ids = core.encode(prompt_text, add_special=False)
     core.check_prompt(prompt_ids, param=param)
@@ -319,6 +312,16 @@ def _event(obj: dict) -> bytes:
             json.dumps(obj, separators=(",", ":"), ensure_ascii=False).encode() + b"\n\n")
 
 
+async def _until_outcome(gen: Generation, first: Any, ping: float) -> AsyncIterator[Any]:
+    """A generation's events from its first one to its Outcome; None where a ping interval passed without one."""
+    ev = first
+    while True:
+        yield ev
+        if isinstance(ev, Outcome):
+            return
+        ev = await gen.next(timeout=ping or None)
+
+
 async def _anthropic_stream(request: web.Request, core: GatewayCore, req: GenerationRequest) -> web.StreamResponse:
     """message_start, each block's start / deltas / stop, message_delta (stop reason, usage), message_stop; ping
     events while nothing else is due; an error after the headers is an `error` event."""
@@ -333,8 +336,7 @@ async def _anthropic_stream(request: web.Request, core: GatewayCore, req: Genera
                 "stop_reason": None, "stop_sequence": None,
                 "usage": {"input_tokens": len(req.prompt_ids), "output_tokens": 0}}}))
             blocks = anth.BlockAssembler()
-            ev = first
-            while True:
+            async for ev in _until_outcome(gen, first, ping):
                 if ev is None:
                     await resp.write(_event({"type": "ping"}))
                 elif isinstance(ev, Delta):
@@ -348,8 +350,6 @@ async def _anthropic_stream(request: web.Request, core: GatewayCore, req: Genera
                                              "delta": {"stop_reason": reason, "stop_sequence": stop_seq},
                                              "usage": {"output_tokens": ev.completion_tokens}}))
                     await resp.write(_event({"type": "message_stop"}))
-                    return
-                ev = await gen.next(timeout=ping or None)
 
         return await _run_stream(request, resp, req.request_id, body, lambda e: _event(anth.error_body(e)))
 
@@ -396,8 +396,7 @@ async def _responses_stream(request: web.Request, core: GatewayCore, req: Genera
             await resp.write(event({"type": "response.created", "response": started}))
             await resp.write(event({"type": "response.in_progress", "response": started}))
             items = rapi.OutputAssembler(rapi.custom_tool_names(body))
-            ev = first
-            while True:
+            async for ev in _until_outcome(gen, first, ping):
                 if ev is None:
                     await resp.write(b": ping\n\n")
                 elif isinstance(ev, Delta):
@@ -409,8 +408,6 @@ async def _responses_stream(request: web.Request, core: GatewayCore, req: Genera
                     done = rapi.response(req.request_id, created, req.model, body, items.items, ev, tools)
                     await resp.write(event({"type": "response.incomplete" if done["status"] == "incomplete"
                                             else "response.completed", "response": done}))
-                    return
-                ev = await gen.next(timeout=ping or None)
 
         return await _run_stream(request, resp, req.request_id, events, lambda e: event(
             {"type": "error", "code": e.type, "message": e.message, "param": e.param}))
@@ -421,11 +418,10 @@ def _choices(req: GenerationRequest, n: int) -> list[GenerationRequest]:
     (llama.cpp's rule), else with its own random seed; request ids `<id>`, `<id>.1`, ..."""
     out = [req]
     for i in range(1, n):
-        sampling, fields = req.sampling, req.sampling_set
+        sampling = req.sampling
         if sampling.seed is not None:
             sampling = dataclasses.replace(sampling, seed=sampling.seed + i)
-        out.append(dataclasses.replace(req, request_id=f"{req.request_id}.{i}", sampling=sampling,
-                                       sampling_set=fields))
+        out.append(dataclasses.replace(req, request_id=f"{req.request_id}.{i}", sampling=sampling))
     return out
 
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from services.engine.errors import InvalidRequestError
-from services.engine.logprobs import MAX_TOP_LOGPROBS, TokenLogprob
+from services.engine.logprobs import TokenLogprob, check_top_logprobs
 from services.engine.sampling import SamplingParams, normalize_logit_bias
 
 from .core import Outcome
@@ -226,25 +226,26 @@ def parse_chat_echo(body: dict) -> None:
         raise invalid("'echo' is a /v1/completions field (the prompt's text and log-probabilities)", "echo")
 
 
+def parse_top_logprobs(n: int | None, param: str = "top_logprobs") -> int | None:
+    """None or a count of alternatives 0..20 (logprobs.check_top_logprobs), else a 400 naming `param`."""
+    try:
+        return check_top_logprobs(n, param)
+    except InvalidRequestError as e:
+        raise invalid(str(e), e.param) from None
+
+
 def parse_chat_logprobs(body: dict) -> int | None:
     """Chat's `logprobs` (bool) and `top_logprobs` (0..20, needs logprobs): None, or how many alternatives."""
     on = opt_bool(body, "logprobs")
-    top = opt_int(body, "top_logprobs")
+    top = parse_top_logprobs(opt_int(body, "top_logprobs"))
     if top is not None and not on:
         raise invalid("'top_logprobs' needs 'logprobs' set to true", "top_logprobs")
-    if top is not None and top > MAX_TOP_LOGPROBS:
-        raise invalid(f"'top_logprobs' must be in 0..{MAX_TOP_LOGPROBS}, got {top}", "top_logprobs")
-    if top is not None and top < 0:
-        raise invalid(f"'top_logprobs' must be in 0..{MAX_TOP_LOGPROBS}, got {top}", "top_logprobs")
     return (top or 0) if on else None
 
 
 def parse_completion_logprobs(body: dict) -> int | None:
     """Completions' `logprobs`: None, or an integer 0..20 (alternatives a token; the sampled one is listed too)."""
-    n = opt_int(body, "logprobs")
-    if n is not None and not 0 <= n <= MAX_TOP_LOGPROBS:
-        raise invalid(f"'logprobs' must be an integer in 0..{MAX_TOP_LOGPROBS}, got {n}", "logprobs")
-    return n
+    return parse_top_logprobs(opt_int(body, "logprobs"), "logprobs")
 
 
 def parse_messages(body: dict) -> list[dict]:

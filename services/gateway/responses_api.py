@@ -150,7 +150,7 @@ def to_tools(body: dict) -> tuple[list[dict] | None, bool]:
     if hosted:
         log.info("responses: hosted tools %s are not offered to the local model", ", ".join(sorted(set(hosted))))
     if not out:
-        check_tool_choice(body.get("tool_choice") if body.get("tool_choice") != "auto" else None, None)
+        check_tool_choice(body.get("tool_choice"), None)       # refuses a forced call, as with tools
         return None, False
     out = check_tools(out)
     choice = body.get("tool_choice")
