@@ -328,10 +328,8 @@ def _spec_loop(target: TargetModel, proposer: Proposer | None, prompt_ids: Seque
 
     history = list(prompt_ids) if params.penalized else None   # what repetition penalties look back on
 
-    lp_n = top_logprobs
-
     def logprobs(logits, rows: Sequence[int], tokens: Sequence[int]) -> list[TokenLogprob] | None:
-        return None if lp_n is None else row_logprobs(logits, rows, tokens, lp_n)
+        return None if top_logprobs is None else row_logprobs(logits, rows, tokens, top_logprobs)
 
     def emit(tokens: list[int], lps: list[TokenLogprob] | None = None) -> tuple[list[int], bool]:
         """Append tokens (and their log-probabilities, when asked) to the result up to a stop id or max_tokens;
@@ -407,8 +405,9 @@ def _spec_loop(target: TargetModel, proposer: Proposer | None, prompt_ids: Seque
             # a drafter service says how long its own draft took (DrafterClient); in process there is no exchange
             drafter_ms = getattr(proposer, "last_draft_ms", None) if proposer is not None else None
         if proposer is None:    # no drafter (any more): the rest is plain decoding (a GPU target runs it ahead)
-            lps: list[TokenLogprob] | None = [] if lp_n is not None else None
-            rest = plain_tokens(target, state, root, max_tokens - len(res.token_ids), params, rng, history, lp_n, lps)
+            lps: list[TokenLogprob] | None = [] if top_logprobs is not None else None
+            rest = plain_tokens(target, state, root, max_tokens - len(res.token_ids), params, rng, history,
+                                top_logprobs, lps)
             try:
                 for root in rest:
                     chunk, done = emit([root], None if lps is None else [lps.pop(0)])
